@@ -1,0 +1,455 @@
+//! The request fingerprint (contract C4): what makes a retry "the same request".
+//!
+//! SHA-256 over, in order: the method, the path and the query string, each prefixed with its
+//! length as a big-endian u64, then a one-byte body tag and the body. Length prefixes make the
+//! encoding injective: no choice of path and query can imitate another pair
+//! (`/a` + `b=c` never hashes like `/ab` + `=c`).
+//!
+//! A JSON body (content type `application/json` or `application/*+json`) is canonicalised
+//! first: object members sorted by key (byte order of the decoded key), insignificant
+//! whitespace dropped, strings re-escaped in one canonical way (so `"\u0041"` equals `"A"`).
+//! Numbers are kept as written: parsing them into floats would make two different large numbers
+//! (or amounts such as `10.000000000000001` and `10.0`) the same request, and a false replay is
+//! the one mistake this crate must never make. For the same reason duplicate object keys are
+//! all kept, in their original relative order. Nesting deeper than [`MAX_JSON_DEPTH`], invalid
+//! UTF-8 or invalid JSON fall back to hashing the raw bytes, under a different tag, so the
+//! fingerprint is always defined and still deterministic.
+
+use std::borrow::Cow;
+use std::fmt;
+
+use sha2::{Digest, Sha256};
+
+/// Deepest JSON nesting that is canonicalised; deeper bodies are hashed as raw bytes. The parser
+/// recurses once per level, so this also bounds its stack use.
+pub const MAX_JSON_DEPTH: usize = 128;
+
+const TAG_RAW: u8 = b'R';
+const TAG_JSON: u8 = b'J';
+
+/// A SHA-256 request fingerprint.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Fingerprint(pub [u8; 32]);
+
+impl Fingerprint {
+    /// Fingerprint a request. `json` says whether the body is declared JSON (see
+    /// [`is_json_content_type`]).
+    pub fn of_request(method: &str, path: &str, query: &str, json: bool, body: &[u8]) -> Self {
+        let mut hasher = Sha256::new();
+        for part in [method, path, query] {
+            hasher.update((part.len() as u64).to_be_bytes());
+            hasher.update(part.as_bytes());
+        }
+        let canonical = if json { canonical_json(body) } else { None };
+        match canonical {
+            Some(canonical) => {
+                hasher.update([TAG_JSON]);
+                hasher.update(&canonical);
+            }
+            None => {
+                hasher.update([TAG_RAW]);
+                hasher.update(body);
+            }
+        }
+        Self(hasher.finalize().into())
+    }
+
+    /// The 32 bytes.
+    pub fn as_bytes(&self) -> &[u8; 32] {
+        &self.0
+    }
+
+    /// From stored bytes; `None` unless exactly 32 bytes.
+    pub fn from_slice(bytes: &[u8]) -> Option<Self> {
+        bytes.try_into().ok().map(Self)
+    }
+
+    /// Lower-case hex, for logs and the CLI.
+    pub fn to_hex(&self) -> String {
+        self.0.iter().map(|b| format!("{b:02x}")).collect()
+    }
+}
+
+impl fmt::Debug for Fingerprint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Fingerprint({})", self.to_hex())
+    }
+}
+
+/// `application/json` or any `application/*+json`, parameters ignored, case-insensitive.
+pub fn is_json_content_type(content_type: &str) -> bool {
+    let essence = content_type
+        .split(';')
+        .next()
+        .unwrap_or_default()
+        .trim()
+        .to_ascii_lowercase();
+    match essence.strip_prefix("application/") {
+        Some(sub) => sub == "json" || sub.ends_with("+json"),
+        None => false,
+    }
+}
+
+/// The canonical form of a JSON document, or `None` if `body` is not JSON this function can
+/// canonicalise (invalid UTF-8, invalid JSON, nested deeper than [`MAX_JSON_DEPTH`]).
+pub fn canonical_json(body: &[u8]) -> Option<Vec<u8>> {
+    let text = std::str::from_utf8(body).ok()?;
+    let mut parser = Parser { s: text.as_bytes(), text, pos: 0 };
+    let value = parser.value(0)?;
+    parser.skip_ws();
+    if parser.pos != parser.s.len() {
+        return None;
+    }
+    let mut out = Vec::with_capacity(body.len());
+    value.write(&mut out);
+    Some(out)
+}
+
+enum Value<'a> {
+    /// A number, `true`, `false` or `null`, exactly as written (already validated).
+    Atom(&'a str),
+    Str(Cow<'a, str>),
+    Array(Vec<Value<'a>>),
+    Object(Vec<(Cow<'a, str>, Value<'a>)>),
+}
+
+impl Value<'_> {
+    fn write(&self, out: &mut Vec<u8>) {
+        match self {
+            Value::Atom(a) => out.extend_from_slice(a.as_bytes()),
+            Value::Str(s) => write_string(s, out),
+            Value::Array(items) => {
+                out.push(b'[');
+                for (i, item) in items.iter().enumerate() {
+                    if i > 0 {
+                        out.push(b',');
+                    }
+                    item.write(out);
+                }
+                out.push(b']');
+            }
+            Value::Object(members) => {
+                let mut sorted: Vec<&(Cow<str>, Value)> = members.iter().collect();
+                // Stable: duplicate keys keep their original relative order.
+                sorted.sort_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
+                out.push(b'{');
+                for (i, (key, value)) in sorted.into_iter().enumerate() {
+                    if i > 0 {
+                        out.push(b',');
+                    }
+                    write_string(key, out);
+                    out.push(b':');
+                    value.write(out);
+                }
+                out.push(b'}');
+            }
+        }
+    }
+}
+
+fn write_string(s: &str, out: &mut Vec<u8>) {
+    out.push(b'"');
+    for ch in s.chars() {
+        match ch {
+            '"' => out.extend_from_slice(b"\\\""),
+            '\\' => out.extend_from_slice(b"\\\\"),
+            c if (c as u32) < 0x20 => out.extend_from_slice(format!("\\u{:04x}", c as u32).as_bytes()),
+            c => {
+                let mut buf = [0u8; 4];
+                out.extend_from_slice(c.encode_utf8(&mut buf).as_bytes());
+            }
+        }
+    }
+    out.push(b'"');
+}
+
+struct Parser<'a> {
+    s: &'a [u8],
+    text: &'a str,
+    pos: usize,
+}
+
+impl<'a> Parser<'a> {
+    fn skip_ws(&mut self) {
+        while let Some(b' ' | b'\t' | b'\n' | b'\r') = self.s.get(self.pos) {
+            self.pos += 1;
+        }
+    }
+
+    fn eat(&mut self, byte: u8) -> bool {
+        if self.s.get(self.pos) == Some(&byte) {
+            self.pos += 1;
+            true
+        } else {
+            false
+        }
+    }
+
+    fn value(&mut self, depth: usize) -> Option<Value<'a>> {
+        if depth > MAX_JSON_DEPTH {
+            return None;
+        }
+        self.skip_ws();
+        match *self.s.get(self.pos)? {
+            b'{' => {
+                self.pos += 1;
+                let mut members = Vec::new();
+                self.skip_ws();
+                if self.eat(b'}') {
+                    return Some(Value::Object(members));
+                }
+                loop {
+                    self.skip_ws();
+                    let key = self.string()?;
+                    self.skip_ws();
+                    if !self.eat(b':') {
+                        return None;
+                    }
+                    let value = self.value(depth + 1)?;
+                    members.push((key, value));
+                    self.skip_ws();
+                    if self.eat(b'}') {
+                        return Some(Value::Object(members));
+                    }
+                    if !self.eat(b',') {
+                        return None;
+                    }
+                }
+            }
+            b'[' => {
+                self.pos += 1;
+                let mut items = Vec::new();
+                self.skip_ws();
+                if self.eat(b']') {
+                    return Some(Value::Array(items));
+                }
+                loop {
+                    items.push(self.value(depth + 1)?);
+                    self.skip_ws();
+                    if self.eat(b']') {
+                        return Some(Value::Array(items));
+                    }
+                    if !self.eat(b',') {
+                        return None;
+                    }
+                }
+            }
+            b'"' => self.string().map(Value::Str),
+            b't' => self.literal("true"),
+            b'f' => self.literal("false"),
+            b'n' => self.literal("null"),
+            _ => self.number(),
+        }
+    }
+
+    fn literal(&mut self, word: &'static str) -> Option<Value<'a>> {
+        let end = self.pos + word.len();
+        if self.s.get(self.pos..end)? == word.as_bytes() {
+            let atom = &self.text[self.pos..end];
+            self.pos = end;
+            Some(Value::Atom(atom))
+        } else {
+            None
+        }
+    }
+
+    fn digits(&mut self) -> usize {
+        let start = self.pos;
+        while self.s.get(self.pos).is_some_and(u8::is_ascii_digit) {
+            self.pos += 1;
+        }
+        self.pos - start
+    }
+
+    /// `-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?`, kept as text.
+    fn number(&mut self) -> Option<Value<'a>> {
+        let start = self.pos;
+        self.eat(b'-');
+        match self.s.get(self.pos)? {
+            b'0' => self.pos += 1,
+            b'1'..=b'9' => {
+                self.digits();
+            }
+            _ => return None,
+        }
+        if self.eat(b'.') && self.digits() == 0 {
+            return None;
+        }
+        if self.eat(b'e') || self.eat(b'E') {
+            if !self.eat(b'+') {
+                self.eat(b'-');
+            }
+            if self.digits() == 0 {
+                return None;
+            }
+        }
+        Some(Value::Atom(&self.text[start..self.pos]))
+    }
+
+    fn string(&mut self) -> Option<Cow<'a, str>> {
+        if !self.eat(b'"') {
+            return None;
+        }
+        let start = self.pos;
+        // Fast path: no escapes, borrow the slice.
+        loop {
+            match *self.s.get(self.pos)? {
+                b'"' => {
+                    let s = &self.text[start..self.pos];
+                    self.pos += 1;
+                    return Some(Cow::Borrowed(s));
+                }
+                b'\\' => break,
+                c if c < 0x20 => return None,
+                _ => self.pos += 1,
+            }
+        }
+        let mut owned = String::from(&self.text[start..self.pos]);
+        loop {
+            match *self.s.get(self.pos)? {
+                b'"' => {
+                    self.pos += 1;
+                    return Some(Cow::Owned(owned));
+                }
+                b'\\' => {
+                    self.pos += 1;
+                    let escaped = match *self.s.get(self.pos)? {
+                        b'"' => '"',
+                        b'\\' => '\\',
+                        b'/' => '/',
+                        b'b' => '\u{8}',
+                        b'f' => '\u{c}',
+                        b'n' => '\n',
+                        b'r' => '\r',
+                        b't' => '\t',
+                        b'u' => {
+                            self.pos += 1;
+                            let high = self.hex4()?;
+                            let ch = if (0xD800..0xDC00).contains(&high) {
+                                if !(self.eat(b'\\') && self.eat(b'u')) {
+                                    return None;
+                                }
+                                let low = self.hex4()?;
+                                if !(0xDC00..0xE000).contains(&low) {
+                                    return None;
+                                }
+                                char::from_u32(0x10000 + ((high - 0xD800) << 10) + (low - 0xDC00))?
+                            } else {
+                                char::from_u32(high)?
+                            };
+                            owned.push(ch);
+                            continue;
+                        }
+                        _ => return None,
+                    };
+                    self.pos += 1;
+                    owned.push(escaped);
+                }
+                c if c < 0x20 => return None,
+                _ => {
+                    // Copy one whole UTF-8 character (the input is valid UTF-8).
+                    let ch = self.text[self.pos..].chars().next()?;
+                    owned.push(ch);
+                    self.pos += ch.len_utf8();
+                }
+            }
+        }
+    }
+
+    fn hex4(&mut self) -> Option<u32> {
+        let digits = self.text.get(self.pos..self.pos + 4)?;
+        let value = u32::from_str_radix(digits, 16).ok()?;
+        if !digits.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return None;
+        }
+        self.pos += 4;
+        Some(value)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn canon(s: &str) -> Option<String> {
+        canonical_json(s.as_bytes()).map(|v| String::from_utf8(v).unwrap())
+    }
+
+    #[test]
+    fn sorts_keys_recursively_and_drops_whitespace() {
+        assert_eq!(
+            canon(r#" { "b" : [ 1 , {"z":1,"a":2} ], "a" : null } "#).unwrap(),
+            r#"{"a":null,"b":[1,{"a":2,"z":1}]}"#
+        );
+    }
+
+    #[test]
+    fn strings_have_one_canonical_escape_form() {
+        assert_eq!(canon(r#""\u0041\/\n\ud83d\ude00""#).unwrap(), "\"A/\\u000a😀\"");
+        assert_eq!(canon(r#""A/\u000a😀""#), canon(r#""\u0041\/\n\ud83d\ude00""#));
+    }
+
+    #[test]
+    fn numbers_are_kept_as_written() {
+        assert_eq!(canon("[1.0, 1, 1e2, -0]").unwrap(), "[1.0,1,1e2,-0]");
+        let big_a = format!("{}1", "9".repeat(400));
+        let big_b = format!("{}2", "9".repeat(400));
+        assert_ne!(canon(&big_a), canon(&big_b));
+    }
+
+    #[test]
+    fn duplicate_keys_are_kept_in_order() {
+        assert_eq!(canon(r#"{"a":2,"b":0,"a":1}"#).unwrap(), r#"{"a":2,"a":1,"b":0}"#);
+        assert_ne!(canon(r#"{"a":2,"a":1}"#), canon(r#"{"a":1,"a":2}"#));
+    }
+
+    #[test]
+    fn rejects_what_is_not_json() {
+        for bad in [
+            "", "{", "[1,]", "01", "1.", "-", "\"\\x\"", "\"\\ud800\"", "tru", "{} {}", "\"a\u{1}\"",
+            "\"\\u12G4\"", "{\"a\" 1}", "[1 2]",
+        ] {
+            assert_eq!(canon(bad), None, "{bad:?}");
+        }
+        assert_eq!(canonical_json(&[b'"', 0xff, b'"']), None);
+    }
+
+    #[test]
+    fn depth_is_bounded_without_stack_overflow() {
+        let ok = format!("{}{}", "[".repeat(MAX_JSON_DEPTH), "]".repeat(MAX_JSON_DEPTH));
+        assert!(canon(&ok).is_some());
+        let deep = format!("{}{}", "[".repeat(100_000), "]".repeat(100_000));
+        assert_eq!(canon(&deep), None);
+    }
+
+    #[test]
+    fn fingerprint_separates_every_part_without_delimiter_ambiguity() {
+        let base = Fingerprint::of_request("POST", "/a", "b=c", false, b"x");
+        assert_ne!(base, Fingerprint::of_request("POST", "/ab", "=c", false, b"x"));
+        assert_ne!(base, Fingerprint::of_request("PATCH", "/a", "b=c", false, b"x"));
+        assert_ne!(base, Fingerprint::of_request("POST", "/a", "b=d", false, b"x"));
+        assert_ne!(base, Fingerprint::of_request("POST", "/a", "b=c", false, b"y"));
+        assert_eq!(base, Fingerprint::of_request("POST", "/a", "b=c", false, b"x"));
+    }
+
+    #[test]
+    fn json_key_order_does_not_matter_but_raw_bodies_are_exact() {
+        let a = Fingerprint::of_request("POST", "/p", "", true, br#"{"a":1,"b":2}"#);
+        let b = Fingerprint::of_request("POST", "/p", "", true, b"{\"b\":2,\n \"a\":1}");
+        assert_eq!(a, b);
+        let raw_a = Fingerprint::of_request("POST", "/p", "", false, br#"{"a":1,"b":2}"#);
+        let raw_b = Fingerprint::of_request("POST", "/p", "", false, br#"{"b":2,"a":1}"#);
+        assert_ne!(raw_a, raw_b);
+        // A raw body equal to a canonical form is still another request (different tag).
+        assert_ne!(a, raw_a);
+    }
+
+    #[test]
+    fn json_content_types() {
+        assert!(is_json_content_type("application/json"));
+        assert!(is_json_content_type("Application/JSON; charset=utf-8"));
+        assert!(is_json_content_type("application/merge-patch+json"));
+        assert!(!is_json_content_type("text/json-ish"));
+        assert!(!is_json_content_type("application/octet-stream"));
+    }
+}

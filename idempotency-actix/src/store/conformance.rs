@@ -1,0 +1,346 @@
+//! The store conformance suite: the rules of the [module docs](super) as executable checks.
+//!
+//! Every store in this crate runs it, and so can yours (feature `test-suite`):
+//!
+//! ```ignore
+//! #[tokio::test]
+//! async fn my_store_conforms() {
+//!     let store = MyStore::connect("...").await.unwrap();
+//!     idempotency_actix::store::conformance::run_all(&store).await;
+//! }
+//! ```
+//!
+//! Each check works in its own random tenant, so the suite can share a store (a database) with
+//! other tests and with itself. A violated rule panics with a message naming the rule.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures_util::future::join_all;
+
+use super::{
+    Fingerprint, IdempotencyStore, ReservationToken, ReserveOutcome, Scope, StoredResponse,
+    WriteOutcome,
+};
+
+const LEASE: Duration = Duration::from_secs(60);
+const TTL: Duration = Duration::from_secs(3600);
+/// Short enough to keep the suite quick, long enough for a database round trip to finish
+/// well inside it.
+const SHORT: Duration = Duration::from_millis(300);
+
+/// Run every check in sequence.
+pub async fn run_all<S: IdempotencyStore>(store: &S) {
+    first_reserve_wins_and_duplicates_see_in_flight(store).await;
+    complete_then_replay_returns_the_exact_response(store).await;
+    fenced_writes_reject_foreign_tokens(store).await;
+    release_frees_the_key(store).await;
+    expired_lease_is_taken_over_and_stale_holder_is_fenced(store).await;
+    expired_lease_with_other_fingerprint_is_not_taken_over(store).await;
+    expired_completed_record_is_absent(store).await;
+    concurrent_reservations_have_exactly_one_winner(store).await;
+    scopes_are_isolated_without_delimiter_collisions(store).await;
+    purge_deletes_only_expired_records(store).await;
+}
+
+fn scope_in(tenant: &str, key: &str) -> Scope {
+    Scope {
+        tenant: tenant.to_owned(),
+        method: "POST".into(),
+        path: "/conformance".into(),
+        key: key.to_owned(),
+    }
+}
+
+fn fresh_scope() -> Scope {
+    scope_in(&unique(), "key-1")
+}
+
+fn unique() -> String {
+    format!("conformance-{:?}", ReservationToken::random().as_uuid())
+}
+
+fn response(body: &'static [u8]) -> StoredResponse {
+    StoredResponse {
+        status: 201,
+        headers: vec![
+            ("content-type".into(), Bytes::from_static(b"application/octet-stream")),
+            ("x-binary".into(), Bytes::from_static(&[0x80, 0xff, b' ', b'a'])),
+            ("x-repeated".into(), Bytes::from_static(b"1")),
+            ("x-repeated".into(), Bytes::from_static(b"2")),
+        ],
+        body: Bytes::from_static(body),
+    }
+}
+
+const FP_A: Fingerprint = Fingerprint([0xAA; 32]);
+const FP_B: Fingerprint = Fingerprint([0xBB; 32]);
+
+async fn reserve<S: IdempotencyStore>(
+    store: &S,
+    scope: &Scope,
+    fp: &Fingerprint,
+    lease: Duration,
+) -> ReserveOutcome {
+    match store.reserve(scope, fp, lease).await {
+        Ok(outcome) => outcome,
+        Err(e) => panic!("reserve failed for {scope:?}: {e}"),
+    }
+}
+
+async fn reserved<S: IdempotencyStore>(
+    store: &S,
+    scope: &Scope,
+    fp: &Fingerprint,
+    lease: Duration,
+) -> ReservationToken {
+    match reserve(store, scope, fp, lease).await {
+        ReserveOutcome::Reserved { token } => token,
+        other => panic!("expected Reserved for {scope:?}, got {other:?}"),
+    }
+}
+
+async fn complete<S: IdempotencyStore>(
+    store: &S,
+    scope: &Scope,
+    token: &ReservationToken,
+    response: &StoredResponse,
+    ttl: Duration,
+) -> WriteOutcome {
+    match store.complete(scope, token, response, ttl).await {
+        Ok(outcome) => outcome,
+        Err(e) => panic!("complete failed for {scope:?}: {e}"),
+    }
+}
+
+async fn release<S: IdempotencyStore>(
+    store: &S,
+    scope: &Scope,
+    token: &ReservationToken,
+) -> WriteOutcome {
+    match store.release(scope, token).await {
+        Ok(outcome) => outcome,
+        Err(e) => panic!("release failed for {scope:?}: {e}"),
+    }
+}
+
+/// C5, C8: one reservation; a duplicate (same or other fingerprint) sees it in flight.
+pub async fn first_reserve_wins_and_duplicates_see_in_flight<S: IdempotencyStore>(store: &S) {
+    let scope = fresh_scope();
+    reserved(store, &scope, &FP_A, LEASE).await;
+    for fp in [FP_A, FP_B] {
+        match reserve(store, &scope, &fp, LEASE).await {
+            ReserveOutcome::InFlight {
+                fingerprint,
+                lease_remaining,
+            } => {
+                assert_eq!(fingerprint, FP_A, "InFlight must report the holder's fingerprint");
+                assert!(
+                    lease_remaining > Duration::from_secs(50) && lease_remaining <= LEASE,
+                    "lease_remaining {lease_remaining:?} should be close to the 60 s lease"
+                );
+            }
+            other => panic!("C8: a duplicate while in flight must see InFlight, got {other:?}"),
+        }
+    }
+}
+
+/// C6: the completed response comes back exactly (status, repeated and binary headers, body).
+pub async fn complete_then_replay_returns_the_exact_response<S: IdempotencyStore>(store: &S) {
+    let scope = fresh_scope();
+    let token = reserved(store, &scope, &FP_A, LEASE).await;
+    let stored = response(&[0, 159, 146, 150, 0xff, b'\n', 0]);
+    assert_eq!(complete(store, &scope, &token, &stored, TTL).await, WriteOutcome::Applied);
+    for fp in [FP_A, FP_B] {
+        match reserve(store, &scope, &fp, LEASE).await {
+            ReserveOutcome::Completed {
+                fingerprint,
+                response,
+            } => {
+                assert_eq!(fingerprint, FP_A, "Completed must report the original fingerprint");
+                assert_eq!(response, stored, "C6: the replay must be byte for byte");
+            }
+            other => panic!("C6: expected Completed, got {other:?}"),
+        }
+    }
+}
+
+/// C9: complete and release need the reservation's own token.
+pub async fn fenced_writes_reject_foreign_tokens<S: IdempotencyStore>(store: &S) {
+    let scope = fresh_scope();
+    let token = reserved(store, &scope, &FP_A, LEASE).await;
+    let foreign = ReservationToken::random();
+    assert_eq!(
+        complete(store, &scope, &foreign, &response(b"x"), TTL).await,
+        WriteOutcome::Stale,
+        "C9: complete with a foreign token must not apply"
+    );
+    assert_eq!(release(store, &scope, &foreign).await, WriteOutcome::Stale);
+    assert!(matches!(
+        reserve(store, &scope, &FP_A, LEASE).await,
+        ReserveOutcome::InFlight { .. }
+    ));
+    // Writes on a scope that has no record at all are stale, not errors.
+    let nothing = fresh_scope();
+    assert_eq!(release(store, &nothing, &token).await, WriteOutcome::Stale);
+    assert_eq!(
+        complete(store, &nothing, &token, &response(b"x"), TTL).await,
+        WriteOutcome::Stale
+    );
+    // Once completed, the token cannot release (or re-complete) the record.
+    assert_eq!(
+        complete(store, &scope, &token, &response(b"x"), TTL).await,
+        WriteOutcome::Applied
+    );
+    assert_eq!(release(store, &scope, &token).await, WriteOutcome::Stale);
+    assert_eq!(
+        complete(store, &scope, &token, &response(b"y"), TTL).await,
+        WriteOutcome::Stale,
+        "a completed record is immutable"
+    );
+}
+
+/// C10: a released key can be reserved again, even with another fingerprint.
+pub async fn release_frees_the_key<S: IdempotencyStore>(store: &S) {
+    let scope = fresh_scope();
+    let token = reserved(store, &scope, &FP_A, LEASE).await;
+    assert_eq!(release(store, &scope, &token).await, WriteOutcome::Applied);
+    reserved(store, &scope, &FP_B, LEASE).await;
+}
+
+/// C9: after the lease ends a retry of the same request takes over; the old holder is fenced.
+pub async fn expired_lease_is_taken_over_and_stale_holder_is_fenced<S: IdempotencyStore>(
+    store: &S,
+) {
+    let scope = fresh_scope();
+    let old = reserved(store, &scope, &FP_A, SHORT).await;
+    tokio::time::sleep(SHORT * 2).await;
+    let new = reserved(store, &scope, &FP_A, LEASE).await;
+    assert_ne!(old, new, "a takeover must issue a new token");
+    assert_eq!(
+        complete(store, &scope, &old, &response(b"stale"), TTL).await,
+        WriteOutcome::Stale,
+        "C9: the stale holder must not complete"
+    );
+    assert_eq!(release(store, &scope, &old).await, WriteOutcome::Stale);
+    let fresh = response(b"second execution");
+    assert_eq!(complete(store, &scope, &new, &fresh, TTL).await, WriteOutcome::Applied);
+    match reserve(store, &scope, &FP_A, LEASE).await {
+        ReserveOutcome::Completed { response, .. } => assert_eq!(response, fresh),
+        other => panic!("expected the new holder's response, got {other:?}"),
+    }
+}
+
+/// C7, C9: a dead holder's lease is only taken over by the same request, never by another body.
+pub async fn expired_lease_with_other_fingerprint_is_not_taken_over<S: IdempotencyStore>(
+    store: &S,
+) {
+    let scope = fresh_scope();
+    reserved(store, &scope, &FP_A, SHORT).await;
+    tokio::time::sleep(SHORT * 2).await;
+    match reserve(store, &scope, &FP_B, LEASE).await {
+        ReserveOutcome::InFlight { fingerprint, .. } => assert_eq!(fingerprint, FP_A),
+        other => panic!("another fingerprint must not take over, got {other:?}"),
+    }
+}
+
+/// C12: an expired completed record is treated as absent.
+pub async fn expired_completed_record_is_absent<S: IdempotencyStore>(store: &S) {
+    let scope = fresh_scope();
+    let token = reserved(store, &scope, &FP_A, LEASE).await;
+    assert_eq!(
+        complete(store, &scope, &token, &response(b"old"), SHORT).await,
+        WriteOutcome::Applied
+    );
+    tokio::time::sleep(SHORT * 2).await;
+    reserved(store, &scope, &FP_B, LEASE).await;
+}
+
+/// C5: of 32 concurrent reservations exactly one wins; all others see it in flight.
+pub async fn concurrent_reservations_have_exactly_one_winner<S: IdempotencyStore>(store: &S) {
+    let scope = fresh_scope();
+    let outcomes = join_all((0..32).map(|_| store.reserve(&scope, &FP_A, LEASE))).await;
+    let mut winners = 0;
+    for outcome in outcomes {
+        match outcome {
+            Ok(ReserveOutcome::Reserved { .. }) => winners += 1,
+            Ok(ReserveOutcome::InFlight { fingerprint, .. }) => assert_eq!(fingerprint, FP_A),
+            Ok(other) => panic!("unexpected outcome under concurrency: {other:?}"),
+            Err(e) => panic!("reserve failed under concurrency: {e}"),
+        }
+    }
+    assert_eq!(winners, 1, "C5: exactly one concurrent reservation may win");
+}
+
+/// C3: tenant, method and path are part of the identity, and parts never run into each other.
+pub async fn scopes_are_isolated_without_delimiter_collisions<S: IdempotencyStore>(store: &S) {
+    let t = unique();
+    let base = scope_in(&t, "k");
+    let token = reserved(store, &base, &FP_A, LEASE).await;
+    assert_eq!(
+        complete(store, &base, &token, &response(b"tenant A"), TTL).await,
+        WriteOutcome::Applied
+    );
+    let others = [
+        scope_in(&format!("{t}-other"), "k"),
+        Scope {
+            method: "PATCH".into(),
+            ..base.clone()
+        },
+        Scope {
+            path: "/conformance/2".into(),
+            ..base.clone()
+        },
+        // Built to collide if the store joined the parts with ':' or '/'.
+        scope_in(&format!("{t}:POST:/conformance"), "k"),
+        scope_in(&t, "POST:/conformance:k"),
+        Scope {
+            tenant: format!("{t}:POST"),
+            method: "/conformance".into(),
+            path: "k".into(),
+            key: String::new(),
+        },
+    ];
+    for other in &others {
+        reserved(store, other, &FP_A, LEASE).await;
+    }
+}
+
+/// C12: purge deletes expired completed records and dead reservations, nothing live.
+pub async fn purge_deletes_only_expired_records<S: IdempotencyStore>(store: &S) {
+    let t = unique();
+    let expired = scope_in(&t, "expired");
+    let dead = scope_in(&t, "dead");
+    let live = scope_in(&t, "live");
+    let running = scope_in(&t, "running");
+    let token = reserved(store, &expired, &FP_A, LEASE).await;
+    complete(store, &expired, &token, &response(b"e"), SHORT).await;
+    reserved(store, &dead, &FP_A, SHORT).await;
+    let token = reserved(store, &live, &FP_A, LEASE).await;
+    complete(store, &live, &token, &response(b"l"), TTL).await;
+    reserved(store, &running, &FP_A, LEASE).await;
+    tokio::time::sleep(SHORT * 2).await;
+    let purged = match store.purge_expired(Duration::ZERO).await {
+        Ok(n) => n,
+        Err(e) => panic!("purge failed: {e}"),
+    };
+    assert!(purged >= 2, "purge must delete at least the 2 expired records, deleted {purged}");
+    assert!(matches!(
+        reserve(store, &live, &FP_A, LEASE).await,
+        ReserveOutcome::Completed { .. }
+    ));
+    assert!(matches!(
+        reserve(store, &running, &FP_A, LEASE).await,
+        ReserveOutcome::InFlight { .. }
+    ));
+    // The dead reservation is gone, so even another fingerprint may now reserve the key.
+    reserved(store, &dead, &FP_B, LEASE).await;
+}
+
+#[cfg(test)]
+mod tests {
+    #[tokio::test]
+    async fn memory_store_conforms() {
+        super::run_all(&crate::store::MemoryStore::new()).await;
+    }
+}

@@ -1,0 +1,282 @@
+//! Where idempotency records live: the [`IdempotencyStore`] trait and its implementations.
+//!
+//! A store keeps one record per [`Scope`] (tenant, method, path, key). A record is either a
+//! *reservation* (a handler is running; it carries a lease and a fencing token) or a *completed*
+//! record (the response to replay). The middleware needs exactly three operations on the request
+//! path, and each must be atomic on its own:
+//!
+//! 1. [`reserve`](IdempotencyStore::reserve): reserve-or-fetch in one step. Of any number of
+//!    concurrent callers with the same scope, exactly one gets [`ReserveOutcome::Reserved`]; the
+//!    others see the record as it is ([`ReserveOutcome::InFlight`] or
+//!    [`ReserveOutcome::Completed`]). An expired completed record counts as absent; an in-flight
+//!    record whose lease ended may be taken over by a caller with the *same* fingerprint (it is a
+//!    retry of the same request whose first holder crashed or hung).
+//! 2. [`complete`](IdempotencyStore::complete): store the response, but only if the caller still
+//!    holds the reservation (its token matches). A holder whose lease was taken over gets
+//!    [`WriteOutcome::Stale`] and must not overwrite the new holder's record.
+//! 3. [`release`](IdempotencyStore::release): drop the reservation (the response is not to be
+//!    stored, e.g. a 5xx), fenced by the token in the same way.
+//!
+//! [`purge_expired`](IdempotencyStore::purge_expired) deletes what no request can use any more.
+//!
+//! Time is the store's business: leases and TTLs are passed as durations and the store measures
+//! them with its own clock (the database's `now()` for PostgreSQL), so app instances with skewed
+//! clocks still agree.
+//!
+//! # Stores in this crate
+//! - [`MemoryStore`]: one process, no setup; for development, tests and single-instance apps.
+//! - `PostgresStore` (feature `postgres`): several instances sharing one database.
+//!
+//! # Writing a store
+//! Implement the four methods; `async fn` in the impl is fine as long as the futures are `Send`.
+//! The shape below is a complete (if not very useful) store that keeps one record; a real one
+//! keeps a map and must make `reserve` atomic with whatever its backend offers (a mutex, a
+//! conditional write, a transaction, a Lua script).
+//!
+//! ```
+//! use std::sync::Mutex;
+//! use std::time::{Duration, Instant};
+//! use idempotency_actix::store::{
+//!     IdempotencyStore, ReservationToken, ReserveOutcome, Scope, StoreError, StoredResponse,
+//!     WriteOutcome,
+//! };
+//! use idempotency_actix::Fingerprint;
+//!
+//! enum Slot {
+//!     InFlight { fingerprint: Fingerprint, token: ReservationToken, until: Instant },
+//!     Done { fingerprint: Fingerprint, response: StoredResponse, until: Instant },
+//! }
+//!
+//! /// Remembers a single scope. Enough to show the contract, not for production.
+//! #[derive(Default)]
+//! struct OneSlotStore(Mutex<Option<(Scope, Slot)>>);
+//!
+//! impl IdempotencyStore for OneSlotStore {
+//!     async fn reserve(
+//!         &self, scope: &Scope, fingerprint: &Fingerprint, lease: Duration,
+//!     ) -> Result<ReserveOutcome, StoreError> {
+//!         let mut slot = self.0.lock().map_err(|_| StoreError::unavailable("poisoned"))?;
+//!         let now = Instant::now();
+//!         if let Some((held, record)) = slot.as_ref().filter(|(s, _)| s == scope) {
+//!             let _ = held;
+//!             match record {
+//!                 Slot::Done { fingerprint: f, response, until } if *until > now => {
+//!                     return Ok(ReserveOutcome::Completed {
+//!                         fingerprint: *f, response: response.clone(),
+//!                     })
+//!                 }
+//!                 Slot::InFlight { fingerprint: f, until, .. } if *until > now || f != fingerprint => {
+//!                     return Ok(ReserveOutcome::InFlight {
+//!                         fingerprint: *f, lease_remaining: until.saturating_duration_since(now),
+//!                     })
+//!                 }
+//!                 _ => {} // expired: treat as absent / take over
+//!             }
+//!         }
+//!         let token = ReservationToken::random();
+//!         *slot = Some((scope.clone(), Slot::InFlight {
+//!             fingerprint: *fingerprint, token, until: now + lease,
+//!         }));
+//!         Ok(ReserveOutcome::Reserved { token })
+//!     }
+//!
+//!     async fn complete(
+//!         &self, scope: &Scope, token: &ReservationToken, response: &StoredResponse, ttl: Duration,
+//!     ) -> Result<WriteOutcome, StoreError> {
+//!         let mut slot = self.0.lock().map_err(|_| StoreError::unavailable("poisoned"))?;
+//!         match slot.as_ref() {
+//!             Some((s, Slot::InFlight { fingerprint, token: t, .. })) if s == scope && t == token => {
+//!                 let fingerprint = *fingerprint;
+//!                 *slot = Some((scope.clone(), Slot::Done {
+//!                     fingerprint, response: response.clone(), until: Instant::now() + ttl,
+//!                 }));
+//!                 Ok(WriteOutcome::Applied)
+//!             }
+//!             _ => Ok(WriteOutcome::Stale),
+//!         }
+//!     }
+//!
+//!     async fn release(
+//!         &self, scope: &Scope, token: &ReservationToken,
+//!     ) -> Result<WriteOutcome, StoreError> {
+//!         let mut slot = self.0.lock().map_err(|_| StoreError::unavailable("poisoned"))?;
+//!         match slot.as_ref() {
+//!             Some((s, Slot::InFlight { token: t, .. })) if s == scope && t == token => {
+//!                 *slot = None;
+//!                 Ok(WriteOutcome::Applied)
+//!             }
+//!             _ => Ok(WriteOutcome::Stale),
+//!         }
+//!     }
+//!
+//!     async fn purge_expired(&self, _grace: Duration) -> Result<u64, StoreError> {
+//!         Ok(0)
+//!     }
+//! }
+//! ```
+//!
+//! With the `test-suite` feature, `idempotency_actix::store::conformance` runs the same rules
+//! against your store that ours pass.
+
+mod memory;
+mod response;
+
+#[cfg(feature = "postgres")]
+pub mod postgres;
+
+#[cfg(any(test, feature = "test-suite"))]
+pub mod conformance;
+
+use std::fmt;
+use std::future::Future;
+use std::time::Duration;
+
+pub use crate::fingerprint::Fingerprint;
+pub use memory::{MemoryStore, MemoryStoreBuilder};
+#[cfg(feature = "postgres")]
+pub use postgres::PostgresStore;
+pub use response::{HeaderDecodeError, StoredResponse};
+
+/// The identity of a record: the same key in another tenant, method or path is another record.
+///
+/// The parts are kept apart (never joined into one string), so no choice of tenant or key can
+/// make two different scopes collide.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Scope {
+    /// The tenant, or the empty string for the global scope.
+    pub tenant: String,
+    /// The HTTP method, upper case (`POST`).
+    pub method: String,
+    /// The request path, without the query string.
+    pub path: String,
+    /// The Idempotency-Key as parsed (sf-string escapes removed).
+    pub key: String,
+}
+
+/// The fencing token of one reservation. Only its holder may complete or release the record.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ReservationToken(uuid::Uuid);
+
+impl ReservationToken {
+    /// A fresh random token (122 random bits, UUID v4).
+    pub fn random() -> Self {
+        Self(uuid::Uuid::new_v4())
+    }
+
+    /// The token as a UUID, for stores that persist it.
+    pub fn as_uuid(&self) -> uuid::Uuid {
+        self.0
+    }
+
+    /// A token read back from storage.
+    pub fn from_uuid(uuid: uuid::Uuid) -> Self {
+        Self(uuid)
+    }
+}
+
+impl fmt::Debug for ReservationToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "ReservationToken({})", self.0)
+    }
+}
+
+/// What [`IdempotencyStore::reserve`] found.
+#[derive(Debug, Clone)]
+pub enum ReserveOutcome {
+    /// The caller now holds the reservation and should run the handler.
+    Reserved {
+        /// Present it to `complete` or `release`.
+        token: ReservationToken,
+    },
+    /// Another reservation holds the key (or held it and its lease ended, but the fingerprint
+    /// differs so it cannot be taken over).
+    InFlight {
+        /// The fingerprint of the request that holds it.
+        fingerprint: Fingerprint,
+        /// Time left on its lease (zero when it ended).
+        lease_remaining: Duration,
+    },
+    /// A live completed record.
+    Completed {
+        /// The fingerprint of the request that produced it.
+        fingerprint: Fingerprint,
+        /// The response to replay.
+        response: StoredResponse,
+    },
+}
+
+/// Whether a fenced write (`complete`, `release`) took effect.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WriteOutcome {
+    /// The token held the reservation; the write took effect.
+    Applied,
+    /// The token no longer holds the reservation (its lease was taken over, or the record was
+    /// released or purged). Nothing was changed.
+    Stale,
+}
+
+type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// Why a store could not answer. Every variant makes the middleware fail closed (503) before the
+/// handler runs, unless `fail_open` is set.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The backend cannot be reached, timed out, or has no free connection.
+    #[error("idempotency store unavailable: {0}")]
+    Unavailable(#[source] BoxError),
+    /// The backend is reachable but not provisioned (PostgreSQL: the table does not exist).
+    #[error("idempotency store is not provisioned: {hint}")]
+    NotProvisioned {
+        /// What the operator should do, e.g. "run `idem-cli migrate`".
+        hint: String,
+    },
+    /// The store is full of reservations that must not be evicted.
+    #[error("idempotency store is at capacity ({0} records)")]
+    Capacity(usize),
+    /// Any other backend failure.
+    #[error("idempotency store error: {0}")]
+    Backend(#[source] BoxError),
+}
+
+impl StoreError {
+    /// An [`StoreError::Unavailable`] from a message.
+    pub fn unavailable(message: impl Into<String>) -> Self {
+        Self::Unavailable(message.into().into())
+    }
+}
+
+/// Storage for idempotency records. See the [module docs](self) for the rules an implementation
+/// must keep and a worked example.
+pub trait IdempotencyStore: Send + Sync + 'static {
+    /// Reserve `scope` for a request with `fingerprint`, or report the record that is there.
+    /// Must be atomic: two concurrent callers can never both get `Reserved` for one scope.
+    fn reserve(
+        &self,
+        scope: &Scope,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+    ) -> impl Future<Output = Result<ReserveOutcome, StoreError>> + Send;
+
+    /// Store `response` for `scope`, keep it for `ttl`, if `token` still holds the reservation.
+    fn complete(
+        &self,
+        scope: &Scope,
+        token: &ReservationToken,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> impl Future<Output = Result<WriteOutcome, StoreError>> + Send;
+
+    /// Delete the reservation of `scope` if `token` still holds it, so the key can be used again.
+    fn release(
+        &self,
+        scope: &Scope,
+        token: &ReservationToken,
+    ) -> impl Future<Output = Result<WriteOutcome, StoreError>> + Send;
+
+    /// Delete expired completed records and reservations whose lease ended more than `grace`
+    /// ago. Returns how many records were deleted.
+    fn purge_expired(
+        &self,
+        grace: Duration,
+    ) -> impl Future<Output = Result<u64, StoreError>> + Send;
+}
