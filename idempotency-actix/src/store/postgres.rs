@@ -1,0 +1,500 @@
+//! [`PostgresStore`]: idempotency records in PostgreSQL, shared by every app instance that
+//! points at the same database. Feature `postgres` (on by default).
+//!
+//! Built on diesel-async over a bb8 pool. The schema lives in the workspace's `migrations/`
+//! folder and is embedded here ([`MIGRATIONS`]); apply it with `idem-cli migrate` or
+//! [`run_migrations`] before serving traffic. Until then every request gets 503 with a hint to
+//! do exactly that ([`StoreError::NotProvisioned`]).
+//!
+//! # Round trips
+//! Each store operation is one SQL statement and, once the connection has prepared it, one
+//! round trip:
+//! - `reserve`: reserve-or-fetch; the miss path inserts, the replay path is a plain index read
+//!   returning the stored response, an expired record is taken over, all in the same statement.
+//! - `complete`: one UPDATE fenced by the reservation token.
+//! - `release`: one DELETE fenced by the token.
+//!
+//! The statements and why they are race-free are in `docs/sql.md` (and in [`sql`]'s comments).
+//!
+//! # Connecting
+//! ```no_run
+//! # async fn demo() -> Result<(), idempotency_actix::store::StoreError> {
+//! use idempotency_actix::store::postgres::{run_migrations, PostgresStore};
+//! let url = "postgres://app@db.internal/app?sslmode=verify-full";
+//! run_migrations(url).await?; // or `idem-cli migrate` in the deploy pipeline
+//! let store = PostgresStore::connect(url).await?;
+//! # let _ = store; Ok(()) }
+//! ```
+//! TLS follows libpq's `sslmode` (`require`, `verify-ca`, `verify-full`, with `sslrootcert`);
+//! see [`establish`] for the table.
+
+mod error;
+mod migrate;
+pub(crate) mod sql;
+mod tls;
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use diesel_async::pooled_connection::bb8::Pool;
+use diesel_async::pooled_connection::{
+    AsyncDieselConnectionManager, ManagerConfig, PoolError, PoolableConnection, RecyclingMethod,
+};
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use futures_util::FutureExt;
+
+pub use error::{
+    classify_connection_error, classify_error, classify_query_error, not_provisioned, table_exists,
+    MIGRATE_HINT,
+};
+pub use migrate::{pending_migrations, run_migrations, MIGRATIONS};
+
+use super::{
+    Fingerprint, IdempotencyStore, ReservationToken, ReserveOutcome, Scope, StoreError,
+    StoredResponse, WriteOutcome,
+};
+use sql::{Complete, PurgeBatch, Release, Reserve, ReserveRow, ScopeBinds};
+use tls::ConnectTarget;
+
+/// The pool type [`PostgresStore::new`] takes.
+pub type PgPool = Pool<AsyncPgConnection>;
+
+/// Default [`PostgresStoreBuilder::max_size`].
+pub const DEFAULT_MAX_SIZE: u32 = 10;
+/// Default [`PostgresStoreBuilder::connection_timeout`].
+pub const DEFAULT_CONNECTION_TIMEOUT: Duration = Duration::from_secs(2);
+/// Default [`PostgresStoreBuilder::statement_timeout`].
+pub const DEFAULT_STATEMENT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Rows deleted per statement by [`PostgresStore::purge_batch`] when called through
+/// [`IdempotencyStore::purge_expired`].
+pub const DEFAULT_PURGE_BATCH: u32 = 1000;
+
+/// How often `reserve` re-runs its statement after losing a race it could not see (a
+/// concurrent insert or takeover committed after the statement's snapshot). Each re-run takes
+/// a new snapshot that includes the winner, so one re-run almost always settles it; five is a
+/// bound against pathological churn, never a correctness device.
+const RESERVE_ATTEMPTS: usize = 5;
+
+/// Longest duration sent to the database, so `now() + lease` can never overflow a timestamp
+/// (about 100 years).
+const MAX_DURATION_US: i64 = 100 * 365 * 24 * 3600 * 1_000_000;
+
+/// Idempotency records in PostgreSQL (table `idempotency_keys`), for apps that run several
+/// instances against one database.
+///
+/// Cloning is cheap; clones share the pool. All lease and TTL arithmetic uses the database's
+/// clock, so instances with skewed clocks agree.
+#[derive(Clone)]
+pub struct PostgresStore {
+    pool: PgPool,
+    connection_timeout: Duration,
+    last_connect_error: Arc<Mutex<Option<String>>>,
+    purge_batch: u32,
+}
+
+impl std::fmt::Debug for PostgresStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let state = self.pool.state();
+        f.debug_struct("PostgresStore")
+            .field("connections", &state.connections)
+            .field("idle", &state.idle_connections)
+            .field("connection_timeout", &self.connection_timeout)
+            .finish()
+    }
+}
+
+/// Configures a [`PostgresStore`]: see [`PostgresStore::builder`].
+#[derive(Debug, Clone)]
+pub struct PostgresStoreBuilder {
+    url: String,
+    max_size: u32,
+    min_idle: Option<u32>,
+    connection_timeout: Duration,
+    statement_timeout: Option<Duration>,
+    idle_timeout: Option<Duration>,
+    max_lifetime: Option<Duration>,
+    purge_batch: u32,
+}
+
+impl PostgresStoreBuilder {
+    /// Most connections the pool opens. Default 10. Each request holds one only for the
+    /// duration of one statement (not while the handler runs), so this can be far below the
+    /// number of concurrent requests.
+    pub fn max_size(mut self, max_size: u32) -> Self {
+        self.max_size = max_size.max(1);
+        self
+    }
+
+    /// Connections kept open while idle. Default: none kept beyond `max_size` usage.
+    pub fn min_idle(mut self, min_idle: Option<u32>) -> Self {
+        self.min_idle = min_idle;
+        self
+    }
+
+    /// How long a request waits for a connection (a free one, or a new one being opened)
+    /// before the store reports [`StoreError::Unavailable`] and the middleware answers 503.
+    ///
+    /// Default 2 s. bb8's own default is 30 s, during which a request to an app whose database
+    /// is down just hangs; a payment client would time out and retry into the same hang.
+    /// Failing within seconds gives it a 503 with `Retry-After` instead. Raise it only if
+    /// opening a connection legitimately takes longer (a TLS handshake across regions, or a
+    /// pool that is routinely exhausted).
+    pub fn connection_timeout(mut self, timeout: Duration) -> Self {
+        self.connection_timeout = timeout.max(Duration::from_millis(1));
+        self
+    }
+
+    /// Server-side `statement_timeout` for the store's connections, sent in the startup
+    /// packet (no extra round trip). Default 5 s; `None` leaves the server's setting. Bounds
+    /// how long a request can wait on a lock or a sick server before failing with 503.
+    pub fn statement_timeout(mut self, timeout: Option<Duration>) -> Self {
+        self.statement_timeout = timeout;
+        self
+    }
+
+    /// Close connections idle this long. Default: bb8's (10 minutes).
+    pub fn idle_timeout(mut self, timeout: Option<Duration>) -> Self {
+        self.idle_timeout = timeout;
+        self
+    }
+
+    /// Close connections after this age. Default: bb8's (30 minutes).
+    pub fn max_lifetime(mut self, lifetime: Option<Duration>) -> Self {
+        self.max_lifetime = lifetime;
+        self
+    }
+
+    /// Rows deleted per statement by [`IdempotencyStore::purge_expired`]. Default 1000.
+    pub fn purge_batch(mut self, rows: u32) -> Self {
+        self.purge_batch = rows.max(1);
+        self
+    }
+
+    /// Build the pool and the store. Connections are opened lazily (apart from `min_idle`), so
+    /// this succeeds while the database is down; requests then get 503 until it is back.
+    ///
+    /// # Errors
+    /// [`StoreError::Backend`] when the URL cannot be parsed or its TLS settings cannot be
+    /// honoured (unreadable `sslrootcert`, unknown `sslmode`).
+    pub async fn build(self) -> Result<PostgresStore, StoreError> {
+        let target = ConnectTarget::parse(&self.url, self.statement_timeout)
+            .map_err(|e| StoreError::Backend(Box::new(e)))?;
+        let target = Arc::new(target);
+        let mut config = ManagerConfig::<AsyncPgConnection>::default();
+        config.custom_setup = Box::new(move |_url| {
+            let target = Arc::clone(&target);
+            async move { target.connect().await }.boxed()
+        });
+        // bb8 checks a connection on checkout. diesel-async's default check is `SELECT 1`: a
+        // round trip on every request. This check is local: the connection task has not seen
+        // the socket close and no transaction is left open. A connection that dies between
+        // the check and the statement fails that one request with 503.
+        config.recycling_method = RecyclingMethod::CustomFunction(Box::new(|conn| {
+            let broken = PoolableConnection::is_broken(conn);
+            async move {
+                if broken {
+                    Err(diesel::result::Error::BrokenTransactionManager)
+                } else {
+                    Ok(())
+                }
+            }
+            .boxed()
+        }));
+        let manager = AsyncDieselConnectionManager::new_with_config(self.url.clone(), config);
+        let last_connect_error = Arc::new(Mutex::new(None));
+        let mut builder = Pool::builder()
+            .max_size(self.max_size)
+            .min_idle(self.min_idle)
+            .connection_timeout(self.connection_timeout)
+            .error_sink(Box::new(LastErrorSink(Arc::clone(&last_connect_error))));
+        builder = builder
+            .idle_timeout(self.idle_timeout.or(Some(Duration::from_secs(600))))
+            .max_lifetime(self.max_lifetime.or(Some(Duration::from_secs(1800))));
+        let pool = builder.build_unchecked(manager);
+        Ok(PostgresStore {
+            pool,
+            connection_timeout: self.connection_timeout,
+            last_connect_error,
+            purge_batch: self.purge_batch,
+        })
+    }
+}
+
+/// Remembers the last connection error, because bb8 only reports "timed out" to the waiter.
+#[derive(Debug, Clone)]
+struct LastErrorSink(Arc<Mutex<Option<String>>>);
+
+impl bb8::ErrorSink<PoolError> for LastErrorSink {
+    fn sink(&self, error: PoolError) {
+        tracing::debug!(%error, "idempotency store: database connection failed");
+        if let Ok(mut last) = self.0.lock() {
+            *last = Some(error.to_string());
+        }
+    }
+
+    fn boxed_clone(&self) -> Box<dyn bb8::ErrorSink<PoolError>> {
+        Box::new(self.clone())
+    }
+}
+
+impl PostgresStore {
+    /// A store over an existing pool (its settings are used as they are; see
+    /// [`PostgresStoreBuilder::connection_timeout`] for why a short connection timeout
+    /// matters). Such a pool connects without TLS unless you gave its manager a custom setup.
+    pub fn new(pool: PgPool) -> Self {
+        Self {
+            connection_timeout: pool.config().connection_timeout,
+            pool,
+            last_connect_error: Arc::new(Mutex::new(None)),
+            purge_batch: DEFAULT_PURGE_BATCH,
+        }
+    }
+
+    /// A store for `url` with the default pool settings (10 connections, 2 s connection
+    /// timeout, 5 s statement timeout). TLS per the URL's `sslmode`.
+    ///
+    /// # Errors
+    /// As [`PostgresStoreBuilder::build`]: only a bad URL fails here; a database that is down
+    /// is reported by requests (503) until it is back.
+    pub async fn connect(url: &str) -> Result<Self, StoreError> {
+        Self::builder(url).build().await
+    }
+
+    /// Configure the pool before connecting.
+    pub fn builder(url: impl Into<String>) -> PostgresStoreBuilder {
+        PostgresStoreBuilder {
+            url: url.into(),
+            max_size: DEFAULT_MAX_SIZE,
+            min_idle: None,
+            connection_timeout: DEFAULT_CONNECTION_TIMEOUT,
+            statement_timeout: Some(DEFAULT_STATEMENT_TIMEOUT),
+            idle_timeout: None,
+            max_lifetime: None,
+            purge_batch: DEFAULT_PURGE_BATCH,
+        }
+    }
+
+    /// The pool, e.g. to share it with the rest of the app or to inspect its state.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// Delete up to `limit` expired records (completed past their TTL, reservations whose
+    /// lease ended more than `grace` ago) in one short statement; returns how many. Rows
+    /// locked by a concurrent purge or request are skipped, not waited for, so overlapping
+    /// runs never block each other. Call it until it returns less than `limit`.
+    ///
+    /// # Errors
+    /// As `reserve`.
+    pub async fn purge_batch(&self, grace: Duration, limit: u32) -> Result<u64, StoreError> {
+        let query = PurgeBatch {
+            grace_us: micros(grace),
+            limit: i64::from(limit),
+        };
+        let mut conn = self.conn().await?;
+        match query.execute(&mut conn).await {
+            Ok(n) => Ok(n as u64),
+            Err(e) => Err(classify_query_error(&mut conn, e).await),
+        }
+    }
+
+    async fn conn(
+        &self,
+    ) -> Result<
+        diesel_async::pooled_connection::bb8::PooledConnection<'_, AsyncPgConnection>,
+        StoreError,
+    > {
+        self.pool.get().await.map_err(|e| {
+            let last = self
+                .last_connect_error
+                .lock()
+                .ok()
+                .and_then(|mut l| l.take());
+            error::classify_pool_error(e, self.connection_timeout, last)
+        })
+    }
+
+    async fn reserve_once(
+        &self,
+        conn: &mut AsyncPgConnection,
+        query: &Reserve<'_>,
+    ) -> Result<Option<ReserveOutcome>, StoreError> {
+        let rows: Vec<ReserveRow> = match query.load(conn).await {
+            Ok(rows) => rows,
+            Err(e) => return Err(classify_query_error(conn, e).await),
+        };
+        let Some(row) = rows.into_iter().next() else {
+            // A concurrent insert committed after our snapshot: ON CONFLICT skipped ours.
+            return Ok(None);
+        };
+        if row.outcome == "reserved" {
+            return Ok(Some(ReserveOutcome::Reserved {
+                token: ReservationToken::from_uuid(query.token),
+            }));
+        }
+        let fingerprint = row
+            .fingerprint
+            .as_deref()
+            .and_then(Fingerprint::from_slice)
+            .ok_or_else(|| corrupt("fingerprint is not 32 bytes"))?;
+        let live = row.live.unwrap_or(false);
+        let eligible = row.eligible.unwrap_or(false);
+        if !live && eligible {
+            // Ended and eligible for takeover, yet neither write happened: a concurrent
+            // takeover, release or purge changed the row after our snapshot.
+            return Ok(None);
+        }
+        match row.state.as_deref() {
+            Some("completed") => {
+                let status = row
+                    .response_status
+                    .and_then(|s| u16::try_from(s).ok())
+                    .ok_or_else(|| corrupt("response_status missing or negative"))?;
+                let headers = StoredResponse::decode_headers(
+                    row.response_headers.as_deref().unwrap_or_default(),
+                )
+                .map_err(|e| StoreError::Backend(Box::new(e)))?;
+                Ok(Some(ReserveOutcome::Completed {
+                    fingerprint,
+                    response: StoredResponse {
+                        status,
+                        headers,
+                        body: Bytes::from(row.response_body.unwrap_or_default()),
+                    },
+                }))
+            }
+            Some("in_flight") => Ok(Some(ReserveOutcome::InFlight {
+                fingerprint,
+                lease_remaining: Duration::from_micros(
+                    u64::try_from(row.lease_remaining_us.unwrap_or(0)).unwrap_or(0),
+                ),
+            })),
+            other => Err(corrupt(&format!("unknown state {other:?}"))),
+        }
+    }
+}
+
+fn corrupt(what: &str) -> StoreError {
+    StoreError::Backend(format!("corrupt idempotency_keys row: {what}").into())
+}
+
+/// A duration in microseconds, clamped to [1 µs, ~100 years] so the database's timestamp
+/// arithmetic can neither round a short lease to zero nor overflow.
+fn micros(duration: Duration) -> i64 {
+    i64::try_from(duration.as_micros())
+        .unwrap_or(MAX_DURATION_US)
+        .clamp(0, MAX_DURATION_US)
+}
+
+fn scope_binds(scope: &Scope) -> ScopeBinds<'_> {
+    ScopeBinds {
+        tenant: &scope.tenant,
+        method: &scope.method,
+        path: &scope.path,
+        key: &scope.key,
+    }
+}
+
+impl IdempotencyStore for PostgresStore {
+    async fn reserve(
+        &self,
+        scope: &Scope,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+    ) -> Result<ReserveOutcome, StoreError> {
+        let query = Reserve {
+            scope: scope_binds(scope),
+            fingerprint: fingerprint.as_bytes(),
+            token: ReservationToken::random().as_uuid(),
+            lease_us: micros(lease).max(1),
+        };
+        let mut conn = self.conn().await?;
+        for attempt in 1..=RESERVE_ATTEMPTS {
+            if let Some(outcome) = self.reserve_once(&mut conn, &query).await? {
+                return Ok(outcome);
+            }
+            tracing::debug!(attempt, key = %scope.key, "idempotency reserve raced; re-running");
+        }
+        Err(StoreError::Backend(
+            format!("reserve lost {RESERVE_ATTEMPTS} races in a row for one key").into(),
+        ))
+    }
+
+    async fn complete(
+        &self,
+        scope: &Scope,
+        token: &ReservationToken,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> Result<WriteOutcome, StoreError> {
+        let headers = response.encode_headers();
+        let status = i16::try_from(response.status)
+            .map_err(|_| StoreError::Backend("HTTP status out of range".into()))?;
+        let query = Complete {
+            scope: scope_binds(scope),
+            token: token.as_uuid(),
+            status,
+            headers: &headers,
+            body: &response.body,
+            ttl_us: micros(ttl),
+        };
+        let mut conn = self.conn().await?;
+        match query.execute(&mut conn).await {
+            Ok(0) => Ok(WriteOutcome::Stale),
+            Ok(_) => Ok(WriteOutcome::Applied),
+            Err(e) => Err(classify_query_error(&mut conn, e).await),
+        }
+    }
+
+    async fn release(
+        &self,
+        scope: &Scope,
+        token: &ReservationToken,
+    ) -> Result<WriteOutcome, StoreError> {
+        let query = Release {
+            scope: scope_binds(scope),
+            token: token.as_uuid(),
+        };
+        let mut conn = self.conn().await?;
+        match query.execute(&mut conn).await {
+            Ok(0) => Ok(WriteOutcome::Stale),
+            Ok(_) => Ok(WriteOutcome::Applied),
+            Err(e) => Err(classify_query_error(&mut conn, e).await),
+        }
+    }
+
+    async fn purge_expired(&self, grace: Duration) -> Result<u64, StoreError> {
+        let mut total = 0;
+        loop {
+            let deleted = self.purge_batch(grace, self.purge_batch).await?;
+            total += deleted;
+            if deleted < u64::from(self.purge_batch) {
+                return Ok(total);
+            }
+        }
+    }
+}
+
+/// Open one connection to `url`, with TLS per its `sslmode`, outside any pool. For tools
+/// (`idem-cli`) that run a few statements and exit.
+///
+/// | `sslmode`                 | encrypted            | certificate checked                   |
+/// |---------------------------|----------------------|---------------------------------------|
+/// | absent, `disable`, `allow`| no                   | -                                     |
+/// | `prefer`                  | if the server offers | no (as libpq)                         |
+/// | `require`                 | yes                  | no; with `sslrootcert`: chain (libpq) |
+/// | `verify-ca`               | yes                  | chain against the roots, not the name |
+/// | `verify-full`             | yes                  | chain and host name                   |
+///
+/// Roots come from `sslrootcert=<PEM file>`, or the system trust store when it is absent or
+/// `system`. Client certificates (`sslcert`/`sslkey`) are rejected as unsupported. No
+/// statement timeout is set (a purge may legitimately run long).
+///
+/// # Errors
+/// [`StoreError::Backend`] for a bad URL; [`StoreError::Unavailable`] when the server cannot
+/// be reached, refuses the login or the TLS handshake fails.
+pub async fn establish(url: &str) -> Result<AsyncPgConnection, StoreError> {
+    let target = ConnectTarget::parse(url, None).map_err(|e| StoreError::Backend(Box::new(e)))?;
+    target.connect().await.map_err(classify_connection_error)
+}

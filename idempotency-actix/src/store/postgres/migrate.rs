@@ -1,0 +1,111 @@
+//! The embedded schema migrations and the functions that apply them.
+//!
+//! diesel's migration harness is synchronous. Run naively on a runtime thread it either blocks
+//! the executor or panics ("Cannot start a runtime from within a runtime", which is what
+//! happens on actix's per-worker current-thread runtimes). So the harness runs on a dedicated
+//! OS thread with its own small multi-thread tokio runtime: the connection is opened on that
+//! runtime (so TLS URLs work exactly as for the pool), wrapped in diesel-async's
+//! [`AsyncConnectionWrapper`], and the caller only awaits a channel. That works from any
+//! context: an actix worker, `#[tokio::test]`'s current-thread runtime, or a plain
+//! multi-thread runtime.
+//!
+//! Concurrent callers (several app instances starting with `--migrate`, or `idem-cli migrate`
+//! next to them) are serialised by a session-level advisory lock, so exactly one applies each
+//! migration and the others see nothing pending.
+
+use diesel::connection::SimpleConnection;
+use diesel_async::async_connection_wrapper::AsyncConnectionWrapper;
+use diesel_async::AsyncPgConnection;
+use diesel_migrations::{embed_migrations, EmbeddedMigrations, MigrationHarness};
+
+use super::error::classify_connection_error;
+use super::tls::ConnectTarget;
+use crate::store::StoreError;
+
+/// The schema, embedded from the workspace's `migrations/` folder (the single source of the
+/// schema; `idem-cli migrate` applies the same list).
+pub const MIGRATIONS: EmbeddedMigrations = embed_migrations!("../migrations");
+
+/// Arbitrary constant identifying this crate's migration advisory lock ("idem" + "migr").
+const MIGRATION_LOCK_KEY: i64 = 0x6964_656d_6d69_6772;
+
+/// Apply every pending migration to the database at `url`. Returns the versions applied now
+/// (empty when the schema was already current, so running it twice is harmless).
+///
+/// Safe to call from inside an actix-web or tokio runtime (see the module docs).
+///
+/// # Errors
+/// [`StoreError::Unavailable`] when the database cannot be reached, [`StoreError::Backend`]
+/// when a migration fails (it is rolled back; nothing half-applied remains) or the URL is bad.
+pub async fn run_migrations(url: &str) -> Result<Vec<String>, StoreError> {
+    with_harness(url, |harness| {
+        harness
+            .run_pending_migrations(MIGRATIONS)
+            .map(|versions| versions.iter().map(|v| v.to_string()).collect())
+    })
+    .await
+}
+
+/// The versions of the embedded migrations not yet applied to the database at `url` (empty
+/// when the schema is current). For deploy gates such as `idem-cli migrate --check`.
+///
+/// # Errors
+/// As [`run_migrations`].
+pub async fn pending_migrations(url: &str) -> Result<Vec<String>, StoreError> {
+    with_harness(url, |harness| {
+        harness.pending_migrations(MIGRATIONS).map(|pending| {
+            pending
+                .iter()
+                .map(|m| m.name().version().to_string())
+                .collect()
+        })
+    })
+    .await
+}
+
+type Harness = AsyncConnectionWrapper<AsyncPgConnection>;
+type HarnessError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+async fn with_harness<F>(url: &str, work: F) -> Result<Vec<String>, StoreError>
+where
+    F: FnOnce(&mut Harness) -> Result<Vec<String>, HarnessError> + Send + 'static,
+{
+    let target = ConnectTarget::parse(url, None).map_err(|e| StoreError::Backend(Box::new(e)))?;
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name("idempotency-migrations".into())
+        .spawn(move || {
+            // The receiver only goes away when the caller stopped waiting; nothing to report.
+            let _ = tx.send(migrate_on_this_thread(target, work));
+        })
+        .map_err(|e| StoreError::Backend(Box::new(e)))?;
+    rx.await
+        .map_err(|_| StoreError::Backend("the migration thread panicked".into()))?
+}
+
+fn migrate_on_this_thread<F>(target: ConnectTarget, work: F) -> Result<Vec<String>, StoreError>
+where
+    F: FnOnce(&mut Harness) -> Result<Vec<String>, HarnessError>,
+{
+    // One worker thread drives the connection's socket while this thread blocks in the
+    // harness; `AsyncConnectionWrapper` picks up this runtime's handle because we entered it.
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .map_err(|e| StoreError::Backend(Box::new(e)))?;
+    let conn = runtime
+        .block_on(target.connect())
+        .map_err(classify_connection_error)?;
+    let _entered = runtime.enter();
+    let mut harness: Harness = AsyncConnectionWrapper::from(conn);
+    harness
+        .batch_execute(&format!("SELECT pg_advisory_lock({MIGRATION_LOCK_KEY})"))
+        .map_err(super::error::classify_error)?;
+    let result = work(&mut harness).map_err(StoreError::Backend);
+    // Closing the connection would release the lock too; unlocking explicitly keeps the
+    // session clean should the wrapper ever be pooled.
+    let _ = harness.batch_execute(&format!("SELECT pg_advisory_unlock({MIGRATION_LOCK_KEY})"));
+    drop(harness);
+    result
+}
