@@ -1,8 +1,64 @@
-//! Idempotency-Key support for actix-web (crate docs are being written).
+//! `Idempotency-Key` support for actix-web: a retried POST runs its handler once.
+//!
+//! Wrap an app (or a scope) in [`Idempotency`] and every POST and PATCH that carries an
+//! `Idempotency-Key` header runs at most once per key: a retry gets the stored response back
+//! (with `Idempotent-Replayed: true`), a concurrent duplicate gets 409 while the first one
+//! runs, and the same key with a different body gets 422. The behaviour follows the IETF
+//! `Idempotency-Key` draft and Stripe's idempotent requests; the project's `CONTRACT` (rules
+//! C1-C20) is the reference.
+//!
+//! ```no_run
+//! use actix_web::{web, App, HttpResponse, HttpServer};
+//! use idempotency_actix::{store::MemoryStore, Idempotency, IdempotencyKey};
+//!
+//! async fn create_payment(key: IdempotencyKey, body: web::Json<serde_json::Value>) -> HttpResponse {
+//!     // Runs once per key; retries are answered from the store.
+//!     HttpResponse::Created().json(serde_json::json!({ "key": key.as_str(), "amount": body["amount"] }))
+//! }
+//!
+//! #[actix_web::main]
+//! async fn main() -> std::io::Result<()> {
+//!     // Clones share the records: create the store once, outside the app factory.
+//!     let store = MemoryStore::new();
+//!     HttpServer::new(move || {
+//!         App::new()
+//!             .wrap(Idempotency::new(store.clone()))
+//!             .route("/payments", web::post().to(create_payment))
+//!     })
+//!     .bind(("127.0.0.1", 8080))?
+//!     .run()
+//!     .await
+//! }
+//! ```
+//!
+//! For several app instances, use the PostgreSQL store (feature `postgres`, on by default):
+//! `PostgresStore::connect(url).await?` instead of `MemoryStore::new()`, and provision the table
+//! with `idem-cli migrate`.
+//!
+//! # Modules
+//! - [`middleware`]: the request flow; [`config`]: the builder and why each default is what it is.
+//! - [`key`]: header parsing and the [`IdempotencyKey`] extractor; [`fingerprint`]: what makes a
+//!   retry "the same request"; [`problem`]: the RFC 9457 errors and their codes.
+//! - [`store`]: the storage trait, how to write a store, and the stores.
+//!
+//! # What the middleware cannot do for you
+//! If the store fails *after* your handler ran (the database goes away between the two
+//! statements), the client still gets your response, but the record is not written: the key
+//! stays reserved until its lease (`lock_timeout`, 60 s) ends, and a retry after that runs the
+//! handler again. Handlers that move money should therefore also be idempotent downstream (pass
+//! the key on to the payment provider). See `docs/design.md`.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod config;
 pub mod fingerprint;
+pub mod key;
+pub mod middleware;
+pub mod problem;
 pub mod store;
 
+pub use config::{IdempotencyBuilder, ResponseParts};
 pub use fingerprint::Fingerprint;
+pub use key::IdempotencyKey;
+pub use middleware::Idempotency;
+pub use problem::{Problem, ProblemCode};

@@ -64,8 +64,14 @@ fn response(body: &'static [u8]) -> StoredResponse {
     StoredResponse {
         status: 201,
         headers: vec![
-            ("content-type".into(), Bytes::from_static(b"application/octet-stream")),
-            ("x-binary".into(), Bytes::from_static(&[0x80, 0xff, b' ', b'a'])),
+            (
+                "content-type".into(),
+                Bytes::from_static(b"application/octet-stream"),
+            ),
+            (
+                "x-binary".into(),
+                Bytes::from_static(&[0x80, 0xff, b' ', b'a']),
+            ),
             ("x-repeated".into(), Bytes::from_static(b"1")),
             ("x-repeated".into(), Bytes::from_static(b"2")),
         ],
@@ -134,7 +140,10 @@ pub async fn first_reserve_wins_and_duplicates_see_in_flight<S: IdempotencyStore
                 fingerprint,
                 lease_remaining,
             } => {
-                assert_eq!(fingerprint, FP_A, "InFlight must report the holder's fingerprint");
+                assert_eq!(
+                    fingerprint, FP_A,
+                    "InFlight must report the holder's fingerprint"
+                );
                 assert!(
                     lease_remaining > Duration::from_secs(50) && lease_remaining <= LEASE,
                     "lease_remaining {lease_remaining:?} should be close to the 60 s lease"
@@ -150,14 +159,20 @@ pub async fn complete_then_replay_returns_the_exact_response<S: IdempotencyStore
     let scope = fresh_scope();
     let token = reserved(store, &scope, &FP_A, LEASE).await;
     let stored = response(&[0, 159, 146, 150, 0xff, b'\n', 0]);
-    assert_eq!(complete(store, &scope, &token, &stored, TTL).await, WriteOutcome::Applied);
+    assert_eq!(
+        complete(store, &scope, &token, &stored, TTL).await,
+        WriteOutcome::Applied
+    );
     for fp in [FP_A, FP_B] {
         match reserve(store, &scope, &fp, LEASE).await {
             ReserveOutcome::Completed {
                 fingerprint,
                 response,
             } => {
-                assert_eq!(fingerprint, FP_A, "Completed must report the original fingerprint");
+                assert_eq!(
+                    fingerprint, FP_A,
+                    "Completed must report the original fingerprint"
+                );
                 assert_eq!(response, stored, "C6: the replay must be byte for byte");
             }
             other => panic!("C6: expected Completed, got {other:?}"),
@@ -224,7 +239,10 @@ pub async fn expired_lease_is_taken_over_and_stale_holder_is_fenced<S: Idempoten
     );
     assert_eq!(release(store, &scope, &old).await, WriteOutcome::Stale);
     let fresh = response(b"second execution");
-    assert_eq!(complete(store, &scope, &new, &fresh, TTL).await, WriteOutcome::Applied);
+    assert_eq!(
+        complete(store, &scope, &new, &fresh, TTL).await,
+        WriteOutcome::Applied
+    );
     match reserve(store, &scope, &FP_A, LEASE).await {
         ReserveOutcome::Completed { response, .. } => assert_eq!(response, fresh),
         other => panic!("expected the new holder's response, got {other:?}"),
@@ -324,7 +342,10 @@ pub async fn purge_deletes_only_expired_records<S: IdempotencyStore>(store: &S) 
         Ok(n) => n,
         Err(e) => panic!("purge failed: {e}"),
     };
-    assert!(purged >= 2, "purge must delete at least the 2 expired records, deleted {purged}");
+    assert!(
+        purged >= 2,
+        "purge must delete at least the 2 expired records, deleted {purged}"
+    );
     assert!(matches!(
         reserve(store, &live, &FP_A, LEASE).await,
         ReserveOutcome::Completed { .. }

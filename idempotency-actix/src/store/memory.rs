@@ -69,7 +69,9 @@ impl Default for MemoryStore {
 
 impl std::fmt::Debug for MemoryStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("MemoryStore").field("len", &self.len()).finish()
+        f.debug_struct("MemoryStore")
+            .field("len", &self.len())
+            .finish()
     }
 }
 
@@ -99,7 +101,9 @@ impl MemoryStore {
     fn lock(&self) -> MutexGuard<'_, Inner> {
         // Nothing inside the critical sections can panic halfway through an update, so a
         // poisoned lock still guards consistent data.
-        self.inner.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.inner
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 }
 
@@ -190,8 +194,11 @@ impl Inner {
             State::Completed { expires_at, .. } => expires_at > now,
         });
         let records = &self.records;
-        self.completion_order
-            .retain(|(_, scope, generation)| records.get(scope).is_some_and(|r| r.generation == *generation));
+        self.completion_order.retain(|(_, scope, generation)| {
+            records
+                .get(scope)
+                .is_some_and(|r| r.generation == *generation)
+        });
         self.last_full_sweep = now;
         (before - self.records.len()) as u64
     }
@@ -206,7 +213,11 @@ impl Inner {
             let Some((_, scope, generation)) = self.completion_order.pop_front() else {
                 return Err(StoreError::Capacity(self.max_entries));
             };
-            if self.records.get(&scope).is_some_and(|r| r.generation == generation) {
+            if self
+                .records
+                .get(&scope)
+                .is_some_and(|r| r.generation == generation)
+            {
                 self.records.remove(&scope);
             }
         }
@@ -227,7 +238,10 @@ impl IdempotencyStore for MemoryStore {
         let generation = inner.generation();
         let token = match inner.records.get_mut(scope) {
             Some(record) => match &record.state {
-                State::Completed { response, expires_at } if *expires_at > now => {
+                State::Completed {
+                    response,
+                    expires_at,
+                } if *expires_at > now => {
                     return Ok(ReserveOutcome::Completed {
                         fingerprint: record.fingerprint,
                         response: response.clone(),
@@ -284,7 +298,9 @@ impl IdempotencyStore for MemoryStore {
                 expires_at,
             };
         }
-        inner.completion_order.push_back((expires_at, key, generation));
+        inner
+            .completion_order
+            .push_back((expires_at, key, generation));
         Ok(WriteOutcome::Applied)
     }
 
@@ -331,8 +347,10 @@ mod tests {
 
     async fn reserve_and_complete(store: &MemoryStore, key: &str) {
         let fp = Fingerprint([1; 32]);
-        let ReserveOutcome::Reserved { token } =
-            store.reserve(&scope(key), &fp, Duration::from_secs(60)).await.unwrap()
+        let ReserveOutcome::Reserved { token } = store
+            .reserve(&scope(key), &fp, Duration::from_secs(60))
+            .await
+            .unwrap()
         else {
             panic!("expected a reservation for {key}");
         };
@@ -353,7 +371,10 @@ mod tests {
         let fp = Fingerprint([1; 32]);
         // "a" was evicted: reserving it again succeeds; "c" is still there.
         assert!(matches!(
-            store.reserve(&scope("c"), &fp, Duration::from_secs(1)).await.unwrap(),
+            store
+                .reserve(&scope("c"), &fp, Duration::from_secs(1))
+                .await
+                .unwrap(),
             ReserveOutcome::Completed { .. }
         ));
     }
@@ -385,8 +406,10 @@ mod tests {
     async fn expired_records_are_swept_by_later_reservations() {
         let store = MemoryStore::new();
         let fp = Fingerprint([1; 32]);
-        let ReserveOutcome::Reserved { token } =
-            store.reserve(&scope("a"), &fp, Duration::from_secs(60)).await.unwrap()
+        let ReserveOutcome::Reserved { token } = store
+            .reserve(&scope("a"), &fp, Duration::from_secs(60))
+            .await
+            .unwrap()
         else {
             panic!("expected a reservation");
         };
@@ -395,7 +418,10 @@ mod tests {
             .await
             .unwrap();
         tokio::time::sleep(Duration::from_millis(5)).await;
-        store.reserve(&scope("b"), &fp, Duration::from_secs(60)).await.unwrap();
+        store
+            .reserve(&scope("b"), &fp, Duration::from_secs(60))
+            .await
+            .unwrap();
         assert_eq!(store.len(), 1, "the expired record of a is gone");
     }
 }

@@ -1,0 +1,317 @@
+//! Configuration of the middleware: [`IdempotencyBuilder`] and its defaults.
+//!
+//! Every default is chosen for an API that moves money, where the worst outcome is running a
+//! request twice, and the second worst is a key that stays stuck:
+//!
+//! | option | default | why |
+//! |---|---|---|
+//! | `header_name` | `Idempotency-Key` | the IETF draft's name, what Stripe and most clients send |
+//! | `methods` | POST, PATCH | the non-idempotent methods; GET/PUT/DELETE are idempotent by HTTP's definition |
+//! | `required` | `false` | adding the middleware must not break clients that do not send keys yet |
+//! | `ttl` | 24 h | Stripe's retention: long enough for any sane retry schedule, short enough to purge |
+//! | `lock_timeout` | 60 s | longer than any handler should run (so a live handler is never taken over), short enough that a crashed holder frees the key within a minute |
+//! | `max_key_len` | 255 bytes | Stripe's limit; room for a UUID plus a prefix, small enough to index |
+//! | `max_body_bytes` | 1 MiB | the body is buffered to fingerprint it; this bounds memory per request |
+//! | `max_response_bytes` | 1 MiB | bigger responses are streamed through and not stored (released) |
+//! | storage policy | 2xx only | a 4xx/5xx is released so the client can fix the cause and retry with the same key (Stripe) |
+//! | `wait_for_in_flight` | off | a 409 with `Retry-After` is cheaper for the server than parking requests |
+//! | `fail_open` | `false` | if the store is down, refusing (503) is safer than risking a double charge |
+//! | tenant | none (global) | see [`IdempotencyBuilder::tenant`]: **set it** in a multi-tenant API |
+
+use std::borrow::Cow;
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix_web::dev::ServiceRequest;
+use actix_web::http::header::{HeaderMap, HeaderName};
+use actix_web::http::{Method, StatusCode};
+use actix_web::HttpResponse;
+
+use crate::middleware::Idempotency;
+use crate::problem::{Problem, DEFAULT_TYPE_BASE};
+
+/// A response as the storage predicate sees it.
+#[derive(Debug)]
+pub struct ResponseParts<'a> {
+    /// Status of the handler's response.
+    pub status: StatusCode,
+    /// Its headers.
+    pub headers: &'a HeaderMap,
+    /// Its whole body (only complete bodies within `max_response_bytes` are offered).
+    pub body: &'a [u8],
+}
+
+pub(crate) type TenantFn = dyn Fn(&ServiceRequest) -> Option<String> + Send + Sync;
+pub(crate) type StatusFn = dyn Fn(StatusCode) -> bool + Send + Sync;
+pub(crate) type StorePredicate = dyn Fn(&ResponseParts<'_>) -> bool + Send + Sync;
+pub(crate) type ProblemRenderer = dyn Fn(&Problem) -> HttpResponse + Send + Sync;
+
+/// The settled configuration, shared by all workers.
+pub(crate) struct Config {
+    pub header_name: HeaderName,
+    pub methods: Vec<Method>,
+    pub required: bool,
+    pub ttl: Duration,
+    pub lock_timeout: Duration,
+    pub max_key_len: usize,
+    pub max_body_bytes: usize,
+    pub max_response_bytes: usize,
+    pub tenant: Option<Arc<TenantFn>>,
+    pub store_status: Arc<StatusFn>,
+    pub store_if: Option<Arc<StorePredicate>>,
+    pub wait_for_in_flight: Option<Duration>,
+    pub fail_open: bool,
+    pub deny_headers: Vec<HeaderName>,
+    pub retry_after: Duration,
+    pub problem_type_base: Cow<'static, str>,
+    pub problem_renderer: Option<Arc<ProblemRenderer>>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            header_name: HeaderName::from_static("idempotency-key"),
+            methods: vec![Method::POST, Method::PATCH],
+            required: false,
+            ttl: Duration::from_secs(24 * 60 * 60),
+            lock_timeout: Duration::from_secs(60),
+            max_key_len: 255,
+            max_body_bytes: 1024 * 1024,
+            max_response_bytes: 1024 * 1024,
+            tenant: None,
+            store_status: Arc::new(|status: StatusCode| status.is_success()),
+            store_if: None,
+            wait_for_in_flight: None,
+            fail_open: false,
+            deny_headers: Vec::new(),
+            retry_after: Duration::from_secs(1),
+            problem_type_base: Cow::Borrowed(DEFAULT_TYPE_BASE),
+            problem_renderer: None,
+        }
+    }
+}
+
+impl Config {
+    pub(crate) fn covers(&self, method: &Method) -> bool {
+        self.methods.contains(method)
+    }
+
+    pub(crate) fn problem(&self, mut problem: Problem) -> HttpResponse {
+        problem.type_base = self.problem_type_base.clone();
+        match &self.problem_renderer {
+            Some(render) => {
+                let mut response = render(&problem);
+                problem.enforce_on(&mut response);
+                response
+            }
+            None => problem.to_response(),
+        }
+    }
+}
+
+/// Builds an [`Idempotency`] middleware; start with [`Idempotency::builder`].
+///
+/// ```
+/// use std::time::Duration;
+/// use idempotency_actix::{store::MemoryStore, Idempotency};
+///
+/// let middleware = Idempotency::builder(MemoryStore::new())
+///     .required(true)
+///     .tenant_header("x-tenant-id")
+///     .ttl(Duration::from_secs(7 * 24 * 3600))
+///     .wait_for_in_flight(Duration::from_secs(5))
+///     .build();
+/// ```
+pub struct IdempotencyBuilder<S> {
+    store: S,
+    config: Config,
+}
+
+impl<S> IdempotencyBuilder<S> {
+    pub(crate) fn new(store: S) -> Self {
+        Self {
+            store,
+            config: Config::default(),
+        }
+    }
+
+    /// The request header carrying the key. Default `Idempotency-Key`.
+    pub fn header_name(mut self, name: HeaderName) -> Self {
+        self.config.header_name = name;
+        self
+    }
+
+    /// The methods the middleware covers; others pass through untouched. Default POST, PATCH.
+    pub fn methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
+        self.config.methods = methods.into_iter().collect();
+        self
+    }
+
+    /// Answer 400 `MISSING_KEY` to covered requests without a key. Default `false`: they pass
+    /// through, so the middleware can be added before every client sends keys.
+    pub fn required(mut self, required: bool) -> Self {
+        self.config.required = required;
+        self
+    }
+
+    /// How long a completed response is replayed. Default 24 hours. After it, the key is free.
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.config.ttl = ttl;
+        self
+    }
+
+    /// The lease of a reservation. Default 60 s. A handler that runs longer than this can be
+    /// overtaken by a retry (and its own completion is then discarded), so set it above your
+    /// slowest handler's timeout.
+    pub fn lock_timeout(mut self, lease: Duration) -> Self {
+        self.config.lock_timeout = lease;
+        self
+    }
+
+    /// Longest accepted key in bytes. Default 255.
+    pub fn max_key_len(mut self, max: usize) -> Self {
+        self.config.max_key_len = max;
+        self
+    }
+
+    /// Largest request body buffered for the fingerprint; larger bodies get 413. Default 1 MiB.
+    pub fn max_body_bytes(mut self, max: usize) -> Self {
+        self.config.max_body_bytes = max;
+        self
+    }
+
+    /// Largest response that is stored; larger ones are passed through unbuffered and the key is
+    /// released. Default 1 MiB.
+    pub fn max_response_bytes(mut self, max: usize) -> Self {
+        self.config.max_response_bytes = max;
+        self
+    }
+
+    /// Take the tenant from a request header (set by your gateway or auth layer, never by the
+    /// client itself). See [`tenant`](Self::tenant).
+    pub fn tenant_header(self, name: &'static str) -> Self {
+        let name = HeaderName::from_static(name);
+        self.tenant(move |req: &ServiceRequest| {
+            req.headers()
+                .get(&name)
+                .map(|value| tenant_from_bytes(value.as_bytes()))
+        })
+    }
+
+    /// Derive the tenant of a request, e.g. from an authenticated principal in the request's
+    /// extensions. Records are scoped by (tenant, method, path, key).
+    ///
+    /// **Without a tenant, the scope is global**: two customers who happen to send the same key
+    /// to the same path share one record, and the second gets the first one's response (or a
+    /// 422). Random UUID keys make that unlikely, but "unlikely" is not a guarantee you want for
+    /// someone else's payment receipt. Any API with more than one customer should set this.
+    /// `None` (and the empty string) mean the global scope.
+    pub fn tenant<F>(mut self, tenant: F) -> Self
+    where
+        F: Fn(&ServiceRequest) -> Option<String> + Send + Sync + 'static,
+    {
+        self.config.tenant = Some(Arc::new(tenant));
+        self
+    }
+
+    /// Which statuses are stored; others release the key so the client can retry. Default: 2xx.
+    ///
+    /// ```
+    /// # use idempotency_actix::{store::MemoryStore, Idempotency};
+    /// // Also replay 4xx validation errors, as some APIs do; never a 5xx.
+    /// let m = Idempotency::builder(MemoryStore::new())
+    ///     .store_statuses(|status| status.is_success() || status.is_client_error())
+    ///     .build();
+    /// ```
+    pub fn store_statuses<F>(mut self, filter: F) -> Self
+    where
+        F: Fn(StatusCode) -> bool + Send + Sync + 'static,
+    {
+        self.config.store_status = Arc::new(filter);
+        self
+    }
+
+    /// A further condition over the whole response; both it and the status filter must agree.
+    ///
+    /// Example: a 200 whose JSON body reports `"status": "partial"` or `"failed"` is not a
+    /// final answer, so it is not stored and the client may retry with the same key.
+    ///
+    /// ```
+    /// # use idempotency_actix::{store::MemoryStore, Idempotency};
+    /// let m = Idempotency::builder(MemoryStore::new())
+    ///     .store_if(|response| {
+    ///         let status = serde_json::from_slice::<serde_json::Value>(response.body)
+    ///             .ok()
+    ///             .and_then(|json| json.get("status")?.as_str().map(str::to_owned));
+    ///         !matches!(status.as_deref(), Some("partial" | "failed"))
+    ///     })
+    ///     .build();
+    /// ```
+    pub fn store_if<F>(mut self, predicate: F) -> Self
+    where
+        F: Fn(&ResponseParts<'_>) -> bool + Send + Sync + 'static,
+    {
+        self.config.store_if = Some(Arc::new(predicate));
+        self
+    }
+
+    /// Instead of answering 409 at once, wait up to `wait` for the first request to finish and
+    /// replay its response (or, if it was released, run this one). Default: off.
+    pub fn wait_for_in_flight(mut self, wait: Duration) -> Self {
+        self.config.wait_for_in_flight = Some(wait).filter(|w| !w.is_zero());
+        self
+    }
+
+    /// When the store is unavailable before the handler runs, run the request anyway (without
+    /// idempotency) instead of answering 503. Default `false`: for payments, refusing is safer.
+    pub fn fail_open(mut self, fail_open: bool) -> Self {
+        self.config.fail_open = fail_open;
+        self
+    }
+
+    /// More response headers never to store or replay, on top of `Set-Cookie` and the
+    /// hop-by-hop and framing headers that are always dropped.
+    pub fn deny_headers(mut self, names: impl IntoIterator<Item = HeaderName>) -> Self {
+        self.config.deny_headers.extend(names);
+        self
+    }
+
+    /// `Retry-After` of 409 and 503 answers. Default 1 s.
+    pub fn retry_after(mut self, retry_after: Duration) -> Self {
+        self.config.retry_after = retry_after;
+        self
+    }
+
+    /// Base of the problem `type` URIs (the slug is appended), e.g.
+    /// `https://api.example.com/problems/`. Default: this crate's docs.
+    pub fn problem_type_base(mut self, base: impl Into<Cow<'static, str>>) -> Self {
+        self.config.problem_type_base = base.into();
+        self
+    }
+
+    /// Render problems yourself. The status and `Retry-After` are set again afterwards.
+    pub fn problem_renderer<F>(mut self, render: F) -> Self
+    where
+        F: Fn(&Problem) -> HttpResponse + Send + Sync + 'static,
+    {
+        self.config.problem_renderer = Some(Arc::new(render));
+        self
+    }
+
+    /// The middleware.
+    pub fn build(self) -> Idempotency<S> {
+        Idempotency::from_parts(self.store, self.config)
+    }
+}
+
+/// A tenant header value as a string. Non-UTF-8 values are hex-encoded behind a control
+/// character that a valid header value can never contain, so no two values share a tenant.
+pub(crate) fn tenant_from_bytes(bytes: &[u8]) -> String {
+    match std::str::from_utf8(bytes) {
+        Ok(s) => s.to_owned(),
+        Err(_) => {
+            let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+            format!("\u{1}{hex}")
+        }
+    }
+}

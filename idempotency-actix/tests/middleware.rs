@@ -1,0 +1,714 @@
+//! The contract (C1-C14, C17) through real requests to an actix service on the memory store.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix_web::body::{to_bytes, MessageBody};
+use actix_web::dev::{Service, ServiceResponse};
+use actix_web::http::header::{HeaderName, HeaderValue};
+use actix_web::http::StatusCode;
+use actix_web::test::{call_service, init_service, TestRequest};
+use actix_web::{web, App, HttpRequest, HttpResponse};
+use bytes::Bytes;
+use futures_util::future::join_all;
+use idempotency_actix::store::{
+    Fingerprint, IdempotencyStore, MemoryStore, ReservationToken, ReserveOutcome, Scope,
+    StoreError, StoredResponse, WriteOutcome,
+};
+use idempotency_actix::{Idempotency, IdempotencyBuilder, IdempotencyKey};
+use serde_json::{json, Value};
+
+/// Counts handler executions; the handler echoes the body and the execution number.
+#[derive(Clone, Default)]
+struct Counter(Arc<AtomicUsize>);
+
+impl Counter {
+    fn get(&self) -> usize {
+        self.0.load(Ordering::SeqCst)
+    }
+}
+
+async fn echo(counter: web::Data<Counter>, body: Bytes) -> HttpResponse {
+    let n = counter.0.fetch_add(1, Ordering::SeqCst) + 1;
+    HttpResponse::Created()
+        .insert_header(("x-execution", n.to_string()))
+        .insert_header(("set-cookie", "session=secret"))
+        .insert_header(("x-secret", "do-not-store"))
+        .content_type("application/octet-stream")
+        .body(body)
+}
+
+async fn slow(counter: web::Data<Counter>) -> HttpResponse {
+    let n = counter.0.fetch_add(1, Ordering::SeqCst) + 1;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    HttpResponse::Ok().body(format!("execution {n}"))
+}
+
+/// The first execution outlives its lease; later ones are quick.
+async fn lease_outliving(counter: web::Data<Counter>) -> HttpResponse {
+    let n = counter.0.fetch_add(1, Ordering::SeqCst) + 1;
+    if n == 1 {
+        tokio::time::sleep(Duration::from_millis(700)).await;
+    }
+    HttpResponse::Ok().body(format!("execution {n}"))
+}
+
+async fn status_from_query(counter: web::Data<Counter>, req: HttpRequest) -> HttpResponse {
+    counter.0.fetch_add(1, Ordering::SeqCst);
+    let status = req.query_string().parse::<u16>().unwrap_or(200);
+    HttpResponse::build(StatusCode::from_u16(status).unwrap()).body("status")
+}
+
+async fn json_status(counter: web::Data<Counter>, body: web::Json<Value>) -> HttpResponse {
+    counter.0.fetch_add(1, Ordering::SeqCst);
+    HttpResponse::Ok().json(json!({ "status": body["want"] }))
+}
+
+async fn big_stream(counter: web::Data<Counter>) -> HttpResponse {
+    counter.0.fetch_add(1, Ordering::SeqCst);
+    let chunks = (0..64).map(|_| Ok::<_, std::io::Error>(Bytes::from(vec![b'x'; 1024])));
+    HttpResponse::Ok().streaming(futures_util::stream::iter(chunks))
+}
+
+async fn key_echo(key: Option<IdempotencyKey>) -> HttpResponse {
+    HttpResponse::Ok().body(key.map(IdempotencyKey::into_string).unwrap_or_default())
+}
+
+type Configure = fn(IdempotencyBuilder<MemoryStore>) -> IdempotencyBuilder<MemoryStore>;
+
+fn default_config(b: IdempotencyBuilder<MemoryStore>) -> IdempotencyBuilder<MemoryStore> {
+    b
+}
+
+async fn app_with(
+    counter: &Counter,
+    configure: Configure,
+) -> impl Service<
+    actix_http::Request,
+    Response = ServiceResponse<impl MessageBody>,
+    Error = actix_web::Error,
+> {
+    let middleware = configure(Idempotency::builder(MemoryStore::new())).build();
+    init_service(
+        App::new()
+            .app_data(web::Data::new(counter.clone()))
+            .wrap(middleware)
+            .route("/echo", web::post().to(echo))
+            .route("/echo", web::get().to(echo))
+            .route("/slow", web::post().to(slow))
+            .route("/lease", web::post().to(lease_outliving))
+            .route("/status", web::post().to(status_from_query))
+            .route("/json-status", web::post().to(json_status))
+            .route("/big", web::post().to(big_stream))
+            .route("/key", web::post().to(key_echo)),
+    )
+    .await
+}
+
+fn post(path: &str, key: &str) -> TestRequest {
+    TestRequest::post()
+        .uri(path)
+        .insert_header(("idempotency-key", key))
+}
+
+struct Reply {
+    status: StatusCode,
+    headers: actix_web::http::header::HeaderMap,
+    body: Bytes,
+}
+
+impl Reply {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+
+    fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).expect("a JSON body")
+    }
+
+    fn replayed(&self) -> bool {
+        self.header("idempotent-replayed") == Some("true")
+    }
+
+    fn assert_problem(&self, status: u16, code: &str) {
+        assert_eq!(self.status.as_u16(), status, "body: {:?}", self.body);
+        assert_eq!(
+            self.header("content-type"),
+            Some("application/problem+json")
+        );
+        let json = self.json();
+        assert_eq!(json["code"], code);
+        assert_eq!(json["status"], status);
+        assert!(json["type"]
+            .as_str()
+            .is_some_and(|t| t.starts_with("https://")));
+        assert!(json["title"].is_string() && json["detail"].is_string());
+    }
+}
+
+async fn send<S, B>(app: &S, req: TestRequest) -> Reply
+where
+    S: Service<actix_http::Request, Response = ServiceResponse<B>, Error = actix_web::Error>,
+    B: MessageBody,
+{
+    send_raw(app, req.to_request()).await
+}
+
+/// The request with its body replaced by a stream of chunks and no Content-Length.
+fn chunked(req: TestRequest, chunks: Vec<Bytes>) -> actix_http::Request {
+    let stream = futures_util::stream::iter(chunks.into_iter().map(Ok));
+    let boxed: actix_http::BoxedPayloadStream = Box::pin(stream);
+    let (mut req, _) = req
+        .to_request()
+        .replace_payload(actix_http::Payload::from(boxed));
+    req.headers_mut().remove("content-length");
+    req.headers_mut().insert(
+        actix_web::http::header::TRANSFER_ENCODING,
+        HeaderValue::from_static("chunked"),
+    );
+    req
+}
+
+async fn send_raw<S, B>(app: &S, req: actix_http::Request) -> Reply
+where
+    S: Service<actix_http::Request, Response = ServiceResponse<B>, Error = actix_web::Error>,
+    B: MessageBody,
+{
+    let response = call_service(app, req).await;
+    let status = response.status();
+    let headers = response.headers().clone();
+    let body = to_bytes(response.into_body()).await.unwrap_or_default();
+    Reply {
+        status,
+        headers,
+        body,
+    }
+}
+
+#[actix_web::test]
+async fn first_request_runs_and_retry_replays_byte_for_byte() {
+    let counter = Counter::default();
+    let app = app_with(&counter, default_config).await;
+    let binary: Vec<u8> = (0..=255u8).rev().chain([0, 0xff, 0xfe]).collect();
+    let first = send(&app, post("/echo", "k1").set_payload(binary.clone())).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert!(!first.replayed());
+    assert_eq!(
+        first.header("set-cookie"),
+        Some("session=secret"),
+        "the first response is untouched"
+    );
+
+    let retry = send(&app, post("/echo", "k1").set_payload(binary.clone())).await;
+    assert_eq!(counter.get(), 1, "C6: the handler must not run again");
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(
+        retry.replayed(),
+        "C6: replays carry Idempotent-Replayed: true"
+    );
+    assert_eq!(
+        retry.body,
+        Bytes::from(binary),
+        "C6: binary bodies replay byte for byte"
+    );
+    assert_eq!(retry.header("x-execution"), Some("1"));
+    assert_eq!(
+        retry.header("content-type"),
+        Some("application/octet-stream")
+    );
+    assert_eq!(
+        retry.header("set-cookie"),
+        None,
+        "C11: Set-Cookie is never replayed"
+    );
+}
+
+#[actix_web::test]
+async fn deny_listed_headers_are_not_replayed() {
+    let counter = Counter::default();
+    let app = app_with(&counter, |b| {
+        b.deny_headers([HeaderName::from_static("x-secret")])
+    })
+    .await;
+    let first = send(&app, post("/echo", "k").set_payload("a")).await;
+    assert_eq!(first.header("x-secret"), Some("do-not-store"));
+    let retry = send(&app, post("/echo", "k").set_payload("a")).await;
+    assert!(retry.replayed());
+    assert_eq!(retry.header("x-secret"), None);
+    assert_eq!(retry.header("x-execution"), Some("1"));
+}
+
+#[actix_web::test]
+async fn same_key_other_request_is_422_and_changes_nothing() {
+    let counter = Counter::default();
+    let app = app_with(&counter, default_config).await;
+    send(&app, post("/echo", "k").set_payload("amount=10")).await;
+    for req in [
+        post("/echo", "k").set_payload("amount=11"),
+        post("/echo?x=1", "k").set_payload("amount=10"),
+    ] {
+        send(&app, req)
+            .await
+            .assert_problem(422, "FINGERPRINT_MISMATCH");
+    }
+    // A different path is another scope, not a mismatch.
+    assert_eq!(send(&app, post("/key", "k")).await.status, StatusCode::OK);
+    let retry = send(&app, post("/echo", "k").set_payload("amount=10")).await;
+    assert!(
+        retry.replayed() && retry.body == "amount=10",
+        "the original record is intact"
+    );
+    assert_eq!(counter.get(), 1);
+}
+
+#[actix_web::test]
+async fn same_json_in_another_key_order_replays() {
+    let counter = Counter::default();
+    let app = app_with(&counter, default_config).await;
+    let a = post("/echo", "j")
+        .insert_header(("content-type", "application/json"))
+        .set_payload(r#"{"amount":100,"currency":"EUR","meta":{"a":1,"b":[1,2]}}"#);
+    let b = post("/echo", "j")
+        .insert_header(("content-type", "application/json; charset=utf-8"))
+        .set_payload(
+            "{ \"meta\": {\"b\": [1, 2], \"a\": 1},\n \"currency\": \"EUR\", \"amount\": 100 }",
+        );
+    send(&app, a).await;
+    let retry = send(&app, b).await;
+    assert!(
+        retry.replayed(),
+        "C4: key order and whitespace do not make another request"
+    );
+    let reordered_array = post("/echo", "j")
+        .insert_header(("content-type", "application/json"))
+        .set_payload(r#"{"amount":100,"currency":"EUR","meta":{"a":1,"b":[2,1]}}"#);
+    send(&app, reordered_array)
+        .await
+        .assert_problem(422, "FINGERPRINT_MISMATCH");
+    assert_eq!(counter.get(), 1);
+}
+
+#[actix_web::test]
+async fn concurrent_duplicates_run_the_handler_once_and_get_409() {
+    let counter = Counter::default();
+    let app = app_with(&counter, default_config).await;
+    let replies =
+        join_all((0..32).map(|_| send(&app, post("/slow", "same").set_payload("x")))).await;
+    assert_eq!(counter.get(), 1, "C5: exactly one execution");
+    let ok: Vec<_> = replies
+        .iter()
+        .filter(|r| r.status == StatusCode::OK)
+        .collect();
+    assert_eq!(ok.len(), 1);
+    assert_eq!(ok[0].body, "execution 1");
+    for reply in replies.iter().filter(|r| r.status != StatusCode::OK) {
+        reply.assert_problem(409, "CONFLICT");
+        assert_eq!(
+            reply.header("retry-after"),
+            Some("1"),
+            "C8: 409 carries Retry-After"
+        );
+    }
+    // A different body while in flight is a mismatch, not a conflict (C7).
+    let (running, mismatch) =
+        tokio::join!(send(&app, post("/slow", "other").set_payload("x")), async {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            send(&app, post("/slow", "other").set_payload("y")).await
+        });
+    assert_eq!(running.status, StatusCode::OK);
+    mismatch.assert_problem(422, "FINGERPRINT_MISMATCH");
+}
+
+#[actix_web::test]
+async fn wait_mode_replays_to_concurrent_duplicates() {
+    let counter = Counter::default();
+    let app = app_with(&counter, |b| b.wait_for_in_flight(Duration::from_secs(5))).await;
+    let replies =
+        join_all((0..32).map(|_| send(&app, post("/slow", "same").set_payload("x")))).await;
+    assert_eq!(counter.get(), 1, "C5: exactly one execution");
+    assert!(replies
+        .iter()
+        .all(|r| r.status == StatusCode::OK && r.body == "execution 1"));
+    assert_eq!(replies.iter().filter(|r| r.replayed()).count(), 31);
+}
+
+#[actix_web::test]
+async fn wait_mode_gives_up_with_409_after_the_wait() {
+    let counter = Counter::default();
+    let app = app_with(&counter, |b| {
+        b.wait_for_in_flight(Duration::from_millis(100))
+    })
+    .await;
+    let (first, second) = tokio::join!(send(&app, post("/slow", "w").set_payload("x")), async {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        send(&app, post("/slow", "w").set_payload("x")).await
+    });
+    assert_eq!(first.status, StatusCode::OK);
+    second.assert_problem(409, "CONFLICT");
+}
+
+#[actix_web::test]
+async fn expired_lease_is_taken_over_and_the_stale_completion_is_discarded() {
+    let counter = Counter::default();
+    let app = app_with(&counter, |b| b.lock_timeout(Duration::from_millis(200))).await;
+    let (first, second) = tokio::join!(send(&app, post("/lease", "l").set_payload("x")), async {
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        send(&app, post("/lease", "l").set_payload("x")).await
+    });
+    assert_eq!(
+        counter.get(),
+        2,
+        "the retry after the lease took over and ran"
+    );
+    assert_eq!(second.body, "execution 2");
+    assert_eq!(
+        first.body, "execution 1",
+        "the stale holder's client still gets its response"
+    );
+    let replay = send(&app, post("/lease", "l").set_payload("x")).await;
+    assert!(replay.replayed());
+    assert_eq!(
+        replay.body, "execution 2",
+        "C9: the stale holder's completion was rejected"
+    );
+    assert_eq!(counter.get(), 2);
+}
+
+#[actix_web::test]
+async fn tenants_never_see_each_others_records() {
+    let counter = Counter::default();
+    let app = app_with(&counter, |b| b.tenant_header("x-tenant")).await;
+    let a = send(
+        &app,
+        post("/echo", "k")
+            .insert_header(("x-tenant", "A"))
+            .set_payload("a"),
+    )
+    .await;
+    assert_eq!(a.status, StatusCode::CREATED);
+    // Same key and body from tenant B: its own execution, not A's replay.
+    let b = send(
+        &app,
+        post("/echo", "k")
+            .insert_header(("x-tenant", "B"))
+            .set_payload("a"),
+    )
+    .await;
+    assert!(!b.replayed());
+    assert_eq!(b.header("x-execution"), Some("2"));
+    // Built to collide if tenant and key were joined with a delimiter.
+    let c = send(
+        &app,
+        post("/echo", "B:k")
+            .insert_header(("x-tenant", "A"))
+            .set_payload("a"),
+    )
+    .await;
+    let d = send(
+        &app,
+        post("/echo", "k")
+            .insert_header(("x-tenant", "A:B"))
+            .set_payload("a"),
+    )
+    .await;
+    assert!(!c.replayed() && !d.replayed());
+    // No tenant header is the global scope, also separate.
+    let e = send(&app, post("/echo", "k").set_payload("a")).await;
+    assert!(!e.replayed());
+    assert_eq!(counter.get(), 5);
+    let again = send(
+        &app,
+        post("/echo", "k")
+            .insert_header(("x-tenant", "B"))
+            .set_payload("a"),
+    )
+    .await;
+    assert!(again.replayed());
+    assert_eq!(again.header("x-execution"), Some("2"));
+}
+
+#[actix_web::test]
+async fn keys_are_parsed_as_sf_strings_or_bare_tokens() {
+    let counter = Counter::default();
+    let app = app_with(&counter, default_config).await;
+    let quoted = send(&app, post("/key", r#""a \"b\" c""#)).await;
+    assert_eq!(
+        quoted.body, r#"a "b" c"#,
+        "C17: the handler sees the parsed key"
+    );
+    // The bare token k and the sf-string "k" are the same key.
+    send(&app, post("/echo", "k").set_payload("x")).await;
+    assert!(send(&app, post("/echo", "\"k\"").set_payload("x"))
+        .await
+        .replayed());
+
+    let long = "a".repeat(256);
+    send(&app, post("/echo", &long))
+        .await
+        .assert_problem(400, "KEY_TOO_LONG");
+    let multibyte = HeaderValue::from_bytes("é".repeat(200).as_bytes()).unwrap();
+    send(
+        &app,
+        TestRequest::post()
+            .uri("/echo")
+            .insert_header(("idempotency-key", multibyte)),
+    )
+    .await
+    .assert_problem(400, "KEY_TOO_LONG");
+    for bad in ["\"\"", "\"abc", r#""a\q""#, "a b", "\"a\"x"] {
+        send(&app, post("/echo", bad))
+            .await
+            .assert_problem(400, "INVALID_KEY");
+    }
+    let control = HeaderValue::from_bytes(b"a\tb").unwrap(); // HTAB is the one control char HTTP lets through
+    send(
+        &app,
+        TestRequest::post()
+            .uri("/echo")
+            .insert_header(("idempotency-key", control)),
+    )
+    .await
+    .assert_problem(400, "INVALID_KEY");
+    let twice = TestRequest::post()
+        .uri("/echo")
+        .append_header(("idempotency-key", "a"))
+        .append_header(("idempotency-key", "a"));
+    send(&app, twice).await.assert_problem(400, "INVALID_KEY");
+    assert_eq!(counter.get(), 1, "rejected keys never reach the handler");
+}
+
+#[actix_web::test]
+async fn missing_key_passes_through_unless_required() {
+    let counter = Counter::default();
+    let app = app_with(&counter, default_config).await;
+    for _ in 0..2 {
+        let reply = send(&app, TestRequest::post().uri("/echo").set_payload("x")).await;
+        assert_eq!(reply.status, StatusCode::CREATED);
+        assert!(!reply.replayed());
+    }
+    assert_eq!(counter.get(), 2);
+
+    let required = app_with(&counter, |b| b.required(true)).await;
+    send(&required, TestRequest::post().uri("/echo"))
+        .await
+        .assert_problem(400, "MISSING_KEY");
+    // Methods that are not covered pass through untouched, key or not.
+    let get = send(&required, TestRequest::get().uri("/echo")).await;
+    assert_eq!(get.status, StatusCode::CREATED);
+    let get = send(
+        &required,
+        TestRequest::get()
+            .uri("/echo")
+            .insert_header(("idempotency-key", "\"bad")),
+    )
+    .await;
+    assert_eq!(get.status, StatusCode::CREATED, "C1: GET is not covered");
+    assert_eq!(counter.get(), 4);
+}
+
+#[actix_web::test]
+async fn non_2xx_is_released_so_the_key_can_be_retried() {
+    let counter = Counter::default();
+    let app = app_with(&counter, default_config).await;
+    assert_eq!(
+        send(&app, post("/status?500", "s")).await.status.as_u16(),
+        500
+    );
+    assert_eq!(
+        send(&app, post("/status?500", "s")).await.status.as_u16(),
+        500
+    );
+    assert_eq!(counter.get(), 2, "C10: a 5xx is not stored");
+    let ok = send(&app, post("/status?200", "s2")).await;
+    assert!(!ok.replayed());
+    assert!(send(&app, post("/status?200", "s2")).await.replayed());
+    assert_eq!(counter.get(), 3);
+
+    let lenient = app_with(&counter, |b| {
+        b.store_statuses(|s| s.is_success() || s.is_client_error())
+    })
+    .await;
+    send(&lenient, post("/status?404", "s3")).await;
+    assert!(
+        send(&lenient, post("/status?404", "s3")).await.replayed(),
+        "configured statuses are stored"
+    );
+}
+
+#[actix_web::test]
+async fn store_if_keeps_partial_results_out_of_the_store() {
+    let counter = Counter::default();
+    let app = app_with(&counter, |b| {
+        b.store_if(|r| {
+            let json: Option<Value> = serde_json::from_slice(r.body).ok();
+            let status = json.as_ref().and_then(|j| j["status"].as_str());
+            !matches!(status, Some("partial" | "failed"))
+        })
+    })
+    .await;
+    let partial = || {
+        post("/json-status", "p")
+            .insert_header(("content-type", "application/json"))
+            .set_payload(r#"{"want":"partial"}"#)
+    };
+    assert_eq!(send(&app, partial()).await.json()["status"], "partial");
+    assert!(
+        !send(&app, partial()).await.replayed(),
+        "a partial result is not stored"
+    );
+    assert_eq!(counter.get(), 2);
+    let done = || {
+        post("/json-status", "d")
+            .insert_header(("content-type", "application/json"))
+            .set_payload(r#"{"want":"succeeded"}"#)
+    };
+    send(&app, done()).await;
+    assert!(send(&app, done()).await.replayed());
+    assert_eq!(counter.get(), 3);
+}
+
+#[actix_web::test]
+async fn bodies_over_the_limit_get_413_however_they_arrive() {
+    let counter = Counter::default();
+    let app = app_with(&counter, |b| b.max_body_bytes(1024)).await;
+    let big = vec![b'a'; 2048];
+    // Declared too large.
+    send(&app, post("/echo", "b1").set_payload(big.clone()))
+        .await
+        .assert_problem(413, "PAYLOAD_TOO_LARGE");
+    // Content-Length lies (claims 10 bytes).
+    let lying = post("/echo", "b2")
+        .set_payload(big.clone())
+        .insert_header(("content-length", "10"));
+    send(&app, lying)
+        .await
+        .assert_problem(413, "PAYLOAD_TOO_LARGE");
+    // No Content-Length at all: a chunked stream.
+    let stream = chunked(post("/echo", "b3"), vec![Bytes::from(vec![b'c'; 300]); 8]);
+    send_raw(&app, stream)
+        .await
+        .assert_problem(413, "PAYLOAD_TOO_LARGE");
+    assert_eq!(counter.get(), 0);
+    // At the limit is fine.
+    let exact = send(&app, post("/echo", "b4").set_payload(vec![b'a'; 1024])).await;
+    assert_eq!(exact.status, StatusCode::CREATED);
+    assert_eq!(
+        exact.body.len(),
+        1024,
+        "the handler got the whole buffered body"
+    );
+}
+
+#[actix_web::test]
+async fn large_streaming_responses_pass_through_and_release_the_key() {
+    let counter = Counter::default();
+    let app = app_with(&counter, |b| b.max_response_bytes(8 * 1024)).await;
+    let first = send(&app, post("/big", "big")).await;
+    assert_eq!(
+        first.body.len(),
+        64 * 1024,
+        "the whole stream reaches the client"
+    );
+    assert!(first.body.iter().all(|b| *b == b'x'));
+    let second = send(&app, post("/big", "big")).await;
+    assert!(!second.replayed(), "C10: too large to store, so released");
+    assert_eq!(second.body.len(), 64 * 1024);
+    assert_eq!(counter.get(), 2);
+}
+
+#[actix_web::test]
+async fn problems_use_the_configured_type_base_and_renderer() {
+    let counter = Counter::default();
+    let app = app_with(&counter, |b| {
+        b.problem_type_base("https://api.example.com/problems/")
+    })
+    .await;
+    let reply = send(&app, post("/echo", "\"open")).await;
+    assert_eq!(
+        reply.json()["type"],
+        "https://api.example.com/problems/invalid-key"
+    );
+
+    let custom = app_with(&counter, |b| {
+        b.required(true)
+            .problem_renderer(|p| HttpResponse::Ok().json(json!({ "error": p.code.as_str() })))
+    })
+    .await;
+    let reply = send(&custom, TestRequest::post().uri("/echo")).await;
+    assert_eq!(
+        reply.status,
+        StatusCode::BAD_REQUEST,
+        "a renderer cannot lose the status"
+    );
+    assert_eq!(reply.json()["error"], "MISSING_KEY");
+}
+
+/// A store whose backend is down: the one place a real part cannot be had in this crate.
+#[derive(Clone, Default)]
+struct DownStore;
+
+impl IdempotencyStore for DownStore {
+    async fn reserve(
+        &self,
+        _: &Scope,
+        _: &Fingerprint,
+        _: Duration,
+    ) -> Result<ReserveOutcome, StoreError> {
+        Err(StoreError::unavailable("connection refused"))
+    }
+    async fn complete(
+        &self,
+        _: &Scope,
+        _: &ReservationToken,
+        _: &StoredResponse,
+        _: Duration,
+    ) -> Result<WriteOutcome, StoreError> {
+        Err(StoreError::unavailable("connection refused"))
+    }
+    async fn release(&self, _: &Scope, _: &ReservationToken) -> Result<WriteOutcome, StoreError> {
+        Err(StoreError::unavailable("connection refused"))
+    }
+    async fn purge_expired(&self, _: Duration) -> Result<u64, StoreError> {
+        Err(StoreError::unavailable("connection refused"))
+    }
+}
+
+#[actix_web::test]
+async fn store_down_fails_closed_with_503_or_open_when_asked() {
+    for fail_open in [false, true] {
+        let counter = Counter::default();
+        let app = init_service(
+            App::new()
+                .app_data(web::Data::new(counter.clone()))
+                .wrap(Idempotency::builder(DownStore).fail_open(fail_open).build())
+                .route("/echo", web::post().to(echo)),
+        )
+        .await;
+        let reply = send(&app, post("/echo", "k").set_payload("x")).await;
+        if fail_open {
+            assert_eq!(reply.status, StatusCode::CREATED);
+            assert_eq!(counter.get(), 1);
+        } else {
+            reply.assert_problem(503, "STORAGE_UNAVAILABLE");
+            assert_eq!(reply.header("retry-after"), Some("1"));
+            assert_eq!(counter.get(), 0, "C15: the handler does not run");
+        }
+    }
+}
+
+#[actix_web::test]
+async fn streaming_request_bodies_reach_the_handler_intact() {
+    let counter = Counter::default();
+    let app = app_with(&counter, default_config).await;
+    let parts = [&b"hello "[..], b"chunked ", b"world"]
+        .map(Bytes::from_static)
+        .to_vec();
+    let reply = send_raw(&app, chunked(post("/echo", "s"), parts)).await;
+    assert_eq!(reply.body, "hello chunked world");
+    let replay = send(&app, post("/echo", "s").set_payload("hello chunked world")).await;
+    assert!(
+        replay.replayed(),
+        "a chunked body fingerprints like the same bytes sent at once"
+    );
+}
