@@ -1,1 +1,118 @@
-fn main() {}
+//! `idem-cli`: provision, inspect and purge the idempotency-actix PostgreSQL table.
+//!
+//! Run by deploy pipelines and cron, so it is built to be boring: one summary line per command,
+//! one line on stderr per failure, documented exit codes (see [`error::code`]), no panics on
+//! anything a user or a database controls.
+#![forbid(unsafe_code)]
+
+use std::io::Write;
+use std::process::ExitCode;
+
+use clap::error::ErrorKind;
+use clap::Parser;
+
+/// Await a diesel-async query on `$conn`; on failure return the classified [`error::CliError`].
+/// The failed query's future (which borrows the connection) is dropped before the connection is
+/// used again to ask whether the table exists.
+macro_rules! sql {
+    ($conn:expr, $query:expr) => {{
+        let result = $query.await;
+        match result {
+            Ok(value) => value,
+            Err(err) => return Err($crate::db::classify($conn, err).await),
+        }
+    }};
+}
+
+mod cli;
+mod commands;
+mod db;
+mod duration;
+mod error;
+mod output;
+mod record;
+
+use cli::{Cli, Command};
+use error::{code, CliError};
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(err) => return clap_exit(err),
+    };
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(err) => return fail(&CliError::Other(format!("cannot start the runtime: {err}"))),
+    };
+    match runtime.block_on(run(cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => fail(&err),
+    }
+}
+
+async fn run(cli: Cli) -> Result<(), CliError> {
+    let url = cli.database_url.as_deref().ok_or_else(|| {
+        CliError::Usage("no database: pass --database-url or set DATABASE_URL".into())
+    })?;
+    let timeout = cli.connect_timeout.0;
+    let mut out = output::Out::new();
+    if let Command::Migrate(args) = &cli.command {
+        return commands::migrate::run(url, timeout, args, cli.format, &mut out).await;
+    }
+    let mut conn = db::connect(url, timeout).await?;
+    let conn = &mut conn;
+    match &cli.command {
+        Command::Migrate(_) => Ok(()),
+        Command::Purge(args) => commands::purge::run(conn, args, cli.format, &mut out).await,
+        Command::List(args) => commands::list::run(conn, args, cli.format, &mut out).await,
+        Command::Show(args) => commands::show::run(conn, args, cli.format, &mut out).await,
+        Command::Stats => commands::stats::run(conn, cli.format, &mut out).await,
+        Command::Release(args) => commands::release::run(conn, args, cli.format, &mut out).await,
+    }
+}
+
+/// Print one line on stderr and map the error to its exit code.
+fn fail(err: &CliError) -> ExitCode {
+    if !matches!(err, CliError::BrokenPipe) {
+        // If stderr itself is gone there is nobody to tell; the exit code still says it.
+        let _ = writeln!(std::io::stderr(), "idem-cli: {err}");
+    }
+    err.exit_code()
+}
+
+/// `--help` and `--version` print in full and exit 0. Usage errors become one line (clap's
+/// first line, plus its "tip" when it has one, e.g. a similarly named flag) and exit 2.
+fn clap_exit(err: clap::Error) -> ExitCode {
+    match err.kind() {
+        ErrorKind::DisplayHelp
+        | ErrorKind::DisplayVersion
+        | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
+            let _ = err.print();
+            if err.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand {
+                ExitCode::from(code::USAGE)
+            } else {
+                ExitCode::SUCCESS
+            }
+        }
+        _ => {
+            let rendered = err.render().to_string();
+            let mut lines = rendered.lines().map(str::trim).filter(|l| !l.is_empty());
+            let first = lines
+                .next()
+                .unwrap_or("invalid arguments")
+                .trim_start_matches("error: ");
+            let tip = lines
+                .find(|l| l.starts_with("tip:"))
+                .map(|t| format!("; {t}"))
+                .unwrap_or_default();
+            let _ = writeln!(
+                std::io::stderr(),
+                "idem-cli: {first}{tip} (see `idem-cli --help`)"
+            );
+            ExitCode::from(code::USAGE)
+        }
+    }
+}

@@ -1,0 +1,244 @@
+//! `idem-cli purge` (contract C19): delete expired records in bounded batches.
+//!
+//! Design, for a table that live payment traffic writes to:
+//! - Each batch is one `DELETE` statement in autocommit, so it is its own short transaction and
+//!   holds row locks only on the rows it deletes, only for that statement.
+//! - Candidates are picked with `FOR UPDATE SKIP LOCKED`: a row a request is working on right now
+//!   is skipped (the next run gets it) rather than waited for, so purge never queues behind
+//!   traffic, and traffic waits on purge at most one batch.
+//! - `FOR UPDATE` re-checks the `WHERE` clause against the newest row version, so a reservation
+//!   taken over between selection and deletion (its lease renewed) is not deleted.
+//! - A session-level advisory lock makes overlapping runs (a slow purge and the next cron tick)
+//!   cooperate: the second one notices, says so and exits 0. The lock dies with the connection,
+//!   so a killed purge never leaves it behind.
+
+use std::io::{IsTerminal, Write};
+use std::time::{Duration, Instant};
+
+use diesel::sql_types::{BigInt, Bool, Nullable, Text};
+use diesel::QueryableByName;
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use serde_json::json;
+
+use crate::cli::{Format, PurgeArgs};
+use crate::duration::format_elapsed;
+use crate::error::CliError;
+use crate::output::Out;
+
+/// Advisory lock key held by a running purge: the ASCII bytes of "idempurg" as a bigint.
+/// Documented in docs/operations.md so operators can find the holder in `pg_locks`
+/// (`classid` = 1768187245, `objid` = 1886745191, `objsubid` = 1).
+pub const PURGE_LOCK_KEY: i64 = 0x6964_656d_7075_7267;
+
+/// Rows a purge may delete; shared by the batch `DELETE` and the dry-run count.
+/// `$1` grace (ms), `$2` older-than (ms), `$3` tenant or NULL. The leading `expires_at <= now()`
+/// lets the planner walk the `expires_at` index.
+const PURGEABLE: &str = "\
+    expires_at <= now() \
+    AND (state = 'completed' OR expires_at <= now() - $1 * interval '1 millisecond') \
+    AND created_at <= now() - $2 * interval '1 millisecond' \
+    AND ($3::text IS NULL OR tenant = $3::text)";
+
+#[derive(QueryableByName)]
+struct Counts {
+    #[diesel(sql_type = BigInt)]
+    completed: i64,
+    #[diesel(sql_type = BigInt)]
+    in_flight: i64,
+}
+
+#[derive(QueryableByName)]
+struct Locked {
+    #[diesel(sql_type = Bool)]
+    locked: bool,
+}
+
+/// What a purge did, for the summary line.
+#[derive(Default)]
+struct Summary {
+    completed: u64,
+    in_flight: u64,
+    batches: u64,
+    longest_batch: Duration,
+}
+
+impl Summary {
+    fn total(&self) -> u64 {
+        self.completed + self.in_flight
+    }
+}
+
+pub async fn run(
+    conn: &mut AsyncPgConnection,
+    args: &PurgeArgs,
+    format: Format,
+    out: &mut Out,
+) -> Result<(), CliError> {
+    let started = Instant::now();
+    let tenant = args.tenant.clone();
+
+    if args.dry_run {
+        let query = diesel::sql_query(format!(
+            "SELECT count(*) FILTER (WHERE state = 'completed') AS completed, \
+                    count(*) FILTER (WHERE state = 'in_flight') AS in_flight \
+             FROM idempotency_keys WHERE {PURGEABLE}"
+        ))
+        .bind::<BigInt, _>(args.grace.as_millis_i64())
+        .bind::<BigInt, _>(args.older_than.as_millis_i64())
+        .bind::<Nullable<Text>, _>(tenant);
+        let counts: Counts = sql!(conn, query.get_result(conn));
+        let summary = Summary {
+            completed: non_negative(counts.completed),
+            in_flight: non_negative(counts.in_flight),
+            ..Summary::default()
+        };
+        return report(out, format, args, &summary, started.elapsed(), true);
+    }
+
+    let lock = diesel::sql_query("SELECT pg_try_advisory_lock($1) AS locked")
+        .bind::<BigInt, _>(PURGE_LOCK_KEY);
+    let locked: Locked = sql!(conn, lock.get_result(conn));
+    if !locked.locked {
+        match format {
+            Format::Json => out.json(&json!({
+                "skipped": true,
+                "reason": "another purge is running",
+                "purged": 0,
+            }))?,
+            Format::Text => out.line(
+                "purge skipped: another purge is running (advisory lock held); nothing deleted",
+            )?,
+        }
+        return out.flush();
+    }
+
+    let statement = format!(
+        "WITH doomed AS ( \
+             SELECT tenant, method, path, idempotency_key FROM idempotency_keys \
+             WHERE {PURGEABLE} \
+             ORDER BY expires_at \
+             LIMIT $4 \
+             FOR UPDATE SKIP LOCKED \
+         ), gone AS ( \
+             DELETE FROM idempotency_keys k USING doomed d \
+             WHERE k.tenant = d.tenant AND k.method = d.method AND k.path = d.path \
+               AND k.idempotency_key = d.idempotency_key \
+             RETURNING k.state \
+         ) \
+         SELECT count(*) FILTER (WHERE state = 'completed') AS completed, \
+                count(*) FILTER (WHERE state = 'in_flight') AS in_flight \
+         FROM gone"
+    );
+    let progress = Progress::new();
+    let mut summary = Summary::default();
+    loop {
+        let batch_started = Instant::now();
+        let query = diesel::sql_query(statement.as_str())
+            .bind::<BigInt, _>(args.grace.as_millis_i64())
+            .bind::<BigInt, _>(args.older_than.as_millis_i64())
+            .bind::<Nullable<Text>, _>(tenant.clone())
+            .bind::<BigInt, _>(i64::from(args.batch_size));
+        let counts: Counts = sql!(conn, query.get_result(conn));
+        summary.longest_batch = summary.longest_batch.max(batch_started.elapsed());
+        summary.batches += 1;
+        summary.completed += non_negative(counts.completed);
+        summary.in_flight += non_negative(counts.in_flight);
+        progress.update(&summary, started);
+        // A short batch means the candidates ran out (rows skipped because a request held them
+        // are left for the next run, which is what we want).
+        if counts.completed + counts.in_flight < i64::from(args.batch_size) {
+            break;
+        }
+        if !args.pause.0.is_zero() {
+            tokio::time::sleep(args.pause.0).await;
+        }
+    }
+    progress.clear();
+    // Unlock explicitly so the next cron run never has to wait for the disconnect to be noticed.
+    let unlock = diesel::sql_query("SELECT pg_advisory_unlock($1) AS locked")
+        .bind::<BigInt, _>(PURGE_LOCK_KEY);
+    let _: Locked = sql!(conn, unlock.get_result(conn));
+    report(out, format, args, &summary, started.elapsed(), false)
+}
+
+fn non_negative(n: i64) -> u64 {
+    u64::try_from(n).unwrap_or(0)
+}
+
+fn report(
+    out: &mut Out,
+    format: Format,
+    args: &PurgeArgs,
+    summary: &Summary,
+    elapsed: Duration,
+    dry_run: bool,
+) -> Result<(), CliError> {
+    match format {
+        Format::Json => out.json(&json!({
+            "dry_run": dry_run,
+            "purged": if dry_run { 0 } else { summary.total() },
+            "would_purge": if dry_run { Some(summary.total()) } else { None },
+            "completed": summary.completed,
+            "in_flight": summary.in_flight,
+            "batches": summary.batches,
+            "batch_size": args.batch_size,
+            "elapsed_ms": elapsed.as_millis(),
+            "longest_batch_ms": summary.longest_batch.as_millis(),
+            "tenant": args.tenant,
+            "older_than": args.older_than.to_string(),
+            "grace": args.grace.to_string(),
+        }))?,
+        Format::Text if dry_run => out.line(format!(
+            "dry run: would purge {} records ({} completed, {} in-flight) [counted in {}]",
+            summary.total(),
+            summary.completed,
+            summary.in_flight,
+            format_elapsed(elapsed)
+        ))?,
+        Format::Text => out.line(format!(
+            "purged {} records in {} ({} completed, {} in-flight; {} batches, longest {})",
+            summary.total(),
+            format_elapsed(elapsed),
+            summary.completed,
+            summary.in_flight,
+            summary.batches,
+            format_elapsed(summary.longest_batch)
+        ))?,
+    }
+    out.flush()
+}
+
+/// A one-line progress display on stderr, only when stderr is a terminal and the purge has run
+/// for a while: cron mail and CI logs get just the summary line.
+struct Progress {
+    enabled: bool,
+}
+
+impl Progress {
+    const AFTER: Duration = Duration::from_secs(2);
+
+    fn new() -> Self {
+        Self {
+            enabled: std::io::stderr().is_terminal(),
+        }
+    }
+
+    fn update(&self, summary: &Summary, started: Instant) {
+        if self.enabled && started.elapsed() >= Self::AFTER {
+            // Progress is best effort: a closed stderr must not fail the purge.
+            let _ = write!(
+                std::io::stderr(),
+                "\rpurging: {} records in {} batches, {}   ",
+                summary.total(),
+                summary.batches,
+                format_elapsed(started.elapsed())
+            );
+        }
+    }
+
+    fn clear(&self) {
+        if self.enabled {
+            let _ = write!(std::io::stderr(), "\r\x1b[2K");
+        }
+    }
+}

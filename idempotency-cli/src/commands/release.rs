@@ -1,0 +1,168 @@
+//! `idem-cli release KEY...` (contract C20): remove stuck reservations, with guard rails.
+//!
+//! Releasing a reservation lets the next request with that key run the handler. That is the
+//! point when the original request died, and a double execution when it is still running, so:
+//! - each KEY must match exactly one record (an ambiguous key across tenants is refused: the
+//!   operator names the scope rather than releasing several customers' keys at once);
+//! - a reservation whose lease is still running, and a completed record, are refused without
+//!   `--force`;
+//! - the `DELETE` names the exact record that was inspected (state and fencing token), so a
+//!   record that changed in between (taken over, completed) is left alone and reported.
+
+use std::io::Write;
+
+use diesel::sql_types::{Bool, Nullable, Text};
+use diesel::QueryableByName;
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use serde_json::json;
+
+use super::show::{method, scope_words, SCOPE_WHERE};
+use crate::cli::{Format, ReleaseArgs};
+use crate::duration::format_age_secs;
+use crate::error::CliError;
+use crate::output::Out;
+use crate::record::{RecordRow, RECORD_COLUMNS};
+
+#[derive(QueryableByName)]
+struct Deleted {
+    #[diesel(sql_type = Bool)]
+    #[allow(dead_code)]
+    deleted: bool,
+}
+
+pub async fn run(
+    conn: &mut AsyncPgConnection,
+    args: &ReleaseArgs,
+    format: Format,
+    out: &mut Out,
+) -> Result<(), CliError> {
+    let mut refusals: Vec<String> = Vec::new();
+    for key in &args.keys {
+        let query = diesel::sql_query(format!(
+            "SELECT {RECORD_COLUMNS} FROM idempotency_keys WHERE {SCOPE_WHERE} \
+             ORDER BY tenant, method, path"
+        ))
+        .bind::<Text, _>(key.clone())
+        .bind::<Nullable<Text>, _>(args.scope.tenant.clone())
+        .bind::<Nullable<Text>, _>(method(&args.scope))
+        .bind::<Nullable<Text>, _>(args.scope.path.clone());
+        let rows: Vec<RecordRow> = sql!(conn, query.load(conn));
+
+        let verdict = match rows.as_slice() {
+            [] => Err(format!(
+                "no record with key {key:?}{}",
+                scope_words(&args.scope)
+            )),
+            [row] => check(row, args.force).map(|()| row),
+            many => Err(format!(
+                "key {key:?} matches {} records ({}); name one with --tenant/--method/--path",
+                many.len(),
+                many.iter()
+                    .map(RecordRow::scope_label)
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            )),
+        };
+        let row = match verdict {
+            Ok(row) => row,
+            Err(reason) => {
+                refuse(out, format, key, &reason, &mut refusals)?;
+                continue;
+            }
+        };
+
+        // Delete exactly what was inspected: same scope, state and token; without --force the
+        // lease must still be over at the moment of deletion.
+        let delete = diesel::sql_query(
+            "DELETE FROM idempotency_keys \
+             WHERE tenant = $1 AND method = $2 AND path = $3 AND idempotency_key = $4 \
+               AND state = $5 AND token IS NOT DISTINCT FROM $6::uuid \
+               AND ($7::bool OR state = 'in_flight' AND locked_until <= now()) \
+             RETURNING TRUE AS deleted",
+        )
+        .bind::<Text, _>(row.tenant.clone())
+        .bind::<Text, _>(row.method.clone())
+        .bind::<Text, _>(row.path.clone())
+        .bind::<Text, _>(row.idempotency_key.clone())
+        .bind::<Text, _>(row.state.clone())
+        .bind::<Nullable<Text>, _>(row.token.clone())
+        .bind::<Bool, _>(args.force);
+        let deleted: Vec<Deleted> = sql!(conn, delete.load(conn));
+        if deleted.is_empty() {
+            let reason = format!(
+                "{} changed while releasing (completed, taken over or purged); nothing removed",
+                row.scope_label()
+            );
+            refuse(out, format, key, &reason, &mut refusals)?;
+            continue;
+        }
+        match format {
+            Format::Json => {
+                let mut value = row.to_json();
+                value["released"] = json!(true);
+                out.json(&value)?;
+            }
+            Format::Text => out.line(format!(
+                "released {} {} (token {}, created {} ago, {})",
+                row.state,
+                row.scope_label(),
+                row.token.as_deref().unwrap_or("-"),
+                format_age_secs(row.age_s),
+                row.expiry_words()
+            ))?,
+        }
+    }
+    out.flush()?;
+    match refusals.len() {
+        0 => Ok(()),
+        1 if args.keys.len() == 1 => Err(CliError::NotFoundOrRefused(refusals.remove(0))),
+        n => {
+            for reason in &refusals {
+                let _ = writeln!(std::io::stderr(), "idem-cli: {reason}");
+            }
+            Err(CliError::NotFoundOrRefused(format!(
+                "{n} of {} keys not released (see above)",
+                args.keys.len()
+            )))
+        }
+    }
+}
+
+/// Why this record may not be released without `--force`, if it may not.
+fn check(row: &RecordRow, force: bool) -> Result<(), String> {
+    if force {
+        return Ok(());
+    }
+    if !row.is_in_flight() {
+        return Err(format!(
+            "{} is {} ({}): removing it makes the next request with this key execute again; \
+             use --force if that is intended",
+            row.scope_label(),
+            row.state,
+            row.expiry_words()
+        ));
+    }
+    if row.lease_live() {
+        return Err(format!(
+            "{} is in flight and its {}: its request may still be running; wait for the lease \
+             to end, or use --force",
+            row.scope_label(),
+            row.expiry_words()
+        ));
+    }
+    Ok(())
+}
+
+fn refuse(
+    out: &mut Out,
+    format: Format,
+    key: &str,
+    reason: &str,
+    refusals: &mut Vec<String>,
+) -> Result<(), CliError> {
+    if format == Format::Json {
+        out.json(&json!({ "key": key, "released": false, "reason": reason }))?;
+    }
+    refusals.push(reason.to_owned());
+    Ok(())
+}

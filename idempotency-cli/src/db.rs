@@ -1,0 +1,165 @@
+//! Connecting, and turning database failures into exit codes.
+//!
+//! Connection, TLS and migration logic live in `idempotency_actix::store::postgres` so that the
+//! CLI and the middleware agree on what a URL means; this module only adds the CLI's session
+//! settings and its error classification.
+
+use std::time::Duration;
+
+use diesel_async::{AsyncPgConnection, SimpleAsyncConnection};
+use idempotency_actix::store::postgres;
+use idempotency_actix::store::StoreError;
+
+use crate::error::{chain, CliError};
+
+/// The table every command reads; named in "not provisioned" messages.
+pub const TABLE: &str = "idempotency_keys";
+
+/// Reject URLs that are certainly not PostgreSQL before connecting, so a typo is a usage error
+/// (exit 2) rather than a confusing connection failure.
+pub fn check_url(url: &str) -> Result<(), CliError> {
+    if url.trim().is_empty() {
+        return Err(CliError::Usage(
+            "empty database URL: pass --database-url or set DATABASE_URL".into(),
+        ));
+    }
+    if let Some((scheme, _)) = url.split_once("://") {
+        if scheme != "postgres" && scheme != "postgresql" {
+            return Err(CliError::Usage(format!(
+                "database URL scheme '{scheme}' is not postgres:// or postgresql://"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The URL with its password replaced, for messages.
+pub fn redact(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return "(key=value connection string)".into();
+    };
+    let (authority_end, tail) = match rest.find(['/', '?']) {
+        Some(i) => rest.split_at(i),
+        None => (rest, ""),
+    };
+    let authority = match authority_end.rsplit_once('@') {
+        Some((userinfo, host)) => {
+            let user = userinfo.split(':').next().unwrap_or("");
+            if userinfo.contains(':') {
+                format!("{user}:***@{host}")
+            } else {
+                format!("{user}@{host}")
+            }
+        }
+        None => authority_end.to_owned(),
+    };
+    // Query parameters may carry a password too (?password=...): keep only the path.
+    let path = tail.split('?').next().unwrap_or("");
+    format!("{scheme}://{authority}{path}")
+}
+
+/// Open a connection with the library's TLS-aware `establish`, bounded by `timeout`, and set
+/// the session up: `application_name` so operators can spot the CLI in `pg_stat_activity`,
+/// and timeouts so a forgotten CLI can never hold locks or a statement for long.
+pub async fn connect(url: &str, timeout: Duration) -> Result<AsyncPgConnection, CliError> {
+    check_url(url)?;
+    let target = redact(url);
+    let mut conn = match tokio::time::timeout(timeout, postgres::establish(url)).await {
+        Err(_) => {
+            return Err(CliError::Unavailable(format!(
+                "cannot connect to {target}: no answer within {}s",
+                timeout.as_secs_f64()
+            )))
+        }
+        Ok(Err(err)) => return Err(connect_error(&target, err)),
+        Ok(Ok(conn)) => conn,
+    };
+    conn.batch_execute(
+        "SET application_name = 'idem-cli'; \
+         SET statement_timeout = '5min'; \
+         SET lock_timeout = '5s'; \
+         SET idle_in_transaction_session_timeout = '1min'",
+    )
+    .await
+    .map_err(|err| store_error(postgres::classify_error(err)))?;
+    Ok(conn)
+}
+
+/// Every failure to *connect* is "unavailable" (exit 3) from the operator's point of view:
+/// refused, timed out, wrong password, unknown database and TLS errors all mean the CLI never
+/// got to look at the table. The exception is a URL the library cannot parse (it reports that as
+/// `Backend`): that is a usage error (exit 2), and retrying will not fix it.
+fn connect_error(target: &str, err: StoreError) -> CliError {
+    match err {
+        StoreError::NotProvisioned { hint } => CliError::NotProvisioned(hint),
+        StoreError::Backend(source) => CliError::Usage(format!(
+            "invalid database URL {target}: {}",
+            chain(source.as_ref())
+        )),
+        StoreError::Unavailable(source) => CliError::Unavailable(format!(
+            "cannot connect to {target}: {}",
+            chain(source.as_ref())
+        )),
+        other => CliError::Unavailable(format!("cannot connect to {target}: {other}")),
+    }
+}
+
+/// Classify a failed statement. On an unclassified error this asks `conn` whether the table
+/// exists (the library's check; diesel-async does not expose SQLSTATE 42P01), so a missing table
+/// is reported as "run `idem-cli migrate`" (exit 4) and not as a generic failure.
+pub async fn classify(conn: &mut AsyncPgConnection, err: diesel::result::Error) -> CliError {
+    store_error(postgres::classify_query_error(conn, err).await)
+}
+
+/// Map the store's classification onto the CLI's exit codes.
+pub fn store_error(err: StoreError) -> CliError {
+    match err {
+        StoreError::NotProvisioned { .. } => not_provisioned(),
+        StoreError::Unavailable(source) => {
+            CliError::Unavailable(format!("database unavailable: {}", chain(source.as_ref())))
+        }
+        StoreError::Backend(source) => {
+            CliError::Other(format!("database error: {}", chain(source.as_ref())))
+        }
+        other => CliError::Other(other.to_string()),
+    }
+}
+
+/// The message for a missing table: what is wrong and the one command that fixes it.
+pub fn not_provisioned() -> CliError {
+    CliError::NotProvisioned(format!(
+        "table {TABLE} does not exist in this database: run `idem-cli migrate`"
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn redacts_passwords() {
+        assert_eq!(
+            redact("postgres://app:s3cret@db.internal:5432/payments?sslmode=require"),
+            "postgres://app:***@db.internal:5432/payments"
+        );
+        assert_eq!(
+            redact("postgres://app@db/payments"),
+            "postgres://app@db/payments"
+        );
+        assert_eq!(
+            redact("postgresql://db/payments?password=x"),
+            "postgresql://db/payments"
+        );
+        assert_eq!(
+            redact("host=db password=x"),
+            "(key=value connection string)"
+        );
+    }
+
+    #[test]
+    fn url_scheme_is_checked() {
+        assert!(matches!(check_url("mysql://x/y"), Err(CliError::Usage(_))));
+        assert!(matches!(check_url("  "), Err(CliError::Usage(_))));
+        assert!(check_url("postgres://x/y").is_ok());
+    }
+}

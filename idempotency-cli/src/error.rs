@@ -1,0 +1,131 @@
+//! Failures and their exit codes.
+//!
+//! The codes are part of the CLI's interface: deploy gates and cron wrappers branch on them, so
+//! they are few, distinct, documented in `--help` and docs/operations.md, and never change meaning.
+
+use std::fmt;
+use std::process::ExitCode;
+
+/// Exit codes. `0` is success (including "another purge holds the lock": nothing is wrong).
+pub mod code {
+    /// Unexpected failure: a query failed for another reason, a record could not be decoded.
+    pub const OTHER: u8 = 1;
+    /// Bad arguments or missing `--database-url`/`DATABASE_URL` (clap uses 2 as well).
+    pub const USAGE: u8 = 2;
+    /// The database cannot be reached, or refused us (wrong credentials, unknown database, TLS).
+    pub const UNAVAILABLE: u8 = 3;
+    /// The database is reachable but the `idempotency_keys` table is missing: run `idem-cli migrate`.
+    pub const NOT_PROVISIONED: u8 = 4;
+    /// `migrate --check`: migrations are pending (the deploy gate is closed).
+    pub const PENDING: u8 = 5;
+    /// `show` / `release`: no record matched, or `release` refused (completed record, live lease
+    /// or an ambiguous key) without `--force` or a narrower scope.
+    pub const NOT_FOUND_OR_REFUSED: u8 = 6;
+}
+
+/// Why a command failed; rendered as one line on stderr, mapped to an exit code.
+#[derive(Debug)]
+pub enum CliError {
+    /// See [`code::USAGE`].
+    Usage(String),
+    /// See [`code::UNAVAILABLE`].
+    Unavailable(String),
+    /// See [`code::NOT_PROVISIONED`].
+    NotProvisioned(String),
+    /// See [`code::PENDING`]; the pending list has already been printed.
+    Pending(usize),
+    /// See [`code::NOT_FOUND_OR_REFUSED`].
+    NotFoundOrRefused(String),
+    /// See [`code::OTHER`].
+    Other(String),
+    /// stdout was closed (`idem-cli list | head`): not an error worth a message.
+    BrokenPipe,
+}
+
+impl CliError {
+    pub fn exit_code(&self) -> ExitCode {
+        ExitCode::from(match self {
+            CliError::Usage(_) => code::USAGE,
+            CliError::Unavailable(_) => code::UNAVAILABLE,
+            CliError::NotProvisioned(_) => code::NOT_PROVISIONED,
+            CliError::Pending(_) => code::PENDING,
+            CliError::NotFoundOrRefused(_) => code::NOT_FOUND_OR_REFUSED,
+            CliError::Other(_) => code::OTHER,
+            CliError::BrokenPipe => 0,
+        })
+    }
+}
+
+impl fmt::Display for CliError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let text = match self {
+            CliError::Usage(m)
+            | CliError::Unavailable(m)
+            | CliError::NotProvisioned(m)
+            | CliError::NotFoundOrRefused(m)
+            | CliError::Other(m) => m.clone(),
+            CliError::Pending(n) => format!("{n} migration(s) pending: run `idem-cli migrate`"),
+            CliError::BrokenPipe => String::new(),
+        };
+        f.write_str(&one_line(&text))
+    }
+}
+
+impl From<std::io::Error> for CliError {
+    fn from(err: std::io::Error) -> Self {
+        if err.kind() == std::io::ErrorKind::BrokenPipe {
+            CliError::BrokenPipe
+        } else {
+            CliError::Other(format!("cannot write output: {err}"))
+        }
+    }
+}
+
+/// Collapse a (possibly multi-line) message into one line: PostgreSQL errors carry DETAIL and
+/// HINT lines, and the promise is one line on stderr.
+pub fn one_line(text: &str) -> String {
+    text.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+/// The message of an error followed by its sources, deduplicated (many wrappers repeat the
+/// inner message in their own Display).
+pub fn chain(err: &(dyn std::error::Error + 'static)) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    let mut current: Option<&(dyn std::error::Error + 'static)> = Some(err);
+    while let Some(e) = current {
+        let text = one_line(&e.to_string());
+        if !text.is_empty() && !parts.iter().any(|p| p.contains(&text)) {
+            parts.push(text);
+        }
+        current = e.source();
+    }
+    parts.join(": ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_are_one_line() {
+        let e = CliError::Other("relation missing\nHINT:  run it\n".into());
+        assert_eq!(e.to_string(), "relation missing HINT: run it");
+    }
+
+    #[test]
+    fn codes_are_distinct() {
+        let codes = [
+            code::OTHER,
+            code::USAGE,
+            code::UNAVAILABLE,
+            code::NOT_PROVISIONED,
+            code::PENDING,
+            code::NOT_FOUND_OR_REFUSED,
+        ];
+        for (i, a) in codes.iter().enumerate() {
+            for b in &codes[i + 1..] {
+                assert_ne!(a, b);
+            }
+        }
+    }
+}
