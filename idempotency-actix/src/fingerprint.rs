@@ -94,7 +94,11 @@ pub fn is_json_content_type(content_type: &str) -> bool {
 /// canonicalise (invalid UTF-8, invalid JSON, nested deeper than [`MAX_JSON_DEPTH`]).
 pub fn canonical_json(body: &[u8]) -> Option<Vec<u8>> {
     let text = std::str::from_utf8(body).ok()?;
-    let mut parser = Parser { s: text.as_bytes(), text, pos: 0 };
+    let mut parser = Parser {
+        s: text.as_bytes(),
+        text,
+        pos: 0,
+    };
     let value = parser.value(0)?;
     parser.skip_ws();
     if parser.pos != parser.s.len() {
@@ -153,7 +157,9 @@ fn write_string(s: &str, out: &mut Vec<u8>) {
         match ch {
             '"' => out.extend_from_slice(b"\\\""),
             '\\' => out.extend_from_slice(b"\\\\"),
-            c if (c as u32) < 0x20 => out.extend_from_slice(format!("\\u{:04x}", c as u32).as_bytes()),
+            c if (c as u32) < 0x20 => {
+                out.extend_from_slice(format!("\\u{:04x}", c as u32).as_bytes())
+            }
             c => {
                 let mut buf = [0u8; 4];
                 out.extend_from_slice(c.encode_utf8(&mut buf).as_bytes());
@@ -385,8 +391,14 @@ mod tests {
 
     #[test]
     fn strings_have_one_canonical_escape_form() {
-        assert_eq!(canon(r#""\u0041\/\n\ud83d\ude00""#).unwrap(), "\"A/\\u000a😀\"");
-        assert_eq!(canon(r#""A/\u000a😀""#), canon(r#""\u0041\/\n\ud83d\ude00""#));
+        assert_eq!(
+            canon(r#""\u0041\/\n\ud83d\ude00""#).unwrap(),
+            "\"A/\\u000a😀\""
+        );
+        assert_eq!(
+            canon(r#""A/\u000a😀""#),
+            canon(r#""\u0041\/\n\ud83d\ude00""#)
+        );
     }
 
     #[test]
@@ -399,15 +411,30 @@ mod tests {
 
     #[test]
     fn duplicate_keys_are_kept_in_order() {
-        assert_eq!(canon(r#"{"a":2,"b":0,"a":1}"#).unwrap(), r#"{"a":2,"a":1,"b":0}"#);
+        assert_eq!(
+            canon(r#"{"a":2,"b":0,"a":1}"#).unwrap(),
+            r#"{"a":2,"a":1,"b":0}"#
+        );
         assert_ne!(canon(r#"{"a":2,"a":1}"#), canon(r#"{"a":1,"a":2}"#));
     }
 
     #[test]
     fn rejects_what_is_not_json() {
         for bad in [
-            "", "{", "[1,]", "01", "1.", "-", "\"\\x\"", "\"\\ud800\"", "tru", "{} {}", "\"a\u{1}\"",
-            "\"\\u12G4\"", "{\"a\" 1}", "[1 2]",
+            "",
+            "{",
+            "[1,]",
+            "01",
+            "1.",
+            "-",
+            "\"\\x\"",
+            "\"\\ud800\"",
+            "tru",
+            "{} {}",
+            "\"a\u{1}\"",
+            "\"\\u12G4\"",
+            "{\"a\" 1}",
+            "[1 2]",
         ] {
             assert_eq!(canon(bad), None, "{bad:?}");
         }
@@ -416,7 +443,11 @@ mod tests {
 
     #[test]
     fn depth_is_bounded_without_stack_overflow() {
-        let ok = format!("{}{}", "[".repeat(MAX_JSON_DEPTH), "]".repeat(MAX_JSON_DEPTH));
+        let ok = format!(
+            "{}{}",
+            "[".repeat(MAX_JSON_DEPTH),
+            "]".repeat(MAX_JSON_DEPTH)
+        );
         assert!(canon(&ok).is_some());
         let deep = format!("{}{}", "[".repeat(100_000), "]".repeat(100_000));
         assert_eq!(canon(&deep), None);
@@ -425,11 +456,26 @@ mod tests {
     #[test]
     fn fingerprint_separates_every_part_without_delimiter_ambiguity() {
         let base = Fingerprint::of_request("POST", "/a", "b=c", false, b"x");
-        assert_ne!(base, Fingerprint::of_request("POST", "/ab", "=c", false, b"x"));
-        assert_ne!(base, Fingerprint::of_request("PATCH", "/a", "b=c", false, b"x"));
-        assert_ne!(base, Fingerprint::of_request("POST", "/a", "b=d", false, b"x"));
-        assert_ne!(base, Fingerprint::of_request("POST", "/a", "b=c", false, b"y"));
-        assert_eq!(base, Fingerprint::of_request("POST", "/a", "b=c", false, b"x"));
+        assert_ne!(
+            base,
+            Fingerprint::of_request("POST", "/ab", "=c", false, b"x")
+        );
+        assert_ne!(
+            base,
+            Fingerprint::of_request("PATCH", "/a", "b=c", false, b"x")
+        );
+        assert_ne!(
+            base,
+            Fingerprint::of_request("POST", "/a", "b=d", false, b"x")
+        );
+        assert_ne!(
+            base,
+            Fingerprint::of_request("POST", "/a", "b=c", false, b"y")
+        );
+        assert_eq!(
+            base,
+            Fingerprint::of_request("POST", "/a", "b=c", false, b"x")
+        );
     }
 
     #[test]

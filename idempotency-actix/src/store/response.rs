@@ -116,8 +116,14 @@ mod tests {
         StoredResponse {
             status: 201,
             headers: vec![
-                ("content-type".into(), Bytes::from_static(b"application/json")),
-                ("x-raw".into(), Bytes::from_static(&[0xff, 0x00, b'\n', 0x80])),
+                (
+                    "content-type".into(),
+                    Bytes::from_static(b"application/json"),
+                ),
+                (
+                    "x-raw".into(),
+                    Bytes::from_static(&[0xff, 0x00, b'\n', 0x80]),
+                ),
                 ("x-empty".into(), Bytes::new()),
             ],
             body: Bytes::from_static(b"{}"),
@@ -135,7 +141,10 @@ mod tests {
     fn every_truncation_is_an_error_not_a_panic() {
         let encoded = sample().encode_headers();
         for cut in 0..encoded.len() {
-            assert!(StoredResponse::decode_headers(&encoded[..cut]).is_err(), "cut {cut}");
+            assert!(
+                StoredResponse::decode_headers(&encoded[..cut]).is_err(),
+                "cut {cut}"
+            );
         }
         let mut extra = encoded.clone();
         extra.push(0);
