@@ -1,0 +1,334 @@
+//! `PostgresStore` against a real PostgreSQL: the shared conformance suite, plus what only a
+//! database can get wrong (races across pools, takeover under concurrency, faults).
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use futures_util::future::join_all;
+use idempotency_actix::store::postgres::{self, PostgresStore};
+use idempotency_actix::store::{
+    conformance, Fingerprint, IdempotencyStore, ReservationToken, ReserveOutcome, Scope,
+    StoreError, StoredResponse, WriteOutcome,
+};
+use idempotency_e2e::TestDb;
+
+fn scope(key: &str) -> Scope {
+    Scope {
+        tenant: "t".into(),
+        method: "POST".into(),
+        path: "/payments".into(),
+        key: key.into(),
+    }
+}
+
+const FP: Fingerprint = Fingerprint([7; 32]);
+const LEASE: Duration = Duration::from_secs(60);
+
+#[tokio::test]
+async fn postgres_store_conforms() {
+    let db = TestDb::new().await;
+    let store = PostgresStore::connect(&db.url).await.unwrap();
+    conformance::run_all(&store).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_store_conforms_on_a_multi_thread_runtime() {
+    let db = TestDb::new().await;
+    let store = PostgresStore::connect(&db.url).await.unwrap();
+    conformance::run_all(&store).await;
+}
+
+/// Two pools (two app instances) racing for the same keys, many times: one winner per key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_winner_per_key_across_pools() {
+    let db = TestDb::new().await;
+    let a = PostgresStore::builder(&db.url)
+        .max_size(8)
+        .build()
+        .await
+        .unwrap();
+    let b = PostgresStore::builder(&db.url)
+        .max_size(8)
+        .build()
+        .await
+        .unwrap();
+    for round in 0..20 {
+        let key = scope(&format!("race-{round}"));
+        let attempts = (0..24).map(|i| {
+            let store = if i % 2 == 0 { a.clone() } else { b.clone() };
+            let key = key.clone();
+            tokio::spawn(async move { store.reserve(&key, &FP, LEASE).await })
+        });
+        let winners = join_all(attempts)
+            .await
+            .into_iter()
+            .filter(|r| matches!(r, Ok(Ok(ReserveOutcome::Reserved { .. }))))
+            .count();
+        assert_eq!(winners, 1, "round {round}");
+    }
+}
+
+/// Many retries racing to take over one expired lease: exactly one gets it, and afterwards
+/// only its token can complete.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_takeover_has_one_winner() {
+    let db = TestDb::new().await;
+    let a = PostgresStore::connect(&db.url).await.unwrap();
+    let b = PostgresStore::connect(&db.url).await.unwrap();
+    for round in 0..10 {
+        let key = scope(&format!("takeover-{round}"));
+        let ReserveOutcome::Reserved { token: dead } = a
+            .reserve(&key, &FP, Duration::from_millis(50))
+            .await
+            .unwrap()
+        else {
+            panic!("first reserve");
+        };
+        tokio::time::sleep(Duration::from_millis(120)).await;
+        let attempts = (0..16).map(|i| {
+            let store = if i % 2 == 0 { a.clone() } else { b.clone() };
+            let key = key.clone();
+            tokio::spawn(async move { store.reserve(&key, &FP, LEASE).await.unwrap() })
+        });
+        let mut tokens = Vec::new();
+        for outcome in join_all(attempts).await {
+            match outcome.unwrap() {
+                ReserveOutcome::Reserved { token } => tokens.push(token),
+                ReserveOutcome::InFlight {
+                    fingerprint,
+                    lease_remaining,
+                } => {
+                    assert_eq!(fingerprint, FP);
+                    assert!(lease_remaining > Duration::from_secs(50));
+                }
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        assert_eq!(tokens.len(), 1, "round {round}: exactly one takeover");
+        let response = ok_response(b"done");
+        assert_eq!(
+            a.complete(&key, &dead, &response, LEASE).await.unwrap(),
+            WriteOutcome::Stale
+        );
+        assert_eq!(
+            b.complete(&key, &tokens[0], &response, LEASE)
+                .await
+                .unwrap(),
+            WriteOutcome::Applied
+        );
+    }
+}
+
+fn ok_response(body: &'static [u8]) -> StoredResponse {
+    StoredResponse {
+        status: 200,
+        headers: vec![("content-type".into(), Bytes::from_static(b"text/plain"))],
+        body: Bytes::from_static(body),
+    }
+}
+
+/// Every byte value survives the BYTEA round trip; lease_remaining comes from the database.
+#[tokio::test]
+async fn binary_bodies_and_lease_remaining() {
+    let db = TestDb::new().await;
+    let store = PostgresStore::connect(&db.url).await.unwrap();
+    let key = scope("binary");
+    let ReserveOutcome::Reserved { token } = store.reserve(&key, &FP, LEASE).await.unwrap() else {
+        panic!("reserve");
+    };
+    match store
+        .reserve(&key, &Fingerprint([8; 32]), LEASE)
+        .await
+        .unwrap()
+    {
+        ReserveOutcome::InFlight {
+            fingerprint,
+            lease_remaining,
+        } => {
+            assert_eq!(fingerprint, FP);
+            assert!(lease_remaining <= LEASE && lease_remaining > LEASE - Duration::from_secs(5));
+        }
+        other => panic!("{other:?}"),
+    }
+    let body: Vec<u8> = (0..=255u8).cycle().take(70_000).collect();
+    let response = StoredResponse {
+        status: 201,
+        headers: vec![
+            ("x-raw".into(), Bytes::from_static(&[0, 0xff, b'\r', b'\n'])),
+            ("location".into(), Bytes::from_static(b"/payments/1")),
+        ],
+        body: Bytes::from(body),
+    };
+    assert_eq!(
+        store
+            .complete(&key, &token, &response, LEASE)
+            .await
+            .unwrap(),
+        WriteOutcome::Applied
+    );
+    match store.reserve(&key, &FP, LEASE).await.unwrap() {
+        ReserveOutcome::Completed {
+            fingerprint,
+            response: stored,
+        } => {
+            assert_eq!(fingerprint, FP);
+            assert_eq!(stored, response);
+        }
+        other => panic!("{other:?}"),
+    }
+    // Completing twice is stale: the reservation is gone.
+    assert_eq!(
+        store
+            .complete(&key, &token, &response, LEASE)
+            .await
+            .unwrap(),
+        WriteOutcome::Stale
+    );
+    assert_eq!(
+        store.release(&key, &token).await.unwrap(),
+        WriteOutcome::Stale
+    );
+}
+
+#[tokio::test]
+async fn purge_works_in_batches() {
+    let db = TestDb::new().await;
+    let store = PostgresStore::builder(&db.url)
+        .purge_batch(7)
+        .build()
+        .await
+        .unwrap();
+    for i in 0..30 {
+        let key = scope(&format!("purge-{i}"));
+        let ReserveOutcome::Reserved { token } = store.reserve(&key, &FP, LEASE).await.unwrap()
+        else {
+            panic!("reserve");
+        };
+        let ttl = if i < 25 {
+            Duration::from_millis(1)
+        } else {
+            LEASE
+        };
+        store
+            .complete(&key, &token, &ok_response(b"x"), ttl)
+            .await
+            .unwrap();
+    }
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert_eq!(store.purge_batch(Duration::ZERO, 10).await.unwrap(), 10);
+    assert_eq!(store.purge_expired(Duration::ZERO).await.unwrap(), 15);
+    assert_eq!(store.purge_expired(Duration::ZERO).await.unwrap(), 0);
+}
+
+/// A reservation whose lease ended is kept for `grace` before purge deletes it.
+#[tokio::test]
+async fn purge_keeps_dead_reservations_for_the_grace_period() {
+    let db = TestDb::new().await;
+    let store = PostgresStore::connect(&db.url).await.unwrap();
+    store
+        .reserve(&scope("dead"), &FP, Duration::from_millis(1))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert_eq!(
+        store
+            .purge_expired(Duration::from_secs(3600))
+            .await
+            .unwrap(),
+        0
+    );
+    assert_eq!(store.purge_expired(Duration::ZERO).await.unwrap(), 1);
+}
+
+#[tokio::test]
+async fn missing_table_is_not_provisioned_with_the_migrate_hint() {
+    let db = TestDb::new_unmigrated().await;
+    let store = PostgresStore::connect(&db.url).await.unwrap();
+    let token = ReservationToken::random();
+    let errors = [
+        store.reserve(&scope("k"), &FP, LEASE).await.err(),
+        store
+            .complete(&scope("k"), &token, &ok_response(b""), LEASE)
+            .await
+            .err(),
+        store.release(&scope("k"), &token).await.err(),
+        store.purge_expired(Duration::ZERO).await.err(),
+    ];
+    for error in errors {
+        match error {
+            Some(StoreError::NotProvisioned { hint }) => {
+                assert!(hint.contains("idem-cli migrate"), "{hint}")
+            }
+            other => panic!("expected NotProvisioned, got {other:?}"),
+        }
+    }
+    // After migrating, the same store works (no restart needed).
+    postgres::run_migrations(&db.url).await.unwrap();
+    assert!(matches!(
+        store.reserve(&scope("k"), &FP, LEASE).await.unwrap(),
+        ReserveOutcome::Reserved { .. }
+    ));
+}
+
+#[tokio::test]
+async fn unreachable_database_is_unavailable_within_the_connection_timeout() {
+    // A port nobody listens on: bind, note, close.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let url = format!("postgres://postgres@127.0.0.1:{port}/postgres");
+    let timeout = Duration::from_millis(500);
+    let store = PostgresStore::builder(&url)
+        .connection_timeout(timeout)
+        .build()
+        .await
+        .unwrap();
+    let started = Instant::now();
+    let error = store.reserve(&scope("k"), &FP, LEASE).await.unwrap_err();
+    let elapsed = started.elapsed();
+    assert!(matches!(error, StoreError::Unavailable(_)), "{error:?}");
+    assert!(
+        elapsed < timeout + Duration::from_millis(400),
+        "took {elapsed:?}"
+    );
+    let message = error.to_string();
+    assert!(message.contains("500 ms"), "{message}");
+    // The pool's own error sink keeps the reason bb8 would otherwise swallow.
+    assert!(message.to_lowercase().contains("connect"), "{message}");
+}
+
+#[tokio::test]
+async fn establish_and_classify_for_the_cli() {
+    let db = TestDb::new_unmigrated().await;
+    let mut conn = postgres::establish(&db.url).await.unwrap();
+    assert!(!postgres::table_exists(&mut conn).await.unwrap());
+    use diesel_async::RunQueryDsl;
+    let err = diesel::sql_query("SELECT count(*) FROM idempotency_keys")
+        .execute(&mut conn)
+        .await
+        .unwrap_err();
+    assert!(matches!(
+        postgres::classify_query_error(&mut conn, err).await,
+        StoreError::NotProvisioned { .. }
+    ));
+    // Another unknown error is not misreported as a missing table once the table exists.
+    postgres::run_migrations(&db.url).await.unwrap();
+    let err = diesel::sql_query("SELECT no_such_column FROM idempotency_keys")
+        .execute(&mut conn)
+        .await
+        .unwrap_err();
+    assert!(matches!(
+        postgres::classify_query_error(&mut conn, err).await,
+        StoreError::Backend(_)
+    ));
+    let Err(err) = postgres::establish("postgres://postgres@127.0.0.1:1/postgres").await else {
+        panic!("port 1 answered");
+    };
+    assert!(matches!(err, StoreError::Unavailable(_)), "{err:?}");
+    let Err(err) = postgres::establish("postgres://postgres@127.0.0.1/x?sslmode=nope").await else {
+        panic!("bad sslmode accepted");
+    };
+    assert!(matches!(err, StoreError::Backend(_)), "{err:?}");
+}
