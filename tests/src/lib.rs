@@ -28,6 +28,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use diesel_async::RunQueryDsl;
 use idempotency_actix::store::postgres;
 
+pub mod proxy;
+
 /// The default local server tried when `DATABASE_URL` is not set.
 pub const LOCAL_SERVER_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
 

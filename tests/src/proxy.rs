@@ -1,0 +1,306 @@
+//! A TCP proxy in front of PostgreSQL for fault and round-trip tests.
+//!
+//! - [`PgProxy::stop`] closes the port and cuts every connection (the database "goes away");
+//!   [`PgProxy::resume`] listens on the same port again (it "comes back").
+//! - It parses the frontend (client to server) side of the PostgreSQL wire protocol and counts
+//!   messages by type, so a test can assert how many round trips an operation cost: with the
+//!   extended query protocol every round trip ends in one `Sync` (`S`), a simple query is one
+//!   `Query` (`Q`), and a `Parse` (`P`) means a statement was (re)prepared.
+//!
+//! Only plain connections can be parsed (TLS is opaque); forwarding works either way.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinHandle;
+
+/// Message counts seen from clients, by message type byte.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct MessageCounts(pub HashMap<u8, u64>);
+
+impl std::fmt::Debug for MessageCounts {
+    /// `B=1 E=1 S=1`: message type letters, sorted.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut kinds: Vec<_> = self.0.iter().collect();
+        kinds.sort();
+        let parts: Vec<String> = kinds
+            .iter()
+            .map(|(k, v)| format!("{}={v}", char::from(**k)))
+            .collect();
+        f.write_str(&parts.join(" "))
+    }
+}
+
+impl MessageCounts {
+    /// How many messages of type `kind` (e.g. `b'S'`).
+    pub fn get(&self, kind: u8) -> u64 {
+        self.0.get(&kind).copied().unwrap_or(0)
+    }
+
+    /// Round trips: one per `Sync` (extended protocol) plus one per simple `Query`.
+    pub fn round_trips(&self) -> u64 {
+        self.get(b'S') + self.get(b'Q')
+    }
+
+    /// Counts accumulated since `earlier`.
+    pub fn since(&self, earlier: &MessageCounts) -> MessageCounts {
+        MessageCounts(
+            self.0
+                .iter()
+                .map(|(k, v)| (*k, v - earlier.get(*k)))
+                .filter(|(_, v)| *v > 0)
+                .collect(),
+        )
+    }
+}
+
+#[derive(Default)]
+struct Shared {
+    counts: Mutex<HashMap<u8, u64>>,
+    connections: Mutex<Vec<JoinHandle<()>>>,
+}
+
+/// See the module docs. Must be created inside a tokio runtime (it spawns tasks there).
+pub struct PgProxy {
+    /// The port clients connect to, on 127.0.0.1.
+    pub port: u16,
+    upstream: String,
+    shared: Arc<Shared>,
+    listener: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for PgProxy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgProxy")
+            .field("port", &self.port)
+            .field("upstream", &self.upstream)
+            .finish()
+    }
+}
+
+impl PgProxy {
+    /// Listen on a free port and forward to `upstream` (`host:port`).
+    pub async fn start(upstream: &str) -> std::io::Result<PgProxy> {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let port = listener.local_addr()?.port();
+        let proxy = PgProxy {
+            port,
+            upstream: upstream.to_owned(),
+            shared: Arc::new(Shared::default()),
+            listener: Mutex::new(None),
+        };
+        proxy.serve(listener);
+        Ok(proxy)
+    }
+
+    /// A proxy in front of the server of `url` (a `postgres://` URL).
+    pub async fn for_url(url: &str) -> std::io::Result<PgProxy> {
+        Self::start(&host_port(url)).await
+    }
+
+    /// `url` (a `postgres://` URL) pointed at the proxy instead of the server.
+    pub fn url_through(&self, url: &str) -> String {
+        let (scheme, rest) = url.split_once("://").unwrap_or(("postgres", url));
+        let (userinfo, after) = match rest.split_once('@') {
+            Some((user, after)) => (format!("{user}@"), after),
+            None => (String::new(), rest),
+        };
+        let end = after.find(['/', '?']).unwrap_or(after.len());
+        format!(
+            "{scheme}://{userinfo}127.0.0.1:{}{}",
+            self.port,
+            &after[end..]
+        )
+    }
+
+    fn serve(&self, listener: TcpListener) {
+        let shared = Arc::clone(&self.shared);
+        let upstream = self.upstream.clone();
+        let task = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let shared2 = Arc::clone(&shared);
+                let upstream = upstream.clone();
+                let conn = tokio::spawn(async move {
+                    if let Ok(server) = TcpStream::connect(&upstream).await {
+                        pipe(client, server, shared2).await;
+                    }
+                });
+                if let Ok(mut conns) = shared.connections.lock() {
+                    conns.retain(|c| !c.is_finished());
+                    conns.push(conn);
+                }
+            }
+        });
+        if let Ok(mut slot) = self.listener.lock() {
+            *slot = Some(task);
+        }
+    }
+
+    /// Close the port and cut every open connection.
+    pub fn stop(&self) {
+        if let Some(task) = self.listener.lock().ok().and_then(|mut l| l.take()) {
+            task.abort();
+        }
+        if let Ok(mut conns) = self.shared.connections.lock() {
+            for conn in conns.drain(..) {
+                conn.abort();
+            }
+        }
+    }
+
+    /// Listen on the same port again.
+    pub async fn resume(&self) -> std::io::Result<()> {
+        // The aborted listener task drops its socket asynchronously; retry briefly.
+        let mut last = None;
+        for _ in 0..50 {
+            match TcpListener::bind(("127.0.0.1", self.port)).await {
+                Ok(listener) => {
+                    self.serve(listener);
+                    return Ok(());
+                }
+                Err(e) => last = Some(e),
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        Err(last.unwrap_or_else(|| std::io::Error::other("bind failed")))
+    }
+
+    /// Messages counted so far.
+    pub fn counts(&self) -> MessageCounts {
+        MessageCounts(
+            self.shared
+                .counts
+                .lock()
+                .map(|c| c.clone())
+                .unwrap_or_default(),
+        )
+    }
+}
+
+impl Drop for PgProxy {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// `host:port` of a `postgres://` URL (port 5432 when absent).
+pub fn host_port(url: &str) -> String {
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    let rest = rest.split_once('@').map_or(rest, |(_, r)| r);
+    let authority = rest.split(['/', '?']).next().unwrap_or(rest);
+    if authority.contains(':') {
+        authority.to_owned()
+    } else {
+        format!("{authority}:5432")
+    }
+}
+
+async fn pipe(client: TcpStream, server: TcpStream, shared: Arc<Shared>) {
+    let (mut client_read, mut client_write) = client.into_split();
+    let (mut server_read, mut server_write) = server.into_split();
+    let upstream = async {
+        let mut parser = FrontendParser::default();
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            let n = match client_read.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            for kind in parser.feed(&buf[..n]) {
+                if let Ok(mut counts) = shared.counts.lock() {
+                    *counts.entry(kind).or_default() += 1;
+                }
+            }
+            if server_write.write_all(&buf[..n]).await.is_err() {
+                break;
+            }
+        }
+        let _ = server_write.shutdown().await;
+    };
+    let downstream = async {
+        let _ = tokio::io::copy(&mut server_read, &mut client_write).await;
+        let _ = client_write.shutdown().await;
+    };
+    tokio::join!(upstream, downstream);
+}
+
+/// Splits the client's byte stream into messages. The first message (startup, or an
+/// SSL/GSS request followed by the startup) has no type byte; all later ones do.
+#[derive(Default)]
+struct FrontendParser {
+    buf: Vec<u8>,
+    started: bool,
+}
+
+const SSL_REQUEST: u32 = 80_877_103;
+const GSS_REQUEST: u32 = 80_877_104;
+
+impl FrontendParser {
+    fn feed(&mut self, bytes: &[u8]) -> Vec<u8> {
+        self.buf.extend_from_slice(bytes);
+        let mut kinds = Vec::new();
+        loop {
+            if !self.started {
+                if self.buf.len() < 8 {
+                    break;
+                }
+                let len = u32::from_be_bytes([self.buf[0], self.buf[1], self.buf[2], self.buf[3]])
+                    as usize;
+                if self.buf.len() < len {
+                    break;
+                }
+                let code = u32::from_be_bytes([self.buf[4], self.buf[5], self.buf[6], self.buf[7]]);
+                self.buf.drain(..len);
+                if code != SSL_REQUEST && code != GSS_REQUEST {
+                    self.started = true;
+                }
+                continue;
+            }
+            if self.buf.len() < 5 {
+                break;
+            }
+            let len =
+                u32::from_be_bytes([self.buf[1], self.buf[2], self.buf[3], self.buf[4]]) as usize;
+            if self.buf.len() < 1 + len {
+                break;
+            }
+            kinds.push(self.buf[0]);
+            self.buf.drain(..1 + len);
+        }
+        kinds
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_port_of_urls() {
+        assert_eq!(host_port("postgres://u@h/db"), "h:5432");
+        assert_eq!(
+            host_port("postgres://u:p@127.0.0.1:5433/db?x=y"),
+            "127.0.0.1:5433"
+        );
+        assert_eq!(host_port("postgresql://h:1"), "h:1");
+    }
+
+    #[test]
+    fn frontend_messages_are_counted_across_reads() {
+        let mut p = FrontendParser::default();
+        let mut startup = 9u32.to_be_bytes().to_vec();
+        startup.extend_from_slice(&196_608u32.to_be_bytes());
+        startup.push(0);
+        let mut stream = startup;
+        for kind in [b'B', b'E', b'S'] {
+            stream.push(kind);
+            stream.extend_from_slice(&4u32.to_be_bytes());
+        }
+        let (a, b) = stream.split_at(11);
+        let mut kinds = p.feed(a);
+        kinds.extend(p.feed(b));
+        assert_eq!(kinds, vec![b'B', b'E', b'S']);
+    }
+}
