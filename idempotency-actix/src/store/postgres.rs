@@ -14,7 +14,7 @@
 //! - `complete`: one UPDATE fenced by the reservation token.
 //! - `release`: one DELETE fenced by the token.
 //!
-//! The statements and why they are race-free are in `docs/sql.md` (and in [`sql`]'s comments).
+//! The statements and why they are race-free are in `docs/sql.md` (and in the comments of the private `sql` module).
 //!
 //! # Connecting
 //! ```no_run
