@@ -12,6 +12,8 @@
 //! - `GET /payments/{id}` reads one back.
 //! - `GET /stats` counts handler executions, in total and per key: the number that
 //!   idempotency keeps at one per key.
+//!
+//! `IDEMPOTENCY_LOCK_TIMEOUT_MS` sets the lease (default 60 s); the fault tests shorten it.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -113,18 +115,26 @@ async fn stats(ledger: web::Data<Ledger>) -> HttpResponse {
 
 async fn serve<S: IdempotencyStore + Clone>(store: S, addr: &str) -> std::io::Result<()> {
     let ledger = web::Data::new(Ledger::default());
+    // The lease of a reservation; the fault tests shorten it to see a crashed holder's key freed.
+    let lease = std::env::var("IDEMPOTENCY_LOCK_TIMEOUT_MS")
+        .ok()
+        .and_then(|ms| ms.parse().ok())
+        .map(Duration::from_millis);
     println!("payments API on http://{addr} (try: curl -i -X POST http://{addr}/payments -H 'Idempotency-Key: k1' -H 'content-type: application/json' -d '{{\"amount\":1000,\"currency\":\"EUR\"}}')");
     HttpServer::new(move || {
         App::new()
             .app_data(ledger.clone())
             .service(
                 web::scope("/payments")
-                    .wrap(
-                        Idempotency::builder(store.clone())
-                            // In a real API the tenant comes from authentication.
-                            .tenant_header("x-account-id")
-                            .build(),
-                    )
+                    .wrap({
+                        // In a real API the tenant comes from authentication.
+                        let builder =
+                            Idempotency::builder(store.clone()).tenant_header("x-account-id");
+                        match lease {
+                            Some(lease) => builder.lock_timeout(lease).build(),
+                            None => builder.build(),
+                        }
+                    })
                     .route("", web::post().to(create_payment))
                     .route("/{id}", web::get().to(get_payment)),
             )
