@@ -1,0 +1,1088 @@
+//! `idem-cli` end to end: the built binary run as a process against real PostgreSQL databases
+//! from the e2e harness (one fresh database per test).
+//!
+//! What is asserted is what cron jobs, deploy gates and operators rely on: exit codes, the one
+//! summary line, JSON output that parses, exact purge counts, and that a released key can be
+//! reserved again through the store the middleware uses.
+
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use diesel::sql_types::{BigInt, Bool, Text};
+use diesel::QueryableByName;
+use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use idempotency_actix::store::{
+    postgres, IdempotencyStore, PostgresStore, ReserveOutcome, Scope, StoredResponse, WriteOutcome,
+};
+use idempotency_actix::Fingerprint;
+use idempotency_e2e::TestDb;
+use serde_json::Value;
+
+const BIN: &str = env!("CARGO_BIN_EXE_idem-cli");
+
+/// Exit codes, as documented in `idem-cli --help` and docs/operations.md.
+const USAGE: i32 = 2;
+const UNAVAILABLE: i32 = 3;
+const NOT_PROVISIONED: i32 = 4;
+const PENDING: i32 = 5;
+const NOT_FOUND_OR_REFUSED: i32 = 6;
+
+/// The purge advisory lock key ("idempurg").
+const PURGE_LOCK: &str = "x'6964656d70757267'::bigint";
+
+/// Run `idem-cli args...` against `url` (passed through `DATABASE_URL`, the way cron and deploy
+/// jobs pass it). The test process's own `DATABASE_URL` never leaks in.
+fn idem(url: &str, args: &[&str]) -> Output {
+    command(url, args)
+        .output()
+        .unwrap_or_else(|e| panic!("running {BIN}: {e}"))
+}
+
+fn command(url: &str, args: &[&str]) -> Command {
+    let mut cmd = Command::new(BIN);
+    cmd.args(args)
+        .env("DATABASE_URL", url)
+        .env("RUST_BACKTRACE", "1")
+        .stdin(Stdio::null());
+    cmd
+}
+
+fn stdout(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// Assert the exit code and, for failures, the promise: exactly one line on stderr, no panic,
+/// no backtrace.
+#[track_caller]
+fn expect_code(out: &Output, code: i32) {
+    assert_eq!(
+        out.status.code(),
+        Some(code),
+        "exit code\nstdout: {}\nstderr: {}",
+        stdout(out),
+        stderr(out)
+    );
+    let err = stderr(out);
+    assert!(!err.contains("panicked"), "panic: {err}");
+    assert!(!err.contains("backtrace"), "backtrace: {err}");
+    if code != 0 {
+        assert_eq!(err.lines().count(), 1, "one stderr line expected: {err:?}");
+        assert!(err.starts_with("idem-cli: "), "{err}");
+    }
+}
+
+fn json_lines(out: &Output) -> Vec<Value> {
+    stdout(out)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect()
+}
+
+fn json_one(out: &Output) -> Value {
+    let mut lines = json_lines(out);
+    assert_eq!(lines.len(), 1, "one JSON line expected: {}", stdout(out));
+    lines.remove(0)
+}
+
+async fn connect(db: &TestDb) -> AsyncPgConnection {
+    postgres::establish(&db.url)
+        .await
+        .expect("connect to test db")
+}
+
+#[derive(QueryableByName)]
+struct Key {
+    #[diesel(sql_type = Text)]
+    k: String,
+}
+
+async fn keys(conn: &mut AsyncPgConnection) -> Vec<String> {
+    diesel::sql_query("SELECT idempotency_key AS k FROM idempotency_keys ORDER BY 1")
+        .load::<Key>(conn)
+        .await
+        .expect("select keys")
+        .into_iter()
+        .map(|r| r.k)
+        .collect()
+}
+
+/// Insert a record with raw SQL: `state` and the SQL expressions for its timestamps decide what
+/// purge and list make of it.
+async fn seed(
+    conn: &mut AsyncPgConnection,
+    tenant: &str,
+    key: &str,
+    state: &str,
+    created: &str,
+    expires: &str,
+) {
+    let completed = state == "completed";
+    let sql =
+        format!(
+        "INSERT INTO idempotency_keys (tenant, method, path, idempotency_key, fingerprint, state, \
+             token, locked_until, response_status, response_headers, response_body, created_at, \
+             completed_at, expires_at) \
+         VALUES ('{tenant}', 'POST', '/payments', '{key}', decode(repeat('ab', 32), 'hex'), \
+             '{state}', gen_random_uuid(), {locked}, {status}, {headers}, {body}, {created}, \
+             {completed_at}, {expires})",
+        locked = if completed { "NULL" } else { expires },
+        status = if completed { "201" } else { "NULL" },
+        headers = if completed { "'\\x0100000000'::bytea" } else { "NULL" },
+        body = if completed { "'\\x7b7d'::bytea" } else { "NULL" },
+        completed_at = if completed { created } else { "NULL" },
+    );
+    conn.batch_execute(&sql).await.expect("seed row");
+}
+
+fn scope(tenant: &str, key: &str) -> Scope {
+    Scope {
+        tenant: tenant.into(),
+        method: "POST".into(),
+        path: "/payments".into(),
+        key: key.into(),
+    }
+}
+
+fn fingerprint(body: &str) -> Fingerprint {
+    Fingerprint::of_request("POST", "/payments", "", true, body.as_bytes())
+}
+
+#[tokio::test]
+async fn migrate_twice_and_check_gates_deploys() {
+    let db = TestDb::new_unmigrated().await;
+
+    let out = idem(&db.url, &["migrate", "--check"]);
+    expect_code(&out, PENDING);
+    assert!(
+        stdout(&out).contains("pending 2026-11-30-000001_create_idempotency_keys"),
+        "{}",
+        stdout(&out)
+    );
+    assert!(stderr(&out).contains("pending"), "{}", stderr(&out));
+
+    let out = idem(&db.url, &["migrate", "--check", "--format", "json"]);
+    expect_code(&out, PENDING);
+    assert_eq!(json_one(&out)["up_to_date"], Value::Bool(false));
+
+    // --check applied nothing: every other command still says "not provisioned".
+    for args in [
+        &["list"][..],
+        &["stats"],
+        &["purge"],
+        &["purge", "--dry-run"],
+        &["show", "k"],
+        &["release", "k"],
+    ] {
+        let out = idem(&db.url, args);
+        expect_code(&out, NOT_PROVISIONED);
+        assert!(
+            stderr(&out).contains("idem-cli migrate"),
+            "{args:?}: {}",
+            stderr(&out)
+        );
+    }
+
+    let out = idem(&db.url, &["migrate"]);
+    expect_code(&out, 0);
+    assert_eq!(
+        stdout(&out),
+        "applied 2026-11-30-000001_create_idempotency_keys\n"
+    );
+
+    let out = idem(&db.url, &["migrate"]);
+    expect_code(&out, 0);
+    assert!(
+        stdout(&out).contains("nothing to apply"),
+        "{}",
+        stdout(&out)
+    );
+
+    let out = idem(&db.url, &["migrate", "--check"]);
+    expect_code(&out, 0);
+    assert!(stdout(&out).contains("up to date"), "{}", stdout(&out));
+
+    let out = idem(&db.url, &["--format", "json", "migrate", "--check"]);
+    expect_code(&out, 0);
+    let v = json_one(&out);
+    assert_eq!(v["up_to_date"], Value::Bool(true));
+    assert_eq!(v["pending"], Value::Array(vec![]));
+
+    let out = idem(&db.url, &["stats", "--format", "json"]);
+    expect_code(&out, 0);
+    assert_eq!(json_one(&out)["total"], 0);
+}
+
+/// The purge fixture: what is expired, live and in flight, in two tenants.
+async fn purge_fixture(conn: &mut AsyncPgConnection) {
+    let two_days = "now() - interval '2 days'";
+    let five_days = "now() - interval '5 days'";
+    // Expired completed records: 3 in tenant a (one created 5 days ago), 2 in tenant b.
+    seed(
+        conn,
+        "a",
+        "exp-a1",
+        "completed",
+        two_days,
+        "now() - interval '1 hour'",
+    )
+    .await;
+    seed(
+        conn,
+        "a",
+        "exp-a2",
+        "completed",
+        two_days,
+        "now() - interval '1 second'",
+    )
+    .await;
+    seed(
+        conn,
+        "a",
+        "exp-a3",
+        "completed",
+        five_days,
+        "now() - interval '4 days'",
+    )
+    .await;
+    seed(
+        conn,
+        "b",
+        "exp-b1",
+        "completed",
+        two_days,
+        "now() - interval '1 day'",
+    )
+    .await;
+    seed(
+        conn,
+        "b",
+        "exp-b2",
+        "completed",
+        two_days,
+        "now() - interval '1 day'",
+    )
+    .await;
+    // Live completed records: never purged.
+    seed(
+        conn,
+        "a",
+        "live-a1",
+        "completed",
+        "now()",
+        "now() + interval '1 day'",
+    )
+    .await;
+    seed(
+        conn,
+        "b",
+        "live-b1",
+        "completed",
+        "now()",
+        "now() + interval '1 day'",
+    )
+    .await;
+    seed(
+        conn,
+        "b",
+        "live-b2",
+        "completed",
+        two_days,
+        "now() + interval '1 minute'",
+    )
+    .await;
+    // Reservations: lease ended 2 days ago (beyond the default 24h grace), 10 minutes ago
+    // (within it), and one still running.
+    seed(
+        conn,
+        "a",
+        "stuck-old",
+        "in_flight",
+        five_days,
+        "now() - interval '2 days'",
+    )
+    .await;
+    seed(
+        conn,
+        "b",
+        "stuck-old-b",
+        "in_flight",
+        five_days,
+        "now() - interval '2 days'",
+    )
+    .await;
+    seed(
+        conn,
+        "a",
+        "stuck-new",
+        "in_flight",
+        "now() - interval '11 minutes'",
+        "now() - interval '10 minutes'",
+    )
+    .await;
+    seed(
+        conn,
+        "a",
+        "running",
+        "in_flight",
+        "now()",
+        "now() + interval '1 minute'",
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn purge_counts_and_deletes_exactly_the_expired_records() {
+    let db = TestDb::new().await;
+    let mut conn = connect(&db).await;
+    purge_fixture(&mut conn).await;
+    let all = keys(&mut conn).await;
+    assert_eq!(all.len(), 12);
+
+    let dry = |args: &[&str]| {
+        let mut full = vec!["purge", "--dry-run", "--format", "json"];
+        full.extend_from_slice(args);
+        let out = idem(&db.url, &full);
+        expect_code(&out, 0);
+        let v = json_one(&out);
+        assert_eq!(v["dry_run"], Value::Bool(true));
+        assert_eq!(v["purged"], 0);
+        (
+            v["would_purge"].as_u64().expect("would_purge"),
+            v["completed"].as_u64().expect("completed"),
+            v["in_flight"].as_u64().expect("in_flight"),
+        )
+    };
+    assert_eq!(dry(&[]), (7, 5, 2));
+    assert_eq!(dry(&["--grace", "5m"]), (8, 5, 3));
+    assert_eq!(dry(&["--grace", "0"]), (8, 5, 3));
+    assert_eq!(dry(&["--tenant", "a"]), (4, 3, 1));
+    assert_eq!(dry(&["--tenant", "nobody"]), (0, 0, 0));
+    assert_eq!(dry(&["--older-than", "3d"]), (3, 1, 2));
+    assert_eq!(dry(&["--older-than", "3d", "--tenant", "b"]), (1, 0, 1));
+
+    // Text dry run: one line, and nothing deleted.
+    let out = idem(&db.url, &["purge", "--dry-run"]);
+    expect_code(&out, 0);
+    assert_eq!(
+        stdout(&out).lines().count(),
+        1,
+        "one summary line: {}",
+        stdout(&out)
+    );
+    assert!(stdout(&out).starts_with("dry run: would purge 7 records"));
+    assert_eq!(keys(&mut conn).await, all, "dry run deleted something");
+
+    // Tenant b only, in batches of one.
+    let out = idem(
+        &db.url,
+        &[
+            "purge",
+            "--tenant",
+            "b",
+            "--batch-size",
+            "1",
+            "--format",
+            "json",
+        ],
+    );
+    expect_code(&out, 0);
+    let v = json_one(&out);
+    assert_eq!(v["purged"], 3);
+    assert_eq!(v["dry_run"], Value::Bool(false));
+    assert_eq!(v["batches"], 4, "3 full batches of 1, then an empty one");
+
+    // The rest, in batches of two: one summary line in the documented form.
+    let out = idem(&db.url, &["purge", "--batch-size", "2"]);
+    expect_code(&out, 0);
+    let text = stdout(&out);
+    assert_eq!(text.lines().count(), 1, "{text}");
+    assert!(
+        text.starts_with("purged 4 records in "),
+        "summary line: {text}"
+    );
+    assert!(stderr(&out).is_empty(), "{}", stderr(&out));
+
+    // Exactly the live records and the reservations within their grace period remain.
+    assert_eq!(
+        keys(&mut conn).await,
+        ["live-a1", "live-b1", "live-b2", "running", "stuck-new"]
+    );
+
+    let out = idem(&db.url, &["purge", "--format", "json"]);
+    expect_code(&out, 0);
+    assert_eq!(json_one(&out)["purged"], 0);
+
+    // A shorter grace lets the recently stuck reservation go too; the running one stays.
+    let out = idem(&db.url, &["purge", "--grace", "1m"]);
+    expect_code(&out, 0);
+    assert!(
+        stdout(&out).starts_with("purged 1 records in "),
+        "{}",
+        stdout(&out)
+    );
+    assert_eq!(
+        keys(&mut conn).await,
+        ["live-a1", "live-b1", "live-b2", "running"]
+    );
+}
+
+#[derive(QueryableByName)]
+struct Flag {
+    #[diesel(sql_type = Bool)]
+    flag: bool,
+}
+
+#[derive(QueryableByName)]
+struct Count {
+    #[diesel(sql_type = BigInt)]
+    n: i64,
+}
+
+async fn purge_lock_visible(conn: &mut AsyncPgConnection) -> bool {
+    diesel::sql_query(
+        "SELECT count(*) AS n FROM pg_locks WHERE locktype = 'advisory' \
+         AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+         AND classid = 1768187245 AND objid = 1886745191 AND objsubid = 1 AND granted",
+    )
+    .get_result::<Count>(conn)
+    .await
+    .map(|c| c.n > 0)
+    .unwrap_or(false)
+}
+
+#[tokio::test]
+async fn overlapping_purges_do_not_both_work() {
+    let db = TestDb::new().await;
+    let mut conn = connect(&db).await;
+    for i in 0..6 {
+        seed(
+            &mut conn,
+            "t",
+            &format!("exp-{i}"),
+            "completed",
+            "now() - interval '2 days'",
+            "now() - interval '1 day'",
+        )
+        .await;
+    }
+
+    // 1. The lock is held elsewhere (a purge on another host): skip, say so, exit 0.
+    let mut holder = connect(&db).await;
+    let locked: Flag =
+        diesel::sql_query(format!("SELECT pg_try_advisory_lock({PURGE_LOCK}) AS flag"))
+            .get_result(&mut holder)
+            .await
+            .expect("take lock");
+    assert!(locked.flag);
+    let out = idem(&db.url, &["purge"]);
+    expect_code(&out, 0);
+    assert!(
+        stdout(&out).contains("another purge is running"),
+        "{}",
+        stdout(&out)
+    );
+    let out = idem(&db.url, &["purge", "--format", "json"]);
+    expect_code(&out, 0);
+    let v = json_one(&out);
+    assert_eq!(v["skipped"], Value::Bool(true));
+    assert_eq!(v["purged"], 0);
+    assert_eq!(
+        keys(&mut conn).await.len(),
+        6,
+        "a skipped purge deleted rows"
+    );
+    drop(holder); // the session lock goes with the connection
+
+    // 2. Two real purges at once: the first is slowed down (batches of one, pauses) and the
+    // second starts while the first visibly holds the lock.
+    let first = command(
+        &db.url,
+        &[
+            "purge",
+            "--batch-size",
+            "1",
+            "--pause",
+            "300ms",
+            "--format",
+            "json",
+        ],
+    )
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .expect("spawn first purge");
+    let started = Instant::now();
+    while !purge_lock_visible(&mut conn).await {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "first purge never took the lock"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let second = idem(&db.url, &["purge", "--format", "json"]);
+    let first = first.wait_with_output().expect("first purge");
+    expect_code(&first, 0);
+    expect_code(&second, 0);
+    let (first, second) = (json_one(&first), json_one(&second));
+    assert_eq!(second["skipped"], Value::Bool(true), "{second}");
+    assert_eq!(first["purged"], 6, "{first}");
+    assert!(keys(&mut conn).await.is_empty());
+
+    // The lock was released: the next run works normally.
+    let out = idem(&db.url, &["purge", "--format", "json"]);
+    expect_code(&out, 0);
+    assert_eq!(json_one(&out).get("skipped"), None);
+}
+
+#[tokio::test]
+async fn list_show_and_stats_in_json() {
+    let db = TestDb::new().await;
+    let store = PostgresStore::connect(&db.url).await.expect("store");
+
+    // A completed record written by the store itself, with a JSON body and headers.
+    let body = r#"{"id":"pay_1","amount":100,"currency":"EUR"}"#;
+    let paid = scope("acme", "order-1");
+    let token = match store
+        .reserve(&paid, &fingerprint(body), Duration::from_secs(60))
+        .await
+        .expect("reserve")
+    {
+        ReserveOutcome::Reserved { token } => token,
+        other => panic!("{other:?}"),
+    };
+    let response = StoredResponse {
+        status: 201,
+        headers: vec![
+            (
+                "content-type".into(),
+                Bytes::from_static(b"application/json"),
+            ),
+            ("x-raw".into(), Bytes::from_static(&[0xff, 0x00])),
+        ],
+        body: Bytes::from(body),
+    };
+    let written = store
+        .complete(&paid, &token, &response, Duration::from_secs(86_400))
+        .await
+        .expect("complete");
+    assert_eq!(written, WriteOutcome::Applied);
+
+    // A completed record with a binary body, in another tenant.
+    let binary = scope("globex", "order-1");
+    let token = match store
+        .reserve(&binary, &fingerprint("x"), Duration::from_secs(60))
+        .await
+        .expect("reserve")
+    {
+        ReserveOutcome::Reserved { token } => token,
+        other => panic!("{other:?}"),
+    };
+    let bin_body: Vec<u8> = (0u8..=255).cycle().take(600).collect();
+    let bin_response = StoredResponse {
+        status: 200,
+        headers: vec![],
+        body: Bytes::from(bin_body.clone()),
+    };
+    store
+        .complete(&binary, &token, &bin_response, Duration::from_secs(86_400))
+        .await
+        .expect("complete");
+
+    // A running reservation, an old stuck one and an expired completed record.
+    store
+        .reserve(
+            &scope("acme", "order-2"),
+            &fingerprint("y"),
+            Duration::from_secs(60),
+        )
+        .await
+        .expect("reserve");
+    let mut conn = connect(&db).await;
+    seed(
+        &mut conn,
+        "acme",
+        "stuck-1",
+        "in_flight",
+        "now() - interval '3 hours'",
+        "now() - interval '2 hours'",
+    )
+    .await;
+    seed(
+        &mut conn,
+        "acme",
+        "old-1",
+        "completed",
+        "now() - interval '3 days'",
+        "now() - interval '2 days'",
+    )
+    .await;
+
+    // list: every record, oldest first, one JSON object per line.
+    let out = idem(&db.url, &["list", "--format", "json"]);
+    expect_code(&out, 0);
+    let all = json_lines(&out);
+    assert_eq!(all.len(), 5);
+    assert_eq!(all[0]["key"], "old-1");
+    assert_eq!(all[1]["key"], "stuck-1");
+    let keys_of = |args: &[&str]| -> Vec<String> {
+        let mut full = vec!["list", "--format", "json"];
+        full.extend_from_slice(args);
+        let out = idem(&db.url, &full);
+        expect_code(&out, 0);
+        let mut keys: Vec<String> = json_lines(&out)
+            .iter()
+            .map(|v| {
+                format!(
+                    "{}/{}",
+                    v["tenant"].as_str().unwrap_or("?"),
+                    v["key"].as_str().unwrap_or("?")
+                )
+            })
+            .collect();
+        keys.sort();
+        keys
+    };
+    assert_eq!(keys_of(&["--tenant", "globex"]), ["globex/order-1"]);
+    assert_eq!(
+        keys_of(&["--state", "in-flight"]),
+        ["acme/order-2", "acme/stuck-1"]
+    );
+    assert_eq!(
+        keys_of(&["--state", "completed"]),
+        ["acme/order-1", "globex/order-1"]
+    );
+    assert_eq!(keys_of(&["--state", "expired"]), ["acme/old-1"]);
+    assert_eq!(keys_of(&["--key-prefix", "order-"]).len(), 3);
+    assert_eq!(
+        keys_of(&["--older-than", "1h"]),
+        ["acme/old-1", "acme/stuck-1"]
+    );
+    assert_eq!(
+        keys_of(&["--older-than", "1h", "--state", "in-flight"]),
+        ["acme/stuck-1"]
+    );
+    assert_eq!(keys_of(&["--limit", "2"]), ["acme/old-1", "acme/stuck-1"]);
+    let stuck = &all[1];
+    assert_eq!(stuck["state"], "in_flight");
+    assert_eq!(stuck["lease_live"], Value::Bool(false));
+    assert_eq!(stuck["expired"], Value::Bool(true));
+
+    // The table form: a header and one row per record.
+    let out = idem(&db.url, &["list"]);
+    expect_code(&out, 0);
+    let table = stdout(&out);
+    assert!(table.starts_with("TENANT"), "{table}");
+    assert_eq!(table.lines().count(), 6, "{table}");
+    let out = idem(&db.url, &["list", "--limit", "1"]);
+    expect_code(&out, 0);
+    assert!(
+        stderr(&out).contains("--limit"),
+        "truncation is said on stderr"
+    );
+
+    // show: the whole record with its decoded headers and parsed body.
+    let out = idem(
+        &db.url,
+        &["show", "order-1", "--tenant", "acme", "--format", "json"],
+    );
+    expect_code(&out, 0);
+    let v = json_one(&out);
+    assert_eq!(v["tenant"], "acme");
+    assert_eq!(v["state"], "completed");
+    assert_eq!(v["fingerprint"], fingerprint(body).to_hex());
+    assert_eq!(v["response"]["status"], 201);
+    assert_eq!(
+        v["response"]["headers"][0],
+        serde_json::json!({"name": "content-type", "value": "application/json"})
+    );
+    assert_eq!(v["response"]["headers"][1]["value_base64"], "/wA=");
+    assert_eq!(
+        v["response"]["body_json"],
+        serde_json::json!({"id": "pay_1", "amount": 100, "currency": "EUR"})
+    );
+
+    // Without --tenant the key matches in both tenants: both are shown.
+    let out = idem(&db.url, &["show", "order-1", "--format", "json"]);
+    expect_code(&out, 0);
+    assert_eq!(json_lines(&out).len(), 2);
+
+    // Text: JSON bodies pretty-printed in their stored key order; binary bodies as hex.
+    let out = idem(
+        &db.url,
+        &["show", "order-1", "--tenant", "acme", "--method", "post"],
+    );
+    expect_code(&out, 0);
+    let text = stdout(&out);
+    assert!(
+        text.contains("  {\n    \"id\": \"pay_1\",\n    \"amount\": 100,"),
+        "{text}"
+    );
+    assert!(text.contains("content-type: application/json"), "{text}");
+    let out = idem(
+        &db.url,
+        &[
+            "show",
+            "order-1",
+            "--tenant",
+            "globex",
+            "--path",
+            "/payments",
+        ],
+    );
+    expect_code(&out, 0);
+    let text = stdout(&out);
+    assert!(text.contains("600 bytes"), "{text}");
+    assert!(text.contains("00000000  00 01 02 03"), "{text}");
+    assert!(text.contains("344 more bytes"), "{text}");
+    let out = idem(
+        &db.url,
+        &["show", "order-1", "--tenant", "globex", "--format", "json"],
+    );
+    expect_code(&out, 0);
+    let v = json_one(&out);
+    assert_eq!(v["response"]["body_bytes"], 600);
+    assert_eq!(v["response"]["body_json"], Value::Null);
+    assert!(v["response"]["body_base64"]
+        .as_str()
+        .is_some_and(|b| b.starts_with("AAECAwQF")));
+
+    // An in-flight record has no response yet.
+    let out = idem(&db.url, &["show", "order-2", "--format", "json"]);
+    expect_code(&out, 0);
+    let v = json_one(&out);
+    assert_eq!(v["state"], "in_flight");
+    assert_eq!(v["lease_live"], Value::Bool(true));
+    assert_eq!(v.get("response"), None);
+
+    // No such record: exit 6, one line.
+    let out = idem(&db.url, &["show", "order-1", "--tenant", "initech"]);
+    expect_code(&out, NOT_FOUND_OR_REFUSED);
+    assert!(stderr(&out).contains("no record"), "{}", stderr(&out));
+
+    // stats: counts by state, expired-but-not-purged, oldest in-flight, sizes.
+    let out = idem(&db.url, &["stats", "--format", "json"]);
+    expect_code(&out, 0);
+    let s = json_one(&out);
+    assert_eq!(s["total"], 5);
+    assert_eq!(s["in_flight"], 2);
+    assert_eq!(s["in_flight_lease_live"], 1);
+    assert_eq!(s["in_flight_lease_ended"], 1);
+    assert_eq!(s["completed"], 3);
+    assert_eq!(s["completed_live"], 2);
+    assert_eq!(s["completed_expired"], 1);
+    assert_eq!(s["expired_not_purged"], 2);
+    assert_eq!(s["oldest_in_flight"]["key"], "stuck-1");
+    assert!(s["oldest_in_flight_age_seconds"]
+        .as_f64()
+        .is_some_and(|a| a > 3.0 * 3600.0 - 60.0));
+    assert!(s["table_bytes"].as_i64().is_some_and(|b| b > 0));
+    assert!(s["index_bytes"].as_i64().is_some_and(|b| b > 0));
+    let out = idem(&db.url, &["stats"]);
+    expect_code(&out, 0);
+    assert!(stdout(&out).contains("stuck-1"), "{}", stdout(&out));
+}
+
+#[tokio::test]
+async fn release_unsticks_a_key_for_the_store() {
+    let db = TestDb::new().await;
+    let store = PostgresStore::connect(&db.url).await.expect("store");
+    let key = scope("acme", "charge-7");
+    let original = fingerprint(r#"{"amount":100}"#);
+    let changed = fingerprint(r#"{"amount":200}"#);
+
+    // A request holds the key (its process then "hangs"): the key is blocked.
+    let reserved = store
+        .reserve(&key, &original, Duration::from_secs(60))
+        .await
+        .expect("reserve");
+    assert!(matches!(reserved, ReserveOutcome::Reserved { .. }));
+    assert!(matches!(
+        store
+            .reserve(&key, &changed, Duration::from_secs(60))
+            .await
+            .expect("reserve"),
+        ReserveOutcome::InFlight { .. }
+    ));
+
+    // Its lease is still running: release refuses without --force (exit 6), nothing removed.
+    let out = idem(&db.url, &["release", "charge-7", "--tenant", "acme"]);
+    expect_code(&out, NOT_FOUND_OR_REFUSED);
+    assert!(stderr(&out).contains("--force"), "{}", stderr(&out));
+    assert!(matches!(
+        store
+            .reserve(&key, &changed, Duration::from_secs(60))
+            .await
+            .expect("reserve"),
+        ReserveOutcome::InFlight { .. }
+    ));
+
+    // --force removes it and says what it removed; the key can be reserved again at once.
+    let out = idem(
+        &db.url,
+        &["release", "charge-7", "--tenant", "acme", "--force"],
+    );
+    expect_code(&out, 0);
+    let text = stdout(&out);
+    assert!(
+        text.starts_with("released in_flight tenant=\"acme\" POST /payments key=\"charge-7\""),
+        "{text}"
+    );
+    assert!(matches!(
+        store
+            .reserve(&key, &changed, Duration::from_secs(1))
+            .await
+            .expect("reserve"),
+        ReserveOutcome::Reserved { .. }
+    ));
+
+    // A reservation whose lease ended is released without --force (JSON output).
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let out = idem(
+        &db.url,
+        &[
+            "release",
+            "charge-7",
+            "--tenant",
+            "acme",
+            "--method",
+            "POST",
+            "--path",
+            "/payments",
+            "--format",
+            "json",
+        ],
+    );
+    expect_code(&out, 0);
+    let v = json_one(&out);
+    assert_eq!(v["released"], Value::Bool(true));
+    assert_eq!(v["state"], "in_flight");
+    let token = match store
+        .reserve(&key, &original, Duration::from_secs(60))
+        .await
+        .expect("reserve")
+    {
+        ReserveOutcome::Reserved { token } => token,
+        other => panic!("the released key was not accepted again: {other:?}"),
+    };
+
+    // A completed record is refused without --force, released with it.
+    let response = StoredResponse {
+        status: 201,
+        headers: vec![],
+        body: Bytes::from_static(b"{}"),
+    };
+    store
+        .complete(&key, &token, &response, Duration::from_secs(3600))
+        .await
+        .expect("complete");
+    let out = idem(&db.url, &["release", "charge-7", "--tenant", "acme"]);
+    expect_code(&out, NOT_FOUND_OR_REFUSED);
+    assert!(stderr(&out).contains("completed"), "{}", stderr(&out));
+    assert!(matches!(
+        store
+            .reserve(&key, &original, Duration::from_secs(60))
+            .await
+            .expect("reserve"),
+        ReserveOutcome::Completed { .. }
+    ));
+    let out = idem(
+        &db.url,
+        &["release", "charge-7", "--tenant", "acme", "--force"],
+    );
+    expect_code(&out, 0);
+    assert!(
+        stdout(&out).starts_with("released completed "),
+        "{}",
+        stdout(&out)
+    );
+    assert!(matches!(
+        store
+            .reserve(&key, &original, Duration::from_secs(60))
+            .await
+            .expect("reserve"),
+        ReserveOutcome::Reserved { .. }
+    ));
+
+    // Unknown keys and ambiguous keys are refused; several keys are handled one by one.
+    let out = idem(&db.url, &["release", "no-such-key"]);
+    expect_code(&out, NOT_FOUND_OR_REFUSED);
+    assert!(stderr(&out).contains("no record"), "{}", stderr(&out));
+    store
+        .reserve(
+            &scope("globex", "charge-7"),
+            &original,
+            Duration::from_secs(60),
+        )
+        .await
+        .expect("reserve");
+    let out = idem(&db.url, &["release", "charge-7", "--force"]);
+    expect_code(&out, NOT_FOUND_OR_REFUSED);
+    assert!(
+        stderr(&out).contains("matches 2 records"),
+        "{}",
+        stderr(&out)
+    );
+
+    let mut conn = connect(&db).await;
+    seed(
+        &mut conn,
+        "",
+        "dead-1",
+        "in_flight",
+        "now() - interval '1 hour'",
+        "now() - interval '50 minutes'",
+    )
+    .await;
+    seed(
+        &mut conn,
+        "",
+        "dead-2",
+        "in_flight",
+        "now() - interval '1 hour'",
+        "now() - interval '50 minutes'",
+    )
+    .await;
+    let out = idem(&db.url, &["release", "dead-1", "dead-2", "--tenant", ""]);
+    expect_code(&out, 0);
+    assert_eq!(stdout(&out).lines().count(), 2, "{}", stdout(&out));
+    assert!(stdout(&out).contains("tenant=(global)"), "{}", stdout(&out));
+    assert_eq!(keys(&mut conn).await, ["charge-7", "charge-7"]);
+}
+
+#[tokio::test]
+async fn failures_have_one_line_and_distinct_exit_codes() {
+    // Nothing listens on a port we just had and closed.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("free port")
+        .port();
+    let closed = format!("postgres://postgres@127.0.0.1:{port}/postgres");
+    for args in [
+        &["list"][..],
+        &["stats"],
+        &["purge"],
+        &["migrate"],
+        &["migrate", "--check"],
+    ] {
+        let out = idem(&closed, args);
+        expect_code(&out, UNAVAILABLE);
+        assert!(stderr(&out).contains("cannot connect"), "{}", stderr(&out));
+    }
+
+    // A database that does not exist, and a role that does not exist (the server refuses the
+    // login, which is what wrong credentials look like under trust authentication).
+    let db = TestDb::new().await;
+    let missing_db = idempotency_e2e::with_database(&db.url, "idem_cli_no_such_database");
+    let out = idem(&missing_db, &["stats"]);
+    expect_code(&out, UNAVAILABLE);
+    let bad_role = with_user(&db.url, "idem_cli_no_such_role", Some("wrong-password"));
+    let out = idem(&bad_role, &["list"]);
+    expect_code(&out, UNAVAILABLE);
+    assert!(
+        !stderr(&out).contains("wrong-password"),
+        "password printed: {}",
+        stderr(&out)
+    );
+
+    // The table is missing (dropped under a provisioned database).
+    let mut conn = connect(&db).await;
+    conn.batch_execute("DROP TABLE idempotency_keys")
+        .await
+        .expect("drop");
+    for args in [
+        &["list"][..],
+        &["stats"],
+        &["purge"],
+        &["show", "k"],
+        &["release", "k"],
+    ] {
+        let out = idem(&db.url, args);
+        expect_code(&out, NOT_PROVISIONED);
+        assert!(
+            stderr(&out).contains("idem-cli migrate"),
+            "{}",
+            stderr(&out)
+        );
+    }
+
+    // Bad arguments: exit 2 before any connection is attempted.
+    for args in [
+        &["purge", "--older-than", "7x"][..],
+        &["purge", "--older-than", "7"],
+        &["purge", "--grace", ""],
+        &["purge", "--batch-size", "0"],
+        &["purge", "--batch-size", "lots"],
+        &["list", "--state", "sleeping"],
+        &["list", "--limit", "-1"],
+        &["release"],
+        &["show"],
+        &["frobnicate"],
+        &["--format", "yaml", "stats"],
+        &[],
+    ] {
+        let out = idem(&closed, args);
+        expect_code(&out, USAGE);
+    }
+    let out = idem("mysql://localhost/db", &["stats"]);
+    expect_code(&out, USAGE);
+    let out = Command::new(BIN)
+        .arg("stats")
+        .env_remove("DATABASE_URL")
+        .output()
+        .expect("run");
+    expect_code(&out, USAGE);
+    assert!(stderr(&out).contains("DATABASE_URL"), "{}", stderr(&out));
+}
+
+#[test]
+fn help_and_version_read_well() {
+    let out = Command::new(BIN).arg("--version").output().expect("run");
+    assert_eq!(out.status.code(), Some(0));
+    assert_eq!(
+        stdout(&out).trim(),
+        format!("idem-cli {}", env!("CARGO_PKG_VERSION"))
+    );
+
+    let out = Command::new(BIN).arg("--help").output().expect("run");
+    assert_eq!(out.status.code(), Some(0));
+    let help = stdout(&out);
+    for needle in [
+        "Examples:",
+        "Exit codes:",
+        "DATABASE_URL",
+        "migrate",
+        "purge",
+        "release",
+    ] {
+        assert!(help.contains(needle), "--help lacks {needle}: {help}");
+    }
+    for sub in ["migrate", "purge", "list", "show", "stats", "release"] {
+        let out = Command::new(BIN)
+            .args([sub, "--help"])
+            .output()
+            .expect("run");
+        assert_eq!(out.status.code(), Some(0), "{sub} --help");
+        let help = stdout(&out);
+        assert!(
+            help.contains("Examples:"),
+            "{sub} --help has no example: {help}"
+        );
+        assert!(help.contains(&format!("idem-cli {sub}")), "{sub}: {help}");
+    }
+}
+
+/// `url` with its user (and password) replaced.
+fn with_user(url: &str, user: &str, password: Option<&str>) -> String {
+    let (scheme, rest) = url.split_once("://").expect("URL form");
+    let host_and_rest = rest.split_once('@').map_or(rest, |(_, h)| h);
+    let userinfo = match password {
+        Some(p) => format!("{user}:{p}"),
+        None => user.to_owned(),
+    };
+    format!("{scheme}://{userinfo}@{host_and_rest}")
+}
