@@ -28,7 +28,11 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use diesel_async::RunQueryDsl;
 use idempotency_actix::store::postgres;
 
+pub mod http;
 pub mod proxy;
+pub mod proc;
+pub mod raw_http;
+pub mod records;
 
 /// The default local server tried when `DATABASE_URL` is not set.
 pub const LOCAL_SERVER_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";

@@ -349,3 +349,116 @@ pub(crate) struct ExistsRow {
     #[diesel(sql_type = Bool)]
     pub(crate) present: bool,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scope() -> ScopeBinds<'static> {
+        ScopeBinds {
+            tenant: "t",
+            method: "POST",
+            path: "/p",
+            key: "k",
+        }
+    }
+
+    /// diesel numbers binds as they are pushed; every `$n` must appear exactly once and in
+    /// order, or a value would land in the wrong place.
+    fn assert_binds_in_order(sql: &str, count: usize) {
+        let mut last = 0;
+        for n in 1..=count {
+            let needle = format!("${n}");
+            let found: Vec<_> = sql
+                .match_indices(&needle)
+                .filter(|(i, _)| !sql[i + needle.len()..].starts_with(|c: char| c.is_ascii_digit()))
+                .collect();
+            assert_eq!(found.len(), 1, "{needle} in {sql}");
+            assert!(found[0].0 > last, "{needle} out of order in {sql}");
+            last = found[0].0;
+        }
+        assert!(!sql.contains(&format!("${}", count + 1)), "{sql}");
+    }
+
+    fn sql_of<T: QueryFragment<Pg>>(query: &T) -> String {
+        diesel::debug_query::<Pg, _>(query).to_string()
+    }
+
+    #[test]
+    fn statements_bind_each_parameter_once_in_order() {
+        let fingerprint = [0u8; 32];
+        let reserve = Reserve {
+            scope: scope(),
+            fingerprint: &fingerprint,
+            token: uuid::Uuid::nil(),
+            lease_us: 1,
+        };
+        assert_binds_in_order(&sql_of(&reserve), 7);
+        let complete = Complete {
+            scope: scope(),
+            token: uuid::Uuid::nil(),
+            status: 200,
+            headers: &[],
+            body: &[],
+            ttl_us: 1,
+        };
+        assert_binds_in_order(&sql_of(&complete), 9);
+        let release = Release {
+            scope: scope(),
+            token: uuid::Uuid::nil(),
+        };
+        assert_binds_in_order(&sql_of(&release), 5);
+        assert_binds_in_order(
+            &sql_of(&PurgeBatch {
+                grace_us: 0,
+                limit: 1,
+            }),
+            2,
+        );
+        assert_binds_in_order(&sql_of(&TableExists), 0);
+    }
+
+    #[test]
+    fn statements_have_static_ids_for_the_statement_cache() {
+        assert!(<Reserve<'_> as QueryId>::HAS_STATIC_QUERY_ID);
+        assert!(<Complete<'_> as QueryId>::HAS_STATIC_QUERY_ID);
+        assert!(<Release<'_> as QueryId>::HAS_STATIC_QUERY_ID);
+        assert!(<PurgeBatch as QueryId>::HAS_STATIC_QUERY_ID);
+    }
+
+    #[test]
+    #[ignore = "prints the SQL for docs/sql.md"]
+    fn print_sql() {
+        let fingerprint = [0u8; 32];
+        let reserve = Reserve {
+            scope: scope(),
+            fingerprint: &fingerprint,
+            token: uuid::Uuid::nil(),
+            lease_us: 1,
+        };
+        println!("{}", sql_of(&reserve));
+        let complete = Complete {
+            scope: scope(),
+            token: uuid::Uuid::nil(),
+            status: 200,
+            headers: &[],
+            body: &[],
+            ttl_us: 1,
+        };
+        println!("{}", sql_of(&complete));
+        println!(
+            "{}",
+            sql_of(&Release {
+                scope: scope(),
+                token: uuid::Uuid::nil()
+            })
+        );
+        println!(
+            "{}",
+            sql_of(&PurgeBatch {
+                grace_us: 0,
+                limit: 1
+            })
+        );
+    }
+}

@@ -1,0 +1,288 @@
+//! The middleware over `PostgresStore`, end to end over HTTP: exactly-once across two app
+//! instances sharing one database, and the fault answers of C15 (503 before the handler runs).
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use actix_web::dev::ServerHandle;
+use actix_web::{web, App, HttpRequest, HttpResponse, HttpServer};
+use diesel::sql_types::{BigInt, Text};
+use diesel_async::RunQueryDsl;
+use futures_util::future::join_all;
+use idempotency_actix::store::postgres::{self, PostgresStore};
+use idempotency_actix::Idempotency;
+use idempotency_e2e::http::{post_json, Response};
+use idempotency_e2e::proxy::PgProxy;
+use idempotency_e2e::TestDb;
+
+/// What the handler of one app instance knows.
+#[derive(Clone)]
+struct Instance {
+    name: &'static str,
+    store: PostgresStore,
+    /// Handler runs seen by this process (the database table is the real count).
+    runs: Arc<AtomicUsize>,
+}
+
+/// Records the execution in the shared database, then answers with a body unique to this
+/// execution (a nonce), so a replay can be told from a second execution.
+async fn pay(req: HttpRequest, body: web::Bytes, instance: web::Data<Instance>) -> HttpResponse {
+    instance.runs.fetch_add(1, Ordering::SeqCst);
+    let key = req
+        .headers()
+        .get("idempotency-key")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_owned();
+    // Long enough that duplicates arrive while the first execution is still running.
+    actix_web::rt::time::sleep(Duration::from_millis(100)).await;
+    let mut conn = instance.store.pool().get().await.unwrap();
+    diesel::sql_query("INSERT INTO executions (idempotency_key, instance) VALUES ($1, $2)")
+        .bind::<Text, _>(&key)
+        .bind::<Text, _>(instance.name)
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    let nonce = idempotency_actix::store::ReservationToken::random().as_uuid();
+    HttpResponse::Created().json(serde_json::json!({
+        "key": key,
+        "instance": instance.name,
+        "nonce": nonce.to_string(),
+        "request_bytes": body.len(),
+    }))
+}
+
+/// Start one app instance with its own store (its own pool) on a free port.
+fn start_instance(instance: Instance) -> (SocketAddr, ServerHandle) {
+    let store = instance.store.clone();
+    let data = web::Data::new(instance);
+    let server = HttpServer::new(move || {
+        App::new()
+            .app_data(data.clone())
+            .wrap(Idempotency::new(store.clone()))
+            .route("/payments", web::post().to(pay))
+    })
+    .workers(2)
+    .disable_signals()
+    .bind(("127.0.0.1", 0))
+    .unwrap();
+    let addr = server.addrs()[0];
+    let server = server.run();
+    let handle = server.handle();
+    actix_web::rt::spawn(server);
+    (addr, handle)
+}
+
+async fn create_executions_table(url: &str) {
+    let mut conn = postgres::establish(url).await.unwrap();
+    diesel::sql_query(
+        "CREATE TABLE executions (idempotency_key TEXT NOT NULL, instance TEXT NOT NULL, \
+         at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp())",
+    )
+    .execute(&mut conn)
+    .await
+    .unwrap();
+}
+
+#[derive(diesel::QueryableByName)]
+struct KeyCount {
+    #[diesel(sql_type = Text)]
+    idempotency_key: String,
+    #[diesel(sql_type = BigInt)]
+    n: i64,
+}
+
+async fn executions(url: &str) -> HashMap<String, i64> {
+    let mut conn = postgres::establish(url).await.unwrap();
+    diesel::sql_query(
+        "SELECT idempotency_key, count(*) AS n FROM executions GROUP BY idempotency_key",
+    )
+    .load::<KeyCount>(&mut conn)
+    .await
+    .unwrap()
+    .into_iter()
+    .map(|r| (r.idempotency_key, r.n))
+    .collect()
+}
+
+#[actix_web::test]
+async fn exactly_once_across_two_instances_sharing_one_database() {
+    let db = TestDb::new().await;
+    create_executions_table(&db.url).await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let mut addrs = Vec::new();
+    let mut handles = Vec::new();
+    for name in ["instance-a", "instance-b"] {
+        // Separate pools, as two app processes would have.
+        let store = PostgresStore::connect(&db.url).await.unwrap();
+        let (addr, handle) = start_instance(Instance {
+            name,
+            store,
+            runs: Arc::clone(&runs),
+        });
+        addrs.push(addr);
+        handles.push(handle);
+    }
+
+    const KEYS: usize = 20;
+    const DUPLICATES: usize = 16;
+    let body = |k: usize| format!("{{\"amount\": {}, \"currency\": \"EUR\"}}", 100 + k);
+    let requests = (0..KEYS).flat_map(|k| (0..DUPLICATES).map(move |d| (k, d)));
+    let responses: Vec<(usize, Response)> = join_all(requests.map(|(k, d)| {
+        let addr = addrs[d % 2];
+        let body = body(k);
+        async move {
+            let key = format!("key-{k}");
+            (k, post_json(addr, "/payments", &key, &body).await.unwrap())
+        }
+    }))
+    .await;
+
+    // Every duplicate got either the one stored response or 409 while it was running.
+    let mut first_bodies: HashMap<usize, Vec<u8>> = HashMap::new();
+    let mut conflicts = Vec::new();
+    for (k, response) in &responses {
+        match response.status {
+            201 => {
+                let seen = first_bodies
+                    .entry(*k)
+                    .or_insert_with(|| response.body.clone());
+                assert_eq!(seen, &response.body, "key {k}: two different 201 bodies");
+            }
+            409 => {
+                assert!(
+                    response.header("retry-after").is_some(),
+                    "409 without Retry-After"
+                );
+                conflicts.push(*k);
+            }
+            other => panic!("key {k}: unexpected status {other}: {:?}", response),
+        }
+    }
+
+    // Retry the conflicts once the first executions are surely done: all are replays.
+    actix_web::rt::time::sleep(Duration::from_millis(300)).await;
+    for k in conflicts {
+        let response = post_json(addrs[k % 2], "/payments", &format!("key-{k}"), &body(k))
+            .await
+            .unwrap();
+        assert_eq!(response.status, 201, "{response:?}");
+        assert_eq!(response.header("idempotent-replayed"), Some("true"));
+        let seen = first_bodies
+            .entry(k)
+            .or_insert_with(|| response.body.clone());
+        assert_eq!(
+            seen, &response.body,
+            "key {k}: replay differs from the original"
+        );
+    }
+
+    let counted = executions(&db.url).await;
+    assert_eq!(counted.len(), KEYS, "every key executed: {counted:?}");
+    assert!(
+        counted.values().all(|n| *n == 1),
+        "exactly once per key: {counted:?}"
+    );
+    assert_eq!(AtomicUsize::load(&runs, Ordering::SeqCst), KEYS);
+
+    for handle in handles {
+        handle.stop(false).await;
+    }
+}
+
+fn assert_storage_unavailable(response: &Response) -> serde_json::Value {
+    assert_eq!(response.status, 503, "{response:?}");
+    assert!(
+        response
+            .header("content-type")
+            .is_some_and(|c| c.starts_with("application/problem+json")),
+        "{response:?}"
+    );
+    assert!(response.header("retry-after").is_some(), "{response:?}");
+    let problem = response.json();
+    assert_eq!(problem["code"], "STORAGE_UNAVAILABLE", "{problem}");
+    assert_eq!(problem["status"], 503, "{problem}");
+    problem
+}
+
+#[actix_web::test]
+async fn missing_table_answers_503_with_the_migrate_hint() {
+    let db = TestDb::new_unmigrated().await;
+    create_executions_table(&db.url).await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let store = PostgresStore::connect(&db.url).await.unwrap();
+    let (addr, handle) = start_instance(Instance {
+        name: "unprovisioned",
+        store,
+        runs: Arc::clone(&runs),
+    });
+
+    let response = post_json(addr, "/payments", "k1", "{}").await.unwrap();
+    let problem = assert_storage_unavailable(&response);
+    let detail = problem["detail"].as_str().unwrap_or_default();
+    assert!(detail.contains("idem-cli migrate"), "{problem}");
+    assert_eq!(
+        AtomicUsize::load(&runs, Ordering::SeqCst),
+        0,
+        "fail closed: the handler must not run"
+    );
+
+    // Provisioning fixes it without a restart.
+    postgres::run_migrations(&db.url).await.unwrap();
+    let response = post_json(addr, "/payments", "k1", "{}").await.unwrap();
+    assert_eq!(response.status, 201, "{response:?}");
+    assert_eq!(AtomicUsize::load(&runs, Ordering::SeqCst), 1);
+    handle.stop(false).await;
+}
+
+#[actix_web::test]
+async fn unreachable_database_answers_503_quickly_and_recovers() {
+    let db = TestDb::new().await;
+    create_executions_table(&db.url).await;
+    let proxy = PgProxy::for_url(&db.url).await.unwrap();
+    let timeout = Duration::from_millis(800);
+    let store = PostgresStore::builder(proxy.url_through(&db.url))
+        .connection_timeout(timeout)
+        .build()
+        .await
+        .unwrap();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let (addr, handle) = start_instance(Instance {
+        name: "flaky",
+        // The handler records its executions through the same pool (and proxy).
+        store: store.clone(),
+        runs: Arc::clone(&runs),
+    });
+
+    // Warm: the pool holds connections through the proxy.
+    let ok = post_json(addr, "/payments", "before", "{}").await.unwrap();
+    assert_eq!(ok.status, 201, "{ok:?}");
+    let runs_before = AtomicUsize::load(&runs, Ordering::SeqCst);
+
+    // The database goes away: open connections are cut and new ones refused.
+    proxy.stop();
+    for key in ["down-1", "down-2", "down-3"] {
+        let started = Instant::now();
+        let response = post_json(addr, "/payments", key, "{}").await.unwrap();
+        let elapsed = started.elapsed();
+        assert_storage_unavailable(&response);
+        assert!(
+            elapsed < timeout + Duration::from_millis(500),
+            "503 took {elapsed:?}, timeout is {timeout:?}"
+        );
+    }
+    assert_eq!(
+        AtomicUsize::load(&runs, Ordering::SeqCst),
+        runs_before,
+        "handler must not run while down"
+    );
+
+    // It comes back: the next request succeeds.
+    proxy.resume().await.unwrap();
+    let response = post_json(addr, "/payments", "after", "{}").await.unwrap();
+    assert_eq!(response.status, 201, "{response:?}");
+    handle.stop(false).await;
+}
