@@ -1,0 +1,288 @@
+//! TLS: a throwaway cluster with `ssl=on` that refuses plain connections, and a CA plus server
+//! certificate generated here with the `openssl` CLI. `sslmode=require` connects (and runs a
+//! whole reserve/complete cycle through the pool), `verify-full` with `sslrootcert` verifies
+//! chain and host name, `verify-ca` only the chain, and wrong roots or names are refused.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use bytes::Bytes;
+use diesel::sql_types::Bool;
+use diesel_async::RunQueryDsl;
+use idempotency_actix::store::postgres::{self, PostgresStore};
+use idempotency_actix::store::{
+    Fingerprint, IdempotencyStore, ReserveOutcome, Scope, StoreError, StoredResponse, WriteOutcome,
+};
+use idempotency_e2e::{ClusterError, TempCluster};
+
+struct Certs {
+    dir: PathBuf,
+}
+
+impl Drop for Certs {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+impl Certs {
+    fn path(&self, name: &str) -> String {
+        self.dir.join(name).display().to_string()
+    }
+
+    fn read(&self, name: &str) -> Vec<u8> {
+        std::fs::read(self.dir.join(name)).unwrap()
+    }
+}
+
+fn openssl(dir: &Path, args: &[&str]) {
+    let out = Command::new("openssl")
+        .current_dir(dir)
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "openssl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A CA, a server certificate for `localhost` / 127.0.0.1 signed by it, and an unrelated CA.
+fn make_certs() -> Option<Certs> {
+    if Command::new("openssl").arg("version").output().is_err() {
+        return None;
+    }
+    let dir = std::env::temp_dir().join(format!(
+        "idem-tls-{}-{}",
+        std::process::id(),
+        idempotency_actix::store::ReservationToken::random().as_uuid()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    let certs = Certs { dir: dir.clone() };
+    let ec = [
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+    ];
+    for (name, cn) in [("ca", "idempotency test CA"), ("other-ca", "some other CA")] {
+        let mut args = vec!["req", "-x509"];
+        args.extend(ec);
+        let key = format!("{name}.key");
+        let crt = format!("{name}.crt");
+        let subj = format!("/CN={cn}");
+        args.extend([
+            "-keyout",
+            &key,
+            "-out",
+            &crt,
+            "-days",
+            "2",
+            "-subj",
+            &subj,
+            "-addext",
+            "basicConstraints=critical,CA:TRUE",
+            "-addext",
+            "keyUsage=critical,keyCertSign,cRLSign",
+        ]);
+        openssl(&dir, &args);
+    }
+    let mut args = vec!["req", "-new"];
+    args.extend(ec);
+    args.extend([
+        "-keyout",
+        "server.key",
+        "-out",
+        "server.csr",
+        "-subj",
+        "/CN=localhost",
+    ]);
+    openssl(&dir, &args);
+    std::fs::write(
+        dir.join("server.ext"),
+        "subjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=CA:FALSE\n\
+         keyUsage=critical,digitalSignature\nextendedKeyUsage=serverAuth\n",
+    )
+    .unwrap();
+    openssl(
+        &dir,
+        &[
+            "x509",
+            "-req",
+            "-in",
+            "server.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            "server.crt",
+            "-days",
+            "2",
+            "-extfile",
+            "server.ext",
+        ],
+    );
+    Some(certs)
+}
+
+fn start_tls_cluster(certs: &Certs) -> Option<TempCluster> {
+    let hba = b"local all all trust\n\
+                hostssl all all 127.0.0.1/32 trust\n\
+                hostnossl all all 127.0.0.1/32 reject\n";
+    let key = certs.read("server.key");
+    let crt = certs.read("server.crt");
+    let files: [(&str, &[u8]); 3] = [
+        ("server.key", &key),
+        ("server.crt", &crt),
+        ("pg_hba.conf", hba),
+    ];
+    match TempCluster::start(
+        &[
+            "ssl = on",
+            "ssl_cert_file = 'server.crt'",
+            "ssl_key_file = 'server.key'",
+        ],
+        &files,
+    ) {
+        Ok(cluster) => Some(cluster),
+        Err(ClusterError::NotInstalled) => None,
+        Err(e) => panic!("starting the TLS cluster: {e}"),
+    }
+}
+
+#[derive(diesel::QueryableByName)]
+struct Ssl {
+    #[diesel(sql_type = Bool)]
+    ssl: bool,
+}
+
+async fn connected_with_tls(url: &str) -> Result<bool, StoreError> {
+    let mut conn = postgres::establish(url).await?;
+    let row = diesel::sql_query("SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()")
+        .get_result::<Ssl>(&mut conn)
+        .await
+        .map_err(postgres::classify_error)?;
+    Ok(row.ssl)
+}
+
+#[tokio::test]
+async fn tls_connections_per_sslmode() {
+    let Some(certs) = make_certs() else {
+        eprintln!("SKIPPED: the openssl CLI is not installed");
+        return;
+    };
+    let Some(cluster) = start_tls_cluster(&certs) else {
+        eprintln!("SKIPPED: initdb/pg_ctl are not installed");
+        return;
+    };
+    let base = format!("postgres://postgres@127.0.0.1:{}/postgres", cluster.port);
+    let ca = certs.path("ca.crt");
+    let other_ca = certs.path("other-ca.crt");
+
+    // The server refuses plain connections, so success below means TLS.
+    assert!(
+        connected_with_tls(&base).await.is_err(),
+        "plain must be refused"
+    );
+    assert!(connected_with_tls(&format!("{base}?sslmode=disable"))
+        .await
+        .is_err());
+
+    assert!(connected_with_tls(&format!("{base}?sslmode=require"))
+        .await
+        .unwrap());
+    assert!(connected_with_tls(&format!("{base}?sslmode=prefer"))
+        .await
+        .unwrap());
+    let full = format!("{base}?sslmode=verify-full&sslrootcert={ca}");
+    assert!(connected_with_tls(&full).await.unwrap());
+    let by_name = format!(
+        "postgres://postgres@localhost:{}/postgres?sslmode=verify-full&sslrootcert={ca}",
+        cluster.port
+    );
+    assert!(connected_with_tls(&by_name).await.unwrap());
+    assert!(
+        connected_with_tls(&format!("{base}?sslmode=verify-ca&sslrootcert={ca}"))
+            .await
+            .unwrap()
+    );
+
+    // Wrong roots: refused by every verifying mode (and by `require` given a root file,
+    // which libpq treats as verify-ca).
+    for mode in ["verify-full", "verify-ca", "require"] {
+        let url = format!("{base}?sslmode={mode}&sslrootcert={other_ca}");
+        assert!(
+            connected_with_tls(&url).await.is_err(),
+            "{mode} with a foreign CA"
+        );
+    }
+
+    // Wrong name: the certificate is for localhost/127.0.0.1, we claim another host.
+    let wrong_name = format!(
+        "postgres://postgres@db.invalid:{}/postgres?hostaddr=127.0.0.1&sslrootcert={ca}",
+        cluster.port
+    );
+    let err = connected_with_tls(&format!("{wrong_name}&sslmode=verify-full")).await;
+    assert!(matches!(err, Err(StoreError::Unavailable(_))), "{err:?}");
+    assert!(
+        connected_with_tls(&format!("{wrong_name}&sslmode=verify-ca"))
+            .await
+            .unwrap()
+    );
+
+    // Migrations and a whole reserve/complete/replay cycle through the pool, over TLS.
+    for url in [format!("{base}?sslmode=require"), full.clone()] {
+        store_cycle(&url).await;
+    }
+    drop(cluster);
+}
+
+async fn store_cycle(url: &str) {
+    postgres::run_migrations(url).await.unwrap();
+    let store = PostgresStore::builder(url)
+        .connection_timeout(Duration::from_secs(5))
+        .build()
+        .await
+        .unwrap();
+    let scope = Scope {
+        tenant: "tls".into(),
+        method: "POST".into(),
+        path: "/payments".into(),
+        key: format!("{:?}", idempotency_actix::store::ReservationToken::random()),
+    };
+    let fp = Fingerprint([9; 32]);
+    let ReserveOutcome::Reserved { token } = store
+        .reserve(&scope, &fp, Duration::from_secs(60))
+        .await
+        .unwrap()
+    else {
+        panic!("reserve over TLS");
+    };
+    let response = StoredResponse {
+        status: 201,
+        headers: vec![],
+        body: Bytes::from_static(b"over tls"),
+    };
+    assert_eq!(
+        store
+            .complete(&scope, &token, &response, Duration::from_secs(60))
+            .await
+            .unwrap(),
+        WriteOutcome::Applied
+    );
+    match store
+        .reserve(&scope, &fp, Duration::from_secs(60))
+        .await
+        .unwrap()
+    {
+        ReserveOutcome::Completed {
+            response: stored, ..
+        } => assert_eq!(stored, response),
+        other => panic!("{other:?}"),
+    }
+}
