@@ -332,3 +332,45 @@ async fn establish_and_classify_for_the_cli() {
     };
     assert!(matches!(err, StoreError::Backend(_)), "{err:?}");
 }
+
+/// A statement stuck on a lock is bounded by the query timeout (503, not a hung request).
+#[tokio::test]
+async fn a_stuck_statement_is_unavailable_after_the_query_timeout() {
+    use diesel_async::SimpleAsyncConnection;
+    let db = TestDb::new().await;
+    let store = PostgresStore::builder(&db.url)
+        .query_timeout(Some(Duration::from_millis(300)))
+        .build()
+        .await
+        .unwrap();
+    let key = scope("locked");
+    store
+        .reserve(&key, &FP, Duration::from_millis(1))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    // Another session holds the expired row's lock, so the takeover UPDATE has to wait.
+    let mut blocker = postgres::establish(&db.url).await.unwrap();
+    blocker
+        .batch_execute(
+            "BEGIN; SELECT 1 FROM idempotency_keys WHERE idempotency_key = 'locked' FOR UPDATE",
+        )
+        .await
+        .unwrap();
+    let started = Instant::now();
+    let error = store.reserve(&key, &FP, LEASE).await.unwrap_err();
+    assert!(matches!(error, StoreError::Unavailable(_)), "{error:?}");
+    assert!(
+        started.elapsed() < Duration::from_millis(900),
+        "{:?}",
+        started.elapsed()
+    );
+    blocker.batch_execute("COMMIT").await.unwrap();
+    // The abandoned statement went on once the lock was released; either it or this call
+    // reserved the key, never both.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    match store.reserve(&key, &FP, LEASE).await.unwrap() {
+        ReserveOutcome::Reserved { .. } | ReserveOutcome::InFlight { .. } => {}
+        other => panic!("{other:?}"),
+    }
+}

@@ -64,8 +64,8 @@ pub type PgPool = Pool<AsyncPgConnection>;
 pub const DEFAULT_MAX_SIZE: u32 = 10;
 /// Default [`PostgresStoreBuilder::connection_timeout`].
 pub const DEFAULT_CONNECTION_TIMEOUT: Duration = Duration::from_secs(2);
-/// Default [`PostgresStoreBuilder::statement_timeout`].
-pub const DEFAULT_STATEMENT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Default [`PostgresStoreBuilder::query_timeout`].
+pub const DEFAULT_QUERY_TIMEOUT: Duration = Duration::from_secs(5);
 /// Rows deleted per statement by [`PostgresStore::purge_batch`] when called through
 /// [`IdempotencyStore::purge_expired`].
 pub const DEFAULT_PURGE_BATCH: u32 = 1000;
@@ -89,6 +89,7 @@ const MAX_DURATION_US: i64 = 100 * 365 * 24 * 3600 * 1_000_000;
 pub struct PostgresStore {
     pool: PgPool,
     connection_timeout: Duration,
+    query_timeout: Option<Duration>,
     last_connect_error: Arc<Mutex<Option<String>>>,
     purge_batch: u32,
 }
@@ -111,10 +112,12 @@ pub struct PostgresStoreBuilder {
     max_size: u32,
     min_idle: Option<u32>,
     connection_timeout: Duration,
+    query_timeout: Option<Duration>,
     statement_timeout: Option<Duration>,
     idle_timeout: Option<Duration>,
     max_lifetime: Option<Duration>,
     purge_batch: u32,
+    synchronous_commit: bool,
 }
 
 impl PostgresStoreBuilder {
@@ -145,9 +148,26 @@ impl PostgresStoreBuilder {
         self
     }
 
-    /// Server-side `statement_timeout` for the store's connections, sent in the startup
-    /// packet (no extra round trip). Default 5 s; `None` leaves the server's setting. Bounds
-    /// how long a request can wait on a lock or a sick server before failing with 503.
+    /// How long one statement may take, measured here, before the operation fails with
+    /// [`StoreError::Unavailable`] (503). Default 5 s; `None` waits forever.
+    ///
+    /// This bounds the case the connection timeout cannot see: a database that accepts
+    /// connections but does not answer (overloaded, stuck on a lock, a half-dead network
+    /// path). The statement may still finish on the server after we gave up; for `reserve`
+    /// that leaves a reservation whose lease has to run out before a retry can take it over
+    /// (a retry meanwhile gets 409, never a second execution).
+    pub fn query_timeout(mut self, timeout: Option<Duration>) -> Self {
+        self.query_timeout = timeout;
+        self
+    }
+
+    /// Server-side `statement_timeout` for the store's connections, sent as a startup
+    /// `options` parameter (no extra round trip). Default `None` (the server's setting).
+    ///
+    /// Off by default because connection poolers such as PgBouncer reject unknown startup
+    /// parameters unless configured to ignore them; [`query_timeout`](Self::query_timeout)
+    /// already bounds the wait on our side. Set it when you connect directly and want the
+    /// server to abandon the work too.
     pub fn statement_timeout(mut self, timeout: Option<Duration>) -> Self {
         self.statement_timeout = timeout;
         self
@@ -171,6 +191,27 @@ impl PostgresStoreBuilder {
         self
     }
 
+    /// Whether the store's writes wait for their commit record to be flushed to disk (the
+    /// server's `synchronous_commit`). Default `true` (the server's own setting is kept).
+    ///
+    /// `false` sets `synchronous_commit = off` for the store's connections, in the startup
+    /// packet (no extra round trip). Every statement of the store then returns before its WAL
+    /// is flushed, which takes the flush (a disk sync, often the largest part of a write's
+    /// latency) off the request path, for the reservation and for the stored response alike:
+    /// PostgreSQL has no per-statement form of this outside a transaction, and wrapping each
+    /// statement in a transaction would cost round trips. The trade-off, for a crash of the
+    /// *database server* (not of the app) within about `3 x wal_writer_delay` (600 ms by
+    /// default) of a commit: the last commits are lost. A lost reservation lets a retry run the
+    /// handler again while the first run may still be in progress or done; a lost stored
+    /// response lets a retry run it again after the fact. Data is never corrupted, and other
+    /// tables' transactions are unaffected (the setting is per connection). Use it when the
+    /// handler's effects are themselves idempotent downstream, or when a database crash is
+    /// rare enough that a possible second execution in that window is acceptable.
+    pub fn synchronous_commit(mut self, synchronous_commit: bool) -> Self {
+        self.synchronous_commit = synchronous_commit;
+        self
+    }
+
     /// Build the pool and the store. Connections are opened lazily (apart from `min_idle`), so
     /// this succeeds while the database is down; requests then get 503 until it is back.
     ///
@@ -178,8 +219,11 @@ impl PostgresStoreBuilder {
     /// [`StoreError::Backend`] when the URL cannot be parsed or its TLS settings cannot be
     /// honoured (unreadable `sslrootcert`, unknown `sslmode`).
     pub async fn build(self) -> Result<PostgresStore, StoreError> {
-        let target = ConnectTarget::parse(&self.url, self.statement_timeout)
+        let mut target = ConnectTarget::parse(&self.url, self.statement_timeout)
             .map_err(|e| StoreError::Backend(Box::new(e)))?;
+        if !self.synchronous_commit {
+            target.append_option("-c synchronous_commit=off");
+        }
         let target = Arc::new(target);
         let mut config = ManagerConfig::<AsyncPgConnection>::default();
         config.custom_setup = Box::new(move |_url| {
@@ -215,6 +259,7 @@ impl PostgresStoreBuilder {
         Ok(PostgresStore {
             pool,
             connection_timeout: self.connection_timeout,
+            query_timeout: self.query_timeout,
             last_connect_error,
             purge_batch: self.purge_batch,
         })
@@ -245,6 +290,7 @@ impl PostgresStore {
     pub fn new(pool: PgPool) -> Self {
         Self {
             connection_timeout: pool.config().connection_timeout,
+            query_timeout: Some(DEFAULT_QUERY_TIMEOUT),
             pool,
             last_connect_error: Arc::new(Mutex::new(None)),
             purge_batch: DEFAULT_PURGE_BATCH,
@@ -252,7 +298,7 @@ impl PostgresStore {
     }
 
     /// A store for `url` with the default pool settings (10 connections, 2 s connection
-    /// timeout, 5 s statement timeout). TLS per the URL's `sslmode`.
+    /// timeout, 5 s query timeout). TLS per the URL's `sslmode`.
     ///
     /// # Errors
     /// As [`PostgresStoreBuilder::build`]: only a bad URL fails here; a database that is down
@@ -268,10 +314,12 @@ impl PostgresStore {
             max_size: DEFAULT_MAX_SIZE,
             min_idle: None,
             connection_timeout: DEFAULT_CONNECTION_TIMEOUT,
-            statement_timeout: Some(DEFAULT_STATEMENT_TIMEOUT),
+            query_timeout: Some(DEFAULT_QUERY_TIMEOUT),
+            statement_timeout: None,
             idle_timeout: None,
             max_lifetime: None,
             purge_batch: DEFAULT_PURGE_BATCH,
+            synchronous_commit: true,
         }
     }
 
@@ -293,10 +341,13 @@ impl PostgresStore {
             limit: i64::from(limit),
         };
         let mut conn = self.conn().await?;
-        match query.execute(&mut conn).await {
-            Ok(n) => Ok(n as u64),
-            Err(e) => Err(classify_query_error(&mut conn, e).await),
-        }
+        self.timed(async {
+            match query.execute(&mut conn).await {
+                Ok(n) => Ok(n as u64),
+                Err(e) => Err(classify_query_error(&mut conn, e).await),
+            }
+        })
+        .await
     }
 
     async fn conn(
@@ -315,11 +366,29 @@ impl PostgresStore {
         })
     }
 
+    /// Run one statement under the query timeout.
+    async fn timed<T>(
+        &self,
+        statement: impl std::future::Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        match self.query_timeout {
+            None => statement.await,
+            Some(limit) => tokio::time::timeout(limit, statement)
+                .await
+                .unwrap_or_else(|_| {
+                    Err(StoreError::unavailable(format!(
+                        "the database did not answer within {} ms",
+                        limit.as_millis()
+                    )))
+                }),
+        }
+    }
+
     async fn reserve_once(
         &self,
         conn: &mut AsyncPgConnection,
         query: &Reserve<'_>,
-    ) -> Result<Option<ReserveOutcome>, StoreError> {
+    ) -> Result<Option<(ReserveOutcome, Option<Duration>)>, StoreError> {
         let rows: Vec<ReserveRow> = match query.load(conn).await {
             Ok(rows) => rows,
             Err(e) => return Err(classify_query_error(conn, e).await),
@@ -329,9 +398,8 @@ impl PostgresStore {
             return Ok(None);
         };
         if row.outcome == "reserved" {
-            return Ok(Some(ReserveOutcome::Reserved {
-                token: ReservationToken::from_uuid(query.token),
-            }));
+            let token = ReservationToken::from_uuid(query.token);
+            return Ok(Some((ReserveOutcome::Reserved { token }, None)));
         }
         let fingerprint = row
             .fingerprint
@@ -340,6 +408,9 @@ impl PostgresStore {
             .ok_or_else(|| corrupt("fingerprint is not 32 bytes"))?;
         let live = row.live.unwrap_or(false);
         let eligible = row.eligible.unwrap_or(false);
+        // Time left on the lease (in flight) or before expiry (completed), by the database's clock.
+        let remaining =
+            Duration::from_micros(u64::try_from(row.lease_remaining_us.unwrap_or(0)).unwrap_or(0));
         if !live && eligible {
             // Ended and eligible for takeover, yet neither write happened: a concurrent
             // takeover, release or purge changed the row after our snapshot.
@@ -355,21 +426,23 @@ impl PostgresStore {
                     row.response_headers.as_deref().unwrap_or_default(),
                 )
                 .map_err(|e| StoreError::Backend(Box::new(e)))?;
-                Ok(Some(ReserveOutcome::Completed {
+                let completed = ReserveOutcome::Completed {
                     fingerprint,
                     response: StoredResponse {
                         status,
                         headers,
                         body: Bytes::from(row.response_body.unwrap_or_default()),
                     },
-                }))
+                };
+                Ok(Some((completed, Some(remaining))))
             }
-            Some("in_flight") => Ok(Some(ReserveOutcome::InFlight {
-                fingerprint,
-                lease_remaining: Duration::from_micros(
-                    u64::try_from(row.lease_remaining_us.unwrap_or(0)).unwrap_or(0),
-                ),
-            })),
+            Some("in_flight") => Ok(Some((
+                ReserveOutcome::InFlight {
+                    fingerprint,
+                    lease_remaining: remaining,
+                },
+                None,
+            ))),
             other => Err(corrupt(&format!("unknown state {other:?}"))),
         }
     }
@@ -403,6 +476,17 @@ impl IdempotencyStore for PostgresStore {
         fingerprint: &Fingerprint,
         lease: Duration,
     ) -> Result<ReserveOutcome, StoreError> {
+        self.reserve_with_expiry(scope, fingerprint, lease)
+            .await
+            .map(|(outcome, _)| outcome)
+    }
+
+    async fn reserve_with_expiry(
+        &self,
+        scope: &Scope,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+    ) -> Result<(ReserveOutcome, Option<Duration>), StoreError> {
         let query = Reserve {
             scope: scope_binds(scope),
             fingerprint: fingerprint.as_bytes(),
@@ -411,7 +495,7 @@ impl IdempotencyStore for PostgresStore {
         };
         let mut conn = self.conn().await?;
         for attempt in 1..=RESERVE_ATTEMPTS {
-            if let Some(outcome) = self.reserve_once(&mut conn, &query).await? {
+            if let Some(outcome) = self.timed(self.reserve_once(&mut conn, &query)).await? {
                 return Ok(outcome);
             }
             tracing::debug!(attempt, key = %scope.key, "idempotency reserve raced; re-running");
@@ -440,11 +524,14 @@ impl IdempotencyStore for PostgresStore {
             ttl_us: micros(ttl),
         };
         let mut conn = self.conn().await?;
-        match query.execute(&mut conn).await {
-            Ok(0) => Ok(WriteOutcome::Stale),
-            Ok(_) => Ok(WriteOutcome::Applied),
-            Err(e) => Err(classify_query_error(&mut conn, e).await),
-        }
+        self.timed(async {
+            match query.execute(&mut conn).await {
+                Ok(0) => Ok(WriteOutcome::Stale),
+                Ok(_) => Ok(WriteOutcome::Applied),
+                Err(e) => Err(classify_query_error(&mut conn, e).await),
+            }
+        })
+        .await
     }
 
     async fn release(
@@ -457,11 +544,14 @@ impl IdempotencyStore for PostgresStore {
             token: token.as_uuid(),
         };
         let mut conn = self.conn().await?;
-        match query.execute(&mut conn).await {
-            Ok(0) => Ok(WriteOutcome::Stale),
-            Ok(_) => Ok(WriteOutcome::Applied),
-            Err(e) => Err(classify_query_error(&mut conn, e).await),
-        }
+        self.timed(async {
+            match query.execute(&mut conn).await {
+                Ok(0) => Ok(WriteOutcome::Stale),
+                Ok(_) => Ok(WriteOutcome::Applied),
+                Err(e) => Err(classify_query_error(&mut conn, e).await),
+            }
+        })
+        .await
     }
 
     async fn purge_expired(&self, grace: Duration) -> Result<u64, StoreError> {

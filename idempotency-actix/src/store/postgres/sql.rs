@@ -418,13 +418,15 @@ mod tests {
         assert_binds_in_order(&sql_of(&TableExists), 0);
     }
 
-    #[test]
-    fn statements_have_static_ids_for_the_statement_cache() {
-        assert!(<Reserve<'_> as QueryId>::HAS_STATIC_QUERY_ID);
-        assert!(<Complete<'_> as QueryId>::HAS_STATIC_QUERY_ID);
-        assert!(<Release<'_> as QueryId>::HAS_STATIC_QUERY_ID);
+    // Checked at compile time: without a static id diesel-async would not cache the prepared
+    // statement, and every execution would cost a Parse round trip.
+    const _: () = {
+        assert!(<Reserve<'static> as QueryId>::HAS_STATIC_QUERY_ID);
+        assert!(<Complete<'static> as QueryId>::HAS_STATIC_QUERY_ID);
+        assert!(<Release<'static> as QueryId>::HAS_STATIC_QUERY_ID);
         assert!(<PurgeBatch as QueryId>::HAS_STATIC_QUERY_ID);
-    }
+        assert!(<TableExists as QueryId>::HAS_STATIC_QUERY_ID);
+    };
 
     #[test]
     #[ignore = "prints the SQL for docs/sql.md"]
