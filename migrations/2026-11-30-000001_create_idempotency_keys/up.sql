@@ -1,5 +1,6 @@
 -- One row per idempotency key in its scope. Written by idempotency-actix's PostgresStore,
--- read and purged by idem-cli. See docs/design.md for the statements that touch it.
+-- read and purged by idem-cli. See docs/sql.md (merged into docs/design.md) for the
+-- statements that touch it and why each is one round trip and race-free.
 CREATE TABLE idempotency_keys (
     tenant           TEXT        NOT NULL,
     method           TEXT        NOT NULL,
@@ -29,7 +30,8 @@ CREATE TABLE idempotency_keys (
     CONSTRAINT idempotency_keys_fingerprint_check CHECK (octet_length(fingerprint) = 32)
 );
 
--- Purge walks expired rows in batches; takeover and purge both ask "expires_at <= now()".
+-- Purge walks expired rows in expiry order, in batches (ORDER BY expires_at LIMIT n).
+-- Request-path statements never need it: they all look rows up by the primary key.
 CREATE INDEX idempotency_keys_expires_at_idx ON idempotency_keys (expires_at);
 
 COMMENT ON TABLE idempotency_keys IS
@@ -55,4 +57,4 @@ COMMENT ON COLUMN idempotency_keys.response_body IS 'Stored response body, byte 
 COMMENT ON COLUMN idempotency_keys.created_at IS 'When the current reservation was made.';
 COMMENT ON COLUMN idempotency_keys.completed_at IS 'When the response was stored.';
 COMMENT ON COLUMN idempotency_keys.expires_at IS
-    'When the row stops mattering: completed rows at created + TTL, in_flight rows at lease end.';
+    'When the row stops mattering: completed rows at completion + TTL, in_flight rows at lease end (= locked_until).';
