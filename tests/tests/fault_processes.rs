@@ -1,0 +1,793 @@
+//! Fault tests with real processes and a real PostgreSQL on loopback (issue 6): the `payments`
+//! example as a child process, a private PostgreSQL cluster that is stopped and started, a
+//! SIGKILL while a handler runs, an exhausted pool, two instances sharing one database under
+//! 10,000 requests, and a store that fails after the handler ran.
+//!
+//! The tests take a process-wide lock so they run one at a time (each is CPU-hungry and some
+//! measure leases in seconds). Each prints a `COUNTS` line; `docs/reliability.md` copies them.
+//! Every socket has a timeout, every wait a deadline, and every process and database is
+//! cleaned up by a drop guard.
+
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use actix_web::dev::ServerHandle;
+use actix_web::{web, App, HttpResponse, HttpServer};
+use idempotency_actix::store::postgres::{run_migrations, PostgresStore};
+use idempotency_actix::Idempotency;
+use idempotency_e2e::proc::{start_cluster_again, PaymentsApp};
+use idempotency_e2e::raw_http::{send_once, Conn, Request, Response};
+use idempotency_e2e::records::{count, execute, records_for_key, TempRole};
+use idempotency_e2e::{block_on_fresh_thread, server_url, TempCluster, TestDb};
+
+/// Per-request client timeout: longer than any answer the app should need (connection
+/// timeout 2 s, statement timeout 5 s, handler delays below 3 s).
+const CLIENT_TIMEOUT: Duration = Duration::from_secs(15);
+
+fn serial() -> MutexGuard<'static, ()> {
+    static SERIAL: Mutex<()> = Mutex::new(());
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn new_db() -> TestDb {
+    block_on_fresh_thread(TestDb::new()).expect("creating a test database")
+}
+
+/// `POST /payments[?delay_ms=]` with the key and a valid body.
+fn pay(key: &str, amount: u64, delay_ms: Option<u64>) -> Request {
+    let target = match delay_ms {
+        Some(ms) => format!("/payments?delay_ms={ms}"),
+        None => "/payments".to_owned(),
+    };
+    Request::post(&target)
+        .key(key)
+        .json(format!(r#"{{"amount":{amount},"currency":"EUR"}}"#))
+}
+
+/// How the client saw one answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+enum Seen {
+    Created,
+    Replay,
+    Conflict,
+    Unavailable,
+}
+
+/// Classify a response, or explain why it breaks the contract.
+fn classify(response: &Response) -> Result<Seen, String> {
+    let retry_after = response.header("retry-after").is_some();
+    match (response.status, response.problem_code().as_deref()) {
+        (201, None) if response.is_replay() => Ok(Seen::Replay),
+        (201, None) => Ok(Seen::Created),
+        (409, Some("CONFLICT")) if retry_after => Ok(Seen::Conflict),
+        (503, Some("STORAGE_UNAVAILABLE")) if retry_after => Ok(Seen::Unavailable),
+        _ => Err(format!("unexpected answer: {}", response.describe())),
+    }
+}
+
+fn wait_until(timeout: Duration, what: &str, mut check: impl FnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while !check() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(25));
+    }
+}
+
+/// Tally of outcomes, printed as the `COUNTS` line.
+#[derive(Debug, Default)]
+struct Tally(HashMap<String, u64>);
+
+impl Tally {
+    fn add(&mut self, what: impl Into<String>) {
+        *self.0.entry(what.into()).or_default() += 1;
+    }
+    fn get(&self, what: &str) -> u64 {
+        self.0.get(what).copied().unwrap_or(0)
+    }
+    fn line(&self) -> String {
+        let mut parts: Vec<_> = self.0.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        parts.sort();
+        parts.join(" ")
+    }
+}
+
+fn strip_ansi(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut chars = text.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// Keys the app logged as "handler ran, but the response could not be stored" (C16).
+fn keys_logged_unstored(log: &str) -> HashSet<String> {
+    strip_ansi(log)
+        .lines()
+        .filter(|l| l.contains("could not store the response"))
+        .filter_map(|l| {
+            let start = l.find(" key=")? + 5;
+            let rest = &l[start..];
+            Some(rest.split(' ').next()?.to_owned())
+        })
+        .collect()
+}
+
+// ---------------------------------------------------------------------------------------------
+
+/// PostgreSQL (a private cluster) stopped for three seconds and started again while clients
+/// send a steady stream of keyed requests, a third of them retried at once.
+#[test]
+fn database_restart_under_load() {
+    let _serial = serial();
+    let cluster = TempCluster::start(&[], &[]).expect("a private PostgreSQL cluster");
+    let url = cluster.url();
+    {
+        let url = url.clone();
+        block_on_fresh_thread(async move { run_migrations(&url).await })
+            .expect("migrate")
+            .expect("migrate");
+    }
+    let app = PaymentsApp::start(&[
+        ("DATABASE_URL", url.as_str()),
+        ("IDEMPOTENCY_LOCK_TIMEOUT_MS", "3000"),
+    ]);
+
+    const CLIENTS: usize = 6;
+    let stop = Arc::new(AtomicBool::new(false));
+    let next_key = Arc::new(AtomicUsize::new(0));
+    // (key, what the client saw, in order)
+    let log: Arc<Mutex<Vec<(usize, Seen)>>> = Arc::default();
+    let started = Instant::now();
+    let clients: Vec<JoinHandle<Result<(), String>>> = (0..CLIENTS)
+        .map(|_| {
+            let (stop, next_key, log, addr) = (
+                Arc::clone(&stop),
+                Arc::clone(&next_key),
+                Arc::clone(&log),
+                app.addr.clone(),
+            );
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::SeqCst) {
+                    let k = next_key.fetch_add(1, Ordering::SeqCst);
+                    let sends = if k % 3 == 0 { 2 } else { 1 };
+                    for _ in 0..sends {
+                        let response = send_once(
+                            &addr,
+                            &pay(&format!("r-{k}"), 100 + k as u64, None),
+                            CLIENT_TIMEOUT,
+                        )
+                        .map_err(|e| format!("key r-{k}: no answer: {e}"))?;
+                        let seen = classify(&response).map_err(|e| format!("key r-{k}: {e}"))?;
+                        log.lock().unwrap().push((k, seen));
+                    }
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                Ok(())
+            })
+        })
+        .collect();
+
+    std::thread::sleep(Duration::from_millis(2500));
+    let stopped_at = started.elapsed();
+    cluster.stop();
+    std::thread::sleep(Duration::from_secs(3));
+    start_cluster_again(&cluster);
+    let restarted_at = started.elapsed();
+    std::thread::sleep(Duration::from_millis(3500));
+    stop.store(true, Ordering::SeqCst);
+    for client in clients {
+        client
+            .join()
+            .expect("client thread")
+            .expect("contract held");
+    }
+    let during_load = log.lock().unwrap().clone();
+    let keys_sent = next_key.load(Ordering::SeqCst);
+
+    // After recovery, every key resolves: a replay, or a fresh run for keys never executed.
+    let mut after = Tally::default();
+    let mut seen_by_key: HashMap<usize, Vec<Seen>> = HashMap::new();
+    for (k, seen) in &during_load {
+        seen_by_key.entry(*k).or_default().push(*seen);
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    for k in 0..keys_sent {
+        loop {
+            let response = send_once(
+                &app.addr,
+                &pay(&format!("r-{k}"), 100 + k as u64, None),
+                CLIENT_TIMEOUT,
+            )
+            .unwrap_or_else(|e| panic!("key r-{k} after recovery: {e}"));
+            let seen = classify(&response).unwrap_or_else(|e| panic!("key r-{k}: {e}"));
+            seen_by_key.entry(k).or_default().push(seen);
+            after.add(format!("{seen:?}"));
+            if matches!(seen, Seen::Created | Seen::Replay) {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "key r-{k} did not resolve after recovery"
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    let stats = app.stats();
+    let unstored = keys_logged_unstored(&app.log());
+    let mut during = Tally::default();
+    for (_, seen) in &during_load {
+        during.add(format!("{seen:?}"));
+    }
+    let mut second_runs = 0;
+    for k in 0..keys_sent {
+        let key = format!("r-{k}");
+        let executions = stats.per_key.get(&key).copied().unwrap_or(0);
+        let seen = &seen_by_key[&k];
+        let fresh = seen.iter().filter(|s| **s == Seen::Created).count() as u64;
+        // Every fresh 201 the client got is one execution, and nothing ran unseen... except the
+        // C16 window: the handler ran, the database went away before the response was stored,
+        // and after the lease a retry ran it again. The app logs those keys.
+        assert_eq!(
+            executions, fresh,
+            "key {key}: {executions} executions but {fresh} fresh responses ({seen:?})"
+        );
+        assert!(executions >= 1, "key {key} never ran");
+        if executions > 1 {
+            assert!(
+                unstored.contains(&key) && executions == 2,
+                "key {key} ran {executions} times without a logged store failure ({seen:?})"
+            );
+            second_runs += 1;
+        }
+        if seen.first() == Some(&Seen::Created) && !unstored.contains(&key) {
+            assert_eq!(executions, 1, "key {key}");
+        }
+    }
+    assert!(
+        during.get("Unavailable") > 0,
+        "the outage was not seen by any request; the test proved nothing"
+    );
+    let in_flight = count(
+        &url,
+        "SELECT count(*) AS n FROM idempotency_keys WHERE state <> 'completed'",
+    );
+    assert_eq!(in_flight, 0, "reservations left behind");
+    println!(
+        "COUNTS database_restart_under_load: stopped at {:.1}s, restarted at {:.1}s; keys={keys_sent} \
+         requests_during_load={} [{}] resolve_requests={} [{}] executions={} keys_with_store_failure_after_handler={} second_runs={second_runs}",
+        stopped_at.as_secs_f64(),
+        restarted_at.as_secs_f64(),
+        during_load.len(),
+        during.line(),
+        after.0.values().sum::<u64>(),
+        after.line(),
+        stats.total,
+        unstored.len(),
+    );
+}
+
+/// SIGKILL while a handler runs: a retry inside the lease gets 409; after the lease one retry
+/// runs the handler and completes; the dead reservation never completes.
+#[test]
+fn sigkill_while_the_handler_runs() {
+    let _serial = serial();
+    let db = new_db();
+    let env = [
+        ("DATABASE_URL", db.url.as_str()),
+        ("IDEMPOTENCY_LOCK_TIMEOUT_MS", "4000"),
+    ];
+    let mut first = PaymentsApp::start(&env);
+    let request = pay("crash-1", 700, Some(2000));
+    let in_flight = {
+        let (addr, request) = (first.addr.clone(), request.clone());
+        std::thread::spawn(move || send_once(&addr, &request, CLIENT_TIMEOUT))
+    };
+    wait_until(Duration::from_secs(10), "the reservation", || {
+        records_for_key(&db.url, "crash-1")
+            .iter()
+            .any(|r| r.state == "in_flight")
+    });
+    let reserved_at = Instant::now();
+    let dead = records_for_key(&db.url, "crash-1").remove(0);
+    assert_eq!(
+        first.stats().per_key.get("crash-1"),
+        Some(&1),
+        "the handler is running"
+    );
+    first.kill();
+    let lost = in_flight.join().expect("client thread");
+    assert!(lost.is_err(), "the killed process answered: {lost:?}");
+
+    let second = PaymentsApp::start(&env);
+    let mut tally = Tally::default();
+    let early = send_once(&second.addr, &request, CLIENT_TIMEOUT).expect("retry");
+    assert!(
+        reserved_at.elapsed() < Duration::from_millis(3500),
+        "the retry came too late to be inside the lease; the machine is too slow for this test"
+    );
+    assert_eq!(classify(&early), Ok(Seen::Conflict), "{}", early.describe());
+    tally.add("409_inside_lease");
+    assert_eq!(second.stats().per_key.get("crash-1"), None);
+
+    // After the lease: one retry takes over and runs the handler once.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let completed = loop {
+        let response = send_once(&second.addr, &request, CLIENT_TIMEOUT).expect("retry");
+        match classify(&response) {
+            Ok(Seen::Conflict) => tally.add("409_until_lease_end"),
+            Ok(Seen::Created) => break response,
+            other => panic!("retry: {other:?} {}", response.describe()),
+        }
+        assert!(Instant::now() < deadline, "the key was never taken over");
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    tally.add("201_after_lease");
+    let taken_over_after = reserved_at.elapsed();
+    assert!(
+        taken_over_after >= Duration::from_millis(3900),
+        "taken over after {taken_over_after:?}, before the 4 s lease ended"
+    );
+    assert_eq!(second.stats().per_key.get("crash-1"), Some(&1));
+    let replay = send_once(&second.addr, &request, CLIENT_TIMEOUT).expect("replay");
+    assert!(replay.is_replay(), "{}", replay.describe());
+    assert_eq!(replay.body, completed.body);
+    tally.add("replay");
+
+    // The dead reservation never completes: its token is gone from the row for good.
+    std::thread::sleep(Duration::from_millis(500));
+    let rows = records_for_key(&db.url, "crash-1");
+    assert_eq!(rows.len(), 1);
+    assert_eq!(rows[0].state, "completed");
+    assert_ne!(
+        rows[0].token, dead.token,
+        "the dead holder's token completed the record"
+    );
+    assert_eq!(rows[0].response_body.as_deref(), Some(&completed.body[..]));
+    println!(
+        "COUNTS sigkill_while_the_handler_runs: requests={} executions_dead_process=1 executions_new_process={} retry_completed_after={:.1}s [{}]",
+        tally.0.values().sum::<u64>() + 1,
+        second.stats().total,
+        taken_over_after.as_secs_f64(),
+        tally.line()
+    );
+}
+
+/// The example's handler, in-process, behind a store whose pool has two connections.
+struct InProcessApp {
+    addr: SocketAddr,
+    handle: ServerHandle,
+    thread: Option<JoinHandle<()>>,
+    executions: Arc<AtomicU64>,
+}
+
+impl InProcessApp {
+    fn start(url: &str, max_size: u32, connection_timeout: Duration) -> InProcessApp {
+        let executions = Arc::new(AtomicU64::new(0));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let url = url.to_owned();
+        let counter = Arc::clone(&executions);
+        let thread = std::thread::spawn(move || {
+            actix_web::rt::System::new().block_on(async move {
+                let store = PostgresStore::builder(url)
+                    .max_size(max_size)
+                    .connection_timeout(connection_timeout)
+                    .build()
+                    .await
+                    .expect("store");
+                let counter = web::Data::from(counter);
+                let server = HttpServer::new(move || {
+                    App::new()
+                        .app_data(counter.clone())
+                        .wrap(Idempotency::new(store.clone()))
+                        .route(
+                            "/slow",
+                            web::post().to(|n: web::Data<AtomicU64>| async move {
+                                n.fetch_add(1, Ordering::SeqCst);
+                                tokio::time::sleep(Duration::from_millis(1000)).await;
+                                HttpResponse::Created().body("done")
+                            }),
+                        )
+                })
+                .workers(2)
+                .backlog(256)
+                .max_connections(1024)
+                .disable_signals()
+                .bind(("127.0.0.1", 0))
+                .expect("bind");
+                let addr = server.addrs()[0];
+                let server = server.run();
+                tx.send((addr, server.handle())).expect("send");
+                let _ = server.await;
+            })
+        });
+        let (addr, handle) = rx
+            .recv_timeout(Duration::from_secs(30))
+            .expect("server started");
+        InProcessApp {
+            addr,
+            handle,
+            thread: Some(thread),
+            executions,
+        }
+    }
+}
+
+impl Drop for InProcessApp {
+    fn drop(&mut self) {
+        let handle = self.handle.clone();
+        block_on_fresh_thread(async move { handle.stop(false).await });
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// Fire `n` concurrent POSTs to `/slow` with distinct keys; (answers, slowest answer).
+fn fire(addr: SocketAddr, prefix: &str, n: usize) -> (Vec<Result<Seen, String>>, Duration) {
+    let threads: Vec<_> = (0..n)
+        .map(|i| {
+            let key = format!("{prefix}-{i}");
+            std::thread::spawn(move || {
+                let started = Instant::now();
+                let request = Request::post("/slow")
+                    .key(&key)
+                    .body(idempotency_e2e::raw_http::Body::Sized(Vec::new()));
+                let answer = send_once(&addr.to_string(), &request, CLIENT_TIMEOUT)
+                    .map_err(|e| format!("{key}: no answer: {e}"))
+                    .and_then(|r| classify(&r).map_err(|e| format!("{key}: {e}")));
+                (answer, started.elapsed())
+            })
+        })
+        .collect();
+    let mut answers = Vec::new();
+    let mut slowest = Duration::ZERO;
+    for t in threads {
+        let (answer, took) = t.join().expect("client thread");
+        answers.push(answer);
+        slowest = slowest.max(took);
+    }
+    (answers, slowest)
+}
+
+/// A pool of two, 50 concurrent keyed requests to a slow handler: first with the pool merely
+/// busy, then with both connections stuck behind a table lock. Every request gets an answer
+/// within the timeouts (503 + Retry-After when no connection came), and the app recovers.
+#[test]
+fn pool_exhaustion_answers_503_in_bounded_time_and_recovers() {
+    let _serial = serial();
+    let db = new_db();
+    let connection_timeout = Duration::from_millis(500);
+    let app = InProcessApp::start(&db.url, 2, connection_timeout);
+
+    // A connection is held for one statement, not for the handler: 50 one-second handlers
+    // share two connections without a single 503.
+    let (busy, busy_slowest) = fire(app.addr, "busy", 50);
+    let mut busy_tally = Tally::default();
+    for answer in &busy {
+        let seen = answer.clone().expect("contract held");
+        busy_tally.add(format!("{seen:?}"));
+    }
+    assert_eq!(busy_tally.get("Created"), 50, "{}", busy_tally.line());
+
+    // Now hold an exclusive lock on the table: the two pooled connections block inside their
+    // statements and every other request waits for a connection.
+    let locker = {
+        let url = db.url.clone();
+        std::thread::spawn(move || {
+            execute(
+                &url,
+                "BEGIN; LOCK TABLE idempotency_keys IN ACCESS EXCLUSIVE MODE; \
+                 SELECT pg_sleep(2.5); COMMIT;",
+            )
+        })
+    };
+    wait_until(Duration::from_secs(10), "the table lock", || {
+        count(
+            &db.url,
+            "SELECT count(*) AS n FROM pg_locks WHERE relation = 'idempotency_keys'::regclass \
+             AND mode = 'AccessExclusiveLock' AND granted",
+        ) == 1
+    });
+    let before = app.executions.load(Ordering::SeqCst);
+    let (stuck, stuck_slowest) = fire(app.addr, "stuck", 50);
+    locker.join().expect("lock holder");
+    let mut stuck_tally = Tally::default();
+    for answer in &stuck {
+        let seen = answer.clone().expect("contract held");
+        stuck_tally.add(format!("{seen:?}"));
+    }
+    let ran = app.executions.load(Ordering::SeqCst) - before;
+    assert!(
+        stuck_tally.get("Unavailable") >= 40,
+        "expected most requests to find no connection: {}",
+        stuck_tally.line()
+    );
+    assert_eq!(
+        stuck_tally.get("Created"),
+        ran,
+        "a handler ran for a request that got 503, or vice versa: {}",
+        stuck_tally.line()
+    );
+    // Lock (2.5 s) + handler (1 s) + slack; nothing waits for the 15 s client timeout.
+    assert!(stuck_slowest < Duration::from_secs(8), "{stuck_slowest:?}");
+
+    // And it serves normally afterwards.
+    let (after, _) = fire(app.addr, "after", 5);
+    assert!(after.iter().all(|a| a == &Ok(Seen::Created)), "{after:?}");
+    let in_flight = count(
+        &db.url,
+        "SELECT count(*) AS n FROM idempotency_keys WHERE state <> 'completed'",
+    );
+    assert_eq!(in_flight, 0);
+    println!(
+        "COUNTS pool_exhaustion: pool=2 connection_timeout=500ms; busy phase: requests=50 [{}] slowest={:.2}s; \
+         locked phase: requests=50 [{}] executions={ran} slowest={:.2}s; after: requests=5 all Created",
+        busy_tally.line(),
+        busy_slowest.as_secs_f64(),
+        stuck_tally.line(),
+        stuck_slowest.as_secs_f64()
+    );
+}
+
+/// xorshift64*: a deterministic shuffle without a crate.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+}
+
+/// Two app processes, one database, 10,000 keyed requests with 30% duplicates fired
+/// concurrently at both: handler executions equal the distinct keys, exactly.
+#[test]
+fn two_instances_ten_thousand_requests_exactly_once() {
+    let _serial = serial();
+    let db = new_db();
+    let env = [("DATABASE_URL", db.url.as_str())];
+    let apps = [PaymentsApp::start(&env), PaymentsApp::start(&env)];
+
+    const REQUESTS: usize = 10_000;
+    const DISTINCT: usize = 7_000;
+    let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+    let mut work: Vec<usize> = (0..DISTINCT).collect();
+    work.extend((0..REQUESTS - DISTINCT).map(|_| rng.below(DISTINCT)));
+    // Shuffle, then pull some duplicates right next to their original so many arrive while
+    // the original is still in flight (on the other instance).
+    for i in (1..work.len()).rev() {
+        let j = rng.below(i + 1);
+        work.swap(i, j);
+    }
+    let work = Arc::new(work);
+
+    const CLIENTS: usize = 32;
+    let next = Arc::new(AtomicUsize::new(0));
+    let started = Instant::now();
+    let threads: Vec<JoinHandle<Result<Tally, String>>> = (0..CLIENTS)
+        .map(|c| {
+            let (work, next) = (Arc::clone(&work), Arc::clone(&next));
+            let addrs = [apps[0].addr.clone(), apps[1].addr.clone()];
+            std::thread::spawn(move || {
+                let mut tally = Tally::default();
+                let mut conns: [Option<Conn>; 2] = [None, None];
+                loop {
+                    let i = next.fetch_add(1, Ordering::SeqCst);
+                    let Some(&k) = work.get(i) else { break };
+                    let instance = (c + i) % 2;
+                    let request = Request::post("/payments")
+                        .key(format!("two-{k}"))
+                        .header("X-Account-Id", format!("acct-{}", k % 7))
+                        .json(format!(
+                            r#"{{"amount":{},"currency":"EUR"}}"#,
+                            100 + k % 1000
+                        ));
+                    let mut attempts = 0;
+                    loop {
+                        attempts += 1;
+                        if conns[instance].is_none() {
+                            conns[instance] = Some(
+                                Conn::connect(addrs[instance].as_str(), CLIENT_TIMEOUT)
+                                    .map_err(|e| format!("connect: {e}"))?,
+                            );
+                        }
+                        let conn = conns[instance].as_mut().expect("connected");
+                        let response = match conn.send(&request) {
+                            Ok(r) => r,
+                            Err(e) if attempts < 3 => {
+                                // A keep-alive connection the server closed; reconnect.
+                                tally.add("reconnects");
+                                conns[instance] = None;
+                                let _ = e;
+                                continue;
+                            }
+                            Err(e) => return Err(format!("two-{k}: no answer: {e}")),
+                        };
+                        let seen = classify(&response).map_err(|e| format!("two-{k}: {e}"))?;
+                        tally.add(format!("{seen:?}"));
+                        if seen == Seen::Unavailable && attempts < 20 {
+                            std::thread::sleep(Duration::from_millis(50));
+                            continue;
+                        }
+                        break;
+                    }
+                }
+                Ok(tally)
+            })
+        })
+        .collect();
+    let mut tally = Tally::default();
+    for t in threads {
+        let part = t.join().expect("client thread").expect("contract held");
+        for (k, v) in part.0 {
+            *tally.0.entry(k).or_default() += v;
+        }
+    }
+    let took = started.elapsed();
+
+    let mut per_key: HashMap<String, u64> = HashMap::new();
+    let mut totals = Vec::new();
+    for app in &apps {
+        let stats = app.stats();
+        totals.push(stats.total);
+        for (key, n) in stats.per_key {
+            *per_key.entry(key).or_default() += n;
+        }
+    }
+    let executions: u64 = totals.iter().sum();
+    let twice: Vec<_> = per_key.iter().filter(|(_, n)| **n != 1).collect();
+    assert!(twice.is_empty(), "keys not run exactly once: {twice:?}");
+    assert_eq!(per_key.len(), DISTINCT, "every distinct key ran");
+    assert_eq!(executions, DISTINCT as u64, "executions == distinct keys");
+    assert_eq!(
+        count(
+            &db.url,
+            "SELECT count(*) AS n FROM idempotency_keys WHERE state = 'completed'"
+        ),
+        DISTINCT as i64
+    );
+    assert_eq!(
+        count(
+            &db.url,
+            "SELECT count(*) AS n FROM idempotency_keys WHERE state <> 'completed'"
+        ),
+        0
+    );
+    let answers = tally.get("Created") + tally.get("Replay") + tally.get("Conflict");
+    assert_eq!(
+        answers,
+        REQUESTS as u64,
+        "every request got a final answer: {}",
+        tally.line()
+    );
+    println!(
+        "COUNTS two_instances: requests={REQUESTS} distinct_keys={DISTINCT} executions={executions} \
+         (instance A {}, B {}) [{}] in {:.1}s",
+        totals[0],
+        totals[1],
+        tally.line(),
+        took.as_secs_f64()
+    );
+}
+
+/// The store fails after the handler ran (the app's role loses UPDATE and DELETE on the table
+/// while the handler runs): the client still gets the handler's response, the failure is
+/// logged with the key, and retries inside the lease never run the handler again.
+#[test]
+fn store_failure_after_the_handler() {
+    let _serial = serial();
+    // The role outlives the database (dropped after it: reverse declaration order).
+    let role = TempRole::create(&server_url(), "idem_app");
+    let db = new_db();
+    execute(
+        &db.url,
+        &format!(
+            "GRANT SELECT, INSERT, UPDATE, DELETE ON idempotency_keys TO \"{}\"",
+            role.name
+        ),
+    );
+    let app_url = role.url_for(&db.url);
+    let app = PaymentsApp::start(&[("DATABASE_URL", app_url.as_str())]);
+    let mut tally = Tally::default();
+
+    // Sanity: the role can do everything before the fault.
+    let ok = send_once(&app.addr, &pay("before", 5, None), CLIENT_TIMEOUT).expect("before");
+    assert_eq!(classify(&ok), Ok(Seen::Created), "{}", ok.describe());
+    tally.add("Created");
+
+    let request = pay("sf-1", 1234, Some(1500));
+    let pending = {
+        let (addr, request) = (app.addr.clone(), request.clone());
+        std::thread::spawn(move || send_once(&addr, &request, CLIENT_TIMEOUT))
+    };
+    wait_until(Duration::from_secs(10), "the reservation", || {
+        records_for_key(&db.url, "sf-1")
+            .iter()
+            .any(|r| r.state == "in_flight")
+    });
+    execute(
+        &db.url,
+        &format!(
+            "REVOKE UPDATE, DELETE ON idempotency_keys FROM \"{}\"",
+            role.name
+        ),
+    );
+    let response = pending
+        .join()
+        .expect("client thread")
+        .expect("the handler's response");
+    assert_eq!(
+        classify(&response),
+        Ok(Seen::Created),
+        "{}",
+        response.describe()
+    );
+    tally.add("Created");
+    let body: serde_json::Value = serde_json::from_slice(&response.body).expect("payment JSON");
+    assert_eq!(body["idempotency_key"], "sf-1");
+    assert_eq!(body["amount"], 1234);
+
+    let log = strip_ansi(&app.log());
+    let line = log
+        .lines()
+        .find(|l| l.contains("could not store the response") && l.contains("key=sf-1"))
+        .unwrap_or_else(|| panic!("no store error logged with the key; log:\n{log}"));
+    assert!(line.contains("ERROR"), "{line}");
+    let rows = records_for_key(&db.url, "sf-1");
+    assert_eq!(rows.len(), 1);
+    assert_eq!(
+        rows[0].state, "in_flight",
+        "the reservation stays until its lease ends"
+    );
+
+    // While the privilege is still missing, a retry cannot even reserve: 503, handler not run.
+    let during = send_once(&app.addr, &request, CLIENT_TIMEOUT).expect("retry during the fault");
+    let during_seen = classify(&during).unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        matches!(during_seen, Seen::Unavailable | Seen::Conflict),
+        "{}",
+        during.describe()
+    );
+    tally.add(format!("{during_seen:?}"));
+
+    // The fault ends; inside the 60 s lease the retry gets 409, never a second execution.
+    execute(
+        &db.url,
+        &format!(
+            "GRANT UPDATE, DELETE ON idempotency_keys TO \"{}\"",
+            role.name
+        ),
+    );
+    for _ in 0..3 {
+        let retry = send_once(&app.addr, &request, CLIENT_TIMEOUT).expect("retry");
+        assert_eq!(classify(&retry), Ok(Seen::Conflict), "{}", retry.describe());
+        tally.add("Conflict");
+    }
+    let stats = app.stats();
+    assert_eq!(stats.per_key.get("sf-1"), Some(&1));
+    println!(
+        "COUNTS store_failure_after_the_handler: requests={} executions={} (sf-1: 1) [{}] retry_during_fault={during_seen:?}",
+        tally.0.values().sum::<u64>(),
+        stats.total,
+        tally.line()
+    );
+}
