@@ -29,8 +29,8 @@ use diesel_async::RunQueryDsl;
 use idempotency_actix::store::postgres;
 
 pub mod http;
-pub mod proxy;
 pub mod proc;
+pub mod proxy;
 pub mod raw_http;
 pub mod records;
 

@@ -452,8 +452,8 @@ fn corrupt(what: &str) -> StoreError {
     StoreError::Backend(format!("corrupt idempotency_keys row: {what}").into())
 }
 
-/// A duration in microseconds, clamped to [1 µs, ~100 years] so the database's timestamp
-/// arithmetic can neither round a short lease to zero nor overflow.
+/// A duration in microseconds (the database's interval precision, so even a sub-millisecond
+/// lease is not rounded to zero), capped at ~100 years so `now() + d` cannot overflow.
 fn micros(duration: Duration) -> i64 {
     i64::try_from(duration.as_micros())
         .unwrap_or(MAX_DURATION_US)
