@@ -9,6 +9,9 @@
 //!    temporary directory, on a free port, stopped and deleted when the test process exits.
 //! 4. Otherwise a panic naming what to install.
 //!
+//! `IDEM_E2E_SKIP_LOCAL=1` skips step 2 (to exercise the throwaway cluster on a machine that
+//! has a local server).
+//!
 //! ```no_run
 //! # async fn demo() {
 //! let db = idempotency_e2e::TestDb::new().await; // created and migrated
@@ -115,7 +118,9 @@ fn resolve_server_url() -> String {
             return url;
         }
     }
-    if can_connect(LOCAL_SERVER_URL) {
+    // IDEM_E2E_SKIP_LOCAL=1 forces the throwaway cluster (used to test that path).
+    let skip_local = std::env::var("IDEM_E2E_SKIP_LOCAL").is_ok_and(|v| v == "1");
+    if !skip_local && can_connect(LOCAL_SERVER_URL) {
         return LOCAL_SERVER_URL.to_owned();
     }
     match TempCluster::start(&[], &[]) {

@@ -91,3 +91,60 @@ fn throwaway_cluster_starts_and_stops() {
     drop(cluster);
     assert!(!dir.exists(), "cluster directory removed");
 }
+
+/// Run by `server_url_falls_back_to_a_throwaway_cluster` in a child process.
+#[tokio::test]
+#[ignore = "run as a child process with IDEM_E2E_SKIP_LOCAL=1"]
+async fn child_uses_the_fallback_server() {
+    let url = server_url();
+    println!("FALLBACK_URL={url}");
+    let db = TestDb::new().await;
+    let store = idempotency_actix::store::PostgresStore::connect(&db.url)
+        .await
+        .unwrap();
+    store.check().await.unwrap();
+}
+
+#[test]
+fn server_url_falls_back_to_a_throwaway_cluster_and_cleans_it_up() {
+    if std::env::var_os("DATABASE_URL").is_some() {
+        eprintln!("skipped: DATABASE_URL is set, so the fallback is not used");
+        return;
+    }
+    let output = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "child_uses_the_fallback_server",
+            "--ignored",
+            "--nocapture",
+        ])
+        .env("IDEM_E2E_SKIP_LOCAL", "1")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    if stdout.contains("initdb/pg_ctl are not on PATH") {
+        eprintln!("skipped: no PostgreSQL binaries");
+        return;
+    }
+    assert!(
+        output.status.success(),
+        "child failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let url = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("FALLBACK_URL="))
+        .expect("child printed its server URL")
+        .to_owned();
+    assert_ne!(url, idempotency_e2e::LOCAL_SERVER_URL);
+    let addr = idempotency_e2e::proxy::host_port(&url);
+    // The watchdog stops the cluster within a few seconds of the child's exit.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while std::net::TcpStream::connect(&addr).is_ok() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "cluster at {addr} still running"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+}

@@ -262,8 +262,13 @@ async fn missing_table_is_not_provisioned_with_the_migrate_hint() {
             other => panic!("expected NotProvisioned, got {other:?}"),
         }
     }
+    assert!(matches!(
+        store.check().await,
+        Err(StoreError::NotProvisioned { .. })
+    ));
     // After migrating, the same store works (no restart needed).
     postgres::run_migrations(&db.url).await.unwrap();
+    store.check().await.unwrap();
     assert!(matches!(
         store.reserve(&scope("k"), &FP, LEASE).await.unwrap(),
         ReserveOutcome::Reserved { .. }
@@ -285,6 +290,10 @@ async fn unreachable_database_is_unavailable_within_the_connection_timeout() {
         .build()
         .await
         .unwrap();
+    assert!(matches!(
+        store.check().await,
+        Err(StoreError::Unavailable(_))
+    ));
     let started = Instant::now();
     let error = store.reserve(&scope("k"), &FP, LEASE).await.unwrap_err();
     let elapsed = started.elapsed();

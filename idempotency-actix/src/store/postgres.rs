@@ -328,6 +328,21 @@ impl PostgresStore {
         &self.pool
     }
 
+    /// Readiness check: a connection can be had within the connection timeout and the table
+    /// exists. One round trip (`to_regclass`). Use it in a health endpoint or before taking
+    /// traffic; the store itself never needs it.
+    ///
+    /// # Errors
+    /// [`StoreError::Unavailable`] when no connection could be made,
+    /// [`StoreError::NotProvisioned`] (with [`MIGRATE_HINT`]) when the table is missing.
+    pub async fn check(&self) -> Result<(), StoreError> {
+        let mut conn = self.conn().await?;
+        match self.timed(table_exists(&mut conn)).await? {
+            true => Ok(()),
+            false => Err(not_provisioned()),
+        }
+    }
+
     /// Delete up to `limit` expired records (completed past their TTL, reservations whose
     /// lease ended more than `grace` ago) in one short statement; returns how many. Rows
     /// locked by a concurrent purge or request are skipped, not waited for, so overlapping
