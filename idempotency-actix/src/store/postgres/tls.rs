@@ -68,6 +68,16 @@ impl std::fmt::Debug for ConnectTarget {
 pub(crate) struct UrlError(String);
 
 impl ConnectTarget {
+    /// Append a server setting to the startup `options` (`-c name=value`): applied by the
+    /// server at login, so it costs no round trip.
+    pub(crate) fn append_option(&mut self, option: &str) {
+        let options = match self.config.get_options() {
+            Some(existing) if !existing.is_empty() => format!("{existing} {option}"),
+            _ => option.to_owned(),
+        };
+        self.config.options(options);
+    }
+
     /// Parse `url` (`postgres://` / `postgresql://` URL or libpq `key=value` string).
     /// `statement_timeout` is appended to the startup `options`, so it costs no round trip.
     pub(crate) fn parse(
