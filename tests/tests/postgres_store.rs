@@ -383,3 +383,18 @@ async fn a_stuck_statement_is_unavailable_after_the_query_timeout() {
         other => panic!("{other:?}"),
     }
 }
+
+/// An app-built pool over `connection_manager` works like `connect`.
+#[tokio::test]
+async fn store_over_an_app_built_pool() {
+    let db = TestDb::new().await;
+    let manager = postgres::connection_manager(&db.url).unwrap();
+    let pool: postgres::PgPool = postgres::PgPool::builder()
+        .max_size(2)
+        .connection_timeout(Duration::from_secs(2))
+        .build_unchecked(manager);
+    let store = PostgresStore::new(pool);
+    store.check().await.unwrap();
+    conformance::first_reserve_wins_and_duplicates_see_in_flight(&store).await;
+    conformance::complete_then_replay_returns_the_exact_response(&store).await;
+}

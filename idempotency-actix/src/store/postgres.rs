@@ -224,28 +224,7 @@ impl PostgresStoreBuilder {
         if !self.synchronous_commit {
             target.append_option("-c synchronous_commit=off");
         }
-        let target = Arc::new(target);
-        let mut config = ManagerConfig::<AsyncPgConnection>::default();
-        config.custom_setup = Box::new(move |_url| {
-            let target = Arc::clone(&target);
-            async move { target.connect().await }.boxed()
-        });
-        // bb8 checks a connection on checkout. diesel-async's default check is `SELECT 1`: a
-        // round trip on every request. This check is local: the connection task has not seen
-        // the socket close and no transaction is left open. A connection that dies between
-        // the check and the statement fails that one request with 503.
-        config.recycling_method = RecyclingMethod::CustomFunction(Box::new(|conn| {
-            let broken = PoolableConnection::is_broken(conn);
-            async move {
-                if broken {
-                    Err(diesel::result::Error::BrokenTransactionManager)
-                } else {
-                    Ok(())
-                }
-            }
-            .boxed()
-        }));
-        let manager = AsyncDieselConnectionManager::new_with_config(self.url.clone(), config);
+        let manager = manager_for(target, &self.url);
         let last_connect_error = Arc::new(Mutex::new(None));
         let mut builder = Pool::builder()
             .max_size(self.max_size)
@@ -264,6 +243,60 @@ impl PostgresStoreBuilder {
             purge_batch: self.purge_batch,
         })
     }
+}
+
+/// A bb8 connection manager for `url` with the same TLS handling as [`PostgresStore::connect`]
+/// (see [`establish`] for `sslmode`) and a checkout check that costs no round trip. For apps
+/// that build their own pool (to share it, or to tune bb8 beyond the builder) and then call
+/// [`PostgresStore::new`]:
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+/// use idempotency_actix::store::postgres::{connection_manager, PgPool, PostgresStore};
+/// let manager = connection_manager("postgres://app@db/app?sslmode=verify-full")?;
+/// let pool: PgPool = PgPool::builder()
+///     .max_size(20)
+///     .connection_timeout(std::time::Duration::from_secs(2))
+///     .build_unchecked(manager);
+/// let store = PostgresStore::new(pool);
+/// # let _ = store; Ok(()) }
+/// ```
+///
+/// # Errors
+/// [`StoreError::Backend`] for a bad URL or unusable TLS settings.
+pub fn connection_manager(
+    url: &str,
+) -> Result<AsyncDieselConnectionManager<AsyncPgConnection>, StoreError> {
+    let target = ConnectTarget::parse(url, None).map_err(|e| StoreError::Backend(Box::new(e)))?;
+    Ok(manager_for(target, url))
+}
+
+fn manager_for(
+    target: ConnectTarget,
+    url: &str,
+) -> AsyncDieselConnectionManager<AsyncPgConnection> {
+    let target = Arc::new(target);
+    let mut config = ManagerConfig::<AsyncPgConnection>::default();
+    config.custom_setup = Box::new(move |_url| {
+        let target = Arc::clone(&target);
+        async move { target.connect().await }.boxed()
+    });
+    // bb8 checks a connection on checkout. diesel-async's default check is `SELECT 1`: a
+    // round trip on every request. This check is local: the connection task has not seen
+    // the socket close and no transaction is left open. A connection that dies between
+    // the check and the statement fails that one request with 503.
+    config.recycling_method = RecyclingMethod::CustomFunction(Box::new(|conn| {
+        let broken = PoolableConnection::is_broken(conn);
+        async move {
+            if broken {
+                Err(diesel::result::Error::BrokenTransactionManager)
+            } else {
+                Ok(())
+            }
+        }
+        .boxed()
+    }));
+    AsyncDieselConnectionManager::new_with_config(url, config)
 }
 
 /// Remembers the last connection error, because bb8 only reports "timed out" to the waiter.
@@ -286,7 +319,8 @@ impl bb8::ErrorSink<PoolError> for LastErrorSink {
 impl PostgresStore {
     /// A store over an existing pool (its settings are used as they are; see
     /// [`PostgresStoreBuilder::connection_timeout`] for why a short connection timeout
-    /// matters). Such a pool connects without TLS unless you gave its manager a custom setup.
+    /// matters). Build the pool's manager with [`connection_manager`] to get TLS per the URL's
+    /// `sslmode`; diesel-async's plain `AsyncDieselConnectionManager::new` never uses TLS.
     pub fn new(pool: PgPool) -> Self {
         Self {
             connection_timeout: pool.config().connection_timeout,
