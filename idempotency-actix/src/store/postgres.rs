@@ -27,6 +27,20 @@
 //! ```
 //! TLS follows libpq's `sslmode` (`require`, `verify-ca`, `verify-full`, with `sslrootcert`);
 //! see [`establish`] for the table.
+//!
+//! # Faults
+//! Every failure is a [`StoreError`], which the middleware answers with 503 (fail closed):
+//! - table missing: [`StoreError::NotProvisioned`] with [`MIGRATE_HINT`] ("run `idem-cli
+//!   migrate`"), recognised with `to_regclass` rather than an error message (diesel-async does
+//!   not expose SQLSTATE 42P01); the store recovers once the table exists;
+//! - no connection within the pool's connection timeout (default 2 s, not bb8's 30 s):
+//!   [`StoreError::Unavailable`], with the last connection error in the message;
+//! - a statement not answered within the query timeout (default 5 s):
+//!   [`StoreError::Unavailable`].
+//!
+//! [`PostgresStore::check`] is a readiness probe for the same conditions. The building blocks
+//! the CLI shares ([`establish`], [`classify_query_error`], [`run_migrations`],
+//! [`pending_migrations`]) are public.
 
 mod error;
 mod migrate;
