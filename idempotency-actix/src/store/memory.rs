@@ -56,6 +56,7 @@ impl MemoryStoreBuilder {
                 max_entries: self.max_entries,
                 next_generation: 0,
                 last_full_sweep: Instant::now(),
+                earliest_expiry: None,
             })),
         }
     }
@@ -116,6 +117,10 @@ struct Inner {
     max_entries: usize,
     next_generation: u64,
     last_full_sweep: Instant,
+    /// No record expires before this (a lower bound: the record that set it may be gone);
+    /// `None` when no record was added since the last full sweep found none. Lets a full
+    /// store skip the full sweep, which could not drop anything before this instant.
+    earliest_expiry: Option<Instant>,
 }
 
 struct Record {
@@ -162,6 +167,11 @@ impl Record {
 }
 
 impl Inner {
+    /// A record was added or changed and expires at `at`.
+    fn note_expiry(&mut self, at: Instant) {
+        self.earliest_expiry = Some(self.earliest_expiry.map_or(at, |e| e.min(at)));
+    }
+
     fn generation(&mut self) -> u64 {
         self.next_generation += 1;
         self.next_generation
@@ -200,6 +210,7 @@ impl Inner {
                 .is_some_and(|r| r.generation == *generation)
         });
         self.last_full_sweep = now;
+        self.earliest_expiry = self.records.values().map(Record::expires_at).min();
         (before - self.records.len()) as u64
     }
 
@@ -208,7 +219,11 @@ impl Inner {
         if self.records.len() < self.max_entries {
             return Ok(());
         }
-        self.sweep_all(now, Duration::ZERO);
+        // The full sweep is O(records); skip it while it provably has nothing to drop, so a
+        // full store does not pay it on every new record.
+        if self.earliest_expiry.is_some_and(|at| at <= now) {
+            self.sweep_all(now, Duration::ZERO);
+        }
         while self.records.len() >= self.max_entries {
             let Some((_, scope, generation)) = self.completion_order.pop_front() else {
                 return Err(StoreError::Capacity(self.max_entries));
@@ -232,6 +247,17 @@ impl IdempotencyStore for MemoryStore {
         fingerprint: &Fingerprint,
         lease: Duration,
     ) -> Result<ReserveOutcome, StoreError> {
+        self.reserve_with_expiry(scope, fingerprint, lease)
+            .await
+            .map(|(outcome, _)| outcome)
+    }
+
+    async fn reserve_with_expiry(
+        &self,
+        scope: &Scope,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+    ) -> Result<(ReserveOutcome, Option<Duration>), StoreError> {
         let now = Instant::now();
         let mut inner = self.lock();
         inner.sweep_front(now);
@@ -242,23 +268,26 @@ impl IdempotencyStore for MemoryStore {
                     response,
                     expires_at,
                 } if *expires_at > now => {
-                    return Ok(ReserveOutcome::Completed {
+                    let completed = ReserveOutcome::Completed {
                         fingerprint: record.fingerprint,
                         response: response.clone(),
-                    })
+                    };
+                    return Ok((completed, Some(*expires_at - now)));
                 }
                 State::InFlight { lease_until, .. }
                     if *lease_until > now || record.fingerprint != *fingerprint =>
                 {
-                    return Ok(ReserveOutcome::InFlight {
+                    let in_flight = ReserveOutcome::InFlight {
                         fingerprint: record.fingerprint,
                         lease_remaining: lease_until.saturating_duration_since(now),
-                    })
+                    };
+                    return Ok((in_flight, None));
                 }
                 // Expired completed record (absent), or a dead holder's lease on the same request.
                 _ => {
                     let token = ReservationToken::random();
                     *record = Record::in_flight(*fingerprint, generation, token, now + lease);
+                    inner.note_expiry(now + lease);
                     token
                 }
             },
@@ -266,11 +295,12 @@ impl IdempotencyStore for MemoryStore {
                 inner.make_room(now)?;
                 let token = ReservationToken::random();
                 let record = Record::in_flight(*fingerprint, generation, token, now + lease);
+                inner.note_expiry(now + lease);
                 inner.records.insert(Arc::new(scope.clone()), record);
                 token
             }
         };
-        Ok(ReserveOutcome::Reserved { token })
+        Ok((ReserveOutcome::Reserved { token }, None))
     }
 
     async fn complete(
@@ -298,6 +328,7 @@ impl IdempotencyStore for MemoryStore {
                 expires_at,
             };
         }
+        inner.note_expiry(expires_at);
         inner
             .completion_order
             .push_back((expires_at, key, generation));

@@ -26,6 +26,8 @@
 //! # Stores in this crate
 //! - [`MemoryStore`]: one process, no setup; for development, tests and single-instance apps.
 //! - `PostgresStore` (feature `postgres`): several instances sharing one database.
+//! - [`CachedStore`]: wraps another store and answers replays of completed records from an
+//!   in-process cache, without a round trip.
 //!
 //! # Writing a store
 //! Implement the four methods; `async fn` in the impl is fine as long as the futures are `Send`.
@@ -118,6 +120,7 @@
 //! With the `test-suite` feature, `idempotency_actix::store::conformance` runs the same rules
 //! against your store that ours pass.
 
+pub mod cached;
 mod memory;
 mod response;
 
@@ -132,6 +135,7 @@ use std::future::Future;
 use std::time::Duration;
 
 pub use crate::fingerprint::Fingerprint;
+pub use cached::{CachedStore, CachedStoreBuilder};
 pub use memory::{MemoryStore, MemoryStoreBuilder};
 #[cfg(feature = "postgres")]
 pub use postgres::PostgresStore;
@@ -256,6 +260,20 @@ pub trait IdempotencyStore: Send + Sync + 'static {
         fingerprint: &Fingerprint,
         lease: Duration,
     ) -> impl Future<Output = Result<ReserveOutcome, StoreError>> + Send;
+
+    /// [`reserve`](Self::reserve), and for a [`ReserveOutcome::Completed`] record also how long
+    /// it has left before it expires, when the store can tell from the same call (`None`
+    /// otherwise, which is the default). [`CachedStore`] uses it so that it never keeps a record
+    /// longer than the store does; stores that learn the expiry in the same round trip should
+    /// override it. The middleware itself calls `reserve`.
+    fn reserve_with_expiry(
+        &self,
+        scope: &Scope,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+    ) -> impl Future<Output = Result<(ReserveOutcome, Option<Duration>), StoreError>> + Send {
+        async move { Ok((self.reserve(scope, fingerprint, lease).await?, None)) }
+    }
 
     /// Store `response` for `scope`, keep it for `ttl`, if `token` still holds the reservation.
     fn complete(

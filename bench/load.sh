@@ -1,0 +1,216 @@
+#!/usr/bin/env bash
+# The load benchmark: the cost of idempotency, next to the floors it cannot beat.
+#
+#   bash bench/load.sh
+#
+# Builds the bench server (release), starts a throwaway PostgreSQL cluster with
+# pg_stat_statements on 127.0.0.1:55432 (or uses BENCH_DATABASE_URL's server), creates and
+# migrates the database idem_bench, starts one server per case on loopback, drives each with
+# wrk (installed from Debian if missing) and pgbench, alternating the cases round by round,
+# and prints one table. Raw results: bench-results/load-<time>.jsonl and .json. Everything it
+# started is stopped by PID on exit. See docs/benchmarks.md for what each case means.
+#
+# Knobs (environment): BENCH_DURATION (s per run, 10), BENCH_RUNS (rounds, 2),
+# BENCH_THREADS (wrk threads, 2), BENCH_CONNECTIONS (wrk connections, 64), BENCH_POOL
+# (database connections per server and pgbench clients, 16), BENCH_WORKERS (actix workers, 2),
+# BENCH_WAIT_QUIET (s to wait for a quiet machine, 120), BENCH_DATABASE_URL (an existing
+# server's admin URL instead of the throwaway cluster; pg_stat_statements must be loaded
+# there for the statement counts), BENCH_CASES (space-separated subset of the cases).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+DURATION=${BENCH_DURATION:-10}
+RUNS=${BENCH_RUNS:-2}
+THREADS=${BENCH_THREADS:-2}
+CONNECTIONS=${BENCH_CONNECTIONS:-64}
+POOL=${BENCH_POOL:-16}
+WORKERS=${BENCH_WORKERS:-2}
+WAIT_QUIET=${BENCH_WAIT_QUIET:-120}
+PGPORT=55432
+STAMP=$(date -u +%Y%m%dT%H%M%SZ)
+OUT=bench-results
+mkdir -p "$OUT"
+RESULTS="$OUT/load-$STAMP.jsonl"
+WORK=$(mktemp -d /tmp/idem-bench.XXXXXX)
+PIDS=()
+PGDATA_DIR=""
+PGBIN=""
+POSTMASTER=""
+
+log() { printf '[load.sh %s] %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
+
+DB_CREATED=""
+cleanup() {
+  local status=$?
+  for pid in "${PIDS[@]}"; do
+    kill "$pid" 2>/dev/null || true
+  done
+  for pid in "${PIDS[@]}"; do
+    wait "$pid" 2>/dev/null || true
+  done
+  if [ -n "$DB_CREATED" ]; then
+    psql "$ADMIN_URL" -XAtq -c 'DROP DATABASE IF EXISTS idem_bench WITH (FORCE)' >/dev/null 2>&1 || true
+  fi
+  if [ -n "$POSTMASTER" ]; then
+    # Fast shutdown of the cluster this script started (by its postmaster's PID).
+    kill -INT "$POSTMASTER" 2>/dev/null || true
+    for _ in $(seq 1 50); do kill -0 "$POSTMASTER" 2>/dev/null || break; sleep 0.2; done
+  fi
+  rm -rf "$WORK"
+  exit "$status"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+# --- tools -----------------------------------------------------------------------------------
+if ! command -v wrk >/dev/null; then
+  log "installing wrk (Debian package)"
+  apt-get update -qq >/dev/null && apt-get install -y -qq wrk >/dev/null
+fi
+for tool in pgbench psql python3 curl; do
+  command -v "$tool" >/dev/null || { echo "load.sh needs $tool on PATH" >&2; exit 1; }
+done
+
+# --- is the machine quiet? -------------------------------------------------------------------
+CORES=$(nproc)
+LOAD_START=$(cut -d' ' -f1-3 /proc/loadavg)
+waited=0
+while awk -v l="$(cut -d' ' -f1 /proc/loadavg)" -v c="$CORES" 'BEGIN { exit !(l > c / 2) }'; do
+  if [ "$waited" -ge "$WAIT_QUIET" ]; then
+    log "machine still busy after ${WAIT_QUIET}s (load $(cut -d' ' -f1-3 /proc/loadavg)); measuring anyway, see foreign_cpu_pct"
+    break
+  fi
+  [ "$waited" -eq 0 ] && log "load average $(cut -d' ' -f1 /proc/loadavg) on $CORES cores; waiting up to ${WAIT_QUIET}s for it to drop below $((CORES / 2))"
+  sleep 5
+  waited=$((waited + 5))
+done
+LOAD_BEFORE=$(cut -d' ' -f1-3 /proc/loadavg)
+log "load average at start: $LOAD_START; when measuring began: $LOAD_BEFORE"
+
+# --- build -----------------------------------------------------------------------------------
+log "building the bench server (release)"
+cargo build --release -q -p idempotency-actix --example bench_server
+TARGET_DIR=$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')
+SERVER="$TARGET_DIR/release/examples/bench_server"
+
+# --- PostgreSQL ------------------------------------------------------------------------------
+as_postgres() {
+  if [ "$(id -u)" = 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi
+}
+if [ -n "${BENCH_DATABASE_URL:-}" ]; then
+  ADMIN_URL=$BENCH_DATABASE_URL
+else
+  PGBIN=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n1)
+  [ -x "$PGBIN/initdb" ] || { echo "no initdb under /usr/lib/postgresql/*/bin; set BENCH_DATABASE_URL" >&2; exit 1; }
+  PGDATA_DIR="$WORK/pgdata"
+  mkdir -p "$PGDATA_DIR"
+  [ "$(id -u)" = 0 ] && chown postgres "$WORK" "$PGDATA_DIR"
+  log "starting a throwaway PostgreSQL cluster on 127.0.0.1:$PGPORT ($PGBIN)"
+  as_postgres "$PGBIN/initdb" -D "$PGDATA_DIR" -U postgres -A trust --no-sync >/dev/null
+  cat >>"$PGDATA_DIR/postgresql.conf" <<EOF
+listen_addresses = '127.0.0.1'
+port = $PGPORT
+unix_socket_directories = '$WORK'
+shared_preload_libraries = 'pg_stat_statements'
+max_connections = 200
+shared_buffers = 256MB
+EOF
+  as_postgres "$PGBIN/pg_ctl" -D "$PGDATA_DIR" -l "$WORK/postgres.log" -w start >/dev/null
+  POSTMASTER=$(head -n1 "$PGDATA_DIR/postmaster.pid")
+  ADMIN_URL="postgres://postgres@127.0.0.1:$PGPORT/postgres"
+fi
+DB_URL=$(python3 -c 'import sys,urllib.parse as u; p=u.urlsplit(sys.argv[1]); print(u.urlunsplit(p._replace(path="/idem_bench")))' "$ADMIN_URL")
+psql "$ADMIN_URL" -XAtq -c 'DROP DATABASE IF EXISTS idem_bench WITH (FORCE)' -c 'CREATE DATABASE idem_bench'
+DB_CREATED=1
+"$SERVER" migrate --database-url "$DB_URL"
+psql "$DB_URL" -XAtq -c 'CREATE EXTENSION IF NOT EXISTS pg_stat_statements' >/dev/null 2>&1 || log "pg_stat_statements is not available: no statement counts"
+SETTINGS=$(psql "$DB_URL" -XAtq -F ' ' -c "SELECT string_agg(name || '=' || setting, ', ') FROM pg_settings WHERE name IN ('synchronous_commit','fsync','shared_buffers','server_version')")
+log "database: $SETTINGS"
+PSQL_ARGS="psql $DB_URL"
+
+# --- servers ---------------------------------------------------------------------------------
+declare -A PORT MODE EXTRA
+PORT[bare]=18081;            MODE[bare]=bare
+PORT[memory]=18082;          MODE[memory]=memory
+PORT[postgres]=18083;        MODE[postgres]=postgres
+PORT[postgres-cached]=18084; MODE[postgres-cached]=postgres-cached
+PORT[postgres-async]=18085;  MODE[postgres-async]=postgres; EXTRA[postgres-async]="--sync-commit off"
+PORT[raw]=18086;             MODE[raw]=raw
+declare -A SERVER_PID
+for name in bare memory postgres postgres-cached postgres-async raw; do
+  # shellcheck disable=SC2086
+  "$SERVER" serve --mode "${MODE[$name]}" --addr "127.0.0.1:${PORT[$name]}" --workers "$WORKERS" \
+    --database-url "$DB_URL" --pool "$POOL" ${EXTRA[$name]:-} >"$WORK/$name.log" 2>&1 &
+  SERVER_PID[$name]=$!
+  PIDS+=("$!")
+done
+for name in "${!SERVER_PID[@]}"; do
+  for _ in $(seq 1 100); do
+    curl -s -o /dev/null -X POST -H 'content-type: application/json' -d '{}' "http://127.0.0.1:${PORT[$name]}/payments" && break
+    kill -0 "${SERVER_PID[$name]}" 2>/dev/null || { cat "$WORK/$name.log" >&2; exit 1; }
+    sleep 0.1
+  done
+done
+ALL_SERVER_PIDS="${PIDS[*]}"
+
+# --- cases -----------------------------------------------------------------------------------
+# name|server|script|uses the database
+CASES_ALL="bare-miss|bare|miss bare-replay|bare|replay memory-miss|memory|miss memory-replay|memory|replay \
+postgres-miss|postgres|miss postgres-replay|postgres|replay raw-miss|raw|miss raw-replay|raw|replay \
+pgbench-miss|-|miss pgbench-replay|-|replay postgres-cached-replay|postgres-cached|replay \
+postgres-async-miss|postgres-async|miss"
+SELECTED=${BENCH_CASES:-}
+
+wrk_case() { # name server script run
+  local name=$1 server=$2 script=$3 run=$4 psql_opt=()
+  case $server in postgres*|raw) psql_opt=(--psql "$PSQL_ARGS" --postmaster "${POSTMASTER:-}");; esac
+  python3 bench/measure.py --case "$name" --run "$run" --pids "$ALL_SERVER_PIDS" "${psql_opt[@]}" -- \
+    wrk -t"$THREADS" -c"$CONNECTIONS" -d"${DURATION}s" --latency -s "bench/$script.lua" \
+    "http://127.0.0.1:${PORT[$server]}" -- "$STAMP-$run-$name"
+}
+
+pgbench_case() { # name script run
+  local name=$1 script=$2 run=$3
+  rm -f "$WORK"/pgb_*
+  python3 bench/measure.py --case "$name" --run "$run" --pids "$ALL_SERVER_PIDS" \
+    --psql "$PSQL_ARGS" --postmaster "${POSTMASTER:-}" --pgbench-log "$WORK/pgb_$name" -- \
+    pgbench -n -M prepared -c "$POOL" -j "$THREADS" -T "$DURATION" -l --log-prefix "$WORK/pgb_$name" \
+    -f "bench/pgbench_$script.sql" "$DB_URL"
+}
+
+log "warm-up: stores the replay keys, opens pools, prepares statements"
+for name in bare memory postgres postgres-cached postgres-async raw; do
+  wrk -t"$THREADS" -c"$CONNECTIONS" -d2s -s bench/replay.lua "http://127.0.0.1:${PORT[$name]}" >/dev/null
+  wrk -t"$THREADS" -c"$CONNECTIONS" -d1s -s bench/miss.lua "http://127.0.0.1:${PORT[$name]}" -- "warm-$STAMP" >/dev/null
+done
+
+for run in $(seq 1 "$RUNS"); do
+  log "round $run of $RUNS"
+  for spec in $CASES_ALL; do
+    IFS='|' read -r name server script <<<"$spec"
+    if [ -n "$SELECTED" ] && [[ " $SELECTED " != *" $name "* ]]; then continue; fi
+    if [ "$server" = "-" ]; then
+      pgbench_case "$name" "$script" "$run" | tee -a "$RESULTS" >&2
+    else
+      wrk_case "$name" "$server" "$script" "$run" | tee -a "$RESULTS" >&2
+    fi
+  done
+done
+
+# --- memory ----------------------------------------------------------------------------------
+HWM="{"
+for name in bare memory postgres postgres-cached postgres-async raw; do
+  kib=$(awk '/VmHWM/ {print $2}' "/proc/${SERVER_PID[$name]}/status")
+  HWM="$HWM\"$name\":$kib,"
+done
+HWM="${HWM%,}}"
+FOOTPRINT=$("$SERVER" footprint --records 100000)
+STORE_LEN_NOTE="memory store bounded at 100000 records (MemoryStore default)"
+LOAD_END=$(cut -d' ' -f1-3 /proc/loadavg)
+
+python3 bench/report.py "$RESULTS" "$OUT/load-$STAMP.json" \
+  --meta "$(python3 -c 'import json,sys; print(json.dumps(dict(zip(sys.argv[1::2], sys.argv[2::2]))))' \
+    stamp "$STAMP" duration_s "$DURATION" runs "$RUNS" wrk "-t$THREADS -c$CONNECTIONS" pool "$POOL" \
+    workers "$WORKERS" cores "$CORES" load_at_start "$LOAD_START" load_measuring "$LOAD_BEFORE" \
+    load_end "$LOAD_END" database "$SETTINGS" note "$STORE_LEN_NOTE")" \
+  --hwm "$HWM" --footprint "$FOOTPRINT"

@@ -1,0 +1,110 @@
+#!/usr/bin/env python3
+"""Turn bench/load.sh's JSON lines into one table (stdout) and one JSON document.
+
+    report.py RESULTS.jsonl OUT.json --meta JSON --hwm JSON --footprint JSON
+"""
+
+import json
+import statistics
+import sys
+
+# (label, numerator case, denominator case, target)
+RATIOS = [
+    ("(2) memory miss / bare", "memory-miss", "bare-miss", 0.85),
+    ("(2) memory replay / bare", "memory-replay", "bare-replay", 0.90),
+    ("(3) postgres miss / raw-SQL anchor", "postgres-miss", "raw-miss", 0.95),
+    ("(3) postgres replay / raw-SQL anchor", "postgres-replay", "raw-replay", 0.95),
+    ("(3) postgres miss / pgbench", "postgres-miss", "pgbench-miss", None),
+    ("(3) postgres replay / pgbench", "postgres-replay", "pgbench-replay", None),
+    ("(4) raw miss / pgbench", "raw-miss", "pgbench-miss", None),
+    ("(4) raw replay / pgbench", "raw-replay", "pgbench-replay", None),
+    ("cached postgres replay / bare", "postgres-cached-replay", "bare-replay", 0.80),
+    ("postgres miss, sync commit off / on", "postgres-async-miss", "postgres-miss", None),
+]
+
+ORDER = [
+    "bare-miss", "bare-replay", "memory-miss", "memory-replay", "postgres-miss",
+    "postgres-replay", "postgres-cached-replay", "postgres-async-miss", "raw-miss",
+    "raw-replay", "pgbench-miss", "pgbench-replay",
+]
+
+
+def main():
+    results_path, out_path = sys.argv[1], sys.argv[2]
+    opts = dict(zip(sys.argv[3::2], sys.argv[4::2]))
+    rows = [json.loads(l) for l in open(results_path) if l.strip()]
+    by_case = {}
+    for r in rows:
+        by_case.setdefault(r["case"], []).append(r)
+
+    summary = {}
+    for case, runs in by_case.items():
+        def mean(key):
+            values = [r[key] for r in runs if r.get(key) is not None]
+            return statistics.fmean(values) if values else None
+        summary[case] = {
+            "runs": len(runs),
+            "rps": mean("rps"),
+            "rps_each": [round(r["rps"]) for r in runs],
+            "p50_ms": mean("p50_ms"),
+            "p99_ms": mean("p99_ms"),
+            "errors": sum(r.get("errors", 0) for r in runs),
+            "foreign_cpu_pct": mean("foreign_cpu_pct"),
+            "statements_per_request": mean("statements_per_request"),
+            "commits_per_request": mean("commits_per_request"),
+        }
+
+    ratios = []
+    for label, num, den, target in RATIOS:
+        if num not in by_case or den not in by_case:
+            continue
+        per_round = []
+        for a in by_case[num]:
+            for b in by_case[den]:
+                if a["run"] == b["run"]:
+                    per_round.append(a["rps"] / b["rps"])
+        value = summary[num]["rps"] / summary[den]["rps"]
+        ratios.append({
+            "ratio": label, "value": value, "per_round": [round(x, 3) for x in per_round],
+            "target": target,
+            "met": None if target is None else value >= target,
+        })
+
+    def fmt(x, spec):
+        return "-" if x is None else format(x, spec)
+
+    print()
+    print(f"{'case':<24} {'req/s':>9} {'runs (req/s)':>17} {'p50 ms':>7} {'p99 ms':>7} "
+          f"{'stmts/req':>9} {'commits/req':>11} {'foreign cpu':>11} {'errors':>6}")
+    for case in ORDER + sorted(set(summary) - set(ORDER)):
+        if case not in summary:
+            continue
+        s = summary[case]
+        print(f"{case:<24} {fmt(s['rps'], '9.0f')} {'/'.join(map(str, s['rps_each'])):>17} "
+              f"{fmt(s['p50_ms'], '7.2f')} {fmt(s['p99_ms'], '7.2f')} "
+              f"{fmt(s['statements_per_request'], '9.2f')} {fmt(s['commits_per_request'], '11.2f')} "
+              f"{fmt(s['foreign_cpu_pct'], '10.1f')}% {s['errors']:>6}")
+    print()
+    print(f"{'ratio (req/s)':<40} {'value':>6} {'per round':>16} {'target':>7}")
+    for r in ratios:
+        target = "-" if r["target"] is None else f">={r['target']:.2f}"
+        met = "" if r["met"] is None else ("  met" if r["met"] else "  MISSED")
+        print(f"{r['ratio']:<40} {r['value']:6.3f} {'/'.join(map(str, r['per_round'])):>16} {target:>7}{met}")
+    print()
+    meta = json.loads(opts.get("--meta", "{}"))
+    hwm = json.loads(opts.get("--hwm", "{}"))
+    footprint = json.loads(opts.get("--footprint", "{}"))
+    print("peak RSS (VmHWM) of each server: " + ", ".join(f"{k} {v / 1024:.1f} MiB" for k, v in hwm.items()))
+    if footprint:
+        print(f"memory store: {footprint['bytes_per_record']} bytes per stored record "
+              f"({footprint['records']} records with a {footprint['response_bytes']}-byte response)")
+    print("machine: " + ", ".join(f"{k}={v}" for k, v in meta.items()))
+
+    with open(out_path, "w") as f:
+        json.dump({"meta": meta, "cases": summary, "ratios": ratios, "peak_rss_kib": hwm,
+                   "memory_store_footprint": footprint, "runs": rows}, f, indent=2)
+    print(f"written: {out_path}")
+
+
+if __name__ == "__main__":
+    main()

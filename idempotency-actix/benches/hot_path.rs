@@ -1,0 +1,201 @@
+//! Micro benchmarks of the request path: key parsing, fingerprinting, and one in-process
+//! request through the middleware (memory store, miss and replay) next to the same request on
+//! a bare `App`. Run with `cargo bench -p idempotency-actix --bench hot_path`; the load
+//! benchmark over real sockets is `bash bench/load.sh` (see `docs/benchmarks.md`).
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use actix_web::http::{header, Method, StatusCode};
+use actix_web::{test, web, App, HttpResponse};
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use idempotency_actix::key::parse_key;
+use idempotency_actix::store::{CachedStore, MemoryStore};
+use idempotency_actix::{Fingerprint, Idempotency};
+
+/// A JSON document of about `target` bytes: an order with line items, keys in no sorted order
+/// so canonicalisation has work to do.
+fn json_body(target: usize) -> Vec<u8> {
+    let mut items = Vec::new();
+    let mut i = 0u64;
+    loop {
+        let doc = serde_json::json!({
+            "merchant": "m_4242", "currency": "EUR", "amount": 1000 + i,
+            "metadata": {"order": "o-1893", "channel": "web"},
+            "items": items,
+        });
+        let bytes = serde_json::to_vec(&doc).unwrap_or_default();
+        if bytes.len() >= target || i > 100_000 {
+            return bytes;
+        }
+        items.push(serde_json::json!({
+            "sku": format!("SKU-{i:06}"), "qty": i % 7 + 1, "price": 1999,
+            "name": "A reasonably named product", "tags": ["a", "b"],
+        }));
+        i += 1;
+    }
+}
+
+/// `len` pseudo-random bytes (xorshift; no dependency needed).
+fn binary_body(len: usize) -> Vec<u8> {
+    let mut x = 0x9E37_79B9_7F4A_7C15u64;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+fn keys(c: &mut Criterion) {
+    let mut group = c.benchmark_group("key");
+    let token = b"3f8e2b7c-5a1d-4e8f-9b2a-6c4d1e0f7a93";
+    let sf = b"\"3f8e2b7c-5a1d-4e8f-9b2a-6c4d1e0f7a93\"";
+    group.bench_function("parse_token_36B", |b| {
+        b.iter(|| parse_key(black_box(token), 255))
+    });
+    group.bench_function("parse_sf_string_36B", |b| {
+        b.iter(|| parse_key(black_box(sf), 255))
+    });
+    group.finish();
+}
+
+fn fingerprints(c: &mut Criterion) {
+    let mut group = c.benchmark_group("fingerprint");
+    for (label, size) in [("200B", 200), ("4KiB", 4096), ("64KiB", 65536)] {
+        let json = json_body(size);
+        group.throughput(Throughput::Bytes(json.len() as u64));
+        group.bench_with_input(BenchmarkId::new("json", label), &json, |b, body| {
+            b.iter(|| Fingerprint::of_request("POST", "/payments", "", true, black_box(body)))
+        });
+        let binary = binary_body(size);
+        group.throughput(Throughput::Bytes(binary.len() as u64));
+        group.bench_with_input(BenchmarkId::new("binary", label), &binary, |b, body| {
+            b.iter(|| Fingerprint::of_request("POST", "/payments", "", false, black_box(body)))
+        });
+    }
+    group.finish();
+}
+
+const PAYMENT: &[u8] = br#"{"amount":1000,"currency":"EUR","customer":"cus_42"}"#;
+
+async fn create_payment() -> HttpResponse {
+    HttpResponse::Created()
+        .insert_header((header::LOCATION, "/payments/1"))
+        .content_type("application/json")
+        .body(r#"{"id":1,"amount":1000,"currency":"EUR","status":"succeeded"}"#)
+}
+
+fn request(key: &str) -> actix_http::Request {
+    test::TestRequest::default()
+        .method(Method::POST)
+        .uri("/payments")
+        .insert_header((header::CONTENT_TYPE, "application/json"))
+        .insert_header(("idempotency-key", key))
+        .set_payload(PAYMENT)
+        .to_request()
+}
+
+/// Times `iters` requests inside one runtime entry, so the runtime's own cost per `block_on`
+/// is not part of the number. `key(i)` gives the key of request `i`.
+fn timed<S, B>(
+    rt: &actix_rt::Runtime,
+    app: &S,
+    iters: u64,
+    offset: u64,
+    key: impl Fn(u64) -> String,
+) -> Duration
+where
+    S: actix_web::dev::Service<
+        actix_http::Request,
+        Response = actix_web::dev::ServiceResponse<B>,
+        Error = actix_web::Error,
+    >,
+    B: actix_web::body::MessageBody,
+{
+    rt.block_on(async {
+        let start = Instant::now();
+        for i in 0..iters {
+            let response = test::call_service(app, request(&key(offset + i))).await;
+            if response.status() != StatusCode::CREATED {
+                panic!("unexpected status {}", response.status());
+            }
+            black_box(response);
+        }
+        start.elapsed()
+    })
+}
+
+fn requests(c: &mut Criterion) {
+    let rt = match actix_rt::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => panic!("actix runtime: {e}"),
+    };
+    let mut group = c.benchmark_group("request");
+    group.throughput(Throughput::Elements(1));
+
+    let bare = rt.block_on(test::init_service(
+        App::new().route("/payments", web::post().to(create_payment)),
+    ));
+    let mut n = 0u64;
+    group.bench_function("bare", |b| {
+        b.iter_custom(|iters| {
+            n += iters;
+            timed(&rt, &bare, iters, n, |i| format!("bare-{i}"))
+        })
+    });
+
+    // Miss: every request a new key. The store is sized so that eviction never runs here
+    // (the memory store's capacity path is measured by the load benchmark).
+    let store = MemoryStore::builder().max_entries(10_000_000).build();
+    let with_memory = rt.block_on(test::init_service(
+        App::new()
+            .wrap(Idempotency::new(store))
+            .route("/payments", web::post().to(create_payment)),
+    ));
+    let mut n = 0u64;
+    group.bench_function("memory_miss", |b| {
+        b.iter_custom(|iters| {
+            n += iters;
+            timed(&rt, &with_memory, iters, n, |i| format!("miss-{i}"))
+        })
+    });
+
+    // Replay: 1,000 keys stored first, then replayed round-robin.
+    timed(&rt, &with_memory, 1000, 0, |i| format!("replay-{i}"));
+    group.bench_function("memory_replay", |b| {
+        b.iter_custom(|iters| {
+            timed(&rt, &with_memory, iters, 0, |i| {
+                format!("replay-{}", i % 1000)
+            })
+        })
+    });
+
+    // The same replay with the in-process cache of completed records in front.
+    let cached = CachedStore::new(MemoryStore::new());
+    let with_cache = rt.block_on(test::init_service(
+        App::new()
+            .wrap(Idempotency::new(cached))
+            .route("/payments", web::post().to(create_payment)),
+    ));
+    timed(&rt, &with_cache, 1000, 0, |i| format!("replay-{i}"));
+    group.bench_function("cached_memory_replay", |b| {
+        b.iter_custom(|iters| {
+            timed(&rt, &with_cache, iters, 0, |i| {
+                format!("replay-{}", i % 1000)
+            })
+        })
+    });
+    group.finish();
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default()
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(3));
+    targets = keys, fingerprints, requests
+}
+criterion_main!(benches);

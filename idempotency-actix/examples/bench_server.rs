@@ -1,0 +1,425 @@
+//! The server behind the load benchmark (`bash bench/load.sh`, see `docs/benchmarks.md`).
+//!
+//! ```text
+//! bench_server serve --mode bare|memory|memory-cached|postgres|postgres-cached|raw \
+//!     [--addr 127.0.0.1:18080] [--workers 2] [--database-url URL] [--pool 16] [--sync-commit off]
+//! bench_server footprint [--records 100000]
+//! bench_server migrate --database-url URL
+//! ```
+//!
+//! Every mode serves the same handler on `POST /payments` (it reads the body and answers 201
+//! with a small JSON document and a `Location` header):
+//! - `bare`: the handler alone, no middleware: the ceiling.
+//! - `memory`, `memory-cached`: behind `Idempotency` with the memory store (bounded at its
+//!   default 100,000 records), without or with `CachedStore` in front.
+//! - `postgres`, `postgres-cached`: behind `Idempotency` with the PostgreSQL store (pool of
+//!   `--pool` connections), without or with `CachedStore`; `--sync-commit off` builds the store
+//!   with `PostgresStoreBuilder::synchronous_commit(false)`.
+//! - `raw`: no middleware; the handler itself runs the least SQL an idempotent endpoint needs
+//!   over a plain bb8/diesel-async pool of the same size, with prepared statements: for a
+//!   request with `x-bench-case: replay` one SELECT of the stored response by primary key,
+//!   otherwise one INSERT of the reservation and one UPDATE storing the response. The key is
+//!   taken from the header as it is and the fingerprint is a constant: the anchor does none of
+//!   the middleware's work except its round trips.
+//!
+//! `footprint` fills a memory store with records shaped like the benchmark's and prints the
+//! resident memory per record, as JSON.
+
+use std::time::Duration;
+
+use actix_web::http::header;
+use actix_web::{web, App, HttpRequest, HttpResponse, HttpServer};
+use bytes::Bytes;
+use diesel::pg::Pg;
+use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
+use diesel::sql_types::{Bytea, Nullable, SmallInt, Text, Untyped};
+use diesel::{QueryResult, QueryableByName};
+use diesel_async::pooled_connection::bb8::Pool;
+use diesel_async::pooled_connection::{
+    AsyncDieselConnectionManager, ManagerConfig, RecyclingMethod,
+};
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use idempotency_actix::store::postgres::PostgresStore;
+use idempotency_actix::store::{
+    CachedStore, Fingerprint, IdempotencyStore, MemoryStore, ReserveOutcome, Scope, StoredResponse,
+};
+use idempotency_actix::Idempotency;
+
+const RESPONSE_BODY: &str = r#"{"id":1,"amount":1000,"currency":"EUR","status":"succeeded"}"#;
+
+async fn create_payment(body: Bytes) -> HttpResponse {
+    if body.is_empty() {
+        return HttpResponse::BadRequest().finish();
+    }
+    HttpResponse::Created()
+        .insert_header((header::LOCATION, "/payments/1"))
+        .content_type("application/json")
+        .body(RESPONSE_BODY)
+}
+
+/// The response the handler gives, as the store keeps it.
+fn stored_response() -> StoredResponse {
+    StoredResponse {
+        status: 201,
+        headers: vec![
+            ("location".into(), Bytes::from_static(b"/payments/1")),
+            (
+                "content-type".into(),
+                Bytes::from_static(b"application/json"),
+            ),
+        ],
+        body: Bytes::from_static(RESPONSE_BODY.as_bytes()),
+    }
+}
+
+struct Args {
+    mode: String,
+    addr: String,
+    workers: usize,
+    database_url: Option<String>,
+    pool: u32,
+    sync_commit: bool,
+    records: usize,
+}
+
+fn parse_args() -> Result<(String, Args), String> {
+    let mut argv = std::env::args().skip(1);
+    let command = argv.next().unwrap_or_else(|| "serve".into());
+    let mut args = Args {
+        mode: "bare".into(),
+        addr: "127.0.0.1:18080".into(),
+        workers: 2,
+        database_url: std::env::var("DATABASE_URL").ok(),
+        pool: 16,
+        sync_commit: true,
+        records: 100_000,
+    };
+    while let Some(flag) = argv.next() {
+        let mut value = || argv.next().ok_or(format!("{flag} needs a value"));
+        match flag.as_str() {
+            "--mode" => args.mode = value()?,
+            "--addr" => args.addr = value()?,
+            "--workers" => args.workers = value()?.parse().map_err(|e| format!("{e}"))?,
+            "--database-url" => args.database_url = Some(value()?),
+            "--pool" => args.pool = value()?.parse().map_err(|e| format!("{e}"))?,
+            "--sync-commit" => args.sync_commit = value()? != "off",
+            "--records" => args.records = value()?.parse().map_err(|e| format!("{e}"))?,
+            other => return Err(format!("unknown argument {other}")),
+        }
+    }
+    Ok((command, args))
+}
+
+fn main() -> std::io::Result<()> {
+    let (command, args) = parse_args().map_err(std::io::Error::other)?;
+    match command.as_str() {
+        "serve" => actix_web::rt::System::new().block_on(serve(args)),
+        "footprint" => actix_web::rt::System::new().block_on(footprint(args.records)),
+        "migrate" => actix_web::rt::System::new().block_on(async {
+            let url = database_url(&args)?;
+            idempotency_actix::store::postgres::run_migrations(&url)
+                .await
+                .map(|_| ())
+                .map_err(std::io::Error::other)
+        }),
+        other => Err(std::io::Error::other(format!("unknown command {other}"))),
+    }
+}
+
+fn database_url(args: &Args) -> std::io::Result<String> {
+    args.database_url
+        .clone()
+        .ok_or_else(|| std::io::Error::other("--database-url or DATABASE_URL is required"))
+}
+
+async fn postgres_store(args: &Args) -> std::io::Result<PostgresStore> {
+    PostgresStore::builder(database_url(args)?)
+        .max_size(args.pool)
+        .min_idle(Some(args.pool))
+        .synchronous_commit(args.sync_commit)
+        .build()
+        .await
+        .map_err(std::io::Error::other)
+}
+
+/// Run the server for one mode; `$store` is the store expression (cloned per worker).
+macro_rules! serve_with_store {
+    ($args:expr, $store:expr) => {{
+        let store = $store;
+        HttpServer::new(move || {
+            App::new()
+                .wrap(Idempotency::new(store.clone()))
+                .route("/payments", web::post().to(create_payment))
+        })
+        .workers($args.workers)
+        .bind(&$args.addr)?
+        .run()
+        .await
+    }};
+}
+
+async fn serve(args: Args) -> std::io::Result<()> {
+    match args.mode.as_str() {
+        "bare" => {
+            HttpServer::new(|| App::new().route("/payments", web::post().to(create_payment)))
+                .workers(args.workers)
+                .bind(&args.addr)?
+                .run()
+                .await
+        }
+        "memory" => serve_with_store!(args, MemoryStore::new()),
+        "memory-cached" => serve_with_store!(args, CachedStore::new(MemoryStore::new())),
+        "postgres" => serve_with_store!(args, postgres_store(&args).await?),
+        "postgres-cached" => {
+            serve_with_store!(args, CachedStore::new(postgres_store(&args).await?))
+        }
+        "raw" => serve_raw(args).await,
+        other => Err(std::io::Error::other(format!("unknown mode {other}"))),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The raw-SQL anchor
+
+type RawPool = Pool<AsyncPgConnection>;
+
+async fn serve_raw(args: Args) -> std::io::Result<()> {
+    let mut config = ManagerConfig::<AsyncPgConnection>::default();
+    // `Fast`: no `SELECT 1` on checkout (the store does not send one either).
+    config.recycling_method = RecyclingMethod::Fast;
+    let manager = AsyncDieselConnectionManager::<AsyncPgConnection>::new_with_config(
+        database_url(&args)?,
+        config,
+    );
+    let pool = Pool::builder()
+        .max_size(args.pool)
+        .min_idle(Some(args.pool))
+        .connection_timeout(Duration::from_secs(2))
+        .build(manager)
+        .await
+        .map_err(std::io::Error::other)?;
+    let headers = stored_response().encode_headers();
+    let state = web::Data::new(RawState { pool, headers });
+    HttpServer::new(move || {
+        App::new()
+            .app_data(state.clone())
+            .route("/payments", web::post().to(raw_payment))
+    })
+    .workers(args.workers)
+    .bind(&args.addr)?
+    .run()
+    .await
+}
+
+struct RawState {
+    pool: RawPool,
+    headers: Vec<u8>,
+}
+
+static FINGERPRINT: &[u8] = &[0x42; 32];
+
+async fn raw_payment(req: HttpRequest, body: Bytes, state: web::Data<RawState>) -> HttpResponse {
+    let Some(key) = req
+        .headers()
+        .get("idempotency-key")
+        .and_then(|v| v.to_str().ok())
+    else {
+        return create_payment(body).await;
+    };
+    let replay = req
+        .headers()
+        .get("x-bench-case")
+        .is_some_and(|v| v.as_bytes() == b"replay");
+    let Ok(mut conn) = state.pool.get().await else {
+        return HttpResponse::ServiceUnavailable().finish();
+    };
+    if replay {
+        let rows: QueryResult<Vec<RawRow>> = RawSelect { key }.load(&mut conn).await;
+        drop(conn);
+        return match rows.ok().and_then(|rows| rows.into_iter().next()) {
+            Some(row) => raw_replay(row),
+            // Not stored yet (the warm-up's first pass): behave like a miss would.
+            None => create_payment(body).await,
+        };
+    }
+    let token = uuid::Uuid::new_v4();
+    if let Err(e) = (RawInsert { key, token }).execute(&mut conn).await {
+        return HttpResponse::InternalServerError().body(e.to_string());
+    }
+    drop(conn);
+    let response = create_payment(body).await;
+    let Ok(mut conn) = state.pool.get().await else {
+        return HttpResponse::ServiceUnavailable().finish();
+    };
+    let update = RawUpdate {
+        key,
+        token,
+        headers: &state.headers,
+        body: RESPONSE_BODY.as_bytes(),
+    };
+    if let Err(e) = update.execute(&mut conn).await {
+        return HttpResponse::InternalServerError().body(e.to_string());
+    }
+    response
+}
+
+fn raw_replay(row: RawRow) -> HttpResponse {
+    let status = row
+        .response_status
+        .and_then(|s| u16::try_from(s).ok())
+        .and_then(|s| actix_web::http::StatusCode::from_u16(s).ok())
+        .unwrap_or(actix_web::http::StatusCode::OK);
+    let mut response = HttpResponse::build(status);
+    let headers = row.response_headers.unwrap_or_default();
+    for (name, value) in StoredResponse::decode_headers(&headers).unwrap_or_default() {
+        response.append_header((name.as_str(), value.as_ref()));
+    }
+    response.body(row.response_body.unwrap_or_default())
+}
+
+macro_rules! static_statement {
+    ($name:ident, $id:ident) => {
+        struct $id;
+        impl QueryId for $name<'_> {
+            type QueryId = $id;
+            const HAS_STATIC_QUERY_ID: bool = true;
+        }
+        impl Query for $name<'_> {
+            type SqlType = Untyped;
+        }
+    };
+}
+
+/// `INSERT` of a reservation: the miss path's first round trip.
+struct RawInsert<'a> {
+    key: &'a str,
+    token: uuid::Uuid,
+}
+static_statement!(RawInsert, RawInsertId);
+
+impl QueryFragment<Pg> for RawInsert<'_> {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        out.push_sql(
+            "INSERT INTO idempotency_keys (tenant, method, path, idempotency_key, fingerprint, \
+             state, token, locked_until, created_at, expires_at) \
+             VALUES ('', 'POST', '/payments', ",
+        );
+        out.push_bind_param::<Text, _>(&self.key)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Bytea, _>(&FINGERPRINT)?;
+        out.push_sql(", 'in_flight', ");
+        out.push_bind_param::<diesel::sql_types::Uuid, _>(&self.token)?;
+        out.push_sql(
+            ", now() + interval '60 seconds', now(), now() + interval '60 seconds') \
+             ON CONFLICT DO NOTHING",
+        );
+        Ok(())
+    }
+}
+
+/// `UPDATE` storing the response: the miss path's second round trip.
+struct RawUpdate<'a> {
+    key: &'a str,
+    token: uuid::Uuid,
+    headers: &'a [u8],
+    body: &'a [u8],
+}
+static_statement!(RawUpdate, RawUpdateId);
+
+impl QueryFragment<Pg> for RawUpdate<'_> {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        out.push_sql("UPDATE idempotency_keys SET state = 'completed', response_status = 201, response_headers = ");
+        out.push_bind_param::<Bytea, _>(&self.headers)?;
+        out.push_sql(", response_body = ");
+        out.push_bind_param::<Bytea, _>(&self.body)?;
+        out.push_sql(
+            ", completed_at = now(), locked_until = NULL, expires_at = now() + interval '24 hours' \
+             WHERE tenant = '' AND method = 'POST' AND path = '/payments' AND idempotency_key = ",
+        );
+        out.push_bind_param::<Text, _>(&self.key)?;
+        out.push_sql(" AND token = ");
+        out.push_bind_param::<diesel::sql_types::Uuid, _>(&self.token)?;
+        Ok(())
+    }
+}
+
+/// `SELECT` of the stored response: the replay path's one round trip.
+struct RawSelect<'a> {
+    key: &'a str,
+}
+static_statement!(RawSelect, RawSelectId);
+
+impl QueryFragment<Pg> for RawSelect<'_> {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        out.push_sql(
+            "SELECT fingerprint, response_status, response_headers, response_body \
+             FROM idempotency_keys \
+             WHERE tenant = '' AND method = 'POST' AND path = '/payments' AND idempotency_key = ",
+        );
+        out.push_bind_param::<Text, _>(&self.key)?;
+        out.push_sql(" AND state = 'completed' AND expires_at > now()");
+        Ok(())
+    }
+}
+
+#[derive(QueryableByName)]
+struct RawRow {
+    #[diesel(sql_type = Bytea)]
+    #[allow(dead_code)]
+    fingerprint: Vec<u8>,
+    #[diesel(sql_type = Nullable<SmallInt>)]
+    response_status: Option<i16>,
+    #[diesel(sql_type = Nullable<Bytea>)]
+    response_headers: Option<Vec<u8>>,
+    #[diesel(sql_type = Nullable<Bytea>)]
+    response_body: Option<Vec<u8>>,
+}
+
+// ---------------------------------------------------------------------------------------------
+// Memory footprint
+
+fn rss_kib() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
+async fn footprint(records: usize) -> std::io::Result<()> {
+    let store = MemoryStore::builder().max_entries(records).build();
+    let response = stored_response();
+    let lease = Duration::from_secs(60);
+    let ttl = Duration::from_secs(86_400);
+    let before = rss_kib();
+    for i in 0..records {
+        // The keys the load benchmark sends: `m-<run>-<thread>-<counter>`, about 20 bytes.
+        let scope = Scope {
+            tenant: String::new(),
+            method: "POST".into(),
+            path: "/payments".into(),
+            key: format!("m-1732960000-1-{i:08}"),
+        };
+        let fingerprint = Fingerprint([(i % 251) as u8; 32]);
+        let outcome = store
+            .reserve(&scope, &fingerprint, lease)
+            .await
+            .map_err(std::io::Error::other)?;
+        let ReserveOutcome::Reserved { token } = outcome else {
+            return Err(std::io::Error::other("expected a reservation"));
+        };
+        store
+            .complete(&scope, &token, &response, ttl)
+            .await
+            .map_err(std::io::Error::other)?;
+    }
+    let after = rss_kib();
+    let per_record = (after.saturating_sub(before) * 1024) as f64 / records as f64;
+    println!(
+        "{{\"records\":{records},\"rss_before_kib\":{before},\"rss_after_kib\":{after},\
+         \"bytes_per_record\":{per_record:.0},\"response_bytes\":{}}}",
+        response.size_bytes()
+    );
+    Ok(())
+}
