@@ -244,7 +244,8 @@ impl PostgresStoreBuilder {
             .max_size(self.max_size)
             .min_idle(self.min_idle)
             .connection_timeout(self.connection_timeout)
-            .error_sink(Box::new(LastErrorSink(Arc::clone(&last_connect_error))));
+            .error_sink(Box::new(LastErrorSink(Arc::clone(&last_connect_error))))
+            .connection_customizer(Box::new(LastErrorSink(Arc::clone(&last_connect_error))));
         builder = builder
             .idle_timeout(self.idle_timeout.or(Some(Duration::from_secs(600))))
             .max_lifetime(self.max_lifetime.or(Some(Duration::from_secs(1800))));
@@ -327,6 +328,21 @@ impl bb8::ErrorSink<PoolError> for LastErrorSink {
 
     fn boxed_clone(&self) -> Box<dyn bb8::ErrorSink<PoolError>> {
         Box::new(self.clone())
+    }
+}
+
+/// A new connection succeeded: the last error no longer explains anything, so a later timeout
+/// (say, pool exhaustion) is not blamed on an outage that is over.
+impl bb8::CustomizeConnection<AsyncPgConnection, PoolError> for LastErrorSink {
+    fn on_acquire<'a>(
+        &'a self,
+        _connection: &'a mut AsyncPgConnection,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), PoolError>> + Send + 'a>>
+    {
+        if let Ok(mut last) = self.0.lock() {
+            *last = None;
+        }
+        Box::pin(async { Ok(()) })
     }
 }
 
@@ -420,11 +436,8 @@ impl PostgresStore {
         StoreError,
     > {
         self.pool.get().await.map_err(|e| {
-            let last = self
-                .last_connect_error
-                .lock()
-                .ok()
-                .and_then(|mut l| l.take());
+            // Cloned, not taken: every request timing out during an outage gets the reason.
+            let last = self.last_connect_error.lock().ok().and_then(|l| l.clone());
             error::classify_pool_error(e, self.connection_timeout, last)
         })
     }
