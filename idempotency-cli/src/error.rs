@@ -56,6 +56,21 @@ impl CliError {
     }
 }
 
+impl CliError {
+    /// The same failure (same exit code) with `prefix` in front of its message, e.g. how far
+    /// a purge got before the database went away.
+    pub fn context(self, prefix: &str) -> Self {
+        match self {
+            CliError::Usage(m) => CliError::Usage(format!("{prefix}: {m}")),
+            CliError::Unavailable(m) => CliError::Unavailable(format!("{prefix}: {m}")),
+            CliError::NotProvisioned(m) => CliError::NotProvisioned(format!("{prefix}: {m}")),
+            CliError::NotFoundOrRefused(m) => CliError::NotFoundOrRefused(format!("{prefix}: {m}")),
+            CliError::Other(m) => CliError::Other(format!("{prefix}: {m}")),
+            other @ (CliError::Pending(_) | CliError::BrokenPipe) => other,
+        }
+    }
+}
+
 impl fmt::Display for CliError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let text = match self {

@@ -496,7 +496,16 @@ async fn overlapping_purges_do_not_both_work() {
         6,
         "a skipped purge deleted rows"
     );
-    drop(holder); // the session lock goes with the connection
+    // Unlock explicitly: a dropped connection's session (and its lock) ends asynchronously, and
+    // the next step must see only the first purge's lock.
+    let unlocked: Flag =
+        diesel::sql_query(format!("SELECT pg_advisory_unlock({PURGE_LOCK}) AS flag"))
+            .get_result(&mut holder)
+            .await
+            .expect("unlock");
+    assert!(unlocked.flag);
+    assert!(!purge_lock_visible(&mut conn).await);
+    drop(holder);
 
     // 2. Two real purges at once: the first is slowed down (batches of one, pauses) and the
     // second starts while the first visibly holds the lock.

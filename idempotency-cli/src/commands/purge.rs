@@ -138,7 +138,21 @@ pub async fn run(
             .bind::<BigInt, _>(args.older_than.as_millis_i64())
             .bind::<Nullable<Text>, _>(tenant.clone())
             .bind::<BigInt, _>(i64::from(args.batch_size));
-        let counts: Counts = sql!(conn, query.get_result(conn));
+        let result = query.get_result::<Counts>(conn).await;
+        let counts = match result {
+            Ok(counts) => counts,
+            Err(err) => {
+                // Batches already deleted stay deleted (each committed on its own): say how far
+                // the purge got, so the cron log shows progress even for a failed run.
+                progress.clear();
+                let err = crate::db::classify(conn, err).await;
+                return Err(err.context(&format!(
+                    "purge stopped after deleting {} records in {} batches",
+                    summary.total(),
+                    summary.batches
+                )));
+            }
+        };
         summary.longest_batch = summary.longest_batch.max(batch_started.elapsed());
         summary.batches += 1;
         summary.completed += non_negative(counts.completed);
@@ -212,32 +226,40 @@ fn report(
 /// for a while: cron mail and CI logs get just the summary line.
 struct Progress {
     enabled: bool,
+    last: std::cell::Cell<Option<Instant>>,
 }
 
 impl Progress {
     const AFTER: Duration = Duration::from_secs(2);
+    const EVERY: Duration = Duration::from_millis(200);
 
     fn new() -> Self {
         Self {
             enabled: std::io::stderr().is_terminal(),
+            last: std::cell::Cell::new(None),
         }
     }
 
     fn update(&self, summary: &Summary, started: Instant) {
-        if self.enabled && started.elapsed() >= Self::AFTER {
-            // Progress is best effort: a closed stderr must not fail the purge.
-            let _ = write!(
-                std::io::stderr(),
-                "\rpurging: {} records in {} batches, {}   ",
-                summary.total(),
-                summary.batches,
-                format_elapsed(started.elapsed())
-            );
+        if !self.enabled || started.elapsed() < Self::AFTER {
+            return;
         }
+        if self.last.get().is_some_and(|t| t.elapsed() < Self::EVERY) {
+            return;
+        }
+        self.last.set(Some(Instant::now()));
+        // Progress is best effort: a closed stderr must not fail the purge.
+        let _ = write!(
+            std::io::stderr(),
+            "\rpurging: {} records in {} batches, {}   ",
+            summary.total(),
+            summary.batches,
+            format_elapsed(started.elapsed())
+        );
     }
 
     fn clear(&self) {
-        if self.enabled {
+        if self.enabled && self.last.get().is_some() {
             let _ = write!(std::io::stderr(), "\r\x1b[2K");
         }
     }
