@@ -1,0 +1,20 @@
+//! Request bodies: the JSON canonicaliser never panics or overflows the stack, its output is a
+//! fixed point (canonicalising it again changes nothing), and the fingerprint is deterministic.
+#![no_main]
+
+use idempotency_actix::fingerprint::{canonical_json, Fingerprint};
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| {
+    if let Some(canonical) = canonical_json(data) {
+        assert_eq!(
+            canonical_json(&canonical).as_deref(),
+            Some(&canonical[..]),
+            "canonical form is not a fixed point"
+        );
+        assert!(canonical.len() <= data.len() * 6 + 2, "canonical form blew up");
+    }
+    let a = Fingerprint::of_request("POST", "/p", "q=1", true, data);
+    let b = Fingerprint::of_request("POST", "/p", "q=1", true, data);
+    assert_eq!(a, b);
+});
