@@ -83,36 +83,50 @@ fn fail(err: &CliError) -> ExitCode {
     err.exit_code()
 }
 
-/// `--help` and `--version` print in full and exit 0. Usage errors become one line (clap's
-/// first line, plus its "tip" when it has one, e.g. a similarly named flag) and exit 2.
+/// `--help` and `--version` print in full and exit 0. Usage errors become one line on stderr
+/// (clap's first paragraph, e.g. "the following required arguments were not provided: <KEY>",
+/// plus its "tip" when it has one, e.g. a similarly named flag) and exit 2. A bare `idem-cli`
+/// is a usage error too: one line naming the commands rather than a page of help on stderr.
 fn clap_exit(err: clap::Error) -> ExitCode {
     match err.kind() {
-        ErrorKind::DisplayHelp
-        | ErrorKind::DisplayVersion
-        | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
+        ErrorKind::DisplayHelp | ErrorKind::DisplayVersion => {
             let _ = err.print();
-            if err.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand {
-                ExitCode::from(code::USAGE)
-            } else {
-                ExitCode::SUCCESS
-            }
+            ExitCode::SUCCESS
         }
-        _ => {
-            let rendered = err.render().to_string();
-            let mut lines = rendered.lines().map(str::trim).filter(|l| !l.is_empty());
-            let first = lines
-                .next()
-                .unwrap_or("invalid arguments")
-                .trim_start_matches("error: ");
-            let tip = lines
-                .find(|l| l.starts_with("tip:"))
-                .map(|t| format!("; {t}"))
-                .unwrap_or_default();
+        ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand | ErrorKind::MissingSubcommand => {
             let _ = writeln!(
                 std::io::stderr(),
-                "idem-cli: {first}{tip} (see `idem-cli --help`)"
+                "idem-cli: no command given (migrate, purge, list, show, stats, release); \
+                 see `idem-cli --help`"
             );
             ExitCode::from(code::USAGE)
         }
+        _ => {
+            let _ = writeln!(std::io::stderr(), "idem-cli: {}", usage_line(&err));
+            ExitCode::from(code::USAGE)
+        }
     }
+}
+
+/// Clap's multi-line error as one line.
+fn usage_line(err: &clap::Error) -> String {
+    let rendered = err.render().to_string();
+    let mut paragraphs = rendered.split("\n\n");
+    let first = paragraphs
+        .next()
+        .map(|p| p.split_whitespace().collect::<Vec<_>>().join(" "))
+        .unwrap_or_default();
+    let first = first.trim_start_matches("error: ");
+    let first = if first.is_empty() {
+        "invalid arguments"
+    } else {
+        first
+    };
+    let tip = rendered
+        .lines()
+        .map(str::trim)
+        .find(|l| l.starts_with("tip:"))
+        .map(|t| format!("; {t}"))
+        .unwrap_or_default();
+    format!("{first}{tip} (see `idem-cli --help`)")
 }

@@ -1046,6 +1046,19 @@ async fn failures_have_one_line_and_distinct_exit_codes() {
         .expect("run");
     expect_code(&out, USAGE);
     assert!(stderr(&out).contains("DATABASE_URL"), "{}", stderr(&out));
+    // A bare `idem-cli` (no arguments at all, no environment) is one line too, not a page of help.
+    let out = Command::new(BIN)
+        .env_remove("DATABASE_URL")
+        .output()
+        .expect("run");
+    expect_code(&out, USAGE);
+    assert!(
+        stderr(&out).contains("no command given"),
+        "{}",
+        stderr(&out)
+    );
+    let out = idem(&closed, &["show"]);
+    assert!(stderr(&out).contains("<KEY>"), "{}", stderr(&out));
 }
 
 #[test]
