@@ -206,7 +206,9 @@ where
                 .and_then(|t| t(&req))
                 .unwrap_or_default(),
             method: req.method().as_str().to_owned(),
-            path: req.path().to_owned(),
+            // The path as the router sees it (percent-encoded unreserved characters decoded),
+            // so `/%70ayments` and `/payments`, one route, are one record, not two executions.
+            path: req.match_info().as_str().to_owned(),
             key,
         };
         let json = req
@@ -214,8 +216,10 @@ where
             .get(header::CONTENT_TYPE)
             .and_then(|v| v.to_str().ok())
             .is_some_and(is_json_content_type);
+        // The fingerprint takes the path as sent: only the same bytes replay (another spelling
+        // of the same route gets 422, never another request's response).
         let fingerprint =
-            Fingerprint::of_request(&scope.method, &scope.path, req.query_string(), json, &body);
+            Fingerprint::of_request(&scope.method, req.path(), req.query_string(), json, &body);
         req.set_payload(Payload::from(body));
 
         let token = match self.reserve(&scope, &fingerprint).await {

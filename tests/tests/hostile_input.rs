@@ -564,6 +564,33 @@ fn hostile_input_gets_the_contract_answer_and_leaves_nothing_behind() {
     });
 
     h.case(
+        "scope: the same path spelled with percent-encoding",
+        1,
+        |addr, url| {
+            // actix-web routes `/api/%65cho` to `/api/echo`: one resource, so one record. A second
+            // spelling must never run the handler again; since its bytes differ it gets 422 rather
+            // than a replay (only identical requests are replayed).
+            let a = send(addr, &echo_json("spelling", body)).unwrap();
+            assert_eq!(a.status, 201, "{}", a.describe());
+            let mut b_request = echo_json("spelling", body);
+            b_request.target = "/api/%65cho".to_owned();
+            let b = send(addr, &b_request).unwrap();
+            assert!(
+                b.status != 201 || b.is_replay(),
+                "the handler ran twice for one request: {}",
+                b.describe()
+            );
+            assert_problem(&b, 422, "FINGERPRINT_MISMATCH");
+            let rows = records_for_key(url, "spelling");
+            assert_eq!(rows.len(), 1);
+            assert_eq!(rows[0].path, "/api/echo");
+            let c = send(addr, &echo_json("spelling", body)).unwrap();
+            assert!(c.is_replay(), "{}", c.describe());
+            vec![a, b, c]
+        },
+    );
+
+    h.case(
         "scope: path and tenant longer than the primary-key index allows",
         0,
         |addr, url| {
