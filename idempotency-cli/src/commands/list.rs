@@ -4,6 +4,7 @@ use std::io::Write;
 
 use diesel::sql_types::{BigInt, Nullable, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use futures_util::StreamExt;
 
 use crate::cli::{Format, ListArgs, StateFilter};
 use crate::error::CliError;
@@ -38,21 +39,47 @@ pub async fn run(
     .bind::<Nullable<Text>, _>(args.key_prefix.clone())
     .bind::<Nullable<BigInt>, _>(args.older_than.map(|d| d.as_millis_i64()))
     .bind::<Nullable<BigInt>, _>(fetch);
-    let mut rows: Vec<RecordRow> = sql!(conn, query.load(conn));
-
-    let truncated = args.limit > 0 && rows.len() > args.limit as usize;
-    rows.truncate(if args.limit > 0 {
-        args.limit as usize
-    } else {
-        rows.len()
-    });
-
-    match format {
-        Format::Json => {
-            for row in &rows {
-                out.json(&row.to_json())?;
+    // Rows are streamed: `--limit 0 --format json` on a table of millions prints them as they
+    // arrive instead of holding them all in memory. The text table needs its column widths, so
+    // it collects (what a person reads is bounded by --limit anyway).
+    let limit = usize::try_from(args.limit).unwrap_or(usize::MAX);
+    let mut rows: Vec<RecordRow> = Vec::new();
+    let mut seen = 0usize;
+    let mut truncated = false;
+    let mut failure = None;
+    {
+        let result = query.load_stream::<RecordRow>(conn).await;
+        match result {
+            Err(err) => failure = Some(err),
+            Ok(stream) => {
+                let mut stream = std::pin::pin!(stream);
+                while let Some(item) = stream.next().await {
+                    let row = match item {
+                        Ok(row) => row,
+                        Err(err) => {
+                            failure = Some(err);
+                            break;
+                        }
+                    };
+                    if limit > 0 && seen == limit {
+                        truncated = true;
+                        break;
+                    }
+                    seen += 1;
+                    match format {
+                        Format::Json => out.json(&row.to_json())?,
+                        Format::Text => rows.push(row),
+                    }
+                }
             }
         }
+    }
+    if let Some(err) = failure {
+        return Err(crate::db::classify(conn, err).await);
+    }
+
+    match format {
+        Format::Json => {}
         Format::Text => {
             if rows.is_empty() {
                 out.line("no matching records")?;
