@@ -291,6 +291,9 @@ fn sigkill_while_the_handler_runs() {
         ("IDEMPOTENCY_LOCK_TIMEOUT_MS", "4000"),
     ];
     let mut first = PaymentsApp::start(&env);
+    // The instance the client retries against, started before the crash so the retry can
+    // follow it at once (well inside the lease even on a slow machine).
+    let second = PaymentsApp::start(&env);
     let request = pay("crash-1", 700, Some(2000));
     let in_flight = {
         let (addr, request) = (first.addr.clone(), request.clone());
@@ -312,7 +315,6 @@ fn sigkill_while_the_handler_runs() {
     let lost = in_flight.join().expect("client thread");
     assert!(lost.is_err(), "the killed process answered: {lost:?}");
 
-    let second = PaymentsApp::start(&env);
     let mut tally = Tally::default();
     let early = send_once(&second.addr, &request, CLIENT_TIMEOUT).expect("retry");
     assert!(
