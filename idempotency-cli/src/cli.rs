@@ -264,7 +264,7 @@ pub struct ShowArgs {
 #[derive(Debug, Args)]
 pub struct ReleaseArgs {
     /// One or more Idempotency-Keys.
-    #[arg(required = true, num_args = 1..)]
+    #[arg(required = true, num_args = 1.., value_name = "KEY")]
     pub keys: Vec<String>,
 
     #[command(flatten)]

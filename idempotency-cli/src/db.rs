@@ -92,10 +92,13 @@ pub async fn connect(url: &str, timeout: Duration) -> Result<AsyncPgConnection, 
 fn connect_error(target: &str, err: StoreError) -> CliError {
     match err {
         StoreError::NotProvisioned { hint } => CliError::NotProvisioned(hint),
-        StoreError::Backend(source) => CliError::Usage(format!(
-            "invalid database URL {target}: {}",
-            chain(source.as_ref())
-        )),
+        StoreError::Backend(source) => {
+            let detail = chain(source.as_ref());
+            let detail = detail
+                .strip_prefix("invalid database URL: ")
+                .unwrap_or(&detail);
+            CliError::Usage(format!("invalid database URL {target}: {detail}"))
+        }
         StoreError::Unavailable(source) => CliError::Unavailable(format!(
             "cannot connect to {target}: {}",
             chain(source.as_ref())

@@ -1039,6 +1039,9 @@ async fn failures_have_one_line_and_distinct_exit_codes() {
     }
     let out = idem("mysql://localhost/db", &["stats"]);
     expect_code(&out, USAGE);
+    let out = idem(&format!("{}?sslmode=bogus", db.url), &["stats"]);
+    expect_code(&out, USAGE);
+    assert!(stderr(&out).contains("sslmode"), "{}", stderr(&out));
     let out = Command::new(BIN)
         .arg("stats")
         .env_remove("DATABASE_URL")
