@@ -1111,3 +1111,45 @@ fn with_user(url: &str, user: &str, password: Option<&str>) -> String {
     };
     format!("{scheme}://{userinfo}@{host_and_rest}")
 }
+
+#[tokio::test]
+async fn purge_skips_rows_a_request_holds_instead_of_waiting() {
+    let db = TestDb::new().await;
+    let mut conn = connect(&db).await;
+    for key in ["exp-1", "exp-2", "exp-3"] {
+        seed(
+            &mut conn,
+            "t",
+            key,
+            "completed",
+            "now() - interval '2 days'",
+            "now() - interval '1 day'",
+        )
+        .await;
+    }
+    // Another session (a request taking the key over) holds a row lock on exp-2.
+    let mut request = connect(&db).await;
+    request
+        .batch_execute(
+            "BEGIN; SELECT 1 FROM idempotency_keys WHERE idempotency_key = 'exp-2' FOR UPDATE",
+        )
+        .await
+        .expect("lock a row");
+
+    let started = Instant::now();
+    let out = idem(&db.url, &["purge", "--format", "json"]);
+    expect_code(&out, 0);
+    assert!(
+        started.elapsed() < Duration::from_secs(4),
+        "purge waited for the row lock"
+    );
+    assert_eq!(json_one(&out)["purged"], 2);
+    assert_eq!(keys(&mut conn).await, ["exp-2"]);
+
+    // Once the request is done, the next run gets it.
+    request.batch_execute("COMMIT").await.expect("commit");
+    let out = idem(&db.url, &["purge", "--format", "json"]);
+    expect_code(&out, 0);
+    assert_eq!(json_one(&out)["purged"], 1);
+    assert!(keys(&mut conn).await.is_empty());
+}
