@@ -84,7 +84,7 @@ fn fail(err: &CliError) -> ExitCode {
 }
 
 /// `--help` and `--version` print in full and exit 0. Usage errors become one line on stderr
-/// (clap's first paragraph, e.g. "the following required arguments were not provided: <KEY>",
+/// (clap's first paragraph, e.g. "the following required arguments were not provided: `<KEY>`",
 /// plus its "tip" when it has one, e.g. a similarly named flag) and exit 2. A bare `idem-cli`
 /// is a usage error too: one line naming the commands rather than a page of help on stderr.
 fn clap_exit(err: clap::Error) -> ExitCode {
