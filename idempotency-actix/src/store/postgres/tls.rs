@@ -155,7 +155,7 @@ impl ConnectTarget {
                     .config
                     .connect(NoTls)
                     .await
-                    .map_err(|e| ConnectionError::BadConnection(e.to_string()))?;
+                    .map_err(connect_error)?;
                 AsyncPgConnection::try_from_client_and_connection(client, connection).await
             }
             Some(tls) => {
@@ -163,7 +163,7 @@ impl ConnectTarget {
                     .config
                     .connect(MakeRustlsConnect::new(ClientConfig::clone(tls)))
                     .await
-                    .map_err(|e| ConnectionError::BadConnection(e.to_string()))?;
+                    .map_err(connect_error)?;
                 AsyncPgConnection::try_from_client_and_connection(client, connection).await
             }
         }
@@ -484,4 +484,17 @@ mod tests {
             Some("-c search_path=x -c statement_timeout=5000")
         );
     }
+}
+
+/// tokio-postgres displays only "db error" or "error connecting to server"; the reason (wrong
+/// password, unknown database, refused) is in the source chain, which operators need to see.
+fn connect_error(error: tokio_postgres::Error) -> ConnectionError {
+    let mut message = error.to_string();
+    let mut source = std::error::Error::source(&error);
+    while let Some(cause) = source {
+        message.push_str(": ");
+        message.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    ConnectionError::BadConnection(message)
 }
