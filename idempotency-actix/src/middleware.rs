@@ -397,9 +397,36 @@ where
                 tracing::warn!(target: "idempotency_actix", outcome = "stale", key = %scope.key, tenant = %scope.tenant, path = %scope.path, "the lease ended and another request took the key over; this response was not stored");
             }
             Err(error) => {
-                tracing::error!(target: "idempotency_actix", outcome = "store_error", key = %scope.key, tenant = %scope.tenant, path = %scope.path, %error, "could not store the response; the reservation stays until its lease ends");
+                tracing::error!(target: "idempotency_actix", outcome = "store_error", key = %scope.key, tenant = %scope.tenant, path = %scope.path, %error, "could not store the response; retrying until the lease ends, the reservation stays meanwhile");
+                self.retry_complete(scope.clone(), *token, stored.clone());
             }
         }
+    }
+
+    /// After a failed `complete` (C16): keep trying in the background until the lease ends,
+    /// so a store that comes back in time still records the response the client got, and a
+    /// retry replays it instead of running the handler again. Fenced by the token: once the
+    /// key was taken over the write is stale and changes nothing.
+    fn retry_complete(&self, scope: Scope, token: ReservationToken, stored: StoredResponse) {
+        let store = Arc::clone(&self.store);
+        let ttl = self.config.ttl;
+        let until = Instant::now() + self.config.lock_timeout;
+        tokio::spawn(async move {
+            let mut pause = Duration::from_millis(100);
+            while Instant::now() + pause < until {
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(2));
+                match store.complete(&scope, &token, &stored, ttl).await {
+                    Ok(WriteOutcome::Applied) => {
+                        tracing::info!(target: "idempotency_actix", outcome = "stored", key = %scope.key, tenant = %scope.tenant, path = %scope.path, status = stored.status, "response stored after the store recovered");
+                        return;
+                    }
+                    Ok(WriteOutcome::Stale) => return,
+                    Err(_) => {}
+                }
+            }
+            tracing::error!(target: "idempotency_actix", outcome = "store_error", key = %scope.key, tenant = %scope.tenant, path = %scope.path, "gave up storing the response: the lease ended; a retry will run the handler again");
+        });
     }
 
     async fn release(&self, scope: &Scope, token: &ReservationToken, reason: &str) {
