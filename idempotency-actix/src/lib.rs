@@ -43,10 +43,12 @@
 //!
 //! # What the middleware cannot do for you
 //! If the store fails *after* your handler ran (the database goes away between the two
-//! statements), the client still gets your response, but the record is not written: the key
-//! stays reserved until its lease (`lock_timeout`, 60 s) ends, and a retry after that runs the
-//! handler again. Handlers that move money should therefore also be idempotent downstream (pass
-//! the key on to the payment provider). See `docs/design.md`.
+//! statements), the client still gets your response and the key stays reserved (a retry gets
+//! 409) while the middleware keeps trying to store the response until the lease
+//! (`lock_timeout`, 60 s) ends. If the store is back by then, retries get the replay; if it is
+//! still down, a retry after the lease runs the handler again. Handlers that move money should
+//! therefore also be idempotent downstream (pass the key on to the payment provider). See
+//! `docs/design.md` and `docs/reliability.md`.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
