@@ -890,3 +890,67 @@ fn store_recovering_inside_the_lease_stores_the_delivered_response() {
         tally.line()
     );
 }
+
+/// The client goes away while its handler runs. Whatever actix does with the handler (finish
+/// it or drop it), a retry inside the lease never runs it a second time; after the lease the
+/// retry resolves (replay if the first run was stored, else one takeover run: C16's window).
+#[test]
+fn client_disconnect_mid_handler() {
+    let _serial = serial();
+    let db = new_db();
+    let app = PaymentsApp::start(&[
+        ("DATABASE_URL", db.url.as_str()),
+        ("IDEMPOTENCY_LOCK_TIMEOUT_MS", "3000"),
+    ]);
+    let request = pay("gone-1", 77, Some(1500));
+    let mut conn = Conn::connect(app.addr.as_str(), CLIENT_TIMEOUT).expect("connect");
+    conn.send_raw(&request.to_bytes()).expect("send");
+    wait_until(Duration::from_secs(10), "the reservation", || {
+        !records_for_key(&db.url, "gone-1").is_empty()
+    });
+    let reserved_at = Instant::now();
+    drop(conn); // the client hangs up mid-handler
+    let mut tally = Tally::default();
+    // Inside the lease, well after the handler would have finished.
+    std::thread::sleep(Duration::from_millis(2000));
+    let inside = send_once(&app.addr, &request, CLIENT_TIMEOUT).expect("retry");
+    let inside_seen = classify(&inside).unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        matches!(inside_seen, Seen::Conflict | Seen::Replay),
+        "inside the lease: {}",
+        inside.describe()
+    );
+    assert!(
+        reserved_at.elapsed() < Duration::from_millis(3000),
+        "too slow to be inside the lease"
+    );
+    tally.add(format!("inside_lease_{inside_seen:?}"));
+    assert_eq!(
+        app.stats().per_key.get("gone-1"),
+        Some(&1),
+        "a second run inside the lease"
+    );
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let after = loop {
+        let retry = send_once(&app.addr, &request, CLIENT_TIMEOUT).expect("retry");
+        let seen = classify(&retry).unwrap_or_else(|e| panic!("{e}"));
+        tally.add(format!("after_{seen:?}"));
+        if seen != Seen::Conflict {
+            break seen;
+        }
+        assert!(Instant::now() < deadline, "never resolved");
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let executions = app.stats().per_key.get("gone-1").copied().unwrap_or(0);
+    match inside_seen {
+        // The handler finished and was stored although nobody listened: no second run ever.
+        Seen::Replay => assert_eq!((after, executions), (Seen::Replay, 1)),
+        // It was dropped mid-run: one takeover run after the lease, the documented window.
+        _ => assert_eq!((after, executions), (Seen::Created, 2)),
+    }
+    println!(
+        "COUNTS client_disconnect_mid_handler: requests={} executions={executions} [{}]",
+        tally.0.values().sum::<u64>() + 1,
+        tally.line()
+    );
+}
