@@ -157,7 +157,8 @@ ALL_SERVER_PIDS="${PIDS[*]}"
 # name|server|script|uses the database
 CASES_ALL="bare-miss|bare|miss bare-replay|bare|replay memory-miss|memory|miss memory-replay|memory|replay \
 postgres-miss|postgres|miss postgres-replay|postgres|replay raw-miss|raw|miss raw-replay|raw|replay \
-pgbench-miss|-|miss pgbench-replay|-|replay postgres-cached-replay|postgres-cached|replay \
+pgbench-miss|-|miss pgbench-replay|-|replay pgbench-store-replay|-|store_replay \
+postgres-cached-replay|postgres-cached|replay \
 postgres-async-miss|postgres-async|miss"
 SELECTED=${BENCH_CASES:-}
 

@@ -96,10 +96,15 @@ def main():
     hz = os.sysconf("SC_CLK_TCK")
     t0, busy0 = machine_cpu()
     ours0 = ours(pids, postmaster)
+    servers0 = sum(proc_cpu(p) for p in pids)
     kids0 = children_rusage()
     wall0 = time.time()
     run = subprocess.run(command, capture_output=True, text=True, check=False)
     wall = time.time() - wall0
+    if not command[0].endswith("wrk"):
+        # pgbench's server processes exit after it does; let the postmaster reap them so
+        # their CPU time is counted (as its children's).
+        time.sleep(0.5)
     t1, busy1 = machine_cpu()
     ours1 = ours(pids, postmaster)
     kids1 = children_rusage()
@@ -121,6 +126,12 @@ def main():
     result["machine_busy_pct"] = round(100 * busy / total, 1)
     result["foreign_cpu_pct"] = round(max(0.0, 100 * (busy - server_and_db - generator) / total), 1)
     result["wall_s"] = round(wall, 2)
+    # CPU per request of the servers (only the one under test is busy) and of the database.
+    n = max(result["requests"], 1)
+    servers = sum(proc_cpu(p) for p in pids) - servers0
+    result["server_cpu_us_per_request"] = round(servers / hz / n * 1e6, 1)
+    if postmaster:
+        result["db_cpu_us_per_request"] = round((server_and_db - servers) / hz / n * 1e6, 1)
 
     if psql_args:
         time.sleep(1.1)  # PostgreSQL 15 flushes per-backend counters about once a second

@@ -18,6 +18,7 @@ RATIOS = [
     ("(3) postgres replay / pgbench", "postgres-replay", "pgbench-replay", None),
     ("(4) raw miss / pgbench", "raw-miss", "pgbench-miss", None),
     ("(4) raw replay / pgbench", "raw-replay", "pgbench-replay", None),
+    ("(5) pgbench: store's reserve / plain SELECT", "pgbench-store-replay", "pgbench-replay", None),
     ("cached postgres replay / bare", "postgres-cached-replay", "bare-replay", 0.80),
     ("postgres miss, sync commit off / on", "postgres-async-miss", "postgres-miss", None),
 ]
@@ -25,7 +26,7 @@ RATIOS = [
 ORDER = [
     "bare-miss", "bare-replay", "memory-miss", "memory-replay", "postgres-miss",
     "postgres-replay", "postgres-cached-replay", "postgres-async-miss", "raw-miss",
-    "raw-replay", "pgbench-miss", "pgbench-replay",
+    "raw-replay", "pgbench-miss", "pgbench-replay", "pgbench-store-replay",
 ]
 
 
@@ -50,6 +51,8 @@ def main():
             "p99_ms": mean("p99_ms"),
             "errors": sum(r.get("errors", 0) for r in runs),
             "foreign_cpu_pct": mean("foreign_cpu_pct"),
+            "server_cpu_us_per_request": mean("server_cpu_us_per_request"),
+            "db_cpu_us_per_request": mean("db_cpu_us_per_request"),
             "statements_per_request": mean("statements_per_request"),
             "commits_per_request": mean("commits_per_request"),
         }
@@ -75,7 +78,7 @@ def main():
 
     print()
     print(f"{'case':<24} {'req/s':>9} {'runs (req/s)':>17} {'p50 ms':>7} {'p99 ms':>7} "
-          f"{'stmts/req':>9} {'commits/req':>11} {'foreign cpu':>11} {'errors':>6}")
+          f"{'stmts/req':>9} {'commits/req':>11} {'app µs/req':>10} {'db µs/req':>9} {'foreign cpu':>11} {'errors':>6}")
     for case in ORDER + sorted(set(summary) - set(ORDER)):
         if case not in summary:
             continue
@@ -83,6 +86,7 @@ def main():
         print(f"{case:<24} {fmt(s['rps'], '9.0f')} {'/'.join(map(str, s['rps_each'])):>17} "
               f"{fmt(s['p50_ms'], '7.2f')} {fmt(s['p99_ms'], '7.2f')} "
               f"{fmt(s['statements_per_request'], '9.2f')} {fmt(s['commits_per_request'], '11.2f')} "
+              f"{fmt(s['server_cpu_us_per_request'], '10.1f')} {fmt(s['db_cpu_us_per_request'], '9.1f')} "
               f"{fmt(s['foreign_cpu_pct'], '10.1f')}% {s['errors']:>6}")
     print()
     print(f"{'ratio (req/s)':<40} {'value':>6} {'per round':>16} {'target':>7}")

@@ -10,30 +10,31 @@ use actix_web::http::{header, Method, StatusCode};
 use actix_web::{test, web, App, HttpResponse};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use idempotency_actix::key::parse_key;
-use idempotency_actix::store::{CachedStore, MemoryStore};
+use idempotency_actix::store::{CachedStore, MemoryStore, ReservationToken};
 use idempotency_actix::{Fingerprint, Idempotency};
 
 /// A JSON document of about `target` bytes: an order with line items, keys in no sorted order
 /// so canonicalisation has work to do.
 fn json_body(target: usize) -> Vec<u8> {
-    let mut items = Vec::new();
-    let mut i = 0u64;
-    loop {
+    let doc = |items: usize| {
+        let items: Vec<_> = (0..items)
+            .map(|i| {
+                serde_json::json!({
+                    "sku": format!("SKU-{i:06}"), "qty": i % 7 + 1, "price": 1999,
+                    "name": "A reasonably named product", "tags": ["a", "b"],
+                })
+            })
+            .collect();
         let doc = serde_json::json!({
-            "merchant": "m_4242", "currency": "EUR", "amount": 1000 + i,
+            "merchant": "m_4242", "currency": "EUR", "amount": 1000,
             "metadata": {"order": "o-1893", "channel": "web"},
             "items": items,
         });
-        let bytes = serde_json::to_vec(&doc).unwrap_or_default();
-        if bytes.len() >= target || i > 100_000 {
-            return bytes;
-        }
-        items.push(serde_json::json!({
-            "sku": format!("SKU-{i:06}"), "qty": i % 7 + 1, "price": 1999,
-            "name": "A reasonably named product", "tags": ["a", "b"],
-        }));
-        i += 1;
-    }
+        serde_json::to_vec(&doc).unwrap_or_default()
+    };
+    let empty = doc(0).len();
+    let per_item = doc(1).len() - empty;
+    doc(target.saturating_sub(empty) / per_item)
 }
 
 /// `len` pseudo-random bytes (xorshift; no dependency needed).
@@ -59,6 +60,12 @@ fn keys(c: &mut Criterion) {
     group.bench_function("parse_sf_string_36B", |b| {
         b.iter(|| parse_key(black_box(sf), 255))
     });
+    group.finish();
+}
+
+fn tokens(c: &mut Criterion) {
+    let mut group = c.benchmark_group("store");
+    group.bench_function("reservation_token", |b| b.iter(ReservationToken::random));
     group.finish();
 }
 
@@ -196,6 +203,6 @@ criterion_group! {
     config = Criterion::default()
         .warm_up_time(Duration::from_secs(1))
         .measurement_time(Duration::from_secs(3));
-    targets = keys, fingerprints, requests
+    targets = keys, tokens, fingerprints, requests
 }
 criterion_main!(benches);

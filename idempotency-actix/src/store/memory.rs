@@ -123,6 +123,14 @@ struct Inner {
     earliest_expiry: Option<Instant>,
 }
 
+/// What `reserve` found for a scope, decided under the lock.
+enum Found {
+    Completed(Fingerprint, Arc<StoredResponse>, Duration),
+    InFlight(Fingerprint, Duration),
+    TakeOver,
+    Absent,
+}
+
 struct Record {
     fingerprint: Fingerprint,
     generation: u64,
@@ -135,7 +143,8 @@ enum State {
         lease_until: Instant,
     },
     Completed {
-        response: StoredResponse,
+        /// Shared so a replay copies it after the lock is released.
+        response: Arc<StoredResponse>,
         expires_at: Instant,
     },
 }
@@ -214,8 +223,13 @@ impl Inner {
         (before - self.records.len()) as u64
     }
 
-    /// Make room for one new record, or fail if only reservations are left.
-    fn make_room(&mut self, now: Instant) -> Result<(), StoreError> {
+    /// Make room for one new record, or fail if only reservations are left. Evicted records
+    /// go to `evicted`, so the caller can free them after releasing the lock.
+    fn make_room(
+        &mut self,
+        now: Instant,
+        evicted: &mut Vec<(Arc<Scope>, Record)>,
+    ) -> Result<(), StoreError> {
         if self.records.len() < self.max_entries {
             return Ok(());
         }
@@ -233,7 +247,7 @@ impl Inner {
                 .get(&scope)
                 .is_some_and(|r| r.generation == generation)
             {
-                self.records.remove(&scope);
+                evicted.extend(self.records.remove_entry(&scope));
             }
         }
         Ok(())
@@ -258,49 +272,75 @@ impl IdempotencyStore for MemoryStore {
         fingerprint: &Fingerprint,
         lease: Duration,
     ) -> Result<(ReserveOutcome, Option<Duration>), StoreError> {
-        let now = Instant::now();
-        let mut inner = self.lock();
-        inner.sweep_front(now);
-        let generation = inner.generation();
-        let token = match inner.records.get_mut(scope) {
-            Some(record) => match &record.state {
-                State::Completed {
-                    response,
-                    expires_at,
-                } if *expires_at > now => {
+        // What a new reservation needs (its token, the map's copy of the scope) is made
+        // outside the lock: a token costs a getrandom(2) call. The first pass finds out whether
+        // they are needed; if so, the second pass decides again under the lock, with them.
+        let mut prepared: Option<(ReservationToken, Arc<Scope>)> = None;
+        let mut evicted = Vec::new();
+        loop {
+            let now = Instant::now();
+            let mut inner = self.lock();
+            inner.sweep_front(now);
+            let found = match inner.records.get(scope) {
+                Some(record) => match &record.state {
+                    State::Completed {
+                        response,
+                        expires_at,
+                    } if *expires_at > now => Found::Completed(
+                        record.fingerprint,
+                        Arc::clone(response),
+                        *expires_at - now,
+                    ),
+                    State::InFlight { lease_until, .. }
+                        if *lease_until > now || record.fingerprint != *fingerprint =>
+                    {
+                        Found::InFlight(
+                            record.fingerprint,
+                            lease_until.saturating_duration_since(now),
+                        )
+                    }
+                    // Expired completed record (absent), or a dead holder's lease on the same
+                    // request.
+                    _ => Found::TakeOver,
+                },
+                None => Found::Absent,
+            };
+            match found {
+                Found::Completed(fingerprint, response, remaining) => {
+                    drop(inner);
                     let completed = ReserveOutcome::Completed {
-                        fingerprint: record.fingerprint,
-                        response: response.clone(),
+                        fingerprint,
+                        response: StoredResponse::clone(&response),
                     };
-                    return Ok((completed, Some(*expires_at - now)));
+                    return Ok((completed, Some(remaining)));
                 }
-                State::InFlight { lease_until, .. }
-                    if *lease_until > now || record.fingerprint != *fingerprint =>
-                {
+                Found::InFlight(fingerprint, lease_remaining) => {
                     let in_flight = ReserveOutcome::InFlight {
-                        fingerprint: record.fingerprint,
-                        lease_remaining: lease_until.saturating_duration_since(now),
+                        fingerprint,
+                        lease_remaining,
                     };
                     return Ok((in_flight, None));
                 }
-                // Expired completed record (absent), or a dead holder's lease on the same request.
-                _ => {
-                    let token = ReservationToken::random();
-                    *record = Record::in_flight(*fingerprint, generation, token, now + lease);
-                    inner.note_expiry(now + lease);
-                    token
-                }
-            },
-            None => {
-                inner.make_room(now)?;
-                let token = ReservationToken::random();
-                let record = Record::in_flight(*fingerprint, generation, token, now + lease);
-                inner.note_expiry(now + lease);
-                inner.records.insert(Arc::new(scope.clone()), record);
-                token
+                Found::TakeOver | Found::Absent => {}
             }
-        };
-        Ok((ReserveOutcome::Reserved { token }, None))
+            let Some((token, key)) = prepared.take() else {
+                drop(inner);
+                prepared = Some((ReservationToken::random(), Arc::new(scope.clone())));
+                continue;
+            };
+            let generation = inner.generation();
+            let record = Record::in_flight(*fingerprint, generation, token, now + lease);
+            if let Found::Absent = found {
+                inner.make_room(now, &mut evicted)?;
+                inner.records.insert(key, record);
+            } else if let Some(existing) = inner.records.get_mut(scope) {
+                *existing = record;
+            }
+            inner.note_expiry(now + lease);
+            drop(inner);
+            drop(evicted);
+            return Ok((ReserveOutcome::Reserved { token }, None));
+        }
     }
 
     async fn complete(
@@ -310,6 +350,8 @@ impl IdempotencyStore for MemoryStore {
         response: &StoredResponse,
         ttl: Duration,
     ) -> Result<WriteOutcome, StoreError> {
+        // Copied before taking the lock (wasted only when the write turns out stale).
+        let response = Arc::new(response.clone());
         let now = Instant::now();
         let mut inner = self.lock();
         let generation = inner.generation();
@@ -324,7 +366,7 @@ impl IdempotencyStore for MemoryStore {
         if let Some(record) = inner.records.get_mut(scope) {
             record.generation = generation;
             record.state = State::Completed {
-                response: response.clone(),
+                response,
                 expires_at,
             };
         }

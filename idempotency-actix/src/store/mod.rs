@@ -162,9 +162,33 @@ pub struct Scope {
 pub struct ReservationToken(uuid::Uuid);
 
 impl ReservationToken {
-    /// A fresh random token (122 random bits, UUID v4).
+    /// A fresh, unpredictable token in UUID v4 form (122 bits).
+    ///
+    /// The bits are SHA-256 of a 256-bit process secret (drawn once from the operating
+    /// system's random source) and a per-process counter: distinct for every call, and
+    /// unguessable without the secret, like OS randomness, but without a `getrandom(2)` system
+    /// call per token (which cost more than the rest of a memory-store reservation).
     pub fn random() -> Self {
-        Self(uuid::Uuid::new_v4())
+        use sha2::{Digest, Sha256};
+        use std::sync::atomic::{AtomicU64, Ordering};
+        use std::sync::OnceLock;
+
+        static SECRET: OnceLock<[u8; 32]> = OnceLock::new();
+        static COUNTER: AtomicU64 = AtomicU64::new(0);
+        let secret = SECRET.get_or_init(|| {
+            let mut secret = [0u8; 32];
+            secret[..16].copy_from_slice(uuid::Uuid::new_v4().as_bytes());
+            secret[16..].copy_from_slice(uuid::Uuid::new_v4().as_bytes());
+            secret
+        });
+        let count = COUNTER.fetch_add(1, Ordering::Relaxed);
+        let digest = Sha256::new()
+            .chain_update(secret)
+            .chain_update(count.to_le_bytes())
+            .finalize();
+        let mut bytes = [0u8; 16];
+        bytes.copy_from_slice(&digest[..16]);
+        Self(uuid::Builder::from_random_bytes(bytes).into_uuid())
     }
 
     /// The token as a UUID, for stores that persist it.
