@@ -151,11 +151,8 @@ impl ConnectTarget {
     pub(crate) async fn connect(&self) -> Result<AsyncPgConnection, ConnectionError> {
         match &self.tls {
             None => {
-                let (client, connection) = self
-                    .config
-                    .connect(NoTls)
-                    .await
-                    .map_err(connect_error)?;
+                let (client, connection) =
+                    self.config.connect(NoTls).await.map_err(connect_error)?;
                 AsyncPgConnection::try_from_client_and_connection(client, connection).await
             }
             Some(tls) => {
@@ -428,6 +425,19 @@ impl ServerCertVerifier for ChainOnly {
     }
 }
 
+/// tokio-postgres displays only "db error" or "error connecting to server"; the reason (wrong
+/// password, unknown database, refused) is in the source chain, which operators need to see.
+fn connect_error(error: tokio_postgres::Error) -> ConnectionError {
+    let mut message = error.to_string();
+    let mut source = std::error::Error::source(&error);
+    while let Some(cause) = source {
+        message.push_str(": ");
+        message.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    ConnectionError::BadConnection(message)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -484,17 +494,4 @@ mod tests {
             Some("-c search_path=x -c statement_timeout=5000")
         );
     }
-}
-
-/// tokio-postgres displays only "db error" or "error connecting to server"; the reason (wrong
-/// password, unknown database, refused) is in the source chain, which operators need to see.
-fn connect_error(error: tokio_postgres::Error) -> ConnectionError {
-    let mut message = error.to_string();
-    let mut source = std::error::Error::source(&error);
-    while let Some(cause) = source {
-        message.push_str(": ");
-        message.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    ConnectionError::BadConnection(message)
 }
