@@ -182,8 +182,11 @@ impl ReservationToken {
             secret
         });
         let count = COUNTER.fetch_add(1, Ordering::Relaxed);
+        // The process id keeps a forked child (which inherits secret and counter) from
+        // repeating its parent's tokens.
         let digest = Sha256::new()
             .chain_update(secret)
+            .chain_update(std::process::id().to_le_bytes())
             .chain_update(count.to_le_bytes())
             .finalize();
         let mut bytes = [0u8; 16];
