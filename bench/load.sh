@@ -124,6 +124,23 @@ psql "$ADMIN_URL" -XAtq -c 'DROP DATABASE IF EXISTS idem_bench WITH (FORCE)' -c 
 DB_CREATED=1
 "$SERVER" migrate --database-url "$DB_URL"
 psql "$DB_URL" -XAtq -c 'CREATE EXTENSION IF NOT EXISTS pg_stat_statements' >/dev/null 2>&1 || log "pg_stat_statements is not available: no statement counts"
+# For the pgbench-fn-replay case only: the read half of a read-first reserve function.
+psql "$DB_URL" -XAtq >/dev/null <<'SQL'
+CREATE FUNCTION bench_reserve_read_first(p_tenant text, p_method text, p_path text, p_key text,
+                                         p_fingerprint bytea, p_token uuid, p_lease_us bigint)
+RETURNS TABLE (state text, fingerprint bytea, expires_at timestamptz, response_status smallint,
+               response_headers bytea, response_body bytea)
+LANGUAGE plpgsql AS $fn$
+BEGIN
+  RETURN QUERY SELECT k.state, k.fingerprint, k.expires_at, k.response_status, k.response_headers,
+                      k.response_body
+    FROM idempotency_keys k
+    WHERE (k.tenant, k.method, k.path, k.idempotency_key) = (p_tenant, p_method, p_path, p_key)
+      AND k.expires_at > now();
+  -- A real function would go on here (no live row: INSERT ... ON CONFLICT, or take over).
+END
+$fn$;
+SQL
 SETTINGS=$(psql "$DB_URL" -XAtq -F ' ' -c "SELECT string_agg(name || '=' || setting, ', ') FROM pg_settings WHERE name IN ('synchronous_commit','fsync','shared_buffers','server_version')")
 log "database: $SETTINGS"
 PSQL_ARGS="psql $DB_URL"
@@ -157,7 +174,7 @@ ALL_SERVER_PIDS="${PIDS[*]}"
 # name|server|script|uses the database
 CASES_ALL="bare-miss|bare|miss bare-replay|bare|replay memory-miss|memory|miss memory-replay|memory|replay \
 postgres-miss|postgres|miss postgres-replay|postgres|replay raw-miss|raw|miss raw-replay|raw|replay \
-pgbench-miss|-|miss pgbench-replay|-|replay pgbench-store-replay|-|store_replay \
+pgbench-miss|-|miss pgbench-replay|-|replay pgbench-store-replay|-|store_replay pgbench-fn-replay|-|fn_replay \
 postgres-cached-replay|postgres-cached|replay \
 postgres-async-miss|postgres-async|miss"
 SELECTED=${BENCH_CASES:-}
@@ -198,6 +215,39 @@ for run in $(seq 1 "$RUNS"); do
   done
 done
 
+# --- purge -----------------------------------------------------------------------------------
+# 1,000,000 expired completed rows, `idem-cli purge` with its defaults, while keyed traffic (the
+# miss path, one wrk thread, 16 connections) runs against the PostgreSQL server. The same
+# traffic without a purge first, as the baseline. BENCH_PURGE_ROWS (1000000), BENCH_PURGE=0 skips.
+PURGE_JSON="{}"
+if [ "${BENCH_PURGE:-1}" != 0 ] && [ -z "$SELECTED" ]; then
+  ROWS=${BENCH_PURGE_ROWS:-1000000}
+  log "purge: building idem-cli (release)"
+  cargo build --release -q -p idempotency-cli
+  log "purge: inserting $ROWS expired rows"
+  psql "$DB_URL" -XAtq -c "INSERT INTO idempotency_keys (tenant, method, path, idempotency_key, fingerprint, state, \
+      response_status, response_headers, response_body, created_at, completed_at, expires_at) \
+    SELECT 'purge-bench', 'POST', '/payments', 'old-' || g, decode(repeat('42', 32), 'hex'), 'completed', 201, \
+      decode('0100000002000000086c6f636174696f6e0000000b2f7061796d656e74732f310000000c636f6e74656e742d74797065000000106170706c69636174696f6e2f6a736f6e', 'hex'), convert_to('{\"id\":1,\"amount\":1000,\"currency\":\"EUR\",\"status\":\"succeeded\"}', 'UTF8'), \
+      now() - interval '2 days' + g * interval '1 millisecond', now() - interval '2 days', \
+      now() - interval '1 day' + g * interval '1 millisecond' \
+    FROM generate_series(1, $ROWS) g" -c "VACUUM ANALYZE idempotency_keys" >/dev/null
+  TRAFFIC=(wrk -t1 -c16 --latency -s bench/miss.lua "http://127.0.0.1:${PORT[postgres]}")
+  BASE=$("${TRAFFIC[@]}" -d"${DURATION}s" -- "purge-base-$STAMP" | grep '^JSON ' | cut -c6-)
+  log "purge: baseline traffic $BASE"
+  "${TRAFFIC[@]}" -d120s -- "purge-during-$STAMP" >"$WORK/purge-traffic.out" &
+  WRK_PID=$!
+  PIDS+=("$WRK_PID")
+  sleep 1
+  PURGE_OUT=$("$TARGET_DIR/release/idem-cli" --database-url "$DB_URL" --format json purge)
+  kill -INT "$WRK_PID" 2>/dev/null || true
+  wait "$WRK_PID" 2>/dev/null || true
+  DURING=$(grep '^JSON ' "$WORK/purge-traffic.out" | cut -c6-)
+  log "purge: $PURGE_OUT"
+  log "purge: traffic during the purge $DURING"
+  PURGE_JSON=$(python3 -c 'import json,sys; print(json.dumps({"rows_inserted": int(sys.argv[1]), "purge": json.loads(sys.argv[2]), "traffic_baseline": json.loads(sys.argv[3] or "{}"), "traffic_during_purge": json.loads(sys.argv[4] or "{}")}))' "$ROWS" "$PURGE_OUT" "$BASE" "$DURING")
+fi
+
 # --- memory ----------------------------------------------------------------------------------
 HWM="{"
 for name in bare memory postgres postgres-cached postgres-async raw; do
@@ -214,4 +264,4 @@ python3 bench/report.py "$RESULTS" "$OUT/load-$STAMP.json" \
     stamp "$STAMP" duration_s "$DURATION" runs "$RUNS" wrk "-t$THREADS -c$CONNECTIONS" pool "$POOL" \
     workers "$WORKERS" cores "$CORES" load_at_start "$LOAD_START" load_measuring "$LOAD_BEFORE" \
     load_end "$LOAD_END" database "$SETTINGS" note "$STORE_LEN_NOTE")" \
-  --hwm "$HWM" --footprint "$FOOTPRINT"
+  --hwm "$HWM" --footprint "$FOOTPRINT" --purge "$PURGE_JSON"

@@ -19,6 +19,7 @@ RATIOS = [
     ("(4) raw miss / pgbench", "raw-miss", "pgbench-miss", None),
     ("(4) raw replay / pgbench", "raw-replay", "pgbench-replay", None),
     ("(5) pgbench: store's reserve / plain SELECT", "pgbench-store-replay", "pgbench-replay", None),
+    ("(5) pgbench: read-first function / plain SELECT", "pgbench-fn-replay", "pgbench-replay", None),
     ("cached postgres replay / bare", "postgres-cached-replay", "bare-replay", 0.80),
     ("postgres miss, sync commit off / on", "postgres-async-miss", "postgres-miss", None),
 ]
@@ -26,7 +27,7 @@ RATIOS = [
 ORDER = [
     "bare-miss", "bare-replay", "memory-miss", "memory-replay", "postgres-miss",
     "postgres-replay", "postgres-cached-replay", "postgres-async-miss", "raw-miss",
-    "raw-replay", "pgbench-miss", "pgbench-replay", "pgbench-store-replay",
+    "raw-replay", "pgbench-miss", "pgbench-replay", "pgbench-store-replay", "pgbench-fn-replay",
 ]
 
 
@@ -102,11 +103,19 @@ def main():
     if footprint:
         print(f"memory store: {footprint['bytes_per_record']} bytes per stored record "
               f"({footprint['records']} records with a {footprint['response_bytes']}-byte response)")
+    purge = json.loads(opts.get("--purge", "{}"))
+    if purge.get("purge"):
+        p = purge["purge"]
+        base, during = purge.get("traffic_baseline", {}), purge.get("traffic_during_purge", {})
+        print(f"purge: {json.dumps(p)}")
+        print(f"keyed traffic (wrk -t1 -c16, miss path): baseline {base.get('rps', 0):.0f} req/s, "
+              f"p99 {base.get('p99_ms', 0):.2f} ms; during the purge {during.get('rps', 0):.0f} req/s, "
+              f"p99 {during.get('p99_ms', 0):.2f} ms, max {during.get('max_ms', 0):.2f} ms")
     print("machine: " + ", ".join(f"{k}={v}" for k, v in meta.items()))
 
     with open(out_path, "w") as f:
         json.dump({"meta": meta, "cases": summary, "ratios": ratios, "peak_rss_kib": hwm,
-                   "memory_store_footprint": footprint, "runs": rows}, f, indent=2)
+                   "memory_store_footprint": footprint, "purge": purge, "runs": rows}, f, indent=2)
     print(f"written: {out_path}")
 
 

@@ -3,6 +3,7 @@
 //! ```text
 //! bench_server serve --mode bare|memory|memory-cached|postgres|postgres-cached|raw \
 //!     [--addr 127.0.0.1:18080] [--workers 2] [--database-url URL] [--pool 16] [--sync-commit off]
+//!     [--max-entries 100000]
 //! bench_server footprint [--records 100000]
 //! bench_server migrate --database-url URL
 //! ```
@@ -80,6 +81,7 @@ struct Args {
     pool: u32,
     sync_commit: bool,
     records: usize,
+    max_entries: usize,
 }
 
 fn parse_args() -> Result<(String, Args), String> {
@@ -93,6 +95,7 @@ fn parse_args() -> Result<(String, Args), String> {
         pool: 16,
         sync_commit: true,
         records: 100_000,
+        max_entries: 100_000,
     };
     while let Some(flag) = argv.next() {
         let mut value = || argv.next().ok_or(format!("{flag} needs a value"));
@@ -104,6 +107,7 @@ fn parse_args() -> Result<(String, Args), String> {
             "--pool" => args.pool = value()?.parse().map_err(|e| format!("{e}"))?,
             "--sync-commit" => args.sync_commit = value()? != "off",
             "--records" => args.records = value()?.parse().map_err(|e| format!("{e}"))?,
+            "--max-entries" => args.max_entries = value()?.parse().map_err(|e| format!("{e}"))?,
             other => return Err(format!("unknown argument {other}")),
         }
     }
@@ -167,7 +171,10 @@ async fn serve(args: Args) -> std::io::Result<()> {
                 .run()
                 .await
         }
-        "memory" => serve_with_store!(args, MemoryStore::new()),
+        "memory" => serve_with_store!(
+            args,
+            MemoryStore::builder().max_entries(args.max_entries).build()
+        ),
         "memory-cached" => serve_with_store!(args, CachedStore::new(MemoryStore::new())),
         "postgres" => serve_with_store!(args, postgres_store(&args).await?),
         "postgres-cached" => {
