@@ -1,5 +1,6 @@
 //! [`MemoryStore`]: records in this process's memory.
 
+use std::collections::hash_map::Entry;
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -123,9 +124,37 @@ struct Inner {
     earliest_expiry: Option<Instant>,
 }
 
+/// A stored response as kept in memory: its headers encoded with
+/// [`StoredResponse::encode_headers`], so a record costs two allocations instead of one per
+/// header name and value.
+struct Compact {
+    status: u16,
+    headers: Vec<u8>,
+    body: bytes::Bytes,
+}
+
+impl Compact {
+    fn new(response: &StoredResponse) -> Self {
+        Self {
+            status: response.status,
+            headers: response.encode_headers(),
+            body: response.body.clone(),
+        }
+    }
+
+    fn expand(&self) -> Result<StoredResponse, StoreError> {
+        Ok(StoredResponse {
+            status: self.status,
+            headers: StoredResponse::decode_headers(&self.headers)
+                .map_err(|e| StoreError::Backend(Box::new(e)))?,
+            body: self.body.clone(),
+        })
+    }
+}
+
 /// What `reserve` found for a scope, decided under the lock.
 enum Found {
-    Completed(Fingerprint, Arc<StoredResponse>, Duration),
+    Completed(Fingerprint, Arc<Compact>, Duration),
     InFlight(Fingerprint, Duration),
     TakeOver,
     Absent,
@@ -143,8 +172,9 @@ enum State {
         lease_until: Instant,
     },
     Completed {
-        /// Shared so a replay copies it after the lock is released.
-        response: Arc<StoredResponse>,
+        /// The response in one allocation (status, encoded headers, body), shared so a replay
+        /// decodes it after the lock is released.
+        response: Arc<Compact>,
         expires_at: Instant,
     },
 }
@@ -242,12 +272,10 @@ impl Inner {
             let Some((_, scope, generation)) = self.completion_order.pop_front() else {
                 return Err(StoreError::Capacity(self.max_entries));
             };
-            if self
-                .records
-                .get(&scope)
-                .is_some_and(|r| r.generation == generation)
-            {
-                evicted.extend(self.records.remove_entry(&scope));
+            if let Entry::Occupied(entry) = self.records.entry(scope) {
+                if entry.get().generation == generation {
+                    evicted.push(entry.remove_entry());
+                }
             }
         }
         Ok(())
@@ -272,75 +300,63 @@ impl IdempotencyStore for MemoryStore {
         fingerprint: &Fingerprint,
         lease: Duration,
     ) -> Result<(ReserveOutcome, Option<Duration>), StoreError> {
-        // What a new reservation needs (its token, the map's copy of the scope) is made
-        // outside the lock: a token costs a getrandom(2) call. The first pass finds out whether
-        // they are needed; if so, the second pass decides again under the lock, with them.
-        let mut prepared: Option<(ReservationToken, Arc<Scope>)> = None;
         let mut evicted = Vec::new();
-        loop {
-            let now = Instant::now();
-            let mut inner = self.lock();
-            inner.sweep_front(now);
-            let found = match inner.records.get(scope) {
-                Some(record) => match &record.state {
-                    State::Completed {
-                        response,
-                        expires_at,
-                    } if *expires_at > now => Found::Completed(
+        let now = Instant::now();
+        let mut inner = self.lock();
+        inner.sweep_front(now);
+        let found = match inner.records.get(scope) {
+            Some(record) => match &record.state {
+                State::Completed {
+                    response,
+                    expires_at,
+                } if *expires_at > now => {
+                    Found::Completed(record.fingerprint, Arc::clone(response), *expires_at - now)
+                }
+                State::InFlight { lease_until, .. }
+                    if *lease_until > now || record.fingerprint != *fingerprint =>
+                {
+                    Found::InFlight(
                         record.fingerprint,
-                        Arc::clone(response),
-                        *expires_at - now,
-                    ),
-                    State::InFlight { lease_until, .. }
-                        if *lease_until > now || record.fingerprint != *fingerprint =>
-                    {
-                        Found::InFlight(
-                            record.fingerprint,
-                            lease_until.saturating_duration_since(now),
-                        )
-                    }
-                    // Expired completed record (absent), or a dead holder's lease on the same
-                    // request.
-                    _ => Found::TakeOver,
-                },
-                None => Found::Absent,
-            };
-            match found {
-                Found::Completed(fingerprint, response, remaining) => {
-                    drop(inner);
-                    let completed = ReserveOutcome::Completed {
-                        fingerprint,
-                        response: StoredResponse::clone(&response),
-                    };
-                    return Ok((completed, Some(remaining)));
+                        lease_until.saturating_duration_since(now),
+                    )
                 }
-                Found::InFlight(fingerprint, lease_remaining) => {
-                    let in_flight = ReserveOutcome::InFlight {
-                        fingerprint,
-                        lease_remaining,
-                    };
-                    return Ok((in_flight, None));
-                }
-                Found::TakeOver | Found::Absent => {}
-            }
-            let Some((token, key)) = prepared.take() else {
+                // Expired completed record (absent), or a dead holder's lease on the same
+                // request.
+                _ => Found::TakeOver,
+            },
+            None => Found::Absent,
+        };
+        match found {
+            Found::Completed(fingerprint, response, remaining) => {
                 drop(inner);
-                prepared = Some((ReservationToken::random(), Arc::new(scope.clone())));
-                continue;
-            };
-            let generation = inner.generation();
-            let record = Record::in_flight(*fingerprint, generation, token, now + lease);
-            if let Found::Absent = found {
-                inner.make_room(now, &mut evicted)?;
-                inner.records.insert(key, record);
-            } else if let Some(existing) = inner.records.get_mut(scope) {
-                *existing = record;
+                let completed = ReserveOutcome::Completed {
+                    fingerprint,
+                    response: response.expand()?,
+                };
+                return Ok((completed, Some(remaining)));
             }
-            inner.note_expiry(now + lease);
-            drop(inner);
-            drop(evicted);
-            return Ok((ReserveOutcome::Reserved { token }, None));
+            Found::InFlight(fingerprint, lease_remaining) => {
+                let in_flight = ReserveOutcome::InFlight {
+                    fingerprint,
+                    lease_remaining,
+                };
+                return Ok((in_flight, None));
+            }
+            Found::TakeOver | Found::Absent => {}
         }
+        let token = ReservationToken::random();
+        let generation = inner.generation();
+        let record = Record::in_flight(*fingerprint, generation, token, now + lease);
+        if let Found::Absent = found {
+            inner.make_room(now, &mut evicted)?;
+            inner.records.insert(Arc::new(scope.clone()), record);
+        } else if let Some(existing) = inner.records.get_mut(scope) {
+            *existing = record;
+        }
+        inner.note_expiry(now + lease);
+        drop(inner);
+        drop(evicted);
+        Ok((ReserveOutcome::Reserved { token }, None))
     }
 
     async fn complete(
@@ -351,7 +367,7 @@ impl IdempotencyStore for MemoryStore {
         ttl: Duration,
     ) -> Result<WriteOutcome, StoreError> {
         // Copied before taking the lock (wasted only when the write turns out stale).
-        let response = Arc::new(response.clone());
+        let response = Arc::new(Compact::new(response));
         let now = Instant::now();
         let mut inner = self.lock();
         let generation = inner.generation();
