@@ -140,7 +140,7 @@ def main():
             "SELECT coalesce(sum(calls), 0), "
             "coalesce(sum(calls) FILTER (WHERE query ILIKE 'select%' OR query ILIKE 'with%'), 0) "
             "FROM pg_stat_statements s JOIN pg_database d ON d.oid = s.dbid "
-            "WHERE d.datname = current_database() AND query ILIKE '%idempotency_keys%' "
+            "WHERE d.datname = current_database() AND (query ILIKE '%idempotency_keys%' OR query ILIKE '%bench_reserve%') "
             "AND query NOT ILIKE '%pg_stat%'",
         )
         commits1 = int(psql(psql_args, "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()") or 0)

@@ -113,6 +113,27 @@ def main():
               f"p99 {during.get('p99_ms', 0):.2f} ms, max {during.get('max_ms', 0):.2f} ms")
     print("machine: " + ", ".join(f"{k}={v}" for k, v in meta.items()))
 
+    md = [
+        "| case | req/s (mean) | req/s per round | p50 ms | p99 ms | statements/req | commits/req | app CPU µs/req | db CPU µs/req | foreign CPU |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for case in ORDER + sorted(set(summary) - set(ORDER)):
+        if case not in summary:
+            continue
+        s = summary[case]
+        md.append(f"| {case} | {fmt(s['rps'], '.0f')} | {' / '.join(map(str, s['rps_each']))} | "
+                  f"{fmt(s['p50_ms'], '.2f')} | {fmt(s['p99_ms'], '.2f')} | "
+                  f"{fmt(s['statements_per_request'], '.2f')} | {fmt(s['commits_per_request'], '.2f')} | "
+                  f"{fmt(s['server_cpu_us_per_request'], '.1f')} | {fmt(s['db_cpu_us_per_request'], '.1f')} | "
+                  f"{fmt(s['foreign_cpu_pct'], '.1f')} % |")
+    md += ["", "| ratio (req/s, same session) | value | per round | target | |", "|---|---:|---:|---:|---|"]
+    for r in ratios:
+        target = "" if r["target"] is None else f">= {r['target']:.2f}"
+        met = "" if r["met"] is None else ("met" if r["met"] else "**missed**")
+        md.append(f"| {r['ratio']} | {r['value']:.3f} | {' / '.join(map(str, r['per_round']))} | {target} | {met} |")
+    with open(out_path.replace(".json", ".md"), "w") as f:
+        f.write("\n".join(md) + "\n")
+
     with open(out_path, "w") as f:
         json.dump({"meta": meta, "cases": summary, "ratios": ratios, "peak_rss_kib": hwm,
                    "memory_store_footprint": footprint, "purge": purge, "runs": rows}, f, indent=2)
