@@ -144,9 +144,12 @@ def main():
             "AND query NOT ILIKE '%pg_stat%'",
         )
         commits1 = int(psql(psql_args, "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()") or 0)
-        calls, _reads = (int(x) for x in rows.split("|"))
         n = max(result["requests"], 1)
-        result["statements_per_request"] = round(calls / n, 3)
+        try:
+            calls, _reads = (int(x) for x in rows.split("|"))
+            result["statements_per_request"] = round(calls / n, 3)
+        except ValueError:  # pg_stat_statements is not loaded on this server
+            result["statements_per_request"] = None
         # The psql calls of this script commit too (about 4); negligible against n.
         result["commits_per_request"] = round((commits1 - commits0) / n, 3)
     print(json.dumps(result), flush=True)
