@@ -170,7 +170,12 @@ async fn binary_bodies_and_lease_remaining() {
         ReserveOutcome::Completed {
             fingerprint,
             response: stored,
+            expires_in,
         } => {
+            assert!(
+                expires_in.is_some(),
+                "PostgreSQL reports the time left with the record"
+            );
             assert_eq!(fingerprint, FP);
             assert_eq!(stored, response);
         }

@@ -14,7 +14,7 @@
 //!   them) cost the cache nothing, and the miss path is the wrapped store's, untouched.
 //!   Reservations and in-flight records are never cached.
 //! - An entry lives at most until the record expires: the time left that the wrapped store
-//!   reports with the record ([`IdempotencyStore::reserve_with_expiry`]; the PostgreSQL store
+//!   reports with the record (`expires_in` of [`ReserveOutcome::Completed`]; the PostgreSQL store
 //!   computes it with the database's clock in the same statement), counted from *before* the
 //!   call, so the entry always ends first. And at most [`CachedStoreBuilder::max_ttl`]
 //!   (default 60 s). A store that does not report the time left gets no entries: the wrapper
@@ -196,6 +196,7 @@ impl<S> CachedStore<S> {
         (entry.until > now).then(|| ReserveOutcome::Completed {
             fingerprint: entry.fingerprint,
             response: entry.response.clone(),
+            expires_in: Some(entry.until - now),
         })
     }
 
@@ -296,39 +297,23 @@ impl<S: IdempotencyStore> IdempotencyStore for CachedStore<S> {
         fingerprint: &Fingerprint,
         lease: Duration,
     ) -> Result<ReserveOutcome, StoreError> {
-        self.reserve_with_expiry(scope, fingerprint, lease)
-            .await
-            .map(|(outcome, _)| outcome)
-    }
-
-    async fn reserve_with_expiry(
-        &self,
-        scope: &Scope,
-        fingerprint: &Fingerprint,
-        lease: Duration,
-    ) -> Result<(ReserveOutcome, Option<Duration>), StoreError> {
         let start = Instant::now();
         if let Some(outcome) = self.lookup(scope, start) {
             // The entry ends before the record, so the record is live: the same answer the
             // wrapped store would give (including a fingerprint mismatch, which the middleware
             // turns into 422 as it would from the store's answer).
-            return Ok((outcome, None));
+            return Ok(outcome);
         }
-        let (outcome, remaining) = self
-            .inner
-            .reserve_with_expiry(scope, fingerprint, lease)
-            .await?;
-        if let (
-            ReserveOutcome::Completed {
-                fingerprint: stored,
-                response,
-            },
-            Some(remaining),
-        ) = (&outcome, remaining)
+        let outcome = self.inner.reserve(scope, fingerprint, lease).await?;
+        if let ReserveOutcome::Completed {
+            fingerprint: stored,
+            response,
+            expires_in: Some(remaining),
+        } = &outcome
         {
-            self.insert(scope, *stored, response, start, remaining);
+            self.insert(scope, *stored, response, start, *remaining);
         }
-        Ok((outcome, remaining))
+        Ok(outcome)
     }
 
     async fn complete(
@@ -378,21 +363,8 @@ mod tests {
             fingerprint: &Fingerprint,
             lease: Duration,
         ) -> Result<ReserveOutcome, StoreError> {
-            self.reserve_with_expiry(scope, fingerprint, lease)
-                .await
-                .map(|(o, _)| o)
-        }
-
-        async fn reserve_with_expiry(
-            &self,
-            scope: &Scope,
-            fingerprint: &Fingerprint,
-            lease: Duration,
-        ) -> Result<(ReserveOutcome, Option<Duration>), StoreError> {
             self.reserves.fetch_add(1, Ordering::SeqCst);
-            self.inner
-                .reserve_with_expiry(scope, fingerprint, lease)
-                .await
+            self.inner.reserve(scope, fingerprint, lease).await
         }
 
         async fn complete(
@@ -471,6 +443,7 @@ mod tests {
                 ReserveOutcome::Completed {
                     fingerprint,
                     response: r,
+                    ..
                 } => {
                     assert_eq!(fingerprint, FP);
                     assert_eq!(r, response());
@@ -561,7 +534,18 @@ mod tests {
                 fingerprint: &Fingerprint,
                 lease: Duration,
             ) -> Result<ReserveOutcome, StoreError> {
-                self.0.reserve(scope, fingerprint, lease).await
+                Ok(match self.0.reserve(scope, fingerprint, lease).await? {
+                    ReserveOutcome::Completed {
+                        fingerprint,
+                        response,
+                        ..
+                    } => ReserveOutcome::Completed {
+                        fingerprint,
+                        response,
+                        expires_in: None,
+                    },
+                    other => other,
+                })
             }
             async fn complete(
                 &self,

@@ -168,12 +168,19 @@ pub async fn complete_then_replay_returns_the_exact_response<S: IdempotencyStore
             ReserveOutcome::Completed {
                 fingerprint,
                 response,
+                expires_in,
             } => {
                 assert_eq!(
                     fingerprint, FP_A,
                     "Completed must report the original fingerprint"
                 );
                 assert_eq!(response, stored, "C6: the replay must be byte for byte");
+                if let Some(left) = expires_in {
+                    assert!(
+                        left <= TTL,
+                        "expires_in {left:?} cannot exceed what is left of the {TTL:?} TTL"
+                    );
+                }
             }
             other => panic!("C6: expected Completed, got {other:?}"),
         }

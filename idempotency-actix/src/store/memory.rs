@@ -289,17 +289,6 @@ impl IdempotencyStore for MemoryStore {
         fingerprint: &Fingerprint,
         lease: Duration,
     ) -> Result<ReserveOutcome, StoreError> {
-        self.reserve_with_expiry(scope, fingerprint, lease)
-            .await
-            .map(|(outcome, _)| outcome)
-    }
-
-    async fn reserve_with_expiry(
-        &self,
-        scope: &Scope,
-        fingerprint: &Fingerprint,
-        lease: Duration,
-    ) -> Result<(ReserveOutcome, Option<Duration>), StoreError> {
         let mut evicted = Vec::new();
         let now = Instant::now();
         let mut inner = self.lock();
@@ -332,15 +321,16 @@ impl IdempotencyStore for MemoryStore {
                 let completed = ReserveOutcome::Completed {
                     fingerprint,
                     response: response.expand()?,
+                    expires_in: Some(remaining),
                 };
-                return Ok((completed, Some(remaining)));
+                return Ok(completed);
             }
             Found::InFlight(fingerprint, lease_remaining) => {
                 let in_flight = ReserveOutcome::InFlight {
                     fingerprint,
                     lease_remaining,
                 };
-                return Ok((in_flight, None));
+                return Ok(in_flight);
             }
             Found::TakeOver | Found::Absent => {}
         }
@@ -356,7 +346,7 @@ impl IdempotencyStore for MemoryStore {
         inner.note_expiry(now + lease);
         drop(inner);
         drop(evicted);
-        Ok((ReserveOutcome::Reserved { token }, None))
+        Ok(ReserveOutcome::Reserved { token })
     }
 
     async fn complete(

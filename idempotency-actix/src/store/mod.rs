@@ -65,6 +65,7 @@
 //!                 Slot::Done { fingerprint: f, response, until } if *until > now => {
 //!                     return Ok(ReserveOutcome::Completed {
 //!                         fingerprint: *f, response: response.clone(),
+//!                         expires_in: Some(until.saturating_duration_since(now)),
 //!                     })
 //!                 }
 //!                 Slot::InFlight { fingerprint: f, until, .. } if *until > now || f != fingerprint => {
@@ -233,6 +234,10 @@ pub enum ReserveOutcome {
         fingerprint: Fingerprint,
         /// The response to replay.
         response: StoredResponse,
+        /// A time the record is sure to stay live for (at most what is left of its TTL), if
+        /// the store learns it in the same call; `None` otherwise. [`CachedStore`] uses it so
+        /// that it never keeps a record longer than the store does.
+        expires_in: Option<Duration>,
     },
 }
 
@@ -287,20 +292,6 @@ pub trait IdempotencyStore: Send + Sync + 'static {
         fingerprint: &Fingerprint,
         lease: Duration,
     ) -> impl Future<Output = Result<ReserveOutcome, StoreError>> + Send;
-
-    /// [`reserve`](Self::reserve), and for a [`ReserveOutcome::Completed`] record also how long
-    /// it has left before it expires, when the store can tell from the same call (`None`
-    /// otherwise, which is the default). [`CachedStore`] uses it so that it never keeps a record
-    /// longer than the store does; stores that learn the expiry in the same round trip should
-    /// override it. The middleware itself calls `reserve`.
-    fn reserve_with_expiry(
-        &self,
-        scope: &Scope,
-        fingerprint: &Fingerprint,
-        lease: Duration,
-    ) -> impl Future<Output = Result<(ReserveOutcome, Option<Duration>), StoreError>> + Send {
-        async move { Ok((self.reserve(scope, fingerprint, lease).await?, None)) }
-    }
 
     /// Store `response` for `scope`, keep it for `ttl`, if `token` still holds the reservation.
     fn complete(

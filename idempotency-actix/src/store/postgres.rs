@@ -464,7 +464,7 @@ impl PostgresStore {
         &self,
         conn: &mut AsyncPgConnection,
         query: &Reserve<'_>,
-    ) -> Result<Option<(ReserveOutcome, Option<Duration>)>, StoreError> {
+    ) -> Result<Option<ReserveOutcome>, StoreError> {
         let rows: Vec<ReserveRow> = match query.load(conn).await {
             Ok(rows) => rows,
             Err(e) => return Err(classify_query_error(conn, e).await),
@@ -475,7 +475,7 @@ impl PostgresStore {
         };
         if row.outcome == "reserved" {
             let token = ReservationToken::from_uuid(query.token);
-            return Ok(Some((ReserveOutcome::Reserved { token }, None)));
+            return Ok(Some(ReserveOutcome::Reserved { token }));
         }
         let fingerprint = row
             .fingerprint
@@ -509,16 +509,14 @@ impl PostgresStore {
                         headers,
                         body: Bytes::from(row.response_body.unwrap_or_default()),
                     },
+                    expires_in: Some(remaining),
                 };
-                Ok(Some((completed, Some(remaining))))
+                Ok(Some(completed))
             }
-            Some("in_flight") => Ok(Some((
-                ReserveOutcome::InFlight {
-                    fingerprint,
-                    lease_remaining: remaining,
-                },
-                None,
-            ))),
+            Some("in_flight") => Ok(Some(ReserveOutcome::InFlight {
+                fingerprint,
+                lease_remaining: remaining,
+            })),
             other => Err(corrupt(&format!("unknown state {other:?}"))),
         }
     }
@@ -552,17 +550,6 @@ impl IdempotencyStore for PostgresStore {
         fingerprint: &Fingerprint,
         lease: Duration,
     ) -> Result<ReserveOutcome, StoreError> {
-        self.reserve_with_expiry(scope, fingerprint, lease)
-            .await
-            .map(|(outcome, _)| outcome)
-    }
-
-    async fn reserve_with_expiry(
-        &self,
-        scope: &Scope,
-        fingerprint: &Fingerprint,
-        lease: Duration,
-    ) -> Result<(ReserveOutcome, Option<Duration>), StoreError> {
         let query = Reserve {
             scope: scope_binds(scope),
             fingerprint: fingerprint.as_bytes(),
