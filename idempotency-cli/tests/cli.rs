@@ -163,6 +163,11 @@ async fn migrate_twice_and_check_gates_deploys() {
         "{}",
         stdout(&out)
     );
+    assert!(
+        stdout(&out).contains("pending 2026-11-30-000002_reserve_function"),
+        "{}",
+        stdout(&out)
+    );
     assert!(stderr(&out).contains("pending"), "{}", stderr(&out));
 
     let out = idem(&db.url, &["migrate", "--check", "--format", "json"]);
@@ -191,7 +196,8 @@ async fn migrate_twice_and_check_gates_deploys() {
     expect_code(&out, 0);
     assert_eq!(
         stdout(&out),
-        "applied 2026-11-30-000001_create_idempotency_keys\n"
+        "applied 2026-11-30-000001_create_idempotency_keys\n\
+         applied 2026-11-30-000002_reserve_function\n"
     );
 
     let out = idem(&db.url, &["migrate"]);

@@ -280,6 +280,41 @@ async fn missing_table_is_not_provisioned_with_the_migrate_hint() {
     ));
 }
 
+/// A database migrated only to the first migration (the table, no `idempotency_reserve`):
+/// reserve answers the migrate hint, not an opaque "function does not exist".
+#[tokio::test]
+async fn missing_reserve_function_is_not_provisioned_with_the_migrate_hint() {
+    use diesel_async::SimpleAsyncConnection;
+    let db = TestDb::new().await;
+    let mut conn = postgres::establish(&db.url).await.unwrap();
+    conn.batch_execute(include_str!(
+        "../../migrations/2026-11-30-000002_reserve_function/down.sql"
+    ))
+    .await
+    .unwrap();
+    let store = PostgresStore::connect(&db.url).await.unwrap();
+    match store.reserve(&scope("k"), &FP, LEASE).await {
+        Err(StoreError::NotProvisioned { hint }) => {
+            assert!(hint.contains("idem-cli migrate"), "{hint}")
+        }
+        other => panic!("expected NotProvisioned, got {other:?}"),
+    }
+    assert!(matches!(
+        store.check().await,
+        Err(StoreError::NotProvisioned { .. })
+    ));
+    conn.batch_execute(include_str!(
+        "../../migrations/2026-11-30-000002_reserve_function/up.sql"
+    ))
+    .await
+    .unwrap();
+    store.check().await.unwrap();
+    assert!(matches!(
+        store.reserve(&scope("k"), &FP, LEASE).await.unwrap(),
+        ReserveOutcome::Reserved { .. }
+    ));
+}
+
 #[tokio::test]
 async fn unreachable_database_is_unavailable_within_the_connection_timeout() {
     // A port nobody listens on: bind, note, close.

@@ -9,8 +9,10 @@
 //! # Round trips
 //! Each store operation is one SQL statement and, once the connection has prepared it, one
 //! round trip:
-//! - `reserve`: reserve-or-fetch; the miss path inserts, the replay path is a plain index read
-//!   returning the stored response, an expired record is taken over, all in the same statement.
+//! - `reserve`: reserve-or-fetch, a call of the PL/pgSQL function `idempotency_reserve` (second
+//!   migration): it reads first, so the replay path is a plain index read returning the stored
+//!   response with no write; only a miss inserts and an expired record is taken over, all in
+//!   the same call.
 //! - `complete`: one UPDATE fenced by the reservation token.
 //! - `release`: one DELETE fenced by the token.
 //!
@@ -30,9 +32,10 @@
 //!
 //! # Faults
 //! Every failure is a [`StoreError`], which the middleware answers with 503 (fail closed):
-//! - table missing: [`StoreError::NotProvisioned`] with [`MIGRATE_HINT`] ("run `idem-cli
-//!   migrate`"), recognised with `to_regclass` rather than an error message (diesel-async does
-//!   not expose SQLSTATE 42P01); the store recovers once the table exists;
+//! - table or reserve function missing: [`StoreError::NotProvisioned`] with [`MIGRATE_HINT`]
+//!   ("run `idem-cli migrate`"), recognised with `to_regclass`/`to_regprocedure` rather than an
+//!   error message (diesel-async does not expose SQLSTATE 42P01/42883); the store recovers once
+//!   the schema exists;
 //! - no connection within the pool's connection timeout (default 2 s, not bb8's 30 s):
 //!   [`StoreError::Unavailable`], with the last connection error in the message;
 //! - a statement not answered within the query timeout (default 5 s):
@@ -84,10 +87,10 @@ pub const DEFAULT_QUERY_TIMEOUT: Duration = Duration::from_secs(5);
 /// [`IdempotencyStore::purge_expired`].
 pub const DEFAULT_PURGE_BATCH: u32 = 1000;
 
-/// How often `reserve` re-runs its statement after losing a race it could not see (a
-/// concurrent insert or takeover committed after the statement's snapshot). Each re-run takes
-/// a new snapshot that includes the winner, so one re-run almost always settles it; five is a
-/// bound against pathological churn, never a correctness device.
+/// How often `reserve` calls `idempotency_reserve` again when it answers `raced`. The function
+/// already resolves races itself (it re-reads after each lost write, in a bounded loop), so
+/// `raced` only means the key changed under every one of its attempts; this outer bound is
+/// against such pathological churn, never a correctness device.
 const RESERVE_ATTEMPTS: usize = 5;
 
 /// Longest duration sent to the database, so `now() + lease` can never overflow a timestamp
@@ -392,13 +395,14 @@ impl PostgresStore {
         &self.pool
     }
 
-    /// Readiness check: a connection can be had within the connection timeout and the table
-    /// exists. One round trip (`to_regclass`). Use it in a health endpoint or before taking
-    /// traffic; the store itself never needs it.
+    /// Readiness check: a connection can be had within the connection timeout, and the table
+    /// and the reserve function exist. One round trip (`to_regclass`, `to_regprocedure`). Use
+    /// it in a health endpoint or before taking traffic; the store itself never needs it.
     ///
     /// # Errors
     /// [`StoreError::Unavailable`] when no connection could be made,
-    /// [`StoreError::NotProvisioned`] (with [`MIGRATE_HINT`]) when the table is missing.
+    /// [`StoreError::NotProvisioned`] (with [`MIGRATE_HINT`]) when the table or function is
+    /// missing.
     pub async fn check(&self) -> Result<(), StoreError> {
         let mut conn = self.conn().await?;
         match self.timed(table_exists(&mut conn)).await? {
@@ -470,12 +474,18 @@ impl PostgresStore {
             Err(e) => return Err(classify_query_error(conn, e).await),
         };
         let Some(row) = rows.into_iter().next() else {
-            // A concurrent insert committed after our snapshot: ON CONFLICT skipped ours.
-            return Ok(None);
+            return Err(corrupt("idempotency_reserve returned no row"));
         };
-        if row.outcome == "reserved" {
-            let token = ReservationToken::from_uuid(query.token);
-            return Ok(Some(ReserveOutcome::Reserved { token }));
+        match row.outcome.as_str() {
+            "reserved" => {
+                let token = ReservationToken::from_uuid(query.token);
+                return Ok(Some(ReserveOutcome::Reserved { token }));
+            }
+            // The key changed under every one of the function's own attempts; nothing was
+            // written. The caller calls again.
+            "raced" => return Ok(None),
+            "existing" => {}
+            other => return Err(corrupt(&format!("unknown reserve outcome {other:?}"))),
         }
         let fingerprint = row
             .fingerprint
@@ -488,9 +498,8 @@ impl PostgresStore {
         let remaining =
             Duration::from_micros(u64::try_from(row.lease_remaining_us.unwrap_or(0)).unwrap_or(0));
         if !live && eligible {
-            // Ended and eligible for takeover, yet neither write happened: a concurrent
-            // takeover, release or purge changed the row after our snapshot.
-            return Ok(None);
+            // The function takes such a row over (or re-reads it) instead of returning it.
+            return Err(corrupt("ended, eligible row returned as existing"));
         }
         match row.state.as_deref() {
             Some("completed") => {

@@ -8,8 +8,10 @@
 //! [`DatabaseErrorKind`] for to `Unknown` and does not expose the code. Matching the English
 //! message would break under `lc_messages` in another language, so [`classify_query_error`]
 //! asks the database instead: on an `Unknown` error it runs
-//! `SELECT to_regclass('idempotency_keys') IS NOT NULL` on the same connection (the same
-//! `search_path` the failed statement used). Only errors cost that extra round trip.
+//! `SELECT to_regclass('idempotency_keys') IS NOT NULL AND to_regprocedure(...) IS NOT NULL`
+//! on the same connection (the same `search_path` the failed statement used), which also
+//! catches a database that lacks the second migration's `idempotency_reserve` function
+//! (SQLSTATE 42883). Only errors cost that extra round trip.
 
 use std::time::Duration;
 
@@ -22,9 +24,9 @@ use super::sql::TableExists;
 use crate::store::StoreError;
 
 /// The hint carried by [`StoreError::NotProvisioned`] when `idempotency_keys` is missing.
-pub const MIGRATE_HINT: &str = "the table `idempotency_keys` does not exist in this database; \
-     run `idem-cli migrate` (or call `idempotency_actix::store::postgres::run_migrations`) to \
-     create it";
+pub const MIGRATE_HINT: &str = "the table `idempotency_keys` (or the function \
+     `idempotency_reserve`) does not exist in this database; run `idem-cli migrate` (or call \
+     `idempotency_actix::store::postgres::run_migrations`) to create it";
 
 /// Classify a failed query without asking the database anything.
 ///

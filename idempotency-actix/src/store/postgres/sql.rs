@@ -9,8 +9,8 @@
 //! statement and how the round trips were counted.
 //!
 //! Every statement references each bind parameter once (`$1`..`$n` in order of appearance),
-//! because diesel numbers binds as they are pushed; the reserve statement reaches its
-//! parameters through a one-row `p` CTE for that reason.
+//! because diesel numbers binds as they are pushed; reserve passes them to a PL/pgSQL function
+//! (created by the second migration) in that order.
 //!
 //! All times come from the database (`now()`); durations travel as bigint microseconds.
 
@@ -60,8 +60,9 @@ pub(crate) struct ScopeBinds<'a> {
 // ---------------------------------------------------------------------------------------------
 // reserve-or-fetch
 
-/// Reserve-or-fetch in one statement. Binds: `$1..$4` scope, `$5` fingerprint, `$6` token,
-/// `$7` lease in microseconds.
+/// Reserve-or-fetch in one statement: a call of the PL/pgSQL function `idempotency_reserve`
+/// (migration `2026-11-30-000002_reserve_function`). Binds: `$1..$4` scope, `$5` fingerprint,
+/// `$6` token, `$7` lease in microseconds.
 pub(crate) struct Reserve<'a> {
     pub(crate) scope: ScopeBinds<'a>,
     pub(crate) fingerprint: &'a [u8],
@@ -71,99 +72,39 @@ pub(crate) struct Reserve<'a> {
 
 cached_statement!(Reserve, ReserveId);
 
-/// The reserve statement, in three parts around the scope binds and the rest.
+/// The reserve call, in two parts around the binds.
 ///
-/// How it works (all sub-statements see the same snapshot and the same `now()`):
-/// - `p` names the parameters once, so each bind is sent once. `NOT MATERIALIZED` makes
-///   PostgreSQL inline it (a one-row VALUES is pulled up into plain parameters), so every
-///   lookup below is a primary-key index condition on `$1..$4`, in custom and generic plans
-///   alike. (Materialized, the UPDATE's join against it was planned as a scan of the
-///   `expires_at` index over *every* expired row.)
-/// - `existing` reads the row by primary key: a plain index read, no lock. `live` says its
-///   lease/TTL has not ended; `eligible` says an ended row may be taken over (a completed row
-///   that expired counts as absent; an expired reservation only for the same fingerprint,
-///   i.e. a retry of the request whose holder died).
-/// - `taken` replaces an ended, eligible row with a fresh reservation. Its `EXISTS` guard is
-///   an uncorrelated InitPlan: when `existing` shows no ended eligible row (the replay and
-///   in-flight paths) PostgreSQL skips the UPDATE entirely (One-Time Filter), so those paths
-///   take no row lock and write nothing. The conditions on `k` are repeated because they are
-///   re-evaluated on the newest row version after waiting for a concurrent writer's lock
-///   (EvalPlanQual): if someone else took the row over first, `k.expires_at <= now()` is no
-///   longer true and nothing is updated.
-/// - `inserted` creates the reservation when there was no row at all. `ON CONFLICT DO
-///   NOTHING` makes a concurrent insert of the same key (committed after our snapshot) a
-///   no-op instead of an error.
-/// - The final SELECT returns `reserved` if either write happened, else the `existing` row.
+/// How it works (the function body is in `migrations/2026-11-30-000002_reserve_function/up.sql`,
+/// explained in `docs/sql.md`):
+/// - It reads first: a plain primary-key SELECT, no lock. A live completed row (replay), a live
+///   reservation, or an ended reservation of another fingerprint is returned as `existing`
+///   without any write. So the replay path costs one index read, where the CTE statement this
+///   replaces planned and initialised an UPDATE and an INSERT on every call.
+/// - Only then does it write: `INSERT ... ON CONFLICT DO NOTHING` for an absent key, or an
+///   UPDATE fenced by `expires_at <= now()` and `state = 'completed' OR fingerprint = $5` for an
+///   ended, eligible row. Each write is conditional on the row being absent/ended *under its
+///   lock* (the UPDATE's WHERE is re-evaluated on the newest row version after waiting for a
+///   concurrent writer, READ COMMITTED's EvalPlanQual), so at most one call can reserve a key.
+/// - A write that found nothing to do means a concurrent writer won; the function re-reads
+///   (each statement of a VOLATILE function in READ COMMITTED gets a fresh snapshot) and
+///   decides again, in a bounded loop. Only if the key changed under every attempt does it
+///   answer `raced` (nothing written); the caller then calls again.
 ///
-/// Zero rows, or an `existing` row that is ended and eligible, means a concurrent writer won
-/// a race this statement could not see; the caller re-runs the statement (a new snapshot),
-/// which can never produce two reservations because every write is conditional on the row
-/// still being absent/ended under its lock.
+/// The statement names its columns, so the row is loaded by name exactly as before. It is still
+/// one statement, prepared once per connection: one round trip per reserve.
 const RESERVE_SQL_HEAD: &str = "\
-WITH p AS NOT MATERIALIZED (
-    SELECT t.tenant, t.method, t.path, t.idempotency_key, t.fingerprint, t.token,
-           now() + t.lease_us * interval '1 microsecond' AS lease_end
-    FROM (VALUES (";
-// $1, $2, $3, $4 (scope), then:
-const RESERVE_SQL_MID: &str = ", ";
-const RESERVE_SQL_TAIL: &str =
-    ")) AS t(tenant, method, path, idempotency_key, fingerprint, token, lease_us)
-),
-existing AS MATERIALIZED (
-    SELECT k.state, k.fingerprint, k.expires_at, k.response_status, k.response_headers,
-           k.response_body,
-           k.expires_at > now() AS live,
-           (k.state = 'completed' OR k.fingerprint = p.fingerprint) AS eligible
-    FROM idempotency_keys k
-    JOIN p ON (k.tenant, k.method, k.path, k.idempotency_key)
-            = (p.tenant, p.method, p.path, p.idempotency_key)
-),
-taken AS (
-    UPDATE idempotency_keys k
-    SET fingerprint = p.fingerprint, state = 'in_flight', token = p.token,
-        locked_until = p.lease_end, expires_at = p.lease_end, created_at = now(),
-        completed_at = NULL, response_status = NULL, response_headers = NULL,
-        response_body = NULL
-    FROM p
-    WHERE (k.tenant, k.method, k.path, k.idempotency_key)
-          = (p.tenant, p.method, p.path, p.idempotency_key)
-      AND EXISTS (SELECT 1 FROM existing e WHERE NOT e.live AND e.eligible)
-      AND k.expires_at <= now()
-      AND (k.state = 'completed' OR k.fingerprint = p.fingerprint)
-    RETURNING 1
-),
-inserted AS (
-    INSERT INTO idempotency_keys
-        (tenant, method, path, idempotency_key, fingerprint, state, token, locked_until,
-         created_at, expires_at)
-    SELECT p.tenant, p.method, p.path, p.idempotency_key, p.fingerprint, 'in_flight', p.token,
-           p.lease_end, now(), p.lease_end
-    FROM p
-    WHERE NOT EXISTS (SELECT 1 FROM existing)
-    ON CONFLICT DO NOTHING
-    RETURNING 1
-)
-SELECT 'reserved'::text AS outcome, NULL::text AS state, NULL::bytea AS fingerprint,
-       NULL::bigint AS lease_remaining_us, NULL::smallint AS response_status,
-       NULL::bytea AS response_headers, NULL::bytea AS response_body,
-       NULL::boolean AS live, NULL::boolean AS eligible
-FROM taken
-UNION ALL
-SELECT 'reserved', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
-FROM inserted
-UNION ALL
-SELECT 'existing', e.state, e.fingerprint,
-       (extract(epoch FROM greatest(e.expires_at - now(), interval '0')) * 1000000)::bigint,
-       e.response_status, e.response_headers, e.response_body, e.live, e.eligible
-FROM existing e
-WHERE NOT EXISTS (SELECT 1 FROM taken) AND NOT EXISTS (SELECT 1 FROM inserted)";
+SELECT outcome, state, fingerprint, lease_remaining_us, response_status, response_headers,
+       response_body, live, eligible
+FROM idempotency_reserve(";
+// $1, $2, $3, $4 (scope), $5 fingerprint, $6 token, $7 lease_us, then:
+const RESERVE_SQL_TAIL: &str = ")";
 
 impl QueryFragment<Pg> for Reserve<'_> {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
         out.push_sql(RESERVE_SQL_HEAD);
-        // Casts on the VALUES row fix the column types for the prepared statement.
+        // The function's signature fixes the parameter types of the prepared statement.
         push_scope(&mut out, &self.scope)?;
-        out.push_sql(RESERVE_SQL_MID);
+        out.push_sql(", ");
         out.push_bind_param::<Bytea, _>(&self.fingerprint)?;
         out.push_sql(", ");
         out.push_bind_param::<diesel::sql_types::Uuid, _>(&self.token)?;
@@ -177,7 +118,7 @@ impl QueryFragment<Pg> for Reserve<'_> {
 /// One row of the reserve statement.
 #[derive(QueryableByName, Debug)]
 pub(crate) struct ReserveRow {
-    /// `reserved` or `existing`.
+    /// `reserved`, `existing` or `raced`.
     #[diesel(sql_type = Text)]
     pub(crate) outcome: String,
     #[diesel(sql_type = Nullable<Text>)]
@@ -319,9 +260,11 @@ impl QueryFragment<Pg> for PurgeBatch {
 // ---------------------------------------------------------------------------------------------
 // provisioning probe
 
-/// `SELECT to_regclass('idempotency_keys') IS NOT NULL`: whether the table is visible on the
-/// connection's `search_path`. Used to recognise SQLSTATE 42P01, which diesel-async reports
-/// only as an unknown database error.
+/// Whether the schema is provisioned: the table `idempotency_keys` *and* the function
+/// `idempotency_reserve` (second migration) are visible on the connection's `search_path`.
+/// Used to recognise SQLSTATE 42P01 / 42883 (undefined table / function), which diesel-async
+/// reports only as an unknown database error; a database migrated only to the first migration
+/// thus also gets the "run `idem-cli migrate`" hint.
 pub(crate) struct TableExists;
 
 /// Static query id for the statement cache.
@@ -338,7 +281,12 @@ impl Query for TableExists {
 
 impl QueryFragment<Pg> for TableExists {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
-        out.push_sql("SELECT to_regclass('idempotency_keys') IS NOT NULL AS present");
+        out.push_sql(
+            "SELECT to_regclass('idempotency_keys') IS NOT NULL \
+                    AND to_regprocedure(\
+                        'idempotency_reserve(text, text, text, text, bytea, uuid, bigint)') \
+                        IS NOT NULL AS present",
+        );
         Ok(())
     }
 }

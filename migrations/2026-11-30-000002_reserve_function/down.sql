@@ -1,0 +1,1 @@
+DROP FUNCTION IF EXISTS idempotency_reserve(text, text, text, text, bytea, uuid, bigint);

@@ -1,0 +1,119 @@
+-- Reserve-or-fetch as one function call (one round trip, one prepared statement in the store:
+-- `SELECT ... FROM idempotency_reserve($1, ..., $7)`). It reads first and writes only when it
+-- must, so the replay, in-flight and mismatch paths cost one primary-key read and no write
+-- (the single CTE statement it replaces planned and initialised an UPDATE and an INSERT on
+-- every call, even when both did nothing). See docs/sql.md, "reserve-or-fetch".
+--
+-- Outcomes (one row):
+-- - 'reserved': this call created the reservation with p_token (a new key, an expired
+--   completed record, or an expired reservation of the same fingerprint).
+-- - 'existing': the row as read, without any write: a live completed record (replay), a live
+--   reservation, or an ended reservation of another fingerprint. `live` and `eligible` as
+--   before; an existing row is never both ended and eligible (that case is taken over).
+-- - 'raced': the row changed under every one of the bounded attempts (pathological churn on
+--   one key); nothing was written and the caller may call again.
+--
+-- Why it is race-free (exactly one reservation per key, C5). The function is VOLATILE and the
+-- store runs it in READ COMMITTED, so every statement below takes a fresh snapshot, but every
+-- write is conditional on the row being absent or ended *under its lock*:
+-- - absent: INSERT ... ON CONFLICT DO NOTHING. A concurrent insert of the same key makes ours
+--   wait for that transaction and then do nothing (or insert, if it rolled back). Only one
+--   INSERT can succeed per key; the loser re-reads and sees the winner's row.
+-- - ended and eligible: UPDATE fenced by `expires_at <= now()` and `state = 'completed' OR
+--   fingerprint = p_fingerprint`. The UPDATE locks the row; if a concurrent takeover got
+--   there first we wait for it, then PostgreSQL re-evaluates the WHERE on the newest row
+--   version (EvalPlanQual): the winner set a fresh lease, so nothing is updated. A row
+--   released or purged meanwhile is not found either. Either way the loser re-reads.
+-- The plain SELECT takes no lock, so a read-only outcome is just the latest committed state.
+-- now() is the transaction start and constant inside the call, as in the old statement.
+CREATE FUNCTION idempotency_reserve(
+    p_tenant text, p_method text, p_path text, p_key text,
+    p_fingerprint bytea, p_token uuid, p_lease_us bigint
+)
+RETURNS TABLE (
+    outcome text, state text, fingerprint bytea, lease_remaining_us bigint,
+    response_status smallint, response_headers bytea, response_body bytea,
+    live boolean, eligible boolean
+)
+LANGUAGE plpgsql VOLATILE ROWS 1
+AS $fn$
+#variable_conflict use_column
+DECLARE
+    r record;
+BEGIN
+    -- Each lost race means another writer changed this key between our read and our write;
+    -- the next read sees its result. Four attempts cover insert/takeover/release/purge
+    -- interleavings; more than that means the key is churning and the caller decides.
+    FOR attempt IN 1..4 LOOP
+        SELECT k.state, k.fingerprint, k.expires_at, k.response_status, k.response_headers,
+               k.response_body
+          INTO r
+          FROM idempotency_keys k
+         WHERE k.tenant = p_tenant AND k.method = p_method AND k.path = p_path
+           AND k.idempotency_key = p_key;
+
+        IF NOT FOUND THEN
+            INSERT INTO idempotency_keys AS k
+                (tenant, method, path, idempotency_key, fingerprint, state, token,
+                 locked_until, created_at, expires_at)
+            VALUES (p_tenant, p_method, p_path, p_key, p_fingerprint, 'in_flight', p_token,
+                    now() + p_lease_us * interval '1 microsecond', now(),
+                    now() + p_lease_us * interval '1 microsecond')
+            ON CONFLICT DO NOTHING;
+            IF FOUND THEN
+                outcome := 'reserved';
+                RETURN NEXT;
+                RETURN;
+            END IF;
+            -- A concurrent insert of this key committed first: read it.
+            CONTINUE;
+        END IF;
+
+        live := r.expires_at > now();
+        eligible := r.state = 'completed' OR r.fingerprint = p_fingerprint;
+
+        IF live OR NOT eligible THEN
+            -- Replay, live reservation, or an ended reservation of another request: no write.
+            outcome := 'existing';
+            state := r.state;
+            fingerprint := r.fingerprint;
+            lease_remaining_us := (extract(epoch FROM greatest(r.expires_at - now(),
+                                                               interval '0')) * 1000000)::bigint;
+            response_status := r.response_status;
+            response_headers := r.response_headers;
+            response_body := r.response_body;
+            RETURN NEXT;
+            RETURN;
+        END IF;
+
+        -- Ended and eligible: take it over. The conditions are re-checked here, under the row
+        -- lock, on the newest version of the row (see the header).
+        UPDATE idempotency_keys k
+           SET fingerprint = p_fingerprint, state = 'in_flight', token = p_token,
+               locked_until = now() + p_lease_us * interval '1 microsecond',
+               expires_at = now() + p_lease_us * interval '1 microsecond',
+               created_at = now(), completed_at = NULL, response_status = NULL,
+               response_headers = NULL, response_body = NULL
+         WHERE k.tenant = p_tenant AND k.method = p_method AND k.path = p_path
+           AND k.idempotency_key = p_key
+           AND k.expires_at <= now()
+           AND (k.state = 'completed' OR k.fingerprint = p_fingerprint);
+        IF FOUND THEN
+            outcome := 'reserved';
+            live := NULL;
+            eligible := NULL;
+            RETURN NEXT;
+            RETURN;
+        END IF;
+        -- Taken over, released or purged by someone else since our read: read again.
+    END LOOP;
+
+    outcome := 'raced';
+    live := NULL;
+    eligible := NULL;
+    RETURN NEXT;
+END
+$fn$;
+
+COMMENT ON FUNCTION idempotency_reserve(text, text, text, text, bytea, uuid, bigint) IS
+    'Reserve-or-fetch of idempotency-actix''s PostgresStore: reads first, writes only for an absent or ended eligible key; races resolved inside. See docs/sql.md.';
