@@ -38,16 +38,21 @@ RETURNS TABLE (
 LANGUAGE plpgsql VOLATILE ROWS 1
 AS $fn$
 #variable_conflict use_column
-DECLARE
-    r record;
 BEGIN
     -- Each lost race means another writer changed this key between our read and our write;
     -- the next read sees its result. Four attempts cover insert/takeover/release/purge
     -- interleavings; more than that means the key is churning and the caller decides.
     FOR attempt IN 1..4 LOOP
-        SELECT k.state, k.fingerprint, k.expires_at, k.response_status, k.response_headers,
-               k.response_body
-          INTO r
+        -- The read: one primary-key lookup, no lock. It fills the output columns directly
+        -- (all computed in this one statement), so the paths that return the row as it is do
+        -- no further work.
+        SELECT k.state, k.fingerprint, k.response_status, k.response_headers, k.response_body,
+               k.expires_at > now(),
+               k.state = 'completed' OR k.fingerprint = p_fingerprint,
+               (extract(epoch FROM greatest(k.expires_at - now(), interval '0'))
+                * 1000000)::bigint
+          INTO state, fingerprint, response_status, response_headers, response_body,
+               live, eligible, lease_remaining_us
           FROM idempotency_keys k
          WHERE k.tenant = p_tenant AND k.method = p_method AND k.path = p_path
            AND k.idempotency_key = p_key;
@@ -69,19 +74,9 @@ BEGIN
             CONTINUE;
         END IF;
 
-        live := r.expires_at > now();
-        eligible := r.state = 'completed' OR r.fingerprint = p_fingerprint;
-
         IF live OR NOT eligible THEN
             -- Replay, live reservation, or an ended reservation of another request: no write.
             outcome := 'existing';
-            state := r.state;
-            fingerprint := r.fingerprint;
-            lease_remaining_us := (extract(epoch FROM greatest(r.expires_at - now(),
-                                                               interval '0')) * 1000000)::bigint;
-            response_status := r.response_status;
-            response_headers := r.response_headers;
-            response_body := r.response_body;
             RETURN NEXT;
             RETURN;
         END IF;
@@ -100,8 +95,9 @@ BEGIN
            AND (k.state = 'completed' OR k.fingerprint = p_fingerprint);
         IF FOUND THEN
             outcome := 'reserved';
-            live := NULL;
-            eligible := NULL;
+            state := NULL; fingerprint := NULL; lease_remaining_us := NULL;
+            response_status := NULL; response_headers := NULL; response_body := NULL;
+            live := NULL; eligible := NULL;
             RETURN NEXT;
             RETURN;
         END IF;
@@ -109,8 +105,9 @@ BEGIN
     END LOOP;
 
     outcome := 'raced';
-    live := NULL;
-    eligible := NULL;
+    state := NULL; fingerprint := NULL; lease_remaining_us := NULL;
+    response_status := NULL; response_headers := NULL; response_body := NULL;
+    live := NULL; eligible := NULL;
     RETURN NEXT;
 END
 $fn$;
