@@ -36,6 +36,7 @@ pub mod proc;
 pub mod proxy;
 pub mod raw_http;
 pub mod records;
+pub mod server;
 
 /// The default local server tried when `DATABASE_URL` is not set.
 pub const LOCAL_SERVER_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";

@@ -15,13 +15,13 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use actix_web::dev::ServerHandle;
 use actix_web::{web, App, HttpResponse, HttpServer};
 use idempotency_actix::store::postgres::{run_migrations, PostgresStore};
 use idempotency_actix::Idempotency;
 use idempotency_e2e::proc::{start_cluster_again, PaymentsApp};
 use idempotency_e2e::raw_http::{send_once, Conn, Request, Response};
 use idempotency_e2e::records::{count, execute, records_for_key, TempRole};
+use idempotency_e2e::server::ThreadServer;
 use idempotency_e2e::{block_on_fresh_thread, server_url, TempCluster, TestDb};
 
 /// Per-request client timeout: longer than any answer the app should need (connection
@@ -367,69 +367,48 @@ fn sigkill_while_the_handler_runs() {
 /// The example's handler, in-process, behind a store whose pool has two connections.
 struct InProcessApp {
     addr: SocketAddr,
-    handle: ServerHandle,
-    thread: Option<JoinHandle<()>>,
+    _server: ThreadServer,
     executions: Arc<AtomicU64>,
 }
 
 impl InProcessApp {
     fn start(url: &str, max_size: u32, connection_timeout: Duration) -> InProcessApp {
         let executions = Arc::new(AtomicU64::new(0));
-        let (tx, rx) = std::sync::mpsc::channel();
         let url = url.to_owned();
         let counter = Arc::clone(&executions);
-        let thread = std::thread::spawn(move || {
-            actix_web::rt::System::new().block_on(async move {
-                let store = PostgresStore::builder(url)
-                    .max_size(max_size)
-                    .connection_timeout(connection_timeout)
-                    .build()
-                    .await
-                    .expect("store");
-                let counter = web::Data::from(counter);
-                let server = HttpServer::new(move || {
-                    App::new()
-                        .app_data(counter.clone())
-                        .wrap(Idempotency::new(store.clone()))
-                        .route(
-                            "/slow",
-                            web::post().to(|n: web::Data<AtomicU64>| async move {
-                                n.fetch_add(1, Ordering::SeqCst);
-                                tokio::time::sleep(Duration::from_millis(1000)).await;
-                                HttpResponse::Created().body("done")
-                            }),
-                        )
-                })
-                .workers(2)
-                .backlog(256)
-                .max_connections(1024)
-                .disable_signals()
-                .bind(("127.0.0.1", 0))
-                .expect("bind");
-                let addr = server.addrs()[0];
-                let server = server.run();
-                tx.send((addr, server.handle())).expect("send");
-                let _ = server.await;
+        let server = ThreadServer::start(move || async move {
+            let store = PostgresStore::builder(url)
+                .max_size(max_size)
+                .connection_timeout(connection_timeout)
+                .build()
+                .await
+                .expect("store");
+            let counter = web::Data::from(counter);
+            let server = HttpServer::new(move || {
+                App::new()
+                    .app_data(counter.clone())
+                    .wrap(Idempotency::new(store.clone()))
+                    .route(
+                        "/slow",
+                        web::post().to(|n: web::Data<AtomicU64>| async move {
+                            n.fetch_add(1, Ordering::SeqCst);
+                            tokio::time::sleep(Duration::from_millis(1000)).await;
+                            HttpResponse::Created().body("done")
+                        }),
+                    )
             })
+            .workers(2)
+            .backlog(256)
+            .max_connections(1024)
+            .disable_signals()
+            .bind(("127.0.0.1", 0))
+            .expect("bind");
+            (server.addrs()[0], server.run())
         });
-        let (addr, handle) = rx
-            .recv_timeout(Duration::from_secs(30))
-            .expect("server started");
         InProcessApp {
-            addr,
-            handle,
-            thread: Some(thread),
+            addr: server.addr,
+            _server: server,
             executions,
-        }
-    }
-}
-
-impl Drop for InProcessApp {
-    fn drop(&mut self) {
-        let handle = self.handle.clone();
-        block_on_fresh_thread(async move { handle.stop(false).await });
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
         }
     }
 }

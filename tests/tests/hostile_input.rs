@@ -11,10 +11,8 @@
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::Duration;
 
-use actix_web::dev::ServerHandle;
 use actix_web::http::header::HeaderName;
 use actix_web::{web, App, HttpResponse, HttpServer};
 use bytes::Bytes;
@@ -23,6 +21,7 @@ use idempotency_actix::store::StoredResponse;
 use idempotency_actix::Idempotency;
 use idempotency_e2e::raw_http::{Body, Conn, Request, Response};
 use idempotency_e2e::records::{count, records, records_for_key};
+use idempotency_e2e::server::ThreadServer;
 use idempotency_e2e::{block_on_fresh_thread, TestDb};
 
 const TIMEOUT: Duration = Duration::from_secs(20);
@@ -30,19 +29,8 @@ const MIB: usize = 1024 * 1024;
 
 struct Server {
     addr: SocketAddr,
-    handle: ServerHandle,
-    thread: Option<JoinHandle<()>>,
+    _server: ThreadServer,
     executions: Arc<AtomicU64>,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let handle = self.handle.clone();
-        block_on_fresh_thread(async move { handle.stop(false).await });
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
-    }
 }
 
 type Counter = web::Data<AtomicU64>;
@@ -94,57 +82,47 @@ async fn big_response(n: Counter) -> HttpResponse {
 
 fn start_server(url: &str) -> Server {
     let executions = Arc::new(AtomicU64::new(0));
-    let (tx, rx) = std::sync::mpsc::channel();
     let url = url.to_owned();
     let counter = Arc::clone(&executions);
-    let thread = std::thread::spawn(move || {
-        actix_web::rt::System::new().block_on(async move {
-            let store = PostgresStore::connect(&url).await.expect("store");
-            let counter = web::Data::from(counter);
-            let server = HttpServer::new(move || {
-                let middleware = |max_body: usize| {
-                    Idempotency::builder(store.clone())
-                        .tenant_header("x-tenant")
-                        .deny_headers([HeaderName::from_static("x-internal-token")])
-                        .max_body_bytes(max_body)
-                        .build()
-                };
-                App::new()
-                    .app_data(counter.clone())
-                    .app_data(web::PayloadConfig::new(32 * MIB))
-                    .service(
-                        web::scope("/api")
-                            .wrap(middleware(MIB))
-                            .route("/echo", web::post().to(echo))
-                            .route("/echo/{tail:.*}", web::post().to(echo))
-                            .route("/binary", web::post().to(binary))
-                            .route("/cookie", web::post().to(cookie))
-                            .route("/huge-headers", web::post().to(huge_headers))
-                            .route("/big-response", web::post().to(big_response)),
-                    )
-                    .service(
-                        web::scope("/bulk")
-                            .wrap(middleware(16 * MIB))
-                            .route("/echo", web::post().to(echo)),
-                    )
-            })
-            .workers(2)
-            .disable_signals()
-            .bind(("127.0.0.1", 0))
-            .expect("bind");
-            let addr = server.addrs()[0];
-            let server = server.run();
-            tx.send((addr, server.handle())).expect("send");
-            let _ = server.await;
+    let server = ThreadServer::start(move || async move {
+        let store = PostgresStore::connect(&url).await.expect("store");
+        let counter = web::Data::from(counter);
+        let server = HttpServer::new(move || {
+            let middleware = |max_body: usize| {
+                Idempotency::builder(store.clone())
+                    .tenant_header("x-tenant")
+                    .deny_headers([HeaderName::from_static("x-internal-token")])
+                    .max_body_bytes(max_body)
+                    .build()
+            };
+            App::new()
+                .app_data(counter.clone())
+                .app_data(web::PayloadConfig::new(32 * MIB))
+                .service(
+                    web::scope("/api")
+                        .wrap(middleware(MIB))
+                        .route("/echo", web::post().to(echo))
+                        .route("/echo/{tail:.*}", web::post().to(echo))
+                        .route("/binary", web::post().to(binary))
+                        .route("/cookie", web::post().to(cookie))
+                        .route("/huge-headers", web::post().to(huge_headers))
+                        .route("/big-response", web::post().to(big_response)),
+                )
+                .service(
+                    web::scope("/bulk")
+                        .wrap(middleware(16 * MIB))
+                        .route("/echo", web::post().to(echo)),
+                )
         })
+        .workers(2)
+        .disable_signals()
+        .bind(("127.0.0.1", 0))
+        .expect("bind");
+        (server.addrs()[0], server.run())
     });
-    let (addr, handle) = rx
-        .recv_timeout(Duration::from_secs(30))
-        .expect("server started");
     Server {
-        addr,
-        handle,
-        thread: Some(thread),
+        addr: server.addr,
+        _server: server,
         executions,
     }
 }
