@@ -7,8 +7,10 @@
 //! ```
 //!
 //! Endpoints (on 127.0.0.1:8080, or `PAYMENTS_ADDR`):
-//! - `POST /payments` `{"amount": 1000, "currency": "EUR"}` creates a payment; add
-//!   `?delay_ms=3000` to make the handler slow enough to see a 409 from a second terminal.
+//! - `POST /payments` `{"amount": 1000, "currency": "EUR"}` creates a payment; keyed requests
+//!   carry the account they act for in `X-Account-Id` (keys are scoped per account; a keyed
+//!   request without one gets 400 `MISSING_TENANT`); add `?delay_ms=3000` to make the handler
+//!   slow enough to see a 409 from a second terminal.
 //! - `GET /payments/{id}` reads one back.
 //! - `GET /stats` counts handler executions, in total and per key: the number that
 //!   idempotency keeps at one per key.
@@ -120,16 +122,17 @@ async fn serve<S: IdempotencyStore + Clone>(store: S, addr: &str) -> std::io::Re
         .ok()
         .and_then(|ms| ms.parse().ok())
         .map(Duration::from_millis);
-    println!("payments API on http://{addr} (try: curl -i -X POST http://{addr}/payments -H 'Idempotency-Key: k1' -H 'content-type: application/json' -d '{{\"amount\":1000,\"currency\":\"EUR\"}}')");
+    println!("payments API on http://{addr} (try: curl -i -X POST http://{addr}/payments -H 'Idempotency-Key: k1' -H 'X-Account-Id: acct_1' -H 'content-type: application/json' -d '{{\"amount\":1000,\"currency\":\"EUR\"}}')");
     HttpServer::new(move || {
         App::new()
             .app_data(ledger.clone())
             .service(
                 web::scope("/payments")
                     .wrap({
-                        // In a real API the tenant comes from authentication.
+                        // In a real API the tenant comes from authentication. Keyed requests
+                        // without `x-account-id` get 400 MISSING_TENANT (C23).
                         let builder =
-                            Idempotency::builder(store.clone()).tenant_header("x-account-id");
+                            Idempotency::builder(store.clone()).tenant_header("X-Account-Id");
                         match lease {
                             Some(lease) => builder.lock_timeout(lease).build(),
                             None => builder.build(),

@@ -17,10 +17,17 @@
 //! | `wait_for_in_flight` | off | a 409 with `Retry-After` is cheaper for the server than parking requests |
 //! | `fail_open` | `false` | if the store is down, refusing (503) is safer than risking a double charge |
 //! | tenant | none (global) | see [`IdempotencyBuilder::tenant`]: **set it** in a multi-tenant API |
+//! | missing tenant | 400 `MISSING_TENANT` | once a tenant source is set, a keyed request without one must not share the global scope (C23); opt out with [`IdempotencyBuilder::missing_tenant_uses_global_scope`] |
+//!
+//! Durations saturate: `Duration::MAX` (or anything past the clock's range) means "as long as
+//! the clock can count", never a panic while serving. Header names are checked when the
+//! middleware is built: [`IdempotencyBuilder::build`] panics with a message naming the bad value
+//! (a configuration bug, found at startup), [`IdempotencyBuilder::try_build`] returns it instead.
 
 use std::borrow::Cow;
+use std::fmt;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use actix_web::dev::ServiceRequest;
 use actix_web::http::header::{HeaderMap, HeaderName};
@@ -57,6 +64,7 @@ pub(crate) struct Config {
     pub max_body_bytes: usize,
     pub max_response_bytes: usize,
     pub tenant: Option<Arc<TenantFn>>,
+    pub missing_tenant_uses_global_scope: bool,
     pub store_status: Arc<StatusFn>,
     pub store_if: Option<Arc<StorePredicate>>,
     pub wait_for_in_flight: Option<Duration>,
@@ -79,6 +87,7 @@ impl Default for Config {
             max_body_bytes: 1024 * 1024,
             max_response_bytes: 1024 * 1024,
             tenant: None,
+            missing_tenant_uses_global_scope: false,
             store_status: Arc::new(|status: StatusCode| status.is_success()),
             store_if: None,
             wait_for_in_flight: None,
@@ -109,6 +118,40 @@ impl Config {
     }
 }
 
+/// `now + duration`, or the furthest instant the clock can represent: a configured "forever"
+/// (`Duration::MAX`) must never panic while serving.
+pub(crate) fn saturating_deadline(now: Instant, duration: Duration) -> Instant {
+    now.checked_add(duration).unwrap_or_else(|| {
+        // About 100 years; `Instant` ranges are platform-defined, so step down until it fits.
+        let mut step = Duration::from_secs(100 * 365 * 24 * 3600);
+        loop {
+            if let Some(deadline) = now.checked_add(step) {
+                return deadline;
+            }
+            step /= 2;
+        }
+    })
+}
+
+/// A configuration value that cannot be used, found by [`IdempotencyBuilder::try_build`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    setting: &'static str,
+    message: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "invalid Idempotency setting `{}`: {}",
+            self.setting, self.message
+        )
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
 /// Builds an [`Idempotency`] middleware; start with [`Idempotency::builder`].
 ///
 /// ```
@@ -122,9 +165,11 @@ impl Config {
 ///     .wait_for_in_flight(Duration::from_secs(5))
 ///     .build();
 /// ```
+#[must_use = "a builder does nothing until `build()` is called"]
 pub struct IdempotencyBuilder<S> {
     store: S,
     config: Config,
+    errors: Vec<ConfigError>,
 }
 
 impl<S> IdempotencyBuilder<S> {
@@ -132,12 +177,28 @@ impl<S> IdempotencyBuilder<S> {
         Self {
             store,
             config: Config::default(),
+            errors: Vec::new(),
         }
     }
 
-    /// The request header carrying the key. Default `Idempotency-Key`.
-    pub fn header_name(mut self, name: HeaderName) -> Self {
-        self.config.header_name = name;
+    /// Parse a header name as people write it (`"Idempotency-Key"`, `"x-account-id"`, or a
+    /// [`HeaderName`]); a bad one is remembered and reported by `build`/`try_build`.
+    fn header(&mut self, setting: &'static str, name: impl IntoHeaderName) -> Option<HeaderName> {
+        match name.into_header_name() {
+            Ok(name) => Some(name),
+            Err(message) => {
+                self.errors.push(ConfigError { setting, message });
+                None
+            }
+        }
+    }
+
+    /// The request header carrying the key. Default `Idempotency-Key`. Takes a `&str` in any
+    /// case (`"Idempotency-Key"`) or a [`HeaderName`].
+    pub fn header_name(mut self, name: impl IntoHeaderName) -> Self {
+        if let Some(name) = self.header("header_name", name) {
+            self.config.header_name = name;
+        }
         self
     }
 
@@ -155,6 +216,8 @@ impl<S> IdempotencyBuilder<S> {
     }
 
     /// How long a completed response is replayed. Default 24 hours. After it, the key is free.
+    /// `Duration::MAX` means as long as the store can keep it (each store caps it: PostgreSQL at
+    /// about 100 years).
     pub fn ttl(mut self, ttl: Duration) -> Self {
         self.config.ttl = ttl;
         self
@@ -188,9 +251,12 @@ impl<S> IdempotencyBuilder<S> {
     }
 
     /// Take the tenant from a request header (set by your gateway or auth layer, never by the
-    /// client itself). See [`tenant`](Self::tenant).
-    pub fn tenant_header(self, name: &'static str) -> Self {
-        let name = HeaderName::from_static(name);
+    /// client itself). Takes a `&str` in any case (`"X-Account-Id"`) or a [`HeaderName`]. A
+    /// missing or empty header is no tenant: see [`tenant`](Self::tenant).
+    pub fn tenant_header(mut self, name: impl IntoHeaderName) -> Self {
+        let Some(name) = self.header("tenant_header", name) else {
+            return self;
+        };
         self.tenant(move |req: &ServiceRequest| {
             req.headers()
                 .get(&name)
@@ -211,6 +277,15 @@ impl<S> IdempotencyBuilder<S> {
         F: Fn(&ServiceRequest) -> Option<String> + Send + Sync + 'static,
     {
         self.config.tenant = Some(Arc::new(tenant));
+        self
+    }
+
+    /// Let keyed requests without a tenant use the global scope (tenant `""`) instead of
+    /// answering 400 `MISSING_TENANT`. Default `false`: every request without a tenant would
+    /// share one scope, so two customers could replay each other's responses. Turn it on only
+    /// while migrating clients that do not send a tenant yet.
+    pub fn missing_tenant_uses_global_scope(mut self, allow: bool) -> Self {
+        self.config.missing_tenant_uses_global_scope = allow;
         self
     }
 
@@ -257,6 +332,7 @@ impl<S> IdempotencyBuilder<S> {
 
     /// Instead of answering 409 at once, wait up to `wait` for the first request to finish and
     /// replay its response (or, if it was released, run this one). Default: off.
+    /// `Duration::MAX` waits as long as the first request holds the key (its lease bounds it).
     pub fn wait_for_in_flight(mut self, wait: Duration) -> Self {
         self.config.wait_for_in_flight = Some(wait).filter(|w| !w.is_zero());
         self
@@ -271,8 +347,12 @@ impl<S> IdempotencyBuilder<S> {
 
     /// More response headers never to store or replay, on top of `Set-Cookie` and the
     /// hop-by-hop and framing headers that are always dropped.
-    pub fn deny_headers(mut self, names: impl IntoIterator<Item = HeaderName>) -> Self {
-        self.config.deny_headers.extend(names);
+    pub fn deny_headers<N: IntoHeaderName>(mut self, names: impl IntoIterator<Item = N>) -> Self {
+        for name in names {
+            if let Some(name) = self.header("deny_headers", name) {
+                self.config.deny_headers.push(name);
+            }
+        }
         self
     }
 
@@ -299,8 +379,56 @@ impl<S> IdempotencyBuilder<S> {
     }
 
     /// The middleware.
+    ///
+    /// # Panics
+    /// If a setting cannot be used (an invalid header name), with a message naming it. This
+    /// happens when the app is built, never while serving; use [`try_build`](Self::try_build)
+    /// to handle it yourself.
     pub fn build(self) -> Idempotency<S> {
-        Idempotency::from_parts(self.store, self.config)
+        match self.try_build() {
+            Ok(middleware) => middleware,
+            Err(error) => panic!("{error}"),
+        }
+    }
+
+    /// The middleware, or the first setting that cannot be used.
+    pub fn try_build(self) -> Result<Idempotency<S>, ConfigError> {
+        match self.errors.into_iter().next() {
+            Some(error) => Err(error),
+            None => Ok(Idempotency::from_parts(self.store, self.config)),
+        }
+    }
+}
+
+/// What the header-name settings accept: a `&str` or `String` in any case, or a [`HeaderName`].
+pub trait IntoHeaderName {
+    /// The header name, or why it is not one.
+    fn into_header_name(self) -> Result<HeaderName, String>;
+}
+
+impl IntoHeaderName for HeaderName {
+    fn into_header_name(self) -> Result<HeaderName, String> {
+        Ok(self)
+    }
+}
+
+impl IntoHeaderName for &HeaderName {
+    fn into_header_name(self) -> Result<HeaderName, String> {
+        Ok(self.clone())
+    }
+}
+
+impl IntoHeaderName for &str {
+    fn into_header_name(self) -> Result<HeaderName, String> {
+        // `from_bytes` lower-cases, so "X-Account-Id" works (unlike `from_static`, which panics).
+        HeaderName::from_bytes(self.as_bytes())
+            .map_err(|_| format!("{self:?} is not a valid HTTP header name"))
+    }
+}
+
+impl IntoHeaderName for String {
+    fn into_header_name(self) -> Result<HeaderName, String> {
+        self.as_str().into_header_name()
     }
 }
 

@@ -59,7 +59,7 @@ pub mod middleware;
 pub mod problem;
 pub mod store;
 
-pub use config::{IdempotencyBuilder, ResponseParts};
+pub use config::{ConfigError, IdempotencyBuilder, IntoHeaderName, ResponseParts};
 pub use fingerprint::Fingerprint;
 pub use key::IdempotencyKey;
 pub use middleware::Idempotency;

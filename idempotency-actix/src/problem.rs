@@ -46,7 +46,20 @@
 //!
 //! ### storage-unavailable
 //! `STORAGE_UNAVAILABLE`, 503 with `Retry-After`: the store could not be reached (or is not
-//! provisioned: run `idem-cli migrate`), so the request was not run.
+//! provisioned: run `idem-cli migrate`, or is full of live records), so the request was not run.
+//!
+//! ### missing-tenant
+//! `MISSING_TENANT`, 400: a tenant source is configured (`tenant_header` or `tenant`) and this
+//! keyed request has none (a missing or empty header, or an auth layer that has not run yet).
+//! The request was not run: without a tenant its record would be shared with every other
+//! customer without one (C23).
+//!
+//! ### replay-not-acceptable
+//! `REPLAY_NOT_ACCEPTABLE`, 406: the stored response carries a `Content-Encoding` (a compression
+//! middleware sits *inside* `Idempotency`) that this retry's `Accept-Encoding` does not accept.
+//! Nothing was run; retry accepting that encoding. Operators avoid this entirely by wrapping
+//! `Compress` *outside* `Idempotency`, so responses are stored unencoded and each replay is
+//! encoded for its own client.
 
 use std::fmt;
 use std::time::Duration;
@@ -63,6 +76,7 @@ pub const DEFAULT_TYPE_BASE: &str =
 /// The stable machine-readable problem codes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+#[non_exhaustive]
 pub enum ProblemCode {
     /// 400: no key and the middleware is `required`.
     MissingKey,
@@ -78,6 +92,10 @@ pub enum ProblemCode {
     Conflict,
     /// 503: the store is unavailable; the request did not run.
     StorageUnavailable,
+    /// 400: a tenant source is configured and the keyed request has no tenant.
+    MissingTenant,
+    /// 406: the stored response's encoding is not acceptable to this retry.
+    ReplayNotAcceptable,
 }
 
 impl ProblemCode {
@@ -91,6 +109,8 @@ impl ProblemCode {
             Self::FingerprintMismatch => "FINGERPRINT_MISMATCH",
             Self::Conflict => "CONFLICT",
             Self::StorageUnavailable => "STORAGE_UNAVAILABLE",
+            Self::MissingTenant => "MISSING_TENANT",
+            Self::ReplayNotAcceptable => "REPLAY_NOT_ACCEPTABLE",
         }
     }
 
@@ -104,13 +124,18 @@ impl ProblemCode {
             Self::FingerprintMismatch => "fingerprint-mismatch",
             Self::Conflict => "conflict",
             Self::StorageUnavailable => "storage-unavailable",
+            Self::MissingTenant => "missing-tenant",
+            Self::ReplayNotAcceptable => "replay-not-acceptable",
         }
     }
 
     /// The HTTP status that goes with the code.
     pub fn status(self) -> StatusCode {
         match self {
-            Self::MissingKey | Self::InvalidKey | Self::KeyTooLong => StatusCode::BAD_REQUEST,
+            Self::MissingKey | Self::InvalidKey | Self::KeyTooLong | Self::MissingTenant => {
+                StatusCode::BAD_REQUEST
+            }
+            Self::ReplayNotAcceptable => StatusCode::NOT_ACCEPTABLE,
             Self::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::FingerprintMismatch => StatusCode::UNPROCESSABLE_ENTITY,
             Self::Conflict => StatusCode::CONFLICT,
@@ -130,6 +155,10 @@ impl ProblemCode {
             }
             Self::Conflict => "A request with this Idempotency-Key is still being processed",
             Self::StorageUnavailable => "Idempotency storage is unavailable",
+            Self::MissingTenant => "The request has no tenant",
+            Self::ReplayNotAcceptable => {
+                "The stored response is encoded in a way this request does not accept"
+            }
         }
     }
 }

@@ -413,10 +413,7 @@ async fn tenants_never_see_each_others_records() {
     )
     .await;
     assert!(!c.replayed() && !d.replayed());
-    // No tenant header is the global scope, also separate.
-    let e = send(&app, post("/echo", "k").set_payload("a")).await;
-    assert!(!e.replayed());
-    assert_eq!(counter.get(), 5);
+    assert_eq!(counter.get(), 4);
     let again = send(
         &app,
         post("/echo", "k")
@@ -426,6 +423,104 @@ async fn tenants_never_see_each_others_records() {
     .await;
     assert!(again.replayed());
     assert_eq!(again.header("x-execution"), Some("2"));
+}
+
+/// Guards C23: with a tenant source configured, a keyed request without a tenant (no header,
+/// or an empty one) is refused with 400 `MISSING_TENANT` and never runs; it used to fall back
+/// to the global scope, where two customers without a tenant share records. Keyless requests
+/// still pass through.
+#[actix_web::test]
+async fn keyed_requests_without_a_tenant_are_refused() {
+    let counter = Counter::default();
+    let app = app_with(&counter, |b| b.tenant_header("X-Tenant")).await;
+    let missing = send(&app, post("/echo", "k").set_payload("a")).await;
+    missing.assert_problem(400, "MISSING_TENANT");
+    let empty = send(
+        &app,
+        post("/echo", "k")
+            .insert_header(("x-tenant", ""))
+            .set_payload("a"),
+    )
+    .await;
+    empty.assert_problem(400, "MISSING_TENANT");
+    assert_eq!(counter.get(), 0, "a request without a tenant ran");
+    let keyless = send(&app, TestRequest::post().uri("/echo").set_payload("a")).await;
+    assert_eq!(keyless.status, StatusCode::CREATED);
+    assert_eq!(counter.get(), 1);
+}
+
+/// Guards the explicit opt-in of C23: `missing_tenant_uses_global_scope(true)` puts keyed
+/// requests without a tenant into the global scope (a retry replays), apart from every tenant.
+#[actix_web::test]
+async fn the_global_scope_for_missing_tenants_is_an_opt_in() {
+    let counter = Counter::default();
+    let app = app_with(&counter, |b| {
+        b.tenant_header("x-tenant")
+            .missing_tenant_uses_global_scope(true)
+    })
+    .await;
+    let first = send(&app, post("/echo", "k").set_payload("a")).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let retry = send(&app, post("/echo", "k").set_payload("a")).await;
+    assert!(retry.replayed());
+    let tenant = send(
+        &app,
+        post("/echo", "k")
+            .insert_header(("x-tenant", "A"))
+            .set_payload("a"),
+    )
+    .await;
+    assert!(!tenant.replayed());
+    assert_eq!(counter.get(), 2);
+}
+
+/// Guards item 9 of the review: "forever" durations (`Duration::MAX`) must not overflow
+/// `Instant` while serving (they used to panic in the memory store's `complete`, after the
+/// handler ran, and in wait mode), and header names are accepted as people write them.
+#[actix_web::test]
+async fn forever_durations_and_mixed_case_header_names_serve_normally() {
+    let counter = Counter::default();
+    let app = app_with(&counter, |b| {
+        b.ttl(Duration::MAX)
+            .lock_timeout(Duration::MAX)
+            .wait_for_in_flight(Duration::MAX)
+            .retry_after(Duration::MAX)
+            .header_name("Idempotency-Key")
+            .tenant_header("X-Account-Id")
+    })
+    .await;
+    let req = || {
+        post("/echo", "forever")
+            .insert_header(("x-account-id", "acct"))
+            .set_payload("a")
+    };
+    let first = send(&app, req()).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let retry = send(&app, req()).await;
+    assert!(retry.replayed());
+    assert_eq!(counter.get(), 1);
+}
+
+/// Guards item 9: an invalid header name is reported when the middleware is built, naming the
+/// setting and the value, never at request time.
+#[test]
+fn invalid_header_names_fail_at_build_time() {
+    let error = Idempotency::builder(MemoryStore::new())
+        .tenant_header("X Account")
+        .try_build()
+        .err()
+        .expect("an invalid header name is refused");
+    let message = error.to_string();
+    assert!(
+        message.contains("tenant_header") && message.contains("X Account"),
+        "{message}"
+    );
+    let panic = std::panic::catch_unwind(|| {
+        Idempotency::builder(MemoryStore::new())
+            .header_name("bad\nname")
+            .build()
+    });
+    assert!(panic.is_err(), "build() must refuse an invalid header name");
 }
 
 #[actix_web::test]

@@ -356,6 +356,67 @@ impl Conn {
         }
     }
 
+    /// Close the connection with a TCP reset (RST) instead of a FIN: `SO_LINGER` 0 makes the
+    /// kernel drop unsent data and send RST on close, as a crashed or impatient client would.
+    pub fn reset(self) -> io::Result<()> {
+        let socket = socket2::SockRef::from(self.reader.get_ref());
+        socket.set_linger(Some(Duration::ZERO))?;
+        drop(self);
+        Ok(())
+    }
+
+    /// Read only a response head (status line and headers), leaving the body on the wire.
+    pub fn read_head(&mut self) -> io::Result<(u16, Vec<(String, Vec<u8>)>)> {
+        let mut raw = Vec::new();
+        loop {
+            let n = self.reader.read_until(b'\n', &mut raw)?;
+            if n == 0 {
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "connection closed before a complete response head",
+                ));
+            }
+            if raw.ends_with(b"\r\n\r\n") || raw.len() > MAX_RESPONSE_BYTES {
+                break;
+            }
+        }
+        let mut headers = [httparse::EMPTY_HEADER; 64];
+        let mut parsed = httparse::Response::new(&mut headers);
+        parsed
+            .parse(&raw)
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+        let status = parsed.code.unwrap_or(0);
+        let headers = parsed
+            .headers
+            .iter()
+            .map(|h| (h.name.to_ascii_lowercase(), h.value.to_vec()))
+            .collect();
+        Ok((status, headers))
+    }
+
+    /// Read until the bytes read so far contain `needle` (or the read times out).
+    pub fn read_until_contains(&mut self, needle: &[u8]) -> io::Result<Vec<u8>> {
+        let mut seen = Vec::new();
+        let mut buf = [0u8; 4096];
+        while !seen.windows(needle.len().max(1)).any(|w| w == needle) {
+            let n = self.reader.read(&mut buf)?;
+            if n == 0 {
+                return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "closed"));
+            }
+            seen.extend_from_slice(&buf[..n]);
+        }
+        Ok(seen)
+    }
+
+    /// Read whatever bytes arrive until the server closes the connection or `wait` passes.
+    pub fn read_rest(&mut self, wait: Duration) -> Vec<u8> {
+        let _ = self.reader.get_mut().set_read_timeout(Some(wait));
+        let mut rest = Vec::new();
+        let _ = self.reader.read_to_end(&mut rest);
+        let _ = self.reader.get_mut().set_read_timeout(Some(self.timeout));
+        rest
+    }
+
     /// Whether the server closed the connection (reads EOF or an error within `wait`).
     pub fn is_closed_by_peer(&mut self, wait: Duration) -> bool {
         let _ = self.reader.get_mut().set_read_timeout(Some(wait));

@@ -91,6 +91,9 @@ fn start_server(url: &str) -> Server {
             let middleware = |max_body: usize| {
                 Idempotency::builder(store.clone())
                     .tenant_header("x-tenant")
+                    // These cases send most requests without a tenant; refusing those (C23) is
+                    // tested in idempotency-actix/tests/middleware.rs and http_streaming.rs.
+                    .missing_tenant_uses_global_scope(true)
                     .deny_headers([HeaderName::from_static("x-internal-token")])
                     .max_body_bytes(max_body)
                     .build()

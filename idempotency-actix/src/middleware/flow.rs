@@ -1,38 +1,25 @@
-//! The actix-web middleware: [`Idempotency`] and the request flow of the contract.
-//!
-//! For a covered request (POST/PATCH by default) carrying a key:
-//!
-//! 1. parse the key (C2), take the tenant (C3), buffer the body up to `max_body_bytes` (C14) and
-//!    fingerprint method, path, query and body (C4);
-//! 2. one `reserve` call on the store (C5): it either reserves the key for us, or tells us what
-//!    is there: a completed record (replay it, C6, or 422 if the fingerprint differs, C7) or a
-//!    running one (409 with `Retry-After`, or wait for it, C8; 422 if the fingerprint differs);
-//! 3. run the handler with the buffered body and the [`IdempotencyKey`] in the extensions;
-//! 4. if the response is to be stored (C10, C11), buffer it (up to `max_response_bytes`), send
-//!    it to the client and `complete` the record with the reservation's token (C9); otherwise
-//!    `release` the key so the client can retry.
-//!
-//! A store failure before the handler runs answers 503 (C15, or passes through with
-//! `fail_open`); after the handler ran, the client still gets the response, the failure is
-//! logged, and the reservation stays until its lease ends (C16).
+//! One covered request on its way through the contract: the checks on the request's own
+//! future, then everything from the reservation on on a task of its own (C21, see [`super`]).
 
-use std::future::{ready, Ready};
-use std::pin::Pin;
+use std::error::Error as StdError;
 use std::rc::Rc;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use actix_service::{Service, Transform};
+use actix_service::Service;
 use actix_web::body::{BodySize, BoxBody, EitherBody, MessageBody};
+use actix_web::dev::ResponseHead;
 use actix_web::dev::{Payload, ServiceRequest, ServiceResponse};
-use actix_web::http::header::{self, HeaderMap, HeaderName, HeaderValue};
-use actix_web::{Error, HttpMessage, HttpResponse};
+use actix_web::http::header::{self, HeaderMap};
+use actix_web::http::StatusCode;
+use actix_web::{Error, HttpMessage, HttpRequest, HttpResponse};
 use bytes::{Bytes, BytesMut};
-use futures_util::future::LocalBoxFuture;
 use futures_util::StreamExt;
+use tokio::sync::oneshot;
 
-use crate::config::{Config, IdempotencyBuilder, ResponseParts};
+use super::forward::{self, BodyFailed};
+use super::replay::{replay, storable_headers};
+use crate::config::{saturating_deadline, Config, ResponseParts};
 use crate::fingerprint::{is_json_content_type, Fingerprint};
 use crate::key::{parse_key, IdempotencyKey, KeyError};
 use crate::problem::{Problem, ProblemCode};
@@ -41,132 +28,17 @@ use crate::store::{
     WriteOutcome,
 };
 
-/// The response header added to replays.
-pub const REPLAYED_HEADER: HeaderName = HeaderName::from_static("idempotent-replayed");
-
-/// Headers that are never stored or replayed (C11): cookies belong to one response, the rest
-/// describe one connection or one message framing.
-const NEVER_STORED: [HeaderName; 11] = [
-    header::SET_COOKIE,
-    header::CONNECTION,
-    HeaderName::from_static("keep-alive"),
-    HeaderName::from_static("proxy-connection"),
-    header::TRANSFER_ENCODING,
-    header::CONTENT_LENGTH,
-    header::TE,
-    header::TRAILER,
-    header::UPGRADE,
-    header::PROXY_AUTHENTICATE,
-    REPLAYED_HEADER,
-];
-
 /// Longest pause between two looks at a running request in wait mode.
 const MAX_POLL_INTERVAL: Duration = Duration::from_millis(200);
 
-/// The Idempotency-Key middleware. `.wrap()` it around an `App` or a scope.
-///
-/// ```
-/// use actix_web::{web, App, HttpResponse};
-/// use idempotency_actix::{store::MemoryStore, Idempotency};
-///
-/// let store = MemoryStore::new(); // clones share the records: create it outside the app factory
-/// let app = App::new()
-///     .wrap(Idempotency::new(store.clone()))
-///     .route("/payments", web::post().to(|| async { HttpResponse::Created().finish() }));
-/// ```
-pub struct Idempotency<S> {
-    store: Arc<S>,
-    config: Arc<Config>,
-}
+/// What the middleware answers with, on either side of the task boundary.
+pub(super) type FlowResult<B> = Result<ServiceResponse<EitherBody<B, BoxBody>>, Error>;
 
-impl<S> Clone for Idempotency<S> {
-    fn clone(&self) -> Self {
-        Self {
-            store: Arc::clone(&self.store),
-            config: Arc::clone(&self.config),
-        }
-    }
-}
+/// Where the task sends the answer; dropped unread when the client is gone.
+type Answer<B> = oneshot::Sender<FlowResult<B>>;
 
-impl<S: IdempotencyStore> Idempotency<S> {
-    /// The middleware with the contract's defaults (see [`crate::config`] for each and why).
-    pub fn new(store: S) -> Self {
-        Self::builder(store).build()
-    }
-
-    /// Configure the middleware.
-    pub fn builder(store: S) -> IdempotencyBuilder<S> {
-        IdempotencyBuilder::new(store)
-    }
-}
-
-impl<S> Idempotency<S> {
-    pub(crate) fn from_parts(store: S, config: Config) -> Self {
-        Self {
-            store: Arc::new(store),
-            config: Arc::new(config),
-        }
-    }
-}
-
-impl<S, Svc, B> Transform<Svc, ServiceRequest> for Idempotency<S>
-where
-    S: IdempotencyStore,
-    Svc: Service<ServiceRequest, Response = ServiceResponse<B>, Error = Error> + 'static,
-    B: MessageBody + 'static,
-{
-    type Response = ServiceResponse<EitherBody<B, BoxBody>>;
-    type Error = Error;
-    type Transform = IdempotencyMiddleware<S, Svc>;
-    type InitError = ();
-    type Future = Ready<Result<Self::Transform, ()>>;
-
-    fn new_transform(&self, service: Svc) -> Self::Future {
-        ready(Ok(IdempotencyMiddleware {
-            service: Rc::new(service),
-            store: Arc::clone(&self.store),
-            config: Arc::clone(&self.config),
-        }))
-    }
-}
-
-/// The per-worker service created by [`Idempotency`]; not used directly.
-pub struct IdempotencyMiddleware<S, Svc> {
-    service: Rc<Svc>,
-    store: Arc<S>,
-    config: Arc<Config>,
-}
-
-impl<S, Svc, B> Service<ServiceRequest> for IdempotencyMiddleware<S, Svc>
-where
-    S: IdempotencyStore,
-    Svc: Service<ServiceRequest, Response = ServiceResponse<B>, Error = Error> + 'static,
-    B: MessageBody + 'static,
-{
-    type Response = ServiceResponse<EitherBody<B, BoxBody>>;
-    type Error = Error;
-    type Future = LocalBoxFuture<'static, Result<Self::Response, Error>>;
-
-    actix_service::forward_ready!(service);
-
-    fn call(&self, req: ServiceRequest) -> Self::Future {
-        let service = Rc::clone(&self.service);
-        if !self.config.covers(req.method()) {
-            return Box::pin(pass_through(service, req));
-        }
-        let flow = Flow {
-            service,
-            store: Arc::clone(&self.store),
-            config: Arc::clone(&self.config),
-        };
-        Box::pin(flow.run(req))
-    }
-}
-
-async fn pass_through<Svc, B>(
-    service: Rc<Svc>,
-    req: ServiceRequest,
-) -> Result<ServiceResponse<EitherBody<B, BoxBody>>, Error>
+/// Hand the request to the next service untouched.
+pub(super) async fn pass_through<Svc, B>(service: Rc<Svc>, req: ServiceRequest) -> FlowResult<B>
 where
     Svc: Service<ServiceRequest, Response = ServiceResponse<B>, Error = Error>,
 {
@@ -174,13 +46,11 @@ where
 }
 
 /// One covered request on its way through the contract.
-struct Flow<S, Svc> {
-    service: Rc<Svc>,
-    store: Arc<S>,
-    config: Arc<Config>,
+pub(super) struct Flow<S, Svc> {
+    pub(super) service: Rc<Svc>,
+    pub(super) store: Arc<S>,
+    pub(super) config: Arc<Config>,
 }
-
-type FlowResult<B> = Result<ServiceResponse<EitherBody<B, BoxBody>>, Error>;
 
 impl<S, Svc, B> Flow<S, Svc>
 where
@@ -188,23 +58,26 @@ where
     Svc: Service<ServiceRequest, Response = ServiceResponse<B>, Error = Error> + 'static,
     B: MessageBody + 'static,
 {
-    async fn run(self, mut req: ServiceRequest) -> FlowResult<B> {
+    /// Check the request (key, tenant, body), then hand it to [`Self::settle`] on its own task.
+    pub(super) async fn run(self, mut req: ServiceRequest) -> FlowResult<B> {
         let key = match self.key_of(&req) {
             Ok(Some(key)) => key,
             Ok(None) => return pass_through(self.service, req).await,
             Err(problem) => return Ok(self.problem(req, problem)),
+        };
+        let tenant = match self.tenant_of(&req) {
+            Ok(tenant) => tenant,
+            Err(problem) => {
+                tracing::info!(target: "idempotency_actix", outcome = "missing_tenant", path = %req.path(), "keyed request without a tenant refused");
+                return Ok(self.problem(req, problem));
+            }
         };
         let body = match read_body(&mut req, self.config.max_body_bytes).await? {
             Ok(body) => body,
             Err(problem) => return Ok(self.problem(req, problem)),
         };
         let scope = Scope {
-            tenant: self
-                .config
-                .tenant
-                .as_ref()
-                .and_then(|t| t(&req))
-                .unwrap_or_default(),
+            tenant,
             method: req.method().as_str().to_owned(),
             // The path as the router sees it (percent-encoded unreserved characters decoded),
             // so `/%70ayments` and `/payments`, one route, are one record, not two executions.
@@ -222,17 +95,54 @@ where
             Fingerprint::of_request(&scope.method, req.path(), req.query_string(), json, &body);
         req.set_payload(Payload::from(body));
 
+        // From here on nothing may be cut short by the client: the task owns the request.
+        let (answer, answered) = oneshot::channel();
+        actix_rt::spawn(self.settle(req, scope, fingerprint, answer));
+        match answered.await {
+            Ok(result) => result,
+            // The task ended without an answer: the handler panicked. Its reservation stays
+            // until the lease ends (its effects may exist); the client gets an opaque 500.
+            Err(_) => {
+                tracing::error!(target: "idempotency_actix", outcome = "handler_panic", "the request's task ended without a response; reservation left to its lease");
+                Err(opaque_500("the request's task ended without a response"))
+            }
+        }
+    }
+
+    /// Reserve, run the handler, store or release, and answer; on a task of its own.
+    async fn settle(
+        self,
+        req: ServiceRequest,
+        scope: Scope,
+        fingerprint: Fingerprint,
+        answer: Answer<B>,
+    ) {
         let token = match self.reserve(&scope, &fingerprint).await {
             Ok(token) => token,
             Err(Decision::Respond(response)) => {
-                return Ok(req.into_response(response).map_into_right_body())
+                let _ = answer.send(Ok(req.into_response(response).map_into_right_body()));
+                return;
             }
-            Err(Decision::PassThrough) => return pass_through(self.service, req).await,
+            Err(Decision::Replay(stored)) => {
+                let response = match replay(stored, &req) {
+                    Ok(response) => req.into_response(response).map_into_right_body(),
+                    Err(problem) => {
+                        tracing::info!(target: "idempotency_actix", outcome = "replay_not_acceptable", key = %scope.key, tenant = %scope.tenant, path = %scope.path, "stored response encoded in a way this retry does not accept");
+                        self.problem(req, problem)
+                    }
+                };
+                let _ = answer.send(Ok(response));
+                return;
+            }
+            Err(Decision::PassThrough) => {
+                let _ = answer.send(pass_through(Rc::clone(&self.service), req).await);
+                return;
+            }
         };
         req.extensions_mut()
             .insert(IdempotencyKey(scope.key.clone()));
         let result = self.service.call(req).await;
-        self.finish(&scope, token, result).await
+        self.finish(&scope, token, result, answer).await;
     }
 
     /// The key of the request, `None` if it has none and none is required.
@@ -261,6 +171,24 @@ where
             .map_err(|e| Problem::new(e.code(), format!("{}: {e}", self.config.header_name)))
     }
 
+    /// The tenant of a keyed request (C3, C23): `""` (global) when no source is configured; a
+    /// configured source that yields nothing (or `""`) refuses the request unless the user opted
+    /// into the global scope.
+    fn tenant_of(&self, req: &ServiceRequest) -> Result<String, Problem> {
+        let Some(source) = &self.config.tenant else {
+            return Ok(String::new());
+        };
+        match source(req).filter(|tenant| !tenant.is_empty()) {
+            Some(tenant) => Ok(tenant),
+            None if self.config.missing_tenant_uses_global_scope => Ok(String::new()),
+            None => Err(Problem::new(
+                ProblemCode::MissingTenant,
+                "the tenant of this request could not be determined, so its Idempotency-Key \
+                 cannot be scoped; the request was not processed",
+            )),
+        }
+    }
+
     /// Reserve the key, or decide the response without running the handler.
     async fn reserve(
         &self,
@@ -268,7 +196,9 @@ where
         fingerprint: &Fingerprint,
     ) -> Result<ReservationToken, Decision> {
         let config = &self.config;
-        let wait_until = config.wait_for_in_flight.map(|wait| Instant::now() + wait);
+        let wait_until = config
+            .wait_for_in_flight
+            .map(|wait| saturating_deadline(Instant::now(), wait));
         let mut pause = Duration::from_millis(10);
         loop {
             let outcome = self
@@ -291,12 +221,13 @@ where
                     tracing::info!(target: "idempotency_actix", outcome = "mismatch", key = %scope.key, tenant = %scope.tenant, path = %scope.path, "key reused for a different request");
                     return Err(self.respond(Problem::new(
                         ProblemCode::FingerprintMismatch,
-                        "this key was used for a request with another method, path, query or body; use a new key for a new request",
+                        "this key was already used on this endpoint for a request with another \
+                         body, query or spelling of the path; use a new key for a new request",
                     )));
                 }
                 Ok(ReserveOutcome::Completed { response, .. }) => {
                     tracing::debug!(target: "idempotency_actix", outcome = "replay", key = %scope.key, tenant = %scope.tenant, path = %scope.path, status = response.status, "replaying the stored response");
-                    return Err(Decision::Respond(replay(response)));
+                    return Err(Decision::Replay(response));
                 }
                 Ok(ReserveOutcome::InFlight { .. }) => {
                     let now = Instant::now();
@@ -328,60 +259,148 @@ where
         }
     }
 
-    /// After the handler: store or release, and hand the response on.
+    /// After the handler: store or release, and send the response on.
     async fn finish(
         &self,
         scope: &Scope,
         token: ReservationToken,
         result: Result<ServiceResponse<B>, Error>,
-    ) -> FlowResult<B> {
-        let config = &self.config;
+        answer: Answer<B>,
+    ) {
         let response = match result {
-            Ok(response) if (config.store_status)(response.status()) => response,
+            Ok(response) if (self.config.store_status)(response.status()) => response,
             Ok(response) => {
                 let status = response.status();
                 self.release(scope, &token, status.as_str()).await;
-                return Ok(response.map_into_left_body());
+                let _ = answer.send(Ok(response.map_into_left_body()));
+                return;
             }
             Err(error) => {
                 self.release(scope, &token, "handler error").await;
-                return Err(error);
+                let _ = answer.send(Err(error));
+                return;
             }
         };
+        let max = self.config.max_response_bytes;
         let (request, response) = response.into_parts();
         let (head, body) = response.into_parts();
-        let body = match buffer_body(body, config.max_response_bytes).await {
-            Buffered::Complete(bytes) => bytes,
-            Buffered::TooLarge(body) => {
-                tracing::warn!(target: "idempotency_actix", outcome = "not_stored", key = %scope.key, tenant = %scope.tenant, path = %scope.path, max_response_bytes = config.max_response_bytes, "response too large to store; key released");
-                self.release(scope, &token, "response too large").await;
-                let response = head.set_body(body);
-                return Ok(ServiceResponse::new(request, response).map_into_right_body());
+        if matches!(body.size(), BodySize::Sized(len) if len > max as u64) {
+            self.release(scope, &token, "response too large").await;
+            let response = ServiceResponse::new(request, head.set_body(body));
+            let _ = answer.send(Ok(response.map_into_left_body()));
+            return;
+        }
+        match body.try_into_bytes() {
+            // One buffer (most handlers): store it, then send it.
+            Ok(bytes) => {
+                self.store_or_release(scope, &token, head.head(), &bytes)
+                    .await;
+                let response = ServiceResponse::new(request, head.set_body(BoxBody::new(bytes)));
+                let _ = answer.send(Ok(response.map_into_right_body()));
             }
-            Buffered::Failed(error) => {
-                // The handler ran, so its effects may exist: keep the reservation until its
-                // lease ends rather than invite a second execution (C16).
-                tracing::error!(target: "idempotency_actix", outcome = "store_error", key = %scope.key, tenant = %scope.tenant, path = %scope.path, %error, "response body failed; reservation left to its lease");
-                return Err(actix_web::error::ErrorInternalServerError(error));
+            Err(body) => self.stream(scope, token, request, head, body, answer).await,
+        }
+    }
+
+    /// A streamed body (C24): send the head now, forward every chunk as it comes while keeping
+    /// a copy up to the limit, store the copy when the stream ends, and only then end the
+    /// client's body. See the module docs of [`super`] for backpressure and a vanished client.
+    async fn stream(
+        &self,
+        scope: &Scope,
+        token: ReservationToken,
+        request: HttpRequest,
+        head: HttpResponse<()>,
+        body: B,
+        answer: Answer<B>,
+    ) {
+        let max = self.config.max_response_bytes;
+        let stored_head = StoredHead::of(head.head());
+        let (sender, forwarded) = forward::channel(body.size());
+        let response = ServiceResponse::new(request, head.set_body(BoxBody::new(forwarded)));
+        let mut client = answer
+            .send(Ok(response.map_into_right_body()))
+            .ok()
+            .map(|()| sender);
+        let mut copy: Option<Vec<Bytes>> = Some(Vec::new());
+        let mut read = 0usize;
+        let mut body = std::pin::pin!(body);
+        loop {
+            match std::future::poll_fn(|cx| body.as_mut().poll_next(cx)).await {
+                None => break,
+                Some(Ok(chunk)) => {
+                    let mut went_over = false;
+                    if let Some(chunks) = copy.as_mut() {
+                        read = read.saturating_add(chunk.len());
+                        if read > max {
+                            copy = None;
+                            went_over = true;
+                        } else {
+                            chunks.push(chunk.clone());
+                        }
+                    }
+                    if let Some(sender) = &client {
+                        if sender.send(Ok(chunk)).await.is_err() {
+                            client = None; // the client is gone: keep reading, stop forwarding
+                        }
+                    }
+                    if went_over {
+                        tracing::warn!(target: "idempotency_actix", outcome = "not_stored", key = %scope.key, tenant = %scope.tenant, path = %scope.path, max_response_bytes = max, "streamed response too large to store; key released");
+                        self.release_quietly(scope, &token).await;
+                    }
+                    if client.is_none() && copy.is_none() {
+                        return; // nobody listens and nothing is left to store
+                    }
+                }
+                Some(Err(error)) => {
+                    let error: Box<dyn StdError> = error.into();
+                    // The handler ran, so its effects may exist: keep the reservation until its
+                    // lease ends rather than invite a second execution (C16). The detail stays
+                    // in the log; the client's connection is aborted.
+                    tracing::error!(target: "idempotency_actix", outcome = "body_error", key = %scope.key, tenant = %scope.tenant, path = %scope.path, %error, "response body failed after its head was sent; connection aborted, reservation left to its lease");
+                    if let Some(sender) = client {
+                        let _ = sender.send(Err(BodyFailed)).await;
+                    }
+                    return;
+                }
             }
-        };
+        }
+        if let Some(chunks) = copy {
+            let body = concat(chunks, read);
+            self.store_or_release(scope, &token, &stored_head.as_head(), &body)
+                .await;
+        }
+        drop(client); // the end of the body reaches the client after the record is stored
+    }
+
+    /// Store a complete response, or release the key when it is too large or `store_if` says no.
+    async fn store_or_release(
+        &self,
+        scope: &Scope,
+        token: &ReservationToken,
+        head: &ResponseHead,
+        body: &Bytes,
+    ) {
+        let config = &self.config;
+        if body.len() > config.max_response_bytes {
+            self.release(scope, token, "response too large").await;
+            return;
+        }
         let parts = ResponseParts {
-            status: head.status(),
-            headers: head.headers(),
-            body: &body,
+            status: head.status,
+            headers: &head.headers,
+            body,
         };
         if config.store_if.as_ref().is_some_and(|keep| !keep(&parts)) {
-            self.release(scope, &token, "rejected by store_if").await;
-        } else {
-            let stored = StoredResponse {
-                status: head.status().as_u16(),
-                headers: storable_headers(head.headers(), &config.deny_headers),
-                body: body.clone(),
-            };
-            self.complete(scope, &token, &stored).await;
+            self.release(scope, token, "rejected by store_if").await;
+            return;
         }
-        let response = head.set_body(BoxBody::new(body));
-        Ok(ServiceResponse::new(request, response).map_into_right_body())
+        let stored = StoredResponse {
+            status: head.status.as_u16(),
+            headers: storable_headers(&head.headers, &config.deny_headers),
+            body: body.clone(),
+        };
+        self.complete(scope, token, &stored).await;
     }
 
     async fn complete(&self, scope: &Scope, token: &ReservationToken, stored: &StoredResponse) {
@@ -410,7 +429,7 @@ where
     fn retry_complete(&self, scope: Scope, token: ReservationToken, stored: StoredResponse) {
         let store = Arc::clone(&self.store);
         let ttl = self.config.ttl;
-        let until = Instant::now() + self.config.lock_timeout;
+        let until = saturating_deadline(Instant::now(), self.config.lock_timeout);
         tokio::spawn(async move {
             let mut pause = Duration::from_millis(100);
             while Instant::now() + pause < until {
@@ -431,6 +450,11 @@ where
 
     async fn release(&self, scope: &Scope, token: &ReservationToken, reason: &str) {
         tracing::info!(target: "idempotency_actix", outcome = "not_stored", key = %scope.key, tenant = %scope.tenant, path = %scope.path, reason, "response not stored; key released");
+        self.release_quietly(scope, token).await;
+    }
+
+    /// Release without the "not stored" line (the caller logged its own reason).
+    async fn release_quietly(&self, scope: &Scope, token: &ReservationToken) {
         match self.store.release(scope, token).await {
             Ok(WriteOutcome::Applied) => {}
             Ok(WriteOutcome::Stale) => {
@@ -459,7 +483,50 @@ where
 /// What to do instead of running the handler.
 enum Decision {
     Respond(HttpResponse),
+    Replay(StoredResponse),
     PassThrough,
+}
+
+/// The status and headers of a streamed response, kept for its record after its head was sent.
+struct StoredHead {
+    status: StatusCode,
+    headers: HeaderMap,
+}
+
+impl StoredHead {
+    fn of(head: &ResponseHead) -> Self {
+        Self {
+            status: head.status,
+            headers: head.headers.clone(),
+        }
+    }
+
+    fn as_head(&self) -> ResponseHead {
+        let mut head = ResponseHead::new(self.status);
+        head.headers = self.headers.clone();
+        head
+    }
+}
+
+/// An empty 500 whose reason goes to the log, never to the client.
+fn opaque_500(reason: &'static str) -> Error {
+    actix_web::error::InternalError::from_response(
+        reason,
+        HttpResponse::InternalServerError().finish(),
+    )
+    .into()
+}
+
+fn concat(mut chunks: Vec<Bytes>, len: usize) -> Bytes {
+    match chunks.len() {
+        0 => Bytes::new(),
+        1 => chunks.swap_remove(0),
+        _ => {
+            let mut all = BytesMut::with_capacity(len);
+            chunks.iter().for_each(|c| all.extend_from_slice(c));
+            all.freeze()
+        }
+    }
 }
 
 fn unavailable_detail(error: &StoreError) -> String {
@@ -501,123 +568,4 @@ async fn read_body(req: &mut ServiceRequest, max: usize) -> Result<Result<Bytes,
         body.extend_from_slice(&chunk);
     }
     Ok(Ok(body.freeze()))
-}
-
-enum Buffered {
-    Complete(Bytes),
-    /// Over the limit: the body to send instead (what was read, then the rest).
-    TooLarge(BoxBody),
-    Failed(Box<dyn std::error::Error>),
-}
-
-/// Read a response body up to `max` bytes without ever holding more than that.
-async fn buffer_body<B: MessageBody + 'static>(body: B, max: usize) -> Buffered {
-    if let BodySize::Sized(len) = body.size() {
-        if len > max as u64 {
-            return Buffered::TooLarge(BoxBody::new(body));
-        }
-    }
-    let body = match body.try_into_bytes() {
-        Ok(bytes) => return Buffered::Complete(bytes),
-        Err(body) => body,
-    };
-    let size = body.size();
-    let mut body = Box::pin(body);
-    let mut chunks: Vec<Bytes> = Vec::new();
-    let mut read = 0usize;
-    loop {
-        match std::future::poll_fn(|cx| body.as_mut().poll_next(cx)).await {
-            None => break,
-            Some(Ok(chunk)) => {
-                read += chunk.len();
-                chunks.push(chunk);
-                if read > max {
-                    return Buffered::TooLarge(BoxBody::new(Prefixed {
-                        prefix: chunks,
-                        rest: body,
-                        size,
-                    }));
-                }
-            }
-            Some(Err(error)) => return Buffered::Failed(error.into()),
-        }
-    }
-    Buffered::Complete(match chunks.len() {
-        0 => Bytes::new(),
-        1 => chunks.swap_remove(0),
-        _ => {
-            let mut all = BytesMut::with_capacity(read);
-            chunks.iter().for_each(|c| all.extend_from_slice(c));
-            all.freeze()
-        }
-    })
-}
-
-/// A body whose first chunks were already read: those, then the rest of the original.
-struct Prefixed<B> {
-    prefix: Vec<Bytes>,
-    rest: Pin<Box<B>>,
-    size: BodySize,
-}
-
-impl<B: MessageBody> MessageBody for Prefixed<B> {
-    type Error = B::Error;
-
-    fn size(&self) -> BodySize {
-        self.size
-    }
-
-    fn poll_next(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Bytes, Self::Error>>> {
-        let this = self.get_mut();
-        if !this.prefix.is_empty() {
-            return Poll::Ready(Some(Ok(this.prefix.remove(0))));
-        }
-        this.rest.as_mut().poll_next(cx)
-    }
-}
-
-/// The headers of a response that may be stored and replayed (C11).
-fn storable_headers(headers: &HeaderMap, deny: &[HeaderName]) -> Vec<(String, Bytes)> {
-    headers
-        .iter()
-        .filter(|(name, _)| !NEVER_STORED.contains(name) && !deny.contains(name))
-        .map(|(name, value)| {
-            (
-                name.as_str().to_owned(),
-                Bytes::copy_from_slice(value.as_bytes()),
-            )
-        })
-        .collect()
-}
-
-/// The stored response, byte for byte, marked as a replay (C6).
-fn replay(stored: StoredResponse) -> HttpResponse {
-    let status = actix_web::http::StatusCode::from_u16(stored.status)
-        .unwrap_or(actix_web::http::StatusCode::OK);
-    let mut response = HttpResponse::with_body(status, BoxBody::new(stored.body));
-    let headers = response.headers_mut();
-    for (name, value) in stored.headers {
-        // A record written by this crate always decodes; skip anything a foreign writer made
-        // unrepresentable rather than fail the replay.
-        if let (Ok(name), Ok(value)) = (
-            HeaderName::try_from(name.as_str()),
-            HeaderValue::from_maybe_shared(value),
-        ) {
-            if !NEVER_STORED.contains(&name) {
-                headers.append(name, value);
-            }
-        }
-    }
-    headers.insert(REPLAYED_HEADER, HeaderValue::from_static("true"));
-    response
-}
-
-impl<S, Svc> std::fmt::Debug for IdempotencyMiddleware<S, Svc> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("IdempotencyMiddleware")
-            .finish_non_exhaustive()
-    }
 }

@@ -1,0 +1,193 @@
+//! The actix-web middleware: [`Idempotency`] and the request flow of the contract.
+//!
+//! For a covered request (POST/PATCH by default) carrying a key:
+//!
+//! 1. parse the key (C2), take the tenant (C3, C23), buffer the body up to `max_body_bytes`
+//!    (C14) and fingerprint method, path, query and body (C4);
+//! 2. one `reserve` call on the store (C5): it either reserves the key for us, or tells us what
+//!    is there: a completed record (replay it, C6, or 422 if the fingerprint differs, C7) or a
+//!    running one (409 with `Retry-After`, or wait for it, C8; 422 if the fingerprint differs);
+//! 3. run the handler with the buffered body and the [`IdempotencyKey`](crate::IdempotencyKey)
+//!    in the extensions;
+//! 4. if the response is to be stored (C10, C11), `complete` the record with the reservation's
+//!    token (C9) and send it; otherwise `release` the key so the client can retry.
+//!
+//! A store failure before the handler runs answers 503 (C15, or passes through with
+//! `fail_open`); after the handler ran, the client still gets the response, the failure is
+//! logged, and the reservation stays until its lease ends (C16).
+//!
+//! # Cancellation: steps 2 to 4 run on a task of their own (C21)
+//! actix drops the future that serves a request when its client goes away (a FIN or a TCP
+//! reset mid-request, an HTTP/2 stream reset). Had the handler run inside that future, it would
+//! stop at its next `.await` with its effects half done and the key neither completed nor
+//! released; a retry after the lease would run it again. So from the reservation on, the flow
+//! runs on a task of the worker's local runtime (`actix_rt::spawn`: the handler's future is
+//! `!Send`), and the request's future only awaits its answer. A client that disconnects
+//! changes nothing: the handler, the store write and the release run to their end, and the
+//! response nobody can receive is dropped. A retry gets the replay.
+//!
+//! This needs a local task set, which every actix-web server has (`#[actix_web::main]`, and
+//! actix-web's workers on a plain Tokio runtime). **Tests** that call the middleware through
+//! `actix_web::test::init_service` must run on actix's runtime too: `#[actix_web::test]` (or
+//! `#[actix_rt::test]`), not a bare `#[tokio::test]`, where Tokio refuses to spawn a local task.
+//!
+//! ## Streamed responses (C24)
+//! A response whose body is not a single buffer (a stream, server-sent events) is never held
+//! back: its head is sent at once and each chunk is forwarded as it comes, through a bounded
+//! channel of [`forward::CHANNEL_CHUNKS`] chunks, while the task keeps a copy up to
+//! `max_response_bytes`. Backpressure: when the client reads slowly the channel fills and the
+//! task stops pulling from the handler's stream until the client catches up, so a slow client
+//! slows its own stream and costs at most that many chunks of memory. When the client is gone
+//! the task keeps pulling (without forwarding) until the stream ends, so the record is stored
+//! and the retry replays; once the stream is over the limit (and so will not be stored) and
+//! nobody listens, the task stops and drops it. The end of the body reaches the client only
+//! after the record is stored, so a client that read the whole response and retries at once
+//! gets the replay, never a 409. If the stream fails after its head was sent, the connection
+//! is aborted (the error text goes to the log only) and the reservation is left to its lease:
+//! the handler ran, so its effects may exist.
+//!
+//! ## Graceful shutdown
+//! On a graceful stop actix-web waits up to `shutdown_timeout` (30 s by default) for open
+//! connections, then stops each worker's runtime, which drops its remaining tasks. A task whose
+//! connection is still open is waited for like any request. A task whose client has already
+//! gone is not counted by actix: if the worker stops before it ends, it is cut like a crash.
+//! Its reservation then stays until the lease ends, after which the same request takes it over
+//! (C16): never two runs inside the lease, and a replay if the task stored its response before
+//! the stop. Give `shutdown_timeout` at least your slowest handler's duration.
+//!
+//! ## HTTP/2
+//! This workspace builds actix-web without HTTP/2. An app that enables it (`http2` feature,
+//! TLS with ALPN) gets the same guarantee: an HTTP/2 stream reset drops the request's future
+//! just as a TCP reset does, and the detached task runs on regardless.
+
+mod flow;
+mod forward;
+mod replay;
+
+use std::future::{ready, Ready};
+use std::rc::Rc;
+use std::sync::Arc;
+
+use actix_service::{Service, Transform};
+use actix_web::body::{BoxBody, EitherBody, MessageBody};
+use actix_web::dev::{ServiceRequest, ServiceResponse};
+use actix_web::Error;
+use futures_util::future::LocalBoxFuture;
+
+use crate::config::{Config, IdempotencyBuilder};
+use crate::store::IdempotencyStore;
+use flow::Flow;
+
+pub use replay::REPLAYED_HEADER;
+
+/// The Idempotency-Key middleware. `.wrap()` it around an `App` or a scope.
+///
+/// ```
+/// use actix_web::{web, App, HttpResponse};
+/// use idempotency_actix::{store::MemoryStore, Idempotency};
+///
+/// let store = MemoryStore::new(); // clones share the records: create it outside the app factory
+/// let app = App::new()
+///     .wrap(Idempotency::new(store.clone()))
+///     .route("/payments", web::post().to(|| async { HttpResponse::Created().finish() }));
+/// ```
+///
+/// Wrap compression *outside* it (`.wrap(Idempotency::new(..))` first, then
+/// `.wrap(Compress::default())`: actix applies the last `wrap` outermost), so responses are
+/// stored unencoded and every replay is encoded for its own client.
+pub struct Idempotency<S> {
+    store: Arc<S>,
+    config: Arc<Config>,
+}
+
+impl<S> Clone for Idempotency<S> {
+    fn clone(&self) -> Self {
+        Self {
+            store: Arc::clone(&self.store),
+            config: Arc::clone(&self.config),
+        }
+    }
+}
+
+impl<S: IdempotencyStore> Idempotency<S> {
+    /// The middleware with the contract's defaults (see [`crate::config`] for each and why).
+    pub fn new(store: S) -> Self {
+        Self::builder(store).build()
+    }
+
+    /// Configure the middleware.
+    pub fn builder(store: S) -> IdempotencyBuilder<S> {
+        IdempotencyBuilder::new(store)
+    }
+}
+
+impl<S> Idempotency<S> {
+    pub(crate) fn from_parts(store: S, config: Config) -> Self {
+        Self {
+            store: Arc::new(store),
+            config: Arc::new(config),
+        }
+    }
+}
+
+impl<S, Svc, B> Transform<Svc, ServiceRequest> for Idempotency<S>
+where
+    S: IdempotencyStore,
+    Svc: Service<ServiceRequest, Response = ServiceResponse<B>, Error = Error> + 'static,
+    B: MessageBody + 'static,
+{
+    type Response = ServiceResponse<EitherBody<B, BoxBody>>;
+    type Error = Error;
+    type Transform = IdempotencyMiddleware<S, Svc>;
+    type InitError = ();
+    type Future = Ready<Result<Self::Transform, ()>>;
+
+    fn new_transform(&self, service: Svc) -> Self::Future {
+        ready(Ok(IdempotencyMiddleware {
+            service: Rc::new(service),
+            store: Arc::clone(&self.store),
+            config: Arc::clone(&self.config),
+        }))
+    }
+}
+
+/// The per-worker service created by [`Idempotency`]; not used directly.
+#[doc(hidden)]
+pub struct IdempotencyMiddleware<S, Svc> {
+    service: Rc<Svc>,
+    store: Arc<S>,
+    config: Arc<Config>,
+}
+
+impl<S, Svc, B> Service<ServiceRequest> for IdempotencyMiddleware<S, Svc>
+where
+    S: IdempotencyStore,
+    Svc: Service<ServiceRequest, Response = ServiceResponse<B>, Error = Error> + 'static,
+    B: MessageBody + 'static,
+{
+    type Response = ServiceResponse<EitherBody<B, BoxBody>>;
+    type Error = Error;
+    type Future = LocalBoxFuture<'static, Result<Self::Response, Error>>;
+
+    actix_service::forward_ready!(service);
+
+    fn call(&self, req: ServiceRequest) -> Self::Future {
+        let service = Rc::clone(&self.service);
+        if !self.config.covers(req.method()) {
+            return Box::pin(flow::pass_through(service, req));
+        }
+        let flow = Flow {
+            service,
+            store: Arc::clone(&self.store),
+            config: Arc::clone(&self.config),
+        };
+        Box::pin(flow.run(req))
+    }
+}
+
+impl<S, Svc> std::fmt::Debug for IdempotencyMiddleware<S, Svc> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdempotencyMiddleware")
+            .finish_non_exhaustive()
+    }
+}
