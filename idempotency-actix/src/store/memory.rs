@@ -1,51 +1,7 @@
 //! [`MemoryStore`]: records in this process's memory.
 //!
-//! # Bounds (C22)
-//!
-//! The store is bounded twice: by records ([`MemoryStoreBuilder::max_entries`]) and by bytes
-//! ([`MemoryStoreBuilder::max_bytes`]), because an unbounded cache of responses is a memory
-//! leak with a delay, and a record bound alone does not bound memory (100,000 records of 1 MiB
-//! responses are 100 GB). A record is charged for its scope (tenant, method, path, key), its
-//! stored response (encoded headers and body) and [`RECORD_OVERHEAD`] bytes of bookkeeping.
-//!
-//! A *live* record (a completed record inside its TTL, or a reservation before the end of its
-//! grace period) is never dropped to make room by default. When the store is full of live
-//! records, `reserve` fails with [`StoreError::Capacity`] or [`StoreError::ByteCapacity`] and
-//! the middleware answers 503 `STORAGE_UNAVAILABLE` without running the handler, exactly as
-//! for a dead store (C15). Expired records are always dropped first. Apps that prefer a
-//! cache-like store (a shorter replay window under load rather than 503s) opt in with
-//! [`MemoryStoreBuilder::evict_live_completed_when_full`]; every such eviction is logged at
-//! `warn` (target `idempotency_actix`) with its scope. Reservations are never evicted.
-//!
-//! # Where a response's bytes are charged
-//!
-//! A reservation is charged [`MemoryStoreBuilder::response_allowance`] bytes (default 1 MiB,
-//! the middleware's default `max_response_bytes`) on top of its scope, at `reserve` time, and
-//! `complete` trades that allowance for the response's real size. So the room for a response
-//! is secured *before* the handler runs, when refusing is harmless (503, nothing happened), and
-//! `complete` of any response within the allowance always fits: it cannot fail after the
-//! handler's side effects happened, which would leave the key reserved and invite a second
-//! execution once the lease ends. The price is that each running request holds its allowance
-//! of the byte bound. A response larger than the allowance (only when the middleware's
-//! `max_response_bytes` is set above it) needs the difference from free space; without it,
-//! `complete` fails with [`StoreError::ByteCapacity`], the reservation stays, and the
-//! middleware keeps retrying until the lease ends (C16). Keep the allowance at least the
-//! middleware's `max_response_bytes`.
-//!
-//! # Ended reservations (C9)
-//!
-//! A reservation whose lease ended is kept, like PostgreSQL keeps its row: a retry of the same
-//! request takes it over, another body is refused, and a late `complete` by its holder (a
-//! handler slower than its lease that nobody took over) still stores the response. Only after
-//! [`MemoryStoreBuilder::reservation_grace`] (default 24 h) does the sweep delete it. Once its
-//! lease ended it keeps charging its scope but no longer its response allowance, so abandoned
-//! reservations cannot starve the byte bound; a late `complete` then needs room for its
-//! response like any other growth.
-//!
-//! # Time
-//!
-//! Leases, TTLs and the grace are durations added to [`Instant::now`] with saturating
-//! arithmetic: `Duration::MAX` means "never" and does not panic.
+//! The defaults below are where the store's bounds and grace are set, each with its reason;
+//! [`MemoryStore`] explains what is counted and what happens when the store is full.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -115,16 +71,62 @@ fn scope_charge(scope: &Scope) -> usize {
 /// behind a load balancer each have their own memory, so a retry that lands on another instance
 /// runs the handler again: use `PostgresStore` there.
 ///
-/// The store is bounded by records and by bytes (see the [module docs](self) for what is
-/// counted). When full, it drops expired records; if only live records are left, `reserve`
-/// fails with [`StoreError::Capacity`] or [`StoreError::ByteCapacity`] and the middleware
-/// answers 503, unless [`MemoryStoreBuilder::evict_live_completed_when_full`] was set. It never
-/// evicts a reservation (that would let a duplicate run while the first is still running).
-/// Expired records are swept as a side effect of `reserve`, so no background task is needed.
-/// Cloning is cheap and clones share the records.
+/// # Bounds (C22)
 ///
-/// One bound for all tenants: one tenant sending many new keys fills the store for all. Give
-/// each tenant class its own store, or use `PostgresStore`, when that matters.
+/// The store is bounded twice: by records ([`MemoryStoreBuilder::max_entries`]) and by bytes
+/// ([`MemoryStoreBuilder::max_bytes`]), because an unbounded cache of responses is a memory
+/// leak with a delay, and a record bound alone does not bound memory (100,000 records of 1 MiB
+/// responses are 100 GB). A record is charged for its scope (tenant, method, path, key), its
+/// stored response (encoded headers and body) and about 384 bytes of bookkeeping.
+///
+/// A *live* record (a completed record inside its TTL, or a reservation before the end of its
+/// grace period) is never dropped to make room by default. When the store is full of live
+/// records, `reserve` fails with [`StoreError::Capacity`] or [`StoreError::ByteCapacity`] and
+/// the middleware answers 503 `STORAGE_UNAVAILABLE` without running the handler, exactly as
+/// for a dead store (C15). Expired records are always dropped first. Apps that prefer a
+/// cache-like store (a shorter replay window under load rather than 503s) opt in with
+/// [`MemoryStoreBuilder::evict_live_completed_when_full`]; every such eviction is logged at
+/// `warn` (target `idempotency_actix`) with its scope. Reservations are never evicted.
+///
+/// The defaults (100,000 records, 256 MiB) fit a small server. With the middleware's 24 h
+/// TTL, 100,000 records hold a sustained rate of about 1.1 new keys per second: above that a
+/// store with the defaults starts answering 503. Raise `max_entries` (at about 550 bytes per
+/// small record), shorten the TTL, or use `PostgresStore`. The bound is one pool for all
+/// tenants: one tenant sending many new keys fills the store for all (it is refused, but so
+/// are the others); give tenants their own stores, or use `PostgresStore`, when that matters.
+///
+/// # Where a response's bytes are charged
+///
+/// A reservation is charged [`MemoryStoreBuilder::response_allowance`] bytes (default 1 MiB,
+/// the middleware's default `max_response_bytes`) on top of its scope, at `reserve` time, and
+/// `complete` trades that allowance for the response's real size. So the room for a response
+/// is secured *before* the handler runs, when refusing is harmless (503, nothing happened), and
+/// `complete` of any response within the allowance always fits: it cannot fail after the
+/// handler's side effects happened, which would leave the key reserved and invite a second
+/// execution once the lease ends. The price is that each running request holds its allowance
+/// of the byte bound. A response larger than the allowance (only when the middleware's
+/// `max_response_bytes` is set above it) needs the difference from free space; without it,
+/// `complete` fails with [`StoreError::ByteCapacity`], the reservation stays, and the
+/// middleware keeps retrying until the lease ends (C16). Keep the allowance at least the
+/// middleware's `max_response_bytes`.
+///
+/// # Ended reservations (C9)
+///
+/// A reservation whose lease ended is kept, like PostgreSQL keeps its row: a retry of the same
+/// request takes it over, another body is refused, and a late `complete` by its holder (a
+/// handler slower than its lease that nobody took over) still stores the response. Only after
+/// [`MemoryStoreBuilder::reservation_grace`] (default 24 h) does the sweep delete it. Once its
+/// lease ended it keeps charging its scope but no longer its response allowance, so abandoned
+/// reservations cannot starve the byte bound; a late `complete` then needs room for its
+/// response like any other growth.
+///
+/// # Sweeping and time
+///
+/// Expired records are swept as a side effect of `reserve` (the oldest completed records on
+/// every call, everything every [`MemoryStoreBuilder::sweep_interval`] and when the store is
+/// full), so no background task is needed. Leases, TTLs and the grace are durations added to
+/// [`Instant::now`] with saturating arithmetic: `Duration::MAX` means "never" and does not
+/// panic. Cloning is cheap and clones share the records.
 #[derive(Clone)]
 pub struct MemoryStore {
     inner: Arc<Mutex<Inner>>,
@@ -148,15 +150,15 @@ struct Limits {
 
 impl MemoryStoreBuilder {
     /// At most this many records (in flight and completed) are kept. Default
-    /// [`DEFAULT_MAX_ENTRIES`] (100,000). At least 1.
+    /// 100,000. At least 1.
     pub fn max_entries(mut self, max_entries: usize) -> Self {
         self.limits.max_entries = max_entries.max(1);
         self
     }
 
     /// At most this many bytes of records are kept: scopes, stored headers and bodies, the
-    /// response allowance of running reservations and [`RECORD_OVERHEAD`] per record. Default
-    /// [`DEFAULT_MAX_BYTES`] (256 MiB).
+    /// response allowance of running reservations and about 384 bytes of bookkeeping per record. Default
+    /// 256 MiB.
     pub fn max_bytes(mut self, max_bytes: usize) -> Self {
         self.limits.max_bytes = max_bytes;
         self
@@ -164,7 +166,7 @@ impl MemoryStoreBuilder {
 
     /// Bytes a reservation holds for its response until it completes (or its lease ends), so
     /// that `complete` of a response up to this size never fails for lack of room. Default
-    /// [`DEFAULT_RESPONSE_ALLOWANCE`] (1 MiB); keep it at least the middleware's
+    /// 1 MiB; keep it at least the middleware's
     /// `max_response_bytes`. Lower values admit more concurrent requests within
     /// [`max_bytes`](Self::max_bytes) but let a larger response fail to be stored when the
     /// store is full.
@@ -188,7 +190,7 @@ impl MemoryStoreBuilder {
     }
 
     /// How long a reservation whose lease ended is kept before the periodic sweep deletes it.
-    /// Default [`DEFAULT_RESERVATION_GRACE`] (24 h). Meanwhile only the same request may take
+    /// Default 24 h. Meanwhile only the same request may take
     /// it over and a late `complete` by its holder still applies.
     pub fn reservation_grace(mut self, grace: Duration) -> Self {
         self.limits.reservation_grace = grace;
@@ -197,7 +199,7 @@ impl MemoryStoreBuilder {
 
     /// How often `reserve` walks all records to delete what expired (records the cheap sweep
     /// misses: ended reservations past their grace, records with a shorter TTL than their
-    /// neighbours). Default [`DEFAULT_SWEEP_INTERVAL`] (30 s).
+    /// neighbours). Default 30 s.
     pub fn sweep_interval(mut self, interval: Duration) -> Self {
         self.limits.sweep_interval = interval;
         self
@@ -266,8 +268,8 @@ impl MemoryStore {
         self.len() == 0
     }
 
-    /// Bytes charged against [`MemoryStoreBuilder::max_bytes`] now (see the
-    /// [module docs](self) for what is counted).
+    /// Bytes charged against [`MemoryStoreBuilder::max_bytes`] now (see [`MemoryStore`] for
+    /// what is counted).
     pub fn bytes_used(&self) -> usize {
         self.lock().bytes
     }
