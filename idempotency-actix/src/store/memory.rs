@@ -157,8 +157,9 @@ impl MemoryStoreBuilder {
     }
 
     /// At most this many bytes of records are kept: scopes, stored headers and bodies, the
-    /// response allowance of running reservations and about 384 bytes of bookkeeping per record. Default
-    /// 256 MiB.
+    /// response allowance of running reservations and about 384 bytes of bookkeeping per
+    /// record. Default 256 MiB. A new reservation needs its scope plus the response allowance
+    /// free, so a bound below the allowance refuses every request.
     pub fn max_bytes(mut self, max_bytes: usize) -> Self {
         self.limits.max_bytes = max_bytes;
         self
@@ -841,6 +842,33 @@ mod tests {
                 .await
                 .unwrap(),
             ReserveOutcome::Reserved { .. }
+        ));
+    }
+
+    /// With the opt-in, eviction is planned first: when evicting every completed record would
+    /// still not make room (the rest are reservations), nothing is evicted.
+    #[tokio::test]
+    async fn eviction_that_cannot_make_room_evicts_nothing() {
+        let base = scope_charge(&scope("a"));
+        let store = MemoryStore::builder()
+            .response_allowance(1000)
+            .max_bytes(2 * base + 1100)
+            .evict_live_completed_when_full(true)
+            .build();
+        let fp = Fingerprint([1; 32]);
+        let lease = Duration::from_secs(60);
+        reserve_and_complete(&store, "b").await;
+        assert!(matches!(
+            store.reserve(&scope("a"), &fp, lease).await.unwrap(),
+            ReserveOutcome::Reserved { .. }
+        ));
+        assert!(matches!(
+            store.reserve(&scope("c"), &fp, lease).await,
+            Err(StoreError::ByteCapacity(_))
+        ));
+        assert!(matches!(
+            store.reserve(&scope("b"), &fp, lease).await.unwrap(),
+            ReserveOutcome::Completed { .. }
         ));
     }
 
