@@ -153,9 +153,8 @@ fn can_connect(url: &str) -> bool {
     attempt.unwrap_or(false)
 }
 
-/// `url` with its database replaced by `database` (URL or `key=value` form): a `dbname`
-/// parameter appended where the driver reads it (the library's `with_dbname`), so passwords
-/// holding `/`, `?` or `#` survive.
+/// `url` with its database replaced by `database` (URL or `key=value` form), where the driver
+/// reads it (the library's `with_dbname`), so passwords holding `/`, `?` or `#` survive.
 pub fn with_database(url: &str, database: &str) -> String {
     postgres::with_dbname(url, database)
 }
@@ -509,11 +508,12 @@ mod tests {
     fn database_is_replaced_in_urls() {
         assert_eq!(
             with_database("postgres://u:p@h:1/postgres?sslmode=require", "x"),
-            "postgres://u:p@h:1/postgres?sslmode=require&dbname=x"
+            "postgres://u:p@h:1/x?sslmode=require"
         );
+        assert_eq!(with_database("postgres://u@h", "x"), "postgres://u@h/x");
         assert_eq!(
-            with_database("postgres://u@h", "x"),
-            "postgres://u@h?dbname=x"
+            with_database("postgres://u:p/w?d@h:1/postgres?sslmode=require", "x"),
+            "postgres://u:p/w?d@h:1/x?sslmode=require"
         );
         assert_eq!(
             with_database("host=h user=u", "x"),

@@ -461,12 +461,8 @@ pub(crate) const UNPARSABLE: &str = "(connection string not shown: it cannot be 
 /// parsed. Host and database names holding an `@` (the rest of a password whose `@` was not
 /// percent-encoded) are not shown either.
 pub(crate) fn redact(conninfo: &str) -> String {
-    use percent_encoding::{utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
-    const PART: &AsciiSet = &NON_ALPHANUMERIC
-        .remove(b'-')
-        .remove(b'.')
-        .remove(b'_')
-        .remove(b'~');
+    use percent_encoding::utf8_percent_encode;
+    const PART: &percent_encoding::AsciiSet = URL_PART;
     const HIDDEN: &str = "(hidden)";
     let Ok((config, ssl)) = parse_config(conninfo) else {
         return UNPARSABLE.to_owned();
@@ -548,24 +544,35 @@ pub(crate) fn redact(conninfo: &str) -> String {
     out
 }
 
-/// `conninfo` connecting to the database `dbname` instead: a `dbname` parameter appended (the
-/// driver lets the last one win), in the URL's query as the driver finds it, or as a
-/// key/value pair.
+/// Percent-encoding for one part of a URL (user, host, database): all but unreserved.
+const URL_PART: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
+    .remove(b'-')
+    .remove(b'.')
+    .remove(b'_')
+    .remove(b'~');
+
+/// `conninfo` connecting to the database `dbname` instead: in a URL the path is replaced where
+/// the driver reads it (after the credentials and the host, before the query), and a
+/// `dbname` parameter of the query would still win, as with the driver; in the key/value form
+/// a `dbname` pair is appended (the last one wins).
 pub(crate) fn with_dbname(conninfo: &str, dbname: &str) -> String {
     let trimmed = conninfo.trim();
-    if url_prefix_len(trimmed).is_some() {
-        let encoded =
-            percent_encoding::utf8_percent_encode(dbname, percent_encoding::NON_ALPHANUMERIC);
-        let separator = if url_query_start(trimmed).is_some() {
-            '&'
-        } else {
-            '?'
-        };
-        format!("{trimmed}{separator}dbname={encoded}")
-    } else {
+    let Some(prefix) = url_prefix_len(trimmed) else {
         let quoted = dbname.replace('\\', "\\\\").replace('\'', "\\'");
-        format!("{trimmed} dbname='{quoted}'")
-    }
+        return format!("{trimmed} dbname='{quoted}'");
+    };
+    let (base, query) = match url_query_start(trimmed) {
+        Some(q) => trimmed.split_at(q),
+        None => (trimmed, ""),
+    };
+    let credentials_end = base[prefix..]
+        .find('@')
+        .map_or(prefix, |at| prefix + at + 1);
+    let path_start = base[credentials_end..]
+        .find('/')
+        .map_or(base.len(), |p| credentials_end + p);
+    let encoded = percent_encoding::utf8_percent_encode(dbname, URL_PART);
+    format!("{}/{encoded}{query}", &base[..path_start])
 }
 
 enum Verify {
@@ -979,6 +986,8 @@ mod tests {
         for (input, expected) in [
             ("postgres://u:p?w@h:1/postgres?sslmode=require", "x"),
             ("postgres://u:p/w@h", "x"),
+            ("postgres://u:p/w@h/old", "x y"),
+            ("postgres://h1,h2:5433/old?application_name=a", "x"),
             ("host=h user=u", "x"),
         ] {
             let changed = with_dbname(input, expected);
