@@ -15,47 +15,31 @@ use crate::error::{chain, CliError};
 /// The table every command reads; named in "not provisioned" messages.
 pub const TABLE: &str = "idempotency_keys";
 
-/// Reject URLs that are certainly not PostgreSQL before connecting, so a typo is a usage error
-/// (exit 2) rather than a confusing connection failure.
+/// Reject strings that are certainly not PostgreSQL connection strings before connecting, so a
+/// typo is a usage error (exit 2) rather than a confusing connection failure. No part of the
+/// string is repeated: before `://` may be password text (a key=value string holding `://`).
 pub fn check_url(url: &str) -> Result<(), CliError> {
-    if url.trim().is_empty() {
+    let url = url.trim();
+    if url.is_empty() {
         return Err(CliError::Usage(
             "empty database URL: pass --database-url or set DATABASE_URL".into(),
         ));
     }
-    if let Some((scheme, _)) = url.split_once("://") {
-        if scheme != "postgres" && scheme != "postgresql" {
-            return Err(CliError::Usage(format!(
-                "database URL scheme '{scheme}' is not postgres:// or postgresql://"
-            )));
-        }
+    let postgres = url.starts_with("postgres://") || url.starts_with("postgresql://");
+    if !postgres && url.contains("://") && !url.contains('=') {
+        return Err(CliError::Usage(
+            "the database URL is not a postgres:// or postgresql:// URL (nor a key=value \
+             connection string); the URL is not shown"
+                .into(),
+        ));
     }
     Ok(())
 }
 
-/// The URL with its password replaced, for messages.
+/// The connection string for messages: the library's [`postgres::redact`] (rebuilt from the
+/// driver's parse, password as `***`, nothing of a string it cannot parse).
 pub fn redact(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return "(key=value connection string)".into();
-    };
-    let (authority_end, tail) = match rest.find(['/', '?']) {
-        Some(i) => rest.split_at(i),
-        None => (rest, ""),
-    };
-    let authority = match authority_end.rsplit_once('@') {
-        Some((userinfo, host)) => {
-            let user = userinfo.split(':').next().unwrap_or("");
-            if userinfo.contains(':') {
-                format!("{user}:***@{host}")
-            } else {
-                format!("{user}@{host}")
-            }
-        }
-        None => authority_end.to_owned(),
-    };
-    // Query parameters may carry a password too (?password=...): keep only the path.
-    let path = tail.split('?').next().unwrap_or("");
-    format!("{scheme}://{authority}{path}")
+    postgres::redact(url)
 }
 
 /// Open a connection with the library's TLS-aware `establish`, bounded by `timeout`, and set
@@ -139,24 +123,43 @@ pub fn not_provisioned() -> CliError {
 mod tests {
     use super::*;
 
+    /// Guards issue 9 item 5: the CLI's own redaction cut at the first `/` or `?` and printed
+    /// the rest of the password; `check_url` printed everything before `://`. The CLI now uses
+    /// the library's redaction, built on the driver's parse.
     #[test]
     fn redacts_passwords() {
         assert_eq!(
             redact("postgres://app:s3cret@db.internal:5432/payments?sslmode=require"),
-            "postgres://app:***@db.internal:5432/payments"
+            "postgres://app:***@db.internal:5432/payments?sslmode=require"
         );
         assert_eq!(
-            redact("postgres://app@db/payments"),
-            "postgres://app@db/payments"
+            redact("postgres://postgres:se/cret@127.0.0.1:1/db"),
+            "postgres://postgres:***@127.0.0.1:1/db"
+        );
+        assert_eq!(
+            redact("postgres://postgres:pa?ss@127.0.0.1:1/db"),
+            "postgres://postgres:***@127.0.0.1:1/db"
         );
         assert_eq!(
             redact("postgresql://db/payments?password=x"),
-            "postgresql://db/payments"
+            "postgres://:***@db:5432/payments"
         );
         assert_eq!(
-            redact("host=db password=x"),
-            "(key=value connection string)"
+            redact("host=db password='se cret' user=app"),
+            "postgres://app:***@db"
         );
+        for bad in [
+            "host=db password=HUNTER ALPHA",
+            "postgres://u:HUNTER?ALPHA@db:x/y",
+        ] {
+            let shown = redact(bad);
+            assert!(
+                !shown.contains("HUNTER") && !shown.contains("ALPHA"),
+                "{shown}"
+            );
+        }
+        // A key=value string holding `://` is not a URL with a foreign scheme.
+        assert!(check_url("host=db password=se://cret").is_ok());
     }
 
     #[test]
@@ -164,5 +167,9 @@ mod tests {
         assert!(matches!(check_url("mysql://x/y"), Err(CliError::Usage(_))));
         assert!(matches!(check_url("  "), Err(CliError::Usage(_))));
         assert!(check_url("postgres://x/y").is_ok());
+        let Err(err) = check_url("my:secret://x") else {
+            panic!("not postgres");
+        };
+        assert!(!err.to_string().contains("secret"), "{err}");
     }
 }

@@ -153,40 +153,15 @@ fn can_connect(url: &str) -> bool {
     attempt.unwrap_or(false)
 }
 
-/// `url` with its database replaced by `database` (URL or `key=value` form).
+/// `url` with its database replaced by `database` (URL or `key=value` form), where the driver
+/// reads it (the library's `with_dbname`), so passwords holding `/`, `?` or `#` survive.
 pub fn with_database(url: &str, database: &str) -> String {
-    for scheme in ["postgres://", "postgresql://"] {
-        if let Some(rest) = url.strip_prefix(scheme) {
-            let (before_query, query) = match rest.split_once('?') {
-                Some((b, q)) => (b, Some(q)),
-                None => (rest, None),
-            };
-            let authority = before_query
-                .split_once('/')
-                .map_or(before_query, |(a, _)| a);
-            let mut out = format!("{scheme}{authority}/{database}");
-            if let Some(query) = query {
-                out.push('?');
-                out.push_str(query);
-            }
-            return out;
-        }
-    }
-    format!("{url} dbname={database}")
+    postgres::with_dbname(url, database)
 }
 
-/// The URL with any password replaced, for messages.
+/// The connection string for messages, password hidden: the library's one redaction.
 fn redact(url: &str) -> String {
-    match (url.find("://"), url.find('@')) {
-        (Some(s), Some(at)) if at > s => {
-            let creds = &url[s + 3..at];
-            match creds.split_once(':') {
-                Some((user, _)) => format!("{}{user}:***{}", &url[..s + 3], &url[at..]),
-                None => url.to_owned(),
-            }
-        }
-        _ => url.to_owned(),
-    }
+    postgres::redact(url)
 }
 
 fn unique_name() -> String {
@@ -537,13 +512,35 @@ mod tests {
         );
         assert_eq!(with_database("postgres://u@h", "x"), "postgres://u@h/x");
         assert_eq!(
+            with_database("postgres://u:p/w?d@h:1/postgres?sslmode=require", "x"),
+            "postgres://u:p/w?d@h:1/x?sslmode=require"
+        );
+        assert_eq!(
             with_database("host=h user=u", "x"),
-            "host=h user=u dbname=x"
+            "host=h user=u dbname='x'"
         );
     }
 
+    /// Guards issue 9 item 5: the harness had a third redaction, with its own rules (it
+    /// printed everything after the first `:` of a password holding an `@`-less `/`...).
     #[test]
     fn passwords_are_redacted() {
-        assert_eq!(redact("postgres://u:secret@h/db"), "postgres://u:***@h/db");
+        for url in [
+            "postgres://u:HUNTER/ALPHA@h/db",
+            "postgres://u:HUNTER?ALPHA@h/db",
+            "postgres://u:HUNTER#ALPHA@h/db",
+            "host=h password='HUNTER ALPHA'",
+            "postgres://u:HUNTER?ALPHA@h:x/db",
+        ] {
+            let shown = redact(url);
+            assert!(
+                !shown.contains("HUNTER") && !shown.contains("ALPHA"),
+                "{shown}"
+            );
+        }
+        assert_eq!(
+            redact("postgres://u:secret@h/db"),
+            "postgres://u:***@h:5432/db"
+        );
     }
 }

@@ -286,3 +286,110 @@ async fn store_cycle(url: &str) {
         other => panic!("{other:?}"),
     }
 }
+
+/// Passwords as they appear in the URL, and as the server knows them. Raw `?`, `/`, `#`, `&`
+/// and `:` are accepted by the driver (it ends the credentials at the first `@`); `@` itself
+/// must be percent-encoded.
+const PASSWORDS: [(&str, &str, &str); 6] = [
+    ("pw_question", "pa?ss", "pa?ss"),
+    ("pw_slash", "se/cret", "se/cret"),
+    ("pw_hash", "pa#ss", "pa#ss"),
+    ("pw_at", "p%40ss", "p@ss"),
+    ("pw_digits", "12?34", "12?34"),
+    (
+        "pw_mixed",
+        "a%2Fb?c/d#e&sslmode=disable:f",
+        "a/b?c/d#e&sslmode=disable:f",
+    ),
+];
+
+/// A cluster where everyone but `postgres` logs in with a SCRAM password, over TLS or not
+/// (`ssl_on` decides whether the server offers TLS), with one role per [`PASSWORDS`] entry.
+async fn password_cluster(certs: &Certs, ssl_on: bool) -> Option<TempCluster> {
+    let hba = b"local all all trust\n\
+                host all postgres 127.0.0.1/32 trust\n\
+                host all all 127.0.0.1/32 scram-sha-256\n";
+    let key = certs.read("server.key");
+    let crt = certs.read("server.crt");
+    let files: [(&str, &[u8]); 3] = [
+        ("server.key", &key),
+        ("server.crt", &crt),
+        ("pg_hba.conf", hba),
+    ];
+    let ssl = if ssl_on { "ssl = on" } else { "ssl = off" };
+    let cluster = match TempCluster::start(
+        &[
+            ssl,
+            "ssl_cert_file = 'server.crt'",
+            "ssl_key_file = 'server.key'",
+        ],
+        &files,
+    ) {
+        Ok(cluster) => cluster,
+        Err(ClusterError::NotInstalled) => return None,
+        Err(e) => panic!("starting the cluster: {e}"),
+    };
+    let mut admin = postgres::establish(&cluster.url()).await.unwrap();
+    for (role, _, password) in PASSWORDS {
+        diesel::sql_query(format!("CREATE ROLE {role} LOGIN PASSWORD '{password}'"))
+            .execute(&mut admin)
+            .await
+            .unwrap();
+    }
+    Some(cluster)
+}
+
+/// Guards issue 9 item 6: `sslmode` (and `sslrootcert`) were looked for after the URL's first
+/// `?`, so a `?` in the password hid them, the mode counted as absent and the connection was
+/// made in plaintext (`pg_stat_ssl.ssl = false`). Here every password with `?`, `/`, `#` or a
+/// percent-encoded `@` logs in (SCRAM: the password really is parsed right) over TLS with
+/// `require` and `verify-full`, and `require` against a server without TLS fails instead of
+/// falling back. The old code connected in plaintext for the `?` passwords.
+#[tokio::test]
+async fn sslmode_is_read_from_the_real_query_whatever_the_password_holds() {
+    let Some(certs) = make_certs() else {
+        eprintln!("SKIPPED: the openssl CLI is not installed");
+        return;
+    };
+    let Some(tls) = password_cluster(&certs, true).await else {
+        eprintln!("SKIPPED: initdb/pg_ctl are not installed");
+        return;
+    };
+    let ca = certs.path("ca.crt");
+    for (role, in_url, _) in PASSWORDS {
+        let base = format!("postgres://{role}:{in_url}@127.0.0.1:{}/postgres", tls.port);
+        let plain = connected_with_tls(&format!("{base}?sslmode=disable")).await;
+        assert!(matches!(plain, Ok(false)), "{role} disable: {plain:?}");
+        let required = connected_with_tls(&format!("{base}?sslmode=require")).await;
+        assert!(matches!(required, Ok(true)), "{role} require: {required:?}");
+        let verified =
+            connected_with_tls(&format!("{base}?sslmode=verify-full&sslrootcert={ca}")).await;
+        assert!(
+            matches!(verified, Ok(true)),
+            "{role} verify-full: {verified:?}"
+        );
+        // A foreign CA: the certificate options are read too, so this is refused.
+        let other = certs.path("other-ca.crt");
+        let foreign =
+            connected_with_tls(&format!("{base}?sslmode=verify-full&sslrootcert={other}")).await;
+        assert!(foreign.is_err(), "{role} foreign CA: {foreign:?}");
+    }
+    drop(tls);
+
+    let Some(plain_server) = password_cluster(&certs, false).await else {
+        return;
+    };
+    for (role, in_url, _) in PASSWORDS {
+        let base = format!(
+            "postgres://{role}:{in_url}@127.0.0.1:{}/postgres",
+            plain_server.port
+        );
+        let plain = connected_with_tls(&format!("{base}?sslmode=disable")).await;
+        assert!(matches!(plain, Ok(false)), "{role} disable: {plain:?}");
+        let required = connected_with_tls(&format!("{base}?sslmode=require")).await;
+        assert!(
+            matches!(required, Err(StoreError::Unavailable(_))),
+            "{role}: require against a server without TLS must fail: {required:?}"
+        );
+    }
+}

@@ -28,7 +28,16 @@
 //! # let _ = store; Ok(()) }
 //! ```
 //! TLS follows libpq's `sslmode` (`require`, `verify-ca`, `verify-full`, with `sslrootcert`);
-//! see [`establish`] for the table.
+//! see [`establish`] for the table. The URL is read by the driver's (tokio-postgres's) rules:
+//! the credentials end at the first `@`, so a password may hold raw `/`, `?`, `#` or `:`, but
+//! an `@` in a password must be percent-encoded (`%40`). The SSL options are taken from the
+//! query the driver reads, never from after the first `?` of the string; a URL where a
+//! standard URL parser would find another SSL option is refused as ambiguous.
+//!
+//! # Passwords
+//! No message, error or `Debug` output of this module contains the connection string; they
+//! use [`redact`], which rebuilds it from the driver's parse with the password as `***` and
+//! shows nothing of a string it cannot parse.
 //!
 //! # Faults
 //! Every failure is a [`StoreError`], which the middleware answers with 503 (fail closed):
@@ -122,8 +131,9 @@ impl std::fmt::Debug for PostgresStore {
     }
 }
 
-/// Configures a [`PostgresStore`]: see [`PostgresStore::builder`].
-#[derive(Debug, Clone)]
+/// Configures a [`PostgresStore`]: see [`PostgresStore::builder`]. Its `Debug` output shows
+/// the URL through [`redact`].
+#[derive(Clone)]
 pub struct PostgresStoreBuilder {
     url: String,
     max_size: u32,
@@ -135,6 +145,23 @@ pub struct PostgresStoreBuilder {
     max_lifetime: Option<Duration>,
     purge_batch: u32,
     synchronous_commit: bool,
+}
+
+impl std::fmt::Debug for PostgresStoreBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PostgresStoreBuilder")
+            .field("url", &redact(&self.url))
+            .field("max_size", &self.max_size)
+            .field("min_idle", &self.min_idle)
+            .field("connection_timeout", &self.connection_timeout)
+            .field("query_timeout", &self.query_timeout)
+            .field("statement_timeout", &self.statement_timeout)
+            .field("idle_timeout", &self.idle_timeout)
+            .field("max_lifetime", &self.max_lifetime)
+            .field("purge_batch", &self.purge_batch)
+            .field("synchronous_commit", &self.synchronous_commit)
+            .finish()
+    }
 }
 
 impl PostgresStoreBuilder {
@@ -314,7 +341,10 @@ fn manager_for(
         }
         .boxed()
     }));
-    AsyncDieselConnectionManager::new_with_config(url, config)
+    // The manager keeps this string only to hand it to `custom_setup`, which ignores it (the
+    // parsed target holds what is needed): the redacted form, so no copy of the password lives
+    // in the manager.
+    AsyncDieselConnectionManager::new_with_config(redact(url), config)
 }
 
 /// Remembers the last connection error, because bb8 only reports "timed out" to the waiter.
@@ -659,4 +689,30 @@ impl IdempotencyStore for PostgresStore {
 pub async fn establish(url: &str) -> Result<AsyncPgConnection, StoreError> {
     let target = ConnectTarget::parse(url, None).map_err(|e| StoreError::Backend(Box::new(e)))?;
     target.connect().await.map_err(classify_connection_error)
+}
+
+/// `conninfo` (a `postgres://` URL or a libpq `key=value` string) for logs and messages: rebuilt
+/// from the driver's own parse, hosts, ports, user, database and `sslmode`, with the password
+/// shown as `***`, e.g. `postgres://app:***@db.internal:5432/payments?sslmode=verify-full`.
+///
+/// A string that cannot be parsed is not shown at all (a fixed placeholder), since any part of
+/// it may be the password. Host and database names containing `@` (the rest of a password
+/// whose `@` was not percent-encoded) are shown as `(hidden)`.
+///
+/// ```
+/// use idempotency_actix::store::postgres::redact;
+/// assert_eq!(
+///     redact("postgres://app:se/c?ret@db.internal/payments?sslmode=require"),
+///     "postgres://app:***@db.internal:5432/payments?sslmode=require"
+/// );
+/// ```
+pub fn redact(conninfo: &str) -> String {
+    tls::redact(conninfo)
+}
+
+/// `conninfo` with its database replaced by `dbname` (a `dbname` parameter appended where the
+/// driver reads it). For test harnesses and tools that derive URLs; not part of the stable API.
+#[doc(hidden)]
+pub fn with_dbname(conninfo: &str, dbname: &str) -> String {
+    tls::with_dbname(conninfo, dbname)
 }

@@ -84,10 +84,7 @@ impl ConnectTarget {
         url: &str,
         statement_timeout: Option<std::time::Duration>,
     ) -> Result<Self, UrlError> {
-        let (rest, ssl) = split_ssl_params(url)?;
-        let mut config: tokio_postgres::Config = rest
-            .parse()
-            .map_err(|e: tokio_postgres::Error| UrlError(e.to_string()))?;
+        let (mut config, ssl) = parse_config(url)?;
         if let Some(timeout) = statement_timeout {
             let ms = timeout.as_millis().max(1);
             let extra = format!("-c statement_timeout={ms}");
@@ -107,7 +104,14 @@ impl ConnectTarget {
             Some("require") => Mode::Require,
             Some("verify-ca") => Mode::VerifyCa,
             Some("verify-full") => Mode::VerifyFull,
-            Some(other) => return Err(UrlError(format!("unknown sslmode `{other}`"))),
+            // The value is not repeated: whatever it is, it was not meant as an sslmode.
+            Some(_) => {
+                return Err(UrlError(
+                    "unknown sslmode (expected disable, allow, prefer, require, verify-ca or \
+                     verify-full)"
+                        .into(),
+                ))
+            }
         };
         if ssl.client_cert {
             return Err(UrlError(
@@ -167,7 +171,7 @@ impl ConnectTarget {
     }
 }
 
-#[derive(Default)]
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
 struct SslParams {
     mode: Option<String>,
     rootcert: Option<String>,
@@ -187,6 +191,25 @@ const IGNORED_SSL_KEYS: &[&str] = &[
     "sslpassword",
 ];
 
+/// libpq keywords tokio-postgres does not support. Only these names are ever repeated in an
+/// error message: any other "option" may be a fragment of a password.
+const UNSUPPORTED_LIBPQ_KEYS: &[&str] = &[
+    "client_encoding",
+    "fallback_application_name",
+    "gssencmode",
+    "gsslib",
+    "krbsrvname",
+    "passfile",
+    "replication",
+    "require_auth",
+    "requirepeer",
+    "requiressl",
+    "service",
+    "sslcertmode",
+    "sslnegotiation",
+];
+
+/// Whether `key` is an SSL option handled here (then it is recorded in `ssl`).
 fn take_ssl_param(ssl: &mut SslParams, key: &str, value: String) -> bool {
     match key {
         "sslmode" => ssl.mode = Some(value),
@@ -198,62 +221,358 @@ fn take_ssl_param(ssl: &mut SslParams, key: &str, value: String) -> bool {
     true
 }
 
+fn is_ssl_key(key: &str) -> bool {
+    take_ssl_param(&mut SslParams::default(), key, String::new())
+}
+
+/// A connection string split the way the driver reads it: what tokio-postgres is given
+/// (`rest`, the SSL options removed) and the SSL options.
+struct Split {
+    rest: String,
+    ssl: SslParams,
+}
+
+const URL_PREFIXES: [&str; 2] = ["postgres://", "postgresql://"];
+
+/// The length of the `postgres://` / `postgresql://` prefix, when `conninfo` is a URL.
+fn url_prefix_len(conninfo: &str) -> Option<usize> {
+    URL_PREFIXES
+        .iter()
+        .find(|p| conninfo.starts_with(*p))
+        .map(|p| p.len())
+}
+
+/// Where the query of a connection URL begins (the index of its `?`), by the driver's rules.
+///
+/// tokio-postgres (like libpq) does not read connection URLs as RFC 3986 does: its credentials
+/// end at the first `@` of the whole string, so a password may hold raw `/`, `?`, `#` or `:`;
+/// the host ends at the next `/` or `?`, the path at the next `?`. So the query begins at the
+/// first `?` after the credentials. [`split_url`] cross-checks the result with a standard URL
+/// parser (the `url` crate) and refuses a URL on which the two disagree about an SSL option.
+fn url_query_start(url: &str) -> Option<usize> {
+    let prefix = url_prefix_len(url)?;
+    let body = &url[prefix..];
+    let credentials_end = body.find('@').map_or(0, |at| at + 1);
+    body[credentials_end..]
+        .find('?')
+        .map(|q| prefix + credentials_end + q)
+}
+
 /// Remove the SSL options from a URL or key/value string; return the rest and the options.
-fn split_ssl_params(url: &str) -> Result<(String, SslParams), UrlError> {
-    let mut ssl = SslParams::default();
-    let trimmed = url.trim();
-    if trimmed.starts_with("postgres://") || trimmed.starts_with("postgresql://") {
-        let Some((base, query)) = trimmed.split_once('?') else {
-            return Ok((trimmed.to_owned(), ssl));
-        };
-        let mut kept = Vec::new();
-        for pair in query.split('&').filter(|p| !p.is_empty()) {
-            let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
-            let decoded = percent_decode(value)
-                .ok_or_else(|| UrlError(format!("bad percent-encoding in `{key}`")))?;
-            if !take_ssl_param(&mut ssl, key, decoded) {
-                kept.push(pair);
-            }
-        }
-        let rest = if kept.is_empty() {
-            base.to_owned()
-        } else {
-            format!("{base}?{}", kept.join("&"))
-        };
-        Ok((rest, ssl))
+fn split_ssl_params(conninfo: &str) -> Result<Split, UrlError> {
+    let trimmed = conninfo.trim();
+    if url_prefix_len(trimmed).is_some() {
+        split_url(trimmed)
     } else {
-        // libpq key/value form. Quoted values with spaces are not supported here; a value
-        // containing `=` or a quote is passed through to tokio-postgres untouched.
-        let mut kept = Vec::new();
-        for token in trimmed.split_whitespace() {
-            match token.split_once('=') {
-                Some((key, value)) if take_ssl_param(&mut ssl, key, value.to_owned()) => {}
-                _ => kept.push(token),
-            }
-        }
-        Ok((kept.join(" "), ssl))
+        split_key_value(trimmed)
     }
 }
 
-fn percent_decode(s: &str) -> Option<String> {
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        match bytes[i] {
-            b'%' => {
-                let hex = bytes.get(i + 1..i + 3)?;
-                let hex = std::str::from_utf8(hex).ok()?;
-                out.push(u8::from_str_radix(hex, 16).ok()?);
-                i += 3;
-            }
-            b => {
-                out.push(b);
-                i += 1;
-            }
+/// Percent-decode as tokio-postgres does (invalid escapes are kept as they are).
+fn decode(s: &str) -> Option<String> {
+    percent_encoding::percent_decode_str(s)
+        .decode_utf8()
+        .ok()
+        .map(|c| c.into_owned())
+}
+
+fn split_url(url: &str) -> Result<Split, UrlError> {
+    let mut ssl = SslParams::default();
+    let Some(q) = url_query_start(url) else {
+        check_against_standard_parser(url, &ssl)?;
+        return Ok(Split {
+            rest: url.to_owned(),
+            ssl,
+        });
+    };
+    let (base, query) = (&url[..q], &url[q + 1..]);
+    // The driver's query grammar: `key` up to the next `=`, `value` up to the next `&`, both
+    // percent-decoded. Pairs that are not SSL options are passed on byte for byte.
+    let mut kept: Vec<&str> = Vec::new();
+    let mut rest = query;
+    while !rest.is_empty() {
+        let Some(eq) = rest.find('=') else {
+            return Err(UrlError(
+                "a parameter of the URL query has no `=` (parameter not shown)".into(),
+            ));
+        };
+        let after = &rest[eq + 1..];
+        let value_len = after.find('&').unwrap_or(after.len());
+        let pair = &rest[..eq + 1 + value_len];
+        let key = decode(&rest[..eq]).unwrap_or_default();
+        if is_ssl_key(&key) {
+            let value = decode(&after[..value_len]).ok_or_else(|| {
+                UrlError(format!(
+                    "the value of `{key}` is not valid percent-encoded UTF-8"
+                ))
+            })?;
+            take_ssl_param(&mut ssl, &key, value);
+        } else {
+            kept.push(pair);
+        }
+        rest = after.get(value_len + 1..).unwrap_or("");
+    }
+    check_against_standard_parser(url, &ssl)?;
+    let rest = if kept.is_empty() {
+        base.to_owned()
+    } else {
+        format!("{base}?{}", kept.join("&"))
+    };
+    Ok(Split { rest, ssl })
+}
+
+/// Refuse a URL whose query, read by a standard URL parser, asks for an SSL option the
+/// driver's reading (`ssl`) does not have: e.g. an `@` inside a query value makes the driver
+/// take everything before it for credentials, `sslmode` included. Such a URL is ambiguous,
+/// and guessing could mean plaintext. URLs the standard parser rejects (a raw `/`, `?` or `#`
+/// in the password) are the driver's alone.
+fn check_against_standard_parser(url: &str, ssl: &SslParams) -> Result<(), UrlError> {
+    let Ok(parsed) = url::Url::parse(url) else {
+        return Ok(());
+    };
+    let mut standard = SslParams::default();
+    for pair in parsed.query().unwrap_or("").split('&') {
+        let Some((key, value)) = pair.split_once('=') else {
+            continue;
+        };
+        if let (Some(key), Some(value)) = (decode(key), decode(value)) {
+            take_ssl_param(&mut standard, &key, value);
         }
     }
-    String::from_utf8(out).ok()
+    let lost = (standard.mode.is_some() && standard.mode != ssl.mode)
+        || (standard.rootcert.is_some() && standard.rootcert != ssl.rootcert)
+        || (standard.client_cert && !ssl.client_cert);
+    if lost {
+        return Err(UrlError(
+            "ambiguous database URL: where its SSL options are depends on the parser; \
+             percent-encode `@`, `/`, `?` and `#` in the user name, the password and the \
+             option values (`%40`, `%2F`, `%3F`, `%23`)"
+                .into(),
+        ));
+    }
+    Ok(())
+}
+
+/// The libpq `key=value` form, tokenised as tokio-postgres does (values in single quotes or
+/// bare, `\` escaping the next character); the other pairs are passed on re-quoted.
+fn split_key_value(s: &str) -> Result<Split, UrlError> {
+    let malformed = || {
+        UrlError(
+            "malformed key=value connection string (not shown: it may hold the password)".into(),
+        )
+    };
+    let mut ssl = SslParams::default();
+    let mut kept = String::new();
+    let mut chars = s.chars().peekable();
+    loop {
+        while chars.next_if(|c| c.is_whitespace()).is_some() {}
+        let mut key = String::new();
+        while let Some(c) = chars.next_if(|c| !c.is_whitespace() && *c != '=') {
+            key.push(c);
+        }
+        if key.is_empty() {
+            break;
+        }
+        while chars.next_if(|c| c.is_whitespace()).is_some() {}
+        if chars.next() != Some('=') {
+            return Err(malformed());
+        }
+        while chars.next_if(|c| c.is_whitespace()).is_some() {}
+        let mut value = String::new();
+        if chars.next_if_eq(&'\'').is_some() {
+            loop {
+                match chars.next() {
+                    None => return Err(malformed()),
+                    Some('\'') => break,
+                    Some('\\') => value.extend(chars.next()),
+                    Some(c) => value.push(c),
+                }
+            }
+        } else {
+            while let Some(c) = chars.next_if(|c| !c.is_whitespace()) {
+                if c == '\\' {
+                    value.extend(chars.next());
+                } else {
+                    value.push(c);
+                }
+            }
+            if value.is_empty() {
+                return Err(malformed());
+            }
+        }
+        if !take_ssl_param(&mut ssl, &key, value.clone()) {
+            let quoted = value.replace('\\', "\\\\").replace('\'', "\\'");
+            kept.push_str(&format!("{key}='{quoted}' "));
+        }
+    }
+    Ok(Split {
+        rest: kept.trim_end().to_owned(),
+        ssl,
+    })
+}
+
+/// tokio-postgres's parse errors can quote the connection string ("unknown option `…`", an
+/// unexpected character): only option names the driver or libpq define are repeated.
+fn driver_parse_error(error: &tokio_postgres::Error) -> UrlError {
+    let cause = std::error::Error::source(error)
+        .map(|c| c.to_string())
+        .unwrap_or_default();
+    let named = |prefix: &str| {
+        cause
+            .strip_prefix(prefix)
+            .and_then(|rest| rest.strip_suffix('`'))
+            .map(str::to_owned)
+    };
+    if let Some(name) = named("invalid value for option `") {
+        // The driver's own `&'static str` names (host, port, ...).
+        if name.chars().all(|c| c.is_ascii_lowercase() || c == '_') {
+            return UrlError(format!("invalid value for `{name}`"));
+        }
+    }
+    if let Some(name) = named("unknown option `") {
+        if UNSUPPORTED_LIBPQ_KEYS.contains(&name.as_str()) {
+            return UrlError(format!("option `{name}` is not supported"));
+        }
+        return UrlError(
+            "an option of the connection string is unknown (its name is not shown: it may be \
+             part of a password with special characters, which must be percent-encoded)"
+                .into(),
+        );
+    }
+    UrlError("malformed connection string (not shown: it may hold the password)".into())
+}
+
+/// Parse `conninfo` as [`ConnectTarget::parse`] does: the driver's configuration and the SSL
+/// options it does not know.
+fn parse_config(conninfo: &str) -> Result<(tokio_postgres::Config, SslParams), UrlError> {
+    let split = split_ssl_params(conninfo)?;
+    let config = split
+        .rest
+        .parse::<tokio_postgres::Config>()
+        .map_err(|e| driver_parse_error(&e))?;
+    Ok((config, split.ssl))
+}
+
+/// What [`redact`] prints for a string it cannot parse: no part of it.
+pub(crate) const UNPARSABLE: &str = "(connection string not shown: it cannot be parsed)";
+
+/// The connection string for messages: rebuilt from the driver's own parse (hosts, ports,
+/// user, database, `sslmode`) with the password as `***`; [`UNPARSABLE`] when it cannot be
+/// parsed. Host and database names holding an `@` (the rest of a password whose `@` was not
+/// percent-encoded) are not shown either.
+pub(crate) fn redact(conninfo: &str) -> String {
+    use percent_encoding::utf8_percent_encode;
+    const PART: &percent_encoding::AsciiSet = URL_PART;
+    const HIDDEN: &str = "(hidden)";
+    let Ok((config, ssl)) = parse_config(conninfo) else {
+        return UNPARSABLE.to_owned();
+    };
+    let part = |text: &str| {
+        if text.contains('@') {
+            HIDDEN.to_owned()
+        } else {
+            utf8_percent_encode(text, PART).to_string()
+        }
+    };
+    let mut out = String::from("postgres://");
+    let password = if config.get_password().is_some() {
+        ":***"
+    } else {
+        ""
+    };
+    match config.get_user() {
+        Some(user) => {
+            out.push_str(&utf8_percent_encode(user, PART).to_string());
+            out.push_str(password);
+            out.push('@');
+        }
+        None if !password.is_empty() => out.push_str(":***@"),
+        None => {}
+    }
+    let ports = config.get_ports();
+    let mut hosts: Vec<String> = config
+        .get_hosts()
+        .iter()
+        .map(|host| match host {
+            tokio_postgres::config::Host::Tcp(name)
+                if name.contains(':') && !name.contains('@') =>
+            {
+                format!("[{name}]")
+            }
+            tokio_postgres::config::Host::Tcp(name) => part(name),
+            #[cfg(unix)]
+            tokio_postgres::config::Host::Unix(path) => part(&path.to_string_lossy()),
+        })
+        .collect();
+    if hosts.is_empty() {
+        hosts = config
+            .get_hostaddrs()
+            .iter()
+            .map(|addr| match addr {
+                std::net::IpAddr::V6(v6) => format!("[{v6}]"),
+                std::net::IpAddr::V4(v4) => v4.to_string(),
+            })
+            .collect();
+    }
+    for (i, host) in hosts.iter().enumerate() {
+        if i > 0 {
+            out.push(',');
+        }
+        out.push_str(host);
+        let port = ports
+            .get(i)
+            .or_else(|| (ports.len() == 1).then(|| &ports[0]));
+        if let Some(port) = port {
+            out.push_str(&format!(":{port}"));
+        }
+    }
+    if let Some(dbname) = config.get_dbname() {
+        out.push('/');
+        out.push_str(&part(dbname));
+    }
+    const MODES: [&str; 6] = [
+        "disable",
+        "allow",
+        "prefer",
+        "require",
+        "verify-ca",
+        "verify-full",
+    ];
+    if let Some(mode) = ssl.mode.as_deref().filter(|m| MODES.contains(m)) {
+        out.push_str(&format!("?sslmode={mode}"));
+    }
+    out
+}
+
+/// Percent-encoding for one part of a URL (user, host, database): all but unreserved.
+const URL_PART: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
+    .remove(b'-')
+    .remove(b'.')
+    .remove(b'_')
+    .remove(b'~');
+
+/// `conninfo` connecting to the database `dbname` instead: in a URL the path is replaced where
+/// the driver reads it (after the credentials and the host, before the query), and a
+/// `dbname` parameter of the query would still win, as with the driver; in the key/value form
+/// a `dbname` pair is appended (the last one wins).
+pub(crate) fn with_dbname(conninfo: &str, dbname: &str) -> String {
+    let trimmed = conninfo.trim();
+    let Some(prefix) = url_prefix_len(trimmed) else {
+        let quoted = dbname.replace('\\', "\\\\").replace('\'', "\\'");
+        return format!("{trimmed} dbname='{quoted}'");
+    };
+    let (base, query) = match url_query_start(trimmed) {
+        Some(q) => trimmed.split_at(q),
+        None => (trimmed, ""),
+    };
+    let credentials_end = base[prefix..]
+        .find('@')
+        .map_or(prefix, |at| prefix + at + 1);
+    let path_start = base[credentials_end..]
+        .find('/')
+        .map_or(base.len(), |p| credentials_end + p);
+    let encoded = percent_encoding::utf8_percent_encode(dbname, URL_PART);
+    format!("{}/{encoded}{query}", &base[..path_start])
 }
 
 enum Verify {
@@ -444,7 +763,7 @@ mod tests {
 
     #[test]
     fn ssl_params_are_taken_out_of_urls() {
-        let (rest, ssl) = split_ssl_params(
+        let Split { rest, ssl } = split_ssl_params(
             "postgres://u:p@db.example.com:5432/app?sslmode=verify-full&sslrootcert=%2Ftmp%2Fca.pem&application_name=x",
         )
         .unwrap();
@@ -458,8 +777,9 @@ mod tests {
 
     #[test]
     fn ssl_params_are_taken_out_of_key_value_strings() {
-        let (rest, ssl) = split_ssl_params("host=localhost sslmode=require dbname=app").unwrap();
-        assert_eq!(rest, "host=localhost dbname=app");
+        let Split { rest, ssl } =
+            split_ssl_params("host=localhost sslmode=require dbname=app").unwrap();
+        assert_eq!(rest, "host='localhost' dbname='app'");
         assert_eq!(ssl.mode.as_deref(), Some("require"));
     }
 
@@ -493,5 +813,189 @@ mod tests {
             t.config.get_options(),
             Some("-c search_path=x -c statement_timeout=5000")
         );
+    }
+
+    /// The two halves of every test password: neither may appear in any message.
+    const HALVES: [&str; 2] = ["HUNTERALPHA", "HUNTERBRAVO"];
+
+    fn assert_hidden(text: &str, input: &str) {
+        for half in HALVES {
+            assert!(!text.contains(half), "{input:?} shows {half}: {text}");
+        }
+    }
+
+    /// Connection strings with passwords the old splitter and the old redactions got wrong:
+    /// raw `/`, `?`, `#`, `:`, `&`, percent-encoded specials, passwords in the query and in
+    /// the key=value form (quoted, escaped).
+    fn hostile_strings() -> Vec<String> {
+        let [a, b] = HALVES;
+        let mut all = Vec::new();
+        for sep in [
+            "/", "?", "#", ":", "&", "%2F", "%3F", "%40", "%23", "%25", "?x=", "/?#&=",
+        ] {
+            all.push(format!("postgres://app:{a}{sep}{b}@db.internal:5432/pay"));
+            all.push(format!(
+                "postgresql://app:{a}{sep}{b}@db.internal/pay?sslmode=require&application_name=x"
+            ));
+        }
+        all.push(format!("postgres://app@db/pay?password={a}%3F{b}"));
+        all.push(format!("postgres://app@db/pay?password={a}?{b}"));
+        all.push(format!("host=db user=app password='{a} {b}' dbname=pay"));
+        all.push(format!("host=db user=app password={a}\\ {b}"));
+        all.push(format!(
+            "host=db user=app password='{a}\\' {b}' sslmode=require"
+        ));
+        all
+    }
+
+    /// Guards issue 9 item 5 (library side): every message is built from the driver's parse,
+    /// so no password text survives, whatever it holds, and the target stays recognisable.
+    #[test]
+    fn redaction_never_shows_the_password() {
+        for input in hostile_strings() {
+            let shown = redact(&input);
+            assert_hidden(&shown, &input);
+            assert!(shown.starts_with("postgres://app"), "{input:?} -> {shown}");
+            assert!(shown.contains("db"), "{input:?} -> {shown}");
+        }
+        assert_eq!(
+            redact("postgres://app:s3/c?r#t@db.internal:5432/payments?sslmode=verify-full"),
+            "postgres://app:***@db.internal:5432/payments?sslmode=verify-full"
+        );
+        assert_eq!(
+            redact("postgres://app@db/payments"),
+            "postgres://app@db:5432/payments"
+        );
+        assert_eq!(
+            redact("host=db,::1 port=5433 user=a password=x dbname='my db'"),
+            "postgres://a:***@db:5433,[::1]:5433/my%20db"
+        );
+        assert_eq!(
+            redact("postgres://u@%2Fvar%2Frun%2Fpostgresql/db"),
+            "postgres://u@%2Fvar%2Frun%2Fpostgresql:5432/db"
+        );
+    }
+
+    /// Guards issue 9 item 5: a string that cannot be parsed is not shown at all (the old
+    /// redactions printed everything up to their own idea of where the password started).
+    #[test]
+    fn unparsable_strings_are_not_shown_at_all() {
+        let [a, b] = HALVES;
+        for input in [
+            format!("postgres://app:{a}?{b}@db:notaport/pay"),
+            format!("postgres://app:{a}?{b}@db/pay?foo"),
+            format!("host=db password={a} {b}=x"),
+            format!("host=db password='{a} {b}"),
+            format!("host=db password={a} {b}"),
+            format!("mysql://root:{a}?{b}@db/pay"),
+            format!("{a}://{b}"),
+            // An `@` in a query value: the driver and a URL parser disagree on the sslmode.
+            format!("postgres://db/pay?application_name={a}@{b}&sslmode=require"),
+        ] {
+            assert_eq!(redact(&input), UNPARSABLE, "{input:?}");
+            let err = ConnectTarget::parse(&input, None).unwrap_err().to_string();
+            assert_hidden(&err, &input);
+        }
+    }
+
+    /// Guards the error messages of the URL parsing: the old ones repeated a query "key" or
+    /// an sslmode value, which was password text when the password held a `?`.
+    #[test]
+    fn url_errors_never_repeat_password_text() {
+        let [a, b] = HALVES;
+        for input in [
+            format!("postgres://app:{a}?{b}=%zz@db/pay"),
+            format!("postgres://app:{a}?{b}=1@db/pay?sslmode=require"),
+            format!("postgres://app@db/pay?sslmode={a}{b}"),
+            format!("postgres://app@db/pay?{a}={b}"),
+            format!("host=db {a}={b}"),
+        ] {
+            match ConnectTarget::parse(&input, None) {
+                Ok(_) => {}
+                Err(e) => assert_hidden(&e.to_string(), &input),
+            }
+        }
+        let err = ConnectTarget::parse("postgres://db/x?passfile=/p", None).unwrap_err();
+        assert!(err.to_string().contains("`passfile`"), "{err}");
+        let err = ConnectTarget::parse("postgres://db:x/y", None).unwrap_err();
+        assert!(err.to_string().contains("`port`"), "{err}");
+    }
+
+    /// Guards issue 9 item 6: `sslmode` and `sslrootcert` are read from the query the driver
+    /// reads, not after the first `?` (which may be inside the password). The old splitter
+    /// found no sslmode in any of these and connected in plaintext.
+    #[test]
+    fn ssl_options_are_found_past_a_question_mark_in_the_password() {
+        for password in [
+            "pa?ss",
+            "se/cret",
+            "pa#ss",
+            "12?34",
+            "a?b&sslmode=disable",
+            "x%3Fy",
+        ] {
+            let url = format!(
+                "postgres://u:{password}@db/app?sslmode=verify-full&sslrootcert=/ca.pem&application_name=x"
+            );
+            let Split { rest, ssl } = split_ssl_params(&url).unwrap();
+            assert_eq!(ssl.mode.as_deref(), Some("verify-full"), "{url}");
+            assert_eq!(ssl.rootcert.as_deref(), Some("/ca.pem"), "{url}");
+            assert_eq!(
+                rest,
+                format!("postgres://u:{password}@db/app?application_name=x")
+            );
+            let config: tokio_postgres::Config = rest.parse().unwrap();
+            let expected = decode(password).unwrap();
+            assert_eq!(config.get_password(), Some(expected.as_bytes()), "{url}");
+            let required = ConnectTarget::parse(
+                &format!("postgres://u:{password}@db/app?sslmode=require"),
+                None,
+            )
+            .unwrap();
+            assert!(required.uses_tls(), "{password}");
+        }
+        // Quoted key=value values may hold spaces and quotes; sslmode is still found.
+        let Split { rest, ssl } =
+            split_ssl_params(r"password='a b\' sslmode=disable' sslmode=require host=db").unwrap();
+        assert_eq!(ssl.mode.as_deref(), Some("require"));
+        let config: tokio_postgres::Config = rest.parse().unwrap();
+        assert_eq!(config.get_password(), Some(&b"a b' sslmode=disable"[..]));
+    }
+
+    /// An `@` in a query value makes the driver read `sslmode` as part of the credentials; a
+    /// standard URL parser sees it. Refused rather than connected in plaintext.
+    #[test]
+    fn urls_where_the_parsers_disagree_about_ssl_are_refused() {
+        let err = ConnectTarget::parse(
+            "postgres://db/app?application_name=me@x&sslmode=require",
+            None,
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("ambiguous"), "{err}");
+        // Percent-encoded, it is fine.
+        let ok = ConnectTarget::parse(
+            "postgres://db/app?application_name=me%40x&sslmode=require",
+            None,
+        )
+        .unwrap();
+        assert!(ok.uses_tls());
+    }
+
+    #[test]
+    fn dbname_is_replaced_where_the_driver_reads_it() {
+        for (input, expected) in [
+            ("postgres://u:p?w@h:1/postgres?sslmode=require", "x"),
+            ("postgres://u:p/w@h", "x"),
+            ("postgres://u:p/w@h/old", "x y"),
+            ("postgres://h1,h2:5433/old?application_name=a", "x"),
+            ("host=h user=u", "x"),
+        ] {
+            let changed = with_dbname(input, expected);
+            let (config, ssl) = parse_config(&changed).unwrap();
+            assert_eq!(config.get_dbname(), Some(expected), "{changed}");
+            if input.contains("sslmode") {
+                assert_eq!(ssl.mode.as_deref(), Some("require"));
+            }
+        }
     }
 }
