@@ -156,7 +156,10 @@ fn requests(c: &mut Criterion) {
 
     // Miss: every request a new key. The store is sized so that eviction never runs here
     // (the memory store's capacity path is measured by the load benchmark).
-    let store = MemoryStore::builder().max_entries(10_000_000).build();
+    let store = MemoryStore::builder()
+        .max_entries(10_000_000)
+        .max_bytes(usize::MAX)
+        .build();
     let with_memory = rt.block_on(test::init_service(
         App::new()
             .wrap(Idempotency::new(store))

@@ -171,9 +171,22 @@ async fn serve(args: Args) -> std::io::Result<()> {
                 .run()
                 .await
         }
+        // Sized by --max-entries, no byte bound: no request is refused while it has room.
         "memory" => serve_with_store!(
             args,
-            MemoryStore::builder().max_entries(args.max_entries).build()
+            MemoryStore::builder()
+                .max_entries(args.max_entries)
+                .max_bytes(usize::MAX)
+                .build()
+        ),
+        // At the bound with live-record eviction opted in (the cache-like setting).
+        "memory-evicting" => serve_with_store!(
+            args,
+            MemoryStore::builder()
+                .max_entries(args.max_entries)
+                .max_bytes(usize::MAX)
+                .evict_live_completed_when_full(true)
+                .build()
         ),
         "memory-cached" => serve_with_store!(args, CachedStore::new(MemoryStore::new())),
         "postgres" => serve_with_store!(args, postgres_store(&args).await?),
@@ -395,7 +408,10 @@ fn rss_kib() -> u64 {
 }
 
 async fn footprint(records: usize) -> std::io::Result<()> {
-    let store = MemoryStore::builder().max_entries(records).build();
+    let store = MemoryStore::builder()
+        .max_entries(records)
+        .max_bytes(usize::MAX)
+        .build();
     let response = stored_response();
     let lease = Duration::from_secs(60);
     let ttl = Duration::from_secs(86_400);

@@ -14,6 +14,8 @@
 //! - `GET /payments/{id}` reads one back.
 //! - `GET /stats` counts handler executions, in total and per key: the number that
 //!   idempotency keeps at one per key.
+//! - `GET /metrics` the middleware's metrics in Prometheus' text format (see the `outcome`
+//!   module docs: `idempotency_requests_total{outcome="replay",...}` and friends).
 //!
 //! `IDEMPOTENCY_LOCK_TIMEOUT_MS` sets the lease (default 60 s); the fault tests shorten it.
 
@@ -25,6 +27,7 @@ use std::time::Duration;
 use actix_web::{web, App, HttpResponse, HttpServer};
 use idempotency_actix::store::{IdempotencyStore, MemoryStore};
 use idempotency_actix::{Idempotency, IdempotencyKey};
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
@@ -115,8 +118,19 @@ async fn stats(ledger: web::Data<Ledger>) -> HttpResponse {
     }))
 }
 
+async fn metrics(handle: web::Data<PrometheusHandle>) -> HttpResponse {
+    HttpResponse::Ok()
+        .content_type("text/plain; version=0.0.4")
+        .body(handle.render())
+}
+
 async fn serve<S: IdempotencyStore + Clone>(store: S, addr: &str) -> std::io::Result<()> {
     let ledger = web::Data::new(Ledger::default());
+    // The middleware records through the `metrics` facade; this recorder exposes it at /metrics.
+    let prometheus = PrometheusBuilder::new()
+        .install_recorder()
+        .map_err(std::io::Error::other)?;
+    let prometheus = web::Data::new(prometheus);
     // The lease of a reservation; the fault tests shorten it to see a crashed holder's key freed.
     let lease = std::env::var("IDEMPOTENCY_LOCK_TIMEOUT_MS")
         .ok()
@@ -126,6 +140,7 @@ async fn serve<S: IdempotencyStore + Clone>(store: S, addr: &str) -> std::io::Re
     HttpServer::new(move || {
         App::new()
             .app_data(ledger.clone())
+            .app_data(prometheus.clone())
             .service(
                 web::scope("/payments")
                     .wrap({
@@ -142,6 +157,7 @@ async fn serve<S: IdempotencyStore + Clone>(store: S, addr: &str) -> std::io::Re
                     .route("/{id}", web::get().to(get_payment)),
             )
             .route("/stats", web::get().to(stats))
+            .route("/metrics", web::get().to(metrics))
     })
     .bind(addr)?
     .run()

@@ -35,6 +35,7 @@ use actix_web::http::{Method, StatusCode};
 use actix_web::HttpResponse;
 
 use crate::middleware::Idempotency;
+use crate::outcome::{Hook, OutcomeEvent};
 use crate::problem::{Problem, DEFAULT_TYPE_BASE};
 
 /// A response as the storage predicate sees it.
@@ -73,6 +74,7 @@ pub(crate) struct Config {
     pub retry_after: Duration,
     pub problem_type_base: Cow<'static, str>,
     pub problem_renderer: Option<Arc<ProblemRenderer>>,
+    pub on_outcome: Option<Arc<Hook>>,
 }
 
 impl Default for Config {
@@ -96,6 +98,7 @@ impl Default for Config {
             retry_after: Duration::from_secs(1),
             problem_type_base: Cow::Borrowed(DEFAULT_TYPE_BASE),
             problem_renderer: None,
+            on_outcome: None,
         }
     }
 }
@@ -375,6 +378,19 @@ impl<S> IdempotencyBuilder<S> {
         F: Fn(&Problem) -> HttpResponse + Send + Sync + 'static,
     {
         self.config.problem_renderer = Some(Arc::new(render));
+        self
+    }
+
+    /// Call `hook` with every outcome (the scope when there is one, the outcome, the status and
+    /// the time taken), e.g. to feed an audit log or billing. Called synchronously on the
+    /// request's task: keep it cheap and hand real work off (a channel). A panicking hook is
+    /// caught and logged and never breaks the request (except under `panic = "abort"`). See
+    /// [`crate::outcome`] for the metrics recorded without any hook.
+    pub fn on_outcome<F>(mut self, hook: F) -> Self
+    where
+        F: Fn(&OutcomeEvent<'_>) + Send + Sync + 'static,
+    {
+        self.config.on_outcome = Some(Arc::new(hook));
         self
     }
 

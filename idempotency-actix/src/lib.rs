@@ -56,6 +56,7 @@ pub mod config;
 pub mod fingerprint;
 pub mod key;
 pub mod middleware;
+pub mod outcome;
 pub mod problem;
 pub mod store;
 
@@ -63,4 +64,5 @@ pub use config::{ConfigError, IdempotencyBuilder, IntoHeaderName, ResponseParts}
 pub use fingerprint::Fingerprint;
 pub use key::IdempotencyKey;
 pub use middleware::Idempotency;
+pub use outcome::{Outcome, OutcomeEvent};
 pub use problem::{Problem, ProblemCode};

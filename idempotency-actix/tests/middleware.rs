@@ -807,3 +807,73 @@ async fn streaming_request_bodies_reach_the_handler_intact() {
         "a chunked body fingerprints like the same bytes sent at once"
     );
 }
+
+/// Guards the outcome hook: it sees every outcome with its scope, status and time, and a
+/// panicking hook never breaks the request (it is caught and logged).
+#[actix_web::test]
+async fn the_outcome_hook_sees_every_outcome_and_cannot_break_a_request() {
+    use idempotency_actix::Outcome;
+    use std::sync::Mutex;
+
+    let seen: Arc<Mutex<Vec<(Outcome, u16, Option<String>)>>> = Arc::default();
+    let record = Arc::clone(&seen);
+    let counter = Counter::default();
+    let middleware = Idempotency::builder(MemoryStore::new())
+        .on_outcome(move |event| {
+            if let Ok(mut seen) = record.lock() {
+                seen.push((
+                    event.outcome,
+                    event.status.as_u16(),
+                    event.scope.map(|s| s.key.clone()),
+                ));
+            }
+            if event.scope.is_some_and(|s| s.key == "boom") {
+                panic!("a hook that panics");
+            }
+        })
+        .build();
+    let app = init_service(
+        App::new()
+            .app_data(web::Data::new(counter.clone()))
+            .wrap(middleware)
+            .route("/echo", web::post().to(echo)),
+    )
+    .await;
+    assert_eq!(
+        send(&app, post("/echo", "h1").set_payload("a"))
+            .await
+            .status,
+        StatusCode::CREATED
+    );
+    assert!(send(&app, post("/echo", "h1").set_payload("a"))
+        .await
+        .replayed());
+    send(&app, post("/echo", "h1").set_payload("b"))
+        .await
+        .assert_problem(422, "FINGERPRINT_MISMATCH");
+    send(&app, post("/echo", "\"bad").set_payload("a"))
+        .await
+        .assert_problem(400, "INVALID_KEY");
+    let boom = send(&app, post("/echo", "boom").set_payload("a")).await;
+    assert_eq!(
+        boom.status,
+        StatusCode::CREATED,
+        "a panicking hook broke the request"
+    );
+    assert!(send(&app, post("/echo", "boom").set_payload("a"))
+        .await
+        .replayed());
+    let seen = seen.lock().map(|s| s.clone()).unwrap_or_default();
+    assert_eq!(
+        seen,
+        vec![
+            (Outcome::Stored, 201, Some("h1".to_owned())),
+            (Outcome::Replay, 201, Some("h1".to_owned())),
+            (Outcome::Mismatch, 422, Some("h1".to_owned())),
+            (Outcome::InvalidKey, 400, None),
+            (Outcome::Stored, 201, Some("boom".to_owned())),
+            (Outcome::Replay, 201, Some("boom".to_owned())),
+        ]
+    );
+    assert_eq!(counter.get(), 2);
+}

@@ -237,6 +237,20 @@ impl PaymentsApp {
     }
 }
 
+impl PaymentsApp {
+    /// `GET /metrics`: the Prometheus text exposition.
+    pub fn metrics(&self) -> String {
+        let response = send_once(
+            &self.addr,
+            &Request::get("/metrics"),
+            Duration::from_secs(10),
+        )
+        .expect("GET /metrics");
+        assert_eq!(response.status, 200, "{}", response.describe());
+        response.text()
+    }
+}
+
 impl Drop for PaymentsApp {
     fn drop(&mut self) {
         self.kill();

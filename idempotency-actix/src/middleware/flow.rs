@@ -22,6 +22,7 @@ use super::replay::{replay, storable_headers};
 use crate::config::{saturating_deadline, Config, ResponseParts};
 use crate::fingerprint::{is_json_content_type, Fingerprint};
 use crate::key::{parse_key, IdempotencyKey, KeyError};
+use crate::outcome::{self, Held, Outcome, Report};
 use crate::problem::{Problem, ProblemCode};
 use crate::store::{
     IdempotencyStore, ReservationToken, ReserveOutcome, Scope, StoreError, StoredResponse,
@@ -60,21 +61,31 @@ where
 {
     /// Check the request (key, tenant, body), then hand it to [`Self::settle`] on its own task.
     pub(super) async fn run(self, mut req: ServiceRequest) -> FlowResult<B> {
-        let key = match self.key_of(&req) {
+        let key = self.key_of(&req);
+        if let Ok(None) = key {
+            return pass_through(self.service, req).await;
+        }
+        let report = Report::new(
+            req.method(),
+            req.match_pattern(),
+            self.store.name(),
+            self.config.on_outcome.clone(),
+        );
+        let key = match key {
             Ok(Some(key)) => key,
             Ok(None) => return pass_through(self.service, req).await,
-            Err(problem) => return Ok(self.problem(req, problem)),
+            Err(problem) => return Ok(self.refuse(req, problem, &report, None)),
         };
         let tenant = match self.tenant_of(&req) {
             Ok(tenant) => tenant,
             Err(problem) => {
                 tracing::info!(target: "idempotency_actix", outcome = "missing_tenant", path = %req.path(), "keyed request without a tenant refused");
-                return Ok(self.problem(req, problem));
+                return Ok(self.refuse(req, problem, &report, None));
             }
         };
         let body = match read_body(&mut req, self.config.max_body_bytes).await? {
             Ok(body) => body,
-            Err(problem) => return Ok(self.problem(req, problem)),
+            Err(problem) => return Ok(self.refuse(req, problem, &report, None)),
         };
         let scope = Scope {
             tenant,
@@ -97,13 +108,18 @@ where
 
         // From here on nothing may be cut short by the client: the task owns the request.
         let (answer, answered) = oneshot::channel();
-        actix_rt::spawn(self.settle(req, scope, fingerprint, answer));
+        actix_rt::spawn(self.settle(req, scope, fingerprint, report.clone(), answer));
         match answered.await {
             Ok(result) => result,
             // The task ended without an answer: the handler panicked. Its reservation stays
             // until the lease ends (its effects may exist); the client gets an opaque 500.
             Err(_) => {
                 tracing::error!(target: "idempotency_actix", outcome = "handler_panic", "the request's task ended without a response; reservation left to its lease");
+                report.outcome(
+                    Outcome::HandlerPanic,
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    None,
+                );
                 Err(opaque_500("the request's task ended without a response"))
             }
         }
@@ -115,34 +131,41 @@ where
         req: ServiceRequest,
         scope: Scope,
         fingerprint: Fingerprint,
+        report: Report,
         answer: Answer<B>,
     ) {
         let token = match self.reserve(&scope, &fingerprint).await {
             Ok(token) => token,
-            Err(Decision::Respond(response)) => {
-                let _ = answer.send(Ok(req.into_response(response).map_into_right_body()));
+            Err(Decision::Refuse(problem)) => {
+                let _ = answer.send(Ok(self.refuse(req, problem, &report, Some(&scope))));
                 return;
             }
             Err(Decision::Replay(stored)) => {
                 let response = match replay(stored, &req) {
-                    Ok(response) => req.into_response(response).map_into_right_body(),
+                    Ok(response) => {
+                        report.outcome(Outcome::Replay, response.status(), Some(&scope));
+                        req.into_response(response).map_into_right_body()
+                    }
                     Err(problem) => {
                         tracing::info!(target: "idempotency_actix", outcome = "replay_not_acceptable", key = %scope.key, tenant = %scope.tenant, path = %scope.path, "stored response encoded in a way this retry does not accept");
-                        self.problem(req, problem)
+                        self.refuse(req, problem, &report, Some(&scope))
                     }
                 };
                 let _ = answer.send(Ok(response));
                 return;
             }
             Err(Decision::PassThrough) => {
-                let _ = answer.send(pass_through(Rc::clone(&self.service), req).await);
+                let result = pass_through(Rc::clone(&self.service), req).await;
+                report.outcome(Outcome::FailOpen, status_of(&result), Some(&scope));
+                let _ = answer.send(result);
                 return;
             }
         };
+        let _held = Held::new(self.store.name());
         req.extensions_mut()
             .insert(IdempotencyKey(scope.key.clone()));
         let result = self.service.call(req).await;
-        self.finish(&scope, token, result, answer).await;
+        self.finish(&scope, token, result, &report, answer).await;
     }
 
     /// The key of the request, `None` if it has none and none is required.
@@ -201,10 +224,12 @@ where
             .map(|wait| saturating_deadline(Instant::now(), wait));
         let mut pause = Duration::from_millis(10);
         loop {
-            let outcome = self
-                .store
-                .reserve(scope, fingerprint, config.lock_timeout)
-                .await;
+            let outcome = outcome::timed(
+                "reserve",
+                self.store.name(),
+                self.store.reserve(scope, fingerprint, config.lock_timeout),
+            )
+            .await;
             match outcome {
                 Ok(ReserveOutcome::Reserved { token }) => {
                     tracing::debug!(target: "idempotency_actix", outcome = "miss", key = %scope.key, tenant = %scope.tenant, path = %scope.path, "reserved; running the handler");
@@ -219,7 +244,7 @@ where
                     ..
                 }) if stored != *fingerprint => {
                     tracing::info!(target: "idempotency_actix", outcome = "mismatch", key = %scope.key, tenant = %scope.tenant, path = %scope.path, "key reused for a different request");
-                    return Err(self.respond(Problem::new(
+                    return Err(Decision::Refuse(Problem::new(
                         ProblemCode::FingerprintMismatch,
                         "this key was already used on this endpoint for a request with another \
                          body, query or spelling of the path; use a new key for a new request",
@@ -237,7 +262,7 @@ where
                         continue;
                     }
                     tracing::info!(target: "idempotency_actix", outcome = "conflict", key = %scope.key, tenant = %scope.tenant, path = %scope.path, "the first request with this key is still running");
-                    return Err(self.respond(
+                    return Err(Decision::Refuse(
                         Problem::new(
                             ProblemCode::Conflict,
                             "the first request with this key is still being processed; retry after it finishes",
@@ -250,7 +275,7 @@ where
                     if config.fail_open {
                         return Err(Decision::PassThrough);
                     }
-                    return Err(self.respond(
+                    return Err(Decision::Refuse(
                         Problem::new(ProblemCode::StorageUnavailable, unavailable_detail(&error))
                             .with_retry_after(config.retry_after),
                     ));
@@ -265,6 +290,7 @@ where
         scope: &Scope,
         token: ReservationToken,
         result: Result<ServiceResponse<B>, Error>,
+        report: &Report,
         answer: Answer<B>,
     ) {
         let response = match result {
@@ -272,11 +298,14 @@ where
             Ok(response) => {
                 let status = response.status();
                 self.release(scope, &token, status.as_str()).await;
+                report.outcome(Outcome::NotStored, status, Some(scope));
                 let _ = answer.send(Ok(response.map_into_left_body()));
                 return;
             }
             Err(error) => {
                 self.release(scope, &token, "handler error").await;
+                let status = error.as_response_error().status_code();
+                report.outcome(Outcome::NotStored, status, Some(scope));
                 let _ = answer.send(Err(error));
                 return;
             }
@@ -284,8 +313,10 @@ where
         let max = self.config.max_response_bytes;
         let (request, response) = response.into_parts();
         let (head, body) = response.into_parts();
+        let status = head.status();
         if matches!(body.size(), BodySize::Sized(len) if len > max as u64) {
             self.release(scope, &token, "response too large").await;
+            report.outcome(Outcome::NotStored, status, Some(scope));
             let response = ServiceResponse::new(request, head.set_body(body));
             let _ = answer.send(Ok(response.map_into_left_body()));
             return;
@@ -293,12 +324,17 @@ where
         match body.try_into_bytes() {
             // One buffer (most handlers): store it, then send it.
             Ok(bytes) => {
-                self.store_or_release(scope, &token, head.head(), &bytes)
+                let outcome = self
+                    .store_or_release(scope, &token, head.head(), &bytes)
                     .await;
+                report.outcome(outcome, status, Some(scope));
                 let response = ServiceResponse::new(request, head.set_body(BoxBody::new(bytes)));
                 let _ = answer.send(Ok(response.map_into_right_body()));
             }
-            Err(body) => self.stream(scope, token, request, head, body, answer).await,
+            Err(body) => {
+                let outcome = self.stream(scope, token, request, head, body, answer).await;
+                report.outcome(outcome, status, Some(scope));
+            }
         }
     }
 
@@ -313,7 +349,7 @@ where
         head: HttpResponse<()>,
         body: B,
         answer: Answer<B>,
-    ) {
+    ) -> Outcome {
         let max = self.config.max_response_bytes;
         let stored_head = StoredHead::of(head.head());
         let (sender, forwarded) = forward::channel(body.size());
@@ -349,7 +385,7 @@ where
                         self.release_quietly(scope, &token).await;
                     }
                     if client.is_none() && copy.is_none() {
-                        return; // nobody listens and nothing is left to store
+                        return Outcome::NotStored; // nobody listens, nothing left to store
                     }
                 }
                 Some(Err(error)) => {
@@ -361,16 +397,20 @@ where
                     if let Some(sender) = client {
                         let _ = sender.send(Err(BodyFailed)).await;
                     }
-                    return;
+                    return Outcome::BodyError;
                 }
             }
         }
-        if let Some(chunks) = copy {
-            let body = concat(chunks, read);
-            self.store_or_release(scope, &token, &stored_head.as_head(), &body)
-                .await;
-        }
+        let outcome = match copy {
+            Some(chunks) => {
+                let body = concat(chunks, read);
+                self.store_or_release(scope, &token, &stored_head.as_head(), &body)
+                    .await
+            }
+            None => Outcome::NotStored,
+        };
         drop(client); // the end of the body reaches the client after the record is stored
+        outcome
     }
 
     /// Store a complete response, or release the key when it is too large or `store_if` says no.
@@ -380,11 +420,11 @@ where
         token: &ReservationToken,
         head: &ResponseHead,
         body: &Bytes,
-    ) {
+    ) -> Outcome {
         let config = &self.config;
         if body.len() > config.max_response_bytes {
             self.release(scope, token, "response too large").await;
-            return;
+            return Outcome::NotStored;
         }
         let parts = ResponseParts {
             status: head.status,
@@ -393,31 +433,37 @@ where
         };
         if config.store_if.as_ref().is_some_and(|keep| !keep(&parts)) {
             self.release(scope, token, "rejected by store_if").await;
-            return;
+            return Outcome::NotStored;
         }
         let stored = StoredResponse {
             status: head.status.as_u16(),
             headers: storable_headers(&head.headers, &config.deny_headers),
             body: body.clone(),
         };
-        self.complete(scope, token, &stored).await;
+        self.complete(scope, token, &stored).await
     }
 
-    async fn complete(&self, scope: &Scope, token: &ReservationToken, stored: &StoredResponse) {
-        match self
-            .store
-            .complete(scope, token, stored, self.config.ttl)
-            .await
-        {
+    async fn complete(
+        &self,
+        scope: &Scope,
+        token: &ReservationToken,
+        stored: &StoredResponse,
+    ) -> Outcome {
+        let store = self.store.name();
+        let call = self.store.complete(scope, token, stored, self.config.ttl);
+        match outcome::timed("complete", store, call).await {
             Ok(WriteOutcome::Applied) => {
                 tracing::debug!(target: "idempotency_actix", outcome = "stored", key = %scope.key, tenant = %scope.tenant, path = %scope.path, status = stored.status, "response stored");
+                Outcome::Stored
             }
             Ok(WriteOutcome::Stale) => {
                 tracing::warn!(target: "idempotency_actix", outcome = "stale", key = %scope.key, tenant = %scope.tenant, path = %scope.path, "the lease ended and another request took the key over; this response was not stored");
+                Outcome::Stale
             }
             Err(error) => {
                 tracing::error!(target: "idempotency_actix", outcome = "store_error", key = %scope.key, tenant = %scope.tenant, path = %scope.path, %error, "could not store the response; retrying until the lease ends, the reservation stays meanwhile");
                 self.retry_complete(scope.clone(), *token, stored.clone());
+                Outcome::CompleteFailed
             }
         }
     }
@@ -430,20 +476,28 @@ where
         let store = Arc::clone(&self.store);
         let ttl = self.config.ttl;
         let until = saturating_deadline(Instant::now(), self.config.lock_timeout);
+        let name = store.name();
+        outcome::complete_retry("started", name);
         tokio::spawn(async move {
             let mut pause = Duration::from_millis(100);
             while Instant::now() + pause < until {
                 tokio::time::sleep(pause).await;
                 pause = (pause * 2).min(Duration::from_secs(2));
-                match store.complete(&scope, &token, &stored, ttl).await {
+                let call = store.complete(&scope, &token, &stored, ttl);
+                match outcome::timed("complete", name, call).await {
                     Ok(WriteOutcome::Applied) => {
                         tracing::info!(target: "idempotency_actix", outcome = "stored", key = %scope.key, tenant = %scope.tenant, path = %scope.path, status = stored.status, "response stored after the store recovered");
+                        outcome::complete_retry("succeeded", name);
                         return;
                     }
-                    Ok(WriteOutcome::Stale) => return,
+                    Ok(WriteOutcome::Stale) => {
+                        outcome::complete_retry("stale", name);
+                        return;
+                    }
                     Err(_) => {}
                 }
             }
+            outcome::complete_retry("given_up", name);
             tracing::error!(target: "idempotency_actix", outcome = "store_error", key = %scope.key, tenant = %scope.tenant, path = %scope.path, "gave up storing the response: the lease ended; a retry will run the handler again");
         });
     }
@@ -455,7 +509,8 @@ where
 
     /// Release without the "not stored" line (the caller logged its own reason).
     async fn release_quietly(&self, scope: &Scope, token: &ReservationToken) {
-        match self.store.release(scope, token).await {
+        let call = self.store.release(scope, token);
+        match outcome::timed("release", self.store.name(), call).await {
             Ok(WriteOutcome::Applied) => {}
             Ok(WriteOutcome::Stale) => {
                 tracing::warn!(target: "idempotency_actix", outcome = "stale", key = %scope.key, tenant = %scope.tenant, path = %scope.path, "the reservation was taken over before it could be released");
@@ -466,15 +521,15 @@ where
         }
     }
 
-    fn respond(&self, problem: Problem) -> Decision {
-        Decision::Respond(self.config.problem(problem))
-    }
-
-    fn problem(
+    /// Answer with a problem instead of running the handler, and report it.
+    fn refuse(
         &self,
         req: ServiceRequest,
         problem: Problem,
+        report: &Report,
+        scope: Option<&Scope>,
     ) -> ServiceResponse<EitherBody<B, BoxBody>> {
+        report.outcome(Outcome::of_problem(problem.code), problem.status(), scope);
         req.into_response(self.config.problem(problem))
             .map_into_right_body()
     }
@@ -482,7 +537,7 @@ where
 
 /// What to do instead of running the handler.
 enum Decision {
-    Respond(HttpResponse),
+    Refuse(Problem),
     Replay(StoredResponse),
     PassThrough,
 }
@@ -505,6 +560,14 @@ impl StoredHead {
         let mut head = ResponseHead::new(self.status);
         head.headers = self.headers.clone();
         head
+    }
+}
+
+/// The status a client gets for a result (an error's own status).
+fn status_of<B>(result: &Result<ServiceResponse<B>, Error>) -> StatusCode {
+    match result {
+        Ok(response) => response.status(),
+        Err(error) => error.as_response_error().status_code(),
     }
 }
 

@@ -291,6 +291,10 @@ impl Cache {
 }
 
 impl<S: IdempotencyStore> IdempotencyStore for CachedStore<S> {
+    fn name(&self) -> &'static str {
+        "cached"
+    }
+
     async fn reserve(
         &self,
         scope: &Scope,

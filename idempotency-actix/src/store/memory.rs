@@ -593,6 +593,10 @@ fn log_evictions(evicted: &[(Arc<Scope>, Record)], now: Instant) {
 }
 
 impl IdempotencyStore for MemoryStore {
+    fn name(&self) -> &'static str {
+        "memory"
+    }
+
     async fn reserve(
         &self,
         scope: &Scope,

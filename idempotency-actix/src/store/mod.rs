@@ -256,6 +256,7 @@ type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 /// Why a store could not answer. Every variant makes the middleware fail closed (503) before the
 /// handler runs, unless `fail_open` is set.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum StoreError {
     /// The backend cannot be reached, timed out, or has no free connection.
     #[error("idempotency store unavailable: {0}")]
@@ -314,6 +315,11 @@ pub trait IdempotencyStore: Send + Sync + 'static {
         scope: &Scope,
         token: &ReservationToken,
     ) -> impl Future<Output = Result<WriteOutcome, StoreError>> + Send;
+
+    /// A short, fixed name for metrics labels (`store="memory"`). Defaults to `"custom"`.
+    fn name(&self) -> &'static str {
+        "custom"
+    }
 
     /// Delete expired completed records and reservations whose lease ended more than `grace`
     /// ago. Returns how many records were deleted.

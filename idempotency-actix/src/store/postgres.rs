@@ -583,6 +583,10 @@ fn scope_binds(scope: &Scope) -> ScopeBinds<'_> {
 }
 
 impl IdempotencyStore for PostgresStore {
+    fn name(&self) -> &'static str {
+        "postgres"
+    }
+
     async fn reserve(
         &self,
         scope: &Scope,
