@@ -1,6 +1,8 @@
 //! [`MemoryStore`]: records in this process's memory.
+//!
+//! The defaults below are where the store's bounds and grace are set, each with its reason;
+//! [`MemoryStore`] explains what is counted and what happens when the store is full.
 
-use std::collections::hash_map::Entry;
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -10,12 +12,58 @@ use super::{
     StoredResponse, WriteOutcome,
 };
 
-/// Default for [`MemoryStoreBuilder::max_entries`].
+/// Default for [`MemoryStoreBuilder::max_entries`]: at about 550 bytes per small record
+/// (`docs/benchmarks.md`) it is some 55 MiB. With the middleware's default 24 h TTL it holds
+/// a sustained rate of about 1.1 new keys per second; above that the store fills and answers
+/// 503 (or evicts, if opted in): raise it, shorten the TTL, or use `PostgresStore`.
 pub const DEFAULT_MAX_ENTRIES: usize = 100_000;
 
-/// How often `reserve` walks the whole map for expired entries that the cheap sweep misses
-/// (abandoned reservations, records stored with a shorter TTL than their neighbours).
-const FULL_SWEEP_EVERY: Duration = Duration::from_secs(30);
+/// Default for [`MemoryStoreBuilder::max_bytes`]: 256 MiB, a quarter of a small (1 GiB)
+/// server. It leaves about 200 MiB above a full default record bound of small records, which
+/// is room for some 200 concurrent requests' response allowances (1 MiB each) or for larger
+/// responses.
+pub const DEFAULT_MAX_BYTES: usize = 256 * 1024 * 1024;
+
+/// Default for [`MemoryStoreBuilder::response_allowance`]: 1 MiB, the middleware's default
+/// `max_response_bytes`, so that with the defaults every storable response fits at `complete`.
+pub const DEFAULT_RESPONSE_ALLOWANCE: usize = 1024 * 1024;
+
+/// Default for [`MemoryStoreBuilder::reservation_grace`]: 24 h, the grace `idem-cli purge`
+/// gives in-flight PostgreSQL rows, and the default TTL of a completed record: a request that
+/// may have run (its handler outlived the lease) is protected as long as one that surely ran,
+/// its late `complete` still counts, and another body cannot reuse its key meanwhile.
+pub const DEFAULT_RESERVATION_GRACE: Duration = Duration::from_secs(24 * 60 * 60);
+
+/// Default for [`MemoryStoreBuilder::sweep_interval`]: 30 s. The sweep walks every record
+/// (O(records) under the lock, a few milliseconds for 100,000), so it runs rarely; expired
+/// completed records in expiry order are dropped on every `reserve` anyway, and a full store
+/// sweeps as soon as something can expire.
+pub const DEFAULT_SWEEP_INTERVAL: Duration = Duration::from_secs(30);
+
+/// Bytes charged per record beyond its scope and response: the hash-table slot, the record,
+/// the shared scope and response allocations and the completion queue entry. Measured: 544
+/// bytes of resident memory per record for a 107-byte response and 20-byte keys
+/// (`docs/benchmarks.md`), so about 400 bytes are bookkeeping.
+pub const RECORD_OVERHEAD: usize = 384;
+
+/// `now + d`, or a far-future instant when that is not representable (`Duration::MAX` is
+/// "never"; `Instant + Duration::MAX` would panic).
+fn later(now: Instant, d: Duration) -> Instant {
+    const CENTURY: Duration = Duration::from_secs(100 * 365 * 24 * 60 * 60);
+    now.checked_add(d)
+        .or_else(|| now.checked_add(CENTURY))
+        .or_else(|| now.checked_add(CENTURY / 100))
+        .unwrap_or(now)
+}
+
+/// What a scope costs without its response.
+fn scope_charge(scope: &Scope) -> usize {
+    RECORD_OVERHEAD
+        .saturating_add(scope.tenant.len())
+        .saturating_add(scope.method.len())
+        .saturating_add(scope.path.len())
+        .saturating_add(scope.key.len())
+}
 
 /// An in-process store: no setup, nothing shared between processes.
 ///
@@ -23,13 +71,62 @@ const FULL_SWEEP_EVERY: Duration = Duration::from_secs(30);
 /// behind a load balancer each have their own memory, so a retry that lands on another instance
 /// runs the handler again: use `PostgresStore` there.
 ///
-/// The store is bounded ([`MemoryStoreBuilder::max_entries`], default 100,000 records) because
-/// an unbounded cache of responses is a memory leak with a delay. When full, it first drops
-/// expired records, then the completed records closest to expiry. It never evicts an in-flight
-/// reservation (that would let a duplicate run while the first is still running): when the
-/// store is full of them, `reserve` fails with [`StoreError::Capacity`] and the middleware
-/// answers 503. Expired records are swept as a side effect of `reserve`, so no background task
-/// is needed. Cloning is cheap and clones share the records.
+/// # Bounds (C22)
+///
+/// The store is bounded twice: by records ([`MemoryStoreBuilder::max_entries`]) and by bytes
+/// ([`MemoryStoreBuilder::max_bytes`]), because an unbounded cache of responses is a memory
+/// leak with a delay, and a record bound alone does not bound memory (100,000 records of 1 MiB
+/// responses are 100 GB). A record is charged for its scope (tenant, method, path, key), its
+/// stored response (encoded headers and body) and about 384 bytes of bookkeeping.
+///
+/// A *live* record (a completed record inside its TTL, or a reservation before the end of its
+/// grace period) is never dropped to make room by default. When the store is full of live
+/// records, `reserve` fails with [`StoreError::Capacity`] or [`StoreError::ByteCapacity`] and
+/// the middleware answers 503 `STORAGE_UNAVAILABLE` without running the handler, exactly as
+/// for a dead store (C15). Expired records are always dropped first. Apps that prefer a
+/// cache-like store (a shorter replay window under load rather than 503s) opt in with
+/// [`MemoryStoreBuilder::evict_live_completed_when_full`]; every such eviction is logged at
+/// `warn` (target `idempotency_actix`) with its scope. Reservations are never evicted.
+///
+/// The defaults (100,000 records, 256 MiB) fit a small server. With the middleware's 24 h
+/// TTL, 100,000 records hold a sustained rate of about 1.1 new keys per second: above that a
+/// store with the defaults starts answering 503. Raise `max_entries` (at about 550 bytes per
+/// small record), shorten the TTL, or use `PostgresStore`. The bound is one pool for all
+/// tenants: one tenant sending many new keys fills the store for all (it is refused, but so
+/// are the others); give tenants their own stores, or use `PostgresStore`, when that matters.
+///
+/// # Where a response's bytes are charged
+///
+/// A reservation is charged [`MemoryStoreBuilder::response_allowance`] bytes (default 1 MiB,
+/// the middleware's default `max_response_bytes`) on top of its scope, at `reserve` time, and
+/// `complete` trades that allowance for the response's real size. So the room for a response
+/// is secured *before* the handler runs, when refusing is harmless (503, nothing happened), and
+/// `complete` of any response within the allowance always fits: it cannot fail after the
+/// handler's side effects happened, which would leave the key reserved and invite a second
+/// execution once the lease ends. The price is that each running request holds its allowance
+/// of the byte bound. A response larger than the allowance (only when the middleware's
+/// `max_response_bytes` is set above it) needs the difference from free space; without it,
+/// `complete` fails with [`StoreError::ByteCapacity`], the reservation stays, and the
+/// middleware keeps retrying until the lease ends (C16). Keep the allowance at least the
+/// middleware's `max_response_bytes`.
+///
+/// # Ended reservations (C9)
+///
+/// A reservation whose lease ended is kept, like PostgreSQL keeps its row: a retry of the same
+/// request takes it over, another body is refused, and a late `complete` by its holder (a
+/// handler slower than its lease that nobody took over) still stores the response. Only after
+/// [`MemoryStoreBuilder::reservation_grace`] (default 24 h) does the sweep delete it. Once its
+/// lease ended it keeps charging its scope but no longer its response allowance, so abandoned
+/// reservations cannot starve the byte bound; a late `complete` then needs room for its
+/// response like any other growth.
+///
+/// # Sweeping and time
+///
+/// Expired records are swept as a side effect of `reserve` (the oldest completed records on
+/// every call, everything every [`MemoryStoreBuilder::sweep_interval`] and when the store is
+/// full), so no background task is needed. Leases, TTLs and the grace are durations added to
+/// [`Instant::now`] with saturating arithmetic: `Duration::MAX` means "never" and does not
+/// panic. Cloning is cheap and clones share the records.
 #[derive(Clone)]
 pub struct MemoryStore {
     inner: Arc<Mutex<Inner>>,
@@ -38,13 +135,73 @@ pub struct MemoryStore {
 /// Builder for [`MemoryStore`].
 #[derive(Debug, Clone)]
 pub struct MemoryStoreBuilder {
+    limits: Limits,
+}
+
+#[derive(Debug, Clone)]
+struct Limits {
     max_entries: usize,
+    max_bytes: usize,
+    response_allowance: usize,
+    evict_live_completed: bool,
+    reservation_grace: Duration,
+    sweep_interval: Duration,
 }
 
 impl MemoryStoreBuilder {
-    /// At most this many records (in flight and completed) are kept. Default 100,000.
+    /// At most this many records (in flight and completed) are kept. Default
+    /// 100,000. At least 1.
     pub fn max_entries(mut self, max_entries: usize) -> Self {
-        self.max_entries = max_entries.max(1);
+        self.limits.max_entries = max_entries.max(1);
+        self
+    }
+
+    /// At most this many bytes of records are kept: scopes, stored headers and bodies, the
+    /// response allowance of running reservations and about 384 bytes of bookkeeping per record. Default
+    /// 256 MiB.
+    pub fn max_bytes(mut self, max_bytes: usize) -> Self {
+        self.limits.max_bytes = max_bytes;
+        self
+    }
+
+    /// Bytes a reservation holds for its response until it completes (or its lease ends), so
+    /// that `complete` of a response up to this size never fails for lack of room. Default
+    /// 1 MiB; keep it at least the middleware's
+    /// `max_response_bytes`. Lower values admit more concurrent requests within
+    /// [`max_bytes`](Self::max_bytes) but let a larger response fail to be stored when the
+    /// store is full.
+    pub fn response_allowance(mut self, bytes: usize) -> Self {
+        self.limits.response_allowance = bytes;
+        self
+    }
+
+    /// Opt into cache-like behaviour: when the store is full of live records, evict the live
+    /// completed records closest to expiry to make room, instead of failing `reserve` (503).
+    /// Default `false`.
+    ///
+    /// An evicted record is forgotten: a retry of its request runs the handler a second time.
+    /// Each eviction is logged at `warn` (target `idempotency_actix`) with its scope. Under a
+    /// sustained rate of new keys the real replay window shrinks to about
+    /// `max_entries / rate`, and since the bound is shared, one tenant's traffic can push out
+    /// another tenant's records. Reservations are never evicted.
+    pub fn evict_live_completed_when_full(mut self, evict: bool) -> Self {
+        self.limits.evict_live_completed = evict;
+        self
+    }
+
+    /// How long a reservation whose lease ended is kept before the periodic sweep deletes it.
+    /// Default 24 h. Meanwhile only the same request may take
+    /// it over and a late `complete` by its holder still applies.
+    pub fn reservation_grace(mut self, grace: Duration) -> Self {
+        self.limits.reservation_grace = grace;
+        self
+    }
+
+    /// How often `reserve` walks all records to delete what expired (records the cheap sweep
+    /// misses: ended reservations past their grace, records with a shorter TTL than their
+    /// neighbours). Default 30 s.
+    pub fn sweep_interval(mut self, interval: Duration) -> Self {
+        self.limits.sweep_interval = interval;
         self
     }
 
@@ -54,10 +211,11 @@ impl MemoryStoreBuilder {
             inner: Arc::new(Mutex::new(Inner {
                 records: HashMap::new(),
                 completion_order: VecDeque::new(),
-                max_entries: self.max_entries,
+                limits: self.limits,
+                bytes: 0,
                 next_generation: 0,
                 last_full_sweep: Instant::now(),
-                earliest_expiry: None,
+                next_event: None,
             })),
         }
     }
@@ -71,14 +229,17 @@ impl Default for MemoryStore {
 
 impl std::fmt::Debug for MemoryStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let inner = self.lock();
         f.debug_struct("MemoryStore")
-            .field("len", &self.len())
+            .field("len", &inner.records.len())
+            .field("bytes", &inner.bytes)
+            .field("limits", &inner.limits)
             .finish()
     }
 }
 
 impl MemoryStore {
-    /// A store with the default capacity.
+    /// A store with the default bounds.
     pub fn new() -> Self {
         Self::builder().build()
     }
@@ -86,7 +247,14 @@ impl MemoryStore {
     /// Configure the store.
     pub fn builder() -> MemoryStoreBuilder {
         MemoryStoreBuilder {
-            max_entries: DEFAULT_MAX_ENTRIES,
+            limits: Limits {
+                max_entries: DEFAULT_MAX_ENTRIES,
+                max_bytes: DEFAULT_MAX_BYTES,
+                response_allowance: DEFAULT_RESPONSE_ALLOWANCE,
+                evict_live_completed: false,
+                reservation_grace: DEFAULT_RESERVATION_GRACE,
+                sweep_interval: DEFAULT_SWEEP_INTERVAL,
+            },
         }
     }
 
@@ -98,6 +266,12 @@ impl MemoryStore {
     /// Whether the store holds no record.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// Bytes charged against [`MemoryStoreBuilder::max_bytes`] now (see [`MemoryStore`] for
+    /// what is counted).
+    pub fn bytes_used(&self) -> usize {
+        self.lock().bytes
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
@@ -115,13 +289,16 @@ struct Inner {
     /// With one TTL this is also expiry order, so sweeping and eviction pop from the front.
     /// Entries whose record changed since (generation differs) are skipped.
     completion_order: VecDeque<(Instant, Arc<Scope>, u64)>,
-    max_entries: usize,
+    limits: Limits,
+    /// The sum of the records' charges, never more than `limits.max_bytes`.
+    bytes: usize,
     next_generation: u64,
     last_full_sweep: Instant,
-    /// No record expires before this (a lower bound: the record that set it may be gone);
-    /// `None` when no record was added since the last full sweep found none. Lets a full
-    /// store skip the full sweep, which could not drop anything before this instant.
-    earliest_expiry: Option<Instant>,
+    /// A full sweep changes nothing before this instant: no record expires, no lease ends and
+    /// no grace runs out earlier (a lower bound: the record that set it may be gone). `None`
+    /// when no record was added since the last full sweep found none. Lets a full store skip
+    /// the full sweep, which could not free anything before this instant.
+    next_event: Option<Instant>,
 }
 
 /// A stored response as kept in memory: its headers encoded with
@@ -142,6 +319,11 @@ impl Compact {
         }
     }
 
+    /// The bytes charged for the response.
+    fn size(&self) -> usize {
+        self.headers.len().saturating_add(self.body.len())
+    }
+
     fn expand(&self) -> Result<StoredResponse, StoreError> {
         Ok(StoredResponse {
             status: self.status,
@@ -156,6 +338,7 @@ impl Compact {
 enum Found {
     Completed(Fingerprint, Arc<Compact>, Duration),
     InFlight(Fingerprint, Duration),
+    /// A reservation of the same request whose lease ended: a retry takes it over.
     TakeOver,
     Absent,
 }
@@ -163,6 +346,8 @@ enum Found {
 struct Record {
     fingerprint: Fingerprint,
     generation: u64,
+    /// Bytes charged against the bound: the scope, the response or the allowance, overhead.
+    charge: usize,
     state: State,
 }
 
@@ -170,6 +355,8 @@ enum State {
     InFlight {
         token: ReservationToken,
         lease_until: Instant,
+        /// The part of `charge` held for the response; zero once the lease ended.
+        allowance: usize,
     },
     Completed {
         /// The response in one allocation (status, encoded headers, body), shared so a replay
@@ -180,23 +367,41 @@ enum State {
 }
 
 impl Record {
-    fn in_flight(
-        fingerprint: Fingerprint,
-        generation: u64,
-        token: ReservationToken,
-        lease_until: Instant,
-    ) -> Self {
-        Self {
-            fingerprint,
-            generation,
-            state: State::InFlight { token, lease_until },
+    /// Whether no request can use the record any more: an expired completed record, or a
+    /// reservation whose lease ended more than `grace` ago.
+    fn is_dead(&self, now: Instant, grace: Duration) -> bool {
+        match self.state {
+            State::InFlight { lease_until, .. } => later(lease_until, grace) <= now,
+            State::Completed { expires_at, .. } => expires_at <= now,
         }
     }
 
-    fn expires_at(&self) -> Instant {
+    /// When a full sweep next has something to do with this record.
+    fn next_event(&self, grace: Duration) -> Instant {
         match self.state {
-            State::InFlight { lease_until, .. } => lease_until,
+            State::InFlight {
+                lease_until,
+                allowance,
+                ..
+            } if allowance > 0 => lease_until,
+            State::InFlight { lease_until, .. } => later(lease_until, grace),
             State::Completed { expires_at, .. } => expires_at,
+        }
+    }
+
+    /// Once the lease ended, stop holding the response allowance; returns the bytes freed.
+    fn end_allowance(&mut self, now: Instant) -> usize {
+        match &mut self.state {
+            State::InFlight {
+                lease_until,
+                allowance,
+                ..
+            } if *lease_until <= now && *allowance > 0 => {
+                let freed = std::mem::take(allowance);
+                self.charge = self.charge.saturating_sub(freed);
+                freed
+            }
+            _ => 0,
         }
     }
 
@@ -206,9 +411,9 @@ impl Record {
 }
 
 impl Inner {
-    /// A record was added or changed and expires at `at`.
-    fn note_expiry(&mut self, at: Instant) {
-        self.earliest_expiry = Some(self.earliest_expiry.map_or(at, |e| e.min(at)));
+    /// A record was added or changed; a full sweep has something to do with it at `at`.
+    fn note_event(&mut self, at: Instant) {
+        self.next_event = Some(self.next_event.map_or(at, |e| e.min(at)));
     }
 
     fn generation(&mut self) -> u64 {
@@ -216,32 +421,65 @@ impl Inner {
         self.next_generation
     }
 
-    /// Drop completed records from the front of the completion queue while they are expired.
+    fn remove(&mut self, scope: &Scope) -> Option<(Arc<Scope>, Record)> {
+        let removed = self.records.remove_entry(scope)?;
+        self.bytes = self.bytes.saturating_sub(removed.1.charge);
+        Some(removed)
+    }
+
+    /// Bring the record of `scope` up to date at `now`: delete it if it is dead, drop the
+    /// allowance of an ended reservation. Afterwards a sweep at `now` would not change it.
+    fn settle(&mut self, scope: &Scope, now: Instant) {
+        let grace = self.limits.reservation_grace;
+        let Some(record) = self.records.get_mut(scope) else {
+            return;
+        };
+        if record.is_dead(now, grace) {
+            self.remove(scope);
+        } else {
+            let freed = record.end_allowance(now);
+            self.bytes = self.bytes.saturating_sub(freed);
+        }
+    }
+
+    /// Drop completed records from the front of the completion queue while they are expired,
+    /// and run the full sweep when it is due.
     fn sweep_front(&mut self, now: Instant) {
         while let Some((expires_at, scope, generation)) = self.completion_order.front() {
             if *expires_at > now {
                 break;
             }
+            let scope = Arc::clone(scope);
+            let generation = *generation;
+            self.completion_order.pop_front();
             if self
                 .records
-                .get(scope)
-                .is_some_and(|r| r.generation == *generation && r.expires_at() <= now)
+                .get(&scope)
+                .is_some_and(|r| r.generation == generation && r.is_dead(now, Duration::ZERO))
             {
-                self.records.remove(scope);
+                self.remove(&scope);
             }
-            self.completion_order.pop_front();
         }
-        if now.duration_since(self.last_full_sweep) >= FULL_SWEEP_EVERY {
-            self.sweep_all(now, Duration::ZERO);
+        if now.saturating_duration_since(self.last_full_sweep) >= self.limits.sweep_interval {
+            self.sweep_all(now, self.limits.reservation_grace);
         }
     }
 
-    fn sweep_all(&mut self, now: Instant, in_flight_grace: Duration) -> u64 {
+    /// Delete every dead record (reservations: lease ended more than `grace` ago) and drop
+    /// the allowance of ended reservations; returns how many records were deleted.
+    fn sweep_all(&mut self, now: Instant, grace: Duration) -> u64 {
         let before = self.records.len();
-        self.records.retain(|_, r| match r.state {
-            State::InFlight { lease_until, .. } => lease_until + in_flight_grace > now,
-            State::Completed { expires_at, .. } => expires_at > now,
+        let mut freed = 0usize;
+        self.records.retain(|_, r| {
+            if r.is_dead(now, grace) {
+                freed = freed.saturating_add(r.charge);
+                false
+            } else {
+                freed = freed.saturating_add(r.end_allowance(now));
+                true
+            }
         });
+        self.bytes = self.bytes.saturating_sub(freed);
         let records = &self.records;
         self.completion_order.retain(|(_, scope, generation)| {
             records
@@ -249,36 +487,107 @@ impl Inner {
                 .is_some_and(|r| r.generation == *generation)
         });
         self.last_full_sweep = now;
-        self.earliest_expiry = self.records.values().map(Record::expires_at).min();
+        let grace = self.limits.reservation_grace;
+        self.next_event = self.records.values().map(|r| r.next_event(grace)).min();
         (before - self.records.len()) as u64
     }
 
-    /// Make room for one new record, or fail if only reservations are left. Evicted records
-    /// go to `evicted`, so the caller can free them after releasing the lock.
+    /// Whether `need` more bytes (and one more record, if `new_record`) fit once `records`
+    /// records of `bytes` bytes are gone.
+    fn fits(&self, new_record: bool, need: usize, records: usize, bytes: usize) -> bool {
+        let count_ok =
+            !new_record || self.records.len().saturating_sub(records) < self.limits.max_entries;
+        let bytes_ok =
+            (self.bytes.saturating_sub(bytes)).saturating_add(need) <= self.limits.max_bytes;
+        count_ok && bytes_ok
+    }
+
+    fn full(&self, new_record: bool) -> StoreError {
+        if new_record && self.records.len() >= self.limits.max_entries {
+            StoreError::Capacity(self.limits.max_entries)
+        } else {
+            StoreError::ByteCapacity(self.limits.max_bytes)
+        }
+    }
+
+    /// Make room for `need` more bytes (and one more record, if `new_record`): drop dead
+    /// records, then, only if the user opted in, evict live completed records closest to
+    /// expiry. Fails, having evicted nothing, when that cannot make enough room. Evicted
+    /// records go to `evicted`, so the caller can log and free them after releasing the lock.
     fn make_room(
         &mut self,
         now: Instant,
+        new_record: bool,
+        need: usize,
         evicted: &mut Vec<(Arc<Scope>, Record)>,
     ) -> Result<(), StoreError> {
-        if self.records.len() < self.max_entries {
+        if self.fits(new_record, need, 0, 0) {
             return Ok(());
         }
-        // The full sweep is O(records); skip it while it provably has nothing to drop, so a
-        // full store does not pay it on every new record.
-        if self.earliest_expiry.is_some_and(|at| at <= now) {
-            self.sweep_all(now, Duration::ZERO);
+        if need > self.limits.max_bytes {
+            return Err(StoreError::ByteCapacity(self.limits.max_bytes));
         }
-        while self.records.len() >= self.max_entries {
-            let Some((_, scope, generation)) = self.completion_order.pop_front() else {
-                return Err(StoreError::Capacity(self.max_entries));
-            };
-            if let Entry::Occupied(entry) = self.records.entry(scope) {
-                if entry.get().generation == generation {
-                    evicted.push(entry.remove_entry());
-                }
+        // The full sweep is O(records); skip it while it provably has nothing to free, so a
+        // full store does not pay it on every new record.
+        if self.next_event.is_some_and(|at| at <= now) {
+            self.sweep_all(now, self.limits.reservation_grace);
+            if self.fits(new_record, need, 0, 0) {
+                return Ok(());
+            }
+        }
+        if !self.limits.evict_live_completed {
+            return Err(self.full(new_record));
+        }
+        // Plan first, so that nothing is evicted when even evicting every completed record
+        // would not make room (the rest are reservations).
+        let (mut records, mut bytes, mut take) = (0, 0, 0);
+        for (i, (_, scope, generation)) in self.completion_order.iter().enumerate() {
+            if let Some(r) = self
+                .records
+                .get(scope)
+                .filter(|r| r.generation == *generation)
+            {
+                records += 1;
+                bytes += r.charge;
+            }
+            if self.fits(new_record, need, records, bytes) {
+                take = i + 1;
+                break;
+            }
+        }
+        if take == 0 {
+            return Err(self.full(new_record));
+        }
+        for (_, scope, generation) in self.completion_order.drain(..take).collect::<Vec<_>>() {
+            if self
+                .records
+                .get(&scope)
+                .is_some_and(|r| r.generation == generation)
+            {
+                evicted.extend(self.remove(&scope));
             }
         }
         Ok(())
+    }
+}
+
+/// Log the live records evicted to make room (only with `evict_live_completed_when_full`).
+fn log_evictions(evicted: &[(Arc<Scope>, Record)], now: Instant) {
+    for (scope, record) in evicted {
+        let ttl_left = match record.state {
+            State::Completed { expires_at, .. } => expires_at.saturating_duration_since(now),
+            State::InFlight { .. } => Duration::ZERO,
+        };
+        tracing::warn!(
+            target: "idempotency_actix",
+            outcome = "evicted",
+            tenant = %scope.tenant,
+            method = %scope.method,
+            path = %scope.path,
+            key = %scope.key,
+            ttl_left_secs = ttl_left.as_secs(),
+            "memory store full: evicted a live completed record (evict_live_completed_when_full); a retry with this key will run the handler again"
+        );
     }
 }
 
@@ -293,14 +602,19 @@ impl IdempotencyStore for MemoryStore {
         let now = Instant::now();
         let mut inner = self.lock();
         inner.sweep_front(now);
+        inner.settle(scope, now);
+        // After `settle` the record, if any, is live: a completed record inside its TTL or a
+        // reservation before the end of its grace.
         let found = match inner.records.get(scope) {
             Some(record) => match &record.state {
                 State::Completed {
                     response,
                     expires_at,
-                } if *expires_at > now => {
-                    Found::Completed(record.fingerprint, Arc::clone(response), *expires_at - now)
-                }
+                } => Found::Completed(
+                    record.fingerprint,
+                    Arc::clone(response),
+                    expires_at.saturating_duration_since(now),
+                ),
                 State::InFlight { lease_until, .. }
                     if *lease_until > now || record.fingerprint != *fingerprint =>
                 {
@@ -309,9 +623,8 @@ impl IdempotencyStore for MemoryStore {
                         lease_until.saturating_duration_since(now),
                     )
                 }
-                // Expired completed record (absent), or a dead holder's lease on the same
-                // request.
-                _ => Found::TakeOver,
+                // A dead holder's lease on the same request.
+                State::InFlight { .. } => Found::TakeOver,
             },
             None => Found::Absent,
         };
@@ -334,17 +647,37 @@ impl IdempotencyStore for MemoryStore {
             }
             Found::TakeOver | Found::Absent => {}
         }
+        let allowance = inner.limits.response_allowance;
+        let charge = scope_charge(scope).saturating_add(allowance);
+        let lease_until = later(now, lease);
         let token = ReservationToken::random();
         let generation = inner.generation();
-        let record = Record::in_flight(*fingerprint, generation, token, now + lease);
+        let record = Record {
+            fingerprint: *fingerprint,
+            generation,
+            charge,
+            state: State::InFlight {
+                token,
+                lease_until,
+                allowance,
+            },
+        };
         if let Found::Absent = found {
-            inner.make_room(now, &mut evicted)?;
+            inner.make_room(now, true, charge, &mut evicted)?;
             inner.records.insert(Arc::new(scope.clone()), record);
-        } else if let Some(existing) = inner.records.get_mut(scope) {
-            *existing = record;
+            inner.bytes = inner.bytes.saturating_add(charge);
+        } else {
+            // The ended reservation was settled: it charges its scope only.
+            let old = inner.records.get(scope).map_or(0, |r| r.charge);
+            inner.make_room(now, false, charge.saturating_sub(old), &mut evicted)?;
+            if let Some(existing) = inner.records.get_mut(scope) {
+                *existing = record;
+            }
+            inner.bytes = inner.bytes.saturating_sub(old).saturating_add(charge);
         }
-        inner.note_expiry(now + lease);
+        inner.note_event(lease_until);
         drop(inner);
+        log_evictions(&evicted, now);
         drop(evicted);
         Ok(ReserveOutcome::Reserved { token })
     }
@@ -358,28 +691,44 @@ impl IdempotencyStore for MemoryStore {
     ) -> Result<WriteOutcome, StoreError> {
         // Copied before taking the lock (wasted only when the write turns out stale).
         let response = Arc::new(Compact::new(response));
+        let charge = scope_charge(scope).saturating_add(response.size());
+        let mut evicted = Vec::new();
         let now = Instant::now();
         let mut inner = self.lock();
+        // A reservation past its grace is gone even if no sweep deleted it yet.
+        inner.settle(scope, now);
+        let old = match inner.records.get(scope) {
+            Some(record) if record.holds(token) => record.charge,
+            _ => return Ok(WriteOutcome::Stale),
+        };
+        if charge > old {
+            // Only a response larger than the allowance, or a late one (the lease ended and
+            // the allowance with it), needs more room. Failing leaves the reservation as it
+            // is; the middleware retries (C16).
+            inner.make_room(now, false, charge - old, &mut evicted)?;
+        }
         let generation = inner.generation();
+        let expires_at = later(now, ttl);
         let Some((key, record)) = inner.records.get_key_value(scope) else {
             return Ok(WriteOutcome::Stale);
         };
-        if !record.holds(token) {
-            return Ok(WriteOutcome::Stale);
-        }
         let key = Arc::clone(key);
-        let expires_at = now + ttl;
+        let old = record.charge;
         if let Some(record) = inner.records.get_mut(scope) {
             record.generation = generation;
+            record.charge = charge;
             record.state = State::Completed {
                 response,
                 expires_at,
             };
         }
-        inner.note_expiry(expires_at);
+        inner.bytes = inner.bytes.saturating_sub(old).saturating_add(charge);
+        inner.note_event(expires_at);
         inner
             .completion_order
             .push_back((expires_at, key, generation));
+        drop(inner);
+        log_evictions(&evicted, now);
         Ok(WriteOutcome::Applied)
     }
 
@@ -390,7 +739,9 @@ impl IdempotencyStore for MemoryStore {
     ) -> Result<WriteOutcome, StoreError> {
         let mut inner = self.lock();
         if inner.records.get(scope).is_some_and(|r| r.holds(token)) {
-            inner.records.remove(scope);
+            let removed = inner.remove(scope);
+            drop(inner);
+            drop(removed);
             Ok(WriteOutcome::Applied)
         } else {
             Ok(WriteOutcome::Stale)
@@ -440,15 +791,42 @@ mod tests {
         assert_eq!(outcome, WriteOutcome::Applied);
     }
 
+    /// C22: by default a full store refuses a new key rather than drop a live record.
     #[tokio::test]
-    async fn full_store_evicts_oldest_completed_record() {
+    async fn full_store_refuses_new_keys_by_default() {
         let store = MemoryStore::builder().max_entries(2).build();
+        reserve_and_complete(&store, "a").await;
+        reserve_and_complete(&store, "b").await;
+        let fp = Fingerprint([1; 32]);
+        assert!(matches!(
+            store
+                .reserve(&scope("c"), &fp, Duration::from_secs(60))
+                .await,
+            Err(StoreError::Capacity(2))
+        ));
+        for key in ["a", "b"] {
+            assert!(matches!(
+                store
+                    .reserve(&scope(key), &fp, Duration::from_secs(1))
+                    .await
+                    .unwrap(),
+                ReserveOutcome::Completed { .. }
+            ));
+        }
+    }
+
+    /// The opt-in: the oldest completed record makes room.
+    #[tokio::test]
+    async fn opted_in_full_store_evicts_oldest_completed_record() {
+        let store = MemoryStore::builder()
+            .max_entries(2)
+            .evict_live_completed_when_full(true)
+            .build();
         reserve_and_complete(&store, "a").await;
         reserve_and_complete(&store, "b").await;
         reserve_and_complete(&store, "c").await;
         assert_eq!(store.len(), 2);
         let fp = Fingerprint([1; 32]);
-        // "a" was evicted: reserving it again succeeds; "c" is still there.
         assert!(matches!(
             store
                 .reserve(&scope("c"), &fp, Duration::from_secs(1))
@@ -456,11 +834,47 @@ mod tests {
                 .unwrap(),
             ReserveOutcome::Completed { .. }
         ));
+        // "a" was evicted: reserving it again succeeds (and evicts "b").
+        assert!(matches!(
+            store
+                .reserve(&scope("a"), &fp, Duration::from_secs(1))
+                .await
+                .unwrap(),
+            ReserveOutcome::Reserved { .. }
+        ));
+    }
+
+    /// The byte count follows every transition back to zero.
+    #[tokio::test]
+    async fn bytes_are_charged_and_given_back() {
+        let store = MemoryStore::builder().response_allowance(1000).build();
+        let fp = Fingerprint([1; 32]);
+        let lease = Duration::from_secs(60);
+        let ReserveOutcome::Reserved { token } =
+            store.reserve(&scope("a"), &fp, lease).await.unwrap()
+        else {
+            panic!("expected a reservation");
+        };
+        let base = scope_charge(&scope("a"));
+        assert_eq!(store.bytes_used(), base + 1000);
+        assert_eq!(
+            store.release(&scope("a"), &token).await.unwrap(),
+            WriteOutcome::Applied
+        );
+        assert_eq!(store.bytes_used(), 0);
+        reserve_and_complete(&store, "a").await;
+        let size = Compact::new(&response()).size();
+        assert_eq!(store.bytes_used(), base + size);
+        assert_eq!(store.purge_expired(Duration::ZERO).await.unwrap(), 0);
+        assert_eq!(store.bytes_used(), base + size);
     }
 
     #[tokio::test]
     async fn full_store_never_evicts_in_flight_reservations() {
-        let store = MemoryStore::builder().max_entries(2).build();
+        let store = MemoryStore::builder()
+            .max_entries(2)
+            .evict_live_completed_when_full(true)
+            .build();
         let fp = Fingerprint([1; 32]);
         let lease = Duration::from_secs(60);
         for key in ["a", "b"] {

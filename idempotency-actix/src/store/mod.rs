@@ -272,9 +272,15 @@ pub enum StoreError {
         /// What the operator should do, e.g. "run `idem-cli migrate`".
         hint: String,
     },
-    /// The store is full of reservations that must not be evicted.
+    /// The store holds as many records as it may, and none of them may be dropped (live
+    /// records, C22: reservations, and completed records unless the store was told it may
+    /// evict them).
     #[error("idempotency store is at capacity ({0} records)")]
     Capacity(usize),
+    /// The store holds as many bytes as it may (a memory bound, C22), and none of its records
+    /// may be dropped, or the record to store is larger than the whole bound.
+    #[error("idempotency store is at capacity ({0} bytes)")]
+    ByteCapacity(usize),
     /// Any other backend failure.
     #[error("idempotency store error: {0}")]
     Backend(#[source] BoxError),
