@@ -52,22 +52,12 @@ async fn redis_conn(redis: &RedisServer) -> redis::aio::MultiplexedConnection {
         .expect("test redis-server accepts connections")
 }
 
-/// C26: every rule of the suite that does not count rows deleted by `purge_expired`. The purge
-/// case is store-neutral on branch `mem`; until it lands, Redis's own expiry is checked by
-/// `expiry_replaces_purge` below.
+/// C26: the whole store conformance suite, on a store with the default 24 h grace.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_store_conforms() {
     let redis = RedisServer::start();
     let store = store(&redis).await;
-    conformance::first_reserve_wins_and_duplicates_see_in_flight(&store).await;
-    conformance::complete_then_replay_returns_the_exact_response(&store).await;
-    conformance::fenced_writes_reject_foreign_tokens(&store).await;
-    conformance::release_frees_the_key(&store).await;
-    conformance::expired_lease_is_taken_over_and_stale_holder_is_fenced(&store).await;
-    conformance::expired_lease_with_other_fingerprint_is_not_taken_over(&store).await;
-    conformance::expired_completed_record_is_absent(&store).await;
-    conformance::concurrent_reservations_have_exactly_one_winner(&store).await;
-    conformance::scopes_are_isolated_without_delimiter_collisions(&store).await;
+    conformance::run_all(&store).await;
 }
 
 /// C12 without purge: Redis drops an expired completed record and, after lease + grace, a dead
