@@ -4,6 +4,8 @@
 //! cargo run --example payments                      # memory store
 //! DATABASE_URL=postgres://postgres@127.0.0.1/test \
 //!   cargo run --example payments -- --migrate      # PostgreSQL store, table created on start
+//! REDIS_URL=redis://127.0.0.1:6379/ \
+//!   cargo run --example payments --features redis  # Redis store
 //! ```
 //!
 //! Endpoints (on 127.0.0.1:8080, or `PAYMENTS_ADDR`):
@@ -174,6 +176,9 @@ async fn main() -> std::io::Result<()> {
         .init();
     let addr = std::env::var("PAYMENTS_ADDR").unwrap_or_else(|_| "127.0.0.1:8080".into());
     let migrate = std::env::args().any(|arg| arg == "--migrate");
+    if let Some(url) = std::env::var("REDIS_URL").ok().filter(|u| !u.is_empty()) {
+        return serve_redis(&url, &addr).await;
+    }
     match std::env::var("DATABASE_URL") {
         Ok(url) if !url.is_empty() => serve_postgres(&url, migrate, &addr).await,
         _ => {
@@ -207,5 +212,22 @@ async fn serve_postgres(url: &str, migrate: bool, addr: &str) -> std::io::Result
 async fn serve_postgres(_: &str, _: bool, _: &str) -> std::io::Result<()> {
     Err(std::io::Error::other(
         "DATABASE_URL is set but this build has no `postgres` feature",
+    ))
+}
+
+#[cfg(feature = "redis")]
+async fn serve_redis(url: &str, addr: &str) -> std::io::Result<()> {
+    use idempotency_actix::store::RedisStore;
+    let store = RedisStore::connect(url)
+        .await
+        .map_err(|e| std::io::Error::other(e.to_string()))?;
+    println!("store: Redis");
+    serve(store, addr).await
+}
+
+#[cfg(not(feature = "redis"))]
+async fn serve_redis(_: &str, _: &str) -> std::io::Result<()> {
+    Err(std::io::Error::other(
+        "REDIS_URL is set but this build has no `redis` feature",
     ))
 }

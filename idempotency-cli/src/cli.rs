@@ -50,6 +50,27 @@ pub struct Cli {
     )]
     pub database_url: Option<String>,
 
+    /// Redis URL of a RedisStore (redis:// or rediss://), instead of a database: list, show,
+    /// stats and release read its records; migrate and purge have nothing to do.
+    #[arg(
+        long,
+        env = "REDIS_URL",
+        global = true,
+        hide_env_values = true,
+        value_name = "URL",
+        help_heading = "Global options"
+    )]
+    pub redis_url: Option<String>,
+
+    /// Key prefix of the RedisStore (default idem:).
+    #[arg(
+        long,
+        global = true,
+        value_name = "PREFIX",
+        help_heading = "Global options"
+    )]
+    pub redis_prefix: Option<String>,
+
     /// Output: human-readable text/table, or JSON (one object per line) for scripts.
     #[arg(long, global = true, value_enum, default_value_t = Format::Text,
           help_heading = "Global options")]

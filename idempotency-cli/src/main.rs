@@ -31,6 +31,7 @@ mod duration;
 mod error;
 mod output;
 mod record;
+mod redis_store;
 
 use cli::{Cli, Command};
 use error::{code, CliError};
@@ -54,8 +55,28 @@ fn main() -> ExitCode {
 }
 
 async fn run(cli: Cli) -> Result<(), CliError> {
+    if let Some(redis_url) = cli.redis_url.as_deref().filter(|u| !u.is_empty()) {
+        if cli.database_url.as_deref().is_some_and(|u| !u.is_empty()) {
+            return Err(CliError::Usage(
+                "both a database URL and a Redis URL are set: pick one (unset DATABASE_URL \
+                 or REDIS_URL, or drop --database-url/--redis-url)"
+                    .into(),
+            ));
+        }
+        let mut out = output::Out::new();
+        let (prefix, timeout) = (cli.redis_prefix.as_deref(), cli.connect_timeout.0);
+        return redis_store::run(
+            redis_url,
+            prefix,
+            &cli.command,
+            cli.format,
+            timeout,
+            &mut out,
+        )
+        .await;
+    }
     let url = cli.database_url.as_deref().ok_or_else(|| {
-        CliError::Usage("no database: pass --database-url or set DATABASE_URL".into())
+        CliError::Usage("no database: pass --database-url or set DATABASE_URL (or --redis-url / REDIS_URL for a RedisStore)".into())
     })?;
     let timeout = cli.connect_timeout.0;
     let mut out = output::Out::new();

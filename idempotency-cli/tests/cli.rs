@@ -43,6 +43,7 @@ fn command(url: &str, args: &[&str]) -> Command {
     let mut cmd = Command::new(BIN);
     cmd.args(args)
         .env("DATABASE_URL", url)
+        .env_remove("REDIS_URL")
         .env("RUST_BACKTRACE", "1")
         .stdin(Stdio::null());
     cmd

@@ -36,6 +36,7 @@ pub mod proc;
 pub mod proxy;
 pub mod raw_http;
 pub mod records;
+pub mod redis_server;
 pub mod server;
 
 /// The default local server tried when `DATABASE_URL` is not set.

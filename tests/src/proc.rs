@@ -59,7 +59,7 @@ pub fn payments_binary() -> PathBuf {
                     "--example",
                     "payments",
                     "--features",
-                    "test-suite",
+                    "test-suite redis",
                 ])
                 .stdin(Stdio::null())
                 .status();
@@ -140,6 +140,7 @@ impl PaymentsApp {
         let mut command = Command::new(bin);
         command
             .env_remove("DATABASE_URL")
+            .env_remove("REDIS_URL")
             .env("PAYMENTS_ADDR", &addr)
             .env("RUST_LOG", "info,idempotency_actix=debug")
             .env("NO_COLOR", "1")

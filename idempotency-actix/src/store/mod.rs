@@ -26,6 +26,7 @@
 //! # Stores in this crate
 //! - [`MemoryStore`]: one process, no setup; for development, tests and single-instance apps.
 //! - `PostgresStore` (feature `postgres`): several instances sharing one database.
+//! - `RedisStore` (feature `redis`): several instances sharing one Redis, no schema, no purge.
 //! - [`CachedStore`]: wraps another store and answers replays of completed records from an
 //!   in-process cache, without a round trip.
 //!
@@ -128,6 +129,9 @@ mod response;
 #[cfg(feature = "postgres")]
 pub mod postgres;
 
+#[cfg(feature = "redis")]
+pub mod redis;
+
 #[cfg(any(test, feature = "test-suite"))]
 pub mod conformance;
 
@@ -135,6 +139,8 @@ use std::fmt;
 use std::future::Future;
 use std::time::Duration;
 
+#[cfg(feature = "redis")]
+pub use self::redis::RedisStore;
 pub use crate::fingerprint::Fingerprint;
 pub use cached::{CachedStore, CachedStoreBuilder};
 pub use memory::{MemoryStore, MemoryStoreBuilder};

@@ -129,7 +129,7 @@ pub async fn run(
 }
 
 /// Why this record may not be released without `--force`, if it may not.
-fn check(row: &RecordRow, force: bool) -> Result<(), String> {
+pub(crate) fn check(row: &RecordRow, force: bool) -> Result<(), String> {
     if force {
         return Ok(());
     }
@@ -153,7 +153,7 @@ fn check(row: &RecordRow, force: bool) -> Result<(), String> {
     Ok(())
 }
 
-fn refuse(
+pub(crate) fn refuse(
     out: &mut Out,
     format: Format,
     key: &str,

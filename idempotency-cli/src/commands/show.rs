@@ -91,7 +91,7 @@ fn decode_headers(row: &DetailRow) -> Result<Vec<(String, Vec<u8>)>, String> {
     }
 }
 
-fn detail_json(row: &DetailRow) -> Value {
+pub(crate) fn detail_json(row: &DetailRow) -> Value {
     let mut value = row.record.to_json();
     if row.record.state == "completed" {
         let headers = match decode_headers(row) {
@@ -124,7 +124,7 @@ fn detail_json(row: &DetailRow) -> Value {
     value
 }
 
-fn detail_text(row: &DetailRow) -> Vec<String> {
+pub(crate) fn detail_text(row: &DetailRow) -> Vec<String> {
     let r = &row.record;
     let mut lines = vec![
         format!("key          {:?}", r.idempotency_key),

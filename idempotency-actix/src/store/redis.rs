@@ -1,0 +1,757 @@
+//! [`RedisStore`]: idempotency records in Redis, shared by every app instance that points at
+//! the same server. Feature `redis`.
+//!
+//! For a team that keeps sessions and rate limits in Redis already and has no PostgreSQL: it
+//! keeps the same contract as `PostgresStore` (the same conformance suite, C26) with no schema
+//! and no purge job. `docs/redis.md` is the operator's guide (persistence, failover, eviction).
+//!
+//! # Layout
+//! One Redis hash per record, at the key
+//! `<prefix><tenant>:<method>:<path>:<key>` (default prefix `idem:`), each part
+//! percent-encoded ([`record_key`]): every byte outside `A-Z a-z 0-9 - . _ ~ /` becomes `%XX`,
+//! so `:` only ever separates parts (no two scopes share a key), and no key holds `{`/`}`
+//! (Redis Cluster hash tags: a record is one key, so one slot) or a glob character (`*?[]\`,
+//! so the CLI's `SCAN MATCH` patterns are exact). The request path never scans.
+//!
+//! Fields: `st` (`f` in flight, `c` completed), `fp` (32 raw bytes), `tok` (the reservation
+//! token, in flight only), `ca` (reserved at), `co` (completed at), `ex` (lease end for a
+//! reservation, expiry for a completed record), times in microseconds of the server's clock;
+//! and for completed records `s` (status), `h` (headers, [`StoredResponse::encode_headers`]) and
+//! `b` (the body), all byte-exact.
+//!
+//! # Round trips, atomicity, time
+//! `reserve`, `complete` and `release` are one `EVALSHA` each, of a Lua script loaded once
+//! and called by its hash (the redis crate's [`Script`] reloads it on `NOSCRIPT`, e.g. after
+//! a restart or failover). Redis runs a script alone, so each operation is atomic; the rules
+//! are PostgreSQL's (`migrations/*_reserve_function/up.sql`, `store/postgres/sql.rs`):
+//! - reserve reads first and writes only for an absent key, an expired completed record, or a
+//!   reservation whose lease ended *and* whose fingerprint is the caller's (a takeover);
+//! - complete and release apply only while the caller's token holds an in-flight
+//!   reservation, so a holder's late `complete` (after its lease) applies until a takeover.
+//!
+//! Time is the Redis server's (`TIME` inside the scripts), so app instances with skewed clocks
+//! agree. Expiry is Redis's own (`PEXPIRE`): a completed record goes with its TTL; a
+//! reservation lives for its lease plus [`RedisStoreBuilder::in_flight_grace`] (default 24 h,
+//! like `idem-cli purge --grace`), so an ended reservation still refuses another body and
+//! accepts its holder's late `complete` for that long. Nothing needs purging:
+//! [`IdempotencyStore::purge_expired`] returns `Ok(0)` unless asked for a grace shorter than
+//! the store's (then it scans; see there).
+//!
+//! # Connection
+//! One multiplexed connection ([`ConnectionManager`]): every request's command is pipelined on
+//! it, it reconnects by itself, and a call costs exactly its one round trip. A pool that pings
+//! on every checkout (bb8-redis's default) would add a round trip per call (C26), and a pool
+//! buys nothing here: the scripts are short and Redis serves one connection's pipeline as fast
+//! as many. [`RedisStore::from_connection`] takes any [`redis::aio::ConnectionLike`] that is
+//! `Clone` (a `ConnectionManager`, a `MultiplexedConnection`, or the cluster client's
+//! connection with the redis crate's `cluster-async` feature).
+//!
+//! # Faults
+//! Redis unreachable, a timeout (default 2 s per call), `LOADING`, `BUSY`, `READONLY`, `OOM`,
+//! `MASTERDOWN`, `CLUSTERDOWN`, `TRYAGAIN`: [`StoreError::Unavailable`] (503 before the
+//! handler; `complete` is retried by the middleware until the lease ends). A command that timed
+//! out may still have run on the server: a reservation made that way is held by nobody and
+//! ends with its lease, like a crashed holder's.
+//!
+//! # Eviction
+//! A `maxmemory-policy` that may evict keys with a TTL (every `volatile-*` and `allkeys-*`
+//! policy) can silently drop live records (C22). [`RedisStoreBuilder::connect`] checks it with
+//! `CONFIG GET` and warns, or refuses with [`EvictionCheck::Refuse`]; where `CONFIG` is
+//! disabled (managed Redis) it warns that it could not check. Use `noeviction`.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use percent_encoding::{percent_decode_str, utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
+pub use redis;
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::{RedisError, Script, Value};
+
+use super::{
+    Fingerprint, IdempotencyStore, ReservationToken, ReserveOutcome, Scope, StoreError,
+    StoredResponse, WriteOutcome,
+};
+
+/// Default [`RedisStoreBuilder::key_prefix`].
+pub const DEFAULT_PREFIX: &str = "idem:";
+/// Default [`RedisStoreBuilder::in_flight_grace`]: as long as `idem-cli purge --grace`.
+pub const DEFAULT_IN_FLIGHT_GRACE: Duration = Duration::from_secs(24 * 3600);
+/// Default [`RedisStoreBuilder::connection_timeout`].
+pub const DEFAULT_CONNECTION_TIMEOUT: Duration = Duration::from_secs(2);
+/// Default [`RedisStoreBuilder::response_timeout`].
+pub const DEFAULT_RESPONSE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Longest duration sent to the scripts (about 100 years, in microseconds): Lua numbers are
+/// doubles, exact up to 2^53, and `now + duration` must stay well inside that.
+const MAX_DURATION_US: u64 = 100 * 365 * 24 * 3600 * 1_000_000;
+
+/// Bytes kept as they are in a key part; everything else is `%XX`. `:` (the part separator),
+/// `%`, `{`, `}`, `*`, `?`, `[`, `]`, `\`, spaces, controls and non-ASCII are all encoded.
+const KEY_PART: &AsciiSet = &NON_ALPHANUMERIC
+    .remove(b'-')
+    .remove(b'.')
+    .remove(b'_')
+    .remove(b'~')
+    .remove(b'/');
+
+/// The record fields, for tools (idem-cli) that read records directly.
+pub mod fields {
+    /// State: [`IN_FLIGHT`] or [`COMPLETED`].
+    pub const STATE: &str = "st";
+    /// State value of a reservation.
+    pub const IN_FLIGHT: &str = "f";
+    /// State value of a completed record.
+    pub const COMPLETED: &str = "c";
+    /// Fingerprint, 32 raw bytes.
+    pub const FINGERPRINT: &str = "fp";
+    /// Reservation token (UUID text), in flight only.
+    pub const TOKEN: &str = "tok";
+    /// Reserved at, microseconds since the Unix epoch (server clock).
+    pub const CREATED_AT: &str = "ca";
+    /// Completed at, microseconds since the Unix epoch.
+    pub const COMPLETED_AT: &str = "co";
+    /// Lease end (in flight) or expiry (completed), microseconds since the Unix epoch.
+    pub const EXPIRES_AT: &str = "ex";
+    /// Stored status code (decimal text).
+    pub const STATUS: &str = "s";
+    /// Stored headers, [`crate::store::StoredResponse::encode_headers`].
+    pub const HEADERS: &str = "h";
+    /// Stored body, byte for byte.
+    pub const BODY: &str = "b";
+}
+
+/// What [`RedisStoreBuilder::connect`] does when the server's `maxmemory-policy` may evict
+/// records.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum EvictionCheck {
+    /// Log a warning and go on (default).
+    #[default]
+    Warn,
+    /// Fail with [`StoreError::Backend`]. Where `CONFIG GET` is refused, warn instead.
+    Refuse,
+    /// Do not ask.
+    Skip,
+}
+
+/// Configure and connect a [`RedisStore`].
+#[derive(Debug, Clone)]
+pub struct RedisStoreBuilder {
+    prefix: String,
+    in_flight_grace: Duration,
+    connection_timeout: Duration,
+    response_timeout: Duration,
+    eviction_check: EvictionCheck,
+    wait: Option<(u32, Duration)>,
+}
+
+impl Default for RedisStoreBuilder {
+    fn default() -> Self {
+        Self {
+            prefix: DEFAULT_PREFIX.to_owned(),
+            in_flight_grace: DEFAULT_IN_FLIGHT_GRACE,
+            connection_timeout: DEFAULT_CONNECTION_TIMEOUT,
+            response_timeout: DEFAULT_RESPONSE_TIMEOUT,
+            eviction_check: EvictionCheck::Warn,
+            wait: None,
+        }
+    }
+}
+
+impl RedisStoreBuilder {
+    /// Prefix of every record key (default `idem:`). Non-empty, printable ASCII, and without
+    /// `{`, `}`, `*`, `?`, `[`, `]` or `\` (checked when the store is built), so keys stay
+    /// Cluster- and SCAN-safe. Give each app its own prefix when several share a server.
+    pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// How long Redis keeps a reservation after its lease ended (default 24 h). Until then it
+    /// refuses another body (422) and accepts its holder's late `complete`; then it expires.
+    pub fn in_flight_grace(mut self, grace: Duration) -> Self {
+        self.in_flight_grace = grace;
+        self
+    }
+
+    /// Give up a connection attempt after this long (default 2 s).
+    pub fn connection_timeout(mut self, timeout: Duration) -> Self {
+        self.connection_timeout = timeout;
+        self
+    }
+
+    /// Give up waiting for a reply after this long (default 2 s): the call fails with
+    /// [`StoreError::Unavailable`].
+    pub fn response_timeout(mut self, timeout: Duration) -> Self {
+        self.response_timeout = timeout;
+        self
+    }
+
+    /// What to do when `maxmemory-policy` may evict records (default: warn).
+    pub fn eviction_check(mut self, check: EvictionCheck) -> Self {
+        self.eviction_check = check;
+        self
+    }
+
+    /// After a reservation and after a completion, send `WAIT replicas timeout` (a second
+    /// round trip) so the write is on `replicas` replicas before the handler runs and before
+    /// the middleware moves on. A reservation not acknowledged in time is released and the
+    /// call fails (503, the handler does not run); a completion not acknowledged is logged
+    /// (the response has been produced either way). `WAIT` holds the shared connection while
+    /// it waits: keep `timeout` short. Off by default.
+    pub fn wait_for_replicas(mut self, replicas: u32, timeout: Duration) -> Self {
+        self.wait = (replicas > 0).then_some((replicas, timeout));
+        self
+    }
+
+    /// Connect to `url` (`redis://[user:password@]host[:port][/db]`, or `rediss://` for TLS
+    /// checked against the system's roots), check the eviction policy, and build the store.
+    ///
+    /// # Errors
+    /// [`StoreError::Backend`] for a bad URL or prefix (or a refused eviction policy);
+    /// [`StoreError::Unavailable`] when the server cannot be reached in time.
+    pub async fn connect(self, url: &str) -> Result<RedisStore, StoreError> {
+        validate_prefix(&self.prefix)?;
+        let client = redis::Client::open(url).map_err(|e| {
+            // The error never echoes the URL (it may hold a password).
+            StoreError::Backend(
+                format!(
+                    "invalid Redis URL ({}): expected redis:// or rediss://host[:port][/db]",
+                    e.category()
+                )
+                .into(),
+            )
+        })?;
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(self.connection_timeout)
+            .set_response_timeout(self.response_timeout)
+            .set_number_of_retries(1)
+            .set_max_delay(1000);
+        let conn = tokio::time::timeout(
+            self.connection_timeout.saturating_mul(3),
+            ConnectionManager::new_with_config(client, config),
+        )
+        .await
+        .map_err(|_| StoreError::unavailable("Redis did not accept a connection in time"))?
+        .map_err(classify)?;
+        self.with_connection(conn).await
+    }
+
+    /// Build the store over a connection the app already has, after the eviction check.
+    pub async fn with_connection<C>(self, conn: C) -> Result<RedisStore<C>, StoreError>
+    where
+        C: ConnectionLike + Clone + Send + Sync + 'static,
+    {
+        validate_prefix(&self.prefix)?;
+        let mut probe = conn.clone();
+        check_eviction(&mut probe, self.eviction_check, self.response_timeout).await?;
+        Ok(self.build_unchecked(conn))
+    }
+
+    fn build_unchecked<C>(self, conn: C) -> RedisStore<C> {
+        RedisStore {
+            conn,
+            inner: Arc::new(Inner {
+                prefix: self.prefix,
+                grace_us: micros(self.in_flight_grace),
+                timeout: self.response_timeout,
+                wait: self.wait,
+                reserve: Script::new(include_str!("redis/reserve.lua")),
+                complete: Script::new(include_str!("redis/complete.lua")),
+                release: Script::new(include_str!("redis/release.lua")),
+                purge: Script::new(include_str!("redis/purge.lua")),
+            }),
+        }
+    }
+}
+
+/// Idempotency records in Redis, for apps that run several instances and keep Redis rather
+/// than PostgreSQL. See the [module docs](self) for the layout and guarantees.
+///
+/// Cloning is cheap; clones share the connection.
+#[derive(Clone)]
+pub struct RedisStore<C = ConnectionManager> {
+    conn: C,
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    prefix: String,
+    grace_us: u64,
+    timeout: Duration,
+    wait: Option<(u32, Duration)>,
+    reserve: Script,
+    complete: Script,
+    release: Script,
+    purge: Script,
+}
+
+impl<C> std::fmt::Debug for RedisStore<C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisStore")
+            .field("prefix", &self.inner.prefix)
+            .field("in_flight_grace_us", &self.inner.grace_us)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RedisStore {
+    /// Connect with the defaults (prefix `idem:`, 24 h grace, 2 s timeouts, eviction warning).
+    /// `redis://` or `rediss://` (TLS).
+    pub async fn connect(url: &str) -> Result<RedisStore, StoreError> {
+        Self::builder().connect(url).await
+    }
+
+    /// Configure the store.
+    pub fn builder() -> RedisStoreBuilder {
+        RedisStoreBuilder::default()
+    }
+}
+
+impl<C> RedisStore<C>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    /// A store with the defaults over a connection the app already has (no eviction check; use
+    /// [`RedisStoreBuilder::with_connection`] for that). Its own response timeout still bounds
+    /// every call.
+    pub fn from_connection(conn: C) -> Self {
+        RedisStore::builder().build_unchecked(conn)
+    }
+
+    /// The connection (a clone), e.g. for a readiness probe.
+    pub fn connection(&self) -> C {
+        self.conn.clone()
+    }
+
+    /// The key prefix.
+    pub fn key_prefix(&self) -> &str {
+        &self.inner.prefix
+    }
+
+    /// The Redis key of `scope`'s record.
+    pub fn key_of(&self, scope: &Scope) -> String {
+        record_key(&self.inner.prefix, scope)
+    }
+
+    /// A readiness probe: `PING` within the response timeout.
+    pub async fn check(&self) -> Result<(), StoreError> {
+        let mut conn = self.conn.clone();
+        self.timed(redis::cmd("PING").query_async::<()>(&mut conn))
+            .await
+    }
+
+    async fn timed<T>(
+        &self,
+        call: impl std::future::Future<Output = Result<T, RedisError>>,
+    ) -> Result<T, StoreError> {
+        match tokio::time::timeout(self.inner.timeout, call).await {
+            Ok(result) => result.map_err(classify),
+            Err(_) => Err(StoreError::unavailable(format!(
+                "Redis did not answer within {} ms",
+                self.inner.timeout.as_millis()
+            ))),
+        }
+    }
+
+    /// `WAIT replicas timeout`; whether enough replicas acknowledged.
+    async fn wait_replicas(&self, replicas: u32, timeout: Duration) -> Result<bool, StoreError> {
+        let mut conn = self.conn.clone();
+        let timeout_ms = u64::try_from(timeout.as_millis())
+            .unwrap_or(u64::MAX)
+            .max(1);
+        let acked: i64 = tokio::time::timeout(
+            timeout + self.inner.timeout,
+            redis::cmd("WAIT")
+                .arg(replicas)
+                .arg(timeout_ms)
+                .query_async(&mut conn),
+        )
+        .await
+        .map_err(|_| StoreError::unavailable("Redis did not answer WAIT in time"))?
+        .map_err(classify)?;
+        Ok(acked >= i64::from(replicas))
+    }
+}
+
+/// The Redis key of `scope`'s record under `prefix`: `<prefix><tenant>:<method>:<path>:<key>`,
+/// each part percent-encoded (see the [module docs](self)).
+pub fn record_key(prefix: &str, scope: &Scope) -> String {
+    let mut key = String::with_capacity(
+        prefix.len()
+            + scope.tenant.len()
+            + scope.method.len()
+            + scope.path.len()
+            + 3
+            + scope.key.len(),
+    );
+    key.push_str(prefix);
+    for (i, part) in [&scope.tenant, &scope.method, &scope.path, &scope.key]
+        .into_iter()
+        .enumerate()
+    {
+        if i > 0 {
+            key.push(':');
+        }
+        key.extend(utf8_percent_encode(part, KEY_PART));
+    }
+    key
+}
+
+/// The scope of a record key written by [`record_key`], or `None` if `key` is not one (another
+/// prefix, not four parts, a bad escape, not UTF-8).
+pub fn parse_record_key(prefix: &str, key: &[u8]) -> Option<Scope> {
+    let rest = std::str::from_utf8(key).ok()?.strip_prefix(prefix)?;
+    let mut parts = rest.split(':').map(|p| {
+        if p.bytes().all(|b| b == b'%' || kept_in_key(b)) {
+            percent_decode_str(p)
+                .decode_utf8()
+                .ok()
+                .map(|s| s.into_owned())
+        } else {
+            None
+        }
+    });
+    let scope = Scope {
+        tenant: parts.next()??,
+        method: parts.next()??,
+        path: parts.next()??,
+        key: parts.next()??,
+    };
+    parts.next().is_none().then_some(scope)
+}
+
+/// Whether [`record_key`] keeps byte `b` as it is (see [`KEY_PART`]).
+fn kept_in_key(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b"-._~/".contains(&b)
+}
+
+/// One key part percent-encoded as [`record_key`] does, e.g. for a `SCAN MATCH` pattern of one
+/// tenant (`<prefix><encoded tenant>:*`). Never contains a glob character.
+pub fn encode_key_part(part: &str) -> String {
+    utf8_percent_encode(part, KEY_PART).to_string()
+}
+
+fn validate_prefix(prefix: &str) -> Result<(), StoreError> {
+    let bad = prefix.is_empty()
+        || prefix
+            .bytes()
+            .any(|b| !b.is_ascii_graphic() || b"{}*?[]\\".contains(&b));
+    if bad {
+        return Err(StoreError::Backend(
+            format!(
+                "invalid Redis key prefix {prefix:?}: it must be non-empty printable ASCII \
+                 without {{ }} * ? [ ] \\"
+            )
+            .into(),
+        ));
+    }
+    Ok(())
+}
+
+/// A duration in microseconds, capped so `now + d` stays exact in a Lua number.
+fn micros(duration: Duration) -> u64 {
+    u64::try_from(duration.as_micros())
+        .unwrap_or(MAX_DURATION_US)
+        .min(MAX_DURATION_US)
+}
+
+/// Map a Redis error: everything that means "not now" is [`StoreError::Unavailable`].
+fn classify(err: RedisError) -> StoreError {
+    const TRANSIENT: &[&str] = &[
+        "LOADING",
+        "BUSY",
+        "READONLY",
+        "OOM",
+        "MASTERDOWN",
+        "CLUSTERDOWN",
+        "TRYAGAIN",
+        "NOREPLICAS",
+        "MOVED",
+        "ASK",
+    ];
+    if err.is_io_error()
+        || err.is_timeout()
+        || err.is_connection_dropped()
+        || err.is_connection_refusal()
+        || err.code().is_some_and(|code| TRANSIENT.contains(&code))
+    {
+        StoreError::Unavailable(Box::new(err))
+    } else {
+        StoreError::Backend(Box::new(err))
+    }
+}
+
+fn corrupt(what: &str) -> StoreError {
+    StoreError::Backend(format!("corrupt Redis idempotency record: {what}").into())
+}
+
+/// Policies that may evict a key with a TTL (all our records have one).
+fn policy_evicts(policy: &str) -> bool {
+    policy.starts_with("volatile-") || policy.starts_with("allkeys-")
+}
+
+async fn check_eviction<C: ConnectionLike + Send>(
+    conn: &mut C,
+    check: EvictionCheck,
+    timeout: Duration,
+) -> Result<(), StoreError> {
+    if check == EvictionCheck::Skip {
+        return Ok(());
+    }
+    let answer = tokio::time::timeout(
+        timeout,
+        redis::cmd("CONFIG")
+            .arg("GET")
+            .arg("maxmemory-policy")
+            .query_async::<HashMap<String, String>>(conn),
+    )
+    .await;
+    let policy = match answer {
+        Ok(Ok(map)) => map.get("maxmemory-policy").cloned(),
+        Ok(Err(e)) if e.is_io_error() || e.is_connection_dropped() => return Err(classify(e)),
+        Ok(Err(e)) => {
+            tracing::warn!(
+                error = %e,
+                "could not read Redis maxmemory-policy (CONFIG GET refused?); make sure it is \
+                 `noeviction`, or Redis may drop live idempotency records"
+            );
+            return Ok(());
+        }
+        Err(_) => {
+            return Err(StoreError::unavailable(
+                "Redis did not answer CONFIG GET in time",
+            ))
+        }
+    };
+    let Some(policy) = policy else {
+        tracing::warn!("Redis did not report maxmemory-policy; make sure it is `noeviction`");
+        return Ok(());
+    };
+    if !policy_evicts(&policy) {
+        return Ok(());
+    }
+    let message = format!(
+        "Redis maxmemory-policy is {policy:?}: when memory is full Redis may evict live \
+         idempotency records and a retry would run its handler again; set it to `noeviction`"
+    );
+    match check {
+        EvictionCheck::Refuse => Err(StoreError::Backend(message.into())),
+        _ => {
+            tracing::warn!("{message}");
+            Ok(())
+        }
+    }
+}
+
+/// A script reply as bytes.
+fn bytes_of(value: Option<&Value>) -> Option<&[u8]> {
+    match value? {
+        Value::BulkString(b) => Some(b),
+        Value::SimpleString(s) => Some(s.as_bytes()),
+        _ => None,
+    }
+}
+
+fn int_of(value: Option<&Value>) -> Option<i64> {
+    match value? {
+        Value::Int(i) => Some(*i),
+        other => std::str::from_utf8(bytes_of(Some(other))?)
+            .ok()?
+            .parse()
+            .ok(),
+    }
+}
+
+fn decode_reserve(reply: Value, token: ReservationToken) -> Result<ReserveOutcome, StoreError> {
+    let Value::Array(mut items) = reply else {
+        return Err(corrupt("reserve did not return an array"));
+    };
+    match bytes_of(items.first()) {
+        Some(b"r") => return Ok(ReserveOutcome::Reserved { token }),
+        Some(b"f" | b"c") => {}
+        _ => return Err(corrupt("unknown reserve outcome")),
+    }
+    let fingerprint = bytes_of(items.get(1))
+        .and_then(Fingerprint::from_slice)
+        .ok_or_else(|| corrupt("fingerprint is not 32 bytes"))?;
+    let remaining = int_of(items.get(2))
+        .map(|us| Duration::from_micros(u64::try_from(us).unwrap_or(0)))
+        .ok_or_else(|| corrupt("remaining time missing"))?;
+    if bytes_of(items.first()) == Some(b"f") {
+        return Ok(ReserveOutcome::InFlight {
+            fingerprint,
+            lease_remaining: remaining,
+        });
+    }
+    let status = int_of(items.get(3))
+        .and_then(|s| u16::try_from(s).ok())
+        .ok_or_else(|| corrupt("status missing"))?;
+    let headers = StoredResponse::decode_headers(
+        bytes_of(items.get(4)).ok_or_else(|| corrupt("headers missing"))?,
+    )
+    .map_err(|e| StoreError::Backend(Box::new(e)))?;
+    let body = match items.get_mut(5).map(|v| std::mem::replace(v, Value::Nil)) {
+        Some(Value::BulkString(body)) => Bytes::from(body),
+        _ => return Err(corrupt("body missing")),
+    };
+    Ok(ReserveOutcome::Completed {
+        fingerprint,
+        response: StoredResponse {
+            status,
+            headers,
+            body,
+        },
+        expires_in: Some(remaining),
+    })
+}
+
+impl<C> IdempotencyStore for RedisStore<C>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    async fn reserve(
+        &self,
+        scope: &Scope,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+    ) -> Result<ReserveOutcome, StoreError> {
+        let key = self.key_of(scope);
+        let token = ReservationToken::random();
+        let mut conn = self.conn.clone();
+        let reply: Value = self
+            .timed(
+                self.inner
+                    .reserve
+                    .key(&key)
+                    .arg(fingerprint.as_bytes())
+                    .arg(token.as_uuid().hyphenated().to_string())
+                    .arg(micros(lease).max(1))
+                    .arg(self.inner.grace_us)
+                    .invoke_async(&mut conn),
+            )
+            .await?;
+        let outcome = decode_reserve(reply, token)?;
+        if let (ReserveOutcome::Reserved { .. }, Some((replicas, timeout))) =
+            (&outcome, self.inner.wait)
+        {
+            if !self.wait_replicas(replicas, timeout).await? {
+                // Not durable enough to run the handler on: give the key back.
+                let _ = self.release(scope, &token).await;
+                return Err(StoreError::unavailable(format!(
+                    "the reservation did not reach {replicas} Redis replica(s) in time"
+                )));
+            }
+        }
+        Ok(outcome)
+    }
+
+    async fn complete(
+        &self,
+        scope: &Scope,
+        token: &ReservationToken,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> Result<WriteOutcome, StoreError> {
+        let key = self.key_of(scope);
+        let mut conn = self.conn.clone();
+        let applied: i64 = self
+            .timed(
+                self.inner
+                    .complete
+                    .key(&key)
+                    .arg(token.as_uuid().hyphenated().to_string())
+                    .arg(response.status)
+                    .arg(response.encode_headers())
+                    .arg(response.body.as_ref())
+                    .arg(micros(ttl))
+                    .invoke_async(&mut conn),
+            )
+            .await?;
+        if applied != 1 {
+            return Ok(WriteOutcome::Stale);
+        }
+        if let Some((replicas, timeout)) = self.inner.wait {
+            if !self.wait_replicas(replicas, timeout).await? {
+                tracing::warn!(
+                    key = %scope.key,
+                    replicas,
+                    "idempotency record stored, but not acknowledged by enough Redis replicas \
+                     in time: a failover now could lose it"
+                );
+            }
+        }
+        Ok(WriteOutcome::Applied)
+    }
+
+    async fn release(
+        &self,
+        scope: &Scope,
+        token: &ReservationToken,
+    ) -> Result<WriteOutcome, StoreError> {
+        let key = self.key_of(scope);
+        let mut conn = self.conn.clone();
+        let released: i64 = self
+            .timed(
+                self.inner
+                    .release
+                    .key(&key)
+                    .arg(token.as_uuid().hyphenated().to_string())
+                    .invoke_async(&mut conn),
+            )
+            .await?;
+        Ok(if released == 1 {
+            WriteOutcome::Applied
+        } else {
+            WriteOutcome::Stale
+        })
+    }
+
+    /// Redis expires records itself (`PEXPIRE`): completed records at the end of their TTL,
+    /// reservations at lease end plus the store's [grace](RedisStoreBuilder::in_flight_grace).
+    /// So with a `grace` at least as long as the store's this is `Ok(0)` without a command.
+    /// A shorter `grace` (an operator clearing dead reservations sooner) is honoured with a
+    /// `SCAN` of the prefix and a fenced delete per ended reservation; this is never on the
+    /// request path. On Redis Cluster it scans the node the connection routes `SCAN` to.
+    async fn purge_expired(&self, grace: Duration) -> Result<u64, StoreError> {
+        let grace_us = micros(grace);
+        if grace_us >= self.inner.grace_us {
+            return Ok(0);
+        }
+        let mut conn = self.conn.clone();
+        let hash = self
+            .timed(self.inner.purge.prepare_invoke().load_async(&mut conn))
+            .await?;
+        let pattern = format!("{}*", self.inner.prefix);
+        let mut cursor: u64 = 0;
+        let mut deleted = 0u64;
+        loop {
+            let (next, keys): (u64, Vec<Vec<u8>>) = self
+                .timed(
+                    redis::cmd("SCAN")
+                        .arg(cursor)
+                        .arg("MATCH")
+                        .arg(&pattern)
+                        .arg("COUNT")
+                        .arg(1000)
+                        .arg("TYPE")
+                        .arg("hash")
+                        .query_async(&mut conn),
+                )
+                .await?;
+            if !keys.is_empty() {
+                let mut pipe = redis::pipe();
+                for key in &keys {
+                    pipe.cmd("EVALSHA").arg(&hash).arg(1).arg(key).arg(grace_us);
+                }
+                let results: Vec<i64> = self.timed(pipe.query_async(&mut conn)).await?;
+                deleted += results.iter().filter(|n| **n == 1).count() as u64;
+            }
+            if next == 0 {
+                return Ok(deleted);
+            }
+            cursor = next;
+        }
+    }
+}

@@ -1,0 +1,545 @@
+//! `idem-cli` against a `RedisStore` (`--redis-url` / `REDIS_URL`): `list`, `show`, `stats` and
+//! `release` read the records the store writes (one hash per record, see
+//! `idempotency_actix::store::redis`); `migrate` and `purge` have nothing to do.
+//!
+//! Records are found with `SCAN MATCH <prefix>...` (never `KEYS`, which blocks the server).
+//! The key parts are percent-encoded by the store, so a pattern built from a tenant or key
+//! holds no glob character of the user's; every key found is parsed back and compared
+//! exactly. Ages and expiries are measured against the server's clock (`TIME`), the clock
+//! the store uses for leases and TTLs. The output is the PostgreSQL commands' own (same
+//! columns, same JSON).
+
+use std::collections::HashMap;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use idempotency_actix::store::redis::redis::aio::MultiplexedConnection;
+use idempotency_actix::store::redis::redis::{self, RedisError};
+use idempotency_actix::store::redis::{encode_key_part, fields, parse_record_key, DEFAULT_PREFIX};
+use idempotency_actix::store::Scope;
+use serde_json::json;
+
+use crate::cli::{Command, Format, ListArgs, ReleaseArgs, ScopeArgs, ShowArgs, StateFilter};
+use crate::commands::release::{check, refuse};
+use crate::commands::show::{detail_json, detail_text, method, scope_words};
+use crate::duration::format_age_secs;
+use crate::error::CliError;
+use crate::output::{table, Out};
+use crate::record::{DetailRow, RecordRow, TABLE_HEADER};
+
+/// Keys asked for per `SCAN` call.
+const SCAN_COUNT: usize = 1000;
+
+/// Run `command` against the Redis at `url`, keys under `prefix`.
+pub async fn run(
+    url: &str,
+    prefix: Option<&str>,
+    command: &Command,
+    format: Format,
+    timeout: Duration,
+    out: &mut Out,
+) -> Result<(), CliError> {
+    let prefix = prefix.unwrap_or(DEFAULT_PREFIX);
+    match command {
+        Command::Migrate(_) => {
+            return summary(
+                out,
+                format,
+                "migrate",
+                "Redis needs no migration: the store creates each record on first use",
+            )
+        }
+        Command::Purge(_) => {
+            return summary(
+                out,
+                format,
+                "purge",
+                "Redis needs no purge: every record carries its own expiry (PEXPIRE) and \
+                 Redis deletes it when it ends",
+            )
+        }
+        _ => {}
+    }
+    let mut conn = connect(url, timeout).await?;
+    let now_us = server_time_us(&mut conn).await?;
+    let mut redis = Redis {
+        conn,
+        prefix,
+        now_us,
+    };
+    match command {
+        Command::List(args) => list(&mut redis, args, format, out).await,
+        Command::Show(args) => show(&mut redis, args, format, out).await,
+        Command::Stats => stats(&mut redis, format, out).await,
+        Command::Release(args) => release(&mut redis, args, format, out).await,
+        Command::Migrate(_) | Command::Purge(_) => Ok(()),
+    }
+}
+
+fn summary(out: &mut Out, format: Format, command: &str, text: &str) -> Result<(), CliError> {
+    match format {
+        Format::Json => out.json(&json!({ "command": command, "store": "redis", "note": text }))?,
+        Format::Text => out.line(text)?,
+    }
+    out.flush()
+}
+
+async fn connect(url: &str, timeout: Duration) -> Result<MultiplexedConnection, CliError> {
+    // Neither message repeats the URL: it may carry a password.
+    let client = redis::Client::open(url).map_err(|e| {
+        CliError::Usage(format!(
+            "invalid Redis URL ({}): expected redis:// or rediss://host[:port][/db]",
+            e.category()
+        ))
+    })?;
+    match tokio::time::timeout(timeout, client.get_multiplexed_async_connection()).await {
+        Ok(Ok(conn)) => Ok(conn),
+        Ok(Err(e)) => Err(unavailable(e)),
+        Err(_) => Err(CliError::Unavailable(format!(
+            "Redis did not accept a connection within {} s",
+            timeout.as_secs_f64()
+        ))),
+    }
+}
+
+fn unavailable(e: RedisError) -> CliError {
+    CliError::Unavailable(format!("Redis unavailable: {e}"))
+}
+
+fn failed(e: RedisError) -> CliError {
+    if e.is_io_error() || e.is_timeout() || e.is_connection_dropped() {
+        unavailable(e)
+    } else {
+        CliError::Other(format!("Redis command failed: {e}"))
+    }
+}
+
+async fn server_time_us(conn: &mut MultiplexedConnection) -> Result<i64, CliError> {
+    let (secs, micros): (i64, i64) = redis::cmd("TIME").query_async(conn).await.map_err(failed)?;
+    Ok(secs.saturating_mul(1_000_000).saturating_add(micros))
+}
+
+struct Redis<'a> {
+    conn: MultiplexedConnection,
+    prefix: &'a str,
+    now_us: i64,
+}
+
+/// One record read back: its key, scope and fields.
+struct Found {
+    key: Vec<u8>,
+    record: RecordRow,
+    headers: Option<Vec<u8>>,
+    body: Option<Vec<u8>>,
+}
+
+impl Redis<'_> {
+    /// A glob pattern for the records of a (partial) scope: missing parts match anything.
+    fn pattern(&self, scope: &ScopeArgs, key: Option<&str>) -> String {
+        let part = |p: Option<&str>| p.map_or_else(|| "*".to_owned(), encode_key_part);
+        let method = method(scope);
+        format!(
+            "{}{}:{}:{}:{}",
+            self.prefix,
+            part(scope.tenant.as_deref()),
+            part(method.as_deref()),
+            part(scope.path.as_deref()),
+            part(key)
+        )
+    }
+
+    /// Every key matching `pattern`, by `SCAN` (the order Redis returns them in).
+    async fn scan(&mut self, pattern: &str) -> Result<Vec<Vec<u8>>, CliError> {
+        let mut cursor: u64 = 0;
+        let mut keys = Vec::new();
+        loop {
+            let (next, batch): (u64, Vec<Vec<u8>>) = redis::cmd("SCAN")
+                .arg(cursor)
+                .arg("MATCH")
+                .arg(pattern)
+                .arg("COUNT")
+                .arg(SCAN_COUNT)
+                .arg("TYPE")
+                .arg("hash")
+                .query_async(&mut self.conn)
+                .await
+                .map_err(failed)?;
+            keys.extend(batch);
+            if next == 0 {
+                return Ok(keys);
+            }
+            cursor = next;
+        }
+    }
+
+    /// Read the records at `keys` (one pipeline); keys that vanished or are not records are
+    /// skipped. With `with_response`, the stored headers and body too.
+    async fn read(
+        &mut self,
+        keys: &[Vec<u8>],
+        with_response: bool,
+    ) -> Result<Vec<Found>, CliError> {
+        let mut found = Vec::new();
+        for chunk in keys.chunks(SCAN_COUNT) {
+            let mut pipe = redis::pipe();
+            for key in chunk {
+                pipe.cmd("HGETALL").arg(key);
+            }
+            let hashes: Vec<HashMap<String, Vec<u8>>> =
+                pipe.query_async(&mut self.conn).await.map_err(failed)?;
+            for (key, mut hash) in chunk.iter().zip(hashes) {
+                let Some(scope) = parse_record_key(self.prefix, key) else {
+                    continue;
+                };
+                let Some(record) = self.record(scope, &hash) else {
+                    continue;
+                };
+                let (headers, body) = if with_response {
+                    (hash.remove(fields::HEADERS), hash.remove(fields::BODY))
+                } else {
+                    (None, None)
+                };
+                found.push(Found {
+                    key: key.clone(),
+                    record,
+                    headers,
+                    body,
+                });
+            }
+        }
+        Ok(found)
+    }
+
+    fn record(&self, scope: Scope, hash: &HashMap<String, Vec<u8>>) -> Option<RecordRow> {
+        let text = |name: &str| {
+            hash.get(name)
+                .and_then(|v| std::str::from_utf8(v).ok())
+                .map(str::to_owned)
+        };
+        let number = |name: &str| text(name).and_then(|v| v.parse::<i64>().ok());
+        let state = match text(fields::STATE)?.as_str() {
+            fields::IN_FLIGHT => "in_flight",
+            fields::COMPLETED => "completed",
+            _ => return None,
+        };
+        let created = number(fields::CREATED_AT)?;
+        let expires = number(fields::EXPIRES_AT)?;
+        let in_flight = state == "in_flight";
+        let secs = |us: i64| us as f64 / 1e6;
+        Some(RecordRow {
+            tenant: scope.tenant,
+            method: scope.method,
+            path: scope.path,
+            idempotency_key: scope.key,
+            state: state.to_owned(),
+            status: number(fields::STATUS).and_then(|s| i16::try_from(s).ok()),
+            token: text(fields::TOKEN),
+            fingerprint_hex: crate::output::hex(
+                hash.get(fields::FINGERPRINT).map_or(&[][..], Vec::as_slice),
+            ),
+            created_at: timestamp(created),
+            completed_at: number(fields::COMPLETED_AT).map(timestamp),
+            expires_at: timestamp(expires),
+            locked_until: in_flight.then(|| timestamp(expires)),
+            age_s: secs(self.now_us - created),
+            expires_in_s: secs(expires - self.now_us),
+            lease_remaining_s: in_flight.then(|| secs(expires - self.now_us)),
+            body_bytes: hash
+                .get(fields::BODY)
+                .and_then(|b| i64::try_from(b.len()).ok()),
+        })
+    }
+}
+
+/// Microseconds since the epoch as `2026-11-30T12:00:00.000Z`.
+fn timestamp(us: i64) -> String {
+    let at = UNIX_EPOCH + Duration::from_micros(u64::try_from(us).unwrap_or(0));
+    humantime::format_rfc3339_millis(at.max(SystemTime::UNIX_EPOCH)).to_string()
+}
+
+async fn list(
+    redis: &mut Redis<'_>,
+    args: &ListArgs,
+    format: Format,
+    out: &mut Out,
+) -> Result<(), CliError> {
+    let scope = ScopeArgs {
+        tenant: args.tenant.clone(),
+        method: None,
+        path: None,
+    };
+    let pattern = redis.pattern(&scope, None);
+    let keys = redis.scan(&pattern).await?;
+    let mut rows: Vec<RecordRow> = redis
+        .read(&keys, false)
+        .await?
+        .into_iter()
+        .map(|f| f.record)
+        .filter(|r| args.tenant.as_ref().is_none_or(|t| &r.tenant == t))
+        .filter(|r| {
+            args.key_prefix
+                .as_ref()
+                .is_none_or(|p| r.idempotency_key.starts_with(p.as_str()))
+        })
+        .filter(|r| args.older_than.is_none_or(|d| r.age_s >= d.0.as_secs_f64()))
+        .filter(|r| match args.state {
+            None => true,
+            Some(StateFilter::InFlight) => r.is_in_flight(),
+            Some(StateFilter::Completed) => !r.is_in_flight() && !r.is_expired(),
+            Some(StateFilter::Expired) => !r.is_in_flight() && r.is_expired(),
+        })
+        .collect();
+    // Oldest first, by age in microseconds (the timestamp text has milliseconds and ties).
+    rows.sort_by(|a, b| {
+        b.age_s
+            .total_cmp(&a.age_s)
+            .then_with(|| a.scope_label().cmp(&b.scope_label()))
+    });
+    let limit = usize::try_from(args.limit).unwrap_or(usize::MAX);
+    let truncated = limit > 0 && rows.len() > limit;
+    if truncated {
+        rows.truncate(limit);
+    }
+    match format {
+        Format::Json => {
+            for row in &rows {
+                out.json(&row.to_json())?;
+            }
+        }
+        Format::Text if rows.is_empty() => out.line("no matching records")?,
+        Format::Text => {
+            let cells: Vec<Vec<String>> = rows.iter().map(RecordRow::table_cells).collect();
+            for line in table(TABLE_HEADER, &cells) {
+                out.line(line)?;
+            }
+        }
+    }
+    out.flush()?;
+    if truncated {
+        eprintln!(
+            "idem-cli: showing the first {} records; raise --limit (0 = all) for more",
+            args.limit
+        );
+    }
+    Ok(())
+}
+
+async fn matching(
+    redis: &mut Redis<'_>,
+    key: &str,
+    scope: &ScopeArgs,
+    with_response: bool,
+) -> Result<Vec<Found>, CliError> {
+    let pattern = redis.pattern(scope, Some(key));
+    let keys = redis.scan(&pattern).await?;
+    let method = method(scope);
+    let mut found: Vec<Found> = redis
+        .read(&keys, with_response)
+        .await?
+        .into_iter()
+        .filter(|f| {
+            let r = &f.record;
+            r.idempotency_key == key
+                && scope.tenant.as_ref().is_none_or(|t| &r.tenant == t)
+                && method.as_ref().is_none_or(|m| &r.method == m)
+                && scope.path.as_ref().is_none_or(|p| &r.path == p)
+        })
+        .collect();
+    found.sort_by_key(|f| f.record.scope_label());
+    Ok(found)
+}
+
+async fn show(
+    redis: &mut Redis<'_>,
+    args: &ShowArgs,
+    format: Format,
+    out: &mut Out,
+) -> Result<(), CliError> {
+    let found = matching(redis, &args.key, &args.scope, true).await?;
+    if found.is_empty() {
+        return Err(CliError::NotFoundOrRefused(format!(
+            "no record with key {:?}{}",
+            args.key,
+            scope_words(&args.scope)
+        )));
+    }
+    for (i, f) in found.into_iter().enumerate() {
+        let row = DetailRow {
+            record: f.record,
+            response_headers: f.headers,
+            response_body: f.body,
+        };
+        match format {
+            Format::Json => out.json(&detail_json(&row))?,
+            Format::Text => {
+                if i > 0 {
+                    out.line("")?;
+                }
+                for line in detail_text(&row) {
+                    out.line(line)?;
+                }
+            }
+        }
+    }
+    out.flush()
+}
+
+async fn stats(redis: &mut Redis<'_>, format: Format, out: &mut Out) -> Result<(), CliError> {
+    let pattern = format!("{}*", redis.prefix);
+    let keys = redis.scan(&pattern).await?;
+    let rows: Vec<RecordRow> = redis
+        .read(&keys, false)
+        .await?
+        .into_iter()
+        .map(|f| f.record)
+        .collect();
+    let in_flight: Vec<&RecordRow> = rows.iter().filter(|r| r.is_in_flight()).collect();
+    let lease_live = in_flight.iter().filter(|r| r.lease_live()).count();
+    let completed = rows.len() - in_flight.len();
+    let completed_expired = rows
+        .iter()
+        .filter(|r| !r.is_in_flight() && r.is_expired())
+        .count();
+    // By age (microseconds), not by the millisecond timestamp text, which ties.
+    let oldest = in_flight.iter().max_by(|a, b| a.age_s.total_cmp(&b.age_s));
+    match format {
+        Format::Json => out.json(&json!({
+            "store": "redis",
+            "total": rows.len(),
+            "in_flight": in_flight.len(),
+            "in_flight_lease_live": lease_live,
+            "in_flight_lease_ended": in_flight.len() - lease_live,
+            "completed": completed,
+            "completed_live": completed - completed_expired,
+            "completed_expired": completed_expired,
+            "expired_not_purged": 0,
+            "oldest_in_flight": oldest.map(|r| r.to_json()),
+            "oldest_in_flight_age_seconds": oldest.map(|r| crate::record::round_ms(r.age_s)),
+        }))?,
+        Format::Text => {
+            out.line(format!("records              {}", rows.len()))?;
+            out.line(format!(
+                "  in-flight          {}  (lease running {}, lease ended {})",
+                in_flight.len(),
+                lease_live,
+                in_flight.len() - lease_live
+            ))?;
+            out.line(format!(
+                "  completed          {}  (replayable {}, expired {})",
+                completed,
+                completed - completed_expired,
+                completed_expired
+            ))?;
+            out.line("expired, not purged  0  (Redis deletes expired records itself)")?;
+            match oldest {
+                None => out.line("oldest in-flight     none")?,
+                Some(r) => out.line(format!(
+                    "oldest in-flight     {} created {} ago, {}",
+                    r.scope_label(),
+                    format_age_secs(r.age_s),
+                    r.expiry_words()
+                ))?,
+            }
+        }
+    }
+    out.flush()
+}
+
+/// Delete the record only if it is still what was inspected (state and token) and, without
+/// force, still a reservation whose lease ended by the server's clock.
+const RELEASE_SCRIPT: &str = r"
+local r = redis.call('HMGET', KEYS[1], 'st', 'tok', 'ex')
+if r[1] ~= ARGV[1] or (r[2] or '') ~= ARGV[2] then return 0 end
+if ARGV[3] ~= '1' then
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  if r[1] ~= 'f' or tonumber(r[3]) > now then return 0 end
+end
+redis.call('DEL', KEYS[1])
+return 1
+";
+
+async fn release(
+    redis: &mut Redis<'_>,
+    args: &ReleaseArgs,
+    format: Format,
+    out: &mut Out,
+) -> Result<(), CliError> {
+    let script = redis::Script::new(RELEASE_SCRIPT);
+    let mut refusals: Vec<String> = Vec::new();
+    for key in &args.keys {
+        let found = matching(redis, key, &args.scope, false).await?;
+        let verdict = match found.as_slice() {
+            [] => Err(format!(
+                "no record with key {key:?}{}",
+                scope_words(&args.scope)
+            )),
+            [f] => check(&f.record, args.force).map(|()| f),
+            many => Err(format!(
+                "key {key:?} matches {} records ({}); name one with --tenant/--method/--path",
+                many.len(),
+                many.iter()
+                    .map(|f| f.record.scope_label())
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            )),
+        };
+        let f = match verdict {
+            Ok(f) => f,
+            Err(reason) => {
+                refuse(out, format, key, &reason, &mut refusals)?;
+                continue;
+            }
+        };
+        let row = &f.record;
+        let state = if row.is_in_flight() {
+            fields::IN_FLIGHT
+        } else {
+            fields::COMPLETED
+        };
+        let deleted: i64 = script
+            .key(f.key.as_slice())
+            .arg(state)
+            .arg(row.token.as_deref().unwrap_or(""))
+            .arg(if args.force { "1" } else { "0" })
+            .invoke_async(&mut redis.conn)
+            .await
+            .map_err(failed)?;
+        if deleted != 1 {
+            let reason = format!(
+                "{} changed while releasing (completed, taken over or expired); nothing removed",
+                row.scope_label()
+            );
+            refuse(out, format, key, &reason, &mut refusals)?;
+            continue;
+        }
+        match format {
+            Format::Json => {
+                let mut value = row.to_json();
+                value["released"] = json!(true);
+                out.json(&value)?;
+            }
+            Format::Text => out.line(format!(
+                "released {} {} (token {}, created {} ago, {})",
+                row.state,
+                row.scope_label(),
+                row.token.as_deref().unwrap_or("-"),
+                format_age_secs(row.age_s),
+                row.expiry_words()
+            ))?,
+        }
+    }
+    out.flush()?;
+    match refusals.len() {
+        0 => Ok(()),
+        1 if args.keys.len() == 1 => Err(CliError::NotFoundOrRefused(refusals.remove(0))),
+        n => {
+            for reason in &refusals {
+                eprintln!("idem-cli: {reason}");
+            }
+            Err(CliError::NotFoundOrRefused(format!(
+                "{n} of {} keys not released (see above)",
+                args.keys.len()
+            )))
+        }
+    }
+}

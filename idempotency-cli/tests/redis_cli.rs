@@ -1,0 +1,230 @@
+//! `idem-cli --redis-url` end to end: the built binary against a throwaway `redis-server`
+//! (one per test, on a free loopback port, killed on drop), over records written by the
+//! `RedisStore` the middleware uses.
+
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
+
+use bytes::Bytes;
+use idempotency_actix::store::{
+    IdempotencyStore, RedisStore, ReserveOutcome, Scope, StoredResponse, WriteOutcome,
+};
+use idempotency_actix::Fingerprint;
+use idempotency_e2e::redis_server::RedisServer;
+use serde_json::Value;
+
+const BIN: &str = env!("CARGO_BIN_EXE_idem-cli");
+const USAGE: i32 = 2;
+const UNAVAILABLE: i32 = 3;
+const NOT_FOUND_OR_REFUSED: i32 = 6;
+const FP: Fingerprint = Fingerprint([7; 32]);
+const LEASE: Duration = Duration::from_secs(60);
+
+/// `idem-cli args...` with `REDIS_URL` set and no `DATABASE_URL`.
+fn idem(redis_url: &str, args: &[&str]) -> Output {
+    Command::new(BIN)
+        .args(args)
+        .env("REDIS_URL", redis_url)
+        .env_remove("DATABASE_URL")
+        .env("RUST_BACKTRACE", "1")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| panic!("running {BIN}: {e}"))
+}
+
+fn stdout(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[track_caller]
+fn expect_code(out: &Output, code: i32) {
+    assert_eq!(
+        out.status.code(),
+        Some(code),
+        "exit code\nstdout: {}\nstderr: {}",
+        stdout(out),
+        stderr(out)
+    );
+    let err = stderr(out);
+    assert!(!err.contains("panicked"), "panic: {err}");
+    if code != 0 {
+        assert_eq!(err.lines().count(), 1, "one stderr line expected: {err:?}");
+        assert!(err.starts_with("idem-cli: "), "{err}");
+    }
+}
+
+fn json_lines(out: &Output) -> Vec<Value> {
+    stdout(out)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect()
+}
+
+fn scope(tenant: &str, key: &str) -> Scope {
+    Scope {
+        tenant: tenant.into(),
+        method: "POST".into(),
+        path: "/payments".into(),
+        key: key.into(),
+    }
+}
+
+async fn reserve(store: &RedisStore, s: &Scope, lease: Duration) -> ReserveOutcome {
+    store.reserve(s, &FP, lease).await.expect("reserve")
+}
+
+/// Seeds: a completed record with a binary header and body (tenant acme), a live reservation
+/// (acme), a reservation whose lease ended (globex), and a key that needs escaping.
+async fn seed(store: &RedisStore) {
+    let ReserveOutcome::Reserved { token } = reserve(store, &scope("acme", "done"), LEASE).await
+    else {
+        panic!("fresh key")
+    };
+    let response = StoredResponse {
+        status: 201,
+        headers: vec![
+            (
+                "content-type".into(),
+                Bytes::from_static(b"application/json"),
+            ),
+            ("x-raw".into(), Bytes::from_static(&[0xff, 0x00])),
+        ],
+        body: Bytes::from_static(br#"{"id":1}"#),
+    };
+    assert_eq!(
+        store
+            .complete(&scope("acme", "done"), &token, &response, LEASE)
+            .await
+            .ok(),
+        Some(WriteOutcome::Applied)
+    );
+    reserve(store, &scope("acme", "running"), LEASE).await;
+    reserve(store, &scope("globex", "stuck"), Duration::from_millis(50)).await;
+    reserve(store, &scope("acme", "we:ird*{key}"), LEASE).await;
+    tokio::time::sleep(Duration::from_millis(150)).await;
+}
+
+#[tokio::test]
+async fn list_show_stats_and_release_read_the_store() {
+    let redis = RedisServer::start();
+    let url = redis.url();
+    let store = RedisStore::connect(&url).await.expect("connect");
+    seed(&store).await;
+
+    let out = idem(&url, &["list", "--format", "json"]);
+    expect_code(&out, 0);
+    let rows = json_lines(&out);
+    assert_eq!(rows.len(), 4, "{}", stdout(&out));
+    let out = idem(
+        &url,
+        &[
+            "list",
+            "--tenant",
+            "acme",
+            "--state",
+            "in-flight",
+            "--format",
+            "json",
+        ],
+    );
+    expect_code(&out, 0);
+    let mut keys: Vec<String> = json_lines(&out)
+        .iter()
+        .map(|r| r["key"].as_str().unwrap_or_default().to_owned())
+        .collect();
+    keys.sort();
+    assert_eq!(keys, ["running", "we:ird*{key}"]);
+    let out = idem(&url, &["list"]);
+    expect_code(&out, 0);
+    assert!(stdout(&out).contains("TENANT"), "{}", stdout(&out));
+
+    let out = idem(&url, &["show", "done", "--format", "json"]);
+    expect_code(&out, 0);
+    let shown = &json_lines(&out)[0];
+    assert_eq!(shown["tenant"], "acme");
+    assert_eq!(shown["state"], "completed");
+    assert_eq!(shown["fingerprint"], "07".repeat(32));
+    assert_eq!(shown["response"]["status"], 201);
+    assert_eq!(shown["response"]["body_json"]["id"], 1);
+    assert_eq!(shown["response"]["headers"][1]["value_base64"], "/wA=");
+    let out = idem(&url, &["show", "we:ird*{key}", "--tenant", "acme"]);
+    expect_code(&out, 0);
+    assert!(stdout(&out).contains("in_flight"), "{}", stdout(&out));
+    expect_code(&idem(&url, &["show", "nothing"]), NOT_FOUND_OR_REFUSED);
+    // A glob in the key is matched literally, not as a pattern.
+    expect_code(&idem(&url, &["show", "*"]), NOT_FOUND_OR_REFUSED);
+
+    let out = idem(&url, &["stats", "--format", "json"]);
+    expect_code(&out, 0);
+    let stats = &json_lines(&out)[0];
+    assert_eq!(stats["total"], 4);
+    assert_eq!(stats["in_flight"], 3);
+    assert_eq!(stats["in_flight_lease_live"], 2);
+    assert_eq!(stats["completed_live"], 1);
+    assert_eq!(stats["oldest_in_flight"]["key"], "running");
+
+    // Release: a live lease and a completed record are refused; the ended one goes, and the
+    // store can reserve the key again.
+    expect_code(
+        &idem(&url, &["release", "running", "--tenant", "acme"]),
+        NOT_FOUND_OR_REFUSED,
+    );
+    expect_code(&idem(&url, &["release", "done"]), NOT_FOUND_OR_REFUSED);
+    let out = idem(&url, &["release", "stuck", "--format", "json"]);
+    expect_code(&out, 0);
+    assert_eq!(json_lines(&out)[0]["released"], true);
+    assert!(matches!(
+        store
+            .reserve(&scope("globex", "stuck"), &Fingerprint([9; 32]), LEASE)
+            .await,
+        Ok(ReserveOutcome::Reserved { .. })
+    ));
+    let out = idem(&url, &["release", "running", "--tenant", "acme", "--force"]);
+    expect_code(&out, 0);
+    assert!(matches!(
+        reserve(&store, &scope("acme", "running"), LEASE).await,
+        ReserveOutcome::Reserved { .. }
+    ));
+}
+
+#[tokio::test]
+async fn migrate_and_purge_say_redis_needs_neither() {
+    let redis = RedisServer::start();
+    for command in ["migrate", "purge"] {
+        let out = idem(&redis.url(), &[command]);
+        expect_code(&out, 0);
+        assert!(stdout(&out).contains("Redis needs no"), "{}", stdout(&out));
+    }
+}
+
+#[test]
+fn both_urls_are_refused_in_one_line() {
+    let out = Command::new(BIN)
+        .args(["list"])
+        .env("REDIS_URL", "redis://127.0.0.1:1/")
+        .env("DATABASE_URL", "postgres://postgres@127.0.0.1:1/x")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run");
+    expect_code(&out, USAGE);
+    assert!(stderr(&out).contains("pick one"), "{}", stderr(&out));
+}
+
+#[test]
+fn redis_down_is_unavailable_and_the_password_stays_secret() {
+    // A port nothing listens on.
+    let port = idempotency_e2e::raw_http::free_port();
+    let url = format!("redis://:hunter2secret@127.0.0.1:{port}/");
+    for command in ["list", "stats"] {
+        let out = idem(&url, &[command, "--connect-timeout", "2s"]);
+        expect_code(&out, UNAVAILABLE);
+        assert!(!stderr(&out).contains("hunter2secret"), "{}", stderr(&out));
+    }
+    let out = idem("http://:hunter2secret@nowhere/", &["list"]);
+    expect_code(&out, USAGE);
+    assert!(!stderr(&out).contains("hunter2secret"), "{}", stderr(&out));
+}

@@ -1,0 +1,120 @@
+//! A throwaway `redis-server` per test: on a free loopback port, without persistence
+//! (`--save '' --appendonly no`), killed on drop. Tests never touch a shared Redis.
+//!
+//! ```no_run
+//! let redis = idempotency_e2e::redis_server::RedisServer::start();
+//! let url = redis.url(); // redis://127.0.0.1:<port>/
+//! # let _ = url;
+//! ```
+
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::raw_http::free_port;
+
+/// How long a fresh server may take to accept connections.
+const START_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// A `redis-server` child process. Dropping it kills the process.
+pub struct RedisServer {
+    child: Option<Child>,
+    port: u16,
+    extra: Vec<String>,
+}
+
+impl std::fmt::Debug for RedisServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisServer")
+            .field("port", &self.port)
+            .finish()
+    }
+}
+
+impl RedisServer {
+    /// A server with the defaults (and `maxmemory-policy noeviction`, Redis's own default).
+    pub fn start() -> RedisServer {
+        Self::start_with(&[])
+    }
+
+    /// A server with extra command-line options, e.g. `["--maxmemory-policy", "allkeys-lru"]`.
+    pub fn start_with(extra: &[&str]) -> RedisServer {
+        let port = free_port();
+        let mut server = RedisServer {
+            child: None,
+            port,
+            extra: extra.iter().map(|s| (*s).to_owned()).collect(),
+        };
+        server.spawn();
+        server
+    }
+
+    /// `redis://127.0.0.1:<port>/`.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/", self.port)
+    }
+
+    /// The port.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// Kill the server (SIGKILL: nothing is saved, it has no persistence anyway).
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Start the server again on the same port, empty. Panics if it does not come up.
+    pub fn restart(&mut self) {
+        self.kill();
+        self.spawn();
+    }
+
+    fn spawn(&mut self) {
+        let started = Instant::now();
+        let spawned = Command::new("redis-server")
+            .args(["--port", &self.port.to_string()])
+            .args(["--bind", "127.0.0.1"])
+            .args(["--save", ""])
+            .args(["--appendonly", "no"])
+            .args(["--protected-mode", "no"])
+            .args(&self.extra)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn();
+        let child = match spawned {
+            Ok(child) => child,
+            Err(e) => panic!(
+                "cannot start redis-server ({e}); install it (apt-get install -y redis-server) \
+                 or put it on PATH"
+            ),
+        };
+        self.child = Some(child);
+        loop {
+            if TcpStream::connect(("127.0.0.1", self.port)).is_ok() {
+                return;
+            }
+            if let Some(child) = self.child.as_mut() {
+                if let Ok(Some(status)) = child.try_wait() {
+                    panic!("redis-server on port {} exited: {status}", self.port);
+                }
+            }
+            assert!(
+                started.elapsed() < START_TIMEOUT,
+                "redis-server on port {} did not accept connections within {START_TIMEOUT:?}",
+                self.port
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}

@@ -1,0 +1,366 @@
+//! `RedisStore` against a real `redis-server` (one per test, on a free loopback port, killed on
+//! drop): the store conformance suite, Redis's own expiry instead of purge, key encoding,
+//! one round trip per operation, script reloading, faults and the eviction-policy check.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use idempotency_actix::store::conformance;
+use idempotency_actix::store::redis::redis;
+use idempotency_actix::store::redis::{parse_record_key, record_key, EvictionCheck, RedisStore};
+use idempotency_actix::store::{
+    IdempotencyStore, ReservationToken, ReserveOutcome, Scope, StoreError, StoredResponse,
+    WriteOutcome,
+};
+use idempotency_actix::Fingerprint;
+use idempotency_e2e::redis_server::RedisServer;
+
+const FP_A: Fingerprint = Fingerprint([0xAA; 32]);
+const FP_B: Fingerprint = Fingerprint([0xBB; 32]);
+const LEASE: Duration = Duration::from_secs(60);
+const TTL: Duration = Duration::from_secs(3600);
+
+fn scope(tenant: &str, key: &str) -> Scope {
+    Scope {
+        tenant: tenant.into(),
+        method: "POST".into(),
+        path: "/payments".into(),
+        key: key.into(),
+    }
+}
+
+fn response(body: &'static [u8]) -> StoredResponse {
+    StoredResponse {
+        status: 201,
+        headers: vec![("x-raw".into(), Bytes::from_static(&[0xff, 0, b'\r']))],
+        body: Bytes::from_static(body),
+    }
+}
+
+async fn store(redis: &RedisServer) -> RedisStore {
+    match RedisStore::connect(&redis.url()).await {
+        Ok(store) => store,
+        Err(e) => panic!("connect to {}: {e}", redis.url()),
+    }
+}
+
+async fn redis_conn(redis: &RedisServer) -> redis::aio::MultiplexedConnection {
+    let client = redis::Client::open(redis.url()).expect("test URL parses");
+    client
+        .get_multiplexed_async_connection()
+        .await
+        .expect("test redis-server accepts connections")
+}
+
+/// C26: the whole store conformance suite, on a store with the default 24 h grace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_store_conforms() {
+    let redis = RedisServer::start();
+    let store = store(&redis).await;
+    conformance::run_all(&store).await;
+}
+
+/// C12 without purge: Redis drops an expired completed record and, after lease + grace, a dead
+/// reservation by itself; `purge_expired` has nothing to do.
+#[tokio::test]
+async fn expiry_replaces_purge() {
+    let redis = RedisServer::start();
+    let store = RedisStore::builder()
+        .in_flight_grace(Duration::from_millis(200))
+        .connect(&redis.url())
+        .await
+        .expect("connect");
+    let short = Duration::from_millis(200);
+    let done = scope("t", "done");
+    let dead = scope("t", "dead");
+    let live = scope("t", "live");
+    let token = reserved(&store, &done, &FP_A, LEASE).await;
+    assert_eq!(
+        store
+            .complete(&done, &token, &response(b"d"), short)
+            .await
+            .ok(),
+        Some(WriteOutcome::Applied)
+    );
+    reserved(&store, &dead, &FP_A, short).await;
+    reserved(&store, &live, &FP_A, LEASE).await;
+    let mut conn = redis_conn(&redis).await;
+    let pttl: i64 = redis::cmd("PTTL")
+        .arg(store.key_of(&dead))
+        .query_async(&mut conn)
+        .await
+        .expect("PTTL");
+    assert!(
+        pttl > 200 && pttl <= 400,
+        "a reservation lives lease + grace (400 ms), PTTL {pttl}"
+    );
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert_eq!(store.purge_expired(Duration::ZERO).await.ok(), Some(0));
+    for gone in [&done, &dead] {
+        let exists: i64 = redis::cmd("EXISTS")
+            .arg(store.key_of(gone))
+            .query_async(&mut conn)
+            .await
+            .expect("EXISTS");
+        assert_eq!(exists, 0, "{gone:?} should have expired in Redis");
+    }
+    reserved(&store, &dead, &FP_B, LEASE).await;
+    assert!(matches!(
+        store.reserve(&live, &FP_B, LEASE).await,
+        Ok(ReserveOutcome::InFlight { .. })
+    ));
+}
+
+/// C9 with the default 24 h grace: after its lease an ended reservation still refuses another
+/// body, and its holder's late `complete` applies (as in PostgreSQL) until a takeover.
+#[tokio::test]
+async fn ended_reservation_refuses_other_body_and_accepts_late_complete() {
+    let redis = RedisServer::start();
+    let store = store(&redis).await;
+    let s = scope("t", "late");
+    let token = reserved(&store, &s, &FP_A, Duration::from_millis(100)).await;
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    match store.reserve(&s, &FP_B, LEASE).await {
+        Ok(ReserveOutcome::InFlight {
+            fingerprint,
+            lease_remaining,
+        }) => {
+            assert_eq!(fingerprint, FP_A);
+            assert_eq!(lease_remaining, Duration::ZERO);
+        }
+        other => panic!("another body must see the ended reservation, got {other:?}"),
+    }
+    let late = response(b"late but mine");
+    assert_eq!(
+        store.complete(&s, &token, &late, TTL).await.ok(),
+        Some(WriteOutcome::Applied)
+    );
+    match store.reserve(&s, &FP_A, LEASE).await {
+        Ok(ReserveOutcome::Completed {
+            response,
+            expires_in,
+            ..
+        }) => {
+            assert_eq!(response, late);
+            let left = expires_in.expect("Redis reports the time left");
+            assert!(
+                left > TTL - Duration::from_secs(5) && left <= TTL,
+                "{left:?}"
+            );
+        }
+        other => panic!("expected the late completion, got {other:?}"),
+    }
+}
+
+/// Keys: no Cluster hash tag or glob character whatever the scope holds, no two scopes share a
+/// key, and the CLI can read the scope back.
+#[test]
+fn record_keys_are_cluster_and_scan_safe_and_reversible() {
+    let hostile = [
+        scope("{tenant}", "k"),
+        scope("a:b", "c"),
+        scope("a", "b:c"),
+        scope("*", "?[x]\\"),
+        scope("", "%41"),
+        scope("ténant ✓", "key with spaces\n"),
+        Scope {
+            tenant: "t".into(),
+            method: "PATCH".into(),
+            path: "/a/{b}/*".into(),
+            key: String::new(),
+        },
+    ];
+    let mut seen = std::collections::HashSet::new();
+    for s in &hostile {
+        let key = record_key("idem:", s);
+        assert!(
+            !key.contains(['{', '}', '*', '?', '[', ']', '\\', ' ', '\n']),
+            "{key}"
+        );
+        assert!(seen.insert(key.clone()), "collision on {key}");
+        assert_eq!(parse_record_key("idem:", key.as_bytes()).as_ref(), Some(s));
+    }
+    assert_eq!(
+        record_key("idem:", &scope("acme", "order-42")),
+        "idem:acme:POST:/payments:order-42"
+    );
+    assert_eq!(parse_record_key("idem:", b"idem:a:b:c"), None);
+    assert_eq!(parse_record_key("other:", b"idem:a:b:c:d"), None);
+    assert_eq!(parse_record_key("idem:", b"idem:a:b:c:d:e"), None);
+}
+
+/// A prefix that would break Cluster slots or SCAN patterns is refused.
+#[tokio::test]
+async fn unsafe_prefix_is_refused() {
+    let redis = RedisServer::start();
+    for prefix in ["", "{app}:", "app*", "a b"] {
+        let result = RedisStore::builder()
+            .key_prefix(prefix)
+            .connect(&redis.url())
+            .await;
+        assert!(
+            matches!(result, Err(StoreError::Backend(_))),
+            "prefix {prefix:?}"
+        );
+    }
+}
+
+/// C26: reserve, complete, release and a replay are one EVALSHA each (the scripts are loaded
+/// once), and a flushed script cache is reloaded transparently (NOSCRIPT).
+#[tokio::test]
+async fn each_operation_is_one_evalsha_and_noscript_reloads() {
+    let redis = RedisServer::start();
+    let store = store(&redis).await;
+    let mut conn = redis_conn(&redis).await;
+    // Warm up: load the three scripts.
+    let warm = scope("warm", "k");
+    let t = reserved(&store, &warm, &FP_A, LEASE).await;
+    store.release(&warm, &t).await.expect("release");
+    let t = reserved(&store, &warm, &FP_A, LEASE).await;
+    store
+        .complete(&warm, &t, &response(b"w"), TTL)
+        .await
+        .expect("complete");
+    let _: () = redis::cmd("CONFIG")
+        .arg("RESETSTAT")
+        .query_async(&mut conn)
+        .await
+        .expect("RESETSTAT");
+
+    let s = scope("t", "count");
+    let token = reserved(&store, &s, &FP_A, LEASE).await;
+    assert_eq!(
+        store.release(&s, &token).await.ok(),
+        Some(WriteOutcome::Applied)
+    );
+    let token = reserved(&store, &s, &FP_A, LEASE).await;
+    assert_eq!(
+        store.complete(&s, &token, &response(b"c"), TTL).await.ok(),
+        Some(WriteOutcome::Applied)
+    );
+    assert!(matches!(
+        store.reserve(&s, &FP_A, LEASE).await,
+        Ok(ReserveOutcome::Completed { .. })
+    ));
+    let stats: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(&mut conn)
+        .await
+        .expect("INFO");
+    let calls = |command: &str| -> u64 {
+        stats
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("cmdstat_{command}:calls=")))
+            .and_then(|rest| rest.split(',').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0)
+    };
+    assert_eq!(calls("evalsha"), 5, "5 operations, 5 EVALSHA:\n{stats}");
+    for other in ["eval", "script|load", "ping", "multi", "exec", "watch"] {
+        assert_eq!(calls(other), 0, "unexpected {other}:\n{stats}");
+    }
+
+    let _: () = redis::cmd("SCRIPT")
+        .arg("FLUSH")
+        .query_async(&mut conn)
+        .await
+        .expect("SCRIPT FLUSH");
+    reserved(&store, &scope("t", "after-flush"), &FP_A, LEASE).await;
+}
+
+/// C15: Redis down is `StoreError::Unavailable` within the timeout, not a hang; the store
+/// reconnects by itself once Redis is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_down_is_unavailable_and_the_store_recovers() {
+    let mut redis = RedisServer::start();
+    let store = RedisStore::builder()
+        .response_timeout(Duration::from_millis(500))
+        .connection_timeout(Duration::from_millis(500))
+        .connect(&redis.url())
+        .await
+        .expect("connect");
+    reserved(&store, &scope("t", "before"), &FP_A, LEASE).await;
+    redis.kill();
+    let started = std::time::Instant::now();
+    let result = store.reserve(&scope("t", "during"), &FP_A, LEASE).await;
+    assert!(
+        matches!(result, Err(StoreError::Unavailable(_))),
+        "got {result:?}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "took {:?}",
+        started.elapsed()
+    );
+    redis.restart();
+    let recovered = idempotency_e2e::eventually(Duration::from_secs(15), || async {
+        matches!(
+            store.reserve(&scope("t", "after"), &FP_A, LEASE).await,
+            Ok(ReserveOutcome::Reserved { .. })
+        )
+    })
+    .await;
+    assert!(recovered, "the store must reconnect once Redis is back");
+}
+
+/// C22: a `maxmemory-policy` that may evict records is refused when asked to, and otherwise
+/// only warned about; `noeviction` passes.
+#[tokio::test]
+async fn evicting_policy_is_detected() {
+    let lru = RedisServer::start_with(&["--maxmemory-policy", "allkeys-lru"]);
+    let refused = RedisStore::builder()
+        .eviction_check(EvictionCheck::Refuse)
+        .connect(&lru.url())
+        .await;
+    match refused {
+        Err(StoreError::Backend(e)) => assert!(e.to_string().contains("noeviction"), "{e}"),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    assert!(
+        RedisStore::connect(&lru.url()).await.is_ok(),
+        "Warn connects"
+    );
+    let volatile = RedisServer::start_with(&["--maxmemory-policy", "volatile-ttl"]);
+    assert!(RedisStore::builder()
+        .eviction_check(EvictionCheck::Refuse)
+        .connect(&volatile.url())
+        .await
+        .is_err());
+    let safe = RedisServer::start();
+    assert!(RedisStore::builder()
+        .eviction_check(EvictionCheck::Refuse)
+        .connect(&safe.url())
+        .await
+        .is_ok());
+}
+
+/// A store over a connection the app already has works the same.
+#[tokio::test]
+async fn from_connection_uses_the_apps_connection() {
+    let redis = RedisServer::start();
+    let conn = redis_conn(&redis).await;
+    let store = RedisStore::from_connection(conn);
+    let s = scope("t", "own-conn");
+    let token = reserved(&store, &s, &FP_A, LEASE).await;
+    assert_eq!(
+        store.complete(&s, &token, &response(b"x"), TTL).await.ok(),
+        Some(WriteOutcome::Applied)
+    );
+    let stranger = ReservationToken::random();
+    assert_eq!(
+        store.release(&s, &stranger).await.ok(),
+        Some(WriteOutcome::Stale)
+    );
+}
+
+async fn reserved<S: IdempotencyStore>(
+    store: &S,
+    scope: &Scope,
+    fp: &Fingerprint,
+    lease: Duration,
+) -> ReservationToken {
+    match store.reserve(scope, fp, lease).await {
+        Ok(ReserveOutcome::Reserved { token }) => token,
+        other => panic!("expected Reserved for {scope:?}, got {other:?}"),
+    }
+}
