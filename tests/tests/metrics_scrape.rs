@@ -1,7 +1,7 @@
 //! The payments example exposes the middleware's metrics at `/metrics` (Prometheus text format):
 //! after a miss, a replay and a conflict, each outcome's counter is there with bounded labels.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use idempotency_e2e::proc::PaymentsApp;
 use idempotency_e2e::raw_http::{send_once, Conn, Request};
@@ -47,14 +47,14 @@ fn outcomes_are_counted_and_exposed() {
     let mut slow = Conn::connect(app.addr.as_str(), TIMEOUT).expect("connect");
     slow.send_raw(&pay("m-2", Some(1500)).to_bytes())
         .expect("send");
-    let conflict = loop {
-        let answer = send_once(&app.addr, &pay("m-2", Some(1500)), TIMEOUT).expect("dup");
-        if answer.status == 409 {
-            break answer;
-        }
-        assert_eq!(answer.status, 201, "{}", answer.describe());
-        panic!("the slow request finished before its duplicate arrived");
-    };
+    // The handler counts itself when it starts: from then on the key is reserved.
+    let deadline = Instant::now() + TIMEOUT;
+    while app.stats().per_key.get("m-2").is_none() {
+        assert!(Instant::now() < deadline, "the slow request never started");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let conflict = send_once(&app.addr, &pay("m-2", Some(1500)), TIMEOUT).expect("dup");
+    assert_eq!(conflict.status, 409, "{}", conflict.describe());
     assert_eq!(conflict.problem_code().as_deref(), Some("CONFLICT"));
     let first = slow.read_response("POST").expect("the slow one");
     assert_eq!(first.status, 201);
