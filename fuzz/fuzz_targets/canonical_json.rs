@@ -2,7 +2,8 @@
 //! fixed point (canonicalising it again changes nothing), and the fingerprint is deterministic.
 #![no_main]
 
-use idempotency_actix::fingerprint::{canonical_json, Fingerprint};
+use idempotency_actix::internals::canonical_json;
+use idempotency_actix::Fingerprint;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

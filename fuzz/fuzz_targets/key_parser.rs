@@ -2,7 +2,7 @@
 //! contract C2 and survives a round trip through `to_sf_string`.
 #![no_main]
 
-use idempotency_actix::key::{parse_key, to_sf_string, KeyError};
+use idempotency_actix::internals::{parse_key, to_sf_string, KeyError};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

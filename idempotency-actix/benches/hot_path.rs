@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use actix_web::http::{header, Method, StatusCode};
 use actix_web::{test, web, App, HttpResponse};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use idempotency_actix::key::parse_key;
+use idempotency_actix::internals::parse_key;
 use idempotency_actix::store::{CachedStore, MemoryStore, ReservationToken};
 use idempotency_actix::{Fingerprint, Idempotency};
 
@@ -201,11 +201,17 @@ fn requests(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group! {
-    name = benches;
-    config = Criterion::default()
-        .warm_up_time(Duration::from_secs(1))
-        .measurement_time(Duration::from_secs(3));
-    targets = keys, tokens, fingerprints, requests
+// The macro generates an undocumented `pub fn benches`.
+#[allow(missing_docs)]
+mod group {
+    use super::*;
+
+    criterion_group! {
+        name = benches;
+        config = Criterion::default()
+            .warm_up_time(Duration::from_secs(1))
+            .measurement_time(Duration::from_secs(3));
+        targets = keys, tokens, fingerprints, requests
+    }
 }
-criterion_main!(benches);
+criterion_main!(group::benches);

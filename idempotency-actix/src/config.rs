@@ -34,7 +34,6 @@ use actix_web::http::header::{HeaderMap, HeaderName};
 use actix_web::http::{Method, StatusCode};
 use actix_web::HttpResponse;
 
-use crate::middleware::Idempotency;
 use crate::outcome::{Hook, OutcomeEvent};
 use crate::problem::{Problem, DEFAULT_TYPE_BASE};
 
@@ -155,7 +154,9 @@ impl fmt::Display for ConfigError {
 
 impl std::error::Error for ConfigError {}
 
-/// Builds an [`Idempotency`] middleware; start with [`Idempotency::builder`].
+/// Builds an [`Idempotency`](crate::Idempotency) middleware; start with
+/// [`Idempotency::builder`](crate::Idempotency::builder). `build()` is defined next to the
+/// middleware ([`crate::middleware`]), so this module does not depend on it.
 ///
 /// ```
 /// use std::time::Duration;
@@ -170,9 +171,9 @@ impl std::error::Error for ConfigError {}
 /// ```
 #[must_use = "a builder does nothing until `build()` is called"]
 pub struct IdempotencyBuilder<S> {
-    store: S,
-    config: Config,
-    errors: Vec<ConfigError>,
+    pub(crate) store: S,
+    pub(crate) config: Config,
+    pub(crate) errors: Vec<ConfigError>,
 }
 
 impl<S> IdempotencyBuilder<S> {
@@ -392,27 +393,6 @@ impl<S> IdempotencyBuilder<S> {
     {
         self.config.on_outcome = Some(Arc::new(hook));
         self
-    }
-
-    /// The middleware.
-    ///
-    /// # Panics
-    /// If a setting cannot be used (an invalid header name), with a message naming it. This
-    /// happens when the app is built, never while serving; use [`try_build`](Self::try_build)
-    /// to handle it yourself.
-    pub fn build(self) -> Idempotency<S> {
-        match self.try_build() {
-            Ok(middleware) => middleware,
-            Err(error) => panic!("{error}"),
-        }
-    }
-
-    /// The middleware, or the first setting that cannot be used.
-    pub fn try_build(self) -> Result<Idempotency<S>, ConfigError> {
-        match self.errors.into_iter().next() {
-            Some(error) => Err(error),
-            None => Ok(Idempotency::from_parts(self.store, self.config)),
-        }
     }
 }
 

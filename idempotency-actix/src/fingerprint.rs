@@ -1,19 +1,12 @@
 //! The request fingerprint (contract C4): what makes a retry "the same request".
 //!
-//! SHA-256 over, in order: the method, the path and the query string, each prefixed with its
-//! length as a big-endian u64, then a one-byte body tag and the body. Length prefixes make the
-//! encoding injective: no choice of path and query can imitate another pair
-//! (`/a` + `b=c` never hashes like `/ab` + `=c`).
+//! (The explanation lives on [`Fingerprint`], the public face of this private module.)
 //!
-//! A JSON body (content type `application/json` or `application/*+json`) is canonicalised
-//! first: object members sorted by key (byte order of the decoded key), insignificant
-//! whitespace dropped, strings re-escaped in one canonical way (so `"\u0041"` equals `"A"`).
-//! Numbers are kept as written: parsing them into floats would make two different large numbers
-//! (or amounts such as `10.000000000000001` and `10.0`) the same request, and a false replay is
-//! the one mistake this crate must never make. For the same reason duplicate object keys are
-//! all kept, in their original relative order. Nesting deeper than [`MAX_JSON_DEPTH`], invalid
-//! UTF-8 or invalid JSON fall back to hashing the raw bytes, under a different tag, so the
-//! fingerprint is always defined and still deterministic.
+//! The canonical JSON parser is home-made on purpose: `serde_json::Value` sorts keys but drops
+//! duplicate keys (last one wins) and, without `arbitrary_precision`, rounds numbers through
+//! `f64`, so two different amounts could fingerprint alike: the one mistake this crate must
+//! never make. No well-kept crate keeps numbers as written and duplicates in order with a depth
+//! bound; this parser does, and it is property-tested and fuzzed.
 
 use std::borrow::Cow;
 use std::fmt;
@@ -27,7 +20,22 @@ pub const MAX_JSON_DEPTH: usize = 128;
 const TAG_RAW: u8 = b'R';
 const TAG_JSON: u8 = b'J';
 
-/// A SHA-256 request fingerprint.
+/// A SHA-256 request fingerprint (contract C4): what makes a retry "the same request".
+///
+/// SHA-256 over, in order: the method, the path and the query string, each prefixed with its
+/// length as a big-endian u64, then a one-byte body tag and the body. Length prefixes make the
+/// encoding injective: no choice of path and query can imitate another pair
+/// (`/a` + `b=c` never hashes like `/ab` + `=c`).
+///
+/// A JSON body (content type `application/json` or `application/*+json`) is canonicalised
+/// first: object members sorted by key (byte order of the decoded key), insignificant
+/// whitespace dropped, strings re-escaped in one canonical way (so `"\u0041"` equals `"A"`).
+/// Numbers are kept as written: parsing them into floats would make two different large numbers
+/// (or amounts such as `10.000000000000001` and `10.0`) the same request, and a false replay is
+/// the one mistake this crate must never make. For the same reason duplicate object keys are
+/// all kept, in their original relative order. Nesting deeper than [`MAX_JSON_DEPTH`], invalid
+/// UTF-8 or invalid JSON fall back to hashing the raw bytes, under a different tag, so the
+/// fingerprint is always defined and still deterministic.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Fingerprint(pub [u8; 32]);
 

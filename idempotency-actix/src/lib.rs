@@ -4,8 +4,8 @@
 //! `Idempotency-Key` header runs at most once per key: a retry gets the stored response back
 //! (with `Idempotent-Replayed: true`), a concurrent duplicate gets 409 while the first one
 //! runs, and the same key with a different body gets 422. The behaviour follows the IETF
-//! `Idempotency-Key` draft and Stripe's idempotent requests; the project's `CONTRACT` (rules
-//! C1-C20) is the reference.
+//! `Idempotency-Key` draft and Stripe's idempotent requests; the rules cited in the code as
+//! C1-C26 are written out in the repository's `docs/contract.md`.
 //!
 //! ```no_run
 //! use actix_web::{web, App, HttpResponse, HttpServer};
@@ -36,9 +36,11 @@
 //! with `idem-cli migrate`.
 //!
 //! # Modules
-//! - [`middleware`]: the request flow; [`config`]: the builder and why each default is what it is.
-//! - [`key`]: header parsing and the [`IdempotencyKey`] extractor; [`fingerprint`]: what makes a
-//!   retry "the same request"; [`problem`]: the RFC 9457 errors and their codes.
+//! - [`middleware`]: the request flow, cancellation, streaming and shutdown; [`config`]: the
+//!   builder and why each default is what it is.
+//! - [`IdempotencyKey`]: which keys are accepted, and the extractor; [`Fingerprint`]: what
+//!   makes a retry "the same request"; [`problem`]: the RFC 9457 errors and their codes;
+//!   [`outcome`]: metrics and the outcome hook.
 //! - [`store`]: the storage trait, how to write a store, and the stores.
 //!
 //! # What the middleware cannot do for you
@@ -53,8 +55,8 @@
 #![warn(missing_docs)]
 
 pub mod config;
-pub mod fingerprint;
-pub mod key;
+mod fingerprint;
+mod key;
 pub mod middleware;
 pub mod outcome;
 pub mod problem;
@@ -62,6 +64,14 @@ pub mod store;
 
 pub use config::{ConfigError, IdempotencyBuilder, IntoHeaderName, ResponseParts};
 pub use fingerprint::Fingerprint;
+
+/// Parsers this workspace's fuzzers, property tests and benchmarks drive directly. Not part of
+/// the API: no semver promise, may change in any release.
+#[doc(hidden)]
+pub mod internals {
+    pub use crate::fingerprint::{canonical_json, is_json_content_type, MAX_JSON_DEPTH};
+    pub use crate::key::{parse_key, to_sf_string, KeyError};
+}
 pub use key::IdempotencyKey;
 pub use middleware::Idempotency;
 pub use outcome::{Outcome, OutcomeEvent};

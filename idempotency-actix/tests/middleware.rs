@@ -815,7 +815,8 @@ async fn the_outcome_hook_sees_every_outcome_and_cannot_break_a_request() {
     use idempotency_actix::Outcome;
     use std::sync::Mutex;
 
-    let seen: Arc<Mutex<Vec<(Outcome, u16, Option<String>)>>> = Arc::default();
+    type Seen = Vec<(Outcome, u16, Option<String>)>;
+    let seen: Arc<Mutex<Seen>> = Arc::default();
     let record = Arc::clone(&seen);
     let counter = Counter::default();
     let middleware = Idempotency::builder(MemoryStore::new())

@@ -10,9 +10,10 @@
 //! Regression cases found by fuzzing (`scripts/fuzz.sh`) are pinned at the end.
 
 use bytes::Bytes;
-use idempotency_actix::fingerprint::{canonical_json, Fingerprint, MAX_JSON_DEPTH};
-use idempotency_actix::key::{parse_key, to_sf_string, KeyError};
+use idempotency_actix::internals::{canonical_json, MAX_JSON_DEPTH};
+use idempotency_actix::internals::{parse_key, to_sf_string, KeyError};
 use idempotency_actix::store::StoredResponse;
+use idempotency_actix::Fingerprint;
 use proptest::prelude::*;
 
 // ---------------------------------------------------------------------------------------------

@@ -195,6 +195,9 @@ impl Request {
     }
 }
 
+/// A response head: the status and the headers (names in lower case, raw values).
+pub type Head = (u16, Vec<(String, Vec<u8>)>);
+
 /// A keep-alive connection.
 pub struct Conn {
     reader: BufReader<TcpStream>,
@@ -366,7 +369,7 @@ impl Conn {
     }
 
     /// Read only a response head (status line and headers), leaving the body on the wire.
-    pub fn read_head(&mut self) -> io::Result<(u16, Vec<(String, Vec<u8>)>)> {
+    pub fn read_head(&mut self) -> io::Result<Head> {
         let mut raw = Vec::new();
         loop {
             let n = self.reader.read_until(b'\n', &mut raw)?;

@@ -16,6 +16,7 @@ use actix_web::{Error, HttpMessage, HttpRequest, HttpResponse};
 use bytes::{Bytes, BytesMut};
 use futures_util::StreamExt;
 use tokio::sync::oneshot;
+use tracing::Instrument;
 
 use super::forward::{self, BodyFailed};
 use super::replay::{replay, storable_headers};
@@ -107,13 +108,25 @@ where
         req.set_payload(Payload::from(body));
 
         // From here on nothing may be cut short by the client: the task owns the request.
+        // One span per keyed request carries its scope, so no event repeats it. At ERROR level
+        // so the fields reach the store-failure events even when only errors are logged.
+        let span = tracing::error_span!(
+            target: "idempotency_actix",
+            "idempotency",
+            key = %scope.key,
+            tenant = %scope.tenant,
+            method = %scope.method,
+            path = %scope.path,
+        );
         let (answer, answered) = oneshot::channel();
-        actix_rt::spawn(self.settle(req, scope, fingerprint, report.clone(), answer));
+        let settle = self.settle(req, scope, fingerprint, report.clone(), answer);
+        actix_rt::spawn(settle.instrument(span.clone()));
         match answered.await {
             Ok(result) => result,
             // The task ended without an answer: the handler panicked. Its reservation stays
             // until the lease ends (its effects may exist); the client gets an opaque 500.
             Err(_) => {
+                let _in_span = span.enter();
                 tracing::error!(target: "idempotency_actix", outcome = "handler_panic", "the request's task ended without a response; reservation left to its lease");
                 report.outcome(
                     Outcome::HandlerPanic,
@@ -147,7 +160,7 @@ where
                         req.into_response(response).map_into_right_body()
                     }
                     Err(problem) => {
-                        tracing::info!(target: "idempotency_actix", outcome = "replay_not_acceptable", key = %scope.key, tenant = %scope.tenant, path = %scope.path, "stored response encoded in a way this retry does not accept");
+                        tracing::info!(target: "idempotency_actix", outcome = "replay_not_acceptable", "stored response encoded in a way this retry does not accept");
                         self.refuse(req, problem, &report, Some(&scope))
                     }
                 };
@@ -232,7 +245,7 @@ where
             .await;
             match outcome {
                 Ok(ReserveOutcome::Reserved { token }) => {
-                    tracing::debug!(target: "idempotency_actix", outcome = "miss", key = %scope.key, tenant = %scope.tenant, path = %scope.path, "reserved; running the handler");
+                    tracing::debug!(target: "idempotency_actix", outcome = "miss", "reserved; running the handler");
                     return Ok(token);
                 }
                 Ok(ReserveOutcome::Completed {
@@ -243,7 +256,7 @@ where
                     fingerprint: stored,
                     ..
                 }) if stored != *fingerprint => {
-                    tracing::info!(target: "idempotency_actix", outcome = "mismatch", key = %scope.key, tenant = %scope.tenant, path = %scope.path, "key reused for a different request");
+                    tracing::info!(target: "idempotency_actix", outcome = "mismatch", "key reused for a different request");
                     return Err(Decision::Refuse(Problem::new(
                         ProblemCode::FingerprintMismatch,
                         "this key was already used on this endpoint for a request with another \
@@ -251,7 +264,7 @@ where
                     )));
                 }
                 Ok(ReserveOutcome::Completed { response, .. }) => {
-                    tracing::debug!(target: "idempotency_actix", outcome = "replay", key = %scope.key, tenant = %scope.tenant, path = %scope.path, status = response.status, "replaying the stored response");
+                    tracing::debug!(target: "idempotency_actix", outcome = "replay", status = response.status, "replaying the stored response");
                     return Err(Decision::Replay(response));
                 }
                 Ok(ReserveOutcome::InFlight { .. }) => {
@@ -261,7 +274,7 @@ where
                         pause = (pause * 2).min(MAX_POLL_INTERVAL);
                         continue;
                     }
-                    tracing::info!(target: "idempotency_actix", outcome = "conflict", key = %scope.key, tenant = %scope.tenant, path = %scope.path, "the first request with this key is still running");
+                    tracing::info!(target: "idempotency_actix", outcome = "conflict", "the first request with this key is still running");
                     return Err(Decision::Refuse(
                         Problem::new(
                             ProblemCode::Conflict,
@@ -271,7 +284,7 @@ where
                     ));
                 }
                 Err(error) => {
-                    tracing::error!(target: "idempotency_actix", outcome = "store_error", key = %scope.key, tenant = %scope.tenant, path = %scope.path, fail_open = config.fail_open, %error, "could not reserve the key");
+                    tracing::error!(target: "idempotency_actix", outcome = "store_error", fail_open = config.fail_open, %error, "could not reserve the key");
                     if config.fail_open {
                         return Err(Decision::PassThrough);
                     }
@@ -381,7 +394,7 @@ where
                         }
                     }
                     if went_over {
-                        tracing::warn!(target: "idempotency_actix", outcome = "not_stored", key = %scope.key, tenant = %scope.tenant, path = %scope.path, max_response_bytes = max, "streamed response too large to store; key released");
+                        tracing::warn!(target: "idempotency_actix", outcome = "not_stored", max_response_bytes = max, "streamed response too large to store; key released");
                         self.release_quietly(scope, &token).await;
                     }
                     if client.is_none() && copy.is_none() {
@@ -393,7 +406,7 @@ where
                     // The handler ran, so its effects may exist: keep the reservation until its
                     // lease ends rather than invite a second execution (C16). The detail stays
                     // in the log; the client's connection is aborted.
-                    tracing::error!(target: "idempotency_actix", outcome = "body_error", key = %scope.key, tenant = %scope.tenant, path = %scope.path, %error, "response body failed after its head was sent; connection aborted, reservation left to its lease");
+                    tracing::error!(target: "idempotency_actix", outcome = "body_error", %error, "response body failed after its head was sent; connection aborted, reservation left to its lease");
                     if let Some(sender) = client {
                         let _ = sender.send(Err(BodyFailed)).await;
                     }
@@ -453,15 +466,15 @@ where
         let call = self.store.complete(scope, token, stored, self.config.ttl);
         match outcome::timed("complete", store, call).await {
             Ok(WriteOutcome::Applied) => {
-                tracing::debug!(target: "idempotency_actix", outcome = "stored", key = %scope.key, tenant = %scope.tenant, path = %scope.path, status = stored.status, "response stored");
+                tracing::debug!(target: "idempotency_actix", outcome = "stored", status = stored.status, "response stored");
                 Outcome::Stored
             }
             Ok(WriteOutcome::Stale) => {
-                tracing::warn!(target: "idempotency_actix", outcome = "stale", key = %scope.key, tenant = %scope.tenant, path = %scope.path, "the lease ended and another request took the key over; this response was not stored");
+                tracing::warn!(target: "idempotency_actix", outcome = "stale", "the lease ended and another request took the key over; this response was not stored");
                 Outcome::Stale
             }
             Err(error) => {
-                tracing::error!(target: "idempotency_actix", outcome = "store_error", key = %scope.key, tenant = %scope.tenant, path = %scope.path, %error, "could not store the response; retrying until the lease ends, the reservation stays meanwhile");
+                tracing::error!(target: "idempotency_actix", outcome = "store_error", %error, "could not store the response; retrying until the lease ends, the reservation stays meanwhile");
                 self.retry_complete(scope.clone(), *token, stored.clone());
                 Outcome::CompleteFailed
             }
@@ -478,7 +491,7 @@ where
         let until = saturating_deadline(Instant::now(), self.config.lock_timeout);
         let name = store.name();
         outcome::complete_retry("started", name);
-        tokio::spawn(async move {
+        let retry = async move {
             let mut pause = Duration::from_millis(100);
             while Instant::now() + pause < until {
                 tokio::time::sleep(pause).await;
@@ -486,7 +499,7 @@ where
                 let call = store.complete(&scope, &token, &stored, ttl);
                 match outcome::timed("complete", name, call).await {
                     Ok(WriteOutcome::Applied) => {
-                        tracing::info!(target: "idempotency_actix", outcome = "stored", key = %scope.key, tenant = %scope.tenant, path = %scope.path, status = stored.status, "response stored after the store recovered");
+                        tracing::info!(target: "idempotency_actix", outcome = "stored", status = stored.status, "response stored after the store recovered");
                         outcome::complete_retry("succeeded", name);
                         return;
                     }
@@ -498,12 +511,13 @@ where
                 }
             }
             outcome::complete_retry("given_up", name);
-            tracing::error!(target: "idempotency_actix", outcome = "store_error", key = %scope.key, tenant = %scope.tenant, path = %scope.path, "gave up storing the response: the lease ended; a retry will run the handler again");
-        });
+            tracing::error!(target: "idempotency_actix", outcome = "store_error", "gave up storing the response: the lease ended; a retry will run the handler again");
+        };
+        tokio::spawn(retry.in_current_span());
     }
 
     async fn release(&self, scope: &Scope, token: &ReservationToken, reason: &str) {
-        tracing::info!(target: "idempotency_actix", outcome = "not_stored", key = %scope.key, tenant = %scope.tenant, path = %scope.path, reason, "response not stored; key released");
+        tracing::info!(target: "idempotency_actix", outcome = "not_stored", reason, "response not stored; key released");
         self.release_quietly(scope, token).await;
     }
 
@@ -513,10 +527,10 @@ where
         match outcome::timed("release", self.store.name(), call).await {
             Ok(WriteOutcome::Applied) => {}
             Ok(WriteOutcome::Stale) => {
-                tracing::warn!(target: "idempotency_actix", outcome = "stale", key = %scope.key, tenant = %scope.tenant, path = %scope.path, "the reservation was taken over before it could be released");
+                tracing::warn!(target: "idempotency_actix", outcome = "stale", "the reservation was taken over before it could be released");
             }
             Err(error) => {
-                tracing::error!(target: "idempotency_actix", outcome = "store_error", key = %scope.key, tenant = %scope.tenant, path = %scope.path, %error, "could not release the key; it stays reserved until its lease ends");
+                tracing::error!(target: "idempotency_actix", outcome = "store_error", %error, "could not release the key; it stays reserved until its lease ends");
             }
         }
     }

@@ -34,7 +34,7 @@
 //! ## Streamed responses (C24)
 //! A response whose body is not a single buffer (a stream, server-sent events) is never held
 //! back: its head is sent at once and each chunk is forwarded as it comes, through a bounded
-//! channel of [`forward::CHANNEL_CHUNKS`] chunks, while the task keeps a copy up to
+//! channel of 16 chunks, while the task keeps a copy up to
 //! `max_response_bytes`. Backpressure: when the client reads slowly the channel fills and the
 //! task stops pulling from the handler's stream until the client catches up, so a slow client
 //! slows its own stream and costs at most that many chunks of memory. When the client is gone
@@ -74,7 +74,7 @@ use actix_web::dev::{ServiceRequest, ServiceResponse};
 use actix_web::Error;
 use futures_util::future::LocalBoxFuture;
 
-use crate::config::{Config, IdempotencyBuilder};
+use crate::config::{Config, ConfigError, IdempotencyBuilder};
 use crate::store::IdempotencyStore;
 use flow::Flow;
 
@@ -121,11 +121,28 @@ impl<S: IdempotencyStore> Idempotency<S> {
     }
 }
 
-impl<S> Idempotency<S> {
-    pub(crate) fn from_parts(store: S, config: Config) -> Self {
-        Self {
-            store: Arc::new(store),
-            config: Arc::new(config),
+impl<S> IdempotencyBuilder<S> {
+    /// The middleware.
+    ///
+    /// # Panics
+    /// If a setting cannot be used (an invalid header name), with a message naming it. This
+    /// happens when the app is built, never while serving; use [`try_build`](Self::try_build)
+    /// to handle it yourself.
+    pub fn build(self) -> Idempotency<S> {
+        match self.try_build() {
+            Ok(middleware) => middleware,
+            Err(error) => panic!("{error}"),
+        }
+    }
+
+    /// The middleware, or the first setting that cannot be used.
+    pub fn try_build(self) -> Result<Idempotency<S>, ConfigError> {
+        match self.errors.into_iter().next() {
+            Some(error) => Err(error),
+            None => Ok(Idempotency {
+                store: Arc::new(self.store),
+                config: Arc::new(self.config),
+            }),
         }
     }
 }

@@ -19,11 +19,11 @@
 //!   call, so the entry always ends first. And at most [`CachedStoreBuilder::max_ttl`]
 //!   (default 60 s). A store that does not report the time left gets no entries: the wrapper
 //!   is then a pass-through.
-//! - At most [`CachedStoreBuilder::max_entries`] entries (default 10,000) and only responses up
-//!   to [`CachedStoreBuilder::max_response_bytes`] (default 64 KiB); the oldest entry is dropped
-//!   first. The cache's memory is therefore bounded by about `max_entries` times
-//!   `max_response_bytes` (640 MiB with the defaults in the worst case, a few MiB for typical
-//!   responses of a few hundred bytes).
+//! - At most [`CachedStoreBuilder::max_bytes`] bytes in all (default 64 MiB), each entry
+//!   weighed by its scope, headers and body (moka's weigher), and only responses up to
+//!   [`CachedStoreBuilder::max_response_bytes`] (default 64 KiB). The bound is real bytes, not a
+//!   worst case of entries times size; when it is reached moka's TinyLFU policy decides which
+//!   entries stay (the frequently replayed ones).
 //!
 //! # Operations that change completed records behind the cache's back
 //! - `idem-cli purge` deletes only expired records, and a cache entry never outlives its
@@ -44,21 +44,26 @@
 //! # let _ = middleware; }
 //! ```
 
-use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use moka::sync::Cache;
 
 use super::{
     Fingerprint, IdempotencyStore, ReservationToken, ReserveOutcome, Scope, StoreError,
     StoredResponse, WriteOutcome,
 };
 
-/// Default [`CachedStoreBuilder::max_entries`].
-pub const DEFAULT_MAX_ENTRIES: usize = 10_000;
+/// Default [`CachedStoreBuilder::max_bytes`]: small next to any server's memory, room for
+/// about 100,000 replays of typical (few hundred byte) responses.
+pub const DEFAULT_MAX_BYTES: u64 = 64 * 1024 * 1024;
 /// Default [`CachedStoreBuilder::max_ttl`].
 pub const DEFAULT_MAX_TTL: Duration = Duration::from_secs(60);
 /// Default [`CachedStoreBuilder::max_response_bytes`].
 pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 64 * 1024;
+
+/// Bytes charged per entry on top of its scope and response: moka's and our bookkeeping.
+const ENTRY_OVERHEAD_BYTES: usize = 256;
 
 /// A store wrapper that serves replays of completed records from an in-process cache. See the
 /// [module docs](self) for what is cached, for how long, and what a forced release means.
@@ -67,7 +72,7 @@ pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 64 * 1024;
 /// crate share their state between clones).
 pub struct CachedStore<S> {
     inner: S,
-    cache: Arc<RwLock<Cache>>,
+    cache: Cache<Scope, Arc<Entry>>,
     limits: Limits,
 }
 
@@ -75,7 +80,7 @@ impl<S: Clone> Clone for CachedStore<S> {
     fn clone(&self) -> Self {
         Self {
             inner: self.inner.clone(),
-            cache: Arc::clone(&self.cache),
+            cache: self.cache.clone(),
             limits: self.limits,
         }
     }
@@ -84,8 +89,9 @@ impl<S: Clone> Clone for CachedStore<S> {
 impl<S> std::fmt::Debug for CachedStore<S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CachedStore")
-            .field("entries", &self.len())
-            .field("max_entries", &self.limits.max_entries)
+            .field("entries", &self.cache.entry_count())
+            .field("bytes", &self.cache.weighted_size())
+            .field("max_bytes", &self.limits.max_bytes)
             .field("max_ttl", &self.limits.max_ttl)
             .finish_non_exhaustive()
     }
@@ -93,23 +99,24 @@ impl<S> std::fmt::Debug for CachedStore<S> {
 
 #[derive(Debug, Clone, Copy)]
 struct Limits {
-    max_entries: usize,
+    max_bytes: u64,
     max_ttl: Duration,
     max_response_bytes: usize,
 }
 
 /// Configures a [`CachedStore`]: see [`CachedStore::builder`].
 #[derive(Debug, Clone)]
+#[must_use = "a builder does nothing until `build()` is called"]
 pub struct CachedStoreBuilder<S> {
     inner: S,
     limits: Limits,
 }
 
 impl<S: IdempotencyStore> CachedStoreBuilder<S> {
-    /// Most entries kept; the oldest is dropped to make room. Default 10,000. Zero disables
-    /// caching.
-    pub fn max_entries(mut self, max_entries: usize) -> Self {
-        self.limits.max_entries = max_entries;
+    /// Most bytes the cache holds (scopes, headers and bodies, plus a fixed overhead per entry).
+    /// Default 64 MiB. Zero disables caching.
+    pub fn max_bytes(mut self, max_bytes: u64) -> Self {
+        self.limits.max_bytes = max_bytes;
         self
     }
 
@@ -130,16 +137,23 @@ impl<S: IdempotencyStore> CachedStoreBuilder<S> {
 
     /// The store.
     pub fn build(self) -> CachedStore<S> {
+        let cache = Cache::builder()
+            .max_capacity(self.limits.max_bytes)
+            .weigher(|scope: &Scope, entry: &Arc<Entry>| {
+                u32::try_from(entry.bytes + scope_bytes(scope)).unwrap_or(u32::MAX)
+            })
+            .expire_after(UntilRecordEnds)
+            .build();
         CachedStore {
             inner: self.inner,
-            cache: Arc::new(RwLock::new(Cache::default())),
+            cache,
             limits: self.limits,
         }
     }
 }
 
 impl<S: IdempotencyStore> CachedStore<S> {
-    /// Wrap `inner` with the default limits (10,000 entries, 60 s, 64 KiB responses).
+    /// Wrap `inner` with the default limits (64 MiB, 60 s, 64 KiB responses).
     pub fn new(inner: S) -> Self {
         Self::builder(inner).build()
     }
@@ -149,7 +163,7 @@ impl<S: IdempotencyStore> CachedStore<S> {
         CachedStoreBuilder {
             inner,
             limits: Limits {
-                max_entries: DEFAULT_MAX_ENTRIES,
+                max_bytes: DEFAULT_MAX_BYTES,
                 max_ttl: DEFAULT_MAX_TTL,
                 max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
             },
@@ -163,9 +177,10 @@ impl<S> CachedStore<S> {
         &self.inner
     }
 
-    /// Number of cached entries (including expired ones not yet dropped).
+    /// Number of cached entries (after moka's pending maintenance has run).
     pub fn len(&self) -> usize {
-        self.read().entries.len()
+        self.cache.run_pending_tasks();
+        usize::try_from(self.cache.entry_count()).unwrap_or(usize::MAX)
     }
 
     /// Whether the cache is empty.
@@ -173,26 +188,22 @@ impl<S> CachedStore<S> {
         self.len() == 0
     }
 
+    /// Bytes held by the cache, as weighed against [`CachedStoreBuilder::max_bytes`].
+    pub fn bytes(&self) -> u64 {
+        self.cache.run_pending_tasks();
+        self.cache.weighted_size()
+    }
+
     /// Drop every cached entry (e.g. after releasing completed records by hand).
     pub fn clear(&self) {
-        let mut cache = self.write();
-        cache.entries.clear();
-        cache.order.clear();
-    }
-
-    fn read(&self) -> std::sync::RwLockReadGuard<'_, Cache> {
-        // No critical section can panic halfway through an update.
-        self.cache.read().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn write(&self) -> std::sync::RwLockWriteGuard<'_, Cache> {
-        self.cache.write().unwrap_or_else(|p| p.into_inner())
+        self.cache.invalidate_all();
+        self.cache.run_pending_tasks();
     }
 
     /// A live entry for `scope`, as the outcome `reserve` would have returned.
     fn lookup(&self, scope: &Scope, now: Instant) -> Option<ReserveOutcome> {
-        let cache = self.read();
-        let entry = cache.entries.get(scope)?;
+        let entry = self.cache.get(scope)?;
+        // moka expires entries on its own schedule; never serve one past its record's end.
         (entry.until > now).then(|| ReserveOutcome::Completed {
             fingerprint: entry.fingerprint,
             response: entry.response.clone(),
@@ -210,83 +221,51 @@ impl<S> CachedStore<S> {
         remaining: Duration,
     ) {
         let limits = self.limits;
-        if limits.max_entries == 0 || response.size_bytes() > limits.max_response_bytes {
+        let size = response.size_bytes();
+        if limits.max_bytes == 0 || size > limits.max_response_bytes {
             return;
         }
-        let until = start + remaining.min(limits.max_ttl);
-        let now = Instant::now();
-        if until <= now {
+        let Some(until) = start.checked_add(remaining.min(limits.max_ttl)) else {
+            return;
+        };
+        if until <= Instant::now() {
             return;
         }
-        let mut cache = self.write();
-        cache.drop_expired(now);
-        while cache.entries.len() >= limits.max_entries {
-            if !cache.drop_oldest() {
-                break;
-            }
-        }
-        cache.generation += 1;
-        let generation = cache.generation;
-        let key = Arc::new(scope.clone());
-        cache.order.push_back((Arc::clone(&key), generation));
-        cache.entries.insert(
-            key,
-            Entry {
-                fingerprint,
-                response: response.clone(),
-                until,
-                generation,
-            },
-        );
+        let entry = Entry {
+            fingerprint,
+            response: response.clone(),
+            until,
+            bytes: size + ENTRY_OVERHEAD_BYTES,
+        };
+        self.cache.insert(scope.clone(), Arc::new(entry));
     }
 }
 
-#[derive(Default)]
-struct Cache {
-    entries: HashMap<Arc<Scope>, Entry>,
-    /// Insertion order, oldest first, with the generation the entry had then; entries
-    /// replaced since (generation differs) are skipped when popped.
-    order: VecDeque<(Arc<Scope>, u64)>,
-    generation: u64,
-}
-
+/// One cached completed record.
 struct Entry {
     fingerprint: Fingerprint,
     response: StoredResponse,
+    /// When the entry ends: never after its record (see the module docs).
     until: Instant,
-    generation: u64,
+    /// The response's bytes plus the per-entry overhead (the scope is weighed separately).
+    bytes: usize,
 }
 
-impl Cache {
-    /// Drop entries from the front of the insertion order while they are expired. Entries
-    /// with a shorter life further back are dropped when they reach the front, or by eviction;
-    /// `lookup` never serves them in the meantime.
-    fn drop_expired(&mut self, now: Instant) {
-        while let Some((scope, generation)) = self.order.front() {
-            match self.entries.get(scope) {
-                Some(entry) if entry.generation == *generation && entry.until > now => break,
-                Some(entry) if entry.generation == *generation => {
-                    self.entries.remove(scope);
-                }
-                _ => {}
-            }
-            self.order.pop_front();
-        }
-    }
+fn scope_bytes(scope: &Scope) -> usize {
+    scope.tenant.len() + scope.method.len() + scope.path.len() + scope.key.len()
+}
 
-    /// Drop the oldest entry; false when there is none.
-    fn drop_oldest(&mut self) -> bool {
-        while let Some((scope, generation)) = self.order.pop_front() {
-            if self
-                .entries
-                .get(&scope)
-                .is_some_and(|e| e.generation == generation)
-            {
-                self.entries.remove(&scope);
-                return true;
-            }
-        }
-        false
+/// moka's per-entry expiry: each entry ends when its record would, or at `max_ttl`.
+struct UntilRecordEnds;
+
+impl moka::Expiry<Scope, Arc<Entry>> for UntilRecordEnds {
+    fn expire_after_create(
+        &self,
+        _scope: &Scope,
+        entry: &Arc<Entry>,
+        created_at: Instant,
+    ) -> Option<Duration> {
+        Some(entry.until.saturating_duration_since(created_at))
     }
 }
 
@@ -339,7 +318,7 @@ impl<S: IdempotencyStore> IdempotencyStore for CachedStore<S> {
     }
 
     async fn purge_expired(&self, grace: Duration) -> Result<u64, StoreError> {
-        self.write().drop_expired(Instant::now());
+        self.cache.run_pending_tasks();
         self.inner.purge_expired(grace).await
     }
 }
@@ -501,14 +480,19 @@ mod tests {
 
     #[tokio::test]
     async fn the_cache_is_bounded_and_skips_large_or_in_flight_records() {
+        // Room for two entries by weight: scope ("t", "POST", "/p", one-letter key) + response.
+        let one = (8 + response().size_bytes() + ENTRY_OVERHEAD_BYTES) as u64;
+        let two = 2 * one;
         let store = CachedStore::builder(MemoryStore::new())
-            .max_entries(2)
+            .max_bytes(two)
             .build();
         for key in ["a", "b", "c"] {
             stored(&store, key, Duration::from_secs(3600)).await;
             replay(&store, key, &FP).await;
         }
-        assert_eq!(store.len(), 2);
+        assert!(store.len() <= 2, "{} entries", store.len());
+        assert!(store.bytes() <= two, "{} bytes", store.bytes());
+        let entries = store.len();
         // In flight: never cached.
         assert!(matches!(
             replay(&store, "d", &FP).await,
@@ -518,7 +502,7 @@ mod tests {
             replay(&store, "d", &FP).await,
             ReserveOutcome::InFlight { .. }
         ));
-        assert_eq!(store.len(), 2);
+        assert_eq!(store.len(), entries);
 
         let small = CachedStore::builder(MemoryStore::new())
             .max_response_bytes(4)

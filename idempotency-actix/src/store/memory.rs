@@ -134,6 +134,7 @@ pub struct MemoryStore {
 
 /// Builder for [`MemoryStore`].
 #[derive(Debug, Clone)]
+#[must_use = "a builder does nothing until `build()` is called"]
 pub struct MemoryStoreBuilder {
     limits: Limits,
 }

@@ -27,8 +27,8 @@
 //! - [`MemoryStore`]: one process, no setup; for development, tests and single-instance apps.
 //! - `PostgresStore` (feature `postgres`): several instances sharing one database.
 //! - `RedisStore` (feature `redis`): several instances sharing one Redis, no schema, no purge.
-//! - [`CachedStore`]: wraps another store and answers replays of completed records from an
-//!   in-process cache, without a round trip.
+//! - `CachedStore` (feature `cached`, on by default): wraps another store and answers replays
+//!   of completed records from an in-process cache, without a round trip.
 //!
 //! # Writing a store
 //! Implement the four methods; `async fn` in the impl is fine as long as the futures are `Send`.
@@ -122,6 +122,7 @@
 //! With the `test-suite` feature, `idempotency_actix::store::conformance` runs the same rules
 //! against your store that ours pass.
 
+#[cfg(feature = "cached")]
 pub mod cached;
 mod memory;
 mod response;
@@ -142,6 +143,7 @@ use std::time::Duration;
 #[cfg(feature = "redis")]
 pub use self::redis::RedisStore;
 pub use crate::fingerprint::Fingerprint;
+#[cfg(feature = "cached")]
 pub use cached::{CachedStore, CachedStoreBuilder};
 pub use memory::{MemoryStore, MemoryStoreBuilder};
 #[cfg(feature = "postgres")]
@@ -241,7 +243,7 @@ pub enum ReserveOutcome {
         /// The response to replay.
         response: StoredResponse,
         /// A time the record is sure to stay live for (at most what is left of its TTL), if
-        /// the store learns it in the same call; `None` otherwise. [`CachedStore`] uses it so
+        /// the store learns it in the same call; `None` otherwise. `CachedStore` uses it so
         /// that it never keeps a record longer than the store does.
         expires_in: Option<Duration>,
     },

@@ -134,6 +134,7 @@ impl std::fmt::Debug for PostgresStore {
 /// Configures a [`PostgresStore`]: see [`PostgresStore::builder`]. Its `Debug` output shows
 /// the URL through [`redact`].
 #[derive(Clone)]
+#[must_use = "a builder does nothing until `build()` is called"]
 pub struct PostgresStoreBuilder {
     url: String,
     max_size: u32,

@@ -137,6 +137,7 @@ pub enum EvictionCheck {
 
 /// Configure and connect a [`RedisStore`].
 #[derive(Debug, Clone)]
+#[must_use = "a builder does nothing until `build()` is called"]
 pub struct RedisStoreBuilder {
     prefix: String,
     in_flight_grace: Duration,
