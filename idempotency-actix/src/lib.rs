@@ -51,6 +51,7 @@
 //! still down, a retry after the lease runs the handler again. Handlers that move money should
 //! therefore also be idempotent downstream (pass the key on to the payment provider). See
 //! `docs/design.md` and `docs/reliability.md`.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 

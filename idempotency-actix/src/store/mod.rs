@@ -177,6 +177,12 @@ impl ReservationToken {
     /// system's random source) and a per-process counter: distinct for every call, and
     /// unguessable without the secret, like OS randomness, but without a `getrandom(2)` system
     /// call per token (which cost more than the rest of a memory-store reservation).
+    ///
+    /// Kept home-made on purpose: the crates that are as fast (rand's thread-local generator,
+    /// and uuid's `fast-rng`, which uses it) dropped fork protection in rand 0.9 (rand PR 1379:
+    /// callers must reseed after `fork` themselves), so a forked worker would repeat its
+    /// parent's next tokens, and a repeated fencing token lets a stale holder complete a record
+    /// it no longer holds. Hashing in the process id keeps parent and child apart with no hook.
     pub fn random() -> Self {
         use sha2::{Digest, Sha256};
         use std::sync::atomic::{AtomicU64, Ordering};
