@@ -4,6 +4,7 @@
 //! bench_server serve --mode bare|memory|memory-cached|postgres|postgres-cached|raw \
 //!     [--addr 127.0.0.1:18080] [--workers 2] [--database-url URL] [--pool 16] [--sync-commit off]
 //!     [--max-entries 100000]
+//! bench_server serve --mode redis|redis-raw --redis-url redis://127.0.0.1:6379 [--workers 2]
 //! bench_server footprint [--records 100000]
 //! bench_server migrate --database-url URL
 //! ```
@@ -22,6 +23,12 @@
 //!   otherwise one INSERT of the reservation and one UPDATE storing the response. The key is
 //!   taken from the header as it is and the fingerprint is a constant: the anchor does none of
 //!   the middleware's work except its round trips.
+//!
+//! - `redis`: behind `Idempotency` with the Redis store (one multiplexed connection).
+//! - `redis-raw`: no middleware; the handler sends the least Redis commands a hand-written
+//!   idempotent endpoint needs over the same kind of connection: a replay is one `GET` of the
+//!   stored response; a miss is `SET key token NX PX lease`, the handler, then `SET key
+//!   response PX ttl` (two round trips, as the store's reserve and complete).
 //!
 //! `footprint` fills a memory store with records shaped like the benchmark's and prints the
 //! resident memory per record, as JSON.
@@ -82,6 +89,7 @@ struct Args {
     sync_commit: bool,
     records: usize,
     max_entries: usize,
+    redis_url: String,
 }
 
 fn parse_args() -> Result<(String, Args), String> {
@@ -96,6 +104,7 @@ fn parse_args() -> Result<(String, Args), String> {
         sync_commit: true,
         records: 100_000,
         max_entries: 100_000,
+        redis_url: "redis://127.0.0.1:6379".into(),
     };
     while let Some(flag) = argv.next() {
         let mut value = || argv.next().ok_or(format!("{flag} needs a value"));
@@ -108,6 +117,7 @@ fn parse_args() -> Result<(String, Args), String> {
             "--sync-commit" => args.sync_commit = value()? != "off",
             "--records" => args.records = value()?.parse().map_err(|e| format!("{e}"))?,
             "--max-entries" => args.max_entries = value()?.parse().map_err(|e| format!("{e}"))?,
+            "--redis-url" => args.redis_url = value()?,
             other => return Err(format!("unknown argument {other}")),
         }
     }
@@ -194,6 +204,15 @@ async fn serve(args: Args) -> std::io::Result<()> {
             serve_with_store!(args, CachedStore::new(postgres_store(&args).await?))
         }
         "raw" => serve_raw(args).await,
+        #[cfg(feature = "redis")]
+        "redis" => serve_with_store!(
+            args,
+            idempotency_actix::store::RedisStore::connect(&args.redis_url)
+                .await
+                .map_err(std::io::Error::other)?
+        ),
+        #[cfg(feature = "redis")]
+        "redis-raw" => redis_raw::serve(args).await,
         other => Err(std::io::Error::other(format!("unknown mode {other}"))),
     }
 }
@@ -445,4 +464,92 @@ async fn footprint(records: usize) -> std::io::Result<()> {
         response.size_bytes()
     );
     Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// The raw Redis anchor
+
+#[cfg(feature = "redis")]
+mod redis_raw {
+    use super::*;
+    use idempotency_actix::store::redis::redis::{self, aio::ConnectionManager};
+
+    const LEASE_MS: u64 = 60_000;
+    const TTL_MS: u64 = 24 * 3600 * 1000;
+
+    pub(super) async fn serve(args: Args) -> std::io::Result<()> {
+        let client = redis::Client::open(args.redis_url.as_str()).map_err(std::io::Error::other)?;
+        let conn = ConnectionManager::new(client)
+            .await
+            .map_err(std::io::Error::other)?;
+        let state = web::Data::new(conn);
+        HttpServer::new(move || {
+            App::new()
+                .app_data(state.clone())
+                .route("/payments", web::post().to(payment))
+        })
+        .workers(args.workers)
+        .bind(&args.addr)?
+        .run()
+        .await
+    }
+
+    async fn payment(
+        req: HttpRequest,
+        body: Bytes,
+        conn: web::Data<ConnectionManager>,
+    ) -> HttpResponse {
+        let Some(key) = req
+            .headers()
+            .get("idempotency-key")
+            .map(|v| format!("raw:{}", String::from_utf8_lossy(v.as_bytes())))
+        else {
+            return create_payment(body).await;
+        };
+        let mut conn = conn.get_ref().clone();
+        let replay = req
+            .headers()
+            .get("x-bench-case")
+            .is_some_and(|v| v.as_bytes() == b"replay");
+        if replay {
+            let stored: redis::RedisResult<Option<Vec<u8>>> =
+                redis::cmd("GET").arg(&key).query_async(&mut conn).await;
+            return match stored {
+                Ok(Some(body)) if body.starts_with(b"{") => HttpResponse::Created()
+                    .insert_header((header::LOCATION, "/payments/1"))
+                    .content_type("application/json")
+                    .body(body),
+                Ok(_) => miss(&mut conn, &key, body).await,
+                Err(_) => HttpResponse::ServiceUnavailable().finish(),
+            };
+        }
+        miss(&mut conn, &key, body).await
+    }
+
+    async fn miss(conn: &mut ConnectionManager, key: &str, body: Bytes) -> HttpResponse {
+        let token = uuid::Uuid::new_v4().to_string();
+        let reserved: redis::RedisResult<Option<String>> = redis::cmd("SET")
+            .arg(key)
+            .arg(&token)
+            .arg("NX")
+            .arg("PX")
+            .arg(LEASE_MS)
+            .query_async(conn)
+            .await;
+        if !matches!(reserved, Ok(Some(_))) {
+            return HttpResponse::Conflict().finish();
+        }
+        let response = create_payment(body).await;
+        let stored: redis::RedisResult<()> = redis::cmd("SET")
+            .arg(key)
+            .arg(RESPONSE_BODY)
+            .arg("PX")
+            .arg(TTL_MS)
+            .query_async(conn)
+            .await;
+        match stored {
+            Ok(()) => response,
+            Err(_) => HttpResponse::ServiceUnavailable().finish(),
+        }
+    }
 }
