@@ -64,5 +64,7 @@ pub use config::{ConfigError, IdempotencyBuilder, IntoHeaderName, ResponseParts}
 pub use fingerprint::Fingerprint;
 pub use key::IdempotencyKey;
 pub use middleware::Idempotency;
+#[cfg(feature = "postgres")]
+pub use middleware::{IdempotentTx, TxConn, TxConnError};
 pub use outcome::{Outcome, OutcomeEvent};
 pub use problem::{Problem, ProblemCode};

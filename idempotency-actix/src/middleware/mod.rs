@@ -63,6 +63,8 @@
 mod flow;
 mod forward;
 mod replay;
+#[cfg(feature = "postgres")]
+mod transactional;
 
 use std::future::{ready, Ready};
 use std::rc::Rc;
@@ -79,6 +81,10 @@ use crate::store::IdempotencyStore;
 use flow::Flow;
 
 pub use replay::REPLAYED_HEADER;
+#[cfg(feature = "postgres")]
+pub(crate) use transactional::TxConfig;
+#[cfg(feature = "postgres")]
+pub use transactional::{IdempotentTx, TxConn, TxConnError, DEFAULT_TENANT_SETTING};
 
 /// The Idempotency-Key middleware. `.wrap()` it around an `App` or a scope.
 ///
