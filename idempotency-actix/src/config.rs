@@ -533,16 +533,17 @@ impl IdempotencyBuilder<crate::store::PostgresStore> {
         self
     }
 
-    /// Run a request again, up to `retries` more times, when storing its response or its
-    /// COMMIT fails with a serialization failure (SQLSTATE 40001, `REPEATABLE READ` and
-    /// `SERIALIZABLE`). Default 0: the client gets `COMMIT_FAILED` and retries itself.
+    /// Run a request again, up to `retries` more times, when its transaction fails with a
+    /// serialization failure (SQLSTATE 40001, under `REPEATABLE READ` and `SERIALIZABLE`): at
+    /// COMMIT, at the response's write, or at one of the handler's own statements (seen through
+    /// diesel instrumentation installed on the connection, which replaces any default
+    /// instrumentation there). Default 0: the client gets `COMMIT_FAILED` (or the handler's
+    /// own error) and retries itself, which is safe.
     ///
     /// **This re-runs the handler**, inside the middleware, with the same request: its
     /// database writes were rolled back, but any effect outside the database (an HTTP call, an
     /// email, a message on a queue) happens once per run. Turn it on only for handlers whose
     /// only effects are in this database, or that pass an idempotency key downstream.
-    /// A serialization failure the handler itself receives (on one of its statements) is the
-    /// handler's to return; it then ends in a rollback like any handler error.
     pub fn retry_serialization_failures(mut self, retries: u32) -> Self {
         if let Some(tx) = self.tx_setting("retry_serialization_failures") {
             tx.serialization_retries = retries;

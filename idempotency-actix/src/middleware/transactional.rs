@@ -163,7 +163,9 @@ impl fmt::Debug for TxConn<'_> {
 #[non_exhaustive]
 pub enum TxConnError {
     /// Another [`TxConn`] of this request is still alive (drop it first).
-    #[error("the request's transaction connection is already borrowed (drop the other TxConn first)")]
+    #[error(
+        "the request's transaction connection is already borrowed (drop the other TxConn first)"
+    )]
     Borrowed,
     /// The handler has returned: the middleware took the connection back to commit or roll
     /// back (an `IdempotentTx` kept beyond the handler, e.g. in a spawned task).
@@ -242,7 +244,7 @@ enum After<B> {
 
 /// The claim of a keyed request, or the answer instead of running the handler.
 enum Claimed {
-    Reserved(TxConnection, ReservationToken),
+    Reserved(Box<TxConnection>, ReservationToken),
     Answered(HttpResponse, Outcome),
     Replay(StoredResponse),
     InFlight,
@@ -272,10 +274,12 @@ pub(super) async fn settle_keyed<S, Svc, B>(
         .map(|wait| saturating_deadline(Instant::now(), wait));
     let mut pause = Duration::from_millis(10);
     let mut req = req;
+    // The router advances the match info as it matches; a re-run starts from here again.
+    let match_info = req.match_info().clone();
     let mut runs = 0u32;
     loop {
         let (conn, token) = match claim(&flow, &tx, &scope, &fingerprint).await {
-            Claimed::Reserved(conn, token) => (conn, token),
+            Claimed::Reserved(conn, token) => (*conn, token),
             Claimed::Answered(response, outcome) => {
                 report.outcome(outcome, response.status(), Some(&scope));
                 let _ = answer.send(Ok(req.into_response(response).map_into_right_body()));
@@ -336,6 +340,7 @@ pub(super) async fn settle_keyed<S, Svc, B>(
             After::Retry(http_req) => {
                 tracing::info!(target: "idempotency_actix", outcome = "serialization_retry", key = %scope.key, tenant = %scope.tenant, path = %scope.path, run = runs, "serialization failure; everything rolled back, running the request again");
                 req = ServiceRequest::from_parts(http_req, Payload::from(body.clone()));
+                *req.match_info_mut() = match_info.clone();
             }
         }
     }
@@ -367,7 +372,11 @@ where
     }
 }
 
-async fn keyless<S, Svc, B>(flow: &Flow<S, Svc>, tx: &TxConfig, req: ServiceRequest) -> FlowResult<B>
+async fn keyless<S, Svc, B>(
+    flow: &Flow<S, Svc>,
+    tx: &TxConfig,
+    req: ServiceRequest,
+) -> FlowResult<B>
 where
     S: IdempotencyStore,
     Svc: Service<ServiceRequest, Response = ServiceResponse<B>, Error = Error> + 'static,
@@ -450,7 +459,7 @@ async fn claim<S, Svc>(
         .await;
         let outcome = match claimed {
             Ok(Some(ReserveOutcome::Reserved { token })) => {
-                return Claimed::Reserved(conn, token);
+                return Claimed::Reserved(Box::new(conn), token);
             }
             Ok(outcome) => outcome,
             Err(error) => {
@@ -525,6 +534,17 @@ where
             report.outcome(outcome, status, scope);
         }
     };
+    // With retries on: watch for a serialization failure on any statement (the handler's
+    // too). A handler's error comes back as a response holding the request (actix converts
+    // it), from which the request is run again; the request cannot be cloned beforehand (the
+    // router needs it unshared).
+    let mut conn = conn;
+    let watch = may_retry.then(|| sql::watch_serialization_failures(&mut conn));
+    let serialization_failed = |watch: &Option<Arc<std::sync::atomic::AtomicBool>>| {
+        watch
+            .as_ref()
+            .is_some_and(|w| w.load(std::sync::atomic::Ordering::Relaxed))
+    };
     let slot = Rc::new(TxSlot {
         conn: RefCell::new(Some(conn)),
     });
@@ -550,6 +570,16 @@ where
             tracing::debug!(target: "idempotency_actix", outcome = "rolled_back", reason, "keyless transactional request rolled back");
         }
     };
+    let result = match result {
+        Ok(response) if serialization_failed(&watch) => {
+            // The transaction was aborted by a serialization failure (whatever the handler
+            // answered): nothing of it can commit; run it again.
+            sql::rollback(&tx.store, &mut conn).await;
+            let (http_req, _) = response.into_parts();
+            return After::Retry(http_req);
+        }
+        other => other,
+    };
     let response = match result {
         Ok(response) if (config.store_status)(response.status()) => response,
         Ok(response) => {
@@ -562,10 +592,7 @@ where
         Err(error) => {
             sql::rollback(&tx.store, &mut conn).await;
             log_rollback("handler error");
-            outcome(
-                Outcome::RolledBack,
-                error.as_response_error().status_code(),
-            );
+            outcome(Outcome::RolledBack, error.as_response_error().status_code());
             return After::Answer(Err(error));
         }
     };
@@ -685,7 +712,13 @@ where
         Err(CommitError::RolledBack { error, .. }) => {
             sql::rollback(&tx.store, &mut conn).await;
             tracing::error!(target: "idempotency_actix", outcome = "commit_failed", key = scope.map(|s| s.key.as_str()), %error, "COMMIT failed; the handler's writes and the reservation were rolled back");
-            After::Answer(commit_failed(flow, http_req, scope, report, "COMMIT failed"))
+            After::Answer(commit_failed(
+                flow,
+                http_req,
+                scope,
+                report,
+                "COMMIT failed",
+            ))
         }
         Err(CommitError::Unknown(why)) => {
             tracing::error!(target: "idempotency_actix", outcome = "commit_unknown", key = scope.map(|s| s.key.as_str()), why, "the connection was lost during COMMIT: the outcome is unknown");

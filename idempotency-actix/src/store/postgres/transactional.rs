@@ -15,23 +15,27 @@
 //! advisory lock that keeps it non-blocking are in the third migration; `docs/sql.md`
 //! ("Transactional claim") has the race-freedom argument.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use diesel::connection::{Instrumentation, InstrumentationEvent};
 use diesel::pg::Pg;
 use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
 use diesel::result::{DatabaseErrorKind, Error as DieselError};
 use diesel::sql_types::{BigInt, Bool, Bytea, Nullable, Text, Untyped};
 use diesel::{QueryResult, QueryableByName};
 use diesel_async::pooled_connection::bb8::PooledConnection;
-use diesel_async::{AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, TransactionManager};
+use diesel_async::{
+    AnsiTransactionManager, AsyncConnection, AsyncPgConnection, RunQueryDsl, TransactionManager,
+};
 
 use super::error::{classify_error, classify_pool_error};
 use super::sql::{Complete, ReserveRow, ScopeBinds};
 use super::{corrupt, micros, scope_binds, PostgresStore};
 use crate::store::{
-    Fingerprint, ReservationToken, ReserveOutcome, Scope, StoreError, StoredResponse,
-    WriteOutcome,
+    Fingerprint, ReservationToken, ReserveOutcome, Scope, StoreError, StoredResponse, WriteOutcome,
 };
 
 /// A pooled connection owned by one request (not borrowing the pool).
@@ -156,7 +160,13 @@ pub(crate) async fn set_tenant(
 ) -> Result<(), StoreError> {
     let query = SetTenant { name, value };
     store
-        .timed(async { query.execute(conn).await.map(|_| ()).map_err(classify_error) })
+        .timed(async {
+            query
+                .execute(conn)
+                .await
+                .map(|_| ())
+                .map_err(classify_error)
+        })
         .await
 }
 
@@ -222,6 +232,31 @@ pub(crate) async fn commit(
             "COMMIT not answered within {} ms",
             store.query_timeout.map_or(0, |l| l.as_millis())
         ))),
+    }
+}
+
+/// Watch the connection for a serialization failure (SQLSTATE 40001) on any statement, the
+/// handler's included: diesel instrumentation on this connection (it replaces the
+/// connection's instrumentation; only installed when serialization retries are on). The flag
+/// is set when one happened since this call.
+pub(crate) fn watch_serialization_failures(conn: &mut AsyncPgConnection) -> Arc<AtomicBool> {
+    let flag = Arc::new(AtomicBool::new(false));
+    conn.set_instrumentation(SerializationWatch(Arc::clone(&flag)));
+    flag
+}
+
+struct SerializationWatch(Arc<AtomicBool>);
+
+impl Instrumentation for SerializationWatch {
+    fn on_connection_event(&mut self, event: InstrumentationEvent<'_>) {
+        if let InstrumentationEvent::FinishQuery {
+            error: Some(error), ..
+        } = event
+        {
+            if is_serialization_failure(error) {
+                self.0.store(true, Ordering::Relaxed);
+            }
+        }
     }
 }
 
