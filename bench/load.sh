@@ -153,8 +153,14 @@ PORT[postgres]=18083;        MODE[postgres]=postgres
 PORT[postgres-cached]=18084; MODE[postgres-cached]=postgres-cached
 PORT[postgres-async]=18085;  MODE[postgres-async]=postgres; EXTRA[postgres-async]="--sync-commit off"
 PORT[raw]=18086;             MODE[raw]=raw
+# A handler that inserts one payments row: default mode (own connection), transactional mode,
+# and the hand-written one-transaction anchor (docs/transactional.md, docs/benchmarks.md).
+PORT[payments-today]=18087;  MODE[payments-today]=payments-today
+PORT[payments-tx]=18088;     MODE[payments-tx]=payments-tx
+PORT[payments-raw]=18089;    MODE[payments-raw]=payments-raw
+SERVERS="bare memory postgres postgres-cached postgres-async raw payments-today payments-tx payments-raw"
 declare -A SERVER_PID
-for name in bare memory postgres postgres-cached postgres-async raw; do
+for name in $SERVERS; do
   # shellcheck disable=SC2086
   "$SERVER" serve --mode "${MODE[$name]}" --addr "127.0.0.1:${PORT[$name]}" --workers "$WORKERS" \
     --database-url "$DB_URL" --pool "$POOL" ${EXTRA[$name]:-} >"$WORK/$name.log" 2>&1 &
@@ -176,12 +182,14 @@ CASES_ALL="bare-miss|bare|miss bare-replay|bare|replay memory-miss|memory|miss m
 postgres-miss|postgres|miss postgres-replay|postgres|replay raw-miss|raw|miss raw-replay|raw|replay \
 pgbench-miss|-|miss pgbench-replay|-|replay pgbench-store-replay|-|store_replay pgbench-fn-replay|-|fn_replay \
 postgres-cached-replay|postgres-cached|replay \
-postgres-async-miss|postgres-async|miss"
+postgres-async-miss|postgres-async|miss \
+payments-today-miss|payments-today|miss payments-tx-miss|payments-tx|miss payments-raw-miss|payments-raw|miss \
+payments-tx-replay|payments-tx|replay"
 SELECTED=${BENCH_CASES:-}
 
 wrk_case() { # name server script run
   local name=$1 server=$2 script=$3 run=$4 psql_opt=()
-  case $server in postgres*|raw) psql_opt=(--psql "$PSQL_ARGS" --postmaster "${POSTMASTER:-}");; esac
+  case $server in postgres*|raw|payments*) psql_opt=(--psql "$PSQL_ARGS" --postmaster "${POSTMASTER:-}");; esac
   python3 bench/measure.py --case "$name" --run "$run" --pids "$ALL_SERVER_PIDS" "${psql_opt[@]}" -- \
     wrk -t"$THREADS" -c"$CONNECTIONS" -d"${DURATION}s" --latency -s "bench/$script.lua" \
     "http://127.0.0.1:${PORT[$server]}" -- "$STAMP-$run-$name"
@@ -197,7 +205,7 @@ pgbench_case() { # name script run
 }
 
 log "warm-up: stores the replay keys, opens pools, prepares statements"
-for name in bare memory postgres postgres-cached postgres-async raw; do
+for name in $SERVERS; do
   wrk -t"$THREADS" -c"$CONNECTIONS" -d2s -s bench/replay.lua "http://127.0.0.1:${PORT[$name]}" >/dev/null
   wrk -t"$THREADS" -c"$CONNECTIONS" -d1s -s bench/miss.lua "http://127.0.0.1:${PORT[$name]}" -- "warm-$STAMP" >/dev/null
 done
@@ -250,7 +258,7 @@ fi
 
 # --- memory ----------------------------------------------------------------------------------
 HWM="{"
-for name in bare memory postgres postgres-cached postgres-async raw; do
+for name in $SERVERS; do
   kib=$(awk '/VmHWM/ {print $2}' "/proc/${SERVER_PID[$name]}/status")
   HWM="$HWM\"$name\":$kib,"
 done

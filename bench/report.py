@@ -22,12 +22,15 @@ RATIOS = [
     ("(5) pgbench: read-first function / plain SELECT", "pgbench-fn-replay", "pgbench-replay", None),
     ("cached postgres replay / bare", "postgres-cached-replay", "bare-replay", 0.80),
     ("postgres miss, sync commit off / on", "postgres-async-miss", "postgres-miss", None),
+    ("(6) transactional payments miss / one-transaction anchor", "payments-tx-miss", "payments-raw-miss", 0.95),
+    ("(6) transactional / default mode, payments miss", "payments-tx-miss", "payments-today-miss", None),
 ]
 
 ORDER = [
     "bare-miss", "bare-replay", "memory-miss", "memory-replay", "postgres-miss",
     "postgres-replay", "postgres-cached-replay", "postgres-async-miss", "raw-miss",
     "raw-replay", "pgbench-miss", "pgbench-replay", "pgbench-store-replay", "pgbench-fn-replay",
+    "payments-today-miss", "payments-tx-miss", "payments-raw-miss", "payments-tx-replay",
 ]
 
 

@@ -1,7 +1,7 @@
 //! The server behind the load benchmark (`bash bench/load.sh`, see `docs/benchmarks.md`).
 //!
 //! ```text
-//! bench_server serve --mode bare|memory|memory-cached|postgres|postgres-cached|raw \
+//! bench_server serve --mode bare|memory|memory-cached|postgres|postgres-cached|raw|payments-today|payments-tx|payments-raw \
 //!     [--addr 127.0.0.1:18080] [--workers 2] [--database-url URL] [--pool 16] [--sync-commit off]
 //!     [--max-entries 100000]
 //! bench_server serve --mode redis|redis-raw --redis-url redis://127.0.0.1:6379 [--workers 2]
@@ -29,6 +29,13 @@
 //!   idempotent endpoint needs over the same kind of connection: a replay is one `GET` of the
 //!   stored response; a miss is `SET key token NX PX lease`, the handler, then `SET key
 //!   response PX ttl` (two round trips, as the store's reserve and complete).
+//! - `payments-today`, `payments-tx`, `payments-raw`: a handler that inserts one row into a
+//!   `payments` table (created by `migrate`). `payments-today`: the default mode, the handler
+//!   inserting through its own pool connection (its own commit, besides the store's two);
+//!   `payments-tx`: transactional mode, the handler inserting through `IdempotentTx` (one
+//!   commit for everything); `payments-raw`: no middleware, the anchor: one hand-written
+//!   transaction (BEGIN, reservation INSERT, payment INSERT, response UPDATE, COMMIT) over a
+//!   plain pool.
 //!
 //! `footprint` fills a memory store with records shaped like the benchmark's and prints the
 //! resident memory per record, as JSON.
@@ -46,12 +53,12 @@ use diesel_async::pooled_connection::bb8::Pool;
 use diesel_async::pooled_connection::{
     AsyncDieselConnectionManager, ManagerConfig, RecyclingMethod,
 };
-use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
 use idempotency_actix::store::postgres::PostgresStore;
 use idempotency_actix::store::{
     CachedStore, Fingerprint, IdempotencyStore, MemoryStore, ReserveOutcome, Scope, StoredResponse,
 };
-use idempotency_actix::Idempotency;
+use idempotency_actix::{Idempotency, IdempotentTx};
 
 const RESPONSE_BODY: &str = r#"{"id":1,"amount":1000,"currency":"EUR","status":"succeeded"}"#;
 
@@ -134,6 +141,13 @@ fn main() -> std::io::Result<()> {
             idempotency_actix::store::postgres::run_migrations(&url)
                 .await
                 .map(|_| ())
+                .map_err(std::io::Error::other)?;
+            // The payments cases' own table.
+            let mut conn = idempotency_actix::store::postgres::establish(&url)
+                .await
+                .map_err(std::io::Error::other)?;
+            diesel_async::SimpleAsyncConnection::batch_execute(&mut conn, PAYMENTS_TABLE)
+                .await
                 .map_err(std::io::Error::other)
         }),
         other => Err(std::io::Error::other(format!("unknown command {other}"))),
@@ -213,7 +227,129 @@ async fn serve(args: Args) -> std::io::Result<()> {
         ),
         #[cfg(feature = "redis")]
         "redis-raw" => redis_raw::serve(args).await,
+        "payments-today" => {
+            let store = postgres_store(&args).await?;
+            let data = web::Data::new(store.clone());
+            HttpServer::new(move || {
+                App::new()
+                    .app_data(data.clone())
+                    .wrap(Idempotency::new(store.clone()))
+                    .route("/payments", web::post().to(payment_own_connection))
+            })
+            .workers(args.workers)
+            .bind(&args.addr)?
+            .run()
+            .await
+        }
+        "payments-tx" => {
+            let store = postgres_store(&args).await?;
+            HttpServer::new(move || {
+                App::new()
+                    .wrap(Idempotency::builder(store.clone()).transactional().build())
+                    .route("/payments", web::post().to(payment_in_transaction))
+            })
+            .workers(args.workers)
+            .bind(&args.addr)?
+            .run()
+            .await
+        }
+        "payments-raw" => serve_payments_raw(args).await,
         other => Err(std::io::Error::other(format!("unknown mode {other}"))),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The payments cases: a handler that inserts one row
+
+/// The payments cases' table (created by `bench_server migrate`).
+const PAYMENTS_TABLE: &str = "CREATE TABLE IF NOT EXISTS payments (
+    id              bigserial   PRIMARY KEY,
+    idempotency_key text,
+    amount          bigint      NOT NULL,
+    created_at      timestamptz NOT NULL DEFAULT now()
+)";
+
+fn key_of(req: &HttpRequest) -> &str {
+    req.headers()
+        .get("idempotency-key")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+}
+
+/// Default mode: the handler's insert on a connection of its own (its own commit).
+async fn payment_own_connection(
+    req: HttpRequest,
+    body: Bytes,
+    store: web::Data<PostgresStore>,
+) -> HttpResponse {
+    let Ok(mut conn) = store.pool().get().await else {
+        return HttpResponse::ServiceUnavailable().finish();
+    };
+    let insert = PaymentInsert { key: key_of(&req) };
+    if let Err(e) = insert.execute(&mut conn).await {
+        return HttpResponse::InternalServerError().body(e.to_string());
+    }
+    drop(conn);
+    create_payment(body).await
+}
+
+/// Transactional mode: the insert in the request's transaction.
+async fn payment_in_transaction(tx: IdempotentTx, req: HttpRequest, body: Bytes) -> HttpResponse {
+    let insert = PaymentInsert { key: key_of(&req) };
+    let mut conn = tx.conn();
+    if let Err(e) = insert.execute(&mut *conn).await {
+        return HttpResponse::InternalServerError().body(e.to_string());
+    }
+    drop(conn);
+    create_payment(body).await
+}
+
+async fn serve_payments_raw(args: Args) -> std::io::Result<()> {
+    let pool = raw_pool(&args).await?;
+    let headers = stored_response().encode_headers();
+    let state = web::Data::new(RawState { pool, headers });
+    HttpServer::new(move || {
+        App::new()
+            .app_data(state.clone())
+            .route("/payments", web::post().to(raw_payment_in_transaction))
+    })
+    .workers(args.workers)
+    .bind(&args.addr)?
+    .run()
+    .await
+}
+
+/// The anchor: reservation, payment and response in one hand-written transaction.
+async fn raw_payment_in_transaction(
+    req: HttpRequest,
+    body: Bytes,
+    state: web::Data<RawState>,
+) -> HttpResponse {
+    let key = key_of(&req).to_owned();
+    let Ok(mut conn) = state.pool.get().await else {
+        return HttpResponse::ServiceUnavailable().finish();
+    };
+    let headers = state.headers.clone();
+    let done = conn
+        .transaction::<_, diesel::result::Error, _>(async |c| {
+            let token = uuid::Uuid::new_v4();
+            let key = key.as_str();
+            RawInsert { key, token }.execute(c).await?;
+            PaymentInsert { key }.execute(c).await?;
+            let update = RawUpdate {
+                key,
+                token,
+                headers: &headers,
+                body: RESPONSE_BODY.as_bytes(),
+            };
+            update.execute(c).await?;
+            Ok(())
+        })
+        .await;
+    drop(conn);
+    match done {
+        Ok(()) => create_payment(body).await,
+        Err(e) => HttpResponse::InternalServerError().body(e.to_string()),
     }
 }
 
@@ -222,21 +358,25 @@ async fn serve(args: Args) -> std::io::Result<()> {
 
 type RawPool = Pool<AsyncPgConnection>;
 
-async fn serve_raw(args: Args) -> std::io::Result<()> {
+async fn raw_pool(args: &Args) -> std::io::Result<RawPool> {
     let mut config = ManagerConfig::<AsyncPgConnection>::default();
     // `Fast`: no `SELECT 1` on checkout (the store does not send one either).
     config.recycling_method = RecyclingMethod::Fast;
     let manager = AsyncDieselConnectionManager::<AsyncPgConnection>::new_with_config(
-        database_url(&args)?,
+        database_url(args)?,
         config,
     );
-    let pool = Pool::builder()
+    Pool::builder()
         .max_size(args.pool)
         .min_idle(Some(args.pool))
         .connection_timeout(Duration::from_secs(2))
         .build(manager)
         .await
-        .map_err(std::io::Error::other)?;
+        .map_err(std::io::Error::other)
+}
+
+async fn serve_raw(args: Args) -> std::io::Result<()> {
+    let pool = raw_pool(&args).await?;
     let headers = stored_response().encode_headers();
     let state = web::Data::new(RawState { pool, headers });
     HttpServer::new(move || {
@@ -397,6 +537,21 @@ impl QueryFragment<Pg> for RawSelect<'_> {
         );
         out.push_bind_param::<Text, _>(&self.key)?;
         out.push_sql(" AND state = 'completed' AND expires_at > now()");
+        Ok(())
+    }
+}
+
+/// `INSERT` of one payment: the handler's own statement in the payments cases.
+struct PaymentInsert<'a> {
+    key: &'a str,
+}
+static_statement!(PaymentInsert, PaymentInsertId);
+
+impl QueryFragment<Pg> for PaymentInsert<'_> {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        out.push_sql("INSERT INTO payments (idempotency_key, amount) VALUES (");
+        out.push_bind_param::<Text, _>(&self.key)?;
+        out.push_sql(", 1000)");
         Ok(())
     }
 }

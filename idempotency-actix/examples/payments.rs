@@ -20,6 +20,19 @@
 //!   module docs: `idempotency_requests_total{outcome="replay",...}` and friends).
 //!
 //! `IDEMPOTENCY_LOCK_TIMEOUT_MS` sets the lease (default 60 s); the fault tests shorten it.
+//!
+//! # Transactional mode
+//! ```text
+//! DATABASE_URL=postgres://postgres@127.0.0.1/test \
+//!   cargo run --example payments -- --migrate --transactional
+//! ```
+//! (or `PAYMENTS_TRANSACTIONAL=1`). Payments then live in a real `payments` table (created on
+//! start) and the handler inserts its row through `IdempotentTx`: the row, the idempotency
+//! record and the stored response commit together. A rejected payment (400) is inserted
+//! first and rolled back with its reservation, to show that a non-2xx keeps nothing; the
+//! delay of `?delay_ms=` comes after the insert and before COMMIT (the window the fault tests
+//! SIGKILL in). `GET /stats` still counts handler *runs* (a rolled-back run counts); the table
+//! is the truth about effects.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -126,6 +139,14 @@ async fn metrics(handle: web::Data<PrometheusHandle>) -> HttpResponse {
         .body(handle.render())
 }
 
+/// The lease from `IDEMPOTENCY_LOCK_TIMEOUT_MS`, if set.
+fn lease_from_env() -> Option<Duration> {
+    std::env::var("IDEMPOTENCY_LOCK_TIMEOUT_MS")
+        .ok()
+        .and_then(|ms| ms.parse().ok())
+        .map(Duration::from_millis)
+}
+
 async fn serve<S: IdempotencyStore + Clone>(store: S, addr: &str) -> std::io::Result<()> {
     let ledger = web::Data::new(Ledger::default());
     // The middleware records through the `metrics` facade; this recorder exposes it at /metrics.
@@ -134,10 +155,7 @@ async fn serve<S: IdempotencyStore + Clone>(store: S, addr: &str) -> std::io::Re
         .map_err(std::io::Error::other)?;
     let prometheus = web::Data::new(prometheus);
     // The lease of a reservation; the fault tests shorten it to see a crashed holder's key freed.
-    let lease = std::env::var("IDEMPOTENCY_LOCK_TIMEOUT_MS")
-        .ok()
-        .and_then(|ms| ms.parse().ok())
-        .map(Duration::from_millis);
+    let lease = lease_from_env();
     println!("payments API on http://{addr} (try: curl -i -X POST http://{addr}/payments -H 'Idempotency-Key: k1' -H 'X-Account-Id: acct_1' -H 'content-type: application/json' -d '{{\"amount\":1000,\"currency\":\"EUR\"}}')");
     HttpServer::new(move || {
         App::new()
@@ -179,8 +197,13 @@ async fn main() -> std::io::Result<()> {
     if let Some(url) = std::env::var("REDIS_URL").ok().filter(|u| !u.is_empty()) {
         return serve_redis(&url, &addr).await;
     }
+    let transactional = std::env::args().any(|arg| arg == "--transactional")
+        || std::env::var("PAYMENTS_TRANSACTIONAL").is_ok_and(|v| v == "1");
     match std::env::var("DATABASE_URL") {
-        Ok(url) if !url.is_empty() => serve_postgres(&url, migrate, &addr).await,
+        Ok(url) if !url.is_empty() => serve_postgres(&url, migrate, transactional, &addr).await,
+        _ if transactional => Err(std::io::Error::other(
+            "--transactional needs PostgreSQL: set DATABASE_URL",
+        )),
         _ => {
             println!("store: memory (set DATABASE_URL for PostgreSQL)");
             serve(MemoryStore::new(), &addr).await
@@ -189,7 +212,12 @@ async fn main() -> std::io::Result<()> {
 }
 
 #[cfg(feature = "postgres")]
-async fn serve_postgres(url: &str, migrate: bool, addr: &str) -> std::io::Result<()> {
+async fn serve_postgres(
+    url: &str,
+    migrate: bool,
+    transactional: bool,
+    addr: &str,
+) -> std::io::Result<()> {
     use idempotency_actix::store::postgres::{run_migrations, PostgresStore};
     let fail = |e: idempotency_actix::store::StoreError| std::io::Error::other(e.to_string());
     if migrate {
@@ -204,12 +232,16 @@ async fn serve_postgres(url: &str, migrate: bool, addr: &str) -> std::io::Result
         );
     }
     let store = PostgresStore::connect(url).await.map_err(fail)?;
+    if transactional {
+        println!("store: PostgreSQL, transactional mode (payments in the `payments` table)");
+        return tx::serve(store, url, addr).await;
+    }
     println!("store: PostgreSQL");
     serve(store, addr).await
 }
 
 #[cfg(not(feature = "postgres"))]
-async fn serve_postgres(_: &str, _: bool, _: &str) -> std::io::Result<()> {
+async fn serve_postgres(_: &str, _: bool, _: bool, _: &str) -> std::io::Result<()> {
     Err(std::io::Error::other(
         "DATABASE_URL is set but this build has no `postgres` feature",
     ))
@@ -230,4 +262,160 @@ async fn serve_redis(_: &str, _: &str) -> std::io::Result<()> {
     Err(std::io::Error::other(
         "REDIS_URL is set but this build has no `redis` feature",
     ))
+}
+
+/// Transactional mode: the payment row, the record and the response commit together.
+#[cfg(feature = "postgres")]
+mod tx {
+    use super::*;
+    use diesel::sql_types::{BigInt, Nullable, Text};
+    use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
+    use idempotency_actix::store::postgres::{establish, PostgresStore};
+    use idempotency_actix::IdempotentTx;
+
+    /// The example's own table (in a real app: a migration of the app).
+    const PAYMENTS_TABLE: &str = "CREATE TABLE IF NOT EXISTS payments (
+        id              bigserial   PRIMARY KEY,
+        account_id      text        NOT NULL,
+        idempotency_key text,
+        amount          bigint      NOT NULL,
+        currency        text        NOT NULL,
+        created_at      timestamptz NOT NULL DEFAULT now()
+    )";
+
+    #[derive(diesel::QueryableByName, Serialize)]
+    struct Row {
+        #[diesel(sql_type = BigInt)]
+        id: i64,
+        #[diesel(sql_type = Text)]
+        account_id: String,
+        #[diesel(sql_type = Nullable<Text>)]
+        idempotency_key: Option<String>,
+        #[diesel(sql_type = BigInt)]
+        amount: i64,
+        #[diesel(sql_type = Text)]
+        currency: String,
+    }
+
+    fn db_error(error: diesel::result::Error) -> actix_web::Error {
+        tracing::error!(%error, "payments query failed");
+        actix_web::error::ErrorInternalServerError("database error")
+    }
+
+    async fn create_payment(
+        tx: IdempotentTx,
+        req: actix_web::HttpRequest,
+        ledger: web::Data<Ledger>,
+        key: Option<IdempotencyKey>,
+        options: web::Query<Options>,
+        body: web::Json<NewPayment>,
+    ) -> actix_web::Result<HttpResponse> {
+        ledger.total_executions.fetch_add(1, Ordering::SeqCst);
+        if let Some(key) = &key {
+            if let Ok(mut executions) = ledger.executions.lock() {
+                *executions.entry(key.to_string()).or_default() += 1;
+            }
+        }
+        let account = req
+            .headers()
+            .get("x-account-id")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_owned();
+        let row = {
+            let mut conn = tx.conn(); // this request's transaction
+            diesel::sql_query(
+                "INSERT INTO payments (account_id, idempotency_key, amount, currency) \
+                 VALUES ($1, $2, $3, upper($4)) \
+                 RETURNING id, account_id, idempotency_key, amount, currency",
+            )
+            .bind::<Text, _>(&account)
+            .bind::<Nullable<Text>, _>(key.as_ref().map(|k| k.as_str()))
+            .bind::<BigInt, _>(i64::try_from(body.amount).unwrap_or(i64::MAX))
+            .bind::<Text, _>(&body.currency)
+            .get_result::<Row>(&mut *conn)
+            .await
+            .map_err(db_error)?
+        };
+        if let Some(delay) = options.delay_ms {
+            // After the insert, before COMMIT: a crash here leaves nothing behind.
+            tokio::time::sleep(Duration::from_millis(delay.min(60_000))).await;
+        }
+        if body.amount == 0 || body.currency.len() != 3 {
+            // Not a 2xx: the middleware rolls back, and the row inserted above goes with it.
+            return Ok(HttpResponse::BadRequest()
+                .json(json!({ "error": "amount must be positive and currency a 3-letter code" })));
+        }
+        Ok(HttpResponse::Created()
+            .insert_header(("location", format!("/payments/{}", row.id)))
+            .json(json!({
+                "id": row.id,
+                "account_id": row.account_id,
+                "amount": row.amount,
+                "currency": row.currency,
+                "status": "succeeded",
+                "idempotency_key": row.idempotency_key,
+            })))
+    }
+
+    async fn get_payment(
+        store: web::Data<PostgresStore>,
+        id: web::Path<i64>,
+    ) -> actix_web::Result<HttpResponse> {
+        let mut conn = store
+            .pool()
+            .get()
+            .await
+            .map_err(actix_web::error::ErrorServiceUnavailable)?;
+        let rows = diesel::sql_query(
+            "SELECT id, account_id, idempotency_key, amount, currency FROM payments WHERE id = $1",
+        )
+        .bind::<BigInt, _>(id.into_inner())
+        .load::<Row>(&mut *conn)
+        .await
+        .map_err(db_error)?;
+        Ok(match rows.into_iter().next() {
+            Some(row) => HttpResponse::Ok().json(row),
+            None => HttpResponse::NotFound().json(json!({ "error": "no such payment" })),
+        })
+    }
+
+    pub(super) async fn serve(store: PostgresStore, url: &str, addr: &str) -> std::io::Result<()> {
+        let mut conn = establish(url)
+            .await
+            .map_err(|e| std::io::Error::other(e.to_string()))?;
+        conn.batch_execute(PAYMENTS_TABLE)
+            .await
+            .map_err(std::io::Error::other)?;
+        drop(conn);
+        let ledger = web::Data::new(Ledger::default());
+        let prometheus = PrometheusBuilder::new()
+            .install_recorder()
+            .map_err(std::io::Error::other)?;
+        let prometheus = web::Data::new(prometheus);
+        let lease = lease_from_env();
+        let data = web::Data::new(store.clone());
+        HttpServer::new(move || {
+            let builder = Idempotency::builder(store.clone()).tenant_header("X-Account-Id");
+            let builder = match lease {
+                Some(lease) => builder.lock_timeout(lease),
+                None => builder,
+            };
+            App::new()
+                .app_data(ledger.clone())
+                .app_data(prometheus.clone())
+                .app_data(data.clone())
+                .service(
+                    web::scope("/payments")
+                        .wrap(builder.transactional().build())
+                        .route("", web::post().to(create_payment))
+                        .route("/{id}", web::get().to(get_payment)),
+                )
+                .route("/stats", web::get().to(stats))
+                .route("/metrics", web::get().to(metrics))
+        })
+        .bind(addr)?
+        .run()
+        .await
+    }
 }

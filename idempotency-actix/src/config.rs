@@ -74,6 +74,10 @@ pub(crate) struct Config {
     pub problem_type_base: Cow<'static, str>,
     pub problem_renderer: Option<Arc<ProblemRenderer>>,
     pub on_outcome: Option<Arc<Hook>>,
+    /// Transactional mode (C25): the PostgreSQL store and its settings, type-erased out of
+    /// the store type so the flow stays generic.
+    #[cfg(feature = "postgres")]
+    pub transactional: Option<Arc<crate::middleware::TxConfig>>,
 }
 
 impl Default for Config {
@@ -98,6 +102,8 @@ impl Default for Config {
             problem_type_base: Cow::Borrowed(DEFAULT_TYPE_BASE),
             problem_renderer: None,
             on_outcome: None,
+            #[cfg(feature = "postgres")]
+            transactional: None,
         }
     }
 }
@@ -174,6 +180,8 @@ pub struct IdempotencyBuilder<S> {
     pub(crate) store: S,
     pub(crate) config: Config,
     pub(crate) errors: Vec<ConfigError>,
+    #[cfg(feature = "postgres")]
+    pub(crate) tx: Option<crate::middleware::TxConfig>,
 }
 
 impl<S> IdempotencyBuilder<S> {
@@ -182,6 +190,8 @@ impl<S> IdempotencyBuilder<S> {
             store,
             config: Config::default(),
             errors: Vec::new(),
+            #[cfg(feature = "postgres")]
+            tx: None,
         }
     }
 
@@ -392,6 +402,126 @@ impl<S> IdempotencyBuilder<S> {
         F: Fn(&OutcomeEvent<'_>) + Send + Sync + 'static,
     {
         self.config.on_outcome = Some(Arc::new(hook));
+        self
+    }
+}
+
+/// Transactional mode (C25): only with the PostgreSQL store. See `docs/transactional.md`.
+#[cfg(feature = "postgres")]
+impl IdempotencyBuilder<crate::store::PostgresStore> {
+    /// Run each covered request in one PostgreSQL transaction that holds its idempotency record:
+    /// the reservation, the handler's own writes (through the
+    /// [`IdempotentTx`](crate::IdempotentTx) extractor) and the stored response commit
+    /// together, with one COMMIT, or not at all.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+    /// use actix_web::{web, App, HttpResponse};
+    /// use idempotency_actix::{store::PostgresStore, Idempotency, IdempotentTx};
+    ///
+    /// async fn create_payment(tx: IdempotentTx) -> actix_web::Result<HttpResponse> {
+    ///     let mut conn = tx.conn(); // this request's transaction
+    ///     // diesel::insert_into(payments::table)...execute(&mut *conn).await?;
+    ///     # let _ = &mut *conn;
+    ///     Ok(HttpResponse::Created().finish())
+    /// }
+    ///
+    /// let store = PostgresStore::connect("postgres://app@db/app").await?;
+    /// let app = App::new()
+    ///     .wrap(Idempotency::builder(store.clone()).tenant_header("x-account-id").transactional().build())
+    ///     .route("/payments", web::post().to(create_payment));
+    /// # let _ = app; Ok(()) }
+    /// ```
+    ///
+    /// What changes, in short (the details are in `docs/transactional.md`):
+    /// - **a response that is not stored rolls back the handler's writes too**: a 4xx (with the
+    ///   default status filter), a `store_if` refusal, a handler error. A retry starts clean;
+    /// - the response is buffered up to `max_response_bytes` and sent only after COMMIT; a
+    ///   storable response over the limit is rolled back and answered with
+    ///   `RESPONSE_TOO_LARGE` (500), so raise the limit on routes with large responses;
+    /// - a failed COMMIT answers `COMMIT_FAILED` (503, nothing done), a connection lost during
+    ///   COMMIT `COMMIT_OUTCOME_UNKNOWN` (503); never the handler's response. Both say a retry
+    ///   with the same key is safe;
+    /// - a concurrent duplicate gets 409 at once (or waits with `wait_for_in_flight`), never
+    ///   blocked behind the open transaction; a different body gets 409 (not 422) until the
+    ///   first commits;
+    /// - each request holds a pool connection while its handler runs: size the pool for your
+    ///   concurrency; an exhausted pool answers 503 within the connection timeout, the handler
+    ///   not run. `fail_open` does not apply (the handler needs its transaction);
+    /// - with a tenant source, the tenant is set on the transaction
+    ///   ([`tenant_setting`](Self::tenant_setting)) for row-level security.
+    ///
+    /// Effects outside this database (a call to a payment provider) are outside the guarantee:
+    /// pass the Idempotency-Key on to the provider.
+    pub fn transactional(mut self) -> Self {
+        if self.tx.is_none() {
+            self.tx = Some(crate::middleware::TxConfig::new(self.store.clone()));
+        }
+        self
+    }
+
+    fn tx_setting(&mut self, setting: &'static str) -> Option<&mut crate::middleware::TxConfig> {
+        if self.tx.is_none() {
+            self.errors.push(ConfigError {
+                setting,
+                message: "only applies in transactional mode: call `transactional()` first"
+                    .to_owned(),
+            });
+        }
+        self.tx.as_mut()
+    }
+
+    /// The transaction-local setting that carries the tenant (`set_config(name, tenant, true)`
+    /// before the handler runs), for row-level security policies such as
+    /// `USING (tenant_id = current_setting('app.tenant_id'))`. Default `app.tenant_id`. Set only
+    /// when a tenant source is configured. A custom setting name needs a dot
+    /// (`prefix.name`); others are refused by `build`.
+    pub fn tenant_setting(mut self, name: impl Into<String>) -> Self {
+        let name = name.into();
+        let valid = name.contains('.')
+            && !name.starts_with('.')
+            && !name.ends_with('.')
+            && name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '.');
+        if !valid {
+            self.errors.push(ConfigError {
+                setting: "tenant_setting",
+                message: format!(
+                    "{name:?} is not a custom setting name (letters, digits, `_`, with a dot: `app.tenant_id`)"
+                ),
+            });
+            return self;
+        }
+        if let Some(tx) = self.tx_setting("tenant_setting") {
+            tx.tenant_setting = name;
+        }
+        self
+    }
+
+    /// The isolation level of the request's transaction. Default `READ COMMITTED`.
+    pub fn isolation_level(mut self, level: crate::store::postgres::IsolationLevel) -> Self {
+        if let Some(tx) = self.tx_setting("isolation_level") {
+            tx.isolation = level;
+        }
+        self
+    }
+
+    /// Run a request again, up to `retries` more times, when its transaction fails with a
+    /// serialization failure (SQLSTATE 40001, under `REPEATABLE READ` and `SERIALIZABLE`): at
+    /// COMMIT, at the response's write, or at one of the handler's own statements (seen through
+    /// diesel instrumentation installed on the connection, which replaces any default
+    /// instrumentation there). Default 0: the client gets `COMMIT_FAILED` (or the handler's
+    /// own error) and retries itself, which is safe.
+    ///
+    /// **This re-runs the handler**, inside the middleware, with the same request: its
+    /// database writes were rolled back, but any effect outside the database (an HTTP call, an
+    /// email, a message on a queue) happens once per run. Turn it on only for handlers whose
+    /// only effects are in this database, or that pass an idempotency key downstream.
+    pub fn retry_serialization_failures(mut self, retries: u32) -> Self {
+        if let Some(tx) = self.tx_setting("retry_serialization_failures") {
+            tx.serialization_retries = retries;
+        }
         self
     }
 }

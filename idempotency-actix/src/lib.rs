@@ -75,5 +75,7 @@ pub mod internals {
 }
 pub use key::IdempotencyKey;
 pub use middleware::Idempotency;
+#[cfg(feature = "postgres")]
+pub use middleware::{IdempotentTx, TxConn, TxConnError};
 pub use outcome::{Outcome, OutcomeEvent};
 pub use problem::{Problem, ProblemCode};

@@ -78,6 +78,16 @@ pub enum Outcome {
     ReplayNotAcceptable,
     /// The handler panicked; the reservation was left to its lease.
     HandlerPanic,
+    /// Transactional mode: the handler ran and its transaction was rolled back (a response
+    /// that is not stored, a handler error, a response over `max_response_bytes`): neither its
+    /// writes nor the reservation remain.
+    RolledBack,
+    /// Transactional mode: COMMIT (or the response's write before it) failed; everything was
+    /// rolled back and the client got `COMMIT_FAILED`.
+    CommitFailed,
+    /// Transactional mode: the connection was lost during COMMIT; the client got
+    /// `COMMIT_OUTCOME_UNKNOWN`.
+    CommitUnknown,
 }
 
 impl Outcome {
@@ -100,6 +110,9 @@ impl Outcome {
             Self::BodyError => "body_error",
             Self::ReplayNotAcceptable => "replay_not_acceptable",
             Self::HandlerPanic => "handler_panic",
+            Self::RolledBack => "rolled_back",
+            Self::CommitFailed => "commit_failed",
+            Self::CommitUnknown => "commit_unknown",
         }
     }
 
@@ -114,6 +127,9 @@ impl Outcome {
                 | Self::CompleteFailed
                 | Self::BodyError
                 | Self::HandlerPanic
+                | Self::RolledBack
+                | Self::CommitFailed
+                | Self::CommitUnknown
         )
     }
 
@@ -127,6 +143,9 @@ impl Outcome {
             ProblemCode::StorageUnavailable => Self::StoreUnavailable,
             ProblemCode::MissingTenant => Self::MissingTenant,
             ProblemCode::ReplayNotAcceptable => Self::ReplayNotAcceptable,
+            ProblemCode::ResponseTooLarge => Self::RolledBack,
+            ProblemCode::CommitFailed => Self::CommitFailed,
+            ProblemCode::CommitOutcomeUnknown => Self::CommitUnknown,
             _ => Self::InvalidKey,
         }
     }

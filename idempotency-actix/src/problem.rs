@@ -60,6 +60,24 @@
 //! Nothing was run; retry accepting that encoding. Operators avoid this entirely by wrapping
 //! `Compress` *outside* `Idempotency`, so responses are stored unencoded and each replay is
 //! encoded for its own client.
+//!
+//! ### response-too-large
+//! `RESPONSE_TOO_LARGE`, 500 (transactional mode): the handler's response was storable but
+//! larger than `max_response_bytes`. In transactional mode nothing may reach the client before
+//! COMMIT and an unstored response cannot be committed, so the transaction was rolled back:
+//! nothing was done, and a retry with the same key is safe. Raise `max_response_bytes` for
+//! such routes.
+//!
+//! ### commit-failed
+//! `COMMIT_FAILED`, 503 with `Retry-After` (transactional mode): the request ran, but its
+//! transaction could not be committed (a deferred constraint, a serialization failure); its
+//! changes were rolled back, nothing was done, and a retry with the same key is safe.
+//!
+//! ### commit-outcome-unknown
+//! `COMMIT_OUTCOME_UNKNOWN`, 503 with `Retry-After` (transactional mode): the connection to the
+//! database was lost during COMMIT, so whether the request took effect is unknown. A retry with
+//! the same key is safe: it replays the response if the commit happened, and runs the request
+//! once if it did not.
 
 use std::fmt;
 use std::time::Duration;
@@ -96,6 +114,13 @@ pub enum ProblemCode {
     MissingTenant,
     /// 406: the stored response's encoding is not acceptable to this retry.
     ReplayNotAcceptable,
+    /// 500 (transactional mode): a storable response over `max_response_bytes`; rolled back.
+    ResponseTooLarge,
+    /// 503 (transactional mode): COMMIT failed; nothing was done, a retry is safe.
+    CommitFailed,
+    /// 503 (transactional mode): the connection was lost during COMMIT; outcome unknown, a
+    /// retry with the same key is safe.
+    CommitOutcomeUnknown,
 }
 
 impl ProblemCode {
@@ -111,6 +136,9 @@ impl ProblemCode {
             Self::StorageUnavailable => "STORAGE_UNAVAILABLE",
             Self::MissingTenant => "MISSING_TENANT",
             Self::ReplayNotAcceptable => "REPLAY_NOT_ACCEPTABLE",
+            Self::ResponseTooLarge => "RESPONSE_TOO_LARGE",
+            Self::CommitFailed => "COMMIT_FAILED",
+            Self::CommitOutcomeUnknown => "COMMIT_OUTCOME_UNKNOWN",
         }
     }
 
@@ -126,6 +154,9 @@ impl ProblemCode {
             Self::StorageUnavailable => "storage-unavailable",
             Self::MissingTenant => "missing-tenant",
             Self::ReplayNotAcceptable => "replay-not-acceptable",
+            Self::ResponseTooLarge => "response-too-large",
+            Self::CommitFailed => "commit-failed",
+            Self::CommitOutcomeUnknown => "commit-outcome-unknown",
         }
     }
 
@@ -139,7 +170,10 @@ impl ProblemCode {
             Self::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::FingerprintMismatch => StatusCode::UNPROCESSABLE_ENTITY,
             Self::Conflict => StatusCode::CONFLICT,
-            Self::StorageUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+            Self::StorageUnavailable | Self::CommitFailed | Self::CommitOutcomeUnknown => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
+            Self::ResponseTooLarge => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
@@ -159,6 +193,9 @@ impl ProblemCode {
             Self::ReplayNotAcceptable => {
                 "The stored response is encoded in a way this request does not accept"
             }
+            Self::ResponseTooLarge => "The response is too large to be committed",
+            Self::CommitFailed => "The request could not be committed; nothing was done",
+            Self::CommitOutcomeUnknown => "Whether the request was committed is unknown",
         }
     }
 }

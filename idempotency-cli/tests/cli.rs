@@ -198,7 +198,8 @@ async fn migrate_twice_and_check_gates_deploys() {
     assert_eq!(
         stdout(&out),
         "applied 2026-11-30-000001_create_idempotency_keys\n\
-         applied 2026-11-30-000002_reserve_function\n"
+         applied 2026-11-30-000002_reserve_function\n\
+         applied 2026-12-01-000003_transactional_claim\n"
     );
 
     let out = idem(&db.url, &["migrate"]);

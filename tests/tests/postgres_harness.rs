@@ -39,11 +39,11 @@ async fn fresh_databases_are_migrated_unique_and_dropped() {
 
     let mut conn = postgres::establish(&b.url).await.unwrap();
     assert!(!postgres::table_exists(&mut conn).await.unwrap());
-    assert_eq!(postgres::pending_migrations(&b.url).await.unwrap().len(), 2);
+    assert_eq!(postgres::pending_migrations(&b.url).await.unwrap().len(), 3);
     drop(conn);
 
     // Migrating twice is harmless; the second run applies nothing.
-    assert_eq!(postgres::run_migrations(&b.url).await.unwrap().len(), 2);
+    assert_eq!(postgres::run_migrations(&b.url).await.unwrap().len(), 3);
     assert!(postgres::run_migrations(&b.url).await.unwrap().is_empty());
 
     let name = a.name.clone();
@@ -55,7 +55,7 @@ async fn fresh_databases_are_migrated_unique_and_dropped() {
 async fn migrations_run_from_inside_an_actix_runtime() {
     let db = TestDb::new_unmigrated().await;
     let applied = postgres::run_migrations(&db.url).await.unwrap();
-    assert_eq!(applied.len(), 2);
+    assert_eq!(applied.len(), 3);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -69,7 +69,7 @@ async fn concurrent_migrations_apply_each_version_once() {
     for run in runs {
         applied += run.await.unwrap().unwrap().len();
     }
-    assert_eq!(applied, 2, "exactly one run applied each migration");
+    assert_eq!(applied, 3, "exactly one run applied each migration");
 }
 
 #[test]
@@ -86,7 +86,7 @@ fn throwaway_cluster_starts_and_stops() {
     let ok = idempotency_e2e::block_on_fresh_thread(async move {
         postgres::run_migrations(&url).await.map(|v| v.len())
     });
-    assert_eq!(ok.unwrap().unwrap(), 2);
+    assert_eq!(ok.unwrap().unwrap(), 3);
     let dir = cluster.data_dir.clone();
     drop(cluster);
     assert!(!dir.exists(), "cluster directory removed");

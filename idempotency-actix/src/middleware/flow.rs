@@ -31,13 +31,13 @@ use crate::store::{
 };
 
 /// Longest pause between two looks at a running request in wait mode.
-const MAX_POLL_INTERVAL: Duration = Duration::from_millis(200);
+pub(super) const MAX_POLL_INTERVAL: Duration = Duration::from_millis(200);
 
 /// What the middleware answers with, on either side of the task boundary.
 pub(super) type FlowResult<B> = Result<ServiceResponse<EitherBody<B, BoxBody>>, Error>;
 
 /// Where the task sends the answer; dropped unread when the client is gone.
-type Answer<B> = oneshot::Sender<FlowResult<B>>;
+pub(super) type Answer<B> = oneshot::Sender<FlowResult<B>>;
 
 /// Hand the request to the next service untouched.
 pub(super) async fn pass_through<Svc, B>(service: Rc<Svc>, req: ServiceRequest) -> FlowResult<B>
@@ -64,6 +64,11 @@ where
     pub(super) async fn run(self, mut req: ServiceRequest) -> FlowResult<B> {
         let key = self.key_of(&req);
         if let Ok(None) = key {
+            #[cfg(feature = "postgres")]
+            if let Some(tx) = self.config.transactional.clone() {
+                // A plain transaction for the handler's IdempotentTx, without a record.
+                return super::transactional::run_keyless(self, tx, req).await;
+            }
             return pass_through(self.service, req).await;
         }
         let report = Report::new(
@@ -105,7 +110,9 @@ where
         // of the same route gets 422, never another request's response).
         let fingerprint =
             Fingerprint::of_request(&scope.method, req.path(), req.query_string(), json, &body);
-        req.set_payload(Payload::from(body));
+        // A cheap copy (reference-counted): transactional mode re-runs the request from it
+        // after a serialization failure.
+        req.set_payload(Payload::from(body.clone()));
 
         // From here on nothing may be cut short by the client: the task owns the request.
         // One span per keyed request carries its scope, so no event repeats it. At ERROR level
@@ -119,7 +126,7 @@ where
             path = %scope.path,
         );
         let (answer, answered) = oneshot::channel();
-        let settle = self.settle(req, scope, fingerprint, report.clone(), answer);
+        let settle = self.settle(req, scope, fingerprint, body, report.clone(), answer);
         actix_rt::spawn(settle.instrument(span.clone()));
         match answered.await {
             Ok(result) => result,
@@ -144,9 +151,21 @@ where
         req: ServiceRequest,
         scope: Scope,
         fingerprint: Fingerprint,
+        body: Bytes,
         report: Report,
         answer: Answer<B>,
     ) {
+        #[cfg(feature = "postgres")]
+        if let Some(tx) = self.config.transactional.clone() {
+            let keyed = super::transactional::Keyed {
+                scope,
+                fingerprint,
+                report,
+            };
+            super::transactional::settle_keyed(self, tx, req, keyed, body, answer).await;
+            return;
+        }
+        let _ = body;
         let token = match self.reserve(&scope, &fingerprint).await {
             Ok(token) => token,
             Err(Decision::Refuse(problem)) => {
@@ -586,7 +605,7 @@ fn status_of<B>(result: &Result<ServiceResponse<B>, Error>) -> StatusCode {
 }
 
 /// An empty 500 whose reason goes to the log, never to the client.
-fn opaque_500(reason: &'static str) -> Error {
+pub(super) fn opaque_500(reason: &'static str) -> Error {
     actix_web::error::InternalError::from_response(
         reason,
         HttpResponse::InternalServerError().finish(),
@@ -606,7 +625,7 @@ fn concat(mut chunks: Vec<Bytes>, len: usize) -> Bytes {
     }
 }
 
-fn unavailable_detail(error: &StoreError) -> String {
+pub(super) fn unavailable_detail(error: &StoreError) -> String {
     match error {
         StoreError::NotProvisioned { hint } => {
             format!(

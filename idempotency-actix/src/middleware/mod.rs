@@ -63,6 +63,8 @@
 mod flow;
 mod forward;
 mod replay;
+#[cfg(feature = "postgres")]
+mod transactional;
 
 use std::future::{ready, Ready};
 use std::rc::Rc;
@@ -79,6 +81,10 @@ use crate::store::IdempotencyStore;
 use flow::Flow;
 
 pub use replay::REPLAYED_HEADER;
+#[cfg(feature = "postgres")]
+pub(crate) use transactional::TxConfig;
+#[cfg(feature = "postgres")]
+pub use transactional::{IdempotentTx, TxConn, TxConnError, DEFAULT_TENANT_SETTING};
 
 /// The Idempotency-Key middleware. `.wrap()` it around an `App` or a scope.
 ///
@@ -137,11 +143,17 @@ impl<S> IdempotencyBuilder<S> {
 
     /// The middleware, or the first setting that cannot be used.
     pub fn try_build(self) -> Result<Idempotency<S>, ConfigError> {
+        #[allow(unused_mut)]
+        let mut config = self.config;
+        #[cfg(feature = "postgres")]
+        {
+            config.transactional = self.tx.map(Arc::new);
+        }
         match self.errors.into_iter().next() {
             Some(error) => Err(error),
             None => Ok(Idempotency {
                 store: Arc::new(self.store),
-                config: Arc::new(self.config),
+                config: Arc::new(config),
             }),
         }
     }

@@ -58,6 +58,8 @@ mod error;
 mod migrate;
 pub(crate) mod sql;
 mod tls;
+// Transactional mode's statements (C25), all in one module.
+pub(crate) mod transactional;
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -75,6 +77,7 @@ pub use error::{
     MIGRATE_HINT,
 };
 pub use migrate::{pending_migrations, run_migrations, MIGRATIONS};
+pub use transactional::{IsolationLevel, TX_MIGRATE_HINT};
 
 use super::{
     Fingerprint, IdempotencyStore, ReservationToken, ReserveOutcome, Scope, StoreError,

@@ -1,0 +1,780 @@
+//! Transactional mode (C25, `IdempotencyBuilder::<PostgresStore>::transactional`): the
+//! reservation, the handler's writes through [`IdempotentTx`] and the stored response commit
+//! in one PostgreSQL transaction.
+//!
+//! Per request, on the request's own task (C21), on one pooled connection:
+//! 1. BEGIN (+ `SET LOCAL idle_in_transaction_session_timeout`, one round trip);
+//! 2. keyed: the claim (tenant setting, then reserve-or-fetch in this transaction). A replay,
+//!    a 409 or a 422 rolls back at once and answers as in the default mode; a reservation
+//!    goes on. Keyless: only the tenant setting, when a tenant source is configured;
+//! 3. the handler, with the connection lent through [`IdempotentTx`];
+//! 4. a storable response (status filter, `store_if`, within `max_response_bytes`) is
+//!    buffered whole (nothing reaches the client before COMMIT: C24's streaming does not apply),
+//!    stored with `complete` (keyed), and committed; anything else rolls back, and with it the
+//!    handler's writes.
+//!
+//! A failed COMMIT never answers the handler's response: the client gets `COMMIT_FAILED`
+//! (nothing was done, a retry with the same key is safe) or `COMMIT_OUTCOME_UNKNOWN` (the
+//! connection was lost during COMMIT; a retry with the same key replays if it committed and
+//! runs once if not). `docs/transactional.md` is the user-facing description.
+
+use std::cell::{RefCell, RefMut};
+use std::fmt;
+use std::future::{ready, Ready};
+use std::ops::{Deref, DerefMut};
+use std::rc::Rc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use actix_service::Service;
+use actix_web::body::{to_bytes_limited, BoxBody, MessageBody};
+use actix_web::dev::{Payload, ServiceRequest, ServiceResponse};
+use actix_web::http::StatusCode;
+use actix_web::{Error, FromRequest, HttpMessage, HttpRequest, HttpResponse};
+use bytes::Bytes;
+use diesel_async::{AnsiTransactionManager, AsyncPgConnection, TransactionManager};
+
+use super::flow::{opaque_500, unavailable_detail, Flow, FlowResult, MAX_POLL_INTERVAL};
+use super::replay::{replay, storable_headers};
+use crate::config::{saturating_deadline, ResponseParts};
+use crate::fingerprint::Fingerprint;
+use crate::key::IdempotencyKey;
+use crate::outcome::{Held, Outcome, Report};
+use crate::problem::{Problem, ProblemCode};
+use crate::store::postgres::transactional::{self as sql, CommitError, TxConnection};
+use crate::store::postgres::{IsolationLevel, PostgresStore};
+use crate::store::{
+    IdempotencyStore, ReservationToken, ReserveOutcome, Scope, StoreError, StoredResponse,
+    WriteOutcome,
+};
+
+/// Default name of the transaction-local setting that carries the tenant.
+pub const DEFAULT_TENANT_SETTING: &str = "app.tenant_id";
+
+/// How often a claim that answered `raced` is tried again before giving up with 503.
+const CLAIM_ATTEMPTS: usize = 5;
+
+/// The settings of transactional mode, shared by all workers (type-erased out of the store
+/// type: the flow stays generic, and this holds the PostgreSQL store it needs).
+pub(crate) struct TxConfig {
+    pub(crate) store: PostgresStore,
+    pub(crate) tenant_setting: String,
+    pub(crate) isolation: IsolationLevel,
+    pub(crate) serialization_retries: u32,
+}
+
+impl TxConfig {
+    pub(crate) fn new(store: PostgresStore) -> Self {
+        Self {
+            store,
+            tenant_setting: DEFAULT_TENANT_SETTING.to_owned(),
+            isolation: IsolationLevel::default(),
+            serialization_retries: 0,
+        }
+    }
+}
+
+impl fmt::Debug for TxConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TxConfig")
+            .field("tenant_setting", &self.tenant_setting)
+            .field("isolation", &self.isolation)
+            .field("serialization_retries", &self.serialization_retries)
+            .finish_non_exhaustive()
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// the extractor
+
+/// The connection slot of one request: filled while the handler runs, emptied by the
+/// middleware before COMMIT.
+struct TxSlot {
+    conn: RefCell<Option<TxConnection>>,
+}
+
+/// The transaction of this request, for handlers behind a transactional
+/// [`Idempotency`](crate::Idempotency) middleware (see
+/// [`IdempotencyBuilder::transactional`](crate::IdempotencyBuilder::transactional)).
+///
+/// Every statement run on [`conn`](Self::conn) belongs to the transaction that also holds this
+/// request's idempotency record: it commits with the stored response, or rolls back with the
+/// reservation (non-2xx response, handler error, failed COMMIT, crash). On a covered method it
+/// works with or without an `Idempotency-Key` (without one it is a plain transaction, committed
+/// when the response is storable).
+///
+/// ```no_run
+/// use actix_web::{web, HttpResponse};
+/// use diesel_async::RunQueryDsl;
+/// use idempotency_actix::IdempotentTx;
+///
+/// async fn create_payment(tx: IdempotentTx) -> actix_web::Result<HttpResponse> {
+///     let mut conn = tx.conn();
+///     diesel::sql_query("INSERT INTO payments (amount) VALUES (1000)")
+///         .execute(&mut *conn)
+///         .await
+///         .map_err(actix_web::error::ErrorInternalServerError)?;
+///     Ok(HttpResponse::Created().finish())
+/// }
+/// ```
+///
+/// Do not `COMMIT` or `ROLLBACK` on it yourself: `conn.transaction(..)` opens a savepoint
+/// inside the request's transaction, which is what you want for a part that may fail alone.
+///
+/// Used on a route that is not behind a transactional middleware (or on a method it does not
+/// cover), the extractor fails with a 500 and an error log line saying why.
+#[derive(Clone)]
+pub struct IdempotentTx {
+    slot: Rc<TxSlot>,
+}
+
+impl fmt::Debug for IdempotentTx {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IdempotentTx").finish_non_exhaustive()
+    }
+}
+
+/// The connection of the request's transaction, borrowed from an [`IdempotentTx`]. Derefs
+/// (mutably) to [`AsyncPgConnection`]: pass `&mut *conn` to diesel-async.
+pub struct TxConn<'a>(RefMut<'a, AsyncPgConnection>);
+
+impl Deref for TxConn<'_> {
+    type Target = AsyncPgConnection;
+
+    fn deref(&self) -> &AsyncPgConnection {
+        &self.0
+    }
+}
+
+impl DerefMut for TxConn<'_> {
+    fn deref_mut(&mut self) -> &mut AsyncPgConnection {
+        &mut self.0
+    }
+}
+
+impl fmt::Debug for TxConn<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TxConn").finish_non_exhaustive()
+    }
+}
+
+/// Why [`IdempotentTx::try_conn`] has no connection to lend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum TxConnError {
+    /// Another [`TxConn`] of this request is still alive (drop it first).
+    #[error(
+        "the request's transaction connection is already borrowed (drop the other TxConn first)"
+    )]
+    Borrowed,
+    /// The handler has returned: the middleware took the connection back to commit or roll
+    /// back (an `IdempotentTx` kept beyond the handler, e.g. in a spawned task).
+    #[error("the request's transaction is over (IdempotentTx used after the handler returned)")]
+    Finished,
+}
+
+impl IdempotentTx {
+    /// The connection of this request's transaction.
+    ///
+    /// # Panics
+    /// If another [`TxConn`] of this request is alive, or the handler has already returned
+    /// (see [`try_conn`](Self::try_conn), which reports both instead).
+    pub fn conn(&self) -> TxConn<'_> {
+        match self.try_conn() {
+            Ok(conn) => conn,
+            Err(error) => panic!("IdempotentTx::conn: {error}"),
+        }
+    }
+
+    /// The connection of this request's transaction, or why there is none to lend.
+    ///
+    /// # Errors
+    /// [`TxConnError::Borrowed`] while another [`TxConn`] is alive, [`TxConnError::Finished`]
+    /// once the handler has returned.
+    pub fn try_conn(&self) -> Result<TxConn<'_>, TxConnError> {
+        let slot = self
+            .slot
+            .conn
+            .try_borrow_mut()
+            .map_err(|_| TxConnError::Borrowed)?;
+        RefMut::filter_map(slot, |conn| conn.as_mut().map(|pooled| &mut **pooled))
+            .map(TxConn)
+            .map_err(|_| TxConnError::Finished)
+    }
+}
+
+impl FromRequest for IdempotentTx {
+    type Error = Error;
+    type Future = Ready<Result<Self, Error>>;
+
+    fn from_request(req: &HttpRequest, _: &mut Payload) -> Self::Future {
+        match req.extensions().get::<IdempotentTx>() {
+            Some(tx) => ready(Ok(tx.clone())),
+            None => {
+                tracing::error!(target: "idempotency_actix", method = %req.method(), path = %req.path(), "IdempotentTx used outside a transactional scope: wrap this route in Idempotency::builder(postgres_store).transactional() and make sure it covers this method");
+                ready(Err(actix_web::error::InternalError::from_response(
+                    "IdempotentTx outside a transactional scope",
+                    HttpResponse::InternalServerError()
+                        .content_type("text/plain; charset=utf-8")
+                        .body("server misconfiguration: this route has no idempotent transaction"),
+                )
+                .into()))
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// the flow
+
+/// A keyed request's identity.
+pub(super) struct Keyed {
+    pub(super) scope: Scope,
+    pub(super) fingerprint: Fingerprint,
+    pub(super) report: Report,
+}
+
+/// What the part after the handler decided.
+enum After<B> {
+    Answer(FlowResult<B>),
+    /// A serialization failure at `complete` or COMMIT: everything was rolled back, and the
+    /// request may run again (the retry option): its request, to rebuild it from.
+    Retry(HttpRequest),
+}
+
+/// The claim of a keyed request, or the answer instead of running the handler.
+enum Claimed {
+    Reserved(Box<TxConnection>, ReservationToken),
+    Answered(HttpResponse, Outcome),
+    Replay(StoredResponse),
+    InFlight,
+}
+
+/// A keyed request in transactional mode, on its own task (called by `Flow::settle`).
+pub(super) async fn settle_keyed<S, Svc, B>(
+    flow: Flow<S, Svc>,
+    tx: Arc<TxConfig>,
+    req: ServiceRequest,
+    keyed: Keyed,
+    body: Bytes,
+    answer: super::flow::Answer<B>,
+) where
+    S: IdempotencyStore,
+    Svc: Service<ServiceRequest, Response = ServiceResponse<B>, Error = Error> + 'static,
+    B: MessageBody + 'static,
+{
+    let Keyed {
+        scope,
+        fingerprint,
+        report,
+    } = keyed;
+    let config = Arc::clone(&flow.config);
+    let wait_until = config
+        .wait_for_in_flight
+        .map(|wait| saturating_deadline(Instant::now(), wait));
+    let mut pause = Duration::from_millis(10);
+    let mut req = req;
+    // The router advances the match info as it matches; a re-run starts from here again.
+    let match_info = req.match_info().clone();
+    let mut runs = 0u32;
+    loop {
+        let (conn, token) = match claim(&flow, &tx, &scope, &fingerprint).await {
+            Claimed::Reserved(conn, token) => (*conn, token),
+            Claimed::Answered(response, outcome) => {
+                report.outcome(outcome, response.status(), Some(&scope));
+                let _ = answer.send(Ok(req.into_response(response).map_into_right_body()));
+                return;
+            }
+            Claimed::Replay(stored) => {
+                let (response, outcome) = match replay(stored, &req) {
+                    Ok(response) => (response, Outcome::Replay),
+                    Err(problem) => {
+                        tracing::info!(target: "idempotency_actix", outcome = "replay_not_acceptable", key = %scope.key, tenant = %scope.tenant, path = %scope.path, "stored response encoded in a way this retry does not accept");
+                        (config.problem(problem), Outcome::ReplayNotAcceptable)
+                    }
+                };
+                report.outcome(outcome, response.status(), Some(&scope));
+                let _ = answer.send(Ok(req.into_response(response).map_into_right_body()));
+                return;
+            }
+            Claimed::InFlight => {
+                let now = Instant::now();
+                if let Some(until) = wait_until.filter(|until| *until > now) {
+                    tokio::time::sleep(pause.min(until - now)).await;
+                    pause = (pause * 2).min(MAX_POLL_INTERVAL);
+                    continue;
+                }
+                tracing::info!(target: "idempotency_actix", outcome = "conflict", key = %scope.key, tenant = %scope.tenant, path = %scope.path, "the first request with this key is still running (its transaction is open)");
+                let problem = Problem::new(
+                    ProblemCode::Conflict,
+                    "the first request with this key is still being processed; retry after it finishes",
+                )
+                .with_retry_after(config.retry_after);
+                report.outcome(Outcome::Conflict, problem.status(), Some(&scope));
+                let response = config.problem(problem);
+                let _ = answer.send(Ok(req.into_response(response).map_into_right_body()));
+                return;
+            }
+        };
+        tracing::debug!(target: "idempotency_actix", outcome = "miss", key = %scope.key, tenant = %scope.tenant, path = %scope.path, "claimed in a transaction; running the handler");
+        let _held = Held::new(flow.store.name());
+        req.extensions_mut()
+            .insert(IdempotencyKey(scope.key.clone()));
+        runs += 1;
+        let retries_left = runs <= tx.serialization_retries;
+        let after = run_and_settle(
+            &flow,
+            &tx,
+            req,
+            conn,
+            Some((&scope, token)),
+            Some(&report),
+            retries_left,
+        )
+        .await;
+        match after {
+            After::Answer(result) => {
+                let _ = answer.send(result);
+                return;
+            }
+            After::Retry(http_req) => {
+                tracing::info!(target: "idempotency_actix", outcome = "serialization_retry", key = %scope.key, tenant = %scope.tenant, path = %scope.path, run = runs, "serialization failure; everything rolled back, running the request again");
+                req = ServiceRequest::from_parts(http_req, Payload::from(body.clone()));
+                *req.match_info_mut() = match_info.clone();
+            }
+        }
+    }
+}
+
+/// A covered request without a key in transactional mode: a plain transaction, committed with
+/// a storable response (no record, no claim). On its own task, like a keyed one (C21).
+pub(super) async fn run_keyless<S, Svc, B>(
+    flow: Flow<S, Svc>,
+    tx: Arc<TxConfig>,
+    req: ServiceRequest,
+) -> FlowResult<B>
+where
+    S: IdempotencyStore,
+    Svc: Service<ServiceRequest, Response = ServiceResponse<B>, Error = Error> + 'static,
+    B: MessageBody + 'static,
+{
+    let (answer, answered) = tokio::sync::oneshot::channel();
+    actix_rt::spawn(async move {
+        let result = keyless(&flow, &tx, req).await;
+        let _ = answer.send(result);
+    });
+    match answered.await {
+        Ok(result) => result,
+        Err(_) => {
+            tracing::error!(target: "idempotency_actix", outcome = "handler_panic", "the request's task ended without a response; its transaction was rolled back");
+            Err(opaque_500("the request's task ended without a response"))
+        }
+    }
+}
+
+async fn keyless<S, Svc, B>(
+    flow: &Flow<S, Svc>,
+    tx: &TxConfig,
+    req: ServiceRequest,
+) -> FlowResult<B>
+where
+    S: IdempotencyStore,
+    Svc: Service<ServiceRequest, Response = ServiceResponse<B>, Error = Error> + 'static,
+    B: MessageBody + 'static,
+{
+    let config = &flow.config;
+    let tenant = config
+        .tenant
+        .as_ref()
+        .and_then(|source| source(&req))
+        .filter(|tenant| !tenant.is_empty());
+    let mut conn = match open(tx, config.lock_timeout).await {
+        Ok(conn) => conn,
+        Err(error) => {
+            tracing::error!(target: "idempotency_actix", outcome = "store_error", path = %req.path(), %error, "could not open the request's transaction");
+            let problem = Problem::new(ProblemCode::StorageUnavailable, unavailable_detail(&error))
+                .with_retry_after(config.retry_after);
+            return Ok(req
+                .into_response(config.problem(problem))
+                .map_into_right_body());
+        }
+    };
+    if let Some(tenant) = &tenant {
+        if let Err(error) = sql::set_tenant(&tx.store, &mut conn, &tx.tenant_setting, tenant).await
+        {
+            sql::rollback(&tx.store, &mut conn).await;
+            tracing::error!(target: "idempotency_actix", outcome = "store_error", path = %req.path(), %error, "could not set the tenant on the request's transaction");
+            let problem = Problem::new(ProblemCode::StorageUnavailable, unavailable_detail(&error))
+                .with_retry_after(config.retry_after);
+            return Ok(req
+                .into_response(config.problem(problem))
+                .map_into_right_body());
+        }
+    }
+    match run_and_settle(flow, tx, req, conn, None, None, false).await {
+        After::Answer(result) => result,
+        // Not asked for (no retries for keyless requests: their body was not buffered).
+        After::Retry(_) => Err(opaque_500("unexpected retry of a keyless request")),
+    }
+}
+
+/// Checkout and BEGIN.
+async fn open(tx: &TxConfig, idle_limit: Duration) -> Result<TxConnection, StoreError> {
+    let mut conn = sql::checkout(&tx.store).await?;
+    sql::begin(&tx.store, &mut conn, tx.isolation, idle_limit).await?;
+    Ok(conn)
+}
+
+/// Open the transaction and claim the key in it.
+async fn claim<S, Svc>(
+    flow: &Flow<S, Svc>,
+    tx: &TxConfig,
+    scope: &Scope,
+    fingerprint: &Fingerprint,
+) -> Claimed {
+    let config = &flow.config;
+    let unavailable = |error: &StoreError| {
+        tracing::error!(target: "idempotency_actix", outcome = "store_error", key = %scope.key, tenant = %scope.tenant, path = %scope.path, %error, "could not claim the key (transactional mode fails closed: fail_open does not apply)");
+        let problem = Problem::new(ProblemCode::StorageUnavailable, unavailable_detail(error))
+            .with_retry_after(config.retry_after);
+        Claimed::Answered(config.problem(problem), Outcome::StoreUnavailable)
+    };
+    let setting = config
+        .tenant
+        .is_some()
+        .then_some((tx.tenant_setting.as_str(), scope.tenant.as_str()));
+    for _ in 0..CLAIM_ATTEMPTS {
+        let mut conn = match open(tx, config.lock_timeout).await {
+            Ok(conn) => conn,
+            Err(error) => return unavailable(&error),
+        };
+        let claimed = sql::claim(
+            &tx.store,
+            &mut conn,
+            setting,
+            scope,
+            fingerprint,
+            config.lock_timeout,
+        )
+        .await;
+        let outcome = match claimed {
+            Ok(Some(ReserveOutcome::Reserved { token })) => {
+                return Claimed::Reserved(Box::new(conn), token);
+            }
+            Ok(outcome) => outcome,
+            Err(error) => {
+                sql::rollback(&tx.store, &mut conn).await;
+                let error = sql::classify_claim_error(&mut conn, error).await;
+                return unavailable(&error);
+            }
+        };
+        // Anything but a reservation wrote nothing: end the transaction now, so its connection
+        // and advisory lock are free before we answer (or wait).
+        sql::rollback(&tx.store, &mut conn).await;
+        drop(conn);
+        match outcome {
+            None => continue, // raced: nothing written, claim again
+            Some(ReserveOutcome::Completed {
+                fingerprint: stored,
+                ..
+            })
+            | Some(ReserveOutcome::InFlight {
+                fingerprint: stored,
+                ..
+            }) if stored != *fingerprint => {
+                tracing::info!(target: "idempotency_actix", outcome = "mismatch", key = %scope.key, tenant = %scope.tenant, path = %scope.path, "key reused for a different request");
+                let problem = Problem::new(
+                    ProblemCode::FingerprintMismatch,
+                    "this key was already used on this endpoint for a request with another \
+                     body, query or spelling of the path; use a new key for a new request",
+                );
+                return Claimed::Answered(config.problem(problem), Outcome::Mismatch);
+            }
+            Some(ReserveOutcome::Completed { response, .. }) => {
+                tracing::debug!(target: "idempotency_actix", outcome = "replay", key = %scope.key, tenant = %scope.tenant, path = %scope.path, status = response.status, "replaying the stored response");
+                return Claimed::Replay(response);
+            }
+            Some(ReserveOutcome::InFlight { .. }) => return Claimed::InFlight,
+            Some(ReserveOutcome::Reserved { .. }) => return unreachable_reserved(),
+        }
+    }
+    unavailable(&StoreError::Backend(
+        format!("the claim lost {CLAIM_ATTEMPTS} races in a row for one key").into(),
+    ))
+}
+
+/// A reservation is returned above; this arm exists for the match to be exhaustive.
+fn unreachable_reserved() -> Claimed {
+    Claimed::Answered(
+        HttpResponse::InternalServerError().finish(),
+        Outcome::StoreUnavailable,
+    )
+}
+
+/// Run the handler with the lent connection, then commit or roll back, and decide the answer.
+#[allow(clippy::too_many_arguments)]
+async fn run_and_settle<S, Svc, B>(
+    flow: &Flow<S, Svc>,
+    tx: &TxConfig,
+    req: ServiceRequest,
+    conn: TxConnection,
+    record: Option<(&Scope, ReservationToken)>,
+    report: Option<&Report>,
+    may_retry: bool,
+) -> After<B>
+where
+    S: IdempotencyStore,
+    Svc: Service<ServiceRequest, Response = ServiceResponse<B>, Error = Error> + 'static,
+    B: MessageBody + 'static,
+{
+    let config = &flow.config;
+    let scope = record.as_ref().map(|(scope, _)| *scope);
+    let outcome = |outcome: Outcome, status: StatusCode| {
+        if let Some(report) = report {
+            report.outcome(outcome, status, scope);
+        }
+    };
+    // With retries on: watch for a serialization failure on any statement (the handler's
+    // too). A handler's error comes back as a response holding the request (actix converts
+    // it), from which the request is run again; the request cannot be cloned beforehand (the
+    // router needs it unshared).
+    let mut conn = conn;
+    let watch = may_retry.then(|| sql::watch_serialization_failures(&mut conn));
+    let serialization_failed = |watch: &Option<Arc<std::sync::atomic::AtomicBool>>| {
+        watch
+            .as_ref()
+            .is_some_and(|w| w.load(std::sync::atomic::Ordering::Relaxed))
+    };
+    let slot = Rc::new(TxSlot {
+        conn: RefCell::new(Some(conn)),
+    });
+    req.extensions_mut().insert(IdempotentTx {
+        slot: Rc::clone(&slot),
+    });
+    let result = flow.service.call(req).await;
+    // The handler is done: take the connection back. Still borrowed means a TxConn outlived
+    // the handler (held by a response body): we cannot commit; dropping the slot's last
+    // reference later closes the connection (the pool discards a connection in a transaction,
+    // and PostgreSQL rolls back).
+    let taken = slot.conn.try_borrow_mut().ok().and_then(|mut c| c.take());
+    let Some(mut conn) = taken else {
+        tracing::error!(target: "idempotency_actix", outcome = "rolled_back", "the transaction's connection is still borrowed after the handler returned (a TxConn kept in the response?); rolled back");
+        outcome(Outcome::CommitFailed, StatusCode::INTERNAL_SERVER_ERROR);
+        return After::Answer(Err(opaque_500("TxConn outlived the handler")));
+    };
+    let log_rollback = |reason: &str| match scope {
+        Some(scope) => {
+            tracing::info!(target: "idempotency_actix", outcome = "rolled_back", key = %scope.key, tenant = %scope.tenant, path = %scope.path, reason, "response not storable; the transaction (the handler's writes and the reservation) was rolled back");
+        }
+        None => {
+            tracing::debug!(target: "idempotency_actix", outcome = "rolled_back", reason, "keyless transactional request rolled back");
+        }
+    };
+    let result = match result {
+        Ok(response) if serialization_failed(&watch) => {
+            // The transaction was aborted by a serialization failure (whatever the handler
+            // answered): nothing of it can commit; run it again.
+            sql::rollback(&tx.store, &mut conn).await;
+            let (http_req, _) = response.into_parts();
+            return After::Retry(http_req);
+        }
+        other => other,
+    };
+    let response = match result {
+        Ok(response) if (config.store_status)(response.status()) => response,
+        Ok(response) => {
+            sql::rollback(&tx.store, &mut conn).await;
+            let status = response.status();
+            log_rollback(status.as_str());
+            outcome(Outcome::RolledBack, status);
+            return After::Answer(Ok(response.map_into_left_body()));
+        }
+        Err(error) => {
+            sql::rollback(&tx.store, &mut conn).await;
+            log_rollback("handler error");
+            outcome(Outcome::RolledBack, error.as_response_error().status_code());
+            return After::Answer(Err(error));
+        }
+    };
+    let (http_req, response) = response.into_parts();
+    let (head, body) = response.into_parts();
+    let status = head.status();
+    // Nothing reaches the client before COMMIT: the whole body, within the limit.
+    let bytes = match to_bytes_limited(body, config.max_response_bytes).await {
+        Ok(Ok(bytes)) => bytes,
+        Ok(Err(error)) => {
+            sql::rollback(&tx.store, &mut conn).await;
+            let error: Box<dyn std::error::Error> = error.into();
+            tracing::error!(target: "idempotency_actix", outcome = "rolled_back", %error, "the response body failed; the transaction was rolled back");
+            outcome(Outcome::RolledBack, StatusCode::INTERNAL_SERVER_ERROR);
+            return After::Answer(Err(opaque_500("the response body failed")));
+        }
+        Err(_) => {
+            sql::rollback(&tx.store, &mut conn).await;
+            log_rollback("response too large");
+            tracing::warn!(target: "idempotency_actix", outcome = "rolled_back", max_response_bytes = config.max_response_bytes, "a storable response is larger than max_response_bytes: in transactional mode it cannot be sent without being stored, so the transaction was rolled back; raise max_response_bytes for this route");
+            let problem = Problem::new(
+                ProblemCode::ResponseTooLarge,
+                format!(
+                    "the response is larger than this route may store ({} bytes), so it was \
+                     not committed; nothing was done and a retry with the same key is safe",
+                    config.max_response_bytes
+                ),
+            );
+            outcome(Outcome::RolledBack, problem.status());
+            let response = http_req.into_parts_response(config.problem(problem));
+            return After::Answer(Ok(response));
+        }
+    };
+    let parts = ResponseParts {
+        status,
+        headers: head.headers(),
+        body: &bytes,
+    };
+    if config.store_if.as_ref().is_some_and(|keep| !keep(&parts)) {
+        sql::rollback(&tx.store, &mut conn).await;
+        log_rollback("rejected by store_if");
+        outcome(Outcome::RolledBack, status);
+        let response = ServiceResponse::new(http_req, head.set_body(BoxBody::new(bytes)));
+        return After::Answer(Ok(response.map_into_right_body()));
+    }
+    // The handler must leave exactly the outer transaction open (its own savepoints closed),
+    // or our COMMIT would only release a savepoint.
+    let depth = AnsiTransactionManager::transaction_manager_status_mut(&mut *conn)
+        .transaction_depth()
+        .ok()
+        .flatten()
+        .map(|d| d.get());
+    if depth != Some(1) {
+        tracing::error!(target: "idempotency_actix", outcome = "commit_failed", depth, "the handler left the request's transaction at another depth (an open savepoint, or its own COMMIT/ROLLBACK): nothing is committed, the connection is discarded");
+        drop(conn); // in a transaction: the pool closes it and PostgreSQL rolls back
+        return After::Answer(commit_failed(
+            flow,
+            http_req,
+            scope,
+            report,
+            "the handler's transaction was left in an unexpected state",
+        ));
+    }
+    if let Some((scope, token)) = record {
+        let stored = StoredResponse {
+            status: status.as_u16(),
+            headers: storable_headers(head.headers(), &config.deny_headers),
+            body: bytes.clone(),
+        };
+        match sql::complete(&tx.store, &mut conn, scope, &token, &stored, config.ttl).await {
+            Ok(WriteOutcome::Applied) => {}
+            Ok(WriteOutcome::Stale) => {
+                // Our own uncommitted row: cannot be taken over. Refuse to commit anything.
+                sql::rollback(&tx.store, &mut conn).await;
+                tracing::error!(target: "idempotency_actix", outcome = "commit_failed", key = %scope.key, "the reservation of this transaction was not found at complete; rolled back");
+                return After::Answer(commit_failed(
+                    flow,
+                    http_req,
+                    Some(scope),
+                    report,
+                    "the reservation was lost",
+                ));
+            }
+            Err(error) => {
+                sql::rollback(&tx.store, &mut conn).await;
+                if sql::is_serialization_failure(&error) && may_retry {
+                    return After::Retry(http_req);
+                }
+                // No COMMIT was sent: whatever happened, nothing was committed.
+                tracing::error!(target: "idempotency_actix", outcome = "commit_failed", key = %scope.key, tenant = %scope.tenant, path = %scope.path, %error, "storing the response in the transaction failed; rolled back");
+                return After::Answer(commit_failed(
+                    flow,
+                    http_req,
+                    Some(scope),
+                    report,
+                    "storing the response failed",
+                ));
+            }
+        }
+    }
+    match sql::commit(&tx.store, &mut conn).await {
+        Ok(()) => {
+            if let Some(scope) = scope {
+                tracing::debug!(target: "idempotency_actix", outcome = "stored", key = %scope.key, tenant = %scope.tenant, path = %scope.path, status = status.as_u16(), "committed: handler's writes and the response");
+            }
+            outcome(Outcome::Stored, status);
+            let response = ServiceResponse::new(http_req, head.set_body(BoxBody::new(bytes)));
+            After::Answer(Ok(response.map_into_right_body()))
+        }
+        Err(CommitError::RolledBack {
+            serialization: true,
+            ..
+        }) if may_retry => {
+            sql::rollback(&tx.store, &mut conn).await;
+            After::Retry(http_req)
+        }
+        Err(CommitError::RolledBack { error, .. }) => {
+            sql::rollback(&tx.store, &mut conn).await;
+            tracing::error!(target: "idempotency_actix", outcome = "commit_failed", key = scope.map(|s| s.key.as_str()), %error, "COMMIT failed; the handler's writes and the reservation were rolled back");
+            After::Answer(commit_failed(
+                flow,
+                http_req,
+                scope,
+                report,
+                "COMMIT failed",
+            ))
+        }
+        Err(CommitError::Unknown(why)) => {
+            tracing::error!(target: "idempotency_actix", outcome = "commit_unknown", key = scope.map(|s| s.key.as_str()), why, "the connection was lost during COMMIT: the outcome is unknown");
+            let problem = Problem::new(
+                ProblemCode::CommitOutcomeUnknown,
+                "the connection to the database was lost while committing this request, so \
+                 whether it took effect is unknown; a retry with the same Idempotency-Key is \
+                 safe: it returns the original response if the commit happened, and runs the \
+                 request once if it did not",
+            )
+            .with_retry_after(config.retry_after);
+            if let Some(report) = report {
+                report.outcome(Outcome::CommitUnknown, problem.status(), scope);
+            }
+            After::Answer(Ok(http_req.into_parts_response(config.problem(problem))))
+        }
+    }
+}
+
+fn commit_failed<S, Svc, B>(
+    flow: &Flow<S, Svc>,
+    http_req: HttpRequest,
+    scope: Option<&Scope>,
+    report: Option<&Report>,
+    why: &str,
+) -> FlowResult<B> {
+    let config = &flow.config;
+    let detail = if scope.is_some() {
+        format!(
+            "{why}: the request's changes were rolled back, nothing was done; a retry with the \
+             same Idempotency-Key is safe"
+        )
+    } else {
+        format!("{why}: the request's changes were rolled back, nothing was done")
+    };
+    let problem =
+        Problem::new(ProblemCode::CommitFailed, detail).with_retry_after(config.retry_after);
+    if let Some(report) = report {
+        report.outcome(Outcome::CommitFailed, problem.status(), scope);
+    }
+    Ok(http_req.into_parts_response(config.problem(problem)))
+}
+
+/// Turning a request and a response into the middleware's answer type.
+trait IntoAnswer {
+    fn into_parts_response<B>(
+        self,
+        response: HttpResponse,
+    ) -> ServiceResponse<actix_web::body::EitherBody<B, BoxBody>>;
+}
+
+impl IntoAnswer for HttpRequest {
+    fn into_parts_response<B>(
+        self,
+        response: HttpResponse,
+    ) -> ServiceResponse<actix_web::body::EitherBody<B, BoxBody>> {
+        ServiceResponse::new(self, response).map_into_right_body()
+    }
+}

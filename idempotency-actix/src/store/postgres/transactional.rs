@@ -1,0 +1,532 @@
+//! The SQL of transactional mode (C25): every statement the middleware sends on the
+//! connection it lends to the handler, in one place.
+//!
+//! A transactional request runs, on one pooled connection:
+//!
+//! | round trip | statement | what |
+//! |---|---|---|
+//! | 1 | `BEGIN [ISOLATION LEVEL ..]; SET LOCAL idle_in_transaction_session_timeout = ..` | one simple query, through diesel-async's [`AnsiTransactionManager`] (so a handler's own `transaction()` becomes a savepoint) |
+//! | 2 | `SELECT .. FROM idempotency_tx_claim($1..$9)` | tenant setting for RLS, then reserve-or-fetch inside this transaction (keyed requests only) |
+//! | - | the handler's statements | |
+//! | 3 | the store's `complete` UPDATE, fenced by the token | the stored response, in the same transaction (keyed requests only) |
+//! | 4 | `COMMIT` | the reservation, the handler's rows and the response become visible at once |
+//!
+//! A replay, a 409 and a 422 cost BEGIN, the claim and a ROLLBACK. The claim function and the
+//! advisory lock that keeps it non-blocking are in the third migration; `docs/sql.md`
+//! ("Transactional claim") has the race-freedom argument.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use diesel::connection::{Instrumentation, InstrumentationEvent};
+use diesel::pg::Pg;
+use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
+use diesel::result::{DatabaseErrorKind, Error as DieselError};
+use diesel::sql_types::{BigInt, Bool, Bytea, Nullable, Text, Untyped};
+use diesel::{QueryResult, QueryableByName};
+use diesel_async::pooled_connection::bb8::PooledConnection;
+use diesel_async::{
+    AnsiTransactionManager, AsyncConnection, AsyncPgConnection, RunQueryDsl, TransactionManager,
+};
+
+use super::error::{classify_error, classify_pool_error};
+use super::sql::{Complete, ReserveRow, ScopeBinds};
+use super::{corrupt, micros, scope_binds, PostgresStore};
+use crate::store::{
+    Fingerprint, ReservationToken, ReserveOutcome, Scope, StoreError, StoredResponse, WriteOutcome,
+};
+
+/// A pooled connection owned by one request (not borrowing the pool).
+pub(crate) type TxConnection = PooledConnection<'static, AsyncPgConnection>;
+
+/// The isolation level of transactional requests. Default [`IsolationLevel::ReadCommitted`]
+/// (PostgreSQL's default).
+///
+/// Under `RepeatableRead` and `Serializable`, PostgreSQL may abort a transaction with a
+/// serialization failure (SQLSTATE 40001), at a statement or at COMMIT; see
+/// [`IdempotencyBuilder::retry_serialization_failures`](crate::IdempotencyBuilder::retry_serialization_failures).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum IsolationLevel {
+    /// `READ COMMITTED`.
+    #[default]
+    ReadCommitted,
+    /// `REPEATABLE READ`.
+    RepeatableRead,
+    /// `SERIALIZABLE`.
+    Serializable,
+}
+
+impl IsolationLevel {
+    fn begin_sql(self) -> &'static str {
+        match self {
+            Self::ReadCommitted => "BEGIN",
+            Self::RepeatableRead => "BEGIN ISOLATION LEVEL REPEATABLE READ",
+            Self::Serializable => "BEGIN ISOLATION LEVEL SERIALIZABLE",
+        }
+    }
+}
+
+/// Why a COMMIT (or the statement before it) did not make the request's work durable.
+#[derive(Debug)]
+pub(crate) enum CommitError {
+    /// The database refused the commit (a deferred constraint, a serialization failure):
+    /// everything was rolled back. `serialization` says whether a re-run may succeed.
+    RolledBack {
+        serialization: bool,
+        error: DieselError,
+    },
+    /// The connection was lost (or did not answer in time) during COMMIT: the transaction may
+    /// or may not have committed.
+    Unknown(String),
+}
+
+/// Take a connection from the store's pool for the whole request (within the pool's
+/// connection timeout: pool exhausted or database down is [`StoreError::Unavailable`]).
+pub(crate) async fn checkout(store: &PostgresStore) -> Result<TxConnection, StoreError> {
+    store.pool.get_owned().await.map_err(|e| {
+        let last = store.last_connect_error.lock().ok().and_then(|l| l.clone());
+        classify_pool_error(e, store.connection_timeout, last)
+    })
+}
+
+/// `BEGIN` (with the isolation level) and the idle-in-transaction bound, in one simple-query
+/// round trip, through diesel-async's transaction manager: the connection then knows it is in
+/// a transaction, so a handler's `conn.transaction(..)` opens a savepoint.
+///
+/// `idle_limit` becomes `SET LOCAL idle_in_transaction_session_timeout`: if the app stops
+/// talking to the database in the middle of the transaction (hung, stopped in a debugger,
+/// partitioned away) for that long, PostgreSQL ends the session and rolls back, which frees
+/// the claim. It is transaction-local, so the pooled connection keeps its own setting after.
+pub(crate) async fn begin(
+    store: &PostgresStore,
+    conn: &mut AsyncPgConnection,
+    isolation: IsolationLevel,
+    idle_limit: Duration,
+) -> Result<(), StoreError> {
+    // 0 would disable the timeout: at least 1 ms; at most what the GUC accepts (i32 ms).
+    let ms = idle_limit.as_millis().clamp(1, i32::MAX as u128);
+    let sql = format!(
+        "{}; SET LOCAL idle_in_transaction_session_timeout = {ms}",
+        isolation.begin_sql()
+    );
+    store
+        .timed(async {
+            AnsiTransactionManager::begin_transaction_sql(conn, &sql)
+                .await
+                .map_err(classify_error)
+        })
+        .await
+}
+
+/// The claim of a keyed request, inside the open transaction: the tenant setting, then
+/// reserve-or-fetch (see [`TxClaim`]). `None` means the function answered `raced` (nothing
+/// written; the caller may try again).
+pub(crate) async fn claim(
+    store: &PostgresStore,
+    conn: &mut AsyncPgConnection,
+    setting: Option<(&str, &str)>,
+    scope: &Scope,
+    fingerprint: &Fingerprint,
+    lease: Duration,
+) -> Result<Option<ReserveOutcome>, StoreError> {
+    let query = TxClaim {
+        setting: setting.map(|(name, _)| name),
+        setting_value: setting.map(|(_, value)| value),
+        scope: scope_binds(scope),
+        fingerprint: fingerprint.as_bytes(),
+        token: ReservationToken::random().as_uuid(),
+        lease_us: micros(lease).max(1),
+    };
+    let token = query.token;
+    let rows: Vec<ReserveRow> = store
+        .timed(async { query.load(conn).await.map_err(classify_error) })
+        .await?;
+    let Some(row) = rows.into_iter().next() else {
+        return Err(corrupt("idempotency_tx_claim returned no row"));
+    };
+    parse_row(row, token)
+}
+
+/// Only the tenant setting, for a keyless request (no record, so no claim). One round trip;
+/// skipped when no tenant source is configured.
+pub(crate) async fn set_tenant(
+    store: &PostgresStore,
+    conn: &mut AsyncPgConnection,
+    name: &str,
+    value: &str,
+) -> Result<(), StoreError> {
+    let query = SetTenant { name, value };
+    store
+        .timed(async {
+            query
+                .execute(conn)
+                .await
+                .map(|_| ())
+                .map_err(classify_error)
+        })
+        .await
+}
+
+/// Store the response inside the open transaction: the store's own `complete` statement,
+/// fenced by the claim's token.
+pub(crate) async fn complete(
+    store: &PostgresStore,
+    conn: &mut AsyncPgConnection,
+    scope: &Scope,
+    token: &ReservationToken,
+    response: &StoredResponse,
+    ttl: Duration,
+) -> Result<WriteOutcome, DieselError> {
+    let headers = response.encode_headers();
+    let status = i16::try_from(response.status).unwrap_or(i16::MAX);
+    let query = Complete {
+        scope: scope_binds(scope),
+        token: token.as_uuid(),
+        status,
+        headers: &headers,
+        body: &response.body,
+        ttl_us: micros(ttl),
+    };
+    let executed = match store.query_timeout {
+        None => query.execute(conn).await,
+        Some(limit) => match tokio::time::timeout(limit, query.execute(conn)).await {
+            Ok(result) => result,
+            Err(_) => Err(DieselError::DatabaseError(
+                DatabaseErrorKind::ClosedConnection,
+                Box::new(format!(
+                    "the database did not answer within {} ms",
+                    limit.as_millis()
+                )),
+            )),
+        },
+    };
+    executed.map(|rows| {
+        if rows == 0 {
+            WriteOutcome::Stale
+        } else {
+            WriteOutcome::Applied
+        }
+    })
+}
+
+/// COMMIT through the transaction manager, under the store's query timeout. A timeout drops
+/// the COMMIT mid-flight: diesel-async then marks the connection broken (the pool discards
+/// it) and the outcome is unknown.
+pub(crate) async fn commit(
+    store: &PostgresStore,
+    conn: &mut AsyncPgConnection,
+) -> Result<(), CommitError> {
+    let committed = match store.query_timeout {
+        None => Ok(AnsiTransactionManager::commit_transaction(conn).await),
+        Some(limit) => {
+            tokio::time::timeout(limit, AnsiTransactionManager::commit_transaction(conn)).await
+        }
+    };
+    match committed {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(error)) => Err(commit_error(error)),
+        Err(_) => Err(CommitError::Unknown(format!(
+            "COMMIT not answered within {} ms",
+            store.query_timeout.map_or(0, |l| l.as_millis())
+        ))),
+    }
+}
+
+/// Watch the connection for a serialization failure (SQLSTATE 40001) on any statement, the
+/// handler's included: diesel instrumentation on this connection (it replaces the
+/// connection's instrumentation; only installed when serialization retries are on). The flag
+/// is set when one happened since this call.
+pub(crate) fn watch_serialization_failures(conn: &mut AsyncPgConnection) -> Arc<AtomicBool> {
+    let flag = Arc::new(AtomicBool::new(false));
+    conn.set_instrumentation(SerializationWatch(Arc::clone(&flag)));
+    flag
+}
+
+struct SerializationWatch(Arc<AtomicBool>);
+
+impl Instrumentation for SerializationWatch {
+    fn on_connection_event(&mut self, event: InstrumentationEvent<'_>) {
+        if let InstrumentationEvent::FinishQuery {
+            error: Some(error), ..
+        } = event
+        {
+            if is_serialization_failure(error) {
+                self.0.store(true, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+/// Whether a statement error of this transaction was a serialization failure (40001).
+pub(crate) fn is_serialization_failure(error: &DieselError) -> bool {
+    matches!(
+        error,
+        DieselError::DatabaseError(DatabaseErrorKind::SerializationFailure, _)
+    )
+}
+
+/// Whether an error means the connection is gone (the outcome of a COMMIT is then unknown).
+pub(crate) fn is_connection_lost(error: &DieselError) -> bool {
+    matches!(
+        error,
+        DieselError::DatabaseError(
+            DatabaseErrorKind::ClosedConnection | DatabaseErrorKind::UnableToSendCommand,
+            _
+        ) | DieselError::BrokenTransactionManager
+    )
+}
+
+fn commit_error(error: DieselError) -> CommitError {
+    if is_connection_lost(&error) {
+        return CommitError::Unknown(error.to_string());
+    }
+    if let DieselError::RollbackErrorOnCommit { commit_error, .. } = &error {
+        if is_connection_lost(commit_error) {
+            return CommitError::Unknown(error.to_string());
+        }
+    }
+    CommitError::RolledBack {
+        serialization: is_serialization_failure(&error),
+        error,
+    }
+}
+
+/// ROLLBACK, best effort: a connection that cannot roll back is left in a state the pool
+/// recognises as broken (an open or failed transaction), so it is closed, not reused, and
+/// PostgreSQL rolls the transaction back when the session ends.
+pub(crate) async fn rollback(store: &PostgresStore, conn: &mut AsyncPgConnection) {
+    let rolled_back = match store.query_timeout {
+        None => Ok(AnsiTransactionManager::rollback_transaction(conn).await),
+        Some(limit) => {
+            tokio::time::timeout(limit, AnsiTransactionManager::rollback_transaction(conn)).await
+        }
+    };
+    match rolled_back {
+        Ok(Ok(())) | Ok(Err(DieselError::NotInTransaction)) => {}
+        Ok(Err(error)) => {
+            tracing::warn!(target: "idempotency_actix", %error, "ROLLBACK failed; the connection is discarded (the server rolls back when it closes)");
+        }
+        Err(_) => {
+            tracing::warn!(target: "idempotency_actix", "ROLLBACK not answered in time; the connection is discarded");
+        }
+    }
+}
+
+/// After a failed claim (and its rollback): the store's own diagnosis, plus the third
+/// migration's claim function, so a database migrated only to the second migration gets the
+/// "run `idem-cli migrate`" hint instead of an opaque error.
+pub(crate) async fn classify_claim_error(
+    conn: &mut AsyncPgConnection,
+    error: StoreError,
+) -> StoreError {
+    if !matches!(error, StoreError::Backend(_)) {
+        return error;
+    }
+    match ClaimExists.get_result::<ExistsRow>(conn).await {
+        Ok(row) if !row.present => StoreError::NotProvisioned {
+            hint: TX_MIGRATE_HINT.to_owned(),
+        },
+        _ => error,
+    }
+}
+
+/// The hint when the claim function is missing.
+pub const TX_MIGRATE_HINT: &str = "the function `idempotency_tx_claim` (third migration, \
+     needed by transactional mode) does not exist in this database; run `idem-cli migrate`";
+
+fn parse_row(row: ReserveRow, token: uuid::Uuid) -> Result<Option<ReserveOutcome>, StoreError> {
+    match row.outcome.as_str() {
+        "reserved" => {
+            return Ok(Some(ReserveOutcome::Reserved {
+                token: ReservationToken::from_uuid(token),
+            }))
+        }
+        "raced" => return Ok(None),
+        "existing" => {}
+        other => return Err(corrupt(&format!("unknown claim outcome {other:?}"))),
+    }
+    let fingerprint = row
+        .fingerprint
+        .as_deref()
+        .and_then(Fingerprint::from_slice)
+        .ok_or_else(|| corrupt("fingerprint is not 32 bytes"))?;
+    let remaining =
+        Duration::from_micros(u64::try_from(row.lease_remaining_us.unwrap_or(0)).unwrap_or(0));
+    match row.state.as_deref() {
+        Some("completed") => {
+            let status = row
+                .response_status
+                .and_then(|s| u16::try_from(s).ok())
+                .ok_or_else(|| corrupt("response_status missing or negative"))?;
+            let headers =
+                StoredResponse::decode_headers(row.response_headers.as_deref().unwrap_or_default())
+                    .map_err(|e| StoreError::Backend(Box::new(e)))?;
+            Ok(Some(ReserveOutcome::Completed {
+                fingerprint,
+                response: StoredResponse {
+                    status,
+                    headers,
+                    body: Bytes::from(row.response_body.unwrap_or_default()),
+                },
+                expires_in: Some(remaining),
+            }))
+        }
+        Some("in_flight") => Ok(Some(ReserveOutcome::InFlight {
+            fingerprint,
+            lease_remaining: remaining,
+        })),
+        other => Err(corrupt(&format!("unknown state {other:?}"))),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// statements (each with a static query id: prepared once per connection)
+
+/// `SELECT .. FROM idempotency_tx_claim($1..$9)`. Binds: `$1` setting name (NULL: none), `$2`
+/// its value, `$3..$6` scope, `$7` fingerprint, `$8` token, `$9` lease in microseconds.
+pub(crate) struct TxClaim<'a> {
+    pub(crate) setting: Option<&'a str>,
+    pub(crate) setting_value: Option<&'a str>,
+    pub(crate) scope: ScopeBinds<'a>,
+    pub(crate) fingerprint: &'a [u8],
+    pub(crate) token: uuid::Uuid,
+    pub(crate) lease_us: i64,
+}
+
+/// Static query id of [`TxClaim`].
+pub(crate) struct TxClaimId;
+
+impl QueryId for TxClaim<'_> {
+    type QueryId = TxClaimId;
+    const HAS_STATIC_QUERY_ID: bool = true;
+}
+
+impl Query for TxClaim<'_> {
+    type SqlType = Untyped;
+}
+
+impl QueryFragment<Pg> for TxClaim<'_> {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        out.push_sql(
+            "SELECT outcome, state, fingerprint, lease_remaining_us, response_status, \
+             response_headers, response_body, live, eligible FROM idempotency_tx_claim(",
+        );
+        out.push_bind_param::<Nullable<Text>, _>(&self.setting)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Nullable<Text>, _>(&self.setting_value)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Text, _>(&self.scope.tenant)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Text, _>(&self.scope.method)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Text, _>(&self.scope.path)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Text, _>(&self.scope.key)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Bytea, _>(&self.fingerprint)?;
+        out.push_sql(", ");
+        out.push_bind_param::<diesel::sql_types::Uuid, _>(&self.token)?;
+        out.push_sql(", ");
+        out.push_bind_param::<BigInt, _>(&self.lease_us)?;
+        out.push_sql(")");
+        Ok(())
+    }
+}
+
+/// `SELECT set_config($1, $2, true)`: the tenant of a keyless transactional request.
+pub(crate) struct SetTenant<'a> {
+    pub(crate) name: &'a str,
+    pub(crate) value: &'a str,
+}
+
+/// Static query id of [`SetTenant`].
+pub(crate) struct SetTenantId;
+
+impl QueryId for SetTenant<'_> {
+    type QueryId = SetTenantId;
+    const HAS_STATIC_QUERY_ID: bool = true;
+}
+
+impl Query for SetTenant<'_> {
+    type SqlType = Untyped;
+}
+
+impl QueryFragment<Pg> for SetTenant<'_> {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        out.push_sql("SELECT set_config(");
+        out.push_bind_param::<Text, _>(&self.name)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Text, _>(&self.value)?;
+        out.push_sql(", true)");
+        Ok(())
+    }
+}
+
+/// Whether the claim function exists (third migration).
+pub(crate) struct ClaimExists;
+
+/// Static query id of [`ClaimExists`].
+pub(crate) struct ClaimExistsId;
+
+impl QueryId for ClaimExists {
+    type QueryId = ClaimExistsId;
+    const HAS_STATIC_QUERY_ID: bool = true;
+}
+
+impl Query for ClaimExists {
+    type SqlType = Untyped;
+}
+
+impl QueryFragment<Pg> for ClaimExists {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        out.push_sql(
+            "SELECT to_regprocedure('idempotency_tx_claim(text, text, text, text, text, text, \
+             bytea, uuid, bigint)') IS NOT NULL AS present",
+        );
+        Ok(())
+    }
+}
+
+/// The row of [`ClaimExists`].
+#[derive(QueryableByName, Debug)]
+pub(crate) struct ExistsRow {
+    #[diesel(sql_type = Bool)]
+    pub(crate) present: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn claim_binds_each_parameter_once_in_order() {
+        let fingerprint = [0u8; 32];
+        let claim = TxClaim {
+            setting: Some("app.tenant_id"),
+            setting_value: Some("t"),
+            scope: ScopeBinds {
+                tenant: "t",
+                method: "POST",
+                path: "/p",
+                key: "k",
+            },
+            fingerprint: &fingerprint,
+            token: uuid::Uuid::nil(),
+            lease_us: 1,
+        };
+        let sql = diesel::debug_query::<Pg, _>(&claim).to_string();
+        for n in 1..=9 {
+            assert_eq!(sql.matches(&format!("${n}")).count(), 1, "{sql}");
+        }
+        assert!(!sql.contains("$10"), "{sql}");
+    }
+
+    const _: () = {
+        assert!(<TxClaim<'static> as QueryId>::HAS_STATIC_QUERY_ID);
+        assert!(<SetTenant<'static> as QueryId>::HAS_STATIC_QUERY_ID);
+        assert!(<ClaimExists as QueryId>::HAS_STATIC_QUERY_ID);
+    };
+}

@@ -1,0 +1,311 @@
+//! Transactional mode (C25) under real faults: the `payments` example in transactional mode
+//! (`PAYMENTS_TRANSACTIONAL=1`, rows in a real `payments` table) as a child process, SIGKILLed
+//! between the handler's insert and COMMIT, and a private PostgreSQL cluster stopped and
+//! started under load. The `payments` table is the truth about effects: a handler run that was
+//! rolled back leaves nothing there.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use idempotency_actix::store::postgres::run_migrations;
+use idempotency_e2e::proc::{start_cluster_again, PaymentsApp};
+use idempotency_e2e::raw_http::{send_once, Request, Response};
+use idempotency_e2e::records::{count, records_for_key};
+use idempotency_e2e::{block_on_fresh_thread, TempCluster, TestDb};
+
+const CLIENT_TIMEOUT: Duration = Duration::from_secs(15);
+const TENANT: &str = "acct_tx_faults";
+
+fn serial() -> MutexGuard<'static, ()> {
+    static SERIAL: Mutex<()> = Mutex::new(());
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn pay(key: &str, amount: u64, delay_ms: Option<u64>) -> Request {
+    let target = match delay_ms {
+        Some(ms) => format!("/payments?delay_ms={ms}"),
+        None => "/payments".to_owned(),
+    };
+    Request::post(&target)
+        .key(key)
+        .header("x-account-id", TENANT)
+        .json(format!(r#"{{"amount":{amount},"currency":"EUR"}}"#))
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Seen {
+    Created,
+    Replay,
+    Conflict,
+    Unavailable,
+    CommitFailed,
+    CommitUnknown,
+    /// The handler's own statement failed (the database went away mid-handler): its error,
+    /// and everything rolled back.
+    HandlerError,
+}
+
+/// Classify an answer, or explain why it breaks the contract.
+fn classify(response: &Response) -> Result<Seen, String> {
+    let retry_after = response.header("retry-after").is_some();
+    match (response.status, response.problem_code().as_deref()) {
+        (201, None) if response.is_replay() => Ok(Seen::Replay),
+        (201, None) => Ok(Seen::Created),
+        (409, Some("CONFLICT")) if retry_after => Ok(Seen::Conflict),
+        (503, Some("STORAGE_UNAVAILABLE")) if retry_after => Ok(Seen::Unavailable),
+        (503, Some("COMMIT_FAILED")) if retry_after => Ok(Seen::CommitFailed),
+        (503, Some("COMMIT_OUTCOME_UNKNOWN")) if retry_after => Ok(Seen::CommitUnknown),
+        (500, None) if response.body == b"database error" => Ok(Seen::HandlerError),
+        _ => Err(format!("unexpected answer: {}", response.describe())),
+    }
+}
+
+fn rows_for(url: &str, key: &str) -> i64 {
+    count(
+        url,
+        &format!("SELECT count(*) AS n FROM payments WHERE idempotency_key = '{key}'"),
+    )
+}
+
+fn app_env(url: &str) -> Vec<(&'static str, String)> {
+    vec![
+        ("DATABASE_URL", url.to_owned()),
+        ("PAYMENTS_TRANSACTIONAL", "1".to_owned()),
+        ("IDEMPOTENCY_LOCK_TIMEOUT_MS", "10000".to_owned()),
+    ]
+}
+
+fn start(env: &[(&'static str, String)]) -> PaymentsApp {
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    PaymentsApp::start(&env)
+}
+
+/// SIGKILL of the app after the handler's insert and before COMMIT: no `payments` row and no
+/// record remain (PostgreSQL rolled the transaction back when the connection died), and a
+/// retry on another instance runs once, at once (no lease to wait for), then replays.
+#[test]
+fn sigkill_before_commit_leaves_nothing_and_the_retry_runs_once() {
+    let _serial = serial();
+    let db = block_on_fresh_thread(TestDb::new()).expect("a test database");
+    let env = app_env(&db.url);
+    let mut first = start(&env);
+    let second = start(&env);
+    let in_flight = {
+        let addr = first.addr.clone();
+        std::thread::spawn(move || {
+            send_once(&addr, &pay("kill-1", 700, Some(3000)), CLIENT_TIMEOUT)
+        })
+    };
+    // The handler has run its insert once /stats counts it (the delay comes after the insert).
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while first.stats().per_key.get("kill-1").copied().unwrap_or(0) == 0 {
+        assert!(Instant::now() < deadline, "the handler never started");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    first.kill();
+    assert!(
+        in_flight.join().expect("client thread").is_err(),
+        "no answer from a killed app"
+    );
+
+    // PostgreSQL notices the closed socket and rolls back; give it a moment.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let retry = send_once(&second.addr, &pay("kill-1", 700, None), CLIENT_TIMEOUT)
+            .expect("retry answered");
+        match classify(&retry) {
+            Ok(Seen::Created) => break,
+            Ok(Seen::Conflict) if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            other => panic!("retry after the crash: {other:?} {}", retry.describe()),
+        }
+    }
+    assert_eq!(rows_for(&db.url, "kill-1"), 1, "exactly one payment");
+    assert_eq!(second.stats().per_key.get("kill-1").copied(), Some(1));
+    let records = records_for_key(&db.url, "kill-1");
+    assert_eq!(records.len(), 1);
+    assert_eq!(records[0].state, "completed");
+    let again = send_once(&second.addr, &pay("kill-1", 700, None), CLIENT_TIMEOUT).unwrap();
+    assert_eq!(classify(&again), Ok(Seen::Replay));
+    assert_eq!(rows_for(&db.url, "kill-1"), 1);
+    println!("COUNTS sigkill_before_commit: payments rows=1 record=completed retry=fresh run, then replay");
+}
+
+/// The killed instance's transaction must be gone before anything else: checked right after
+/// the kill, before any retry, no row and no record exist.
+#[test]
+fn sigkill_before_commit_nothing_is_visible() {
+    let _serial = serial();
+    let db = block_on_fresh_thread(TestDb::new()).expect("a test database");
+    let env = app_env(&db.url);
+    let mut app = start(&env);
+    let in_flight = {
+        let addr = app.addr.clone();
+        std::thread::spawn(move || {
+            send_once(&addr, &pay("kill-2", 700, Some(3000)), CLIENT_TIMEOUT)
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while app.stats().per_key.get("kill-2").copied().unwrap_or(0) == 0 {
+        assert!(Instant::now() < deadline, "the handler never started");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    app.kill();
+    let _ = in_flight.join();
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(count(&db.url, "SELECT count(*) AS n FROM payments"), 0);
+    assert!(records_for_key(&db.url, "kill-2").is_empty());
+}
+
+/// PostgreSQL stopped for three seconds and started again under transactional load (a third
+/// of the keys sent twice at once): zero double executions (at most one `payments` row per
+/// key, and exactly one once resolved), zero lost commits (every key a client saw created
+/// has its row and a completed record), and nothing left in flight.
+#[test]
+fn database_restart_under_transactional_load() {
+    let _serial = serial();
+    let cluster = TempCluster::start(&[], &[]).expect("a private PostgreSQL cluster");
+    let url = cluster.url();
+    {
+        let url = url.clone();
+        block_on_fresh_thread(async move { run_migrations(&url).await })
+            .expect("migrate")
+            .expect("migrate");
+    }
+    let app = start(&app_env(&url));
+
+    const CLIENTS: usize = 6;
+    let stop = Arc::new(AtomicBool::new(false));
+    let next_key = Arc::new(AtomicUsize::new(0));
+    let log: Arc<Mutex<Vec<(usize, Seen)>>> = Arc::default();
+    let clients: Vec<JoinHandle<Result<(), String>>> = (0..CLIENTS)
+        .map(|_| {
+            let (stop, next_key, log, addr) = (
+                Arc::clone(&stop),
+                Arc::clone(&next_key),
+                Arc::clone(&log),
+                app.addr.clone(),
+            );
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::SeqCst) {
+                    let k = next_key.fetch_add(1, Ordering::SeqCst);
+                    let sends = if k % 3 == 0 { 2 } else { 1 };
+                    for _ in 0..sends {
+                        let response = send_once(
+                            &addr,
+                            &pay(&format!("t-{k}"), 100 + k as u64, None),
+                            CLIENT_TIMEOUT,
+                        )
+                        .map_err(|e| format!("key t-{k}: no answer: {e}"))?;
+                        let seen = classify(&response).map_err(|e| format!("key t-{k}: {e}"))?;
+                        log.lock().unwrap().push((k, seen));
+                    }
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                Ok(())
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(2500));
+    cluster.stop();
+    std::thread::sleep(Duration::from_secs(3));
+    start_cluster_again(&cluster);
+    std::thread::sleep(Duration::from_millis(3500));
+    stop.store(true, Ordering::SeqCst);
+    for client in clients {
+        client
+            .join()
+            .expect("client thread")
+            .expect("contract held");
+    }
+    let during = log.lock().unwrap().clone();
+    let keys_sent = next_key.load(Ordering::SeqCst);
+
+    let mut seen_by_key: HashMap<usize, Vec<Seen>> = HashMap::new();
+    for (k, seen) in &during {
+        seen_by_key.entry(*k).or_default().push(*seen);
+    }
+    // Zero lost commits: every key a client saw created (before any resolving retry) has
+    // its row and its completed record.
+    let mut lost = 0;
+    for (k, seen) in &seen_by_key {
+        if seen.contains(&Seen::Created) && rows_for(&url, &format!("t-{k}")) != 1 {
+            lost += 1;
+        }
+    }
+    // Resolve every key: a replay, or a first run for keys that never committed.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    for k in 0..keys_sent {
+        loop {
+            let response = send_once(
+                &app.addr,
+                &pay(&format!("t-{k}"), 100 + k as u64, None),
+                CLIENT_TIMEOUT,
+            )
+            .unwrap_or_else(|e| panic!("key t-{k} after recovery: {e}"));
+            let seen = classify(&response).unwrap_or_else(|e| panic!("key t-{k}: {e}"));
+            seen_by_key.entry(k).or_default().push(seen);
+            if matches!(seen, Seen::Created | Seen::Replay) {
+                break;
+            }
+            assert!(Instant::now() < deadline, "key t-{k} did not resolve");
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+    let mut tally: HashMap<Seen, u64> = HashMap::new();
+    for seen in during.iter().map(|(_, s)| *s) {
+        *tally.entry(seen).or_default() += 1;
+    }
+    let rows = count(&url, "SELECT count(*) AS n FROM payments");
+    let distinct = count(
+        &url,
+        "SELECT count(DISTINCT idempotency_key) AS n FROM payments",
+    );
+    let completed = count(
+        &url,
+        "SELECT count(*) AS n FROM idempotency_keys WHERE state = 'completed'",
+    );
+    let in_flight = count(
+        &url,
+        "SELECT count(*) AS n FROM idempotency_keys WHERE state <> 'completed'",
+    );
+    let stats = app.stats();
+    println!(
+        "COUNTS database_restart_under_transactional_load: keys={keys_sent} requests_during_load={} {tally:?} \
+         payments_rows={rows} distinct_keys={distinct} completed_records={completed} handler_runs={} lost_commits={lost}",
+        during.len(),
+        stats.total,
+    );
+    assert!(
+        tally.get(&Seen::Unavailable).copied().unwrap_or(0)
+            + tally.get(&Seen::CommitFailed).copied().unwrap_or(0)
+            + tally.get(&Seen::CommitUnknown).copied().unwrap_or(0)
+            + tally.get(&Seen::HandlerError).copied().unwrap_or(0)
+            > 0,
+        "the outage was not seen by any request; the test proved nothing"
+    );
+    assert_eq!(lost, 0, "lost commits");
+    assert_eq!(
+        rows, keys_sent as i64,
+        "one payment per key, no double execution"
+    );
+    assert_eq!(distinct, keys_sent as i64);
+    assert_eq!(completed, keys_sent as i64);
+    assert_eq!(in_flight, 0, "nothing left in flight");
+    for k in 0..keys_sent {
+        let seen = &seen_by_key[&k];
+        let fresh = seen.iter().filter(|s| **s == Seen::Created).count();
+        // One fresh 201 per key; or none when the commit's outcome was reported unknown and
+        // it had in fact committed (the retry then replays it).
+        assert!(
+            fresh == 1 || (fresh == 0 && seen.contains(&Seen::CommitUnknown)),
+            "key t-{k}: {seen:?}"
+        );
+    }
+}

@@ -1,0 +1,725 @@
+//! Transactional mode (C25) against a real PostgreSQL: the reservation, the handler's rows in
+//! `payments` and the stored response commit together or not at all.
+//!
+//! Each test makes its own database with a `payments` table; the handler inserts one row
+//! through `IdempotentTx` and behaves as its query string says (`status`, `fail`, `sleep_ms`,
+//! `big`, `savepoint`, `account`).
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use actix_web::dev::{Service, ServiceResponse};
+use actix_web::http::StatusCode;
+use actix_web::{test, web, App, HttpResponse};
+use diesel::sql_types::{BigInt, Nullable, Text};
+use diesel_async::{AsyncConnection, RunQueryDsl, SimpleAsyncConnection};
+use idempotency_actix::store::postgres::PostgresStore;
+use idempotency_actix::store::{Fingerprint, IdempotencyStore, ReserveOutcome, Scope};
+use idempotency_actix::{Idempotency, IdempotentTx};
+use idempotency_e2e::records::{count, execute, records_for_key};
+use idempotency_e2e::TestDb;
+use serde::Deserialize;
+
+const PAYMENTS: &str = "CREATE TABLE payments (
+    id bigserial PRIMARY KEY,
+    tenant_id text NOT NULL DEFAULT '',
+    idempotency_key text,
+    amount bigint NOT NULL
+)";
+
+#[derive(Deserialize, Default)]
+struct Opts {
+    status: Option<u16>,
+    fail: Option<bool>,
+    sleep_ms: Option<u64>,
+    big: Option<usize>,
+    savepoint: Option<bool>,
+    account: Option<i64>,
+}
+
+#[derive(diesel::QueryableByName)]
+struct Id {
+    #[diesel(sql_type = BigInt)]
+    id: i64,
+}
+
+/// Handler runs in this process.
+#[derive(Clone, Default)]
+struct Runs(Arc<AtomicUsize>);
+
+impl Runs {
+    fn get(&self) -> usize {
+        AtomicUsize::load(&self.0, Ordering::SeqCst)
+    }
+}
+
+async fn pay(
+    tx: IdempotentTx,
+    runs: web::Data<Runs>,
+    opts: web::Query<Opts>,
+    req: actix_web::HttpRequest,
+    body: web::Json<serde_json::Value>,
+) -> actix_web::Result<HttpResponse> {
+    runs.0.fetch_add(1, Ordering::SeqCst);
+    let key = req
+        .headers()
+        .get("idempotency-key")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    let amount = body["amount"].as_i64().unwrap_or(1);
+    let tenant = req
+        .headers()
+        .get("x-account-id")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_owned();
+    let mut conn = tx.conn();
+    if opts.savepoint == Some(true) {
+        // A failing inner transaction: rolled back to its savepoint, the outer one goes on.
+        let inner: Result<(), diesel::result::Error> = conn
+            .transaction::<(), diesel::result::Error, _>(async |c| {
+                diesel::sql_query("INSERT INTO payments (tenant_id, amount) VALUES ('inner', -1)")
+                    .execute(c)
+                    .await?;
+                Err(diesel::result::Error::RollbackTransaction)
+            })
+            .await;
+        assert!(inner.is_err());
+    }
+    let id = diesel::sql_query(
+        "INSERT INTO payments (tenant_id, idempotency_key, amount) VALUES ($1, $2, $3) RETURNING id",
+    )
+    .bind::<Text, _>(&tenant)
+    .bind::<Nullable<Text>, _>(&key)
+    .bind::<BigInt, _>(amount)
+    .get_result::<Id>(&mut *conn)
+    .await
+    .map_err(actix_web::error::ErrorInternalServerError)?
+    .id;
+    if let Some(account) = opts.account {
+        diesel::sql_query("INSERT INTO payment_accounts (payment_id, account_id) VALUES ($1, $2)")
+            .bind::<BigInt, _>(id)
+            .bind::<BigInt, _>(account)
+            .execute(&mut *conn)
+            .await
+            .map_err(actix_web::error::ErrorInternalServerError)?;
+    }
+    drop(conn);
+    if let Some(ms) = opts.sleep_ms {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+    if opts.fail == Some(true) {
+        return Err(actix_web::error::ErrorInternalServerError("handler failed"));
+    }
+    let status = StatusCode::from_u16(opts.status.unwrap_or(201)).unwrap_or(StatusCode::CREATED);
+    let nonce = idempotency_actix::store::ReservationToken::random().as_uuid();
+    let mut body = serde_json::json!({ "id": id, "nonce": nonce.to_string() });
+    if let Some(n) = opts.big {
+        body["pad"] = serde_json::Value::String("x".repeat(n));
+    }
+    Ok(HttpResponse::build(status).json(body))
+}
+
+async fn setup() -> (TestDb, PostgresStore) {
+    let db = TestDb::new().await;
+    execute(&db.url, PAYMENTS);
+    let store = PostgresStore::connect(&db.url).await.unwrap();
+    (db, store)
+}
+
+fn post(key: Option<&str>, query: &str, body: serde_json::Value) -> test::TestRequest {
+    let mut req = test::TestRequest::post()
+        .uri(&format!("/payments{query}"))
+        .insert_header(("x-account-id", "acct_1"))
+        .set_json(body);
+    if let Some(key) = key {
+        req = req.insert_header(("idempotency-key", key));
+    }
+    req
+}
+
+struct Answer {
+    status: StatusCode,
+    replayed: bool,
+    retry_after: bool,
+    body: serde_json::Value,
+}
+
+async fn call<S, B>(app: &S, req: test::TestRequest) -> Answer
+where
+    S: Service<actix_http::Request, Response = ServiceResponse<B>, Error = actix_web::Error>,
+    B: actix_web::body::MessageBody + 'static,
+{
+    let response = match app.call(req.to_request()).await {
+        Ok(response) => response.map_into_boxed_body(),
+        Err(error) => {
+            let response = error.error_response();
+            let (head, body) = response.into_parts();
+            let body = actix_web::body::to_bytes(body).await.unwrap_or_default();
+            return Answer {
+                status: head.status(),
+                replayed: false,
+                retry_after: false,
+                body: serde_json::from_slice(&body).unwrap_or_else(|_| {
+                    serde_json::Value::String(String::from_utf8_lossy(&body).into_owned())
+                }),
+            };
+        }
+    };
+    let status = response.status();
+    let replayed = response.headers().contains_key("idempotent-replayed");
+    let retry_after = response.headers().contains_key("retry-after");
+    let body = test::read_body(response).await;
+    Answer {
+        status,
+        replayed,
+        retry_after,
+        body: serde_json::from_slice(&body).unwrap_or_else(|_| {
+            serde_json::Value::String(String::from_utf8_lossy(&body).into_owned())
+        }),
+    }
+}
+
+macro_rules! app {
+    ($middleware:expr, $runs:expr) => {
+        test::init_service(
+            App::new().app_data(web::Data::new($runs.clone())).service(
+                web::scope("")
+                    .wrap($middleware)
+                    .route("/payments", web::post().to(pay))
+                    .route("/payments", web::get().to(pay)),
+            ),
+        )
+        .await
+    };
+}
+
+fn tx_middleware(store: &PostgresStore) -> Idempotency<PostgresStore> {
+    Idempotency::builder(store.clone())
+        .tenant_header("x-account-id")
+        .transactional()
+        .build()
+}
+
+fn payments(db: &TestDb) -> i64 {
+    count(&db.url, "SELECT count(*) AS n FROM payments")
+}
+
+/// A miss commits the row and the record together; the retry replays byte for byte without
+/// running the handler or adding a row; another body gets 422.
+#[actix_web::test]
+async fn miss_commits_row_and_record_together_then_replays() {
+    let (db, store) = setup().await;
+    let runs = Runs::default();
+    let app = app!(tx_middleware(&store), runs);
+
+    let first = call(
+        &app,
+        post(Some("k1"), "", serde_json::json!({"amount": 10})),
+    )
+    .await;
+    assert_eq!(first.status, StatusCode::CREATED, "{}", first.body);
+    assert_eq!(payments(&db), 1);
+    let records = records_for_key(&db.url, "k1");
+    assert_eq!(records.len(), 1);
+    assert_eq!(records[0].state, "completed");
+
+    let retry = call(
+        &app,
+        post(Some("k1"), "", serde_json::json!({"amount": 10})),
+    )
+    .await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(retry.replayed);
+    assert_eq!(retry.body, first.body, "the replay is the stored response");
+    assert_eq!(runs.get(), 1);
+    assert_eq!(payments(&db), 1);
+
+    let other = call(
+        &app,
+        post(Some("k1"), "", serde_json::json!({"amount": 11})),
+    )
+    .await;
+    assert_eq!(other.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(other.body["code"], "FINGERPRINT_MISMATCH");
+    assert_eq!(payments(&db), 1);
+}
+
+/// A 4xx and a handler error roll the handler's row back with the reservation: nothing is
+/// left, and the retry runs the handler again (from a clean slate).
+#[actix_web::test]
+async fn non_storable_response_and_handler_error_roll_back_the_handlers_writes() {
+    let (db, store) = setup().await;
+    let runs = Runs::default();
+    let app = app!(tx_middleware(&store), runs);
+
+    let rejected = call(
+        &app,
+        post(Some("k4"), "?status=400", serde_json::json!({"amount": 1})),
+    )
+    .await;
+    assert_eq!(rejected.status, StatusCode::BAD_REQUEST);
+    assert_eq!(payments(&db), 0, "a 4xx keeps none of the handler's writes");
+    assert!(records_for_key(&db.url, "k4").is_empty());
+
+    let failed = call(
+        &app,
+        post(Some("k4"), "?fail=true", serde_json::json!({"amount": 1})),
+    )
+    .await;
+    assert_eq!(failed.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(payments(&db), 0, "a handler error keeps none of its writes");
+    assert!(records_for_key(&db.url, "k4").is_empty());
+
+    let ok = call(&app, post(Some("k4"), "", serde_json::json!({"amount": 1}))).await;
+    assert_eq!(ok.status, StatusCode::CREATED);
+    assert!(!ok.replayed);
+    assert_eq!(runs.get(), 3);
+    assert_eq!(payments(&db), 1);
+}
+
+/// The handler's own `transaction()` is a savepoint inside the request's transaction: its
+/// rollback undoes only its part, and it never commits the outer transaction.
+#[actix_web::test]
+async fn handler_transaction_is_a_savepoint() {
+    let (db, store) = setup().await;
+    let runs = Runs::default();
+    let app = app!(tx_middleware(&store), runs);
+
+    let ok = call(
+        &app,
+        post(
+            Some("s1"),
+            "?savepoint=true",
+            serde_json::json!({"amount": 5}),
+        ),
+    )
+    .await;
+    assert_eq!(ok.status, StatusCode::CREATED, "{}", ok.body);
+    assert_eq!(
+        count(
+            &db.url,
+            "SELECT count(*) AS n FROM payments WHERE tenant_id = 'inner'"
+        ),
+        0
+    );
+    assert_eq!(payments(&db), 1);
+
+    // Had the inner transaction committed the outer one, this 4xx could not undo its row.
+    let rejected = call(
+        &app,
+        post(
+            Some("s2"),
+            "?savepoint=true&status=409",
+            serde_json::json!({"amount": 5}),
+        ),
+    )
+    .await;
+    assert_eq!(rejected.status, StatusCode::CONFLICT);
+    assert_eq!(payments(&db), 1);
+    assert!(records_for_key(&db.url, "s2").is_empty());
+}
+
+/// A duplicate while the first transaction is open gets 409 with Retry-After at once (a
+/// different body too: the first fingerprint is not visible yet), and today's-mode reserve on
+/// the same table is not blocked either; after the commit the duplicate replays.
+#[actix_web::test]
+async fn duplicate_while_open_gets_409_at_once_then_replays() {
+    let (db, store) = setup().await;
+    let runs = Runs::default();
+    let app = app!(tx_middleware(&store), runs);
+
+    let first = call(
+        &app,
+        post(
+            Some("d1"),
+            "?sleep_ms=1500",
+            serde_json::json!({"amount": 7}),
+        ),
+    );
+    let probes = async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let started = Instant::now();
+        let same = call(
+            &app,
+            post(
+                Some("d1"),
+                "?sleep_ms=1500",
+                serde_json::json!({"amount": 7}),
+            ),
+        )
+        .await;
+        let other = call(
+            &app,
+            post(
+                Some("d1"),
+                "?sleep_ms=1500",
+                serde_json::json!({"amount": 8}),
+            ),
+        )
+        .await;
+        // Default mode's reserve function on the same scope: must not wait on the open row.
+        let scope = Scope {
+            tenant: "acct_1".into(),
+            method: "POST".into(),
+            path: "/payments".into(),
+            key: "d1".into(),
+        };
+        let plain = store
+            .reserve(&scope, &Fingerprint([1; 32]), Duration::from_secs(60))
+            .await
+            .unwrap();
+        (same, other, plain, started.elapsed())
+    };
+    let (first, (same, other, plain, took)) = futures_util::future::join(first, probes).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(same.status, StatusCode::CONFLICT);
+    assert!(same.retry_after);
+    assert_eq!(
+        other.status,
+        StatusCode::CONFLICT,
+        "another body: 409 until the first commits"
+    );
+    assert!(
+        matches!(plain, ReserveOutcome::InFlight { .. }),
+        "{plain:?}"
+    );
+    assert!(
+        took < Duration::from_millis(700),
+        "not blocked behind the open transaction: {took:?}"
+    );
+
+    let after = call(
+        &app,
+        post(
+            Some("d1"),
+            "?sleep_ms=1500",
+            serde_json::json!({"amount": 7}),
+        ),
+    )
+    .await;
+    assert!(after.replayed);
+    assert_eq!(after.body, first.body);
+    let mismatch = call(&app, post(Some("d1"), "", serde_json::json!({"amount": 8}))).await;
+    assert_eq!(
+        mismatch.status,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "422 once committed"
+    );
+    assert_eq!(runs.get(), 1);
+    assert_eq!(payments(&db), 1);
+}
+
+/// With `wait_for_in_flight`, the duplicate waits for the first transaction and replays it.
+#[actix_web::test]
+async fn wait_mode_replays_after_the_first_commits() {
+    let (db, store) = setup().await;
+    let runs = Runs::default();
+    let middleware = Idempotency::builder(store.clone())
+        .tenant_header("x-account-id")
+        .wait_for_in_flight(Duration::from_secs(5))
+        .transactional()
+        .build();
+    let app = app!(middleware, runs);
+    let first = call(
+        &app,
+        post(
+            Some("w1"),
+            "?sleep_ms=500",
+            serde_json::json!({"amount": 7}),
+        ),
+    );
+    let second = async {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        call(
+            &app,
+            post(
+                Some("w1"),
+                "?sleep_ms=500",
+                serde_json::json!({"amount": 7}),
+            ),
+        )
+        .await
+    };
+    let (first, second) = futures_util::future::join(first, second).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert!(second.replayed);
+    assert_eq!(second.body, first.body);
+    assert_eq!(payments(&db), 1);
+}
+
+/// COMMIT fails on a deferred foreign key: the client gets COMMIT_FAILED (never the
+/// handler's 201), no payment and no record remain, and the retry runs the handler.
+#[actix_web::test]
+async fn failed_commit_answers_a_problem_and_leaves_nothing() {
+    let (db, store) = setup().await;
+    execute(
+        &db.url,
+        "CREATE TABLE accounts (id bigint PRIMARY KEY);
+         CREATE TABLE payment_accounts (
+             payment_id bigint NOT NULL,
+             account_id bigint NOT NULL REFERENCES accounts (id) DEFERRABLE INITIALLY DEFERRED
+         )",
+    );
+    let runs = Runs::default();
+    let app = app!(tx_middleware(&store), runs);
+
+    let failed = call(
+        &app,
+        post(Some("c1"), "?account=42", serde_json::json!({"amount": 3})),
+    )
+    .await;
+    assert_eq!(
+        failed.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{}",
+        failed.body
+    );
+    assert_eq!(failed.body["code"], "COMMIT_FAILED");
+    assert!(failed.retry_after);
+    assert!(
+        failed.body.get("id").is_none(),
+        "never the handler's response"
+    );
+    assert_eq!(payments(&db), 0);
+    assert!(records_for_key(&db.url, "c1").is_empty());
+
+    execute(&db.url, "INSERT INTO accounts VALUES (42)");
+    let retry = call(
+        &app,
+        post(Some("c1"), "?account=42", serde_json::json!({"amount": 3})),
+    )
+    .await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(
+        !retry.replayed,
+        "the retry runs (nothing was committed before)"
+    );
+    assert_eq!(runs.get(), 2);
+    assert_eq!(payments(&db), 1);
+    assert_eq!(records_for_key(&db.url, "c1")[0].state, "completed");
+}
+
+/// A storable response over `max_response_bytes` cannot be sent without being stored: rolled
+/// back, answered with RESPONSE_TOO_LARGE.
+#[actix_web::test]
+async fn storable_response_over_the_limit_is_rolled_back() {
+    let (db, store) = setup().await;
+    let runs = Runs::default();
+    let middleware = Idempotency::builder(store.clone())
+        .tenant_header("x-account-id")
+        .max_response_bytes(1024)
+        .transactional()
+        .build();
+    let app = app!(middleware, runs);
+    let big = call(
+        &app,
+        post(Some("b1"), "?big=4096", serde_json::json!({"amount": 3})),
+    )
+    .await;
+    assert_eq!(big.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(big.body["code"], "RESPONSE_TOO_LARGE");
+    assert_eq!(payments(&db), 0);
+    assert!(records_for_key(&db.url, "b1").is_empty());
+}
+
+/// Without a key the extractor still works: a plain transaction, committed with a 2xx and
+/// rolled back with a 4xx; no record either way.
+#[actix_web::test]
+async fn keyless_requests_get_a_plain_transaction() {
+    let (db, store) = setup().await;
+    let runs = Runs::default();
+    let app = app!(tx_middleware(&store), runs);
+    let ok = call(&app, post(None, "", serde_json::json!({"amount": 3}))).await;
+    assert_eq!(ok.status, StatusCode::CREATED, "{}", ok.body);
+    let rejected = call(
+        &app,
+        post(None, "?status=400", serde_json::json!({"amount": 3})),
+    )
+    .await;
+    assert_eq!(rejected.status, StatusCode::BAD_REQUEST);
+    assert_eq!(payments(&db), 1);
+    assert_eq!(
+        count(&db.url, "SELECT count(*) AS n FROM idempotency_keys"),
+        0
+    );
+}
+
+/// Outside a transactional scope (a method the middleware does not cover, or no middleware
+/// at all) the extractor answers 500 and the handler does not run.
+#[actix_web::test]
+async fn extractor_outside_a_transactional_scope_is_a_500() {
+    let (db, store) = setup().await;
+    let runs = Runs::default();
+    let app = app!(tx_middleware(&store), runs);
+    let get = call(
+        &app,
+        test::TestRequest::get()
+            .uri("/payments")
+            .set_json(serde_json::json!({"amount": 1})),
+    )
+    .await;
+    assert_eq!(get.status, StatusCode::INTERNAL_SERVER_ERROR);
+
+    let plain = app!(Idempotency::new(store.clone()), runs);
+    let keyed = call(
+        &plain,
+        post(Some("x1"), "", serde_json::json!({"amount": 1})),
+    )
+    .await;
+    assert_eq!(keyed.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(runs.get(), 0);
+    assert_eq!(payments(&db), 0);
+}
+
+/// A pool with one connection held by a running request: the next request gets 503 within
+/// the connection timeout and its handler does not run.
+#[actix_web::test]
+async fn exhausted_pool_answers_503_without_running_the_handler() {
+    let (db, _) = setup().await;
+    let store = PostgresStore::builder(db.url.clone())
+        .max_size(1)
+        .connection_timeout(Duration::from_millis(300))
+        .build()
+        .await
+        .unwrap();
+    let runs = Runs::default();
+    let app = app!(tx_middleware(&store), runs);
+    let first = call(
+        &app,
+        post(
+            Some("p1"),
+            "?sleep_ms=1200",
+            serde_json::json!({"amount": 1}),
+        ),
+    );
+    let second = async {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let started = Instant::now();
+        let answer = call(&app, post(Some("p2"), "", serde_json::json!({"amount": 1}))).await;
+        (answer, started.elapsed())
+    };
+    let (first, (second, took)) = futures_util::future::join(first, second).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(second.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(second.body["code"], "STORAGE_UNAVAILABLE");
+    assert!(took < Duration::from_millis(1000), "{took:?}");
+    assert_eq!(runs.get(), 1);
+    assert_eq!(payments(&db), 1);
+}
+
+/// Serialization retries re-run the handler after a serialization failure at COMMIT (a
+/// write skew with a transaction outside the app that commits first), and the client gets the
+/// one committed run's response. Guards the retry path (COMMIT error 40001 -> run again).
+#[actix_web::test]
+async fn serializable_conflicts_are_retried_when_enabled() {
+    let (db, store) = setup().await;
+    let runs = Runs::default();
+    let middleware = Idempotency::builder(store.clone())
+        .tenant_header("x-account-id")
+        .transactional()
+        .isolation_level(idempotency_actix::store::postgres::IsolationLevel::Serializable)
+        .retry_serialization_failures(3);
+    let app = test::init_service(
+        App::new().app_data(web::Data::new(runs.clone())).service(
+            web::scope("")
+                .wrap(middleware.build())
+                .route("/payments", web::post().to(skew)),
+        ),
+    )
+    .await;
+    let request = call(&app, post(Some("z1"), "", serde_json::json!({"amount": 1})));
+    let external = async {
+        // Reads and writes the same table as the handler, and commits while the handler's
+        // transaction is open: the handler's COMMIT then fails with 40001.
+        let mut conn = idempotency_actix::store::postgres::establish(&db.url)
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        conn.batch_execute(
+            "BEGIN ISOLATION LEVEL SERIALIZABLE; SELECT count(*) FROM payments; \
+             INSERT INTO payments (amount) VALUES (100)",
+        )
+        .await
+        .unwrap();
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        conn.batch_execute("COMMIT").await.unwrap();
+    };
+    let (answer, ()) = futures_util::future::join(request, external).await;
+    assert_eq!(answer.status, StatusCode::CREATED, "{}", answer.body);
+    assert_eq!(runs.get(), 2, "run once more after the failed COMMIT");
+    assert_eq!(answer.body["seen"], 1, "the re-run saw the external row");
+    assert_eq!(payments(&db), 2);
+    assert_eq!(records_for_key(&db.url, "z1")[0].state, "completed");
+}
+
+/// Without the retry option, the loser of a write skew fails and nothing of it remains.
+#[actix_web::test]
+async fn serializable_conflict_without_retries_is_commit_failed() {
+    let (db, store) = setup().await;
+    let runs = Runs::default();
+    let middleware = Idempotency::builder(store.clone())
+        .tenant_header("x-account-id")
+        .transactional()
+        .isolation_level(idempotency_actix::store::postgres::IsolationLevel::Serializable);
+    let app = test::init_service(
+        App::new().app_data(web::Data::new(runs.clone())).service(
+            web::scope("")
+                .wrap(middleware.build())
+                .route("/payments", web::post().to(skew)),
+        ),
+    )
+    .await;
+    let a = call(&app, post(Some("z1"), "", serde_json::json!({"amount": 1})));
+    let b = call(&app, post(Some("z2"), "", serde_json::json!({"amount": 2})));
+    let (a, b) = futures_util::future::join(a, b).await;
+    // The loser fails at COMMIT (COMMIT_FAILED) or at its own INSERT (the handler's 500),
+    // depending on timing; either way nothing of it remains.
+    let (winner, loser) = if a.status == StatusCode::CREATED {
+        (&a, &b)
+    } else {
+        (&b, &a)
+    };
+    assert_eq!(winner.status, StatusCode::CREATED);
+    assert!(
+        loser.body["code"] == "COMMIT_FAILED" || loser.status == StatusCode::INTERNAL_SERVER_ERROR,
+        "{} {}",
+        loser.status,
+        loser.body
+    );
+    assert_eq!(payments(&db), 1);
+    assert_eq!(
+        count(&db.url, "SELECT count(*) AS n FROM idempotency_keys"),
+        1
+    );
+}
+
+#[derive(diesel::QueryableByName)]
+struct N {
+    #[diesel(sql_type = BigInt)]
+    n: i64,
+}
+
+async fn skew(tx: IdempotentTx, runs: web::Data<Runs>) -> actix_web::Result<HttpResponse> {
+    runs.0.fetch_add(1, Ordering::SeqCst);
+    let n = {
+        let mut conn = tx.conn();
+        diesel::sql_query("SELECT count(*) AS n FROM payments")
+            .get_result::<N>(&mut *conn)
+            .await
+            .map_err(actix_web::error::ErrorInternalServerError)?
+            .n
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let mut conn = tx.conn();
+    diesel::sql_query("INSERT INTO payments (amount) VALUES ($1)")
+        .bind::<BigInt, _>(n)
+        .execute(&mut *conn)
+        .await
+        .map_err(actix_web::error::ErrorInternalServerError)?;
+    drop(conn);
+    // Both write before either commits: the conflict surfaces at COMMIT of the second.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    Ok(HttpResponse::Created().json(serde_json::json!({ "seen": n })))
+}
