@@ -62,7 +62,7 @@
 
 mod flow;
 mod forward;
-mod replay;
+pub(crate) mod replay;
 
 use std::future::{ready, Ready};
 use std::rc::Rc;
