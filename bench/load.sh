@@ -10,17 +10,20 @@
 # and prints one table. Raw results: bench-results/load-<time>.jsonl and .json. Everything it
 # started is stopped by PID on exit. See docs/benchmarks.md for what each case means.
 #
-# Knobs (environment): BENCH_DURATION (s per run, 10), BENCH_RUNS (rounds, 2),
+# Knobs (environment): BENCH_DURATION (s per run, 10), BENCH_RUNS (rounds, 5),
 # BENCH_THREADS (wrk threads, 2), BENCH_CONNECTIONS (wrk connections, 64), BENCH_POOL
 # (database connections per server and pgbench clients, 16), BENCH_WORKERS (actix workers, 2),
 # BENCH_WAIT_QUIET (s to wait for a quiet machine, 120), BENCH_DATABASE_URL (an existing
 # server's admin URL instead of the throwaway cluster; pg_stat_statements must be loaded
-# there for the statement counts), BENCH_CASES (space-separated subset of the cases).
+# there for the statement counts), BENCH_CASES (space-separated subset of the cases),
+# BENCH_SCALE (1: also run the scale curves of bench/scale.sh after the cases; only: run just
+# the scale curves; they take up to 30 minutes and about 10 GB of disk, and are not for CI).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 DURATION=${BENCH_DURATION:-10}
-RUNS=${BENCH_RUNS:-2}
+RUNS=${BENCH_RUNS:-5}
+SCALE=${BENCH_SCALE:-}
 THREADS=${BENCH_THREADS:-2}
 CONNECTIONS=${BENCH_CONNECTIONS:-64}
 POOL=${BENCH_POOL:-16}
@@ -91,7 +94,10 @@ log "load average at start: $LOAD_START; when measuring began: $LOAD_BEFORE"
 log "building the bench server (release)"
 cargo build --release -q -p idempotency-actix --example bench_server
 TARGET_DIR=$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')
-SERVER="$TARGET_DIR/release/examples/bench_server"
+# A private copy: the target directory is shared, and another checkout's build of the same
+# example would replace the binary under us.
+cp "$TARGET_DIR/release/examples/bench_server" "$WORK/bench_server"
+SERVER="$WORK/bench_server"
 
 # --- PostgreSQL ------------------------------------------------------------------------------
 as_postgres() {
@@ -147,19 +153,27 @@ PSQL_ARGS="psql $DB_URL"
 
 # --- servers ---------------------------------------------------------------------------------
 declare -A PORT MODE EXTRA
+# memory: sized so that no request is refused during the run (10 M records, no byte bound:
+# 5 rounds of the miss cases store about 4 M); memory-evicting: at the default 100,000-record
+# bound with live-record eviction opted in; memory-metrics: memory with metrics-exporter-
+# prometheus's recorder installed. postgres-fast: the store with the replay fast path.
 PORT[bare]=18081;            MODE[bare]=bare
-PORT[memory]=18082;          MODE[memory]=memory
+PORT[memory]=18082;          MODE[memory]=memory;          EXTRA[memory]="--max-entries 10000000"
 PORT[postgres]=18083;        MODE[postgres]=postgres
 PORT[postgres-cached]=18084; MODE[postgres-cached]=postgres-cached
 PORT[postgres-async]=18085;  MODE[postgres-async]=postgres; EXTRA[postgres-async]="--sync-commit off"
 PORT[raw]=18086;             MODE[raw]=raw
+PORT[memory-evicting]=18087; MODE[memory-evicting]=memory-evicting; EXTRA[memory-evicting]="--max-entries 100000"
+PORT[memory-metrics]=18088;  MODE[memory-metrics]=memory;  EXTRA[memory-metrics]="--max-entries 10000000 --metrics prometheus"
+PORT[postgres-fast]=18089;   MODE[postgres-fast]=postgres; EXTRA[postgres-fast]="--replay-fast-path on"
 # A handler that inserts one payments row: default mode (own connection), transactional mode,
 # and the hand-written one-transaction anchor (docs/transactional.md, docs/benchmarks.md).
-PORT[payments-today]=18087;  MODE[payments-today]=payments-today
-PORT[payments-tx]=18088;     MODE[payments-tx]=payments-tx
-PORT[payments-raw]=18089;    MODE[payments-raw]=payments-raw
-SERVERS="bare memory postgres postgres-cached postgres-async raw payments-today payments-tx payments-raw"
+PORT[payments-today]=18090;  MODE[payments-today]=payments-today
+PORT[payments-tx]=18091;     MODE[payments-tx]=payments-tx
+PORT[payments-raw]=18092;    MODE[payments-raw]=payments-raw
+SERVERS="bare memory memory-evicting memory-metrics postgres postgres-fast postgres-cached postgres-async raw payments-today payments-tx payments-raw"
 declare -A SERVER_PID
+if [ "$SCALE" = only ]; then SERVERS=""; fi
 for name in $SERVERS; do
   # shellcheck disable=SC2086
   "$SERVER" serve --mode "${MODE[$name]}" --addr "127.0.0.1:${PORT[$name]}" --workers "$WORKERS" \
@@ -167,23 +181,30 @@ for name in $SERVERS; do
   SERVER_PID[$name]=$!
   PIDS+=("$!")
 done
-for name in "${!SERVER_PID[@]}"; do
+wait_up() { # name port pid
   for _ in $(seq 1 100); do
-    curl -s -o /dev/null -X POST -H 'content-type: application/json' -d '{}' "http://127.0.0.1:${PORT[$name]}/payments" && break
-    kill -0 "${SERVER_PID[$name]}" 2>/dev/null || { cat "$WORK/$name.log" >&2; exit 1; }
+    curl -s -o /dev/null -X POST -H 'content-type: application/json' -d '{}' "http://127.0.0.1:$2/payments" && return 0
+    kill -0 "$3" 2>/dev/null || { cat "$WORK/$1.log" >&2; exit 1; }
     sleep 0.1
   done
+}
+for name in "${!SERVER_PID[@]}"; do
+  wait_up "$name" "${PORT[$name]}" "${SERVER_PID[$name]}"
 done
 ALL_SERVER_PIDS="${PIDS[*]}"
 
 # --- cases -----------------------------------------------------------------------------------
 # name|server|script|uses the database
-CASES_ALL="bare-miss|bare|miss bare-replay|bare|replay memory-miss|memory|miss memory-replay|memory|replay \
-postgres-miss|postgres|miss postgres-replay|postgres|replay raw-miss|raw|miss raw-replay|raw|replay \
-pgbench-miss|-|miss pgbench-replay|-|replay pgbench-store-replay|-|store_replay pgbench-fn-replay|-|fn_replay \
-postgres-cached-replay|postgres-cached|replay \
+# Each case runs right after its anchor, so the two see the same load (the ratio is per round).
+CASES_ALL="bare-miss|bare|miss memory-miss|memory|miss memory-metrics-miss|memory-metrics|miss \
+memory-evicting-miss|memory-evicting|miss \
+bare-replay|bare|replay memory-replay|memory|replay postgres-cached-replay|postgres-cached|replay \
+raw-miss|raw|miss postgres-miss|postgres|miss postgres-fast-miss|postgres-fast|miss \
 postgres-async-miss|postgres-async|miss \
-payments-today-miss|payments-today|miss payments-tx-miss|payments-tx|miss payments-raw-miss|payments-raw|miss \
+raw-replay|raw|replay postgres-replay|postgres|replay postgres-fast-replay|postgres-fast|replay \
+pgbench-replay|-|replay pgbench-store-replay|-|store_replay pgbench-fn-replay|-|fn_replay \
+pgbench-miss|-|miss \
+payments-raw-miss|payments-raw|miss payments-today-miss|payments-today|miss payments-tx-miss|payments-tx|miss \
 payments-tx-replay|payments-tx|replay"
 SELECTED=${BENCH_CASES:-}
 
@@ -210,6 +231,7 @@ for name in $SERVERS; do
   wrk -t"$THREADS" -c"$CONNECTIONS" -d1s -s bench/miss.lua "http://127.0.0.1:${PORT[$name]}" -- "warm-$STAMP" >/dev/null
 done
 
+[ "$SCALE" = only ] && RUNS=0
 for run in $(seq 1 "$RUNS"); do
   log "round $run of $RUNS"
   for spec in $CASES_ALL; do
@@ -228,7 +250,7 @@ done
 # miss path, one wrk thread, 16 connections) runs against the PostgreSQL server. The same
 # traffic without a purge first, as the baseline. BENCH_PURGE_ROWS (1000000), BENCH_PURGE=0 skips.
 PURGE_JSON="{}"
-if [ "${BENCH_PURGE:-1}" != 0 ] && [ -z "$SELECTED" ]; then
+if [ "${BENCH_PURGE:-1}" != 0 ] && [ -z "$SELECTED" ] && [ "$SCALE" != only ]; then
   ROWS=${BENCH_PURGE_ROWS:-1000000}
   log "purge: building idem-cli (release)"
   cargo build --release -q -p idempotency-cli
@@ -264,6 +286,11 @@ for name in $SERVERS; do
 done
 HWM="${HWM%,}}"
 FOOTPRINT=$("$SERVER" footprint --records 100000)
+SCALE_JSON="{}"
+if [ -n "$SCALE" ]; then
+  # shellcheck source=bench/scale.sh
+  source bench/scale.sh
+fi
 STORE_LEN_NOTE="memory store bounded at 100000 records (MemoryStore default)"
 LOAD_END=$(cut -d' ' -f1-3 /proc/loadavg)
 
@@ -272,4 +299,4 @@ python3 bench/report.py "$RESULTS" "$OUT/load-$STAMP.json" \
     stamp "$STAMP" duration_s "$DURATION" runs "$RUNS" wrk "-t$THREADS -c$CONNECTIONS" pool "$POOL" \
     workers "$WORKERS" cores "$CORES" load_at_start "$LOAD_START" load_measuring "$LOAD_BEFORE" \
     load_end "$LOAD_END" database "$SETTINGS" note "$STORE_LEN_NOTE")" \
-  --hwm "$HWM" --footprint "$FOOTPRINT" --purge "$PURGE_JSON"
+  --hwm "$HWM" --footprint "$FOOTPRINT" --purge "$PURGE_JSON" --scale "$SCALE_JSON"

@@ -11,7 +11,8 @@ COMMAND is wrk (with bench/common.lua's `done`, which prints a `JSON {...}` line
   load generator (this script's children). The rest is other people's work on the machine:
   `foreign_cpu_pct`, the noise figure of the case, in percent of all CPUs.
 - with --psql: statements run on the benchmark database (pg_stat_statements, reset before
-  the case) and transactions committed (pg_stat_database.xact_commit), per request.
+  the case; every top-level statement but this script's probes, so a function call counts
+  as the one statement it is on the wire) and transactions committed (pg_stat_database.xact_commit), per request.
 """
 
 import json
@@ -140,7 +141,9 @@ def main():
             "SELECT coalesce(sum(calls), 0), "
             "coalesce(sum(calls) FILTER (WHERE query ILIKE 'select%' OR query ILIKE 'with%'), 0) "
             "FROM pg_stat_statements s JOIN pg_database d ON d.oid = s.dbid "
-            "WHERE d.datname = current_database() AND (query ILIKE '%idempotency_keys%' OR query ILIKE '%bench_reserve%') "
+            # Every statement sent to the benchmark database (the store's function call names
+            # no table), except this script's own probes, which all read pg_stat_* views.
+            "WHERE d.datname = current_database() AND s.toplevel "
             "AND query NOT ILIKE '%pg_stat%'",
         )
         commits1 = int(psql(psql_args, "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()") or 0)

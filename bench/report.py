@@ -8,29 +8,37 @@ import json
 import statistics
 import sys
 
-# (label, numerator case, denominator case, target)
+# (label, numerator case, denominator case, target). Each case runs right after its anchor in
+# every round (bench/load.sh), and the value is the median of the per-round ratios.
 RATIOS = [
-    ("(2) memory miss / bare", "memory-miss", "bare-miss", 0.85),
-    ("(2) memory replay / bare", "memory-replay", "bare-replay", 0.90),
+    ("(2) memory miss (sized, 10 M) / bare", "memory-miss", "bare-miss", 0.85),
+    ("(2) memory miss (at bound, evicting) / bare", "memory-evicting-miss", "bare-miss", 0.85),
+    ("(2) memory replay / bare", "memory-replay", "bare-replay", 0.95),
+    ("memory miss, prometheus recorder / none", "memory-metrics-miss", "memory-miss", 0.97),
     ("(3) postgres miss / raw-SQL anchor", "postgres-miss", "raw-miss", 0.95),
     ("(3) postgres replay / raw-SQL anchor", "postgres-replay", "raw-replay", 0.95),
+    ("(3) postgres miss, replay fast path / raw", "postgres-fast-miss", "raw-miss", 0.95),
+    ("(3) postgres replay, replay fast path / raw", "postgres-fast-replay", "raw-replay", 0.95),
+    ("postgres miss, fast path / function only", "postgres-fast-miss", "postgres-miss", None),
+    ("postgres replay, fast path / function only", "postgres-fast-replay", "postgres-replay", None),
     ("(3) postgres miss / pgbench", "postgres-miss", "pgbench-miss", None),
     ("(3) postgres replay / pgbench", "postgres-replay", "pgbench-replay", None),
     ("(4) raw miss / pgbench", "raw-miss", "pgbench-miss", None),
     ("(4) raw replay / pgbench", "raw-replay", "pgbench-replay", None),
     ("(5) pgbench: store's reserve / plain SELECT", "pgbench-store-replay", "pgbench-replay", None),
     ("(5) pgbench: read-first function / plain SELECT", "pgbench-fn-replay", "pgbench-replay", None),
-    ("cached postgres replay / bare", "postgres-cached-replay", "bare-replay", 0.80),
+    ("cached postgres replay / bare", "postgres-cached-replay", "bare-replay", 0.95),
     ("postgres miss, sync commit off / on", "postgres-async-miss", "postgres-miss", None),
     ("(6) transactional payments miss / one-transaction anchor", "payments-tx-miss", "payments-raw-miss", 0.95),
     ("(6) transactional / default mode, payments miss", "payments-tx-miss", "payments-today-miss", None),
 ]
 
 ORDER = [
-    "bare-miss", "bare-replay", "memory-miss", "memory-replay", "postgres-miss",
-    "postgres-replay", "postgres-cached-replay", "postgres-async-miss", "raw-miss",
-    "raw-replay", "pgbench-miss", "pgbench-replay", "pgbench-store-replay", "pgbench-fn-replay",
-    "payments-today-miss", "payments-tx-miss", "payments-raw-miss", "payments-tx-replay",
+    "bare-miss", "memory-miss", "memory-metrics-miss", "memory-evicting-miss", "bare-replay",
+    "memory-replay", "postgres-cached-replay", "raw-miss", "postgres-miss", "postgres-fast-miss",
+    "postgres-async-miss", "raw-replay", "postgres-replay", "postgres-fast-replay",
+    "pgbench-replay", "pgbench-store-replay", "pgbench-fn-replay", "pgbench-miss",
+    "payments-raw-miss", "payments-today-miss", "payments-tx-miss", "payments-tx-replay",
 ]
 
 
@@ -70,9 +78,14 @@ def main():
             for b in by_case[den]:
                 if a["run"] == b["run"]:
                     per_round.append(a["rps"] / b["rps"])
-        value = summary[num]["rps"] / summary[den]["rps"]
+        if not per_round:
+            continue
+        value = statistics.median(per_round)
+        cpu = (summary[num]["server_cpu_us_per_request"], summary[den]["server_cpu_us_per_request"])
         ratios.append({
             "ratio": label, "value": value, "per_round": [round(x, 3) for x in per_round],
+            "noise": round(max(per_round) - min(per_round), 3),
+            "app_cpu_us": cpu,
             "target": target,
             "met": None if target is None else value >= target,
         })
@@ -93,11 +106,12 @@ def main():
               f"{fmt(s['server_cpu_us_per_request'], '10.1f')} {fmt(s['db_cpu_us_per_request'], '9.1f')} "
               f"{fmt(s['foreign_cpu_pct'], '10.1f')}% {s['errors']:>6}")
     print()
-    print(f"{'ratio (req/s)':<40} {'value':>6} {'per round':>16} {'target':>7}")
+    print(f"{'ratio (req/s, median of rounds)':<46} {'value':>6} {'per round':>34} {'app µs/req':>13} {'target':>7}")
     for r in ratios:
         target = "-" if r["target"] is None else f">={r['target']:.2f}"
         met = "" if r["met"] is None else ("  met" if r["met"] else "  MISSED")
-        print(f"{r['ratio']:<40} {r['value']:6.3f} {'/'.join(map(str, r['per_round'])):>16} {target:>7}{met}")
+        cpu = "/".join(fmt(c, ".1f") for c in r["app_cpu_us"])
+        print(f"{r['ratio']:<46} {r['value']:6.3f} {'/'.join(map(str, r['per_round'])):>34} {cpu:>13} {target:>7}{met}")
     print()
     meta = json.loads(opts.get("--meta", "{}"))
     hwm = json.loads(opts.get("--hwm", "{}"))
@@ -129,16 +143,29 @@ def main():
                   f"{fmt(s['statements_per_request'], '.2f')} | {fmt(s['commits_per_request'], '.2f')} | "
                   f"{fmt(s['server_cpu_us_per_request'], '.1f')} | {fmt(s['db_cpu_us_per_request'], '.1f')} | "
                   f"{fmt(s['foreign_cpu_pct'], '.1f')} % |")
-    md += ["", "| ratio (req/s, same session) | value | per round | target | |", "|---|---:|---:|---:|---|"]
+    md += ["", "| ratio (req/s, median of the per-round ratios) | value | per round | spread | app CPU µs/req (case / anchor) | target | |", "|---|---:|---:|---:|---:|---:|---|"]
     for r in ratios:
         target = "" if r["target"] is None else f">= {r['target']:.2f}"
         met = "" if r["met"] is None else ("met" if r["met"] else "**missed**")
-        md.append(f"| {r['ratio']} | {r['value']:.3f} | {' / '.join(map(str, r['per_round']))} | {target} | {met} |")
+        cpu = " / ".join(fmt(c, ".1f") for c in r["app_cpu_us"])
+        md.append(f"| {r['ratio']} | {r['value']:.3f} | {' / '.join(map(str, r['per_round']))} | {r['noise']:.3f} | {cpu} | {target} | {met} |")
+    scale = json.loads(opts.get("--scale", "{}"))
+    for title, rows_ in scale.items():
+        if not rows_:
+            continue
+        cols = list(rows_[0].keys())
+        md += ["", f"**{title}**", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        print(f"\n{title}")
+        print("  " + " | ".join(cols))
+        for row in rows_:
+            cells = [str(row.get(c, "")) for c in cols]
+            md.append("| " + " | ".join(cells) + " |")
+            print("  " + " | ".join(cells))
     with open(out_path.replace(".json", ".md"), "w") as f:
         f.write("\n".join(md) + "\n")
 
     with open(out_path, "w") as f:
-        json.dump({"meta": meta, "cases": summary, "ratios": ratios, "peak_rss_kib": hwm,
+        json.dump({"meta": meta, "cases": summary, "ratios": ratios, "peak_rss_kib": hwm, "scale": json.loads(opts.get("--scale", "{}")),
                    "memory_store_footprint": footprint, "purge": purge, "runs": rows}, f, indent=2)
     print(f"written: {out_path}")
 

@@ -3,7 +3,8 @@
 //! ```text
 //! bench_server serve --mode bare|memory|memory-cached|postgres|postgres-cached|raw|payments-today|payments-tx|payments-raw \
 //!     [--addr 127.0.0.1:18080] [--workers 2] [--database-url URL] [--pool 16] [--sync-commit off]
-//!     [--max-entries 100000]
+//!     [--max-entries 100000] [--metrics prometheus] [--body-bytes N] [--tenant-header NAME]
+//!     [--replay-fast-path on] [--prefill N]
 //! bench_server serve --mode redis|redis-raw --redis-url redis://127.0.0.1:6379 [--workers 2]
 //! bench_server footprint [--records 100000]
 //! bench_server migrate --database-url URL
@@ -36,10 +37,22 @@
 //!   commit for everything); `payments-raw`: no middleware, the anchor: one hand-written
 //!   transaction (BEGIN, reservation INSERT, payment INSERT, response UPDATE, COMMIT) over a
 //!   plain pool.
+//! - `memory-evicting`: the memory store at its `--max-entries` bound with live-record eviction
+//!   opted in (`evict_live_completed_when_full`).
+//!
+//! Options for the scale curves and the overhead cases: `--metrics prometheus` installs
+//! metrics-exporter-prometheus's recorder (no listener: the recorder alone, as an app that
+//! serves `/metrics` has it); `--body-bytes N` makes the handler answer an N-byte body (bare
+//! and middleware modes alike) instead of the 60-byte document; `--tenant-header NAME` scopes
+//! records by that request header; `--replay-fast-path on` builds the PostgreSQL store with
+//! `PostgresStoreBuilder::replay_fast_path(true)`; `--prefill N` (mode `memory`) stores N
+//! completed records before serving and prints `PREFILL {json}` with the resident memory per
+//! record.
 //!
 //! `footprint` fills a memory store with records shaped like the benchmark's and prints the
 //! resident memory per record, as JSON.
 
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use actix_web::http::header;
@@ -62,14 +75,31 @@ use idempotency_actix::{Idempotency, IdempotentTx};
 
 const RESPONSE_BODY: &str = r#"{"id":1,"amount":1000,"currency":"EUR","status":"succeeded"}"#;
 
+/// The handler's response body: [`RESPONSE_BODY`], or `--body-bytes` bytes of JSON.
+static BODY: OnceLock<Bytes> = OnceLock::new();
+
+/// A JSON document of exactly `len` bytes (at least the smallest one, `{"p":""}`).
+fn body_of_len(len: usize) -> Bytes {
+    let filler = len.saturating_sub(8);
+    let mut body = Vec::with_capacity(len.max(8));
+    body.extend_from_slice(b"{\"p\":\"");
+    body.resize(6 + filler, b'x');
+    body.extend_from_slice(b"\"}");
+    Bytes::from(body)
+}
+
 async fn create_payment(body: Bytes) -> HttpResponse {
     if body.is_empty() {
         return HttpResponse::BadRequest().finish();
     }
+    let response = BODY
+        .get()
+        .cloned()
+        .unwrap_or_else(|| Bytes::from_static(RESPONSE_BODY.as_bytes()));
     HttpResponse::Created()
         .insert_header((header::LOCATION, "/payments/1"))
         .content_type("application/json")
-        .body(RESPONSE_BODY)
+        .body(response)
 }
 
 /// The response the handler gives, as the store keeps it.
@@ -97,6 +127,11 @@ struct Args {
     records: usize,
     max_entries: usize,
     redis_url: String,
+    metrics: bool,
+    body_bytes: Option<usize>,
+    tenant_header: Option<String>,
+    replay_fast_path: bool,
+    prefill: usize,
 }
 
 fn parse_args() -> Result<(String, Args), String> {
@@ -112,6 +147,11 @@ fn parse_args() -> Result<(String, Args), String> {
         records: 100_000,
         max_entries: 100_000,
         redis_url: "redis://127.0.0.1:6379".into(),
+        metrics: false,
+        body_bytes: None,
+        tenant_header: None,
+        replay_fast_path: false,
+        prefill: 0,
     };
     while let Some(flag) = argv.next() {
         let mut value = || argv.next().ok_or(format!("{flag} needs a value"));
@@ -125,6 +165,15 @@ fn parse_args() -> Result<(String, Args), String> {
             "--records" => args.records = value()?.parse().map_err(|e| format!("{e}"))?,
             "--max-entries" => args.max_entries = value()?.parse().map_err(|e| format!("{e}"))?,
             "--redis-url" => args.redis_url = value()?,
+            "--metrics" => match value()?.as_str() {
+                "prometheus" => args.metrics = true,
+                "none" => args.metrics = false,
+                other => return Err(format!("--metrics prometheus|none, not {other}")),
+            },
+            "--body-bytes" => args.body_bytes = Some(value()?.parse().map_err(|e| format!("{e}"))?),
+            "--tenant-header" => args.tenant_header = Some(value()?),
+            "--replay-fast-path" => args.replay_fast_path = value()? == "on",
+            "--prefill" => args.prefill = value()?.parse().map_err(|e| format!("{e}"))?,
             other => return Err(format!("unknown argument {other}")),
         }
     }
@@ -133,6 +182,19 @@ fn parse_args() -> Result<(String, Args), String> {
 
 fn main() -> std::io::Result<()> {
     let (command, args) = parse_args().map_err(std::io::Error::other)?;
+    if let Some(len) = args.body_bytes {
+        let _ = BODY.set(body_of_len(len));
+    }
+    // The recorder alone, as an app serving `/metrics` has it; the handle renders on scrape.
+    let _handle = if args.metrics {
+        Some(
+            metrics_exporter_prometheus::PrometheusBuilder::new()
+                .install_recorder()
+                .map_err(std::io::Error::other)?,
+        )
+    } else {
+        None
+    };
     match command.as_str() {
         "serve" => actix_web::rt::System::new().block_on(serve(args)),
         "footprint" => actix_web::rt::System::new().block_on(footprint(args.records)),
@@ -165,6 +227,7 @@ async fn postgres_store(args: &Args) -> std::io::Result<PostgresStore> {
         .max_size(args.pool)
         .min_idle(Some(args.pool))
         .synchronous_commit(args.sync_commit)
+        .replay_fast_path(args.replay_fast_path)
         .build()
         .await
         .map_err(std::io::Error::other)
@@ -174,9 +237,15 @@ async fn postgres_store(args: &Args) -> std::io::Result<PostgresStore> {
 macro_rules! serve_with_store {
     ($args:expr, $store:expr) => {{
         let store = $store;
+        let tenant_header = $args.tenant_header.clone();
         HttpServer::new(move || {
+            let builder = Idempotency::builder(store.clone());
+            let middleware = match &tenant_header {
+                Some(name) => builder.tenant_header(name.as_str()).build(),
+                None => builder.build(),
+            };
             App::new()
-                .wrap(Idempotency::new(store.clone()))
+                .wrap(middleware)
                 .route("/payments", web::post().to(create_payment))
         })
         .workers($args.workers)
@@ -196,13 +265,16 @@ async fn serve(args: Args) -> std::io::Result<()> {
                 .await
         }
         // Sized by --max-entries, no byte bound: no request is refused while it has room.
-        "memory" => serve_with_store!(
-            args,
-            MemoryStore::builder()
+        "memory" => {
+            let store = MemoryStore::builder()
                 .max_entries(args.max_entries)
                 .max_bytes(usize::MAX)
-                .build()
-        ),
+                .build();
+            if args.prefill > 0 {
+                println!("PREFILL {}", fill(&store, args.prefill).await?);
+            }
+            serve_with_store!(args, store)
+        }
         // At the bound with live-record eviction opted in (the cache-like setting).
         "memory-evicting" => serve_with_store!(
             args,
@@ -586,6 +658,13 @@ async fn footprint(records: usize) -> std::io::Result<()> {
         .max_entries(records)
         .max_bytes(usize::MAX)
         .build();
+    println!("{}", fill(&store, records).await?);
+    Ok(())
+}
+
+/// Store `records` completed records shaped like the benchmark's; the resident memory they
+/// took, as JSON.
+async fn fill(store: &MemoryStore, records: usize) -> std::io::Result<String> {
     let response = stored_response();
     let lease = Duration::from_secs(60);
     let ttl = Duration::from_secs(86_400);
@@ -612,13 +691,12 @@ async fn footprint(records: usize) -> std::io::Result<()> {
             .map_err(std::io::Error::other)?;
     }
     let after = rss_kib();
-    let per_record = (after.saturating_sub(before) * 1024) as f64 / records as f64;
-    println!(
+    let per_record = (after.saturating_sub(before) * 1024) as f64 / records.max(1) as f64;
+    Ok(format!(
         "{{\"records\":{records},\"rss_before_kib\":{before},\"rss_after_kib\":{after},\
          \"bytes_per_record\":{per_record:.0},\"response_bytes\":{}}}",
         response.size_bytes()
-    );
-    Ok(())
+    ))
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -86,15 +86,24 @@ impl fmt::Debug for Fingerprint {
 
 /// `application/json` or any `application/*+json`, parameters ignored, case-insensitive.
 pub fn is_json_content_type(content_type: &str) -> bool {
+    // Compared in place, case-insensitively: this runs on every keyed request, and lowering
+    // a copy of the header cost an allocation each time.
+    const APPLICATION: &[u8] = b"application/";
     let essence = content_type
         .split(';')
         .next()
         .unwrap_or_default()
         .trim()
-        .to_ascii_lowercase();
-    match essence.strip_prefix("application/") {
-        Some(sub) => sub == "json" || sub.ends_with("+json"),
-        None => false,
+        .as_bytes();
+    match essence.split_at_checked(APPLICATION.len()) {
+        Some((prefix, sub)) if prefix.eq_ignore_ascii_case(APPLICATION) => {
+            sub.eq_ignore_ascii_case(b"json")
+                || sub
+                    .len()
+                    .checked_sub(5)
+                    .is_some_and(|start| sub[start..].eq_ignore_ascii_case(b"+json"))
+        }
+        _ => false,
     }
 }
 

@@ -72,6 +72,7 @@ pub use fingerprint::Fingerprint;
 pub mod internals {
     pub use crate::fingerprint::{canonical_json, is_json_content_type, MAX_JSON_DEPTH};
     pub use crate::key::{parse_key, to_sf_string, KeyError};
+    pub use crate::middleware::replay::replay as replay_response;
 }
 pub use key::IdempotencyKey;
 pub use middleware::Idempotency;

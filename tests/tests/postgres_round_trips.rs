@@ -185,3 +185,56 @@ async fn every_operation_is_one_round_trip_once_prepared() {
     assert_eq!(first.get(b'P'), 1, "{first:?}");
     println!("reserve (first use on a connection): {first:?}");
 }
+
+/// With the replay fast path on, a replay is one round trip (the plain SELECT, and no call of
+/// the function) and a miss two (the SELECT that finds nothing, then the function); neither
+/// prepares anything once warm.
+#[tokio::test]
+async fn replay_fast_path_replays_in_one_round_trip_and_misses_in_two() {
+    let db = TestDb::new().await;
+    if db.url.contains("sslmode=") && !db.url.contains("sslmode=disable") {
+        eprintln!("skipped: the proxy cannot count messages inside TLS");
+        return;
+    }
+    let proxy = PgProxy::for_url(&db.url).await.unwrap();
+    let store = PostgresStore::builder(proxy.url_through(&db.url))
+        .max_size(1)
+        .replay_fast_path(true)
+        .build()
+        .await
+        .unwrap();
+    for key in ["warm", "warm2"] {
+        let ReserveOutcome::Reserved { token } = reserve(&store, key, &FP).await else {
+            panic!("warm-up reserve");
+        };
+        store
+            .complete(&scope(key), &token, &response(), LEASE)
+            .await
+            .unwrap();
+        reserve(&store, key, &FP).await; // the fast path's statement, prepared
+    }
+
+    let mut token = None;
+    let miss = measured(&proxy, async {
+        match reserve(&store, "k", &FP).await {
+            ReserveOutcome::Reserved { token: t } => token = Some(t),
+            other => panic!("{other:?}"),
+        }
+    })
+    .await;
+    assert_eq!(miss.round_trips(), 2, "miss: {miss:?}");
+    assert_eq!(miss.get(b'P'), 0, "miss prepared a statement: {miss:?}");
+    store
+        .complete(&scope("k"), &token.unwrap(), &response(), LEASE)
+        .await
+        .unwrap();
+
+    let replay = measured(&proxy, async {
+        let ReserveOutcome::Completed { response: r, .. } = reserve(&store, "k", &FP).await else {
+            panic!("expected a replay");
+        };
+        assert_eq!(r, response());
+    })
+    .await;
+    assert_one_round_trip("reserve (replay, fast path)", &replay);
+}

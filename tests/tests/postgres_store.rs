@@ -31,6 +31,19 @@ async fn postgres_store_conforms() {
     conformance::run_all(&store).await;
 }
 
+/// The replay fast path (a plain SELECT of a live completed record before the function) must
+/// not change any outcome: the whole store-neutral suite, with it on.
+#[tokio::test]
+async fn postgres_store_with_replay_fast_path_conforms() {
+    let db = TestDb::new().await;
+    let store = PostgresStore::builder(&db.url)
+        .replay_fast_path(true)
+        .build()
+        .await
+        .unwrap();
+    conformance::run_all(&store).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_store_conforms_on_a_multi_thread_runtime() {
     let db = TestDb::new().await;

@@ -127,7 +127,9 @@ where
         );
         let (answer, answered) = oneshot::channel();
         let settle = self.settle(req, scope, fingerprint, body, report.clone(), answer);
-        actix_rt::spawn(settle.instrument(span.clone()));
+        // Boxed here, so the spawn moves a pointer instead of copying the whole state machine
+        // (several kilobytes: every await point of the handler's path) into the task cell.
+        actix_rt::spawn(Box::pin(settle).instrument(span.clone()));
         match answered.await {
             Ok(result) => result,
             // The task ended without an answer: the handler panicked. Its reservation stays
@@ -655,13 +657,26 @@ async fn read_body(req: &mut ServiceRequest, max: usize) -> Result<Result<Bytes,
         return Ok(Err(too_large()));
     }
     let mut payload = req.take_payload();
-    let mut body = BytesMut::with_capacity(declared.map_or(0, |len| len as usize));
+    // A body that arrives in one chunk (most small bodies: actix splits it off its read buffer)
+    // is kept as that chunk, without a copy; only a second chunk starts a buffer.
+    let mut first: Option<Bytes> = None;
+    let mut body = BytesMut::new();
+    let mut read = 0usize;
     while let Some(chunk) = payload.next().await {
         let chunk = chunk?;
-        if body.len() + chunk.len() > max {
+        read = read.saturating_add(chunk.len());
+        if read > max {
             return Ok(Err(too_large()));
+        }
+        if first.is_none() && body.is_empty() {
+            first = Some(chunk);
+            continue;
+        }
+        if let Some(first) = first.take() {
+            body.reserve(declared.map_or(read, |len| len as usize).max(read));
+            body.extend_from_slice(&first);
         }
         body.extend_from_slice(&chunk);
     }
-    Ok(Ok(body.freeze()))
+    Ok(Ok(first.unwrap_or_else(|| body.freeze())))
 }

@@ -62,7 +62,7 @@
 
 mod flow;
 mod forward;
-mod replay;
+pub(crate) mod replay;
 #[cfg(feature = "postgres")]
 mod transactional;
 

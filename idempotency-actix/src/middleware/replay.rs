@@ -54,10 +54,7 @@ pub(super) fn storable_headers(headers: &HeaderMap, deny: &[HeaderName]) -> Vec<
 /// header accepts none here, stricter than RFC 9110, because clients that send none, like plain
 /// `curl`, cannot decode), and any other retry gets `406 REPLAY_NOT_ACCEPTABLE`. Wrapping
 /// `Compress` outside `Idempotency` avoids the question: records are stored unencoded.
-pub(super) fn replay(
-    stored: StoredResponse,
-    request: &impl HttpMessage,
-) -> Result<HttpResponse, Problem> {
+pub fn replay(stored: StoredResponse, request: &impl HttpMessage) -> Result<HttpResponse, Problem> {
     if let Some(coding) = stored_encoding(&stored) {
         if !accepts(request, &coding) {
             return Err(Problem::new(

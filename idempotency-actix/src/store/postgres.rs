@@ -83,7 +83,7 @@ use super::{
     Fingerprint, IdempotencyStore, ReservationToken, ReserveOutcome, Scope, StoreError,
     StoredResponse, WriteOutcome,
 };
-use sql::{Complete, PurgeBatch, Release, Reserve, ReserveRow, ScopeBinds};
+use sql::{Complete, PurgeBatch, Release, ReplayRead, Reserve, ReserveRow, ScopeBinds};
 use tls::ConnectTarget;
 
 /// The pool type [`PostgresStore::new`] takes.
@@ -121,6 +121,7 @@ pub struct PostgresStore {
     query_timeout: Option<Duration>,
     last_connect_error: Arc<Mutex<Option<String>>>,
     purge_batch: u32,
+    replay_fast_path: bool,
 }
 
 impl std::fmt::Debug for PostgresStore {
@@ -149,6 +150,7 @@ pub struct PostgresStoreBuilder {
     max_lifetime: Option<Duration>,
     purge_batch: u32,
     synchronous_commit: bool,
+    replay_fast_path: bool,
 }
 
 impl std::fmt::Debug for PostgresStoreBuilder {
@@ -164,6 +166,7 @@ impl std::fmt::Debug for PostgresStoreBuilder {
             .field("max_lifetime", &self.max_lifetime)
             .field("purge_batch", &self.purge_batch)
             .field("synchronous_commit", &self.synchronous_commit)
+            .field("replay_fast_path", &self.replay_fast_path)
             .finish()
     }
 }
@@ -260,6 +263,21 @@ impl PostgresStoreBuilder {
         self
     }
 
+    /// Whether `reserve` first runs a plain prepared `SELECT` of a live completed record and
+    /// calls the reserve function only when it finds none. Default `false`.
+    ///
+    /// `true` makes a replay cost what a primary-key `SELECT` costs (the function's PL/pgSQL
+    /// call costs the database more, `docs/benchmarks.md`) and adds one round trip, on the same
+    /// pooled connection, to every other `reserve` (misses, in-flight keys, mismatches read from
+    /// an in-flight row). Turn it on for replay-heavy traffic (clients that retry a lot, or a
+    /// gateway that replays on purpose); `docs/benchmarks.md` has both paths measured both
+    /// ways. Either way the outcome of every `reserve` is the same: a completed record never
+    /// changes until it expires, and everything else is still decided by the function.
+    pub fn replay_fast_path(mut self, on: bool) -> Self {
+        self.replay_fast_path = on;
+        self
+    }
+
     /// Build the pool and the store. Connections are opened lazily (apart from `min_idle`), so
     /// this succeeds while the database is down; requests then get 503 until it is back.
     ///
@@ -290,6 +308,7 @@ impl PostgresStoreBuilder {
             query_timeout: self.query_timeout,
             last_connect_error,
             purge_batch: self.purge_batch,
+            replay_fast_path: self.replay_fast_path,
         })
     }
 }
@@ -395,6 +414,7 @@ impl PostgresStore {
             pool,
             last_connect_error: Arc::new(Mutex::new(None)),
             purge_batch: DEFAULT_PURGE_BATCH,
+            replay_fast_path: false,
         }
     }
 
@@ -421,6 +441,7 @@ impl PostgresStore {
             max_lifetime: None,
             purge_batch: DEFAULT_PURGE_BATCH,
             synchronous_commit: true,
+            replay_fast_path: false,
         }
     }
 
@@ -510,58 +531,86 @@ impl PostgresStore {
         let Some(row) = rows.into_iter().next() else {
             return Err(corrupt("idempotency_reserve returned no row"));
         };
-        match row.outcome.as_str() {
-            "reserved" => {
-                let token = ReservationToken::from_uuid(query.token);
-                return Ok(Some(ReserveOutcome::Reserved { token }));
-            }
-            // The key changed under every one of the function's own attempts; nothing was
-            // written. The caller calls again.
-            "raced" => return Ok(None),
-            "existing" => {}
-            other => return Err(corrupt(&format!("unknown reserve outcome {other:?}"))),
+        decode_reserve_row(row, query.token)
+    }
+
+    /// The replay fast path: the live completed record, if there is one.
+    async fn replay_read(
+        &self,
+        conn: &mut AsyncPgConnection,
+        scope: &Scope,
+    ) -> Result<Option<ReserveOutcome>, StoreError> {
+        let query = ReplayRead {
+            scope: scope_binds(scope),
+        };
+        let rows: Vec<ReserveRow> = match query.load(conn).await {
+            Ok(rows) => rows,
+            Err(e) => return Err(classify_query_error(conn, e).await),
+        };
+        match rows.into_iter().next() {
+            // The token is never used: the row's outcome is `existing`.
+            Some(row) => decode_reserve_row(row, uuid::Uuid::nil()),
+            None => Ok(None),
         }
-        let fingerprint = row
-            .fingerprint
-            .as_deref()
-            .and_then(Fingerprint::from_slice)
-            .ok_or_else(|| corrupt("fingerprint is not 32 bytes"))?;
-        let live = row.live.unwrap_or(false);
-        let eligible = row.eligible.unwrap_or(false);
-        // Time left on the lease (in flight) or before expiry (completed), by the database's clock.
-        let remaining =
-            Duration::from_micros(u64::try_from(row.lease_remaining_us.unwrap_or(0)).unwrap_or(0));
-        if !live && eligible {
-            // The function takes such a row over (or re-reads it) instead of returning it.
-            return Err(corrupt("ended, eligible row returned as existing"));
+    }
+}
+
+/// One row of the reserve function (or of the replay fast path, which has its shape):
+/// `None` when the function answered `raced`.
+fn decode_reserve_row(
+    row: ReserveRow,
+    token: uuid::Uuid,
+) -> Result<Option<ReserveOutcome>, StoreError> {
+    match row.outcome.as_str() {
+        "reserved" => {
+            let token = ReservationToken::from_uuid(token);
+            return Ok(Some(ReserveOutcome::Reserved { token }));
         }
-        match row.state.as_deref() {
-            Some("completed") => {
-                let status = row
-                    .response_status
-                    .and_then(|s| u16::try_from(s).ok())
-                    .ok_or_else(|| corrupt("response_status missing or negative"))?;
-                let headers = StoredResponse::decode_headers(
-                    row.response_headers.as_deref().unwrap_or_default(),
-                )
-                .map_err(|e| StoreError::Backend(Box::new(e)))?;
-                let completed = ReserveOutcome::Completed {
-                    fingerprint,
-                    response: StoredResponse {
-                        status,
-                        headers,
-                        body: Bytes::from(row.response_body.unwrap_or_default()),
-                    },
-                    expires_in: Some(remaining),
-                };
-                Ok(Some(completed))
-            }
-            Some("in_flight") => Ok(Some(ReserveOutcome::InFlight {
+        // The key changed under every one of the function's own attempts; nothing was
+        // written. The caller calls again.
+        "raced" => return Ok(None),
+        "existing" => {}
+        other => return Err(corrupt(&format!("unknown reserve outcome {other:?}"))),
+    }
+    let fingerprint = row
+        .fingerprint
+        .as_deref()
+        .and_then(Fingerprint::from_slice)
+        .ok_or_else(|| corrupt("fingerprint is not 32 bytes"))?;
+    let live = row.live.unwrap_or(false);
+    let eligible = row.eligible.unwrap_or(false);
+    // Time left on the lease (in flight) or before expiry (completed), by the database's clock.
+    let remaining =
+        Duration::from_micros(u64::try_from(row.lease_remaining_us.unwrap_or(0)).unwrap_or(0));
+    if !live && eligible {
+        // The function takes such a row over (or re-reads it) instead of returning it.
+        return Err(corrupt("ended, eligible row returned as existing"));
+    }
+    match row.state.as_deref() {
+        Some("completed") => {
+            let status = row
+                .response_status
+                .and_then(|s| u16::try_from(s).ok())
+                .ok_or_else(|| corrupt("response_status missing or negative"))?;
+            let headers =
+                StoredResponse::decode_headers(row.response_headers.as_deref().unwrap_or_default())
+                    .map_err(|e| StoreError::Backend(Box::new(e)))?;
+            let completed = ReserveOutcome::Completed {
                 fingerprint,
-                lease_remaining: remaining,
-            })),
-            other => Err(corrupt(&format!("unknown state {other:?}"))),
+                response: StoredResponse {
+                    status,
+                    headers,
+                    body: Bytes::from(row.response_body.unwrap_or_default()),
+                },
+                expires_in: Some(remaining),
+            };
+            Ok(Some(completed))
         }
+        Some("in_flight") => Ok(Some(ReserveOutcome::InFlight {
+            fingerprint,
+            lease_remaining: remaining,
+        })),
+        other => Err(corrupt(&format!("unknown state {other:?}"))),
     }
 }
 
@@ -604,6 +653,11 @@ impl IdempotencyStore for PostgresStore {
             lease_us: micros(lease).max(1),
         };
         let mut conn = self.conn().await?;
+        if self.replay_fast_path {
+            if let Some(replay) = self.timed(self.replay_read(&mut conn, scope)).await? {
+                return Ok(replay);
+            }
+        }
         for attempt in 1..=RESERVE_ATTEMPTS {
             if let Some(outcome) = self.timed(self.reserve_once(&mut conn, &query)).await? {
                 return Ok(outcome);

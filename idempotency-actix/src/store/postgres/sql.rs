@@ -115,6 +115,37 @@ impl QueryFragment<Pg> for Reserve<'_> {
     }
 }
 
+/// The replay fast path ([`PostgresStoreBuilder::replay_fast_path`](super::PostgresStoreBuilder::replay_fast_path)):
+/// a plain primary-key `SELECT` of a *live completed* record, shaped like a row of
+/// [`Reserve`] (outcome `existing`, `live` and `eligible` true) so one decoder serves both.
+/// Binds: `$1..$4` scope. No row means "not a replay": the caller then calls [`Reserve`],
+/// which decides everything else (absent, in flight, ended) as before. It only reads, so it
+/// cannot change what `reserve` decides: a completed record is immutable until it expires,
+/// and one that expires between this read and a later call is the function's to take over.
+pub(crate) struct ReplayRead<'a> {
+    pub(crate) scope: ScopeBinds<'a>,
+}
+
+cached_statement!(ReplayRead, ReplayReadId);
+
+const REPLAY_READ_SQL_HEAD: &str = "\
+SELECT 'existing'::text AS outcome, state, fingerprint,
+       (extract(epoch FROM expires_at - now()) * 1000000)::bigint AS lease_remaining_us,
+       response_status, response_headers, response_body, true AS live, true AS eligible
+FROM idempotency_keys
+WHERE (tenant, method, path, idempotency_key) = (";
+// $1, $2, $3, $4 (scope), then:
+const REPLAY_READ_SQL_TAIL: &str = ") AND state = 'completed' AND expires_at > now()";
+
+impl QueryFragment<Pg> for ReplayRead<'_> {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        out.push_sql(REPLAY_READ_SQL_HEAD);
+        push_scope(&mut out, &self.scope)?;
+        out.push_sql(REPLAY_READ_SQL_TAIL);
+        Ok(())
+    }
+}
+
 /// One row of the reserve statement.
 #[derive(QueryableByName, Debug)]
 pub(crate) struct ReserveRow {
