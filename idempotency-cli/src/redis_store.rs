@@ -233,7 +233,7 @@ impl Redis<'_> {
             state: state.to_owned(),
             status: number(fields::STATUS).and_then(|s| i16::try_from(s).ok()),
             token: text(fields::TOKEN),
-            fingerprint_hex: crate::output::hex(
+            fingerprint_hex: crate::output::hex::hex(
                 hash.get(fields::FINGERPRINT).map_or(&[][..], Vec::as_slice),
             ),
             created_at: timestamp(created),

@@ -2,13 +2,16 @@
 
 use diesel::sql_types::{Nullable, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use base64::prelude::{Engine as _, BASE64_STANDARD};
 use idempotency_actix::store::StoredResponse;
 use serde_json::{json, Value};
 
 use crate::cli::{Format, ScopeArgs, ShowArgs};
 use crate::duration::format_age_secs;
 use crate::error::CliError;
-use crate::output::{base64, display, hex, hex_dump, pretty_json, tenant_label, Out};
+use crate::output::hex::{hex, hex_dump};
+use crate::output::json::pretty_json;
+use crate::output::{display, tenant_label, Out};
 use crate::record::{DetailRow, RECORD_COLUMNS};
 
 /// How much of a binary body the text output shows.
@@ -100,7 +103,7 @@ pub(crate) fn detail_json(row: &DetailRow) -> Value {
                     .iter()
                     .map(|(name, v)| match std::str::from_utf8(v) {
                         Ok(text) => json!({ "name": name, "value": text }),
-                        Err(_) => json!({ "name": name, "value_base64": base64(v) }),
+                        Err(_) => json!({ "name": name, "value_base64": BASE64_STANDARD.encode(v) }),
                     })
                     .collect(),
             ),
@@ -116,7 +119,7 @@ pub(crate) fn detail_json(row: &DetailRow) -> Value {
             "status": row.record.status,
             "headers": headers,
             "body_bytes": body.len(),
-            "body_base64": base64(body),
+            "body_base64": BASE64_STANDARD.encode(body),
             "body_json": body_json,
             "body_text": body_text,
         });
