@@ -1,24 +1,36 @@
-//! Pretty-printing a stored JSON body for `show`'s text output.
+//! Re-indenting a stored JSON body for `show`: pretty for the text output, compact (one line)
+//! for `--format json`.
 //!
 //! Home-made on purpose: serde_json's pretty printer re-encodes a parsed value, which reorders
 //! keys, drops duplicates and rounds large numbers, so the operator would see a body that was
 //! never sent. This only re-indents the stored text (after serde_json checked that it is JSON);
 //! every token is copied as stored.
 
-/// Pretty-print JSON text with two-space indentation, keeping the stored key order (parsing into
-/// `serde_json::Value` would sort object keys and show the operator a body that was never sent).
+/// Pretty-print JSON text with two-space indentation, keeping the stored tokens and key order.
 /// Returns `None` unless `bytes` is valid JSON.
 pub fn pretty_json(bytes: &[u8]) -> Option<String> {
+    reformat(bytes, true)
+}
+
+/// JSON text on one line: the whitespace between tokens removed, every token (key order,
+/// duplicate keys, numbers of any size) as stored. Returns `None` unless `bytes` is valid JSON.
+pub fn compact_json(bytes: &[u8]) -> Option<String> {
+    reformat(bytes, false)
+}
+
+fn reformat(bytes: &[u8], pretty: bool) -> Option<String> {
     serde_json::from_slice::<serde::de::IgnoredAny>(bytes).ok()?;
     let text = std::str::from_utf8(bytes).ok()?;
-    let mut out = String::with_capacity(text.len() * 2);
+    let mut out = String::with_capacity(if pretty { text.len() * 2 } else { text.len() });
     let mut depth = 0usize;
     let mut in_string = false;
     let mut escaped = false;
     let mut chars = text.chars().peekable();
     let newline = |out: &mut String, depth: usize| {
-        out.push('\n');
-        out.push_str(&" ".repeat(depth * 2));
+        if pretty {
+            out.push('\n');
+            out.push_str(&" ".repeat(depth * 2));
+        }
     };
     while let Some(c) = chars.next() {
         if in_string {
@@ -61,7 +73,7 @@ pub fn pretty_json(bytes: &[u8]) -> Option<String> {
                 out.push(c);
                 newline(&mut out, depth);
             }
-            ':' => out.push_str(": "),
+            ':' if pretty => out.push_str(": "),
             c if c.is_whitespace() => {}
             c => out.push(c),
         }
@@ -85,5 +97,14 @@ mod tests {
         );
         assert_eq!(pretty_json(b"not json"), None);
         assert_eq!(pretty_json(b"42").as_deref(), Some("42"));
+    }
+
+    #[test]
+    fn compact_json_keeps_every_token() {
+        assert_eq!(
+            compact_json(b" {\"b\" : [1 , 2.50e3],\n \"a\": \"x y\" , \"a\": {} } ").as_deref(),
+            Some(r#"{"b":[1,2.50e3],"a":"x y","a":{}}"#)
+        );
+        assert_eq!(compact_json(b"{"), None);
     }
 }

@@ -34,8 +34,10 @@ impl Out {
     }
 
     /// One JSON value on one line.
-    pub fn json(&mut self, value: &serde_json::Value) -> Result<(), CliError> {
-        self.line(value.to_string())
+    pub fn json(&mut self, value: &impl serde::Serialize) -> Result<(), CliError> {
+        let text = serde_json::to_string(value)
+            .map_err(|e| CliError::Other(format!("cannot encode JSON output: {e}")))?;
+        self.line(text)
     }
 
     pub fn flush(&mut self) -> Result<(), CliError> {

@@ -59,7 +59,10 @@ mod tests {
     fn wide_characters_keep_columns_aligned() {
         let lines = table(
             &["TENANT", "KEY"],
-            &[vec!["支払い".into(), "k1".into()], vec!["acme".into(), "k2".into()]],
+            &[
+                vec!["支払い".into(), "k1".into()],
+                vec!["acme".into(), "k2".into()],
+            ],
         );
         let columns: Vec<usize> = lines
             .iter()
