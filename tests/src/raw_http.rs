@@ -19,6 +19,9 @@ use std::time::{Duration, Instant};
 /// Largest response head or body this client reads (a guard against a runaway server).
 const MAX_RESPONSE_BYTES: usize = 64 * 1024 * 1024;
 
+/// A response head: the status and the header fields, names lower-cased as received.
+pub type Head = (u16, Vec<(String, Vec<u8>)>);
+
 /// One parsed response.
 #[derive(Debug, Clone)]
 pub struct Response {
@@ -366,7 +369,7 @@ impl Conn {
     }
 
     /// Read only a response head (status line and headers), leaving the body on the wire.
-    pub fn read_head(&mut self) -> io::Result<(u16, Vec<(String, Vec<u8>)>)> {
+    pub fn read_head(&mut self) -> io::Result<Head> {
         let mut raw = Vec::new();
         loop {
             let n = self.reader.read_until(b'\n', &mut raw)?;

@@ -671,6 +671,21 @@ pub(crate) async fn release_inspected(
     Ok(deleted > 0)
 }
 
+/// The eight counts and three sizes of [`stats`], in select order.
+type StatsRow = (
+    i64,
+    i64,
+    i64,
+    i64,
+    i64,
+    i64,
+    i64,
+    i64,
+    Option<i64>,
+    Option<i64>,
+    Option<i64>,
+);
+
 /// `idem-cli stats`: every count in one scan (`count(...) FILTER`), so the numbers are mutually
 /// consistent, and the sizes from the catalog (`pg_table_size` includes TOAST, where large
 /// bodies live).
@@ -683,19 +698,7 @@ pub(crate) async fn stats(conn: &mut AsyncPgConnection) -> QueryResult<Stats> {
     let size = |function: &str| {
         diesel::dsl::sql::<Nullable<BigInt>>(&format!("{function}('idempotency_keys'::regclass)"))
     };
-    let row: (
-        i64,
-        i64,
-        i64,
-        i64,
-        i64,
-        i64,
-        i64,
-        i64,
-        Option<i64>,
-        Option<i64>,
-        Option<i64>,
-    ) = k::table
+    let row: StatsRow = k::table
         .select((
             count(k::tenant),
             count(k::tenant).aggregate_filter(in_flight()),
