@@ -67,7 +67,7 @@ mod tests {
         let columns: Vec<usize> = lines
             .iter()
             .map(|l| {
-                let at = l.rfind(|c: char| c == ' ').map_or(0, |i| i + 1);
+                let at = l.rfind(' ').map_or(0, |i| i + 1);
                 l[..at].width()
             })
             .collect();
