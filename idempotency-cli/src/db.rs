@@ -7,13 +7,10 @@
 use std::time::Duration;
 
 use diesel_async::{AsyncPgConnection, SimpleAsyncConnection};
-use idempotency_actix::store::postgres;
+use idempotency_actix::store::postgres::admin;
 use idempotency_actix::store::StoreError;
 
 use crate::error::{chain, CliError};
-
-/// The table every command reads; named in "not provisioned" messages.
-pub const TABLE: &str = "idempotency_keys";
 
 /// Reject strings that are certainly not PostgreSQL connection strings before connecting, so a
 /// typo is a usage error (exit 2) rather than a confusing connection failure. No part of the
@@ -36,10 +33,10 @@ pub fn check_url(url: &str) -> Result<(), CliError> {
     Ok(())
 }
 
-/// The connection string for messages: the library's [`postgres::redact`] (rebuilt from the
+/// The connection string for messages: the library's [`admin::redact`] (rebuilt from the
 /// driver's parse, password as `***`, nothing of a string it cannot parse).
 pub fn redact(url: &str) -> String {
-    postgres::redact(url)
+    admin::redact(url)
 }
 
 /// Open a connection with the library's TLS-aware `establish`, bounded by `timeout`, and set
@@ -48,7 +45,7 @@ pub fn redact(url: &str) -> String {
 pub async fn connect(url: &str, timeout: Duration) -> Result<AsyncPgConnection, CliError> {
     check_url(url)?;
     let target = redact(url);
-    let mut conn = match tokio::time::timeout(timeout, postgres::establish(url)).await {
+    let mut conn = match tokio::time::timeout(timeout, admin::establish(url)).await {
         Err(_) => {
             return Err(CliError::Unavailable(format!(
                 "cannot connect to {target}: no answer within {}s",
@@ -65,7 +62,7 @@ pub async fn connect(url: &str, timeout: Duration) -> Result<AsyncPgConnection, 
          SET idle_in_transaction_session_timeout = '1min'",
     )
     .await
-    .map_err(|err| store_error(postgres::classify_error(err)))?;
+    .map_err(|err| store_error(admin::classify_error(err)))?;
     Ok(conn)
 }
 
@@ -95,13 +92,13 @@ fn connect_error(target: &str, err: StoreError) -> CliError {
 /// exists (the library's check; diesel-async does not expose SQLSTATE 42P01), so a missing table
 /// is reported as "run `idem-cli migrate`" (exit 4) and not as a generic failure.
 pub async fn classify(conn: &mut AsyncPgConnection, err: diesel::result::Error) -> CliError {
-    store_error(postgres::classify_query_error(conn, err).await)
+    store_error(admin::classify_query_error(conn, err).await)
 }
 
 /// Map the store's classification onto the CLI's exit codes.
 pub fn store_error(err: StoreError) -> CliError {
     match err {
-        StoreError::NotProvisioned { .. } => not_provisioned(),
+        StoreError::NotProvisioned { hint } => CliError::NotProvisioned(hint),
         StoreError::Unavailable(source) => {
             CliError::Unavailable(format!("database unavailable: {}", chain(source.as_ref())))
         }
@@ -110,13 +107,6 @@ pub fn store_error(err: StoreError) -> CliError {
         }
         other => CliError::Other(other.to_string()),
     }
-}
-
-/// The message for a missing table: what is wrong and the one command that fixes it.
-pub fn not_provisioned() -> CliError {
-    CliError::NotProvisioned(format!(
-        "table {TABLE} does not exist in this database: run `idem-cli migrate`"
-    ))
 }
 
 #[cfg(test)]

@@ -11,13 +11,6 @@ use std::time::Duration;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default)]
 pub struct HumanDuration(pub Duration);
 
-impl HumanDuration {
-    /// Whole milliseconds, saturating; what the SQL statements bind (as an interval).
-    pub fn as_millis_i64(self) -> i64 {
-        i64::try_from(self.0.as_millis()).unwrap_or(i64::MAX)
-    }
-}
-
 /// The longest duration accepted: 100 years. Anything larger is a typo, and refusing it keeps
 /// the value inside PostgreSQL's interval range when bound as milliseconds.
 const MAX_MILLIS: u128 = 100 * 365 * 24 * 3_600_000;

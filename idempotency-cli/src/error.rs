@@ -96,26 +96,7 @@ impl From<std::io::Error> for CliError {
     }
 }
 
-/// Collapse a (possibly multi-line) message into one line: PostgreSQL errors carry DETAIL and
-/// HINT lines, and the promise is one line on stderr.
-pub fn one_line(text: &str) -> String {
-    text.split_whitespace().collect::<Vec<_>>().join(" ")
-}
-
-/// The message of an error followed by its sources, deduplicated (many wrappers repeat the
-/// inner message in their own Display).
-pub fn chain(err: &(dyn std::error::Error + 'static)) -> String {
-    let mut parts: Vec<String> = Vec::new();
-    let mut current: Option<&(dyn std::error::Error + 'static)> = Some(err);
-    while let Some(e) = current {
-        let text = one_line(&e.to_string());
-        if !text.is_empty() && !parts.iter().any(|p| p.contains(&text)) {
-            parts.push(text);
-        }
-        current = e.source();
-    }
-    parts.join(": ")
-}
+pub use idempotency_actix::store::postgres::admin::{error_chain as chain, one_line};
 
 #[cfg(test)]
 mod tests {

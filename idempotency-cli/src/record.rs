@@ -1,94 +1,50 @@
-//! One row of `idempotency_keys` as the CLI reads it, shared by list, show and release.
+//! How the CLI shows a record: the library's one row type,
+//! [`admin::Record`](idempotency_actix::store::postgres::admin::Record), read from PostgreSQL
+//! or built from a Redis hash, rendered as words, table cells and JSON.
 //!
-//! Timestamps and ages are computed by PostgreSQL (`to_char`, `now() - ...`) so the CLI needs no
-//! date library and every age is measured against the database clock, the same clock the store
-//! uses for leases and TTLs.
+//! Ages and expiries are measured against the clock of the store that was read (the row's
+//! `read_at`), the same clock the store uses for leases and TTLs.
 
-use diesel::sql_types::{BigInt, Binary, Double, Nullable, SmallInt, Text};
-use diesel::QueryableByName;
+use idempotency_actix::store::postgres::admin::{Record, Time};
 use serde_json::{json, Value};
 
 use crate::duration::format_age_secs;
+use crate::output::hex::hex;
 use crate::output::{display, tenant_label};
 
-/// The columns of [`RecordRow`], for `SELECT {RECORD_COLUMNS} FROM idempotency_keys ...`.
-pub const RECORD_COLUMNS: &str = "\
-    tenant, method, path, idempotency_key, state, \
-    response_status AS status, token::text AS token, \
-    encode(fingerprint, 'hex') AS fingerprint_hex, \
-    to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"') AS created_at, \
-    to_char(completed_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"') AS completed_at, \
-    to_char(expires_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"') AS expires_at, \
-    to_char(locked_until AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"') AS locked_until, \
-    extract(epoch FROM now() - created_at)::float8 AS age_s, \
-    extract(epoch FROM expires_at - now())::float8 AS expires_in_s, \
-    extract(epoch FROM locked_until - now())::float8 AS lease_remaining_s, \
-    octet_length(response_body)::int8 AS body_bytes";
-
-/// A record without its stored response bytes.
-#[derive(Debug, Clone, QueryableByName)]
-pub struct RecordRow {
-    #[diesel(sql_type = Text)]
-    pub tenant: String,
-    #[diesel(sql_type = Text)]
-    pub method: String,
-    #[diesel(sql_type = Text)]
-    pub path: String,
-    #[diesel(sql_type = Text)]
-    pub idempotency_key: String,
-    #[diesel(sql_type = Text)]
-    pub state: String,
-    #[diesel(sql_type = Nullable<SmallInt>)]
-    pub status: Option<i16>,
-    #[diesel(sql_type = Nullable<Text>)]
-    pub token: Option<String>,
-    #[diesel(sql_type = Text)]
-    pub fingerprint_hex: String,
-    #[diesel(sql_type = Text)]
-    pub created_at: String,
-    #[diesel(sql_type = Nullable<Text>)]
-    pub completed_at: Option<String>,
-    #[diesel(sql_type = Text)]
-    pub expires_at: String,
-    #[diesel(sql_type = Nullable<Text>)]
-    pub locked_until: Option<String>,
-    #[diesel(sql_type = Double)]
-    pub age_s: f64,
-    #[diesel(sql_type = Double)]
-    pub expires_in_s: f64,
-    #[diesel(sql_type = Nullable<Double>)]
-    pub lease_remaining_s: Option<f64>,
-    #[diesel(sql_type = Nullable<BigInt>)]
-    pub body_bytes: Option<i64>,
+/// A timestamp as `2026-11-30T12:00:00.123Z` (UTC, milliseconds).
+pub fn timestamp(t: Time) -> String {
+    humantime::format_rfc3339_millis(t.0.max(std::time::SystemTime::UNIX_EPOCH)).to_string()
 }
 
-/// A record with its stored response headers and body (for `show`).
-#[derive(Debug, Clone, QueryableByName)]
-pub struct DetailRow {
-    #[diesel(embed)]
-    pub record: RecordRow,
-    #[diesel(sql_type = Nullable<Binary>)]
-    pub response_headers: Option<Vec<u8>>,
-    #[diesel(sql_type = Nullable<Binary>)]
-    pub response_body: Option<Vec<u8>>,
-}
-
-impl RecordRow {
-    pub fn is_in_flight(&self) -> bool {
-        self.state == "in_flight"
-    }
-
-    pub fn is_expired(&self) -> bool {
-        self.expires_in_s <= 0.0
-    }
-
+/// The CLI's renderings of a [`Record`].
+pub trait RecordView {
+    /// Whether `expires_at` has passed.
+    fn is_expired(&self) -> bool;
     /// For in-flight rows: whether the lease is still running (its request may be executing).
-    pub fn lease_live(&self) -> bool {
-        self.is_in_flight() && self.lease_remaining_s.is_some_and(|s| s > 0.0)
+    fn lease_live(&self) -> bool;
+    /// `tenant="acme" POST /payments key="k1"`: the scope, unambiguous and terminal-safe.
+    fn scope_label(&self) -> String;
+    /// The lease or expiry in words: "lease ends in 45s", "expired 2d ago".
+    fn expiry_words(&self) -> String;
+    /// The token as text, `-` when there is none.
+    fn token_text(&self) -> String;
+    /// The record as JSON (one object; `list` prints one per line).
+    fn to_json(&self) -> Value;
+    /// The cells of a `list` table row.
+    fn table_cells(&self) -> Vec<String>;
+}
+
+impl RecordView for Record {
+    fn is_expired(&self) -> bool {
+        self.expires_in_secs() <= 0.0
     }
 
-    /// `tenant="acme" POST /payments key="k1"`: the scope, unambiguous and terminal-safe.
-    pub fn scope_label(&self) -> String {
+    fn lease_live(&self) -> bool {
+        self.is_in_flight() && self.lease_remaining_secs().is_some_and(|s| s > 0.0)
+    }
+
+    fn scope_label(&self) -> String {
         format!(
             "tenant={} {} {} key={:?}",
             if self.tenant.is_empty() {
@@ -102,66 +58,68 @@ impl RecordRow {
         )
     }
 
-    /// The lease or expiry in words: "lease ends in 45s", "lease ended 3h ago", "expires in 23h",
-    /// "expired 2d ago".
-    pub fn expiry_words(&self) -> String {
+    fn expiry_words(&self) -> String {
         let (live, ended) = if self.is_in_flight() {
             ("lease ends in", "lease ended")
         } else {
             ("expires in", "expired")
         };
-        if self.expires_in_s > 0.0 {
-            format!("{live} {}", format_age_secs(self.expires_in_s))
+        let left = self.expires_in_secs();
+        if left > 0.0 {
+            format!("{live} {}", format_age_secs(left))
         } else {
-            format!("{ended} {} ago", format_age_secs(-self.expires_in_s))
+            format!("{ended} {} ago", format_age_secs(-left))
         }
     }
 
-    /// The record as JSON (one object; `list` prints one per line).
-    pub fn to_json(&self) -> Value {
+    fn token_text(&self) -> String {
+        self.token.map_or_else(|| "-".to_owned(), |t| t.to_string())
+    }
+
+    fn to_json(&self) -> Value {
         json!({
             "tenant": self.tenant,
             "method": self.method,
             "path": self.path,
             "key": self.idempotency_key,
-            "state": self.state,
+            "state": self.state.as_str(),
             "expired": self.is_expired(),
             "lease_live": self.lease_live(),
-            "status": self.status,
-            "token": self.token,
-            "fingerprint": self.fingerprint_hex,
-            "created_at": self.created_at,
-            "completed_at": self.completed_at,
-            "expires_at": self.expires_at,
-            "locked_until": self.locked_until,
-            "age_seconds": round_ms(self.age_s),
-            "expires_in_seconds": round_ms(self.expires_in_s),
+            "status": self.response_status,
+            "token": self.token.map(|t| t.to_string()),
+            "fingerprint": hex(&self.fingerprint),
+            "created_at": timestamp(self.created_at),
+            "completed_at": self.completed_at.map(timestamp),
+            "expires_at": timestamp(self.expires_at),
+            "locked_until": self.locked_until.map(timestamp),
+            "age_seconds": round_ms(self.age_secs()),
+            "expires_in_seconds": round_ms(self.expires_in_secs()),
             "body_bytes": self.body_bytes,
         })
     }
 
-    /// The cells of a `list` table row.
-    pub fn table_cells(&self) -> Vec<String> {
+    fn table_cells(&self) -> Vec<String> {
+        let left = self.expires_in_secs();
         vec![
             display(&tenant_label(&self.tenant), 24),
             display(&self.method, 8),
             display(&self.path, 32),
             display(&self.idempotency_key, 40),
-            self.state.clone(),
-            self.status
+            self.state.to_string(),
+            self.response_status
                 .map(|s| s.to_string())
                 .unwrap_or_else(|| "-".into()),
-            format_age_secs(self.age_s),
-            if self.expires_in_s > 0.0 {
-                format!("in {}", format_age_secs(self.expires_in_s))
+            format_age_secs(self.age_secs()),
+            if left > 0.0 {
+                format!("in {}", format_age_secs(left))
             } else {
-                format!("{} ago", format_age_secs(-self.expires_in_s))
+                format!("{} ago", format_age_secs(-left))
             },
         ]
     }
 }
 
-/// The header of a `list` table, matching [`RecordRow::table_cells`].
+/// The header of a `list` table, matching [`RecordView::table_cells`].
 pub const TABLE_HEADER: &[&str] = &[
     "TENANT", "METHOD", "PATH", "KEY", "STATE", "STATUS", "AGE", "EXPIRES",
 ];

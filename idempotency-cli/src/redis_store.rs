@@ -10,8 +10,9 @@
 //! columns, same JSON).
 
 use std::collections::HashMap;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
+use idempotency_actix::store::postgres::admin::{Detail, Record, State, Time};
 use idempotency_actix::store::redis::redis::aio::MultiplexedConnection;
 use idempotency_actix::store::redis::redis::{self, RedisError};
 use idempotency_actix::store::redis::{encode_key_part, fields, parse_record_key, DEFAULT_PREFIX};
@@ -24,7 +25,7 @@ use crate::commands::show::{detail_json, detail_text, method, scope_words};
 use crate::duration::format_age_secs;
 use crate::error::CliError;
 use crate::output::{table, Out};
-use crate::record::{DetailRow, RecordRow, TABLE_HEADER};
+use crate::record::{round_ms, RecordView, TABLE_HEADER};
 
 /// Keys asked for per `SCAN` call.
 const SCAN_COUNT: usize = 1000;
@@ -127,7 +128,7 @@ struct Redis<'a> {
 /// One record read back: its key, scope and fields.
 struct Found {
     key: Vec<u8>,
-    record: RecordRow,
+    record: Record,
     headers: Option<Vec<u8>>,
     body: Option<Vec<u8>>,
 }
@@ -209,7 +210,7 @@ impl Redis<'_> {
         Ok(found)
     }
 
-    fn record(&self, scope: Scope, hash: &HashMap<String, Vec<u8>>) -> Option<RecordRow> {
+    fn record(&self, scope: Scope, hash: &HashMap<String, Vec<u8>>) -> Option<Record> {
         let text = |name: &str| {
             hash.get(name)
                 .and_then(|v| std::str::from_utf8(v).ok())
@@ -217,43 +218,32 @@ impl Redis<'_> {
         };
         let number = |name: &str| text(name).and_then(|v| v.parse::<i64>().ok());
         let state = match text(fields::STATE)?.as_str() {
-            fields::IN_FLIGHT => "in_flight",
-            fields::COMPLETED => "completed",
+            fields::IN_FLIGHT => State::InFlight,
+            fields::COMPLETED => State::Completed,
             _ => return None,
         };
         let created = number(fields::CREATED_AT)?;
         let expires = number(fields::EXPIRES_AT)?;
-        let in_flight = state == "in_flight";
-        let secs = |us: i64| us as f64 / 1e6;
-        Some(RecordRow {
+        let in_flight = state == State::InFlight;
+        Some(Record {
             tenant: scope.tenant,
             method: scope.method,
             path: scope.path,
             idempotency_key: scope.key,
-            state: state.to_owned(),
-            status: number(fields::STATUS).and_then(|s| i16::try_from(s).ok()),
-            token: text(fields::TOKEN),
-            fingerprint_hex: crate::output::hex(
-                hash.get(fields::FINGERPRINT).map_or(&[][..], Vec::as_slice),
-            ),
-            created_at: timestamp(created),
-            completed_at: number(fields::COMPLETED_AT).map(timestamp),
-            expires_at: timestamp(expires),
-            locked_until: in_flight.then(|| timestamp(expires)),
-            age_s: secs(self.now_us - created),
-            expires_in_s: secs(expires - self.now_us),
-            lease_remaining_s: in_flight.then(|| secs(expires - self.now_us)),
+            fingerprint: hash.get(fields::FINGERPRINT).cloned().unwrap_or_default(),
+            state,
+            token: text(fields::TOKEN).and_then(|t| uuid::Uuid::parse_str(&t).ok()),
+            locked_until: in_flight.then(|| Time::from_unix_micros(expires)),
+            response_status: number(fields::STATUS).and_then(|s| i16::try_from(s).ok()),
+            created_at: Time::from_unix_micros(created),
+            completed_at: number(fields::COMPLETED_AT).map(Time::from_unix_micros),
+            expires_at: Time::from_unix_micros(expires),
             body_bytes: hash
                 .get(fields::BODY)
-                .and_then(|b| i64::try_from(b.len()).ok()),
+                .and_then(|b| i32::try_from(b.len()).ok()),
+            read_at: Time::from_unix_micros(self.now_us),
         })
     }
-}
-
-/// Microseconds since the epoch as `2026-11-30T12:00:00.000Z`.
-fn timestamp(us: i64) -> String {
-    let at = UNIX_EPOCH + Duration::from_micros(u64::try_from(us).unwrap_or(0));
-    humantime::format_rfc3339_millis(at.max(SystemTime::UNIX_EPOCH)).to_string()
 }
 
 async fn list(
@@ -269,7 +259,7 @@ async fn list(
     };
     let pattern = redis.pattern(&scope, None);
     let keys = redis.scan(&pattern).await?;
-    let mut rows: Vec<RecordRow> = redis
+    let mut rows: Vec<Record> = redis
         .read(&keys, false)
         .await?
         .into_iter()
@@ -280,7 +270,10 @@ async fn list(
                 .as_ref()
                 .is_none_or(|p| r.idempotency_key.starts_with(p.as_str()))
         })
-        .filter(|r| args.older_than.is_none_or(|d| r.age_s >= d.0.as_secs_f64()))
+        .filter(|r| {
+            args.older_than
+                .is_none_or(|d| r.age_secs() >= d.0.as_secs_f64())
+        })
         .filter(|r| match args.state {
             None => true,
             Some(StateFilter::InFlight) => r.is_in_flight(),
@@ -290,8 +283,8 @@ async fn list(
         .collect();
     // Oldest first, by age in microseconds (the timestamp text has milliseconds and ties).
     rows.sort_by(|a, b| {
-        b.age_s
-            .total_cmp(&a.age_s)
+        b.age_secs()
+            .total_cmp(&a.age_secs())
             .then_with(|| a.scope_label().cmp(&b.scope_label()))
     });
     let limit = usize::try_from(args.limit).unwrap_or(usize::MAX);
@@ -307,7 +300,7 @@ async fn list(
         }
         Format::Text if rows.is_empty() => out.line("no matching records")?,
         Format::Text => {
-            let cells: Vec<Vec<String>> = rows.iter().map(RecordRow::table_cells).collect();
+            let cells: Vec<Vec<String>> = rows.iter().map(RecordView::table_cells).collect();
             for line in table(TABLE_HEADER, &cells) {
                 out.line(line)?;
             }
@@ -363,7 +356,7 @@ async fn show(
         )));
     }
     for (i, f) in found.into_iter().enumerate() {
-        let row = DetailRow {
+        let row = Detail {
             record: f.record,
             response_headers: f.headers,
             response_body: f.body,
@@ -386,13 +379,13 @@ async fn show(
 async fn stats(redis: &mut Redis<'_>, format: Format, out: &mut Out) -> Result<(), CliError> {
     let pattern = format!("{}*", redis.prefix);
     let keys = redis.scan(&pattern).await?;
-    let rows: Vec<RecordRow> = redis
+    let rows: Vec<Record> = redis
         .read(&keys, false)
         .await?
         .into_iter()
         .map(|f| f.record)
         .collect();
-    let in_flight: Vec<&RecordRow> = rows.iter().filter(|r| r.is_in_flight()).collect();
+    let in_flight: Vec<&Record> = rows.iter().filter(|r| r.is_in_flight()).collect();
     let lease_live = in_flight.iter().filter(|r| r.lease_live()).count();
     let completed = rows.len() - in_flight.len();
     let completed_expired = rows
@@ -400,7 +393,9 @@ async fn stats(redis: &mut Redis<'_>, format: Format, out: &mut Out) -> Result<(
         .filter(|r| !r.is_in_flight() && r.is_expired())
         .count();
     // By age (microseconds), not by the millisecond timestamp text, which ties.
-    let oldest = in_flight.iter().max_by(|a, b| a.age_s.total_cmp(&b.age_s));
+    let oldest = in_flight
+        .iter()
+        .max_by(|a, b| a.age_secs().total_cmp(&b.age_secs()));
     match format {
         Format::Json => out.json(&json!({
             "store": "redis",
@@ -413,7 +408,7 @@ async fn stats(redis: &mut Redis<'_>, format: Format, out: &mut Out) -> Result<(
             "completed_expired": completed_expired,
             "expired_not_purged": 0,
             "oldest_in_flight": oldest.map(|r| r.to_json()),
-            "oldest_in_flight_age_seconds": oldest.map(|r| crate::record::round_ms(r.age_s)),
+            "oldest_in_flight_age_seconds": oldest.map(|r| round_ms(r.age_secs())),
         }))?,
         Format::Text => {
             out.line(format!("records              {}", rows.len()))?;
@@ -435,7 +430,7 @@ async fn stats(redis: &mut Redis<'_>, format: Format, out: &mut Out) -> Result<(
                 Some(r) => out.line(format!(
                     "oldest in-flight     {} created {} ago, {}",
                     r.scope_label(),
-                    format_age_secs(r.age_s),
+                    format_age_secs(r.age_secs()),
                     r.expiry_words()
                 ))?,
             }
@@ -499,7 +494,7 @@ async fn release(
         let deleted: i64 = script
             .key(f.key.as_slice())
             .arg(state)
-            .arg(row.token.as_deref().unwrap_or(""))
+            .arg(row.token.map(|t| t.to_string()).unwrap_or_default())
             .arg(if args.force { "1" } else { "0" })
             .invoke_async(&mut redis.conn)
             .await
@@ -522,8 +517,8 @@ async fn release(
                 "released {} {} (token {}, created {} ago, {})",
                 row.state,
                 row.scope_label(),
-                row.token.as_deref().unwrap_or("-"),
-                format_age_secs(row.age_s),
+                row.token_text(),
+                format_age_secs(row.age_secs()),
                 row.expiry_words()
             ))?,
         }

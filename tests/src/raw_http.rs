@@ -19,6 +19,9 @@ use std::time::{Duration, Instant};
 /// Largest response head or body this client reads (a guard against a runaway server).
 const MAX_RESPONSE_BYTES: usize = 64 * 1024 * 1024;
 
+/// A response head: the status and the header fields, names lower-cased as received.
+pub type Head = (u16, Vec<(String, Vec<u8>)>);
+
 /// One parsed response.
 #[derive(Debug, Clone)]
 pub struct Response {
@@ -194,9 +197,6 @@ impl Request {
         out
     }
 }
-
-/// A response head: the status and the headers (names in lower case, raw values).
-pub type Head = (u16, Vec<(String, Vec<u8>)>);
 
 /// A keep-alive connection.
 pub struct Conn {

@@ -4,44 +4,17 @@
 
 use std::time::Duration;
 
-use diesel::sql_types::{BigInt, Bytea, Nullable, SmallInt, Text};
+use diesel::sql_types::BigInt;
 use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
-use idempotency_actix::store::postgres;
+use idempotency_actix::store::postgres::admin;
+pub use idempotency_actix::store::postgres::admin::State;
 
 /// Longest time one helper may take.
 const TIMEOUT: Duration = Duration::from_secs(20);
 
-/// One row of `idempotency_keys`, as the tests look at it.
-#[derive(Debug, Clone, diesel::QueryableByName)]
-pub struct Record {
-    /// Scope: tenant.
-    #[diesel(sql_type = Text)]
-    pub tenant: String,
-    /// Scope: method.
-    #[diesel(sql_type = Text)]
-    pub method: String,
-    /// Scope: path.
-    #[diesel(sql_type = Text)]
-    pub path: String,
-    /// Scope: the key.
-    #[diesel(sql_type = Text)]
-    pub idempotency_key: String,
-    /// `in_flight` or `completed`.
-    #[diesel(sql_type = Text)]
-    pub state: String,
-    /// The fencing token, as text.
-    #[diesel(sql_type = Nullable<Text>)]
-    pub token: Option<String>,
-    /// Stored status.
-    #[diesel(sql_type = Nullable<SmallInt>)]
-    pub response_status: Option<i16>,
-    /// Stored headers, encoded (`StoredResponse::decode_headers`).
-    #[diesel(sql_type = Nullable<Bytea>)]
-    pub response_headers: Option<Vec<u8>>,
-    /// Stored body.
-    #[diesel(sql_type = Nullable<Bytea>)]
-    pub response_body: Option<Vec<u8>>,
-}
+/// One row of `idempotency_keys` with its stored response: the library's row type (it derefs
+/// to [`admin::Record`] for the columns).
+pub type Record = admin::Detail;
 
 #[derive(diesel::QueryableByName)]
 struct Count {
@@ -62,20 +35,20 @@ where
     .expect("SQL helper panicked")
 }
 
-/// Every row of `idempotency_keys`, ordered by scope.
+/// Every row of `idempotency_keys`, ordered by scope (the library's admin query).
 pub fn records(url: &str) -> Vec<Record> {
     let url = url.to_owned();
     run(async move {
-        let mut conn = postgres::establish(&url).await.expect("connect");
-        diesel::sql_query(
-            "SELECT tenant, method, path, idempotency_key, state, token::text AS token, \
-             response_status, response_headers, response_body FROM idempotency_keys \
-             ORDER BY tenant, method, path, idempotency_key",
-        )
-        .load::<Record>(&mut conn)
-        .await
-        .expect("reading idempotency_keys")
+        let mut conn = admin::establish(&url).await.expect("connect");
+        admin::all(&mut conn)
+            .await
+            .expect("reading idempotency_keys")
     })
+}
+
+/// How many rows are in `state`.
+pub fn count_in_state(url: &str, state: State) -> usize {
+    records(url).iter().filter(|r| r.state == state).count()
 }
 
 /// The rows whose key is `key` (any tenant, method, path).
@@ -90,7 +63,7 @@ pub fn records_for_key(url: &str, key: &str) -> Vec<Record> {
 pub fn count(url: &str, sql: &str) -> i64 {
     let (url, sql) = (url.to_owned(), sql.to_owned());
     run(async move {
-        let mut conn = postgres::establish(&url).await.expect("connect");
+        let mut conn = admin::establish(&url).await.expect("connect");
         diesel::sql_query(&sql)
             .get_result::<Count>(&mut conn)
             .await
@@ -103,7 +76,7 @@ pub fn count(url: &str, sql: &str) -> i64 {
 pub fn execute(url: &str, sql: &str) {
     let (url, sql) = (url.to_owned(), sql.to_owned());
     run(async move {
-        let mut conn = postgres::establish(&url).await.expect("connect");
+        let mut conn = admin::establish(&url).await.expect("connect");
         conn.batch_execute(&sql)
             .await
             .unwrap_or_else(|e| panic!("{sql}: {e}"));
@@ -156,7 +129,7 @@ impl Drop for TempRole {
         let admin_url = self.admin_url.clone();
         let sql = format!("DROP ROLE IF EXISTS \"{}\"", self.name);
         let dropped = crate::block_on_fresh_thread(async move {
-            let mut conn = postgres::establish(&admin_url).await.ok()?;
+            let mut conn = admin::establish(&admin_url).await.ok()?;
             conn.batch_execute(&sql).await.ok()
         });
         if !matches!(dropped, Some(Some(()))) {

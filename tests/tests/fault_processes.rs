@@ -20,7 +20,7 @@ use idempotency_actix::store::postgres::{run_migrations, PostgresStore};
 use idempotency_actix::Idempotency;
 use idempotency_e2e::proc::{start_cluster_again, PaymentsApp};
 use idempotency_e2e::raw_http::{send_once, Conn, Request, Response};
-use idempotency_e2e::records::{count, execute, records_for_key, TempRole};
+use idempotency_e2e::records::{count, count_in_state, execute, records_for_key, State, TempRole};
 use idempotency_e2e::server::ThreadServer;
 use idempotency_e2e::{block_on_fresh_thread, server_url, TempCluster, TestDb};
 
@@ -261,10 +261,7 @@ fn database_restart_under_load() {
         during.get("Unavailable") > 0,
         "the outage was not seen by any request; the test proved nothing"
     );
-    let in_flight = count(
-        &url,
-        "SELECT count(*) AS n FROM idempotency_keys WHERE state <> 'completed'",
-    );
+    let in_flight = count_in_state(&url, State::InFlight) as i64;
     assert_eq!(in_flight, 0, "reservations left behind");
     println!(
         "COUNTS database_restart_under_load: stopped at {:.1}s, restarted at {:.1}s; keys={keys_sent} \
@@ -303,7 +300,7 @@ fn sigkill_while_the_handler_runs() {
     wait_until(Duration::from_secs(10), "the reservation", || {
         records_for_key(&db.url, "crash-1")
             .iter()
-            .any(|r| r.state == "in_flight")
+            .any(|r| r.state == State::InFlight)
     });
     let reserved_at = Instant::now();
     let dead = records_for_key(&db.url, "crash-1").remove(0);
@@ -354,7 +351,7 @@ fn sigkill_while_the_handler_runs() {
     std::thread::sleep(Duration::from_millis(500));
     let rows = records_for_key(&db.url, "crash-1");
     assert_eq!(rows.len(), 1);
-    assert_eq!(rows[0].state, "completed");
+    assert_eq!(rows[0].state, State::Completed);
     assert_ne!(
         rows[0].token, dead.token,
         "the dead holder's token completed the record"
@@ -510,10 +507,7 @@ fn pool_exhaustion_answers_503_in_bounded_time_and_recovers() {
     // And it serves normally afterwards.
     let (after, _) = fire(app.addr, "after", 5);
     assert!(after.iter().all(|a| a == &Ok(Seen::Created)), "{after:?}");
-    let in_flight = count(
-        &db.url,
-        "SELECT count(*) AS n FROM idempotency_keys WHERE state <> 'completed'",
-    );
+    let in_flight = count_in_state(&db.url, State::InFlight) as i64;
     assert_eq!(in_flight, 0);
     println!(
         "COUNTS pool_exhaustion: pool=2 connection_timeout=500ms; busy phase: requests=50 [{}] slowest={:.2}s; \
@@ -642,19 +636,10 @@ fn two_instances_ten_thousand_requests_exactly_once() {
     assert_eq!(per_key.len(), DISTINCT, "every distinct key ran");
     assert_eq!(executions, DISTINCT as u64, "executions == distinct keys");
     assert_eq!(
-        count(
-            &db.url,
-            "SELECT count(*) AS n FROM idempotency_keys WHERE state = 'completed'"
-        ),
+        count_in_state(&db.url, State::Completed) as i64,
         DISTINCT as i64
     );
-    assert_eq!(
-        count(
-            &db.url,
-            "SELECT count(*) AS n FROM idempotency_keys WHERE state <> 'completed'"
-        ),
-        0
-    );
+    assert_eq!(count_in_state(&db.url, State::InFlight) as i64, 0);
     let answers = tally.get("Created") + tally.get("Replay") + tally.get("Conflict");
     assert_eq!(
         answers,
@@ -705,7 +690,7 @@ fn store_failure_after_the_handler() {
     wait_until(Duration::from_secs(10), "the reservation", || {
         records_for_key(&db.url, "sf-1")
             .iter()
-            .any(|r| r.state == "in_flight")
+            .any(|r| r.state == State::InFlight)
     });
     execute(
         &db.url,
@@ -738,7 +723,8 @@ fn store_failure_after_the_handler() {
     let rows = records_for_key(&db.url, "sf-1");
     assert_eq!(rows.len(), 1);
     assert_eq!(
-        rows[0].state, "in_flight",
+        rows[0].state,
+        State::InFlight,
         "the reservation stays until its lease ends"
     );
 
@@ -817,7 +803,7 @@ fn store_recovering_inside_the_lease_stores_the_delivered_response() {
     wait_until(Duration::from_secs(10), "the reservation", || {
         records_for_key(&db.url, "sf-2")
             .iter()
-            .any(|r| r.state == "in_flight")
+            .any(|r| r.state == State::InFlight)
     });
     let reserved_at = Instant::now();
     execute(
@@ -867,7 +853,7 @@ fn store_recovering_inside_the_lease_stores_the_delivered_response() {
         "the handler ran twice"
     );
     let rows = records_for_key(&db.url, "sf-2");
-    assert_eq!(rows[0].state, "completed");
+    assert_eq!(rows[0].state, State::Completed);
     println!(
         "COUNTS store_recovering_inside_the_lease: requests={} executions={} [Created=1 {}]",
         tally.0.values().sum::<u64>() + 1,

@@ -20,7 +20,7 @@ use idempotency_actix::store::postgres::PostgresStore;
 use idempotency_actix::store::StoredResponse;
 use idempotency_actix::Idempotency;
 use idempotency_e2e::raw_http::{Body, Conn, Request, Response};
-use idempotency_e2e::records::{count, records, records_for_key};
+use idempotency_e2e::records::{count_in_state, records, records_for_key, State};
 use idempotency_e2e::server::ThreadServer;
 use idempotency_e2e::{block_on_fresh_thread, TestDb};
 
@@ -164,10 +164,7 @@ impl Harness {
     }
 
     fn completed(&self) -> i64 {
-        count(
-            &self.db.url,
-            "SELECT count(*) AS n FROM idempotency_keys WHERE state = 'completed'",
-        )
+        count_in_state(&self.db.url, State::Completed) as i64
     }
 
     /// Run `body` (which sends requests and asserts on the answers), then the checks every case
@@ -183,10 +180,7 @@ impl Harness {
         let executions = self.executions() - before_runs;
         let new_rows = self.completed() - before_rows;
         assert_eq!(new_rows, stored, "{case}: completed rows written");
-        let in_flight = count(
-            &self.db.url,
-            "SELECT count(*) AS n FROM idempotency_keys WHERE state <> 'completed'",
-        );
+        let in_flight = count_in_state(&self.db.url, State::InFlight) as i64;
         assert_eq!(in_flight, 0, "{case}: a reservation was left behind");
         // The process is healthy: a normal keyed request succeeds on a new connection.
         self.health += 1;
@@ -533,7 +527,7 @@ fn hostile_input_gets_the_contract_answer_and_leaves_nothing_behind() {
         let tenants: Vec<String> = records(url)
             .into_iter()
             .filter(|r| !r.tenant.is_empty())
-            .map(|r| r.tenant)
+            .map(|r| r.record.tenant)
             .collect();
         for expected in ["a", "a:b", "acme", "ACME", "é", "\u{1}e9"] {
             assert!(
@@ -680,7 +674,7 @@ fn hostile_input_gets_the_contract_answer_and_leaves_nothing_behind() {
 
     // Nothing anywhere is half-written, and the sum of executions adds up.
     let all = records(&h.db.url);
-    assert!(all.iter().all(|r| r.state == "completed"
+    assert!(all.iter().all(|r| r.state == State::Completed
         && r.response_status.is_some()
         && r.response_body.is_some()
         && r.response_headers.is_some()));

@@ -11,6 +11,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use idempotency_actix::store::postgres::run_migrations;
+use idempotency_actix::store::postgres::schema::State;
 use idempotency_e2e::proc::{start_cluster_again, PaymentsApp};
 use idempotency_e2e::raw_http::{send_once, Request, Response};
 use idempotency_e2e::records::{count, records_for_key};
@@ -129,7 +130,7 @@ fn sigkill_before_commit_leaves_nothing_and_the_retry_runs_once() {
     assert_eq!(second.stats().per_key.get("kill-1").copied(), Some(1));
     let records = records_for_key(&db.url, "kill-1");
     assert_eq!(records.len(), 1);
-    assert_eq!(records[0].state, "completed");
+    assert_eq!(records[0].state, State::Completed);
     let again = send_once(&second.addr, &pay("kill-1", 700, None), CLIENT_TIMEOUT).unwrap();
     assert_eq!(classify(&again), Ok(Seen::Replay));
     assert_eq!(rows_for(&db.url, "kill-1"), 1);

@@ -14,6 +14,7 @@ use actix_web::http::StatusCode;
 use actix_web::{test, web, App, HttpResponse};
 use diesel::sql_types::{BigInt, Nullable, Text};
 use diesel_async::{AsyncConnection, RunQueryDsl, SimpleAsyncConnection};
+use idempotency_actix::store::postgres::schema::State;
 use idempotency_actix::store::postgres::PostgresStore;
 use idempotency_actix::store::{Fingerprint, IdempotencyStore, ReserveOutcome, Scope};
 use idempotency_actix::{Idempotency, IdempotentTx};
@@ -223,7 +224,7 @@ async fn miss_commits_row_and_record_together_then_replays() {
     assert_eq!(payments(&db), 1);
     let records = records_for_key(&db.url, "k1");
     assert_eq!(records.len(), 1);
-    assert_eq!(records[0].state, "completed");
+    assert_eq!(records[0].state, State::Completed);
 
     let retry = call(
         &app,
@@ -498,7 +499,7 @@ async fn failed_commit_answers_a_problem_and_leaves_nothing() {
     );
     assert_eq!(runs.get(), 2);
     assert_eq!(payments(&db), 1);
-    assert_eq!(records_for_key(&db.url, "c1")[0].state, "completed");
+    assert_eq!(records_for_key(&db.url, "c1")[0].state, State::Completed);
 }
 
 /// A storable response over `max_response_bytes` cannot be sent without being stored: rolled
@@ -651,7 +652,7 @@ async fn serializable_conflicts_are_retried_when_enabled() {
     assert_eq!(runs.get(), 2, "run once more after the failed COMMIT");
     assert_eq!(answer.body["seen"], 1, "the re-run saw the external row");
     assert_eq!(payments(&db), 2);
-    assert_eq!(records_for_key(&db.url, "z1")[0].state, "completed");
+    assert_eq!(records_for_key(&db.url, "z1")[0].state, State::Completed);
 }
 
 /// Without the retry option, the loser of a write skew fails and nothing of it remains.

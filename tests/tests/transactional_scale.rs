@@ -11,6 +11,7 @@ use actix_web::{test, web, App, HttpRequest, HttpResponse};
 use diesel::sql_types::{BigInt, Text};
 use diesel_async::RunQueryDsl;
 use futures_util::future::join_all;
+use idempotency_actix::store::postgres::schema::State;
 use idempotency_actix::store::postgres::{run_migrations, PostgresStore};
 use idempotency_actix::{Idempotency, IdempotentTx};
 use idempotency_e2e::proxy::PgProxy;
@@ -235,7 +236,7 @@ async fn exactly_once_across_two_instances() {
     );
     let records = records(&db.url);
     assert_eq!(records.len(), KEYS);
-    assert!(records.iter().all(|r| r.state == "completed"));
+    assert!(records.iter().all(|r| r.state == State::Completed));
     // Every retry, on either instance, replays the committed response.
     for (i, key) in keys.iter().enumerate().step_by(7) {
         let (status, replayed, body) = send(&apps[i % 2], Some(key), "acct").await;

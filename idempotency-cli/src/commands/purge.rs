@@ -15,43 +15,14 @@
 use std::io::{IsTerminal, Write};
 use std::time::{Duration, Instant};
 
-use diesel::sql_types::{BigInt, Bool, Nullable, Text};
-use diesel::QueryableByName;
-use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use diesel_async::AsyncPgConnection;
+use idempotency_actix::store::postgres::admin::{self, PurgeFilter, Purged};
 use serde_json::json;
 
 use crate::cli::{Format, PurgeArgs};
 use crate::duration::format_elapsed;
 use crate::error::CliError;
 use crate::output::Out;
-
-/// Advisory lock key held by a running purge: the ASCII bytes of "idempurg" as a bigint.
-/// Documented in docs/operations.md so operators can find the holder in `pg_locks`
-/// (`classid` = 1768187245, `objid` = 1886745191, `objsubid` = 1).
-pub const PURGE_LOCK_KEY: i64 = 0x6964_656d_7075_7267;
-
-/// Rows a purge may delete; shared by the batch `DELETE` and the dry-run count.
-/// `$1` grace (ms), `$2` older-than (ms), `$3` tenant or NULL. The leading `expires_at <= now()`
-/// lets the planner walk the `expires_at` index.
-const PURGEABLE: &str = "\
-    expires_at <= now() \
-    AND (state = 'completed' OR expires_at <= now() - $1 * interval '1 millisecond') \
-    AND created_at <= now() - $2 * interval '1 millisecond' \
-    AND ($3::text IS NULL OR tenant = $3::text)";
-
-#[derive(QueryableByName)]
-struct Counts {
-    #[diesel(sql_type = BigInt)]
-    completed: i64,
-    #[diesel(sql_type = BigInt)]
-    in_flight: i64,
-}
-
-#[derive(QueryableByName)]
-struct Locked {
-    #[diesel(sql_type = Bool)]
-    locked: bool,
-}
 
 /// What a purge did, for the summary line.
 #[derive(Default)]
@@ -68,6 +39,8 @@ impl Summary {
     }
 }
 
+/// The library runs the one purge statement (the same one `PostgresStore::purge_expired`
+/// runs); this command adds the batching loop, the lock, progress and the summary.
 pub async fn run(
     conn: &mut AsyncPgConnection,
     args: &PurgeArgs,
@@ -75,30 +48,24 @@ pub async fn run(
     out: &mut Out,
 ) -> Result<(), CliError> {
     let started = Instant::now();
-    let tenant = args.tenant.clone();
+    let filter = PurgeFilter {
+        grace: args.grace.0,
+        older_than: Some(args.older_than.0),
+        tenant: args.tenant.clone(),
+    };
 
     if args.dry_run {
-        let query = diesel::sql_query(format!(
-            "SELECT count(*) FILTER (WHERE state = 'completed') AS completed, \
-                    count(*) FILTER (WHERE state = 'in_flight') AS in_flight \
-             FROM idempotency_keys WHERE {PURGEABLE}"
-        ))
-        .bind::<BigInt, _>(args.grace.as_millis_i64())
-        .bind::<BigInt, _>(args.older_than.as_millis_i64())
-        .bind::<Nullable<Text>, _>(tenant);
-        let counts: Counts = sql!(conn, query.get_result(conn));
+        let counts: Purged = sql!(conn, admin::purge_count(conn, &filter));
         let summary = Summary {
-            completed: non_negative(counts.completed),
-            in_flight: non_negative(counts.in_flight),
+            completed: counts.completed,
+            in_flight: counts.in_flight,
             ..Summary::default()
         };
         return report(out, format, args, &summary, started.elapsed(), true);
     }
 
-    let lock = diesel::sql_query("SELECT pg_try_advisory_lock($1) AS locked")
-        .bind::<BigInt, _>(PURGE_LOCK_KEY);
-    let locked: Locked = sql!(conn, lock.get_result(conn));
-    if !locked.locked {
+    let locked: bool = sql!(conn, admin::try_lock_purge(conn));
+    if !locked {
         match format {
             Format::Json => out.json(&json!({
                 "skipped": true,
@@ -112,33 +79,11 @@ pub async fn run(
         return out.flush();
     }
 
-    let statement = format!(
-        "WITH doomed AS ( \
-             SELECT tenant, method, path, idempotency_key FROM idempotency_keys \
-             WHERE {PURGEABLE} \
-             ORDER BY expires_at \
-             LIMIT $4 \
-             FOR UPDATE SKIP LOCKED \
-         ), gone AS ( \
-             DELETE FROM idempotency_keys k USING doomed d \
-             WHERE k.tenant = d.tenant AND k.method = d.method AND k.path = d.path \
-               AND k.idempotency_key = d.idempotency_key \
-             RETURNING k.state \
-         ) \
-         SELECT count(*) FILTER (WHERE state = 'completed') AS completed, \
-                count(*) FILTER (WHERE state = 'in_flight') AS in_flight \
-         FROM gone"
-    );
     let progress = Progress::new();
     let mut summary = Summary::default();
     loop {
         let batch_started = Instant::now();
-        let query = diesel::sql_query(statement.as_str())
-            .bind::<BigInt, _>(args.grace.as_millis_i64())
-            .bind::<BigInt, _>(args.older_than.as_millis_i64())
-            .bind::<Nullable<Text>, _>(tenant.clone())
-            .bind::<BigInt, _>(i64::from(args.batch_size));
-        let result = query.get_result::<Counts>(conn).await;
+        let result = admin::purge_batch(conn, &filter, args.batch_size).await;
         let counts = match result {
             Ok(counts) => counts,
             Err(err) => {
@@ -155,12 +100,12 @@ pub async fn run(
         };
         summary.longest_batch = summary.longest_batch.max(batch_started.elapsed());
         summary.batches += 1;
-        summary.completed += non_negative(counts.completed);
-        summary.in_flight += non_negative(counts.in_flight);
+        summary.completed += counts.completed;
+        summary.in_flight += counts.in_flight;
         progress.update(&summary, started);
         // A short batch means the candidates ran out (rows skipped because a request held them
         // are left for the next run, which is what we want).
-        if counts.completed + counts.in_flight < i64::from(args.batch_size) {
+        if counts.total() < u64::from(args.batch_size) {
             break;
         }
         if !args.pause.0.is_zero() {
@@ -169,14 +114,8 @@ pub async fn run(
     }
     progress.clear();
     // Unlock explicitly so the next cron run never has to wait for the disconnect to be noticed.
-    let unlock = diesel::sql_query("SELECT pg_advisory_unlock($1) AS locked")
-        .bind::<BigInt, _>(PURGE_LOCK_KEY);
-    let _: Locked = sql!(conn, unlock.get_result(conn));
+    let _: bool = sql!(conn, admin::unlock_purge(conn));
     report(out, format, args, &summary, started.elapsed(), false)
-}
-
-fn non_negative(n: i64) -> u64 {
-    u64::try_from(n).unwrap_or(0)
 }
 
 fn report(

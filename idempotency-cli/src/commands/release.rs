@@ -11,24 +11,16 @@
 
 use std::io::Write;
 
-use diesel::sql_types::{Bool, Nullable, Text};
-use diesel::QueryableByName;
-use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use diesel_async::AsyncPgConnection;
+use idempotency_actix::store::postgres::admin::{self, Record};
 use serde_json::json;
 
-use super::show::{method, scope_words, SCOPE_WHERE};
+use super::show::{key_scope, scope_words};
 use crate::cli::{Format, ReleaseArgs};
 use crate::duration::format_age_secs;
 use crate::error::CliError;
 use crate::output::Out;
-use crate::record::{RecordRow, RECORD_COLUMNS};
-
-#[derive(QueryableByName)]
-struct Deleted {
-    #[diesel(sql_type = Bool)]
-    #[allow(dead_code)]
-    deleted: bool,
-}
+use crate::record::RecordView;
 
 pub async fn run(
     conn: &mut AsyncPgConnection,
@@ -38,15 +30,8 @@ pub async fn run(
 ) -> Result<(), CliError> {
     let mut refusals: Vec<String> = Vec::new();
     for key in &args.keys {
-        let query = diesel::sql_query(format!(
-            "SELECT {RECORD_COLUMNS} FROM idempotency_keys WHERE {SCOPE_WHERE} \
-             ORDER BY tenant, method, path"
-        ))
-        .bind::<Text, _>(key.clone())
-        .bind::<Nullable<Text>, _>(args.scope.tenant.clone())
-        .bind::<Nullable<Text>, _>(method(&args.scope))
-        .bind::<Nullable<Text>, _>(args.scope.path.clone());
-        let rows: Vec<RecordRow> = sql!(conn, query.load(conn));
+        let scope = key_scope(key, &args.scope);
+        let rows: Vec<Record> = sql!(conn, admin::find(conn, &scope));
 
         let verdict = match rows.as_slice() {
             [] => Err(format!(
@@ -58,7 +43,7 @@ pub async fn run(
                 "key {key:?} matches {} records ({}); name one with --tenant/--method/--path",
                 many.len(),
                 many.iter()
-                    .map(RecordRow::scope_label)
+                    .map(RecordView::scope_label)
                     .collect::<Vec<_>>()
                     .join("; ")
             )),
@@ -73,22 +58,8 @@ pub async fn run(
 
         // Delete exactly what was inspected: same scope, state and token; without --force the
         // lease must still be over at the moment of deletion.
-        let delete = diesel::sql_query(
-            "DELETE FROM idempotency_keys \
-             WHERE tenant = $1 AND method = $2 AND path = $3 AND idempotency_key = $4 \
-               AND state = $5 AND token IS NOT DISTINCT FROM $6::uuid \
-               AND ($7::bool OR state = 'in_flight' AND locked_until <= now()) \
-             RETURNING TRUE AS deleted",
-        )
-        .bind::<Text, _>(row.tenant.clone())
-        .bind::<Text, _>(row.method.clone())
-        .bind::<Text, _>(row.path.clone())
-        .bind::<Text, _>(row.idempotency_key.clone())
-        .bind::<Text, _>(row.state.clone())
-        .bind::<Nullable<Text>, _>(row.token.clone())
-        .bind::<Bool, _>(args.force);
-        let deleted: Vec<Deleted> = sql!(conn, delete.load(conn));
-        if deleted.is_empty() {
+        let deleted = sql!(conn, admin::release(conn, row, args.force));
+        if !deleted {
             let reason = format!(
                 "{} changed while releasing (completed, taken over or purged); nothing removed",
                 row.scope_label()
@@ -106,8 +77,8 @@ pub async fn run(
                 "released {} {} (token {}, created {} ago, {})",
                 row.state,
                 row.scope_label(),
-                row.token.as_deref().unwrap_or("-"),
-                format_age_secs(row.age_s),
+                row.token_text(),
+                format_age_secs(row.age_secs()),
                 row.expiry_words()
             ))?,
         }
@@ -129,7 +100,7 @@ pub async fn run(
 }
 
 /// Why this record may not be released without `--force`, if it may not.
-pub(crate) fn check(row: &RecordRow, force: bool) -> Result<(), String> {
+pub(crate) fn check(row: &Record, force: bool) -> Result<(), String> {
     if force {
         return Ok(());
     }

@@ -1,32 +1,39 @@
 //! `idem-cli show KEY` (contract C20): the whole record and its stored response.
 
-use diesel::sql_types::{Nullable, Text};
-use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use base64::prelude::{Engine as _, BASE64_STANDARD};
+use diesel_async::AsyncPgConnection;
+use idempotency_actix::store::postgres::admin::{self, Detail, KeyScope, State};
 use idempotency_actix::store::StoredResponse;
+use serde::Serialize;
+use serde_json::value::RawValue;
 use serde_json::{json, Value};
 
 use crate::cli::{Format, ScopeArgs, ShowArgs};
 use crate::duration::format_age_secs;
 use crate::error::CliError;
-use crate::output::{base64, display, hex, hex_dump, pretty_json, tenant_label, Out};
-use crate::record::{DetailRow, RECORD_COLUMNS};
+use crate::output::hex::{hex, hex_dump};
+use crate::output::json::{compact_json, pretty_json};
+use crate::output::{display, tenant_label, Out};
+use crate::record::{timestamp, RecordView};
 
 /// How much of a binary body the text output shows.
 const HEX_EXCERPT: usize = 256;
 /// How much of a text body the text output shows before cutting.
 const TEXT_EXCERPT: usize = 64 * 1024;
 
-/// `WHERE` clause selecting a key in an optional scope: `$1` key, `$2` tenant, `$3` method,
-/// `$4` path (NULL = any). Shared with `release`.
-pub const SCOPE_WHERE: &str = "\
-    idempotency_key = $1 \
-    AND ($2::text IS NULL OR tenant = $2::text) \
-    AND ($3::text IS NULL OR method = $3::text) \
-    AND ($4::text IS NULL OR path = $4::text)";
-
 /// The method as stored: the middleware stores it upper case.
 pub fn method(scope: &ScopeArgs) -> Option<String> {
     scope.method.as_ref().map(|m| m.to_ascii_uppercase())
+}
+
+/// `key` in the scope the arguments name.
+pub fn key_scope(key: &str, scope: &ScopeArgs) -> KeyScope {
+    KeyScope {
+        key: key.to_owned(),
+        tenant: scope.tenant.clone(),
+        method: method(scope),
+        path: scope.path.clone(),
+    }
 }
 
 pub async fn run(
@@ -35,15 +42,8 @@ pub async fn run(
     format: Format,
     out: &mut Out,
 ) -> Result<(), CliError> {
-    let query = diesel::sql_query(format!(
-        "SELECT {RECORD_COLUMNS}, response_headers, response_body FROM idempotency_keys \
-         WHERE {SCOPE_WHERE} ORDER BY tenant, method, path"
-    ))
-    .bind::<Text, _>(args.key.clone())
-    .bind::<Nullable<Text>, _>(args.scope.tenant.clone())
-    .bind::<Nullable<Text>, _>(method(&args.scope))
-    .bind::<Nullable<Text>, _>(args.scope.path.clone());
-    let rows: Vec<DetailRow> = sql!(conn, query.load(conn));
+    let scope = key_scope(&args.key, &args.scope);
+    let rows: Vec<Detail> = sql!(conn, admin::find_detail(conn, &scope));
     if rows.is_empty() {
         return Err(CliError::NotFoundOrRefused(format!(
             "no record with key {:?}{}",
@@ -82,7 +82,7 @@ pub fn scope_words(scope: &ScopeArgs) -> String {
     s
 }
 
-fn decode_headers(row: &DetailRow) -> Result<Vec<(String, Vec<u8>)>, String> {
+fn decode_headers(row: &Detail) -> Result<Vec<(String, Vec<u8>)>, String> {
     match &row.response_headers {
         None => Ok(Vec::new()),
         Some(raw) => StoredResponse::decode_headers(raw)
@@ -91,40 +91,68 @@ fn decode_headers(row: &DetailRow) -> Result<Vec<(String, Vec<u8>)>, String> {
     }
 }
 
-pub(crate) fn detail_json(row: &DetailRow) -> Value {
-    let mut value = row.record.to_json();
-    if row.record.state == "completed" {
-        let headers = match decode_headers(row) {
-            Ok(headers) => Value::Array(
-                headers
-                    .iter()
-                    .map(|(name, v)| match std::str::from_utf8(v) {
-                        Ok(text) => json!({ "name": name, "value": text }),
-                        Err(_) => json!({ "name": name, "value_base64": base64(v) }),
-                    })
-                    .collect(),
-            ),
-            Err(e) => json!({ "error": e }),
-        };
-        let body = row.response_body.as_deref().unwrap_or_default();
-        let body_json = serde_json::from_slice::<Value>(body).ok();
-        let body_text = match &body_json {
-            Some(_) => None,
-            None => std::str::from_utf8(body).ok(),
-        };
-        value["response"] = json!({
-            "status": row.record.status,
-            "headers": headers,
-            "body_bytes": body.len(),
-            "body_base64": base64(body),
-            "body_json": body_json,
-            "body_text": body_text,
-        });
-    }
-    value
+/// `show --format json`: the record's fields and, once completed, its response.
+#[derive(Serialize)]
+pub(crate) struct DetailJson {
+    #[serde(flatten)]
+    record: Value,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    response: Option<ResponseJson>,
 }
 
-pub(crate) fn detail_text(row: &DetailRow) -> Vec<String> {
+/// The stored response. `body_json` is the stored body itself when it is JSON: its tokens (key
+/// order, duplicate keys, numbers of any size) exactly as stored, only the whitespace between
+/// them removed so the output stays one line. Never a re-encoding of a parsed value.
+#[derive(Serialize)]
+struct ResponseJson {
+    status: Option<i16>,
+    headers: Value,
+    body_bytes: usize,
+    body_base64: String,
+    body_json: Option<Box<RawValue>>,
+    body_text: Option<String>,
+}
+
+pub(crate) fn detail_json(row: &Detail) -> DetailJson {
+    let record = row.record.to_json();
+    if row.record.state != State::Completed {
+        return DetailJson {
+            record,
+            response: None,
+        };
+    }
+    let headers = match decode_headers(row) {
+        Ok(headers) => Value::Array(
+            headers
+                .iter()
+                .map(|(name, v)| match std::str::from_utf8(v) {
+                    Ok(text) => json!({ "name": name, "value": text }),
+                    Err(_) => json!({ "name": name, "value_base64": BASE64_STANDARD.encode(v) }),
+                })
+                .collect(),
+        ),
+        Err(e) => json!({ "error": e }),
+    };
+    let body = row.response_body.as_deref().unwrap_or_default();
+    let body_json = compact_json(body).and_then(|text| RawValue::from_string(text).ok());
+    let body_text = match &body_json {
+        Some(_) => None,
+        None => std::str::from_utf8(body).ok().map(str::to_owned),
+    };
+    DetailJson {
+        record,
+        response: Some(ResponseJson {
+            status: row.record.response_status,
+            headers,
+            body_bytes: body.len(),
+            body_base64: BASE64_STANDARD.encode(body),
+            body_json,
+            body_text,
+        }),
+    }
+}
+
+pub(crate) fn detail_text(row: &Detail) -> Vec<String> {
     let r = &row.record;
     let mut lines = vec![
         format!("key          {:?}", r.idempotency_key),
@@ -132,35 +160,39 @@ pub(crate) fn detail_text(row: &DetailRow) -> Vec<String> {
         format!("method       {}", display(&r.method, 0)),
         format!("path         {}", display(&r.path, 0)),
         format!("state        {}", r.state),
-        format!("fingerprint  {}", r.fingerprint_hex),
-        format!("token        {}", r.token.as_deref().unwrap_or("-")),
+        format!("fingerprint  {}", hex(&r.fingerprint)),
+        format!("token        {}", r.token_text()),
         format!(
             "created_at   {} ({} ago)",
-            r.created_at,
-            format_age_secs(r.age_s)
+            timestamp(r.created_at),
+            format_age_secs(r.age_secs())
         ),
     ];
-    if let Some(completed) = &r.completed_at {
-        lines.push(format!("completed_at {completed}"));
+    if let Some(completed) = r.completed_at {
+        lines.push(format!("completed_at {}", timestamp(completed)));
     }
     if r.is_in_flight() {
-        if let Some(until) = &r.locked_until {
-            lines.push(format!("lease        until {until} ({})", r.expiry_words()));
+        if let Some(until) = r.locked_until {
+            lines.push(format!(
+                "lease        until {} ({})",
+                timestamp(until),
+                r.expiry_words()
+            ));
         }
     } else {
         lines.push(format!(
             "expires_at   {} ({})",
-            r.expires_at,
+            timestamp(r.expires_at),
             r.expiry_words()
         ));
     }
-    if r.state != "completed" {
+    if r.state != State::Completed {
         lines.push("response     none yet (the request is running, or its holder died)".into());
         return lines;
     }
     lines.push(format!(
         "status       {}",
-        r.status
+        r.response_status
             .map(|s| s.to_string())
             .unwrap_or_else(|| "-".into())
     ));
@@ -209,4 +241,60 @@ pub(crate) fn detail_text(row: &DetailRow) -> Vec<String> {
         );
     }
     lines
+}
+
+#[cfg(test)]
+mod tests {
+    use idempotency_actix::store::postgres::admin::{Record, Time};
+
+    use super::*;
+
+    fn completed(body: &[u8]) -> Detail {
+        let t = Time::from_unix_micros(1_800_000_000_000_000);
+        Detail {
+            record: Record {
+                tenant: String::new(),
+                method: "POST".into(),
+                path: "/p".into(),
+                idempotency_key: "k".into(),
+                fingerprint: vec![0xab; 32],
+                state: State::Completed,
+                token: None,
+                locked_until: None,
+                response_status: Some(201),
+                created_at: t,
+                completed_at: Some(t),
+                expires_at: t,
+                body_bytes: i32::try_from(body.len()).ok(),
+                read_at: t,
+            },
+            response_headers: None,
+            response_body: Some(body.to_vec()),
+        }
+    }
+
+    /// Guards issue 10 (`show`'s `body_json`): the body was parsed into a `serde_json::Value`
+    /// and re-encoded, which sorted its keys, dropped a duplicate key and rounded a large
+    /// number, so the operator saw a body that was never sent.
+    #[test]
+    fn body_json_is_the_stored_body() {
+        let stored = br#"{"z": 1, "a": [true, null], "dup": 1, "dup": 2, "n": 123456789012345678901234567890}"#;
+        let shown = serde_json::to_string(&detail_json(&completed(stored))).unwrap();
+        assert!(
+            shown.contains(
+                r#""body_json":{"z":1,"a":[true,null],"dup":1,"dup":2,"n":123456789012345678901234567890}"#
+            ),
+            "{shown}"
+        );
+        assert!(!shown.contains('\n'));
+    }
+
+    #[test]
+    fn a_body_that_is_not_json_is_text() {
+        let shown = serde_json::to_value(detail_json(&completed(b"plain {"))).unwrap();
+        assert_eq!(shown["response"]["body_json"], Value::Null);
+        assert_eq!(shown["response"]["body_text"], "plain {");
+        assert_eq!(shown["response"]["status"], 201);
+        assert_eq!(shown["state"], "completed");
+    }
 }

@@ -1,74 +1,22 @@
 //! `idem-cli stats` (contract C20): what a monitoring check needs in one query.
 
-use diesel::sql_types::{BigInt, Nullable};
-use diesel::QueryableByName;
-use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use diesel_async::AsyncPgConnection;
+use idempotency_actix::store::postgres::admin;
 use serde_json::json;
 
 use crate::cli::Format;
 use crate::duration::format_age_secs;
 use crate::error::CliError;
 use crate::output::Out;
-use crate::record::{RecordRow, RECORD_COLUMNS};
-
-#[derive(QueryableByName)]
-struct Counts {
-    #[diesel(sql_type = BigInt)]
-    total: i64,
-    #[diesel(sql_type = BigInt)]
-    in_flight: i64,
-    #[diesel(sql_type = BigInt)]
-    in_flight_lease_live: i64,
-    #[diesel(sql_type = BigInt)]
-    in_flight_lease_ended: i64,
-    #[diesel(sql_type = BigInt)]
-    completed: i64,
-    #[diesel(sql_type = BigInt)]
-    completed_live: i64,
-    #[diesel(sql_type = BigInt)]
-    completed_expired: i64,
-    #[diesel(sql_type = BigInt)]
-    expired_not_purged: i64,
-    #[diesel(sql_type = Nullable<BigInt>)]
-    table_bytes: Option<i64>,
-    #[diesel(sql_type = Nullable<BigInt>)]
-    index_bytes: Option<i64>,
-    #[diesel(sql_type = Nullable<BigInt>)]
-    total_bytes: Option<i64>,
-}
+use crate::record::{round_ms, RecordView};
 
 pub async fn run(
     conn: &mut AsyncPgConnection,
     format: Format,
     out: &mut Out,
 ) -> Result<(), CliError> {
-    // One scan for all counts (count(*) FILTER), so the numbers are mutually consistent.
-    // Sizes come from the catalog: pg_table_size includes TOAST, where large bodies live.
-    let counts = diesel::sql_query(
-        "SELECT count(*) AS total, \
-                count(*) FILTER (WHERE state = 'in_flight') AS in_flight, \
-                count(*) FILTER (WHERE state = 'in_flight' AND locked_until > now()) \
-                    AS in_flight_lease_live, \
-                count(*) FILTER (WHERE state = 'in_flight' AND locked_until <= now()) \
-                    AS in_flight_lease_ended, \
-                count(*) FILTER (WHERE state = 'completed') AS completed, \
-                count(*) FILTER (WHERE state = 'completed' AND expires_at > now()) \
-                    AS completed_live, \
-                count(*) FILTER (WHERE state = 'completed' AND expires_at <= now()) \
-                    AS completed_expired, \
-                count(*) FILTER (WHERE expires_at <= now()) AS expired_not_purged, \
-                pg_table_size('idempotency_keys'::regclass) AS table_bytes, \
-                pg_indexes_size('idempotency_keys'::regclass) AS index_bytes, \
-                pg_total_relation_size('idempotency_keys'::regclass) AS total_bytes \
-         FROM idempotency_keys",
-    );
-    let c: Counts = sql!(conn, counts.get_result(conn));
-    let oldest = diesel::sql_query(format!(
-        "SELECT {RECORD_COLUMNS} FROM idempotency_keys WHERE state = 'in_flight' \
-         ORDER BY created_at LIMIT 1"
-    ));
-    let oldest: Vec<RecordRow> = sql!(conn, oldest.load(conn));
-    let oldest = oldest.into_iter().next();
+    let c = sql!(conn, admin::stats(conn));
+    let oldest = sql!(conn, admin::oldest_in_flight(conn));
 
     match format {
         Format::Json => out.json(&json!({
@@ -80,8 +28,8 @@ pub async fn run(
             "completed_live": c.completed_live,
             "completed_expired": c.completed_expired,
             "expired_not_purged": c.expired_not_purged,
-            "oldest_in_flight": oldest.as_ref().map(RecordRow::to_json),
-            "oldest_in_flight_age_seconds": oldest.as_ref().map(|r| crate::record::round_ms(r.age_s)),
+            "oldest_in_flight": oldest.as_ref().map(RecordView::to_json),
+            "oldest_in_flight_age_seconds": oldest.as_ref().map(|r| round_ms(r.age_secs())),
             "table_bytes": c.table_bytes,
             "index_bytes": c.index_bytes,
             "total_bytes": c.total_bytes,
@@ -105,7 +53,7 @@ pub async fn run(
                 Some(r) => out.line(format!(
                     "oldest in-flight     {} created {} ago, {}",
                     r.scope_label(),
-                    format_age_secs(r.age_s),
+                    format_age_secs(r.age_secs()),
                     r.expiry_words()
                 ))?,
             }

@@ -1,53 +1,133 @@
-//! The SQL of the request path, as diesel query fragments that are prepared once per
-//! connection.
+//! Every statement on `idempotency_keys`, in one place: the request path (reserve, complete,
+//! release), purge, the provisioning probe, and the admin queries `idem-cli` runs (through
+//! [`super::admin`]). `docs/sql.md` describes each of them; keep the two in step.
 //!
+//! Statements are written with diesel's query builder over the [`schema`](super::schema), so
+//! columns and state values are named in one place. Raw SQL remains only where the builder
+//! cannot say it, each with the reason next to it: the reserve function call, purge (a CTE over
+//! a `DELETE` that finds its rows by `ctid`), and the `to_regclass` probe.
+//!
+//! # Prepared once per connection
 //! `diesel::sql_query` is never cached as a prepared statement, and diesel-async then pays a
-//! Parse round trip before every Execute. Each statement here is a small struct implementing
-//! [`QueryFragment`] (static SQL plus binds) with a *static* [`QueryId`], so diesel-async's
-//! per-connection statement cache prepares it on first use and every later execution on that
-//! connection is one round trip (Bind/Execute/Sync in one flight). `docs/sql.md` explains each
-//! statement and how the round trips were counted.
-//!
-//! Every statement references each bind parameter once (`$1`..`$n` in order of appearance),
-//! because diesel numbers binds as they are pushed; reserve passes them to a PL/pgSQL function
-//! (created by the second migration) in that order.
+//! Parse round trip before every Execute. Query-builder statements and the hand-written
+//! fragments here have a *static* [`QueryId`], so diesel-async's per-connection statement cache
+//! prepares each on first use and every later execution on that connection is one round trip
+//! (Bind/Execute/Sync in one flight). The request-path statements are checked for that below
+//! (`const _`), and `tests/tests/postgres_round_trips.rs` counts the messages. The admin
+//! queries are built dynamically (`into_boxed`): the CLI runs each once.
 //!
 //! All times come from the database (`now()`); durations travel as bigint microseconds.
 
+use diesel::dsl::count;
+use diesel::expression::ValidGrouping;
+use diesel::expression::{is_aggregate, AppearsOnTable, Expression, SelectableExpression};
+use diesel::expression_methods::AggregateExpressionMethods;
 use diesel::pg::Pg;
 use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
-use diesel::sql_types::{BigInt, Bool, Bytea, Nullable, SmallInt, Text, Untyped};
-use diesel::{QueryResult, QueryableByName};
+use diesel::sql_types::{BigInt, Bool, Bytea, Nullable, SmallInt, Text, Timestamptz, Untyped};
+use diesel::{
+    BoolExpressionMethods, Column, ExpressionMethods, NullableExpressionMethods, OptionalExtension,
+    PgExpressionMethods, QueryDsl, QueryResult, QueryableByName, SelectableHelper,
+};
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
 
-/// Marks a statement struct as a query with a static id (so diesel-async caches its prepared
-/// statement per connection) whose rows are loaded by name.
-macro_rules! cached_statement {
-    ($name:ident, $id:ident) => {
-        /// Static query id for the statement cache.
-        pub(crate) struct $id;
+use super::admin::{Detail, KeyScope, ListFilter, ListState, PurgeFilter, Purged, Record, Stats};
+use super::schema::{idempotency_keys as k, State};
 
-        impl QueryId for $name<'_> {
-            type QueryId = $id;
-            const HAS_STATIC_QUERY_ID: bool = true;
+// ---------------------------------------------------------------------------------------------
+// Small expressions the query builder lacks
+
+/// `now()`: the database's clock, typed `timestamptz` (diesel's own `now` is `timestamp`, which
+/// cannot be compared with or added to a `timestamptz` column without a cast).
+#[derive(Debug, Clone, Copy)]
+pub struct DbNow;
+
+/// `now() + $n * interval '1 microsecond'` (or `-`): a point relative to the database's clock.
+/// Microseconds, the database's interval precision, so even a sub-millisecond lease is kept.
+#[derive(Debug, Clone, Copy)]
+pub struct NowShifted {
+    micros: i64,
+    later: bool,
+}
+
+impl DbNow {
+    /// `now()` plus `micros`.
+    pub(crate) fn plus(micros: i64) -> NowShifted {
+        NowShifted {
+            micros,
+            later: true,
         }
+    }
 
-        impl Query for $name<'_> {
-            type SqlType = Untyped;
+    /// `now()` minus `micros`.
+    pub(crate) fn minus(micros: i64) -> NowShifted {
+        NowShifted {
+            micros,
+            later: false,
+        }
+    }
+}
+
+impl QueryFragment<Pg> for DbNow {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        out.push_sql("now()");
+        Ok(())
+    }
+}
+
+impl QueryFragment<Pg> for NowShifted {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        out.push_sql(if self.later { "(now() + " } else { "(now() - " });
+        out.push_bind_param::<BigInt, _>(&self.micros)?;
+        out.push_sql(" * interval '1 microsecond')");
+        Ok(())
+    }
+}
+
+/// The plumbing that lets a hand-written fragment be used as a query-builder expression of type
+/// `$sql_type`, with a static query id (its SQL text never varies).
+macro_rules! expression {
+    ($name:ident, $sql_type:ty) => {
+        impl Expression for $name {
+            type SqlType = $sql_type;
+        }
+        impl<QS> AppearsOnTable<QS> for $name {}
+        impl<QS> SelectableExpression<QS> for $name {}
+        impl<GB> ValidGrouping<GB> for $name {
+            type IsAggregate = is_aggregate::Never;
+        }
+        impl QueryId for $name {
+            type QueryId = Self;
+            const HAS_STATIC_QUERY_ID: bool = true;
         }
     };
 }
 
-/// The scope binds shared by every statement: always `$1`..`$4`.
-fn push_scope<'b>(out: &mut AstPass<'_, 'b, Pg>, scope: &'b ScopeBinds<'_>) -> QueryResult<()> {
-    out.push_bind_param::<Text, _>(&scope.tenant)?;
-    out.push_sql(", ");
-    out.push_bind_param::<Text, _>(&scope.method)?;
-    out.push_sql(", ");
-    out.push_bind_param::<Text, _>(&scope.path)?;
-    out.push_sql(", ");
-    out.push_bind_param::<Text, _>(&scope.key)?;
-    Ok(())
+expression!(DbNow, Timestamptz);
+expression!(NowShifted, Timestamptz);
+
+diesel::define_sql_function! {
+    /// `octet_length(bytea)`: a stored body's size without fetching it.
+    fn octet_length(bytes: Nullable<Bytea>) -> Nullable<diesel::sql_types::Integer>;
 }
+
+diesel::define_sql_function! {
+    /// `starts_with(text, text)`: a key-prefix filter with no `LIKE` escaping to get wrong.
+    fn starts_with(text: Text, prefix: Text) -> Bool;
+}
+
+diesel::define_sql_function! {
+    /// Session-level advisory lock, without waiting.
+    fn pg_try_advisory_lock(key: BigInt) -> Bool;
+}
+
+diesel::define_sql_function! {
+    /// Release a session-level advisory lock.
+    fn pg_advisory_unlock(key: BigInt) -> Bool;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Request path
 
 /// The four parts of a scope, borrowed.
 pub(crate) struct ScopeBinds<'a> {
@@ -57,12 +137,18 @@ pub(crate) struct ScopeBinds<'a> {
     pub(crate) key: &'a str,
 }
 
-// ---------------------------------------------------------------------------------------------
-// reserve-or-fetch
+impl<'a> ScopeBinds<'a> {
+    /// The primary key, for `find`.
+    fn key(&self) -> (&'a str, &'a str, &'a str, &'a str) {
+        (self.tenant, self.method, self.path, self.key)
+    }
+}
 
 /// Reserve-or-fetch in one statement: a call of the PL/pgSQL function `idempotency_reserve`
 /// (migration `2026-11-30-000002_reserve_function`). Binds: `$1..$4` scope, `$5` fingerprint,
 /// `$6` token, `$7` lease in microseconds.
+///
+/// Raw SQL: diesel's query builder has no way to call a set-returning function in `FROM`.
 pub(crate) struct Reserve<'a> {
     pub(crate) scope: ScopeBinds<'a>,
     pub(crate) fingerprint: &'a [u8],
@@ -70,47 +156,53 @@ pub(crate) struct Reserve<'a> {
     pub(crate) lease_us: i64,
 }
 
-cached_statement!(Reserve, ReserveId);
+/// Static query id for the statement cache.
+pub(crate) struct ReserveId;
 
-/// The reserve call, in two parts around the binds.
+impl QueryId for Reserve<'_> {
+    type QueryId = ReserveId;
+    const HAS_STATIC_QUERY_ID: bool = true;
+}
+
+impl Query for Reserve<'_> {
+    type SqlType = Untyped;
+}
+
+/// The reserve call.
 ///
 /// How it works (the function body is in `migrations/2026-11-30-000002_reserve_function/up.sql`,
 /// explained in `docs/sql.md`):
 /// - It reads first: a plain primary-key SELECT, no lock. A live completed row (replay), a live
 ///   reservation, or an ended reservation of another fingerprint is returned as `existing`
-///   without any write. So the replay path costs one index read, where the CTE statement this
-///   replaces planned and initialised an UPDATE and an INSERT on every call.
+///   without any write. So the replay path costs one index read.
 /// - Only then does it write: `INSERT ... ON CONFLICT DO NOTHING` for an absent key, or an
-///   UPDATE fenced by `expires_at <= now()` and `state = 'completed' OR fingerprint = $5` for an
+///   UPDATE fenced by `expires_at <= now()` and "completed, or the same fingerprint" for an
 ///   ended, eligible row. Each write is conditional on the row being absent/ended *under its
-///   lock* (the UPDATE's WHERE is re-evaluated on the newest row version after waiting for a
-///   concurrent writer, READ COMMITTED's EvalPlanQual), so at most one call can reserve a key.
-/// - A write that found nothing to do means a concurrent writer won; the function re-reads
-///   (each statement of a VOLATILE function in READ COMMITTED gets a fresh snapshot) and
+///   lock* (READ COMMITTED's EvalPlanQual), so at most one call can reserve a key.
+/// - A write that found nothing to do means a concurrent writer won; the function re-reads and
 ///   decides again, in a bounded loop. Only if the key changed under every attempt does it
 ///   answer `raced` (nothing written); the caller then calls again.
 ///
-/// The statement names its columns, so the row is loaded by name exactly as before. It is still
-/// one statement, prepared once per connection: one round trip per reserve.
-const RESERVE_SQL_HEAD: &str = "\
-SELECT outcome, state, fingerprint, lease_remaining_us, response_status, response_headers,
-       response_body, live, eligible
-FROM idempotency_reserve(";
-// $1, $2, $3, $4 (scope), $5 fingerprint, $6 token, $7 lease_us, then:
-const RESERVE_SQL_TAIL: &str = ")";
-
+/// The row is loaded by name ([`ReserveRow`]), so `SELECT *` is exact: the function's
+/// `RETURNS TABLE` is the column list.
 impl QueryFragment<Pg> for Reserve<'_> {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
-        out.push_sql(RESERVE_SQL_HEAD);
+        out.push_sql("SELECT * FROM idempotency_reserve(");
         // The function's signature fixes the parameter types of the prepared statement.
-        push_scope(&mut out, &self.scope)?;
+        out.push_bind_param::<Text, _>(&self.scope.tenant)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Text, _>(&self.scope.method)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Text, _>(&self.scope.path)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Text, _>(&self.scope.key)?;
         out.push_sql(", ");
         out.push_bind_param::<Bytea, _>(&self.fingerprint)?;
         out.push_sql(", ");
         out.push_bind_param::<diesel::sql_types::Uuid, _>(&self.token)?;
         out.push_sql(", ");
         out.push_bind_param::<BigInt, _>(&self.lease_us)?;
-        out.push_sql(RESERVE_SQL_TAIL);
+        out.push_sql(")");
         Ok(())
     }
 }
@@ -126,21 +218,42 @@ pub(crate) struct ReplayRead<'a> {
     pub(crate) scope: ScopeBinds<'a>,
 }
 
-cached_statement!(ReplayRead, ReplayReadId);
+/// Static query id for the statement cache.
+pub(crate) struct ReplayReadId;
 
+impl QueryId for ReplayRead<'_> {
+    type QueryId = ReplayReadId;
+    const HAS_STATIC_QUERY_ID: bool = true;
+}
+
+impl Query for ReplayRead<'_> {
+    type SqlType = Untyped;
+}
+
+// Raw SQL: the row must have the reserve function's shape (its `outcome`, `live` and
+// `eligible` columns are constants here), which a query-builder select cannot name.
 const REPLAY_READ_SQL_HEAD: &str = "\
 SELECT 'existing'::text AS outcome, state, fingerprint,
        (extract(epoch FROM expires_at - now()) * 1000000)::bigint AS lease_remaining_us,
        response_status, response_headers, response_body, true AS live, true AS eligible
 FROM idempotency_keys
 WHERE (tenant, method, path, idempotency_key) = (";
-// $1, $2, $3, $4 (scope), then:
-const REPLAY_READ_SQL_TAIL: &str = ") AND state = 'completed' AND expires_at > now()";
+// $1, $2, $3, $4 (scope), then `$5` the completed state (from the schema's `State`):
+const REPLAY_READ_SQL_STATE: &str = ") AND state = ";
+const REPLAY_READ_SQL_TAIL: &str = " AND expires_at > now()";
 
 impl QueryFragment<Pg> for ReplayRead<'_> {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
         out.push_sql(REPLAY_READ_SQL_HEAD);
-        push_scope(&mut out, &self.scope)?;
+        out.push_bind_param::<Text, _>(&self.scope.tenant)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Text, _>(&self.scope.method)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Text, _>(&self.scope.path)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Text, _>(&self.scope.key)?;
+        out.push_sql(REPLAY_READ_SQL_STATE);
+        out.push_bind_param::<Text, _>(State::Completed.as_str())?;
         out.push_sql(REPLAY_READ_SQL_TAIL);
         Ok(())
     }
@@ -149,11 +262,11 @@ impl QueryFragment<Pg> for ReplayRead<'_> {
 /// One row of the reserve statement.
 #[derive(QueryableByName, Debug)]
 pub(crate) struct ReserveRow {
-    /// `reserved`, `existing` or `raced`.
+    /// `reserved`, `existing` or `raced` (the function's own vocabulary, not a table value).
     #[diesel(sql_type = Text)]
     pub(crate) outcome: String,
     #[diesel(sql_type = Nullable<Text>)]
-    pub(crate) state: Option<String>,
+    pub(crate) state: Option<State>,
     #[diesel(sql_type = Nullable<Bytea>)]
     pub(crate) fingerprint: Option<Vec<u8>>,
     #[diesel(sql_type = Nullable<BigInt>)]
@@ -170,14 +283,24 @@ pub(crate) struct ReserveRow {
     pub(crate) eligible: Option<bool>,
 }
 
-// ---------------------------------------------------------------------------------------------
-// complete
+/// Run [`ReplayRead`].
+pub(crate) async fn replay_read(
+    conn: &mut AsyncPgConnection,
+    query: &ReplayRead<'_>,
+) -> QueryResult<Vec<ReserveRow>> {
+    query.load(conn).await
+}
 
-/// Store the response, fenced by the token. Binds: `$1..$4` scope, `$5` token, `$6` status,
-/// `$7` encoded headers, `$8` body, `$9` TTL in microseconds. Affects one row (applied) or
-/// none (stale: the token no longer holds an in-flight reservation).
-pub(crate) struct Complete<'a> {
-    pub(crate) scope: ScopeBinds<'a>,
+/// Run [`Reserve`].
+pub(crate) async fn reserve(
+    conn: &mut AsyncPgConnection,
+    query: &Reserve<'_>,
+) -> QueryResult<Vec<ReserveRow>> {
+    query.load(conn).await
+}
+
+/// The values `complete` stores.
+pub(crate) struct Completion<'a> {
     pub(crate) token: uuid::Uuid,
     pub(crate) status: i16,
     pub(crate) headers: &'a [u8],
@@ -185,117 +308,287 @@ pub(crate) struct Complete<'a> {
     pub(crate) ttl_us: i64,
 }
 
-cached_statement!(Complete, CompleteId);
+/// A statement whose SQL text never varies, marked so diesel-async prepares it once per
+/// connection. diesel never caches an `UPDATE` (a changeset may skip `None` fields, so its
+/// text can vary: it gives the statement no static id and marks it unsafe to cache);
+/// [`complete`]'s changeset has no optional fields, so its text is fixed. Without this, every
+/// complete would pay a Parse round trip.
+struct Prepared<Q, Id>(Q, std::marker::PhantomData<Id>);
 
-impl QueryFragment<Pg> for Complete<'_> {
+impl<Q, Id: 'static> QueryId for Prepared<Q, Id> {
+    type QueryId = Id;
+    const HAS_STATIC_QUERY_ID: bool = true;
+}
+
+impl<Q: QueryFragment<Pg>, Id> QueryFragment<Pg> for Prepared<Q, Id> {
+    fn walk_ast<'b>(&'b self, out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        self.0.walk_ast(out)
+    }
+
+    // diesel's UPDATE marks itself uncacheable while being walked; the text is fixed here.
+    fn is_safe_to_cache_prepared(&self, _backend: &Pg) -> QueryResult<bool> {
+        Ok(true)
+    }
+}
+
+/// Static query id of [`complete`]'s statement.
+struct CompleteId;
+
+/// Store the response, fenced by the token: one primary-key UPDATE. Affects one row (applied)
+/// or none (stale: the token no longer holds an in-flight reservation).
+pub(crate) async fn complete(
+    conn: &mut AsyncPgConnection,
+    scope: &ScopeBinds<'_>,
+    completion: &Completion<'_>,
+) -> QueryResult<usize> {
+    let update = diesel::update(
+        k::table
+            .find(scope.key())
+            .filter(k::state.eq(State::InFlight))
+            .filter(k::token.eq(completion.token)),
+    )
+    .set((
+        k::state.eq(State::Completed),
+        k::response_status.eq(completion.status),
+        k::response_headers.eq(completion.headers),
+        k::response_body.eq(completion.body),
+        k::completed_at.eq(DbNow.nullable()),
+        k::locked_until.eq(None::<time::OffsetDateTime>),
+        k::expires_at.eq(DbNow::plus(completion.ttl_us)),
+    ));
+    Prepared::<_, CompleteId>(update, std::marker::PhantomData)
+        .execute(conn)
+        .await
+}
+
+/// Delete the reservation, fenced by the token: one primary-key DELETE.
+pub(crate) async fn release(
+    conn: &mut AsyncPgConnection,
+    scope: &ScopeBinds<'_>,
+    token: uuid::Uuid,
+) -> QueryResult<usize> {
+    diesel::delete(
+        k::table
+            .find(scope.key())
+            .filter(k::state.eq(State::InFlight))
+            .filter(k::token.eq(token)),
+    )
+    .execute(conn)
+    .await
+}
+
+// ---------------------------------------------------------------------------------------------
+// Purge: the one statement, for the store and for `idem-cli purge`
+
+static COMPLETED: State = State::Completed;
+static IN_FLIGHT: State = State::InFlight;
+
+/// Which rows purge may delete, as a boolean expression (shared by the DELETE and by
+/// `purge --dry-run`'s count):
+///
+/// ```sql
+/// expires_at <= now()
+/// AND (state = 'completed' OR expires_at <= now() - $grace)
+/// AND ($older_than IS NULL OR created_at <= now() - $older_than)
+/// AND ($tenant IS NULL OR tenant = $tenant)
+/// ```
+///
+/// The leading `expires_at <= now()` lets the planner walk the `expires_at` index. The
+/// optional filters are binds tested for NULL rather than clauses left out, so the statement's
+/// text (and its prepared plan) is the same for every caller.
+#[derive(Debug, Clone)]
+pub(crate) struct Purgeable {
+    grace: NowShifted,
+    older_than_us: Option<i64>,
+    tenant: Option<String>,
+}
+
+expression!(Purgeable, Bool);
+
+impl Purgeable {
+    pub(crate) fn new(filter: &PurgeFilter) -> Self {
+        Purgeable {
+            grace: DbNow::minus(super::micros(filter.grace)),
+            older_than_us: filter.older_than.map(super::micros),
+            tenant: filter.tenant.clone(),
+        }
+    }
+}
+
+impl QueryFragment<Pg> for Purgeable {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
-        // The WHERE clause comes first in bind order, so the statement is written with the
-        // scope and token binds leading, via a one-row VALUES joined in as `p`.
-        out.push_sql(
-            "UPDATE idempotency_keys k \
-             SET state = 'completed', response_status = p.status, \
-                 response_headers = p.headers, response_body = p.body, \
-                 completed_at = now(), locked_until = NULL, \
-                 expires_at = now() + p.ttl_us * interval '1 microsecond' \
-             FROM (VALUES (",
-        );
-        push_scope(&mut out, &self.scope)?;
-        out.push_sql(", ");
-        out.push_bind_param::<diesel::sql_types::Uuid, _>(&self.token)?;
-        out.push_sql(", ");
-        out.push_bind_param::<SmallInt, _>(&self.status)?;
-        out.push_sql(", ");
-        out.push_bind_param::<Bytea, _>(&self.headers)?;
-        out.push_sql(", ");
-        out.push_bind_param::<Bytea, _>(&self.body)?;
-        out.push_sql(", ");
-        out.push_bind_param::<BigInt, _>(&self.ttl_us)?;
-        out.push_sql(
-            ")) AS p(tenant, method, path, idempotency_key, token, status, headers, body, ttl_us) \
-             WHERE (k.tenant, k.method, k.path, k.idempotency_key) \
-                   = (p.tenant, p.method, p.path, p.idempotency_key) \
-               AND k.state = 'in_flight' AND k.token = p.token",
-        );
+        // Written out rather than built from `k::state.eq(...)` and friends: a walked
+        // expression must outlive the pass, and these borrow nothing but `self` and statics.
+        k::expires_at.walk_ast(out.reborrow())?;
+        out.push_sql(" <= now() AND (");
+        k::state.walk_ast(out.reborrow())?;
+        out.push_sql(" = ");
+        out.push_bind_param::<Text, _>(&COMPLETED)?;
+        out.push_sql(" OR ");
+        k::expires_at.walk_ast(out.reborrow())?;
+        out.push_sql(" <= ");
+        self.grace.walk_ast(out.reborrow())?;
+        out.push_sql(")");
+        out.push_sql(" AND (");
+        out.push_bind_param::<Nullable<BigInt>, _>(&self.older_than_us)?;
+        out.push_sql("::bigint IS NULL OR ");
+        k::created_at.walk_ast(out.reborrow())?;
+        out.push_sql(" <= now() - ");
+        out.push_bind_param::<Nullable<BigInt>, _>(&self.older_than_us)?;
+        out.push_sql(" * interval '1 microsecond') AND (");
+        out.push_bind_param::<Nullable<Text>, _>(&self.tenant)?;
+        out.push_sql("::text IS NULL OR ");
+        k::tenant.walk_ast(out.reborrow())?;
+        out.push_sql(" = ");
+        out.push_bind_param::<Nullable<Text>, _>(&self.tenant)?;
+        out.push_sql(")");
         Ok(())
     }
 }
 
-// ---------------------------------------------------------------------------------------------
-// release
-
-/// Delete the reservation, fenced by the token. Binds: `$1..$4` scope, `$5` token.
-pub(crate) struct Release<'a> {
-    pub(crate) scope: ScopeBinds<'a>,
-    pub(crate) token: uuid::Uuid,
-}
-
-cached_statement!(Release, ReleaseId);
-
-impl QueryFragment<Pg> for Release<'_> {
-    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
-        out.push_sql(
-            "DELETE FROM idempotency_keys \
-             WHERE (tenant, method, path, idempotency_key) = (",
-        );
-        push_scope(&mut out, &self.scope)?;
-        out.push_sql(") AND state = 'in_flight' AND token = ");
-        out.push_bind_param::<diesel::sql_types::Uuid, _>(&self.token)?;
-        Ok(())
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// purge
-
-/// Delete up to `$2` expired rows: completed rows past their TTL, reservations whose lease
-/// ended more than `$1` microseconds ago. `FOR UPDATE SKIP LOCKED` lets overlapping purges
-/// (and requests touching a row) pass each other instead of queueing; each batch is its own
+/// Delete up to `limit` purgeable rows and count them by state, in one statement:
+///
+/// ```sql
+/// WITH gone AS (
+///     DELETE FROM idempotency_keys WHERE ctid = ANY (ARRAY(
+///         SELECT ctid FROM idempotency_keys WHERE <Purgeable>
+///         ORDER BY expires_at LIMIT $limit FOR UPDATE SKIP LOCKED))
+///     RETURNING state)
+/// SELECT count(*) FILTER (WHERE state = 'completed') AS completed,
+///        count(*) FILTER (WHERE state = 'in_flight') AS in_flight
+/// FROM gone
+/// ```
+///
+/// The inner SELECT walks the `expires_at` index and locks at most `limit` rows, skipping rows
+/// someone else holds (a request working on a row, an overlapping purge): purge never queues
+/// behind traffic. `FOR UPDATE` re-checks the WHERE clause on the newest row version, so a
+/// reservation taken over in between is not deleted. The DELETE then finds the rows by `ctid`
+/// (a TID scan, stable because we hold their locks); joining back on the primary key instead
+/// was planned as a hash join over a sequential scan of the whole table. Each call is its own
 /// short transaction.
-pub(crate) struct PurgeBatch {
-    pub(crate) grace_us: i64,
+///
+/// Raw SQL around query-builder parts: diesel's builder has neither CTEs nor the `ctid`
+/// system column.
+pub(crate) struct Purge {
+    pub(crate) rows: Purgeable,
     pub(crate) limit: i64,
 }
 
 /// Static query id for the statement cache.
-pub(crate) struct PurgeBatchId;
+pub(crate) struct PurgeId;
 
-impl QueryId for PurgeBatch {
-    type QueryId = PurgeBatchId;
+impl QueryId for Purge {
+    type QueryId = PurgeId;
     const HAS_STATIC_QUERY_ID: bool = true;
 }
 
-impl Query for PurgeBatch {
+impl Query for Purge {
     type SqlType = Untyped;
 }
 
-impl QueryFragment<Pg> for PurgeBatch {
+impl QueryFragment<Pg> for Purge {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
-        // The inner SELECT walks the expires_at index and locks at most `limit` rows, skipping
-        // rows someone else holds; the DELETE then finds them by ctid (a TID scan, stable
-        // because we hold their locks). Joining back on the primary key instead was planned
-        // as a hash join over a sequential scan of the whole table.
-        out.push_sql(
-            "DELETE FROM idempotency_keys WHERE ctid = ANY (ARRAY( \
-                 SELECT ctid FROM idempotency_keys \
-                 WHERE expires_at <= now() \
-                   AND (state = 'completed' OR expires_at <= now() - ",
-        );
-        out.push_bind_param::<BigInt, _>(&self.grace_us)?;
-        out.push_sql(" * interval '1 microsecond') ORDER BY expires_at LIMIT ");
+        out.push_sql("WITH gone AS (DELETE FROM ");
+        k::table.walk_ast(out.reborrow())?;
+        out.push_sql(" WHERE ctid = ANY (ARRAY(SELECT ctid FROM ");
+        k::table.walk_ast(out.reborrow())?;
+        out.push_sql(" WHERE ");
+        self.rows.walk_ast(out.reborrow())?;
+        out.push_sql(" ORDER BY ");
+        k::expires_at.walk_ast(out.reborrow())?;
+        out.push_sql(" LIMIT ");
         out.push_bind_param::<BigInt, _>(&self.limit)?;
-        out.push_sql(" FOR UPDATE SKIP LOCKED))");
+        out.push_sql(" FOR UPDATE SKIP LOCKED)) RETURNING ");
+        // Unqualified from here on: outside the DELETE only the CTE `gone` is in scope.
+        out.push_identifier(<k::state as Column>::NAME)?;
+        out.push_sql(") SELECT count(*) FILTER (WHERE ");
+        out.push_identifier(<k::state as Column>::NAME)?;
+        out.push_sql(" = ");
+        out.push_bind_param::<Text, _>(&COMPLETED)?;
+        out.push_sql(") AS completed, count(*) FILTER (WHERE ");
+        out.push_identifier(<k::state as Column>::NAME)?;
+        out.push_sql(" = ");
+        out.push_bind_param::<Text, _>(&IN_FLIGHT)?;
+        out.push_sql(") AS in_flight FROM gone");
         Ok(())
     }
 }
 
+/// The row of [`Purge`].
+#[derive(QueryableByName, Debug)]
+struct PurgedRow {
+    #[diesel(sql_type = BigInt)]
+    completed: i64,
+    #[diesel(sql_type = BigInt)]
+    in_flight: i64,
+}
+
+/// Run [`Purge`].
+pub(crate) async fn purge(
+    conn: &mut AsyncPgConnection,
+    filter: &PurgeFilter,
+    limit: u32,
+) -> QueryResult<Purged> {
+    let query = Purge {
+        rows: Purgeable::new(filter),
+        limit: i64::from(limit),
+    };
+    let row: PurgedRow = query.get_result(conn).await?;
+    Ok(Purged {
+        completed: non_negative(row.completed),
+        in_flight: non_negative(row.in_flight),
+    })
+}
+
+/// What [`purge`] would delete now, by state, without deleting (`purge --dry-run`).
+pub(crate) async fn purge_count(
+    conn: &mut AsyncPgConnection,
+    filter: &PurgeFilter,
+) -> QueryResult<Purged> {
+    let counts: Vec<(State, i64)> = k::table
+        .filter(Purgeable::new(filter))
+        .group_by(k::state)
+        .select((k::state, count(k::tenant)))
+        .load(conn)
+        .await?;
+    let mut purged = Purged::default();
+    for (state, n) in counts {
+        match state {
+            State::Completed => purged.completed = non_negative(n),
+            State::InFlight => purged.in_flight = non_negative(n),
+        }
+    }
+    Ok(purged)
+}
+
+/// Take the purge advisory lock without waiting; `false` when another session holds it.
+pub(crate) async fn try_lock(conn: &mut AsyncPgConnection, key: i64) -> QueryResult<bool> {
+    diesel::select(pg_try_advisory_lock(key))
+        .get_result(conn)
+        .await
+}
+
+/// Release the advisory lock [`try_lock`] took.
+pub(crate) async fn unlock(conn: &mut AsyncPgConnection, key: i64) -> QueryResult<bool> {
+    diesel::select(pg_advisory_unlock(key))
+        .get_result(conn)
+        .await
+}
+
+fn non_negative(n: i64) -> u64 {
+    u64::try_from(n).unwrap_or(0)
+}
+
 // ---------------------------------------------------------------------------------------------
-// provisioning probe
+// Provisioning probe
 
 /// Whether the schema is provisioned: the table `idempotency_keys` *and* the function
 /// `idempotency_reserve` (second migration) are visible on the connection's `search_path`.
 /// Used to recognise SQLSTATE 42P01 / 42883 (undefined table / function), which diesel-async
 /// reports only as an unknown database error; a database migrated only to the first migration
 /// thus also gets the "run `idem-cli migrate`" hint.
+///
+/// Raw SQL: catalog lookups by name (`to_regclass`, `to_regprocedure`) are not table queries.
 pub(crate) struct TableExists;
 
 /// Static query id for the statement cache.
@@ -329,115 +622,258 @@ pub(crate) struct ExistsRow {
     pub(crate) present: bool,
 }
 
+// ---------------------------------------------------------------------------------------------
+// Admin queries (idem-cli list, show, stats, release)
+
+/// The rows `idem-cli list` shows, oldest first, at most `filter.limit` (all when `None`). A
+/// query, not rows: the CLI streams it.
+pub(crate) fn list(
+    filter: &ListFilter,
+) -> k::BoxedQuery<'_, Pg, diesel::dsl::SqlTypeOf<diesel::dsl::AsSelect<Record, Pg>>> {
+    let mut query = k::table.select(Record::as_select()).into_boxed();
+    if let Some(tenant) = &filter.tenant {
+        query = query.filter(k::tenant.eq(tenant));
+    }
+    if let Some(prefix) = &filter.key_prefix {
+        query = query.filter(starts_with(k::idempotency_key, prefix));
+    }
+    if let Some(age) = filter.older_than {
+        query = query.filter(k::created_at.le(DbNow::minus(super::micros(age))));
+    }
+    query = match filter.state {
+        None => query,
+        Some(ListState::InFlight) => query.filter(k::state.eq(State::InFlight)),
+        Some(ListState::Completed) => query
+            .filter(k::state.eq(State::Completed))
+            .filter(k::expires_at.gt(DbNow)),
+        Some(ListState::Expired) => query
+            .filter(k::state.eq(State::Completed))
+            .filter(k::expires_at.le(DbNow)),
+    };
+    query = query.order((
+        k::created_at,
+        k::tenant,
+        k::method,
+        k::path,
+        k::idempotency_key,
+    ));
+    match filter.limit {
+        Some(limit) => query.limit(limit),
+        None => query,
+    }
+}
+
+/// `query` narrowed to a key in an optional scope, in scope order.
+macro_rules! key_scope {
+    ($query:expr, $scope:expr) => {{
+        let scope: &KeyScope = $scope;
+        let mut query = $query.filter(k::idempotency_key.eq(&scope.key));
+        if let Some(tenant) = &scope.tenant {
+            query = query.filter(k::tenant.eq(tenant));
+        }
+        if let Some(method) = &scope.method {
+            query = query.filter(k::method.eq(method));
+        }
+        if let Some(path) = &scope.path {
+            query = query.filter(k::path.eq(path));
+        }
+        query.order((k::tenant, k::method, k::path))
+    }};
+}
+
+/// The records with `scope.key` in the scope given (`idem-cli release`).
+pub(crate) async fn find(
+    conn: &mut AsyncPgConnection,
+    scope: &KeyScope,
+) -> QueryResult<Vec<Record>> {
+    key_scope!(k::table.select(Record::as_select()).into_boxed(), scope)
+        .load(conn)
+        .await
+}
+
+/// As [`find`], with the stored responses (`idem-cli show`).
+pub(crate) async fn find_detail(
+    conn: &mut AsyncPgConnection,
+    scope: &KeyScope,
+) -> QueryResult<Vec<Detail>> {
+    key_scope!(k::table.select(Detail::as_select()).into_boxed(), scope)
+        .load(conn)
+        .await
+}
+
+/// Delete exactly the record that was inspected: same scope, state and token; without `force`
+/// its lease must still be over at the moment of deletion. `false` when it changed meanwhile.
+pub(crate) async fn release_inspected(
+    conn: &mut AsyncPgConnection,
+    record: &Record,
+    force: bool,
+) -> QueryResult<bool> {
+    let target = k::table
+        .find((
+            &record.tenant,
+            &record.method,
+            &record.path,
+            &record.idempotency_key,
+        ))
+        .filter(k::state.eq(record.state))
+        .filter(k::token.is_not_distinct_from(record.token));
+    let deleted = if force {
+        diesel::delete(target).execute(conn).await?
+    } else {
+        diesel::delete(
+            target
+                .filter(k::state.eq(State::InFlight))
+                .filter(k::locked_until.le(DbNow.nullable())),
+        )
+        .execute(conn)
+        .await?
+    };
+    Ok(deleted > 0)
+}
+
+/// The eight counts and three sizes of [`stats`], in select order.
+type StatsRow = (
+    i64,
+    i64,
+    i64,
+    i64,
+    i64,
+    i64,
+    i64,
+    i64,
+    Option<i64>,
+    Option<i64>,
+    Option<i64>,
+);
+
+/// `idem-cli stats`: every count in one scan (`count(...) FILTER`), so the numbers are mutually
+/// consistent, and the sizes from the catalog (`pg_table_size` includes TOAST, where large
+/// bodies live).
+pub(crate) async fn stats(conn: &mut AsyncPgConnection) -> QueryResult<Stats> {
+    let in_flight = || k::state.eq(State::InFlight);
+    let completed = || k::state.eq(State::Completed);
+    let live = || k::expires_at.gt(DbNow);
+    let ended = || k::expires_at.le(DbNow);
+    // Raw SQL for the sizes: catalog functions of the table's oid, no table columns.
+    let size = |function: &str| {
+        diesel::dsl::sql::<Nullable<BigInt>>(&format!("{function}('idempotency_keys'::regclass)"))
+    };
+    let row: StatsRow = k::table
+        .select((
+            count(k::tenant),
+            count(k::tenant).aggregate_filter(in_flight()),
+            // A reservation's lease is its `locked_until`, which equals its `expires_at`.
+            count(k::tenant).aggregate_filter(in_flight().and(live())),
+            count(k::tenant).aggregate_filter(in_flight().and(ended())),
+            count(k::tenant).aggregate_filter(completed()),
+            count(k::tenant).aggregate_filter(completed().and(live())),
+            count(k::tenant).aggregate_filter(completed().and(ended())),
+            count(k::tenant).aggregate_filter(ended()),
+            size("pg_table_size"),
+            size("pg_indexes_size"),
+            size("pg_total_relation_size"),
+        ))
+        .get_result(conn)
+        .await?;
+    Ok(Stats {
+        total: row.0,
+        in_flight: row.1,
+        in_flight_lease_live: row.2,
+        in_flight_lease_ended: row.3,
+        completed: row.4,
+        completed_live: row.5,
+        completed_expired: row.6,
+        expired_not_purged: row.7,
+        table_bytes: row.8,
+        index_bytes: row.9,
+        total_bytes: row.10,
+    })
+}
+
+/// The oldest reservation (`idem-cli stats`).
+pub(crate) async fn oldest_in_flight(conn: &mut AsyncPgConnection) -> QueryResult<Option<Record>> {
+    k::table
+        .filter(k::state.eq(State::InFlight))
+        .order(k::created_at)
+        .select(Record::as_select())
+        .first(conn)
+        .await
+        .optional()
+}
+
+/// Every record with its response, in scope order (test helpers).
+pub(crate) async fn all(conn: &mut AsyncPgConnection) -> QueryResult<Vec<Detail>> {
+    k::table
+        .select(Detail::as_select())
+        .order((k::tenant, k::method, k::path, k::idempotency_key))
+        .load(conn)
+        .await
+}
+
+// Checked at compile time: without a static id diesel-async would not cache the prepared
+// statement, and every execution would cost a Parse round trip.
+const _: () = {
+    assert!(<Reserve<'static> as QueryId>::HAS_STATIC_QUERY_ID);
+    assert!(<Purge as QueryId>::HAS_STATIC_QUERY_ID);
+    assert!(<TableExists as QueryId>::HAS_STATIC_QUERY_ID);
+    assert!(<NowShifted as QueryId>::HAS_STATIC_QUERY_ID);
+};
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn scope() -> ScopeBinds<'static> {
-        ScopeBinds {
-            tenant: "t",
-            method: "POST",
-            path: "/p",
-            key: "k",
-        }
-    }
-
-    /// diesel numbers binds as they are pushed; every `$n` must appear exactly once and in
-    /// order, or a value would land in the wrong place.
-    fn assert_binds_in_order(sql: &str, count: usize) {
-        let mut last = 0;
-        for n in 1..=count {
-            let needle = format!("${n}");
-            let found: Vec<_> = sql
-                .match_indices(&needle)
-                .filter(|(i, _)| !sql[i + needle.len()..].starts_with(|c: char| c.is_ascii_digit()))
-                .collect();
-            assert_eq!(found.len(), 1, "{needle} in {sql}");
-            assert!(found[0].0 > last, "{needle} out of order in {sql}");
-            last = found[0].0;
-        }
-        assert!(!sql.contains(&format!("${}", count + 1)), "{sql}");
-    }
 
     fn sql_of<T: QueryFragment<Pg>>(query: &T) -> String {
         diesel::debug_query::<Pg, _>(query).to_string()
     }
 
+    /// Binds are numbered as they are pushed: the purge statement's text holds `$1`..`$n` in
+    /// order, and the grep-able state values come from the schema.
     #[test]
-    fn statements_bind_each_parameter_once_in_order() {
-        let fingerprint = [0u8; 32];
-        let reserve = Reserve {
-            scope: scope(),
-            fingerprint: &fingerprint,
-            token: uuid::Uuid::nil(),
-            lease_us: 1,
-        };
-        assert_binds_in_order(&sql_of(&reserve), 7);
-        let complete = Complete {
-            scope: scope(),
-            token: uuid::Uuid::nil(),
-            status: 200,
-            headers: &[],
-            body: &[],
-            ttl_us: 1,
-        };
-        assert_binds_in_order(&sql_of(&complete), 9);
-        let release = Release {
-            scope: scope(),
-            token: uuid::Uuid::nil(),
-        };
-        assert_binds_in_order(&sql_of(&release), 5);
-        assert_binds_in_order(
-            &sql_of(&PurgeBatch {
-                grace_us: 0,
-                limit: 1,
+    fn purge_statement_is_the_documented_one() {
+        let purge = Purge {
+            rows: Purgeable::new(&PurgeFilter {
+                grace: std::time::Duration::from_secs(1),
+                older_than: None,
+                tenant: Some("t".into()),
             }),
-            2,
+            limit: 10,
+        };
+        let sql = sql_of(&purge);
+        assert!(sql.starts_with("WITH gone AS (DELETE FROM \"idempotency_keys\" WHERE ctid"));
+        assert!(sql.contains("FOR UPDATE SKIP LOCKED"), "{sql}");
+        assert!(
+            sql.contains("ORDER BY \"idempotency_keys\".\"expires_at\" LIMIT $"),
+            "{sql}"
         );
-        assert_binds_in_order(&sql_of(&TableExists), 0);
+        for n in 1..=9 {
+            assert!(sql.contains(&format!("${n}")), "${n} in {sql}");
+        }
+        assert!(!sql.contains("$10"), "{sql}");
     }
-
-    // Checked at compile time: without a static id diesel-async would not cache the prepared
-    // statement, and every execution would cost a Parse round trip.
-    const _: () = {
-        assert!(<Reserve<'static> as QueryId>::HAS_STATIC_QUERY_ID);
-        assert!(<Complete<'static> as QueryId>::HAS_STATIC_QUERY_ID);
-        assert!(<Release<'static> as QueryId>::HAS_STATIC_QUERY_ID);
-        assert!(<PurgeBatch as QueryId>::HAS_STATIC_QUERY_ID);
-        assert!(<TableExists as QueryId>::HAS_STATIC_QUERY_ID);
-    };
 
     #[test]
     #[ignore = "prints the SQL for docs/sql.md"]
     fn print_sql() {
-        let fingerprint = [0u8; 32];
-        let reserve = Reserve {
-            scope: scope(),
-            fingerprint: &fingerprint,
-            token: uuid::Uuid::nil(),
-            lease_us: 1,
+        let scope = ScopeBinds {
+            tenant: "t",
+            method: "POST",
+            path: "/p",
+            key: "k",
         };
-        println!("{}", sql_of(&reserve));
-        let complete = Complete {
-            scope: scope(),
-            token: uuid::Uuid::nil(),
-            status: 200,
-            headers: &[],
-            body: &[],
-            ttl_us: 1,
-        };
-        println!("{}", sql_of(&complete));
         println!(
             "{}",
-            sql_of(&Release {
-                scope: scope(),
-                token: uuid::Uuid::nil()
+            sql_of(&Reserve {
+                scope,
+                fingerprint: &[0; 32],
+                token: uuid::Uuid::nil(),
+                lease_us: 1
             })
         );
         println!(
             "{}",
-            sql_of(&PurgeBatch {
-                grace_us: 0,
+            sql_of(&Purge {
+                rows: Purgeable::new(&PurgeFilter::default()),
                 limit: 1
             })
         );

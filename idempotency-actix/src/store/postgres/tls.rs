@@ -26,6 +26,7 @@ use diesel_async::AsyncPgConnection;
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::client::WebPkiServerVerifier;
 use rustls::crypto::{verify_tls12_signature, verify_tls13_signature, CryptoProvider};
+use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 use rustls::{
     CertificateError, ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme,
@@ -618,8 +619,9 @@ fn load_roots(rootcert: Option<&str>) -> Result<RootCertStore, UrlError> {
         Some(path) if path != "system" => {
             let pem = std::fs::read(path)
                 .map_err(|e| UrlError(format!("cannot read sslrootcert `{path}`: {e}")))?;
-            let mut reader = pem.as_slice();
-            for cert in rustls_pemfile::certs(&mut reader) {
+            // rustls-pki-types' PEM reader (rustls re-exports it): rustls-pemfile, used
+            // before, is unmaintained and now only wraps this same code.
+            for cert in CertificateDer::pem_slice_iter(&pem) {
                 let cert =
                     cert.map_err(|e| UrlError(format!("bad certificate in `{path}`: {e}")))?;
                 roots

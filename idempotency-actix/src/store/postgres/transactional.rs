@@ -19,7 +19,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
 use diesel::connection::{Instrumentation, InstrumentationEvent};
 use diesel::pg::Pg;
 use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
@@ -32,8 +31,9 @@ use diesel_async::{
 };
 
 use super::error::{classify_error, classify_pool_error};
-use super::sql::{Complete, ReserveRow, ScopeBinds};
-use super::{corrupt, micros, scope_binds, PostgresStore};
+use super::sql::{self, Completion, ReserveRow, ScopeBinds};
+use super::store::{corrupt, decode_reserve_row, scope_binds};
+use super::{micros, PostgresStore};
 use crate::store::{
     Fingerprint, ReservationToken, ReserveOutcome, Scope, StoreError, StoredResponse, WriteOutcome,
 };
@@ -182,17 +182,18 @@ pub(crate) async fn complete(
 ) -> Result<WriteOutcome, DieselError> {
     let headers = response.encode_headers();
     let status = i16::try_from(response.status).unwrap_or(i16::MAX);
-    let query = Complete {
-        scope: scope_binds(scope),
+    let completion = Completion {
         token: token.as_uuid(),
         status,
         headers: &headers,
         body: &response.body,
         ttl_us: micros(ttl),
     };
+    let binds = scope_binds(scope);
+    let statement = sql::complete(conn, &binds, &completion);
     let executed = match store.query_timeout {
-        None => query.execute(conn).await,
-        Some(limit) => match tokio::time::timeout(limit, query.execute(conn)).await {
+        None => statement.await,
+        Some(limit) => match tokio::time::timeout(limit, statement).await {
             Ok(result) => result,
             Err(_) => Err(DieselError::DatabaseError(
                 DatabaseErrorKind::ClosedConnection,
@@ -337,49 +338,9 @@ pub(crate) async fn classify_claim_error(
 pub const TX_MIGRATE_HINT: &str = "the function `idempotency_tx_claim` (third migration, \
      needed by transactional mode) does not exist in this database; run `idem-cli migrate`";
 
+/// A claim row has the reserve function's shape and vocabulary: one decoder for both.
 fn parse_row(row: ReserveRow, token: uuid::Uuid) -> Result<Option<ReserveOutcome>, StoreError> {
-    match row.outcome.as_str() {
-        "reserved" => {
-            return Ok(Some(ReserveOutcome::Reserved {
-                token: ReservationToken::from_uuid(token),
-            }))
-        }
-        "raced" => return Ok(None),
-        "existing" => {}
-        other => return Err(corrupt(&format!("unknown claim outcome {other:?}"))),
-    }
-    let fingerprint = row
-        .fingerprint
-        .as_deref()
-        .and_then(Fingerprint::from_slice)
-        .ok_or_else(|| corrupt("fingerprint is not 32 bytes"))?;
-    let remaining =
-        Duration::from_micros(u64::try_from(row.lease_remaining_us.unwrap_or(0)).unwrap_or(0));
-    match row.state.as_deref() {
-        Some("completed") => {
-            let status = row
-                .response_status
-                .and_then(|s| u16::try_from(s).ok())
-                .ok_or_else(|| corrupt("response_status missing or negative"))?;
-            let headers =
-                StoredResponse::decode_headers(row.response_headers.as_deref().unwrap_or_default())
-                    .map_err(|e| StoreError::Backend(Box::new(e)))?;
-            Ok(Some(ReserveOutcome::Completed {
-                fingerprint,
-                response: StoredResponse {
-                    status,
-                    headers,
-                    body: Bytes::from(row.response_body.unwrap_or_default()),
-                },
-                expires_in: Some(remaining),
-            }))
-        }
-        Some("in_flight") => Ok(Some(ReserveOutcome::InFlight {
-            fingerprint,
-            lease_remaining: remaining,
-        })),
-        other => Err(corrupt(&format!("unknown state {other:?}"))),
-    }
+    decode_reserve_row(row, token)
 }
 
 // ---------------------------------------------------------------------------------------------

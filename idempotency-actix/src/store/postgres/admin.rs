@@ -1,0 +1,373 @@
+//! The admin API `idem-cli` and the test harness use: reading, releasing and purging records,
+//! and the helpers both need to report failures the same way the middleware does.
+//!
+//! **Not part of the stable API.** It is `pub` only because `idem-cli` (another crate of this
+//! workspace) calls it, and `#[doc(hidden)]` so it stays out of the user-facing docs; it may
+//! change in any release. Applications use [`PostgresStore`](super::PostgresStore).
+//!
+//! Every statement behind these functions lives in the private `sql` module, next to those of
+//! the request path, and is described in `docs/sql.md`. Rows come back as [`Record`] (the
+//! columns of the [`schema`]), or [`Detail`] (a record with its stored response).
+
+use std::time::{Duration, SystemTime};
+
+use diesel::deserialize::{self, FromSql, FromSqlRow};
+use diesel::pg::{Pg, PgValue};
+use diesel::sql_types::Timestamptz;
+use diesel::{QueryResult, Queryable, Selectable};
+use diesel_async::AsyncPgConnection;
+
+pub use super::error::{
+    classify_connection_error, classify_error, classify_query_error, not_provisioned, table_exists,
+    MIGRATE_HINT,
+};
+pub use super::schema;
+use super::schema::idempotency_keys as k;
+pub use super::schema::State;
+use super::sql;
+pub use super::{establish, redact, with_dbname};
+
+/// Advisory lock key held by a running `idem-cli purge`: the ASCII bytes of "idempurg" as a
+/// bigint. Documented in docs/operations.md so operators can find the holder in `pg_locks`
+/// (`classid` = 1768187245, `objid` = 1886745191, `objsubid` = 1).
+pub const PURGE_LOCK_KEY: i64 = 0x6964_656d_7075_7267;
+
+/// One row of `idempotency_keys` without its stored response bytes, as read at `read_at` by
+/// the database's clock (ages and lease times are measured against that clock, the same one
+/// the store uses for leases and TTLs).
+#[derive(Debug, Clone, Queryable, Selectable)]
+#[diesel(table_name = k, check_for_backend(Pg))]
+pub struct Record {
+    /// Scope: tenant (empty for the global scope).
+    pub tenant: String,
+    /// Scope: HTTP method.
+    pub method: String,
+    /// Scope: path.
+    pub path: String,
+    /// Scope: the key.
+    pub idempotency_key: String,
+    /// SHA-256 of the request.
+    pub fingerprint: Vec<u8>,
+    /// In flight or completed.
+    pub state: State,
+    /// Fencing token of the reservation.
+    pub token: Option<uuid::Uuid>,
+    /// Lease deadline (in-flight rows).
+    pub locked_until: Option<Time>,
+    /// Stored status (completed rows).
+    pub response_status: Option<i16>,
+    /// When the reservation was made.
+    pub created_at: Time,
+    /// When the response was stored.
+    pub completed_at: Option<Time>,
+    /// Lease end (in flight) or completion + TTL (completed).
+    pub expires_at: Time,
+    /// Size of the stored body, without fetching it.
+    #[diesel(
+        select_expression = sql::octet_length(k::response_body),
+        select_expression_type = sql::octet_length<k::response_body>
+    )]
+    pub body_bytes: Option<i32>,
+    /// The database's `now()` when the row was read.
+    #[diesel(
+        select_expression = sql::DbNow,
+        select_expression_type = sql::DbNow
+    )]
+    pub read_at: Time,
+}
+
+/// A `timestamptz` from the database, as a [`SystemTime`] (read through the `time` crate,
+/// diesel's own mapping for the type).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, FromSqlRow)]
+pub struct Time(pub SystemTime);
+
+impl FromSql<Timestamptz, Pg> for Time {
+    fn from_sql(bytes: PgValue<'_>) -> deserialize::Result<Self> {
+        let t = <time::OffsetDateTime as FromSql<Timestamptz, Pg>>::from_sql(bytes)?;
+        Ok(Time(t.into()))
+    }
+}
+
+impl Time {
+    /// Microseconds since the Unix epoch (negative before it).
+    pub fn from_unix_micros(us: i64) -> Time {
+        let magnitude = Duration::from_micros(us.unsigned_abs());
+        Time(if us >= 0 {
+            SystemTime::UNIX_EPOCH + magnitude
+        } else {
+            SystemTime::UNIX_EPOCH - magnitude
+        })
+    }
+
+    /// Seconds from `earlier` to `self` (negative when `self` is earlier).
+    pub fn seconds_since(self, earlier: Time) -> f64 {
+        match self.0.duration_since(earlier.0) {
+            Ok(d) => d.as_secs_f64(),
+            Err(e) => -e.duration().as_secs_f64(),
+        }
+    }
+}
+
+impl Record {
+    /// Whether a handler holds (or held) the reservation.
+    pub fn is_in_flight(&self) -> bool {
+        self.state == State::InFlight
+    }
+
+    /// Seconds since the reservation was made.
+    pub fn age_secs(&self) -> f64 {
+        self.read_at.seconds_since(self.created_at)
+    }
+
+    /// Seconds until `expires_at` (negative once it passed).
+    pub fn expires_in_secs(&self) -> f64 {
+        self.expires_at.seconds_since(self.read_at)
+    }
+
+    /// Seconds left on the lease (in-flight rows).
+    pub fn lease_remaining_secs(&self) -> Option<f64> {
+        self.locked_until.map(|t| t.seconds_since(self.read_at))
+    }
+}
+
+/// A record with its stored response (`idem-cli show`, test helpers).
+#[derive(Debug, Clone, Queryable, Selectable)]
+#[diesel(table_name = k, check_for_backend(Pg))]
+pub struct Detail {
+    /// The columns.
+    #[diesel(embed)]
+    pub record: Record,
+    /// Stored headers, encoded (`StoredResponse::decode_headers`).
+    pub response_headers: Option<Vec<u8>>,
+    /// Stored body.
+    pub response_body: Option<Vec<u8>>,
+}
+
+impl std::ops::Deref for Detail {
+    type Target = Record;
+
+    fn deref(&self) -> &Record {
+        &self.record
+    }
+}
+
+/// A key and, optionally, the rest of its scope (`None`: any).
+#[derive(Debug, Clone, Default)]
+pub struct KeyScope {
+    /// The key.
+    pub key: String,
+    /// Tenant.
+    pub tenant: Option<String>,
+    /// Method, as stored (upper case).
+    pub method: Option<String>,
+    /// Path.
+    pub path: Option<String>,
+}
+
+/// `idem-cli list --state`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ListState {
+    /// Reservations.
+    InFlight,
+    /// Completed and still replayable.
+    Completed,
+    /// Completed past their TTL, not purged yet.
+    Expired,
+}
+
+/// `idem-cli list`'s filters.
+#[derive(Debug, Clone, Default)]
+pub struct ListFilter {
+    /// Only this tenant.
+    pub tenant: Option<String>,
+    /// Only keys starting with this.
+    pub key_prefix: Option<String>,
+    /// Only records created at least this long ago.
+    pub older_than: Option<Duration>,
+    /// Only this state.
+    pub state: Option<ListState>,
+    /// At most this many rows.
+    pub limit: Option<i64>,
+}
+
+/// Which rows purge deletes: completed rows past their TTL and reservations whose lease ended
+/// more than `grace` ago; optionally only those created `older_than` ago, of one tenant.
+#[derive(Debug, Clone, Default)]
+pub struct PurgeFilter {
+    /// How long after its lease ended a reservation is kept.
+    pub grace: Duration,
+    /// Only records created at least this long ago.
+    pub older_than: Option<Duration>,
+    /// Only this tenant.
+    pub tenant: Option<String>,
+}
+
+/// Rows purged (or, for a dry run, purgeable), by state.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Purged {
+    /// Completed records.
+    pub completed: u64,
+    /// Reservations.
+    pub in_flight: u64,
+}
+
+impl Purged {
+    /// Both.
+    pub fn total(&self) -> u64 {
+        self.completed + self.in_flight
+    }
+}
+
+/// `idem-cli stats`' counts and sizes.
+#[derive(Debug, Clone, Default)]
+#[allow(missing_docs)]
+pub struct Stats {
+    pub total: i64,
+    pub in_flight: i64,
+    pub in_flight_lease_live: i64,
+    pub in_flight_lease_ended: i64,
+    pub completed: i64,
+    pub completed_live: i64,
+    pub completed_expired: i64,
+    pub expired_not_purged: i64,
+    pub table_bytes: Option<i64>,
+    pub index_bytes: Option<i64>,
+    pub total_bytes: Option<i64>,
+}
+
+/// The query behind `idem-cli list` (a query, so the caller can stream it with
+/// `load_stream`).
+pub fn list_query(
+    filter: &ListFilter,
+) -> k::BoxedQuery<'_, Pg, diesel::dsl::SqlTypeOf<diesel::dsl::AsSelect<Record, Pg>>> {
+    sql::list(filter)
+}
+
+/// The records with `scope.key` in `scope`, in scope order.
+pub async fn find(conn: &mut AsyncPgConnection, scope: &KeyScope) -> QueryResult<Vec<Record>> {
+    sql::find(conn, scope).await
+}
+
+/// As [`find`], with the stored responses.
+pub async fn find_detail(
+    conn: &mut AsyncPgConnection,
+    scope: &KeyScope,
+) -> QueryResult<Vec<Detail>> {
+    sql::find_detail(conn, scope).await
+}
+
+/// Every record with its response, in scope order.
+pub async fn all(conn: &mut AsyncPgConnection) -> QueryResult<Vec<Detail>> {
+    sql::all(conn).await
+}
+
+/// Delete exactly `record` as inspected (same state and token); unless `force`, only a
+/// reservation whose lease is over. `false` when the row changed meanwhile.
+pub async fn release(
+    conn: &mut AsyncPgConnection,
+    record: &Record,
+    force: bool,
+) -> QueryResult<bool> {
+    sql::release_inspected(conn, record, force).await
+}
+
+/// Counts and sizes, from one scan.
+pub async fn stats(conn: &mut AsyncPgConnection) -> QueryResult<Stats> {
+    sql::stats(conn).await
+}
+
+/// The oldest reservation, if any.
+pub async fn oldest_in_flight(conn: &mut AsyncPgConnection) -> QueryResult<Option<Record>> {
+    sql::oldest_in_flight(conn).await
+}
+
+/// One purge batch: delete up to `limit` rows matching `filter` (the statement the store's
+/// `purge_expired` runs too).
+pub async fn purge_batch(
+    conn: &mut AsyncPgConnection,
+    filter: &PurgeFilter,
+    limit: u32,
+) -> QueryResult<Purged> {
+    sql::purge(conn, filter, limit).await
+}
+
+/// What [`purge_batch`] would delete now, without deleting.
+pub async fn purge_count(
+    conn: &mut AsyncPgConnection,
+    filter: &PurgeFilter,
+) -> QueryResult<Purged> {
+    sql::purge_count(conn, filter).await
+}
+
+/// Take [`PURGE_LOCK_KEY`] without waiting: `false` when another purge holds it.
+pub async fn try_lock_purge(conn: &mut AsyncPgConnection) -> QueryResult<bool> {
+    sql::try_lock(conn, PURGE_LOCK_KEY).await
+}
+
+/// Release [`PURGE_LOCK_KEY`].
+pub async fn unlock_purge(conn: &mut AsyncPgConnection) -> QueryResult<bool> {
+    sql::unlock(conn, PURGE_LOCK_KEY).await
+}
+
+/// The message of an error followed by its sources, each on one line and deduplicated (many
+/// wrappers repeat the inner message in their own `Display`): `a: b: c`. The one flattening
+/// of error chains, used by the store's connection errors and by `idem-cli`.
+pub fn error_chain(err: &(dyn std::error::Error + 'static)) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    let mut current: Option<&(dyn std::error::Error + 'static)> = Some(err);
+    while let Some(e) = current {
+        let text = one_line(&e.to_string());
+        if !text.is_empty() && !parts.iter().any(|p| p.contains(&text)) {
+            parts.push(text);
+        }
+        current = e.source();
+    }
+    parts.join(": ")
+}
+
+/// Collapse a (possibly multi-line) message into one line: PostgreSQL errors carry DETAIL and
+/// HINT lines.
+pub fn one_line(text: &str) -> String {
+    text.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug)]
+    struct Wrap(&'static str, Option<Box<Wrap>>);
+
+    impl std::fmt::Display for Wrap {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str(self.0)
+        }
+    }
+
+    impl std::error::Error for Wrap {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            self.1.as_deref().map(|e| e as _)
+        }
+    }
+
+    #[test]
+    fn chains_are_flattened_once() {
+        let err = Wrap(
+            "db error: password authentication failed",
+            Some(Box::new(Wrap(
+                "password authentication failed",
+                Some(Box::new(Wrap("FATAL\n  HINT: x", None))),
+            ))),
+        );
+        assert_eq!(
+            error_chain(&err),
+            "db error: password authentication failed: FATAL HINT: x"
+        );
+    }
+
+    #[test]
+    fn negative_micros_are_before_the_epoch() {
+        let t = Time::from_unix_micros(-1_500_000);
+        assert_eq!(Time::from_unix_micros(0).seconds_since(t), 1.5);
+    }
+}

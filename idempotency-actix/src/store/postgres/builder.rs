@@ -1,0 +1,251 @@
+//! [`PostgresStoreBuilder`] and [`connection_manager`]: from a URL to a bb8 pool of
+//! TLS-aware connections.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use diesel_async::pooled_connection::bb8::Pool;
+use diesel_async::pooled_connection::{
+    AsyncDieselConnectionManager, ManagerConfig, PoolableConnection, RecyclingMethod,
+};
+use diesel_async::AsyncPgConnection;
+use futures_util::FutureExt;
+
+use super::pool::LastErrorSink;
+use super::tls::ConnectTarget;
+use super::{redact, PostgresStore};
+use crate::store::StoreError;
+
+/// Configures a [`PostgresStore`]: see [`PostgresStore::builder`]. Its `Debug` output shows
+/// the URL through [`redact`].
+#[derive(Clone)]
+pub struct PostgresStoreBuilder {
+    pub(super) url: String,
+    pub(super) max_size: u32,
+    pub(super) min_idle: Option<u32>,
+    pub(super) connection_timeout: Duration,
+    pub(super) query_timeout: Option<Duration>,
+    pub(super) statement_timeout: Option<Duration>,
+    pub(super) idle_timeout: Option<Duration>,
+    pub(super) max_lifetime: Option<Duration>,
+    pub(super) purge_batch: u32,
+    pub(super) synchronous_commit: bool,
+    pub(super) replay_fast_path: bool,
+}
+
+impl std::fmt::Debug for PostgresStoreBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PostgresStoreBuilder")
+            .field("url", &redact(&self.url))
+            .field("max_size", &self.max_size)
+            .field("min_idle", &self.min_idle)
+            .field("connection_timeout", &self.connection_timeout)
+            .field("query_timeout", &self.query_timeout)
+            .field("statement_timeout", &self.statement_timeout)
+            .field("idle_timeout", &self.idle_timeout)
+            .field("max_lifetime", &self.max_lifetime)
+            .field("purge_batch", &self.purge_batch)
+            .field("synchronous_commit", &self.synchronous_commit)
+            .field("replay_fast_path", &self.replay_fast_path)
+            .finish()
+    }
+}
+
+impl PostgresStoreBuilder {
+    /// Most connections the pool opens. Default 10. Each request holds one only for the
+    /// duration of one statement (not while the handler runs), so this can be far below the
+    /// number of concurrent requests.
+    pub fn max_size(mut self, max_size: u32) -> Self {
+        self.max_size = max_size.max(1);
+        self
+    }
+
+    /// Connections kept open while idle. Default: none kept beyond `max_size` usage.
+    pub fn min_idle(mut self, min_idle: Option<u32>) -> Self {
+        self.min_idle = min_idle;
+        self
+    }
+
+    /// How long a request waits for a connection (a free one, or a new one being opened)
+    /// before the store reports [`StoreError::Unavailable`] and the middleware answers 503.
+    ///
+    /// Default 2 s. bb8's own default is 30 s, during which a request to an app whose database
+    /// is down just hangs; a payment client would time out and retry into the same hang.
+    /// Failing within seconds gives it a 503 with `Retry-After` instead. Raise it only if
+    /// opening a connection legitimately takes longer (a TLS handshake across regions, or a
+    /// pool that is routinely exhausted).
+    pub fn connection_timeout(mut self, timeout: Duration) -> Self {
+        self.connection_timeout = timeout.max(Duration::from_millis(1));
+        self
+    }
+
+    /// How long one statement may take, measured here, before the operation fails with
+    /// [`StoreError::Unavailable`] (503). Default 5 s; `None` waits forever.
+    ///
+    /// This bounds the case the connection timeout cannot see: a database that accepts
+    /// connections but does not answer (overloaded, stuck on a lock, a half-dead network
+    /// path). The statement may still finish on the server after we gave up; for `reserve`
+    /// that leaves a reservation whose lease has to run out before a retry can take it over
+    /// (a retry meanwhile gets 409, never a second execution).
+    pub fn query_timeout(mut self, timeout: Option<Duration>) -> Self {
+        self.query_timeout = timeout;
+        self
+    }
+
+    /// Server-side `statement_timeout` for the store's connections, sent as a startup
+    /// `options` parameter (no extra round trip). Default `None` (the server's setting).
+    ///
+    /// Off by default because connection poolers such as PgBouncer reject unknown startup
+    /// parameters unless configured to ignore them; [`query_timeout`](Self::query_timeout)
+    /// already bounds the wait on our side. Set it when you connect directly and want the
+    /// server to abandon the work too.
+    pub fn statement_timeout(mut self, timeout: Option<Duration>) -> Self {
+        self.statement_timeout = timeout;
+        self
+    }
+
+    /// Close connections idle this long. Default: bb8's (10 minutes).
+    pub fn idle_timeout(mut self, timeout: Option<Duration>) -> Self {
+        self.idle_timeout = timeout;
+        self
+    }
+
+    /// Close connections after this age. Default: bb8's (30 minutes).
+    pub fn max_lifetime(mut self, lifetime: Option<Duration>) -> Self {
+        self.max_lifetime = lifetime;
+        self
+    }
+
+    /// Rows deleted per statement by [`IdempotencyStore::purge_expired`]. Default 1000.
+    pub fn purge_batch(mut self, rows: u32) -> Self {
+        self.purge_batch = rows.max(1);
+        self
+    }
+
+    /// Whether the store's writes wait for their commit record to be flushed to disk (the
+    /// server's `synchronous_commit`). Default `true` (the server's own setting is kept).
+    ///
+    /// `false` sets `synchronous_commit = off` for the store's connections, in the startup
+    /// packet (no extra round trip). Every statement of the store then returns before its WAL
+    /// is flushed, which takes the flush (a disk sync, often the largest part of a write's
+    /// latency) off the request path, for the reservation and for the stored response alike:
+    /// PostgreSQL has no per-statement form of this outside a transaction, and wrapping each
+    /// statement in a transaction would cost round trips. The trade-off, for a crash of the
+    /// *database server* (not of the app) within about `3 x wal_writer_delay` (600 ms by
+    /// default) of a commit: the last commits are lost. A lost reservation lets a retry run the
+    /// handler again while the first run may still be in progress or done; a lost stored
+    /// response lets a retry run it again after the fact. Data is never corrupted, and other
+    /// tables' transactions are unaffected (the setting is per connection). Use it when the
+    /// handler's effects are themselves idempotent downstream, or when a database crash is
+    /// rare enough that a possible second execution in that window is acceptable.
+    pub fn synchronous_commit(mut self, synchronous_commit: bool) -> Self {
+        self.synchronous_commit = synchronous_commit;
+        self
+    }
+
+    /// Whether `reserve` first runs a plain prepared `SELECT` of a live completed record and
+    /// calls the reserve function only when it finds none. Default `false`.
+    ///
+    /// `true` makes a replay cost what a primary-key `SELECT` costs (the function's PL/pgSQL
+    /// call costs the database more, `docs/benchmarks.md`) and adds one round trip, on the same
+    /// pooled connection, to every other `reserve` (misses, in-flight keys, mismatches read from
+    /// an in-flight row). Turn it on for replay-heavy traffic (clients that retry a lot, or a
+    /// gateway that replays on purpose); `docs/benchmarks.md` has both paths measured both
+    /// ways. Either way the outcome of every `reserve` is the same: a completed record never
+    /// changes until it expires, and everything else is still decided by the function.
+    pub fn replay_fast_path(mut self, on: bool) -> Self {
+        self.replay_fast_path = on;
+        self
+    }
+
+    /// Build the pool and the store. Connections are opened lazily (apart from `min_idle`), so
+    /// this succeeds while the database is down; requests then get 503 until it is back.
+    ///
+    /// # Errors
+    /// [`StoreError::Backend`] when the URL cannot be parsed or its TLS settings cannot be
+    /// honoured (unreadable `sslrootcert`, unknown `sslmode`).
+    pub async fn build(self) -> Result<PostgresStore, StoreError> {
+        let mut target = ConnectTarget::parse(&self.url, self.statement_timeout)
+            .map_err(|e| StoreError::Backend(Box::new(e)))?;
+        if !self.synchronous_commit {
+            target.append_option("-c synchronous_commit=off");
+        }
+        let manager = manager_for(target, &self.url);
+        let last_connect_error = Arc::new(Mutex::new(None));
+        let mut builder = Pool::builder()
+            .max_size(self.max_size)
+            .min_idle(self.min_idle)
+            .connection_timeout(self.connection_timeout)
+            .error_sink(Box::new(LastErrorSink(Arc::clone(&last_connect_error))))
+            .connection_customizer(Box::new(LastErrorSink(Arc::clone(&last_connect_error))));
+        builder = builder
+            .idle_timeout(self.idle_timeout.or(Some(Duration::from_secs(600))))
+            .max_lifetime(self.max_lifetime.or(Some(Duration::from_secs(1800))));
+        let pool = builder.build_unchecked(manager);
+        Ok(PostgresStore {
+            pool,
+            connection_timeout: self.connection_timeout,
+            query_timeout: self.query_timeout,
+            last_connect_error,
+            purge_batch: self.purge_batch,
+            replay_fast_path: self.replay_fast_path,
+        })
+    }
+}
+
+/// A bb8 connection manager for `url` with the same TLS handling as [`PostgresStore::connect`]
+/// (see [`establish`] for `sslmode`) and a checkout check that costs no round trip. For apps
+/// that build their own pool (to share it, or to tune bb8 beyond the builder) and then call
+/// [`PostgresStore::new`]:
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+/// use idempotency_actix::store::postgres::{connection_manager, PgPool, PostgresStore};
+/// let manager = connection_manager("postgres://app@db/app?sslmode=verify-full")?;
+/// let pool: PgPool = PgPool::builder()
+///     .max_size(20)
+///     .connection_timeout(std::time::Duration::from_secs(2))
+///     .build_unchecked(manager);
+/// let store = PostgresStore::new(pool);
+/// # let _ = store; Ok(()) }
+/// ```
+///
+/// # Errors
+/// [`StoreError::Backend`] for a bad URL or unusable TLS settings.
+pub fn connection_manager(
+    url: &str,
+) -> Result<AsyncDieselConnectionManager<AsyncPgConnection>, StoreError> {
+    let target = ConnectTarget::parse(url, None).map_err(|e| StoreError::Backend(Box::new(e)))?;
+    Ok(manager_for(target, url))
+}
+
+fn manager_for(
+    target: ConnectTarget,
+    url: &str,
+) -> AsyncDieselConnectionManager<AsyncPgConnection> {
+    let target = Arc::new(target);
+    let mut config = ManagerConfig::<AsyncPgConnection>::default();
+    config.custom_setup = Box::new(move |_url| {
+        let target = Arc::clone(&target);
+        async move { target.connect().await }.boxed()
+    });
+    // bb8 checks a connection on checkout. diesel-async's default check is `SELECT 1`: a
+    // round trip on every request. This check is local: the connection task has not seen
+    // the socket close and no transaction is left open. A connection that dies between
+    // the check and the statement fails that one request with 503.
+    config.recycling_method = RecyclingMethod::CustomFunction(Box::new(|conn| {
+        let broken = PoolableConnection::is_broken(conn);
+        async move {
+            if broken {
+                Err(diesel::result::Error::BrokenTransactionManager)
+            } else {
+                Ok(())
+            }
+        }
+        .boxed()
+    }));
+    // The manager keeps this string only to hand it to `custom_setup`, which ignores it (the
+    // parsed target holds what is needed): the redacted form, so no copy of the password lives
+    // in the manager.
+    AsyncDieselConnectionManager::new_with_config(redact(url), config)
+}

@@ -1,0 +1,368 @@
+//! [`PostgresStore`]: the store itself, its request-path operations and the
+//! [`IdempotencyStore`] implementation. Every statement it runs is in the `sql` module.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use diesel_async::AsyncPgConnection;
+
+use super::admin::PurgeFilter;
+use super::error::{self, classify_query_error, not_provisioned, table_exists};
+use super::schema::State;
+use super::sql::{self, Completion, ReplayRead, Reserve, ReserveRow, ScopeBinds};
+use super::{micros, PgPool, PostgresStoreBuilder, DEFAULT_PURGE_BATCH, DEFAULT_QUERY_TIMEOUT};
+use super::{DEFAULT_CONNECTION_TIMEOUT, DEFAULT_MAX_SIZE};
+use crate::store::{
+    Fingerprint, IdempotencyStore, ReservationToken, ReserveOutcome, Scope, StoreError,
+    StoredResponse, WriteOutcome,
+};
+
+/// How often `reserve` calls `idempotency_reserve` again when it answers `raced`. The function
+/// already resolves races itself (it re-reads after each lost write, in a bounded loop), so
+/// `raced` only means the key changed under every one of its attempts; this outer bound is
+/// against such pathological churn, never a correctness device.
+const RESERVE_ATTEMPTS: usize = 5;
+
+/// Idempotency records in PostgreSQL (table `idempotency_keys`), for apps that run several
+/// instances against one database.
+///
+/// Cloning is cheap; clones share the pool. All lease and TTL arithmetic uses the database's
+/// clock, so instances with skewed clocks agree.
+#[derive(Clone)]
+pub struct PostgresStore {
+    pub(super) pool: PgPool,
+    pub(super) connection_timeout: Duration,
+    pub(super) query_timeout: Option<Duration>,
+    pub(super) last_connect_error: Arc<Mutex<Option<String>>>,
+    pub(super) purge_batch: u32,
+    pub(super) replay_fast_path: bool,
+}
+
+impl std::fmt::Debug for PostgresStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let state = self.pool.state();
+        f.debug_struct("PostgresStore")
+            .field("connections", &state.connections)
+            .field("idle", &state.idle_connections)
+            .field("connection_timeout", &self.connection_timeout)
+            .finish()
+    }
+}
+
+impl PostgresStore {
+    /// A store over an existing pool (its settings are used as they are; see
+    /// [`PostgresStoreBuilder::connection_timeout`] for why a short connection timeout
+    /// matters). Build the pool's manager with [`connection_manager`] to get TLS per the URL's
+    /// `sslmode`; diesel-async's plain `AsyncDieselConnectionManager::new` never uses TLS.
+    pub fn new(pool: PgPool) -> Self {
+        Self {
+            connection_timeout: pool.config().connection_timeout,
+            query_timeout: Some(DEFAULT_QUERY_TIMEOUT),
+            pool,
+            last_connect_error: Arc::new(Mutex::new(None)),
+            purge_batch: DEFAULT_PURGE_BATCH,
+            replay_fast_path: false,
+        }
+    }
+
+    /// A store for `url` with the default pool settings (10 connections, 2 s connection
+    /// timeout, 5 s query timeout). TLS per the URL's `sslmode`.
+    ///
+    /// # Errors
+    /// As [`PostgresStoreBuilder::build`]: only a bad URL fails here; a database that is down
+    /// is reported by requests (503) until it is back.
+    pub async fn connect(url: &str) -> Result<Self, StoreError> {
+        Self::builder(url).build().await
+    }
+
+    /// Configure the pool before connecting.
+    pub fn builder(url: impl Into<String>) -> PostgresStoreBuilder {
+        PostgresStoreBuilder {
+            url: url.into(),
+            max_size: DEFAULT_MAX_SIZE,
+            min_idle: None,
+            connection_timeout: DEFAULT_CONNECTION_TIMEOUT,
+            query_timeout: Some(DEFAULT_QUERY_TIMEOUT),
+            statement_timeout: None,
+            idle_timeout: None,
+            max_lifetime: None,
+            purge_batch: DEFAULT_PURGE_BATCH,
+            synchronous_commit: true,
+            replay_fast_path: false,
+        }
+    }
+
+    /// The pool, e.g. to share it with the rest of the app or to inspect its state.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// Readiness check: a connection can be had within the connection timeout, and the table
+    /// and the reserve function exist. One round trip (`to_regclass`, `to_regprocedure`). Use
+    /// it in a health endpoint or before taking traffic; the store itself never needs it.
+    ///
+    /// # Errors
+    /// [`StoreError::Unavailable`] when no connection could be made,
+    /// [`StoreError::NotProvisioned`] (with [`MIGRATE_HINT`]) when the table or function is
+    /// missing.
+    pub async fn check(&self) -> Result<(), StoreError> {
+        let mut conn = self.conn().await?;
+        match self.timed(table_exists(&mut conn)).await? {
+            true => Ok(()),
+            false => Err(not_provisioned()),
+        }
+    }
+
+    /// Delete up to `limit` expired records (completed past their TTL, reservations whose
+    /// lease ended more than `grace` ago) in one short statement; returns how many. Rows
+    /// locked by a concurrent purge or request are skipped, not waited for, so overlapping
+    /// runs never block each other. Call it until it returns less than `limit`.
+    ///
+    /// # Errors
+    /// As `reserve`.
+    pub async fn purge_batch(&self, grace: Duration, limit: u32) -> Result<u64, StoreError> {
+        let filter = PurgeFilter {
+            grace,
+            ..PurgeFilter::default()
+        };
+        let mut conn = self.conn().await?;
+        self.timed(async {
+            match sql::purge(&mut conn, &filter, limit).await {
+                Ok(purged) => Ok(purged.total()),
+                Err(e) => Err(classify_query_error(&mut conn, e).await),
+            }
+        })
+        .await
+    }
+
+    async fn conn(
+        &self,
+    ) -> Result<
+        diesel_async::pooled_connection::bb8::PooledConnection<'_, AsyncPgConnection>,
+        StoreError,
+    > {
+        self.pool.get().await.map_err(|e| {
+            // Cloned, not taken: every request timing out during an outage gets the reason.
+            let last = self.last_connect_error.lock().ok().and_then(|l| l.clone());
+            error::classify_pool_error(e, self.connection_timeout, last)
+        })
+    }
+
+    /// Run one statement under the query timeout.
+    pub(super) async fn timed<T>(
+        &self,
+        statement: impl std::future::Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        match self.query_timeout {
+            None => statement.await,
+            Some(limit) => tokio::time::timeout(limit, statement)
+                .await
+                .unwrap_or_else(|_| {
+                    Err(StoreError::unavailable(format!(
+                        "the database did not answer within {} ms",
+                        limit.as_millis()
+                    )))
+                }),
+        }
+    }
+
+    async fn reserve_once(
+        &self,
+        conn: &mut AsyncPgConnection,
+        query: &Reserve<'_>,
+    ) -> Result<Option<ReserveOutcome>, StoreError> {
+        let rows = match sql::reserve(conn, query).await {
+            Ok(rows) => rows,
+            Err(e) => return Err(classify_query_error(conn, e).await),
+        };
+        let Some(row) = rows.into_iter().next() else {
+            return Err(corrupt("idempotency_reserve returned no row"));
+        };
+        decode_reserve_row(row, query.token)
+    }
+
+    /// The replay fast path: the live completed record, if there is one.
+    async fn replay_read(
+        &self,
+        conn: &mut AsyncPgConnection,
+        scope: &Scope,
+    ) -> Result<Option<ReserveOutcome>, StoreError> {
+        let query = ReplayRead {
+            scope: scope_binds(scope),
+        };
+        let rows = match sql::replay_read(conn, &query).await {
+            Ok(rows) => rows,
+            Err(e) => return Err(classify_query_error(conn, e).await),
+        };
+        match rows.into_iter().next() {
+            // The token is never used: the row's outcome is `existing`.
+            Some(row) => decode_reserve_row(row, uuid::Uuid::nil()),
+            None => Ok(None),
+        }
+    }
+}
+
+/// One row of the reserve function (or of the replay fast path, which has its shape):
+/// `None` when the function answered `raced`.
+pub(super) fn decode_reserve_row(
+    row: ReserveRow,
+    token: uuid::Uuid,
+) -> Result<Option<ReserveOutcome>, StoreError> {
+    match row.outcome.as_str() {
+        "reserved" => {
+            let token = ReservationToken::from_uuid(token);
+            return Ok(Some(ReserveOutcome::Reserved { token }));
+        }
+        // The key changed under every one of the function's own attempts; nothing was
+        // written. The caller calls again.
+        "raced" => return Ok(None),
+        "existing" => {}
+        other => return Err(corrupt(&format!("unknown reserve outcome {other:?}"))),
+    }
+    let fingerprint = row
+        .fingerprint
+        .as_deref()
+        .and_then(Fingerprint::from_slice)
+        .ok_or_else(|| corrupt("fingerprint is not 32 bytes"))?;
+    let live = row.live.unwrap_or(false);
+    let eligible = row.eligible.unwrap_or(false);
+    // Time left on the lease (in flight) or before expiry (completed), by the database's clock.
+    let remaining =
+        Duration::from_micros(u64::try_from(row.lease_remaining_us.unwrap_or(0)).unwrap_or(0));
+    if !live && eligible {
+        // The function takes such a row over (or re-reads it) instead of returning it.
+        return Err(corrupt("ended, eligible row returned as existing"));
+    }
+    match row.state {
+        Some(State::Completed) => {
+            let status = row
+                .response_status
+                .and_then(|s| u16::try_from(s).ok())
+                .ok_or_else(|| corrupt("response_status missing or negative"))?;
+            let headers =
+                StoredResponse::decode_headers(row.response_headers.as_deref().unwrap_or_default())
+                    .map_err(|e| StoreError::Backend(Box::new(e)))?;
+            let completed = ReserveOutcome::Completed {
+                fingerprint,
+                response: StoredResponse {
+                    status,
+                    headers,
+                    body: Bytes::from(row.response_body.unwrap_or_default()),
+                },
+                expires_in: Some(remaining),
+            };
+            Ok(Some(completed))
+        }
+        Some(State::InFlight) => Ok(Some(ReserveOutcome::InFlight {
+            fingerprint,
+            lease_remaining: remaining,
+        })),
+        None => Err(corrupt("existing row without a state")),
+    }
+}
+
+pub(super) fn corrupt(what: &str) -> StoreError {
+    StoreError::Backend(format!("corrupt idempotency_keys row: {what}").into())
+}
+
+pub(super) fn scope_binds(scope: &Scope) -> ScopeBinds<'_> {
+    ScopeBinds {
+        tenant: &scope.tenant,
+        method: &scope.method,
+        path: &scope.path,
+        key: &scope.key,
+    }
+}
+
+impl IdempotencyStore for PostgresStore {
+    fn name(&self) -> &'static str {
+        "postgres"
+    }
+
+    async fn reserve(
+        &self,
+        scope: &Scope,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+    ) -> Result<ReserveOutcome, StoreError> {
+        let query = Reserve {
+            scope: scope_binds(scope),
+            fingerprint: fingerprint.as_bytes(),
+            token: ReservationToken::random().as_uuid(),
+            lease_us: micros(lease).max(1),
+        };
+        let mut conn = self.conn().await?;
+        if self.replay_fast_path {
+            if let Some(replay) = self.timed(self.replay_read(&mut conn, scope)).await? {
+                return Ok(replay);
+            }
+        }
+        for attempt in 1..=RESERVE_ATTEMPTS {
+            if let Some(outcome) = self.timed(self.reserve_once(&mut conn, &query)).await? {
+                return Ok(outcome);
+            }
+            tracing::debug!(attempt, key = %scope.key, "idempotency reserve raced; re-running");
+        }
+        Err(StoreError::Backend(
+            format!("reserve lost {RESERVE_ATTEMPTS} races in a row for one key").into(),
+        ))
+    }
+
+    async fn complete(
+        &self,
+        scope: &Scope,
+        token: &ReservationToken,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> Result<WriteOutcome, StoreError> {
+        let headers = response.encode_headers();
+        let status = i16::try_from(response.status)
+            .map_err(|_| StoreError::Backend("HTTP status out of range".into()))?;
+        let completion = Completion {
+            token: token.as_uuid(),
+            status,
+            headers: &headers,
+            body: &response.body,
+            ttl_us: micros(ttl),
+        };
+        let scope = scope_binds(scope);
+        let mut conn = self.conn().await?;
+        self.timed(async {
+            match sql::complete(&mut conn, &scope, &completion).await {
+                Ok(0) => Ok(WriteOutcome::Stale),
+                Ok(_) => Ok(WriteOutcome::Applied),
+                Err(e) => Err(classify_query_error(&mut conn, e).await),
+            }
+        })
+        .await
+    }
+
+    async fn release(
+        &self,
+        scope: &Scope,
+        token: &ReservationToken,
+    ) -> Result<WriteOutcome, StoreError> {
+        let scope = scope_binds(scope);
+        let mut conn = self.conn().await?;
+        self.timed(async {
+            match sql::release(&mut conn, &scope, token.as_uuid()).await {
+                Ok(0) => Ok(WriteOutcome::Stale),
+                Ok(_) => Ok(WriteOutcome::Applied),
+                Err(e) => Err(classify_query_error(&mut conn, e).await),
+            }
+        })
+        .await
+    }
+
+    async fn purge_expired(&self, grace: Duration) -> Result<u64, StoreError> {
+        let mut total = 0;
+        loop {
+            let deleted = self.purge_batch(grace, self.purge_batch).await?;
+            total += deleted;
+            if deleted < u64::from(self.purge_batch) {
+                return Ok(total);
+            }
+        }
+    }
+}

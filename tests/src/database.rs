@@ -1,0 +1,155 @@
+//! Per-test databases on the server the tests use ([`server_url`]): created fresh, migrated,
+//! dropped afterwards.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use diesel_async::RunQueryDsl;
+use idempotency_actix::store::postgres;
+
+use crate::block_on_fresh_thread;
+use crate::cluster::{ClusterError, TempCluster};
+use crate::urls::{redact, with_database};
+
+/// The default local server tried when `DATABASE_URL` is not set.
+pub const LOCAL_SERVER_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
+
+/// A database created for one test, on the server of [`server_url`]. Dropping it drops the
+/// database (terminating any connection still open to it).
+pub struct TestDb {
+    /// Connection URL of this database (same server, user and options as [`server_url`]).
+    pub url: String,
+    /// The database name (`idem_test_{pid}_{counter}_{random}`).
+    pub name: String,
+    admin_url: String,
+}
+
+impl std::fmt::Debug for TestDb {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TestDb").field("name", &self.name).finish()
+    }
+}
+
+impl TestDb {
+    /// A fresh database with the embedded migrations applied
+    /// (`idempotency_actix::store::postgres::run_migrations`).
+    pub async fn new() -> TestDb {
+        let db = Self::new_unmigrated().await;
+        if let Err(e) = postgres::run_migrations(&db.url).await {
+            panic!("migrating test database {}: {e}", db.name);
+        }
+        db
+    }
+
+    /// A fresh, empty database (no `idempotency_keys` table).
+    pub async fn new_unmigrated() -> TestDb {
+        let admin_url = server_url();
+        let name = unique_name();
+        let sql = format!("CREATE DATABASE \"{name}\"");
+        let result = admin_statement(&admin_url, &sql).await;
+        if let Err(e) = result {
+            panic!(
+                "creating test database {name} on {}: {e}",
+                redact(&admin_url)
+            );
+        }
+        TestDb {
+            url: with_database(&admin_url, &name),
+            name,
+            admin_url,
+        }
+    }
+}
+
+impl Drop for TestDb {
+    fn drop(&mut self) {
+        let admin_url = self.admin_url.clone();
+        let sql = format!("DROP DATABASE IF EXISTS \"{}\" WITH (FORCE)", self.name);
+        // Its own thread and runtime: works whether the test runs on tokio, actix or no
+        // runtime at all, and even while the test's runtime is shutting down.
+        let result = block_on_fresh_thread(async move { admin_statement(&admin_url, &sql).await });
+        match result {
+            Some(Ok(())) => {}
+            Some(Err(e)) => eprintln!("warning: could not drop test database {}: {e}", self.name),
+            None => eprintln!("warning: could not drop test database {}", self.name),
+        }
+    }
+}
+
+/// The server the tests use (see the crate docs for the order of preference), as a URL of its
+/// maintenance database. Resolved once per process.
+///
+/// # Panics
+/// When no server is configured or reachable and no PostgreSQL binaries are installed.
+pub fn server_url() -> String {
+    static URL: OnceLock<String> = OnceLock::new();
+    URL.get_or_init(resolve_server_url).clone()
+}
+
+fn resolve_server_url() -> String {
+    if let Ok(url) = std::env::var("DATABASE_URL") {
+        if !url.trim().is_empty() {
+            return url;
+        }
+    }
+    // IDEM_E2E_SKIP_LOCAL=1 forces the throwaway cluster (used to test that path).
+    let skip_local = std::env::var("IDEM_E2E_SKIP_LOCAL").is_ok_and(|v| v == "1");
+    if !skip_local && can_connect(LOCAL_SERVER_URL) {
+        return LOCAL_SERVER_URL.to_owned();
+    }
+    match TempCluster::start(&[], &[]) {
+        Ok(cluster) => {
+            let url = cluster.url();
+            // Lives for the whole process; the watchdog stops it after the process exits.
+            std::mem::forget(cluster);
+            url
+        }
+        Err(ClusterError::NotInstalled) => panic!(
+            "no PostgreSQL for the tests: DATABASE_URL is not set, nothing answers at \
+             127.0.0.1:5432, and initdb/pg_ctl are not on PATH or under \
+             /usr/lib/postgresql/*/bin. Install the PostgreSQL server (e.g. `apt-get install \
+             postgresql`) or set DATABASE_URL to a server where the user may CREATE DATABASE."
+        ),
+        Err(ClusterError::Failed(why)) => {
+            panic!("no PostgreSQL for the tests: starting a throwaway cluster failed: {why}")
+        }
+    }
+}
+
+fn can_connect(url: &str) -> bool {
+    let url = url.to_owned();
+    let attempt = block_on_fresh_thread(async move {
+        tokio::time::timeout(Duration::from_secs(3), postgres::establish(&url))
+            .await
+            .is_ok_and(|r| r.is_ok())
+    });
+    attempt.unwrap_or(false)
+}
+
+pub(crate) fn unique_name() -> String {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    // RandomState is seeded randomly per process: a cheap source of entropy without a crate.
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(n);
+    h.write_u32(nanos);
+    let random = h.finish() & 0xffff_ffff;
+    format!("idem_test_{}_{n}_{random:08x}", std::process::id())
+}
+
+async fn admin_statement(admin_url: &str, sql: &str) -> Result<(), String> {
+    let mut conn = postgres::establish(admin_url)
+        .await
+        .map_err(|e| e.to_string())?;
+    diesel::sql_query(sql)
+        .execute(&mut conn)
+        .await
+        .map(|_| ())
+        .map_err(|e| e.to_string())
+}
