@@ -16,7 +16,7 @@
 # BENCH_WAIT_QUIET (s to wait for a quiet machine, 120), BENCH_DATABASE_URL (an existing
 # server's admin URL instead of the throwaway cluster; pg_stat_statements must be loaded
 # there for the statement counts), BENCH_CASES (space-separated subset of the cases),
-# BENCH_SCALE (1: also run the scale curves of bench/scale.sh after the cases; only: run just
+# BENCH_SERVER_BIN (a bench_server binary built beforehand: skips the build), BENCH_SCALE (1: also run the scale curves of bench/scale.sh after the cases; only: run just
 # the scale curves; they take up to 30 minutes and about 10 GB of disk, and are not for CI).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -91,12 +91,18 @@ LOAD_BEFORE=$(cut -d' ' -f1-3 /proc/loadavg)
 log "load average at start: $LOAD_START; when measuring began: $LOAD_BEFORE"
 
 # --- build -----------------------------------------------------------------------------------
-log "building the bench server (release)"
-cargo build --release -q -p idempotency-actix --example bench_server
 TARGET_DIR=$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')
-# A private copy: the target directory is shared, and another checkout's build of the same
-# example would replace the binary under us.
-cp "$TARGET_DIR/release/examples/bench_server" "$WORK/bench_server"
+if [ -n "${BENCH_SERVER_BIN:-}" ]; then
+  # A server built beforehand from this checkout (a shared target directory can be locked by
+  # other builds for minutes).
+  cp "$BENCH_SERVER_BIN" "$WORK/bench_server"
+else
+  log "building the bench server (release)"
+  cargo build --release -q -p idempotency-actix --example bench_server
+  # A private copy: the target directory is shared, and another checkout's build of the same
+  # example would replace the binary under us.
+  cp "$TARGET_DIR/release/examples/bench_server" "$WORK/bench_server"
+fi
 SERVER="$WORK/bench_server"
 
 # --- PostgreSQL ------------------------------------------------------------------------------

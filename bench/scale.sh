@@ -6,6 +6,7 @@
 #   SCALE_ROWS   table sizes for the PostgreSQL curve (default "10000 1000000 10000000")
 #   SCALE_BODIES response body sizes for the replay curve (default "1024 65536 1048576")
 #   SCALE_LIVE   live records for the memory-store curve (default "10000 100000 1000000")
+#   SCALE_SECTIONS which curves to run (default "rows bodies live tenants")
 #
 # Tables (in SCALE_JSON, printed by report.py and written to the .md):
 # 1. PostgreSQL miss and replay through the store with N rows already in idempotency_keys, and
@@ -20,6 +21,7 @@
 SCALE_ROWS=${SCALE_ROWS:-"10000 1000000 10000000"}
 SCALE_BODIES=${SCALE_BODIES:-"1024 65536 1048576"}
 SCALE_LIVE=${SCALE_LIVE:-"10000 100000 1000000"}
+SCALE_SECTIONS=" ${SCALE_SECTIONS:-rows bodies live tenants} "
 SCALE_OUT="$WORK/scale.jsonl"
 : >"$SCALE_OUT"
 
@@ -61,6 +63,7 @@ scale_pgbench() { # label script rows
 }
 
 # --- 1. PostgreSQL with N rows ---------------------------------------------------------------
+if [[ $SCALE_SECTIONS == *" rows "* ]]; then
 log "scale: PostgreSQL table sizes $SCALE_ROWS"
 psql "$DB_URL" -XAtq >/dev/null <<'SQL'
 CREATE TABLE scale_text (
@@ -121,8 +124,11 @@ SQL
 done
 scale_stop "$SCALE_PG_PID"
 SCALE_TAGS="{}"
+psql "$DB_URL" -XAtq -c 'DROP TABLE scale_text, scale_hash' >/dev/null
+fi
 
 # --- 2. Response body sizes ------------------------------------------------------------------
+[[ $SCALE_SECTIONS == *" bodies "* ]] || SCALE_BODIES=""
 for bytes in $SCALE_BODIES; do
   log "scale: replay of $bytes-byte bodies"
   SCALE_TAGS="{\"body_bytes\":$bytes}"
@@ -139,6 +145,7 @@ done
 SCALE_TAGS="{}"
 
 # --- 3. Memory store with N live records -----------------------------------------------------
+[[ $SCALE_SECTIONS == *" live "* ]] || SCALE_LIVE=""
 for live in $SCALE_LIVE; do
   log "scale: memory store with $live live records"
   scale_server "scale-live-$live" 18193 --mode memory --max-entries 20000000 --prefill "$live"
@@ -150,8 +157,10 @@ done
 SCALE_TAGS="{}"
 
 # --- 4. Many tenants -------------------------------------------------------------------------
-log "scale: 10,000 tenants with the same 5 keys against one tenant"
-for mode in memory postgres; do
+SCALE_TENANT_MODES="memory postgres"
+[[ $SCALE_SECTIONS == *" tenants "* ]] || SCALE_TENANT_MODES=""
+for mode in $SCALE_TENANT_MODES; do
+  log "scale: 10,000 tenants with the same 5 keys against one tenant ($mode)"
   for tenants in 1 10000; do
     SCALE_TAGS="{\"tenants\":$tenants,\"keys_per_tenant\":5}"
     scale_server "scale-tenants-$mode" 18194 --mode "$mode" --tenant-header x-tenant --max-entries 10000000
@@ -164,7 +173,6 @@ for mode in memory postgres; do
   done
 done
 SCALE_TAGS="{}"
-psql "$DB_URL" -XAtq -c 'DROP TABLE scale_text, scale_hash' >/dev/null
 
 SCALE_JSON=$(python3 - "$SCALE_OUT" <<'PY'
 import json, sys
