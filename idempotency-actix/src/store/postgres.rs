@@ -50,9 +50,11 @@
 //! - a statement not answered within the query timeout (default 5 s):
 //!   [`StoreError::Unavailable`].
 //!
-//! [`PostgresStore::check`] is a readiness probe for the same conditions. The building blocks
-//! the CLI shares ([`establish`], [`classify_query_error`], [`run_migrations`],
-//! [`pending_migrations`]) are public.
+//! [`PostgresStore::check`] is a readiness probe for the same conditions. [`run_migrations`]
+//! and [`pending_migrations`] provision the schema from the embedded migrations (what
+//! `idem-cli migrate` runs). The building blocks `idem-cli` and the test harness share (opening
+//! one connection, classifying errors) are public but hidden from these docs: see the `admin`
+//! module's docs in the source.
 
 #[doc(hidden)]
 pub mod admin;
@@ -74,9 +76,12 @@ use diesel_async::pooled_connection::bb8::Pool;
 use diesel_async::AsyncPgConnection;
 
 pub use builder::{connection_manager, PostgresStoreBuilder};
+pub use error::MIGRATE_HINT;
+// Building blocks `idem-cli` and the test harness share; not part of the user-facing API (the
+// admin module is their documented home).
+#[doc(hidden)]
 pub use error::{
     classify_connection_error, classify_error, classify_query_error, not_provisioned, table_exists,
-    MIGRATE_HINT,
 };
 pub use migrate::{pending_migrations, run_migrations, MIGRATIONS};
 pub use store::PostgresStore;
@@ -95,7 +100,7 @@ pub const DEFAULT_CONNECTION_TIMEOUT: Duration = Duration::from_secs(2);
 /// Default [`PostgresStoreBuilder::query_timeout`].
 pub const DEFAULT_QUERY_TIMEOUT: Duration = Duration::from_secs(5);
 /// Rows deleted per statement by [`PostgresStore::purge_batch`] when called through
-/// [`IdempotencyStore::purge_expired`].
+/// [`IdempotencyStore::purge_expired`](crate::store::IdempotencyStore::purge_expired).
 pub const DEFAULT_PURGE_BATCH: u32 = 1000;
 
 /// Longest duration sent to the database, so `now() + lease` can never overflow a timestamp
@@ -128,6 +133,7 @@ fn micros(duration: Duration) -> i64 {
 /// # Errors
 /// [`StoreError::Backend`] for a bad URL; [`StoreError::Unavailable`] when the server cannot
 /// be reached, refuses the login or the TLS handshake fails.
+#[doc(hidden)]
 pub async fn establish(url: &str) -> Result<AsyncPgConnection, StoreError> {
     let target = ConnectTarget::parse(url, None).map_err(|e| StoreError::Backend(Box::new(e)))?;
     target.connect().await.map_err(classify_connection_error)

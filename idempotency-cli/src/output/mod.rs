@@ -1,4 +1,4 @@
-//! Writing results, one job per module: [`Out`] (a stdout that survives `| head`), [`table`]
+//! Writing results, one job per module: [`Out`] (a stdout that survives `| head`), [`table`](mod@table)
 //! (aligned columns), [`escape`] (database text made terminal-safe), [`hex`] (hex strings and
 //! dumps) and [`json`] (pretty JSON that keeps the stored text). Base64 is the `base64` crate.
 

@@ -7,7 +7,7 @@
 use unicode_width::UnicodeWidthStr;
 
 /// Render rows under a header, columns padded to the widest cell. Cells are shown as given;
-/// callers pass them through [`display`] first.
+/// callers pass them through [`display`](super::escape::display) first.
 pub fn table(header: &[&str], rows: &[Vec<String>]) -> Vec<String> {
     let mut widths: Vec<usize> = header.iter().map(|h| h.width()).collect();
     for row in rows {

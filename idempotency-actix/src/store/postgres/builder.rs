@@ -116,7 +116,7 @@ impl PostgresStoreBuilder {
         self
     }
 
-    /// Rows deleted per statement by [`IdempotencyStore::purge_expired`]. Default 1000.
+    /// Rows deleted per statement by [`IdempotencyStore::purge_expired`](crate::store::IdempotencyStore::purge_expired). Default 1000.
     pub fn purge_batch(mut self, rows: u32) -> Self {
         self.purge_batch = rows.max(1);
         self
@@ -194,7 +194,7 @@ impl PostgresStoreBuilder {
 }
 
 /// A bb8 connection manager for `url` with the same TLS handling as [`PostgresStore::connect`]
-/// (see [`establish`] for `sslmode`) and a checkout check that costs no round trip. For apps
+/// (see [`PostgresStore::connect`] for `sslmode`) and a checkout check that costs no round trip. For apps
 /// that build their own pool (to share it, or to tune bb8 beyond the builder) and then call
 /// [`PostgresStore::new`]:
 ///

@@ -27,7 +27,7 @@ diesel::table! {
         idempotency_key -> Text,
         /// SHA-256 of the request (32 bytes).
         fingerprint -> Bytea,
-        /// [`State`].
+        /// [`State`](crate::store::postgres::schema::State).
         state -> Text,
         /// Fencing token of the current reservation.
         token -> Nullable<Uuid>,

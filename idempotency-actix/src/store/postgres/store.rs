@@ -53,7 +53,7 @@ impl std::fmt::Debug for PostgresStore {
 impl PostgresStore {
     /// A store over an existing pool (its settings are used as they are; see
     /// [`PostgresStoreBuilder::connection_timeout`] for why a short connection timeout
-    /// matters). Build the pool's manager with [`connection_manager`] to get TLS per the URL's
+    /// matters). Build the pool's manager with [`connection_manager`](super::connection_manager) to get TLS per the URL's
     /// `sslmode`; diesel-async's plain `AsyncDieselConnectionManager::new` never uses TLS.
     pub fn new(pool: PgPool) -> Self {
         Self {
@@ -104,7 +104,7 @@ impl PostgresStore {
     ///
     /// # Errors
     /// [`StoreError::Unavailable`] when no connection could be made,
-    /// [`StoreError::NotProvisioned`] (with [`MIGRATE_HINT`]) when the table or function is
+    /// [`StoreError::NotProvisioned`] (with [`MIGRATE_HINT`](super::MIGRATE_HINT)) when the table or function is
     /// missing.
     pub async fn check(&self) -> Result<(), StoreError> {
         let mut conn = self.conn().await?;
