@@ -25,7 +25,7 @@ fi
 # child's last counters; docs/reliability.md says which lines only such children reach.
 cargo tarpaulin \
   --workspace \
-  --engine ptrace \
+  --engine "${COVERAGE_ENGINE:-llvm}" \
   --follow-exec \
   --skip-clean \
   --target-dir target/tarpaulin \
