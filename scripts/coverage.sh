@@ -20,11 +20,16 @@ if ! command -v cargo-tarpaulin >/dev/null 2>&1; then
   cargo install cargo-tarpaulin --locked
 fi
 
-# ptrace engine: follows exec'd children (--follow-exec), so the example and idem-cli processes
-# that the fault and CLI tests start count too. Tests that kill a child on purpose lose that
-# child's last counters; docs/reliability.md says which lines only such children reach.
+# llvm engine (instrument-coverage; tarpaulin reads the profiles itself, no llvm-tools needed):
+# every instrumented binary writes its own profile, so the example and idem-cli processes that
+# the fault and CLI tests start count too (--follow-exec is for the ptrace engine, which
+# segfaulted here under the CLI process tests). --all-targets builds the payments example into
+# tarpaulin's target dir, where the fault tests look for it. Tests that kill a child on purpose
+# lose that child's last counters.
 cargo tarpaulin \
   --workspace \
+  --all-targets \
+  --no-fail-fast \
   --engine "${COVERAGE_ENGINE:-llvm}" \
   --follow-exec \
   --skip-clean \
