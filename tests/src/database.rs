@@ -42,6 +42,16 @@ impl TestDb {
         db
     }
 
+    /// A fresh database provisioned with the time-partitioned layout
+    /// (`idempotency_actix::store::postgres::run_migrations_partitioned`).
+    pub async fn new_partitioned(interval: postgres::PartitionInterval) -> TestDb {
+        let db = Self::new_unmigrated().await;
+        if let Err(e) = postgres::run_migrations_partitioned(&db.url, interval).await {
+            panic!("migrating test database {} (partitioned): {e}", db.name);
+        }
+        db
+    }
+
     /// A fresh, empty database (no `idempotency_keys` table).
     pub async fn new_unmigrated() -> TestDb {
         let admin_url = server_url();
