@@ -573,7 +573,10 @@ async fn partitioned_purge_drops_expired_partitions_and_keeps_live_records() {
          FROM c",
     );
     assert_eq!(
-        count(&db.url, "SELECT count(*) AS n FROM idempotency_responses_old"),
+        count(
+            &db.url,
+            "SELECT count(*) AS n FROM idempotency_responses_old"
+        ),
         50
     );
 
@@ -626,5 +629,8 @@ async fn partitioned_purge_drops_expired_partitions_and_keeps_live_records() {
     }
     // The expired claims are small rows, deleted in batches as in the plain layout.
     assert_eq!(store.purge_expired(Duration::ZERO).await.unwrap(), 50);
-    assert_eq!(count(&db.url, "SELECT count(*) AS n FROM idempotency_keys"), 2);
+    assert_eq!(
+        count(&db.url, "SELECT count(*) AS n FROM idempotency_keys"),
+        2
+    );
 }

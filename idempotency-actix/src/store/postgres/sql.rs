@@ -854,26 +854,40 @@ struct NameRow {
     name: String,
 }
 
-/// The layout row: the partition interval, NULL in the plain layout.
+/// The layout probe's row.
 #[derive(QueryableByName, Debug)]
 struct LayoutRow {
-    #[diesel(sql_type = Nullable<Text>)]
-    interval: Option<String>,
+    #[diesel(sql_type = Bool)]
+    partitioned: bool,
+}
+
+/// The partition interval's row.
+#[derive(QueryableByName, Debug)]
+struct IntervalRow {
+    #[diesel(sql_type = Text)]
+    interval: String,
 }
 
 /// The partition interval of the partitioned layout (`hourly`/`daily`), `None` in the plain
-/// layout. One catalog probe, then (partitioned only) the one-row settings table.
+/// layout. One catalog probe, then (partitioned only) the one-row settings table: two
+/// statements, because a statement naming a missing table fails when parsed.
 pub(crate) async fn partition_interval(
     conn: &mut AsyncPgConnection,
 ) -> QueryResult<Option<String>> {
-    let row: LayoutRow = diesel::sql_query(
-        "SELECT CASE WHEN to_regclass('idempotency_responses') IS NULL THEN NULL \
-                ELSE (SELECT CASE step WHEN interval '1 hour' THEN 'hourly' ELSE 'daily' END \
-                        FROM idempotency_partitioning) END AS interval",
+    let layout: LayoutRow =
+        diesel::sql_query("SELECT to_regclass('idempotency_responses') IS NOT NULL AS partitioned")
+            .get_result(conn)
+            .await?;
+    if !layout.partitioned {
+        return Ok(None);
+    }
+    let row: IntervalRow = diesel::sql_query(
+        "SELECT CASE step WHEN interval '1 hour' THEN 'hourly' ELSE 'daily' END AS interval \
+         FROM idempotency_partitioning",
     )
     .get_result(conn)
     .await?;
-    Ok(row.interval)
+    Ok(Some(row.interval))
 }
 
 /// The partitions of `idempotency_responses`, range partitions in bound order, then the default.
