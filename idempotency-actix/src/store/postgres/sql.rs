@@ -163,6 +163,17 @@ pub(crate) struct ScopeBinds<'a> {
 }
 
 impl<'a> ScopeBinds<'a> {
+    /// The four scope binds as function arguments: `$n, $n+1, $n+2, $n+3`.
+    pub(crate) fn push_binds<'b>(&'b self, out: &mut AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        out.push_bind_param::<Text, _>(&self.tenant)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Text, _>(&self.method)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Text, _>(&self.path)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Text, _>(&self.key)
+    }
+
     /// The primary key, for `find`.
     fn key(&self) -> (&'a str, &'a str, &'a str, &'a str) {
         (self.tenant, self.method, self.path, self.key)
@@ -214,13 +225,7 @@ impl QueryFragment<Pg> for Reserve<'_> {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
         out.push_sql("SELECT * FROM idempotency_reserve(");
         // The function's signature fixes the parameter types of the prepared statement.
-        out.push_bind_param::<Text, _>(&self.scope.tenant)?;
-        out.push_sql(", ");
-        out.push_bind_param::<Text, _>(&self.scope.method)?;
-        out.push_sql(", ");
-        out.push_bind_param::<Text, _>(&self.scope.path)?;
-        out.push_sql(", ");
-        out.push_bind_param::<Text, _>(&self.scope.key)?;
+        self.scope.push_binds(&mut out)?;
         out.push_sql(", ");
         out.push_bind_param::<Bytea, _>(&self.fingerprint)?;
         out.push_sql(", ");
@@ -262,13 +267,7 @@ impl QueryFragment<Pg> for ReplayRead<'_> {
         // a one-SELECT SQL function, which the planner inlines: the plan is the plain
         // primary-key read (plus, in the partitioned layout, the response's index probe).
         out.push_sql("SELECT * FROM idempotency_replay(");
-        out.push_bind_param::<Text, _>(&self.scope.tenant)?;
-        out.push_sql(", ");
-        out.push_bind_param::<Text, _>(&self.scope.method)?;
-        out.push_sql(", ");
-        out.push_bind_param::<Text, _>(&self.scope.path)?;
-        out.push_sql(", ");
-        out.push_bind_param::<Text, _>(&self.scope.key)?;
+        self.scope.push_binds(&mut out)?;
         out.push_sql(")");
         Ok(())
     }
@@ -349,13 +348,7 @@ impl Query for Complete<'_> {
 impl QueryFragment<Pg> for Complete<'_> {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
         out.push_sql("SELECT idempotency_complete(");
-        out.push_bind_param::<Text, _>(&self.scope.tenant)?;
-        out.push_sql(", ");
-        out.push_bind_param::<Text, _>(&self.scope.method)?;
-        out.push_sql(", ");
-        out.push_bind_param::<Text, _>(&self.scope.path)?;
-        out.push_sql(", ");
-        out.push_bind_param::<Text, _>(&self.scope.key)?;
+        self.scope.push_binds(&mut out)?;
         out.push_sql(", ");
         out.push_bind_param::<diesel::sql_types::Uuid, _>(&self.completion.token)?;
         out.push_sql(", ");
