@@ -200,8 +200,8 @@ async fn migrate_twice_and_check_gates_deploys() {
         "applied 2026-11-30-000001_create_idempotency_keys\n\
          applied 2026-11-30-000002_reserve_function\n\
          applied 2026-12-01-000003_transactional_claim\n\
-         applied 2026-12-10-000004_layout_functions\n\
-         applied 2026-12-10-000005_partitioned_layout\n\
+         applied 2026-12-01-000004_layout_functions\n\
+         applied 2026-12-01-000005_partitioned_layout\n\
          layout: plain\n"
     );
 
