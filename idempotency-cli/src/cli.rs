@@ -193,6 +193,25 @@ pub struct MigrateArgs {
     /// Apply nothing; list pending migrations and exit 5 if there are any.
     #[arg(long)]
     pub check: bool,
+
+    /// Provision the time-partitioned layout (responses partitioned by expiry, purged by
+    /// dropping partitions; see docs/operations.md). Only on a database being provisioned:
+    /// the layout is chosen once.
+    #[arg(long, conflicts_with = "check")]
+    pub partitioned: bool,
+
+    /// Partition interval of the partitioned layout.
+    #[arg(long, value_enum, default_value = "daily", requires = "partitioned")]
+    pub interval: IntervalArg,
+}
+
+/// `migrate --interval`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum IntervalArg {
+    /// One partition per hour of expiry.
+    Hourly,
+    /// One partition per day of expiry (UTC).
+    Daily,
 }
 
 #[derive(Debug, Args)]
@@ -221,6 +240,16 @@ pub struct PurgeArgs {
     /// Only this tenant's records ('' for the global scope).
     #[arg(long, value_name = "TENANT")]
     pub tenant: Option<String>,
+
+    /// Partitioned layout: partitions to keep created ahead of the current one.
+    #[arg(long, value_name = "N", default_value_t = 3,
+          value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub partitions_ahead: u32,
+
+    /// Partitioned layout: the longest wait for the lock on idempotency_responses that
+    /// creating or dropping a partition takes (live traffic queued behind it waits as long).
+    #[arg(long, value_name = "DURATION", default_value = "1s")]
+    pub lock_timeout: HumanDuration,
 }
 
 /// Record states as `list --state` names them.

@@ -199,7 +199,10 @@ async fn migrate_twice_and_check_gates_deploys() {
         stdout(&out),
         "applied 2026-11-30-000001_create_idempotency_keys\n\
          applied 2026-11-30-000002_reserve_function\n\
-         applied 2026-12-01-000003_transactional_claim\n"
+         applied 2026-12-01-000003_transactional_claim\n\
+         applied 2026-12-01-000004_layout_functions\n\
+         applied 2026-12-01-000005_partitioned_layout\n\
+         layout: plain\n"
     );
 
     let out = idem(&db.url, &["migrate"]);
@@ -1269,4 +1272,100 @@ fn sslmode_require_with_a_question_mark_in_the_password_never_falls_back() {
     assert_no_secret(&out, "sslmode=require without TLS");
     let out = idem(&format!("{base}?sslmode=disable"), &["stats"]);
     expect_code(&out, NOT_PROVISIONED);
+}
+
+/// Issue 15: `migrate --partitioned` provisions the partitioned layout, `migrate --check` and
+/// `stats` report it, `show` reads a response from its partition, `purge` drops a past
+/// partition and creates the ones ahead without touching a live record, and `--partitioned`
+/// on a database that already has the plain layout fails instead of pretending.
+#[tokio::test]
+async fn partitioned_layout_migrate_check_stats_show_and_purge() {
+    let db = TestDb::new_unmigrated().await;
+    let out = idem(
+        &db.url,
+        &["migrate", "--partitioned", "--interval", "hourly"],
+    );
+    expect_code(&out, 0);
+    assert!(
+        stdout(&out).contains("layout: partitioned (hourly)"),
+        "{}",
+        stdout(&out)
+    );
+    let out = idem(&db.url, &["--format", "json", "migrate", "--check"]);
+    expect_code(&out, 0);
+    assert_eq!(json_one(&out)["layout"], "partitioned (hourly)");
+
+    let store = PostgresStore::connect(&db.url).await.unwrap();
+    let live = scope("acme", "live-1");
+    let ReserveOutcome::Reserved { token } = store
+        .reserve(&live, &fingerprint("a"), Duration::from_secs(60))
+        .await
+        .unwrap()
+    else {
+        panic!("reserve");
+    };
+    let response = StoredResponse {
+        status: 201,
+        headers: vec![],
+        body: Bytes::from_static(b"charged"),
+    };
+    assert_eq!(
+        store
+            .complete(&live, &token, &response, Duration::from_secs(1800))
+            .await
+            .unwrap(),
+        WriteOutcome::Applied
+    );
+    let mut conn = connect(&db).await;
+    conn.batch_execute(
+        "CREATE TABLE idempotency_responses_past PARTITION OF idempotency_responses \
+         FOR VALUES FROM (date_trunc('hour', now()) - interval '5 hours') \
+         TO (date_trunc('hour', now()) - interval '4 hours')",
+    )
+    .await
+    .unwrap();
+
+    let out = idem(&db.url, &["--format", "json", "stats"]);
+    expect_code(&out, 0);
+    let stats = json_one(&out);
+    assert_eq!(stats["layout"], "partitioned");
+    assert_eq!(stats["partition_interval"], "hourly");
+    assert_eq!(stats["completed_live"], 1);
+    // The four made by the migration, the past one, the default.
+    assert_eq!(stats["partitions"].as_array().map(Vec::len), Some(6));
+
+    let out = idem(
+        &db.url,
+        &["--format", "json", "show", "live-1", "--tenant", "acme"],
+    );
+    expect_code(&out, 0);
+    assert!(stdout(&out).contains("charged"), "{}", stdout(&out));
+
+    let out = idem(
+        &db.url,
+        &["--format", "json", "purge", "--partitions-ahead", "5"],
+    );
+    expect_code(&out, 0);
+    let purge = json_one(&out);
+    assert_eq!(
+        purge["partitions_dropped"],
+        serde_json::json!(["idempotency_responses_past"])
+    );
+    assert_eq!(
+        purge["partitions_created"].as_array().map(Vec::len),
+        Some(2)
+    );
+    match store
+        .reserve(&live, &fingerprint("a"), Duration::from_secs(60))
+        .await
+        .unwrap()
+    {
+        ReserveOutcome::Completed { response, .. } => assert_eq!(&response.body[..], b"charged"),
+        other => panic!("the live record did not survive purge: {other:?}"),
+    }
+
+    let plain = TestDb::new().await;
+    let out = idem(&plain.url, &["migrate", "--partitioned"]);
+    expect_code(&out, 1);
+    assert!(stderr(&out).contains("plain layout"), "{}", stderr(&out));
 }

@@ -33,11 +33,26 @@ impl std::fmt::Debug for TestDb {
 
 impl TestDb {
     /// A fresh database with the embedded migrations applied
-    /// (`idempotency_actix::store::postgres::run_migrations`).
+    /// (`idempotency_actix::store::postgres::run_migrations`). With
+    /// `IDEM_TEST_LAYOUT=partitioned` in the environment it gets the time-partitioned layout
+    /// instead (hourly), so any suite can be run against that layout unchanged.
     pub async fn new() -> TestDb {
+        if std::env::var("IDEM_TEST_LAYOUT").is_ok_and(|v| v == "partitioned") {
+            return Self::new_partitioned(postgres::PartitionInterval::Hourly).await;
+        }
         let db = Self::new_unmigrated().await;
         if let Err(e) = postgres::run_migrations(&db.url).await {
             panic!("migrating test database {}: {e}", db.name);
+        }
+        db
+    }
+
+    /// A fresh database provisioned with the time-partitioned layout
+    /// (`idempotency_actix::store::postgres::run_migrations_partitioned`).
+    pub async fn new_partitioned(interval: postgres::PartitionInterval) -> TestDb {
+        let db = Self::new_unmigrated().await;
+        if let Err(e) = postgres::run_migrations_partitioned(&db.url, interval).await {
+            panic!("migrating test database {} (partitioned): {e}", db.name);
         }
         db
     }

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use futures_util::future::join_all;
-use idempotency_actix::store::postgres::{self, PostgresStore};
+use idempotency_actix::store::postgres::{self, PartitionInterval, PostgresStore};
 use idempotency_actix::store::{
     conformance, Fingerprint, IdempotencyStore, ReservationToken, ReserveOutcome, Scope,
     StoreError, StoredResponse, WriteOutcome,
@@ -26,7 +26,16 @@ const LEASE: Duration = Duration::from_secs(60);
 
 #[tokio::test]
 async fn postgres_store_conforms() {
-    let db = TestDb::new().await;
+    postgres_store_conforms_on(&TestDb::new().await).await;
+}
+
+/// As [`postgres_store_conforms`], on the time-partitioned layout (issue 15).
+#[tokio::test]
+async fn postgres_store_conforms_partitioned() {
+    postgres_store_conforms_on(&TestDb::new_partitioned(PartitionInterval::Hourly).await).await;
+}
+
+async fn postgres_store_conforms_on(db: &TestDb) {
     let store = PostgresStore::connect(&db.url).await.unwrap();
     conformance::run_all(&store).await;
 }
@@ -35,7 +44,19 @@ async fn postgres_store_conforms() {
 /// not change any outcome: the whole store-neutral suite, with it on.
 #[tokio::test]
 async fn postgres_store_with_replay_fast_path_conforms() {
-    let db = TestDb::new().await;
+    postgres_store_with_replay_fast_path_conforms_on(&TestDb::new().await).await;
+}
+
+/// As [`postgres_store_with_replay_fast_path_conforms`], on the time-partitioned layout (issue 15).
+#[tokio::test]
+async fn postgres_store_with_replay_fast_path_conforms_partitioned() {
+    postgres_store_with_replay_fast_path_conforms_on(
+        &TestDb::new_partitioned(PartitionInterval::Hourly).await,
+    )
+    .await;
+}
+
+async fn postgres_store_with_replay_fast_path_conforms_on(db: &TestDb) {
     let store = PostgresStore::builder(&db.url)
         .replay_fast_path(true)
         .build()
@@ -54,7 +75,17 @@ async fn postgres_store_conforms_on_a_multi_thread_runtime() {
 /// Two pools (two app instances) racing for the same keys, many times: one winner per key.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_winner_per_key_across_pools() {
-    let db = TestDb::new().await;
+    one_winner_per_key_across_pools_on(&TestDb::new().await).await;
+}
+
+/// As [`one_winner_per_key_across_pools`], on the time-partitioned layout (issue 15).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_winner_per_key_across_pools_partitioned() {
+    one_winner_per_key_across_pools_on(&TestDb::new_partitioned(PartitionInterval::Hourly).await)
+        .await;
+}
+
+async fn one_winner_per_key_across_pools_on(db: &TestDb) {
     let a = PostgresStore::builder(&db.url)
         .max_size(8)
         .build()
@@ -85,7 +116,19 @@ async fn one_winner_per_key_across_pools() {
 /// only its token can complete.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_takeover_has_one_winner() {
-    let db = TestDb::new().await;
+    concurrent_takeover_has_one_winner_on(&TestDb::new().await).await;
+}
+
+/// As [`concurrent_takeover_has_one_winner`], on the time-partitioned layout (issue 15).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_takeover_has_one_winner_partitioned() {
+    concurrent_takeover_has_one_winner_on(
+        &TestDb::new_partitioned(PartitionInterval::Hourly).await,
+    )
+    .await;
+}
+
+async fn concurrent_takeover_has_one_winner_on(db: &TestDb) {
     let a = PostgresStore::connect(&db.url).await.unwrap();
     let b = PostgresStore::connect(&db.url).await.unwrap();
     for round in 0..10 {
@@ -143,7 +186,17 @@ fn ok_response(body: &'static [u8]) -> StoredResponse {
 /// Every byte value survives the BYTEA round trip; lease_remaining comes from the database.
 #[tokio::test]
 async fn binary_bodies_and_lease_remaining() {
-    let db = TestDb::new().await;
+    binary_bodies_and_lease_remaining_on(&TestDb::new().await).await;
+}
+
+/// As [`binary_bodies_and_lease_remaining`], on the time-partitioned layout (issue 15).
+#[tokio::test]
+async fn binary_bodies_and_lease_remaining_partitioned() {
+    binary_bodies_and_lease_remaining_on(&TestDb::new_partitioned(PartitionInterval::Hourly).await)
+        .await;
+}
+
+async fn binary_bodies_and_lease_remaining_on(db: &TestDb) {
     let store = PostgresStore::connect(&db.url).await.unwrap();
     let key = scope("binary");
     let ReserveOutcome::Reserved { token } = store.reserve(&key, &FP, LEASE).await.unwrap() else {
@@ -210,7 +263,16 @@ async fn binary_bodies_and_lease_remaining() {
 
 #[tokio::test]
 async fn purge_works_in_batches() {
-    let db = TestDb::new().await;
+    purge_works_in_batches_on(&TestDb::new().await).await;
+}
+
+/// As [`purge_works_in_batches`], on the time-partitioned layout (issue 15).
+#[tokio::test]
+async fn purge_works_in_batches_partitioned() {
+    purge_works_in_batches_on(&TestDb::new_partitioned(PartitionInterval::Hourly).await).await;
+}
+
+async fn purge_works_in_batches_on(db: &TestDb) {
     let store = PostgresStore::builder(&db.url)
         .purge_batch(7)
         .build()
@@ -367,7 +429,7 @@ async fn establish_and_classify_for_the_cli() {
     let mut conn = postgres::establish(&db.url).await.unwrap();
     assert!(!postgres::table_exists(&mut conn).await.unwrap());
     use diesel_async::RunQueryDsl;
-    let err = diesel::sql_query("SELECT count(*) FROM idempotency_keys")
+    let err = diesel::sql_query("SELECT count(*) AS n FROM idempotency_keys")
         .execute(&mut conn)
         .await
         .unwrap_err();
@@ -450,4 +512,125 @@ async fn store_over_an_app_built_pool() {
     store.check().await.unwrap();
     conformance::first_reserve_wins_and_duplicates_see_in_flight(&store).await;
     conformance::complete_then_replay_returns_the_exact_response(&store).await;
+}
+
+/// Partitioned layout: purge drops only partitions whose whole range is past, creates the
+/// partitions ahead (moving a long-TTL response out of the default partition), and every live
+/// record still replays afterwards. Expired claims go with the batched DELETE.
+#[tokio::test]
+async fn partitioned_purge_drops_expired_partitions_and_keeps_live_records() {
+    use idempotency_actix::store::postgres::admin;
+    use idempotency_e2e::records::{count, execute};
+
+    let db = TestDb::new_partitioned(PartitionInterval::Hourly).await;
+    let store = PostgresStore::connect(&db.url).await.unwrap();
+    // Live records: one in this hour's partitions, one past the partitions made ahead
+    // (current hour + 3): it lands in the default partition.
+    let mut live = Vec::new();
+    for (i, ttl) in [
+        Duration::from_secs(1800),
+        Duration::from_secs(5 * 3600 + 600),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let key = scope(&format!("live-{i}"));
+        let ReserveOutcome::Reserved { token } = store.reserve(&key, &FP, LEASE).await.unwrap()
+        else {
+            panic!("reserve");
+        };
+        let body: &'static [u8] = if i == 0 { b"short" } else { b"long" };
+        store
+            .complete(&key, &token, &ok_response(body), ttl)
+            .await
+            .unwrap();
+        live.push((key, body));
+    }
+    assert_eq!(
+        count(
+            &db.url,
+            "SELECT count(*) AS n FROM idempotency_responses_default"
+        ),
+        1
+    );
+    // Old records, expired two to three hours ago, in a partition of their own past range.
+    execute(
+        &db.url,
+        "CREATE TABLE idempotency_responses_old PARTITION OF idempotency_responses \
+         FOR VALUES FROM (date_trunc('hour', now()) - interval '3 hours') \
+         TO (date_trunc('hour', now()) - interval '2 hours')",
+    );
+    execute(
+        &db.url,
+        "WITH c AS (INSERT INTO idempotency_keys (tenant, method, path, idempotency_key, \
+             fingerprint, state, token, response_status, created_at, completed_at, expires_at) \
+           SELECT 't', 'POST', '/payments', 'old-' || i, decode(repeat('07', 32), 'hex'), \
+             'completed', gen_random_uuid(), 200, now() - interval '4 hours', \
+             now() - interval '4 hours', \
+             date_trunc('hour', now()) - interval '150 minutes' \
+           FROM generate_series(1, 50) i RETURNING token, expires_at) \
+         INSERT INTO idempotency_responses SELECT token, expires_at, '\\x'::bytea, 'old'::bytea \
+         FROM c",
+    );
+    assert_eq!(
+        count(
+            &db.url,
+            "SELECT count(*) AS n FROM idempotency_responses_old"
+        ),
+        50
+    );
+
+    let mut conn = postgres::establish(&db.url).await.unwrap();
+    assert_eq!(
+        admin::partition_interval(&mut conn)
+            .await
+            .unwrap()
+            .as_deref(),
+        Some("hourly")
+    );
+    // Ahead far enough to cover the long TTL: its row moves out of the default partition.
+    let created = admin::create_partitions(&mut conn, 6, Duration::from_secs(5))
+        .await
+        .unwrap();
+    assert_eq!(created.len(), 3, "{created:?}");
+    assert_eq!(
+        count(
+            &db.url,
+            "SELECT count(*) AS n FROM idempotency_responses_default"
+        ),
+        0
+    );
+    // A grace of three hours keeps the old partition (its upper bound is 2 h past)...
+    let dropped = admin::drop_partitions(
+        &mut conn,
+        Duration::from_secs(3 * 3600),
+        Duration::from_secs(5),
+    )
+    .await
+    .unwrap();
+    assert!(dropped.is_empty(), "{dropped:?}");
+    // ...none drops it, and nothing else.
+    let dropped = admin::drop_partitions(&mut conn, Duration::ZERO, Duration::from_secs(5))
+        .await
+        .unwrap();
+    assert_eq!(dropped, vec!["idempotency_responses_old".to_owned()]);
+    let names: Vec<String> = admin::partitions(&mut conn)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|p| p.name)
+        .collect();
+    assert_eq!(names.len(), 4 + 3 + 1, "{names:?}");
+    for (key, body) in &live {
+        match store.reserve(key, &FP, LEASE).await.unwrap() {
+            ReserveOutcome::Completed { response, .. } => assert_eq!(&response.body[..], *body),
+            other => panic!("live record {} lost: {other:?}", key.key),
+        }
+    }
+    // The expired claims are small rows, deleted in batches as in the plain layout.
+    assert_eq!(store.purge_expired(Duration::ZERO).await.unwrap(), 50);
+    assert_eq!(
+        count(&db.url, "SELECT count(*) AS n FROM idempotency_keys"),
+        2
+    );
 }

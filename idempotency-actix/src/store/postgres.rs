@@ -83,7 +83,9 @@ pub use error::MIGRATE_HINT;
 pub use error::{
     classify_connection_error, classify_error, classify_query_error, not_provisioned, table_exists,
 };
-pub use migrate::{pending_migrations, run_migrations, MIGRATIONS};
+pub use migrate::{
+    pending_migrations, run_migrations, run_migrations_partitioned, PartitionInterval, MIGRATIONS,
+};
 pub use store::PostgresStore;
 pub use transactional::{IsolationLevel, TX_MIGRATE_HINT};
 

@@ -2,10 +2,10 @@
 
 use diesel::migration::MigrationSource;
 use diesel::pg::Pg;
-use idempotency_actix::store::postgres;
+use idempotency_actix::store::postgres::{self, admin, PartitionInterval};
 use serde_json::json;
 
-use crate::cli::{Format, MigrateArgs};
+use crate::cli::{Format, IntervalArg, MigrateArgs};
 use crate::db;
 use crate::error::CliError;
 use crate::output::Out;
@@ -29,12 +29,25 @@ pub async fn run(
             .await
             .map_err(db::store_error)?;
         let pending = full_names(pending);
+        // The layout is only known once its migration ran; before that there is no table.
+        let mut conn = db::connect(url, connect_timeout).await?;
+        let layout = if admin::table_exists(&mut conn).await.unwrap_or(false) {
+            Some(layout_name(
+                sql!(&mut conn, admin::partition_interval(&mut conn)).as_deref(),
+            ))
+        } else {
+            None
+        };
         match format {
             Format::Json => out.json(&json!({
                 "up_to_date": pending.is_empty(),
                 "pending": pending,
+                "layout": layout,
             }))?,
-            Format::Text if pending.is_empty() => out.line("schema is up to date")?,
+            Format::Text if pending.is_empty() => out.line(format!(
+                "schema is up to date (layout: {})",
+                layout.as_deref().unwrap_or("unknown")
+            ))?,
             Format::Text => {
                 for name in &pending {
                     out.line(format!("pending {name}"))?;
@@ -49,12 +62,32 @@ pub async fn run(
         };
     }
 
-    let applied = postgres::run_migrations(url)
-        .await
-        .map_err(db::store_error)?;
+    let applied = if args.partitioned {
+        let interval = match args.interval {
+            IntervalArg::Hourly => PartitionInterval::Hourly,
+            IntervalArg::Daily => PartitionInterval::Daily,
+        };
+        postgres::run_migrations_partitioned(url, interval).await
+    } else {
+        postgres::run_migrations(url).await
+    }
+    .map_err(db::store_error)?;
     let applied = full_names(applied);
+    let mut conn = db::connect(url, connect_timeout).await?;
+    let layout = sql!(&mut conn, admin::partition_interval(&mut conn));
+    if args.partitioned && layout.is_none() {
+        // The layout migration ran earlier, without the setting: nothing was converted.
+        return Err(CliError::Other(
+            "the database already has the plain layout (the layout is chosen when it is \
+             provisioned); see docs/operations.md for moving a deployment to the partitioned one"
+                .into(),
+        ));
+    }
+    let layout_name = layout_name(layout.as_deref());
     match format {
-        Format::Json => out.json(&json!({ "applied": applied }))?,
+        Format::Json => {
+            out.json(&json!({ "applied": applied, "layout": layout_name, "interval": layout }))?
+        }
         Format::Text if applied.is_empty() => out.line("schema is up to date; nothing to apply")?,
         Format::Text => {
             for name in &applied {
@@ -62,7 +95,18 @@ pub async fn run(
             }
         }
     }
+    if format == Format::Text {
+        out.line(format!("layout: {layout_name}"))?;
+    }
     out.flush()
+}
+
+/// `plain`, or `partitioned (hourly|daily)`.
+fn layout_name(interval: Option<&str>) -> String {
+    match interval {
+        None => "plain".into(),
+        Some(interval) => format!("partitioned ({interval})"),
+    }
 }
 
 /// The library reports migration versions (`20261130000001`); operators know them by their

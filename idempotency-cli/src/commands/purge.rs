@@ -11,6 +11,14 @@
 //! - A session-level advisory lock makes overlapping runs (a slow purge and the next cron tick)
 //!   cooperate: the second one notices, says so and exits 0. The lock dies with the connection,
 //!   so a killed purge never leaves it behind.
+//! - Partitioned layout (migration 000005): the claims are deleted exactly as above; then the
+//!   response partitions whose whole range is past `--older-than` are dropped, the expired rows
+//!   of the default partition (long TTLs) are deleted in batches, and the partitions of the
+//!   next `--partitions-ahead` intervals are created. Dropping and creating take an ACCESS
+//!   EXCLUSIVE lock on `idempotency_responses` for milliseconds, waiting at most
+//!   `--lock-timeout` for it (traffic queued behind the waiting lock waits as long); on a
+//!   timeout the step fails, changes nothing, and the next run tries again. With `--tenant`
+//!   the partition steps are skipped (a partition holds every tenant's responses).
 
 use std::io::{IsTerminal, Write};
 use std::time::{Duration, Instant};
@@ -31,6 +39,16 @@ struct Summary {
     in_flight: u64,
     batches: u64,
     longest_batch: Duration,
+    /// Partitioned layout only (`None`: plain layout, or skipped).
+    partitions: Option<PartitionWork>,
+}
+
+/// What a purge did to the partitions of the partitioned layout.
+#[derive(Default)]
+struct PartitionWork {
+    dropped: Vec<String>,
+    created: Vec<String>,
+    default_rows_deleted: u64,
 }
 
 impl Summary {
@@ -113,9 +131,40 @@ pub async fn run(
         }
     }
     progress.clear();
+    let layout = sql!(conn, admin::partition_interval(conn));
+    if layout.is_some() && args.tenant.is_none() {
+        summary.partitions = Some(partition_work(conn, args).await?);
+    }
     // Unlock explicitly so the next cron run never has to wait for the disconnect to be noticed.
     let _: bool = sql!(conn, admin::unlock_purge(conn));
     report(out, format, args, &summary, started.elapsed(), false)
+}
+
+/// The partitioned layout's steps, under the purge lock (see the module docs).
+async fn partition_work(
+    conn: &mut AsyncPgConnection,
+    args: &PurgeArgs,
+) -> Result<PartitionWork, CliError> {
+    let lock_timeout = args.lock_timeout.0;
+    let mut work = PartitionWork {
+        dropped: sql!(
+            conn,
+            admin::drop_partitions(conn, args.older_than.0, lock_timeout)
+        ),
+        ..PartitionWork::default()
+    };
+    loop {
+        let deleted = sql!(conn, admin::purge_default_partition(conn, args.batch_size));
+        work.default_rows_deleted += deleted;
+        if deleted < u64::from(args.batch_size) {
+            break;
+        }
+    }
+    work.created = sql!(
+        conn,
+        admin::create_partitions(conn, args.partitions_ahead, lock_timeout)
+    );
+    Ok(work)
 }
 
 fn report(
@@ -140,6 +189,10 @@ fn report(
             "tenant": args.tenant,
             "older_than": args.older_than.to_string(),
             "grace": args.grace.to_string(),
+            "partitions_dropped": summary.partitions.as_ref().map(|p| &p.dropped),
+            "partitions_created": summary.partitions.as_ref().map(|p| &p.created),
+            "default_partition_rows_deleted":
+                summary.partitions.as_ref().map(|p| p.default_rows_deleted),
         }))?,
         Format::Text if dry_run => out.line(format!(
             "dry run: would purge {} records ({} completed, {} in-flight) [counted in {}]",
@@ -157,6 +210,16 @@ fn report(
             summary.batches,
             format_elapsed(summary.longest_batch)
         ))?,
+    }
+    if let (Format::Text, Some(p)) = (format, &summary.partitions) {
+        out.line(format!(
+            "partitions: dropped {} [{}], created {} [{}]; default partition: {} expired rows deleted",
+            p.dropped.len(),
+            p.dropped.join(", "),
+            p.created.len(),
+            p.created.join(", "),
+            p.default_rows_deleted
+        ))?;
     }
     out.flush()
 }

@@ -17,6 +17,13 @@ pub async fn run(
 ) -> Result<(), CliError> {
     let c = sql!(conn, admin::stats(conn));
     let oldest = sql!(conn, admin::oldest_in_flight(conn));
+    let interval = sql!(conn, admin::partition_interval(conn));
+    let partitions = match interval {
+        Some(_) => sql!(conn, admin::partitions(conn)),
+        None => Vec::new(),
+    };
+    let responses_bytes: i64 = partitions.iter().map(|p| p.bytes).sum();
+    let default = partitions.iter().find(|p| p.is_default);
 
     match format {
         Format::Json => out.json(&json!({
@@ -33,6 +40,17 @@ pub async fn run(
             "table_bytes": c.table_bytes,
             "index_bytes": c.index_bytes,
             "total_bytes": c.total_bytes,
+            "layout": if interval.is_some() { "partitioned" } else { "plain" },
+            "partition_interval": interval,
+            "partitions": partitions.iter().map(|p| json!({
+                "name": p.name,
+                "default": p.is_default,
+                "from": p.lower_bound.map(|t| humantime::format_rfc3339_seconds(t.0).to_string()),
+                "to": p.upper_bound.map(|t| humantime::format_rfc3339_seconds(t.0).to_string()),
+                "bytes": p.bytes,
+                "estimated_rows": p.estimated_rows,
+            })).collect::<Vec<_>>(),
+            "responses_bytes": interval.as_ref().map(|_| responses_bytes),
         }))?,
         Format::Text => {
             out.line(format!("records              {}", c.total))?;
@@ -63,6 +81,25 @@ pub async fn run(
                 bytes(c.table_bytes),
                 bytes(c.index_bytes)
             ))?;
+            match &interval {
+                None => out.line("layout               plain")?,
+                Some(interval) => {
+                    out.line(format!(
+                        "layout               partitioned ({interval}): {} range partitions, \
+                         responses {}",
+                        partitions.iter().filter(|p| !p.is_default).count(),
+                        bytes(Some(responses_bytes))
+                    ))?;
+                    if let Some(d) = default {
+                        out.line(format!(
+                            "default partition    ~{} rows, {} (long TTLs; purge deletes them \
+                             once expired)",
+                            d.estimated_rows,
+                            bytes(Some(d.bytes))
+                        ))?;
+                    }
+                }
+            }
         }
     }
     out.flush()

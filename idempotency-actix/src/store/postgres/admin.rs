@@ -64,8 +64,8 @@ pub struct Record {
     pub expires_at: Time,
     /// Size of the stored body, without fetching it.
     #[diesel(
-        select_expression = sql::octet_length(k::response_body),
-        select_expression_type = sql::octet_length<k::response_body>
+        select_expression = sql::body_bytes(),
+        select_expression_type = sql::ResponseColumn<diesel::sql_types::Nullable<diesel::sql_types::Integer>>
     )]
     pub body_bytes: Option<i32>,
     /// The database's `now()` when the row was read.
@@ -138,8 +138,16 @@ pub struct Detail {
     #[diesel(embed)]
     pub record: Record,
     /// Stored headers, encoded (`StoredResponse::decode_headers`).
+    #[diesel(
+        select_expression = sql::response_headers(),
+        select_expression_type = sql::ResponseColumn<diesel::sql_types::Nullable<diesel::sql_types::Bytea>>
+    )]
     pub response_headers: Option<Vec<u8>>,
     /// Stored body.
+    #[diesel(
+        select_expression = sql::response_body(),
+        select_expression_type = sql::ResponseColumn<diesel::sql_types::Nullable<diesel::sql_types::Bytea>>
+    )]
     pub response_body: Option<Vec<u8>>,
 }
 
@@ -307,6 +315,75 @@ pub async fn try_lock_purge(conn: &mut AsyncPgConnection) -> QueryResult<bool> {
 /// Release [`PURGE_LOCK_KEY`].
 pub async fn unlock_purge(conn: &mut AsyncPgConnection) -> QueryResult<bool> {
     sql::unlock(conn, PURGE_LOCK_KEY).await
+}
+
+/// One partition of `idempotency_responses` (partitioned layout), as the catalog states it.
+#[derive(Debug, Clone, diesel::QueryableByName)]
+pub struct Partition {
+    /// Table name.
+    #[diesel(sql_type = diesel::sql_types::Text)]
+    pub name: String,
+    /// The default partition (rows no range covers: long TTLs).
+    #[diesel(sql_type = diesel::sql_types::Bool)]
+    pub is_default: bool,
+    /// Inclusive lower bound of `expires_at` (`None` for the default partition).
+    #[diesel(sql_type = diesel::sql_types::Nullable<Timestamptz>)]
+    pub lower_bound: Option<Time>,
+    /// Exclusive upper bound of `expires_at` (`None` for the default partition).
+    #[diesel(sql_type = diesel::sql_types::Nullable<Timestamptz>)]
+    pub upper_bound: Option<Time>,
+    /// `pg_total_relation_size`.
+    #[diesel(sql_type = diesel::sql_types::BigInt)]
+    pub bytes: i64,
+    /// The planner's row estimate (`reltuples`; 0 before the first ANALYZE).
+    #[diesel(sql_type = diesel::sql_types::BigInt)]
+    pub estimated_rows: i64,
+}
+
+/// `Some("hourly" | "daily")` when the database has the partitioned layout (migration
+/// 000005 run with `idempotency.layout = 'partitioned'`), `None` for the plain layout. Detected
+/// by catalog (`to_regclass('idempotency_responses')`).
+pub async fn partition_interval(conn: &mut AsyncPgConnection) -> QueryResult<Option<String>> {
+    sql::partition_interval(conn).await
+}
+
+/// The partitions of `idempotency_responses` (partitioned layout only).
+pub async fn partitions(conn: &mut AsyncPgConnection) -> QueryResult<Vec<Partition>> {
+    sql::partitions(conn).await
+}
+
+/// Create the partitions of the current interval and the next `ahead` intervals that are
+/// missing (moving rows of their range out of the default partition). Waits at most
+/// `lock_timeout` for its lock on `idempotency_responses`, then fails having changed nothing.
+pub async fn create_partitions(
+    conn: &mut AsyncPgConnection,
+    ahead: u32,
+    lock_timeout: Duration,
+) -> QueryResult<Vec<String>> {
+    let ahead = i32::try_from(ahead).unwrap_or(i32::MAX);
+    sql::create_partitions(conn, ahead, lock_timeout_ms(lock_timeout)).await
+}
+
+/// Drop the range partitions whose upper bound is at least `grace` in the past (every row in
+/// them expired at least `grace` ago). Lock wait bounded as in [`create_partitions`].
+pub async fn drop_partitions(
+    conn: &mut AsyncPgConnection,
+    grace: Duration,
+    lock_timeout: Duration,
+) -> QueryResult<Vec<String>> {
+    sql::drop_partitions(conn, super::micros(grace), lock_timeout_ms(lock_timeout)).await
+}
+
+/// One batch of the default partition's expired rows (long TTLs), at most `limit`.
+pub async fn purge_default_partition(conn: &mut AsyncPgConnection, limit: u32) -> QueryResult<u64> {
+    sql::purge_default_partition(conn, i32::try_from(limit).unwrap_or(i32::MAX)).await
+}
+
+fn lock_timeout_ms(timeout: Duration) -> i32 {
+    // At least 1 ms: 0 would mean "wait forever".
+    i32::try_from(timeout.as_millis())
+        .unwrap_or(i32::MAX)
+        .max(1)
 }
 
 /// The message of an error followed by its sources, each on one line and deduplicated (many

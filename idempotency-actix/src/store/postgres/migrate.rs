@@ -46,6 +46,51 @@ pub async fn run_migrations(url: &str) -> Result<Vec<String>, StoreError> {
     .await
 }
 
+/// The partition interval of the partitioned layout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PartitionInterval {
+    /// One partition of `idempotency_responses` per hour of expiry.
+    Hourly,
+    /// One per day (UTC).
+    Daily,
+}
+
+impl PartitionInterval {
+    /// The value of `idempotency.partition_interval` migration 000005 reads.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            PartitionInterval::Hourly => "hourly",
+            PartitionInterval::Daily => "daily",
+        }
+    }
+}
+
+/// As [`run_migrations`], asking migration 000005 for the time-partitioned layout (claims in
+/// `idempotency_keys`, responses in `idempotency_responses` partitioned by expiry; see
+/// `docs/operations.md`). The layout is chosen when that migration runs: on a database where
+/// it already ran this applies nothing and the layout stays as it is (check it with
+/// [`admin::partition_interval`](super::admin::partition_interval)). 000005 refuses a
+/// non-empty `idempotency_keys`.
+///
+/// # Errors
+/// As [`run_migrations`].
+pub async fn run_migrations_partitioned(
+    url: &str,
+    interval: PartitionInterval,
+) -> Result<Vec<String>, StoreError> {
+    let settings = format!(
+        "SET idempotency.layout = 'partitioned'; SET idempotency.partition_interval = '{}'",
+        interval.as_str()
+    );
+    with_harness(url, move |harness| {
+        harness.batch_execute(&settings)?;
+        harness
+            .run_pending_migrations(MIGRATIONS)
+            .map(|versions| versions.iter().map(|v| v.to_string()).collect())
+    })
+    .await
+}
+
 /// The versions of the embedded migrations not yet applied to the database at `url` (empty
 /// when the schema is current). For deploy gates such as `idem-cli migrate --check`.
 ///

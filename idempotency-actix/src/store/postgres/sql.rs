@@ -31,7 +31,9 @@ use diesel::{
 };
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 
-use super::admin::{Detail, KeyScope, ListFilter, ListState, PurgeFilter, Purged, Record, Stats};
+use super::admin::{
+    Detail, KeyScope, ListFilter, ListState, Partition, PurgeFilter, Purged, Record, Stats,
+};
 use super::schema::{idempotency_keys as k, State};
 
 // ---------------------------------------------------------------------------------------------
@@ -51,14 +53,6 @@ pub struct NowShifted {
 }
 
 impl DbNow {
-    /// `now()` plus `micros`.
-    pub(crate) fn plus(micros: i64) -> NowShifted {
-        NowShifted {
-            micros,
-            later: true,
-        }
-    }
-
     /// `now()` minus `micros`.
     pub(crate) fn minus(micros: i64) -> NowShifted {
         NowShifted {
@@ -106,9 +100,40 @@ macro_rules! expression {
 expression!(DbNow, Timestamptz);
 expression!(NowShifted, Timestamptz);
 
-diesel::define_sql_function! {
-    /// `octet_length(bytea)`: a stored body's size without fetching it.
-    fn octet_length(bytes: Nullable<Bytea>) -> Nullable<diesel::sql_types::Integer>;
+/// A column of a record's stored response, read through `idempotency_response` (migration
+/// 000004, or the partitioned layout's of 000005), so the admin queries are the same text in
+/// both layouts: a correlated scalar subquery over a one-SELECT SQL function, which the planner
+/// inlines (a primary-key probe of the same row in the plain layout, a `(token, expires_at)`
+/// probe of `idempotency_responses` in the partitioned one).
+macro_rules! response_column {
+    ($expr:literal) => {
+        concat!(
+            "(SELECT ",
+            $expr,
+            " FROM idempotency_response(\"idempotency_keys\".\"tenant\", ",
+            "\"idempotency_keys\".\"method\", \"idempotency_keys\".\"path\", ",
+            "\"idempotency_keys\".\"idempotency_key\", \"idempotency_keys\".\"token\", ",
+            "\"idempotency_keys\".\"expires_at\") r)"
+        )
+    };
+}
+
+/// The SQL type of a response column read by [`response_column!`].
+pub(crate) type ResponseColumn<ST> = diesel::expression::SqlLiteral<ST>;
+
+/// The stored body's size, without fetching it (`octet_length` reads the length word).
+pub(crate) fn body_bytes() -> ResponseColumn<Nullable<diesel::sql_types::Integer>> {
+    diesel::dsl::sql(response_column!("octet_length(r.response_body)"))
+}
+
+/// The stored headers, encoded.
+pub(crate) fn response_headers() -> ResponseColumn<Nullable<Bytea>> {
+    diesel::dsl::sql(response_column!("r.response_headers"))
+}
+
+/// The stored body.
+pub(crate) fn response_body() -> ResponseColumn<Nullable<Bytea>> {
+    diesel::dsl::sql(response_column!("r.response_body"))
 }
 
 diesel::define_sql_function! {
@@ -138,6 +163,17 @@ pub(crate) struct ScopeBinds<'a> {
 }
 
 impl<'a> ScopeBinds<'a> {
+    /// The four scope binds as function arguments: `$n, $n+1, $n+2, $n+3`.
+    pub(crate) fn push_binds<'b>(&'b self, out: &mut AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        out.push_bind_param::<Text, _>(&self.tenant)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Text, _>(&self.method)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Text, _>(&self.path)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Text, _>(&self.key)
+    }
+
     /// The primary key, for `find`.
     fn key(&self) -> (&'a str, &'a str, &'a str, &'a str) {
         (self.tenant, self.method, self.path, self.key)
@@ -189,13 +225,7 @@ impl QueryFragment<Pg> for Reserve<'_> {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
         out.push_sql("SELECT * FROM idempotency_reserve(");
         // The function's signature fixes the parameter types of the prepared statement.
-        out.push_bind_param::<Text, _>(&self.scope.tenant)?;
-        out.push_sql(", ");
-        out.push_bind_param::<Text, _>(&self.scope.method)?;
-        out.push_sql(", ");
-        out.push_bind_param::<Text, _>(&self.scope.path)?;
-        out.push_sql(", ");
-        out.push_bind_param::<Text, _>(&self.scope.key)?;
+        self.scope.push_binds(&mut out)?;
         out.push_sql(", ");
         out.push_bind_param::<Bytea, _>(&self.fingerprint)?;
         out.push_sql(", ");
@@ -230,31 +260,15 @@ impl Query for ReplayRead<'_> {
     type SqlType = Untyped;
 }
 
-// Raw SQL: the row must have the reserve function's shape (its `outcome`, `live` and
-// `eligible` columns are constants here), which a query-builder select cannot name.
-const REPLAY_READ_SQL_HEAD: &str = "\
-SELECT 'existing'::text AS outcome, state, fingerprint,
-       (extract(epoch FROM expires_at - now()) * 1000000)::bigint AS lease_remaining_us,
-       response_status, response_headers, response_body, true AS live, true AS eligible
-FROM idempotency_keys
-WHERE (tenant, method, path, idempotency_key) = (";
-// $1, $2, $3, $4 (scope), then `$5` the completed state (from the schema's `State`):
-const REPLAY_READ_SQL_STATE: &str = ") AND state = ";
-const REPLAY_READ_SQL_TAIL: &str = " AND expires_at > now()";
-
 impl QueryFragment<Pg> for ReplayRead<'_> {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
-        out.push_sql(REPLAY_READ_SQL_HEAD);
-        out.push_bind_param::<Text, _>(&self.scope.tenant)?;
-        out.push_sql(", ");
-        out.push_bind_param::<Text, _>(&self.scope.method)?;
-        out.push_sql(", ");
-        out.push_bind_param::<Text, _>(&self.scope.path)?;
-        out.push_sql(", ");
-        out.push_bind_param::<Text, _>(&self.scope.key)?;
-        out.push_sql(REPLAY_READ_SQL_STATE);
-        out.push_bind_param::<Text, _>(State::Completed.as_str())?;
-        out.push_sql(REPLAY_READ_SQL_TAIL);
+        // Raw SQL, as for the reserve call: a set-returning function in `FROM`. The function
+        // (`idempotency_replay`, migration 000004, or the partitioned layout's of 000005) is
+        // a one-SELECT SQL function, which the planner inlines: the plan is the plain
+        // primary-key read (plus, in the partitioned layout, the response's index probe).
+        out.push_sql("SELECT * FROM idempotency_replay(");
+        self.scope.push_binds(&mut out)?;
+        out.push_sql(")");
         Ok(())
     }
 }
@@ -308,57 +322,64 @@ pub(crate) struct Completion<'a> {
     pub(crate) ttl_us: i64,
 }
 
-/// A statement whose SQL text never varies, marked so diesel-async prepares it once per
-/// connection. diesel never caches an `UPDATE` (a changeset may skip `None` fields, so its
-/// text can vary: it gives the statement no static id and marks it unsafe to cache);
-/// [`complete`]'s changeset has no optional fields, so its text is fixed. Without this, every
-/// complete would pay a Parse round trip.
-struct Prepared<Q, Id>(Q, std::marker::PhantomData<Id>);
+/// Store the response, fenced by the token: `SELECT idempotency_complete($1..$9)`, the
+/// function of migration 000004 (one primary-key UPDATE) or, in the partitioned layout, of
+/// 000005 (the same UPDATE of the claim plus the INSERT of the response row). Binds: `$1..$4`
+/// scope, `$5` token, `$6` status, `$7` headers, `$8` body, `$9` TTL in microseconds.
+///
+/// Raw SQL: a function call, so the store sends the same statement whatever the layout.
+struct Complete<'a> {
+    scope: &'a ScopeBinds<'a>,
+    completion: &'a Completion<'a>,
+}
 
-impl<Q, Id: 'static> QueryId for Prepared<Q, Id> {
-    type QueryId = Id;
+/// Static query id of [`Complete`].
+struct CompleteId;
+
+impl QueryId for Complete<'_> {
+    type QueryId = CompleteId;
     const HAS_STATIC_QUERY_ID: bool = true;
 }
 
-impl<Q: QueryFragment<Pg>, Id> QueryFragment<Pg> for Prepared<Q, Id> {
-    fn walk_ast<'b>(&'b self, out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
-        self.0.walk_ast(out)
-    }
+impl Query for Complete<'_> {
+    type SqlType = Untyped;
+}
 
-    // diesel's UPDATE marks itself uncacheable while being walked; the text is fixed here.
-    fn is_safe_to_cache_prepared(&self, _backend: &Pg) -> QueryResult<bool> {
-        Ok(true)
+impl QueryFragment<Pg> for Complete<'_> {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        out.push_sql("SELECT idempotency_complete(");
+        self.scope.push_binds(&mut out)?;
+        out.push_sql(", ");
+        out.push_bind_param::<diesel::sql_types::Uuid, _>(&self.completion.token)?;
+        out.push_sql(", ");
+        out.push_bind_param::<SmallInt, _>(&self.completion.status)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Bytea, _>(&self.completion.headers)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Bytea, _>(&self.completion.body)?;
+        out.push_sql(", ");
+        out.push_bind_param::<BigInt, _>(&self.completion.ttl_us)?;
+        out.push_sql(") AS applied");
+        Ok(())
     }
 }
 
-/// Static query id of [`complete`]'s statement.
-struct CompleteId;
+/// The row of [`Complete`].
+#[derive(QueryableByName, Debug)]
+struct CompletedRow {
+    #[diesel(sql_type = Bool)]
+    applied: bool,
+}
 
-/// Store the response, fenced by the token: one primary-key UPDATE. Affects one row (applied)
-/// or none (stale: the token no longer holds an in-flight reservation).
+/// Store the response, fenced by the token ([`Complete`]). 1 when applied, 0 when stale (the
+/// token no longer holds an in-flight reservation).
 pub(crate) async fn complete(
     conn: &mut AsyncPgConnection,
     scope: &ScopeBinds<'_>,
     completion: &Completion<'_>,
 ) -> QueryResult<usize> {
-    let update = diesel::update(
-        k::table
-            .find(scope.key())
-            .filter(k::state.eq(State::InFlight))
-            .filter(k::token.eq(completion.token)),
-    )
-    .set((
-        k::state.eq(State::Completed),
-        k::response_status.eq(completion.status),
-        k::response_headers.eq(completion.headers),
-        k::response_body.eq(completion.body),
-        k::completed_at.eq(DbNow.nullable()),
-        k::locked_until.eq(None::<time::OffsetDateTime>),
-        k::expires_at.eq(DbNow::plus(completion.ttl_us)),
-    ));
-    Prepared::<_, CompleteId>(update, std::marker::PhantomData)
-        .execute(conn)
-        .await
+    let row: CompletedRow = Complete { scope, completion }.get_result(conn).await?;
+    Ok(usize::from(row.applied))
 }
 
 /// Delete the reservation, fenced by the token: one primary-key DELETE.
@@ -609,7 +630,9 @@ impl QueryFragment<Pg> for TableExists {
             "SELECT to_regclass('idempotency_keys') IS NOT NULL \
                     AND to_regprocedure(\
                         'idempotency_reserve(text, text, text, text, bytea, uuid, bigint)') \
-                        IS NOT NULL AS present",
+                        IS NOT NULL \
+                    AND to_regprocedure('idempotency_complete(text, text, text, text, uuid, \
+                        smallint, bytea, bytea, bigint)') IS NOT NULL AS present",
         );
         Ok(())
     }
@@ -810,10 +833,121 @@ pub(crate) async fn all(conn: &mut AsyncPgConnection) -> QueryResult<Vec<Detail>
         .await
 }
 
+// ---------------------------------------------------------------------------------------------
+// Layouts and partition maintenance (idem-cli migrate --check / stats / purge)
+//
+// Run once per command, so plain `sql_query` (not prepared across calls). The partition DDL is
+// in functions of migration 000005 (`idempotency_partitions_create`, `_drop`,
+// `idempotency_purge_default`, `idempotency_partitions`); these are their calls.
+
+/// One name returned by a maintenance function.
+#[derive(QueryableByName, Debug)]
+struct NameRow {
+    #[diesel(sql_type = Text)]
+    name: String,
+}
+
+/// The layout probe's row.
+#[derive(QueryableByName, Debug)]
+struct LayoutRow {
+    #[diesel(sql_type = Bool)]
+    partitioned: bool,
+}
+
+/// The partition interval's row.
+#[derive(QueryableByName, Debug)]
+struct IntervalRow {
+    #[diesel(sql_type = Text)]
+    interval: String,
+}
+
+/// The partition interval of the partitioned layout (`hourly`/`daily`), `None` in the plain
+/// layout. One catalog probe, then (partitioned only) the one-row settings table: two
+/// statements, because a statement naming a missing table fails when parsed.
+pub(crate) async fn partition_interval(
+    conn: &mut AsyncPgConnection,
+) -> QueryResult<Option<String>> {
+    let layout: LayoutRow =
+        diesel::sql_query("SELECT to_regclass('idempotency_responses') IS NOT NULL AS partitioned")
+            .get_result(conn)
+            .await?;
+    if !layout.partitioned {
+        return Ok(None);
+    }
+    let row: IntervalRow = diesel::sql_query(
+        "SELECT CASE step WHEN interval '1 hour' THEN 'hourly' ELSE 'daily' END AS interval \
+         FROM idempotency_partitioning",
+    )
+    .get_result(conn)
+    .await?;
+    Ok(Some(row.interval))
+}
+
+/// The partitions of `idempotency_responses`, range partitions in bound order, then the default.
+pub(crate) async fn partitions(conn: &mut AsyncPgConnection) -> QueryResult<Vec<Partition>> {
+    diesel::sql_query(
+        "SELECT name, is_default, lower_bound, upper_bound, bytes, estimated_rows \
+         FROM idempotency_partitions()",
+    )
+    .load(conn)
+    .await
+}
+
+/// Create the partitions of the current interval and the next `ahead` ones that are missing.
+pub(crate) async fn create_partitions(
+    conn: &mut AsyncPgConnection,
+    ahead: i32,
+    lock_timeout_ms: i32,
+) -> QueryResult<Vec<String>> {
+    let rows: Vec<NameRow> =
+        diesel::sql_query("SELECT p AS name FROM idempotency_partitions_create($1, $2) p")
+            .bind::<diesel::sql_types::Integer, _>(ahead)
+            .bind::<diesel::sql_types::Integer, _>(lock_timeout_ms)
+            .load(conn)
+            .await?;
+    Ok(rows.into_iter().map(|r| r.name).collect())
+}
+
+/// Drop the range partitions whose upper bound is `grace_us` or more in the past.
+pub(crate) async fn drop_partitions(
+    conn: &mut AsyncPgConnection,
+    grace_us: i64,
+    lock_timeout_ms: i32,
+) -> QueryResult<Vec<String>> {
+    let rows: Vec<NameRow> =
+        diesel::sql_query("SELECT p AS name FROM idempotency_partitions_drop($1, $2) p")
+            .bind::<BigInt, _>(grace_us)
+            .bind::<diesel::sql_types::Integer, _>(lock_timeout_ms)
+            .load(conn)
+            .await?;
+    Ok(rows.into_iter().map(|r| r.name).collect())
+}
+
+/// The row of [`purge_default_partition`].
+#[derive(QueryableByName, Debug)]
+struct DeletedRow {
+    #[diesel(sql_type = BigInt)]
+    deleted: i64,
+}
+
+/// Delete up to `limit` expired rows of the default partition.
+pub(crate) async fn purge_default_partition(
+    conn: &mut AsyncPgConnection,
+    limit: i32,
+) -> QueryResult<u64> {
+    let row: DeletedRow = diesel::sql_query("SELECT idempotency_purge_default($1) AS deleted")
+        .bind::<diesel::sql_types::Integer, _>(limit)
+        .get_result(conn)
+        .await?;
+    Ok(non_negative(row.deleted))
+}
+
 // Checked at compile time: without a static id diesel-async would not cache the prepared
 // statement, and every execution would cost a Parse round trip.
 const _: () = {
     assert!(<Reserve<'static> as QueryId>::HAS_STATIC_QUERY_ID);
+    assert!(<ReplayRead<'static> as QueryId>::HAS_STATIC_QUERY_ID);
+    assert!(<Complete<'static> as QueryId>::HAS_STATIC_QUERY_ID);
     assert!(<Purge as QueryId>::HAS_STATIC_QUERY_ID);
     assert!(<TableExists as QueryId>::HAS_STATIC_QUERY_ID);
     assert!(<NowShifted as QueryId>::HAS_STATIC_QUERY_ID);
