@@ -4,7 +4,7 @@
 #   bash bench/load.sh
 #
 # Builds the bench server (release), starts a throwaway PostgreSQL cluster with
-# pg_stat_statements on 127.0.0.1:55432 (or uses BENCH_DATABASE_URL's server), creates and
+# pg_stat_statements on a free loopback port (or uses BENCH_DATABASE_URL's server), creates and
 # migrates the database idem_bench, starts one server per case on loopback, drives each with
 # wrk (installed from Debian if missing) and pgbench, alternating the cases round by round,
 # and prints one table. Raw results: bench-results/load-<time>.jsonl and .json. Everything it
@@ -29,7 +29,8 @@ CONNECTIONS=${BENCH_CONNECTIONS:-64}
 POOL=${BENCH_POOL:-16}
 WORKERS=${BENCH_WORKERS:-2}
 WAIT_QUIET=${BENCH_WAIT_QUIET:-120}
-PGPORT=55432
+# A free port, not a fixed one: a fixed port collides with test servers on this machine.
+PGPORT=${BENCH_PGPORT:-$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')}
 STAMP=$(date -u +%Y%m%dT%H%M%SZ)
 OUT=bench-results
 mkdir -p "$OUT"
@@ -127,7 +128,7 @@ shared_preload_libraries = 'pg_stat_statements'
 max_connections = 200
 shared_buffers = 256MB
 EOF
-  as_postgres "$PGBIN/pg_ctl" -D "$PGDATA_DIR" -l "$WORK/postgres.log" -w start >/dev/null
+  as_postgres "$PGBIN/pg_ctl" -D "$PGDATA_DIR" -l "$WORK/postgres.log" -w start >/dev/null || { tail -n 20 "$WORK/postgres.log" >&2; exit 1; }
   POSTMASTER=$(head -n1 "$PGDATA_DIR/postmaster.pid")
   ADMIN_URL="postgres://postgres@127.0.0.1:$PGPORT/postgres"
 fi

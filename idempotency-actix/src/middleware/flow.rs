@@ -23,7 +23,7 @@ use super::replay::{replay, storable_headers};
 use crate::config::{saturating_deadline, Config, ResponseParts};
 use crate::fingerprint::{is_json_content_type, Fingerprint};
 use crate::key::{parse_key, IdempotencyKey, KeyError};
-use crate::outcome::{self, Held, Outcome, Report};
+use crate::outcome::{self, Meters, Op, Outcome, Report};
 use crate::problem::{Problem, ProblemCode};
 use crate::store::{
     IdempotencyStore, ReservationToken, ReserveOutcome, Scope, StoreError, StoredResponse,
@@ -52,6 +52,8 @@ pub(super) struct Flow<S, Svc> {
     pub(super) service: Rc<Svc>,
     pub(super) store: Arc<S>,
     pub(super) config: Arc<Config>,
+    /// This worker's metric handles.
+    pub(super) meters: Rc<Meters>,
 }
 
 impl<S, Svc, B> Flow<S, Svc>
@@ -71,10 +73,9 @@ where
             }
             return pass_through(self.service, req).await;
         }
-        let report = Report::new(
+        let report = self.meters.report(
             req.method(),
             req.match_pattern(),
-            self.store.name(),
             self.config.on_outcome.clone(),
         );
         let key = match key {
@@ -195,7 +196,7 @@ where
                 return;
             }
         };
-        let _held = Held::new(self.store.name());
+        let _held = self.meters.held();
         req.extensions_mut()
             .insert(IdempotencyKey(scope.key.clone()));
         let result = self.service.call(req).await;
@@ -259,8 +260,7 @@ where
         let mut pause = Duration::from_millis(10);
         loop {
             let outcome = outcome::timed(
-                "reserve",
-                self.store.name(),
+                self.meters.histogram(Op::Reserve),
                 self.store.reserve(scope, fingerprint, config.lock_timeout),
             )
             .await;
@@ -483,9 +483,8 @@ where
         token: &ReservationToken,
         stored: &StoredResponse,
     ) -> Outcome {
-        let store = self.store.name();
         let call = self.store.complete(scope, token, stored, self.config.ttl);
-        match outcome::timed("complete", store, call).await {
+        match outcome::timed(self.meters.histogram(Op::Complete), call).await {
             Ok(WriteOutcome::Applied) => {
                 tracing::debug!(target: "idempotency_actix", outcome = "stored", status = stored.status, "response stored");
                 Outcome::Stored
@@ -511,6 +510,7 @@ where
         let ttl = self.config.ttl;
         let until = saturating_deadline(Instant::now(), self.config.lock_timeout);
         let name = store.name();
+        let histogram = self.meters.histogram(Op::Complete).clone();
         outcome::complete_retry("started", name);
         let retry = async move {
             let mut pause = Duration::from_millis(100);
@@ -518,7 +518,7 @@ where
                 tokio::time::sleep(pause).await;
                 pause = (pause * 2).min(Duration::from_secs(2));
                 let call = store.complete(&scope, &token, &stored, ttl);
-                match outcome::timed("complete", name, call).await {
+                match outcome::timed(&histogram, call).await {
                     Ok(WriteOutcome::Applied) => {
                         tracing::info!(target: "idempotency_actix", outcome = "stored", status = stored.status, "response stored after the store recovered");
                         outcome::complete_retry("succeeded", name);
@@ -545,7 +545,7 @@ where
     /// Release without the "not stored" line (the caller logged its own reason).
     async fn release_quietly(&self, scope: &Scope, token: &ReservationToken) {
         let call = self.store.release(scope, token);
-        match outcome::timed("release", self.store.name(), call).await {
+        match outcome::timed(self.meters.histogram(Op::Release), call).await {
             Ok(WriteOutcome::Applied) => {}
             Ok(WriteOutcome::Stale) => {
                 tracing::warn!(target: "idempotency_actix", outcome = "stale", "the reservation was taken over before it could be released");

@@ -77,6 +77,7 @@ use actix_web::Error;
 use futures_util::future::LocalBoxFuture;
 
 use crate::config::{Config, ConfigError, IdempotencyBuilder};
+use crate::outcome::Meters;
 use crate::store::IdempotencyStore;
 use flow::Flow;
 
@@ -174,6 +175,7 @@ where
     fn new_transform(&self, service: Svc) -> Self::Future {
         ready(Ok(IdempotencyMiddleware {
             service: Rc::new(service),
+            meters: Rc::new(Meters::new(self.store.name())),
             store: Arc::clone(&self.store),
             config: Arc::clone(&self.config),
         }))
@@ -184,6 +186,7 @@ where
 #[doc(hidden)]
 pub struct IdempotencyMiddleware<S, Svc> {
     service: Rc<Svc>,
+    meters: Rc<Meters>,
     store: Arc<S>,
     config: Arc<Config>,
 }
@@ -209,6 +212,7 @@ where
             service,
             store: Arc::clone(&self.store),
             config: Arc::clone(&self.config),
+            meters: Rc::clone(&self.meters),
         };
         Box::pin(flow.run(req))
     }

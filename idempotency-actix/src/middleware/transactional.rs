@@ -39,7 +39,7 @@ use super::replay::{replay, storable_headers};
 use crate::config::{saturating_deadline, ResponseParts};
 use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
-use crate::outcome::{Held, Outcome, Report};
+use crate::outcome::{Outcome, Report};
 use crate::problem::{Problem, ProblemCode};
 use crate::store::postgres::transactional::{self as sql, CommitError, TxConnection};
 use crate::store::postgres::{IsolationLevel, PostgresStore};
@@ -317,7 +317,7 @@ pub(super) async fn settle_keyed<S, Svc, B>(
             }
         };
         tracing::debug!(target: "idempotency_actix", outcome = "miss", key = %scope.key, tenant = %scope.tenant, path = %scope.path, "claimed in a transaction; running the handler");
-        let _held = Held::new(flow.store.name());
+        let _held = flow.meters.held();
         req.extensions_mut()
             .insert(IdempotencyKey(scope.key.clone()));
         runs += 1;
