@@ -14,7 +14,7 @@ use idempotency_actix::store::postgres::run_migrations;
 use idempotency_actix::store::postgres::schema::State;
 use idempotency_e2e::proc::{start_cluster_again, PaymentsApp};
 use idempotency_e2e::raw_http::{send_once, Request, Response};
-use idempotency_e2e::records::{count, records_for_key};
+use idempotency_e2e::records::{count, count_in_state, records_for_key};
 use idempotency_e2e::{block_on_fresh_thread, TempCluster, TestDb};
 
 const CLIENT_TIMEOUT: Duration = Duration::from_secs(15);
@@ -268,14 +268,8 @@ fn database_restart_under_transactional_load() {
         &url,
         "SELECT count(DISTINCT idempotency_key) AS n FROM payments",
     );
-    let completed = count(
-        &url,
-        "SELECT count(*) AS n FROM idempotency_keys WHERE state = 'completed'",
-    );
-    let in_flight = count(
-        &url,
-        "SELECT count(*) AS n FROM idempotency_keys WHERE state <> 'completed'",
-    );
+    let completed = count_in_state(&url, State::Completed);
+    let in_flight = count_in_state(&url, State::InFlight);
     let stats = app.stats();
     println!(
         "COUNTS database_restart_under_transactional_load: keys={keys_sent} requests_during_load={} {tally:?} \
@@ -297,7 +291,7 @@ fn database_restart_under_transactional_load() {
         "one payment per key, no double execution"
     );
     assert_eq!(distinct, keys_sent as i64);
-    assert_eq!(completed, keys_sent as i64);
+    assert_eq!(completed, keys_sent);
     assert_eq!(in_flight, 0, "nothing left in flight");
     for k in 0..keys_sent {
         let seen = &seen_by_key[&k];

@@ -485,12 +485,13 @@ static IN_FLIGHT: State = State::InFlight;
 ///
 /// ```sql
 /// expires_at <= now()
-/// AND (state = 'completed' OR expires_at <= now() - $grace)
+/// AND (state = $completed OR expires_at <= now() - $grace)
 /// AND ($older_than IS NULL OR created_at <= now() - $older_than)
 /// AND ($tenant IS NULL OR tenant = $tenant)
 /// ```
 ///
-/// The leading `expires_at <= now()` lets the planner walk the `expires_at` index. The
+/// (`$completed`, `$in_flight`: the [`State`] values, bound.) The leading `expires_at <= now()`
+/// lets the planner walk the `expires_at` index. The
 /// optional filters are binds tested for NULL rather than clauses left out, so the statement's
 /// text (and its prepared plan) is the same for every caller.
 #[derive(Debug, Clone)]
@@ -551,8 +552,8 @@ impl QueryFragment<Pg> for Purgeable {
 ///         SELECT ctid FROM idempotency_keys WHERE <Purgeable>
 ///         ORDER BY expires_at LIMIT $limit FOR UPDATE SKIP LOCKED))
 ///     RETURNING state)
-/// SELECT count(*) FILTER (WHERE state = 'completed') AS completed,
-///        count(*) FILTER (WHERE state = 'in_flight') AS in_flight
+/// SELECT count(*) FILTER (WHERE state = $completed) AS completed,
+///        count(*) FILTER (WHERE state = $in_flight) AS in_flight
 /// FROM gone
 /// ```
 ///
