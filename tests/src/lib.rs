@@ -30,7 +30,6 @@ use std::time::{Duration, Instant};
 pub mod cluster;
 pub mod database;
 pub mod faults;
-pub mod http;
 pub mod proc;
 pub mod proxy;
 pub mod raw_http;
