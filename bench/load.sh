@@ -20,6 +20,8 @@
 # the scale curves; they take up to 30 minutes and about 10 GB of disk, and are not for CI).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=bench/rows.sh
+source bench/rows.sh
 
 DURATION=${BENCH_DURATION:-10}
 RUNS=${BENCH_RUNS:-5}
@@ -137,23 +139,6 @@ psql "$ADMIN_URL" -XAtq -c 'DROP DATABASE IF EXISTS idem_bench WITH (FORCE)' -c 
 DB_CREATED=1
 "$SERVER" migrate --database-url "$DB_URL"
 psql "$DB_URL" -XAtq -c 'CREATE EXTENSION IF NOT EXISTS pg_stat_statements' >/dev/null 2>&1 || log "pg_stat_statements is not available: no statement counts"
-# For the pgbench-fn-replay case only: the read half of a read-first reserve function.
-psql "$DB_URL" -XAtq >/dev/null <<'SQL'
-CREATE FUNCTION bench_reserve_read_first(p_tenant text, p_method text, p_path text, p_key text,
-                                         p_fingerprint bytea, p_token uuid, p_lease_us bigint)
-RETURNS TABLE (state text, fingerprint bytea, expires_at timestamptz, response_status smallint,
-               response_headers bytea, response_body bytea)
-LANGUAGE plpgsql AS $fn$
-BEGIN
-  RETURN QUERY SELECT k.state, k.fingerprint, k.expires_at, k.response_status, k.response_headers,
-                      k.response_body
-    FROM idempotency_keys k
-    WHERE (k.tenant, k.method, k.path, k.idempotency_key) = (p_tenant, p_method, p_path, p_key)
-      AND k.expires_at > now();
-  -- A real function would go on here (no live row: INSERT ... ON CONFLICT, or take over).
-END
-$fn$;
-SQL
 SETTINGS=$(psql "$DB_URL" -XAtq -F ' ' -c "SELECT string_agg(name || '=' || setting, ', ') FROM pg_settings WHERE name IN ('synchronous_commit','fsync','shared_buffers','server_version')")
 log "database: $SETTINGS"
 PSQL_ARGS="psql $DB_URL"
@@ -209,7 +194,7 @@ bare-replay|bare|replay memory-replay|memory|replay postgres-cached-replay|postg
 raw-miss|raw|miss postgres-miss|postgres|miss postgres-fast-miss|postgres-fast|miss \
 postgres-async-miss|postgres-async|miss \
 raw-replay|raw|replay postgres-replay|postgres|replay postgres-fast-replay|postgres-fast|replay \
-pgbench-replay|-|replay pgbench-store-replay|-|store_replay pgbench-fn-replay|-|fn_replay \
+pgbench-replay|-|replay pgbench-store-replay|-|store_replay \
 pgbench-miss|-|miss \
 payments-raw-miss|payments-raw|miss payments-today-miss|payments-today|miss payments-tx-miss|payments-tx|miss \
 payments-tx-replay|payments-tx|replay"
@@ -262,13 +247,11 @@ if [ "${BENCH_PURGE:-1}" != 0 ] && [ -z "$SELECTED" ] && [ "$SCALE" != only ]; t
   log "purge: building idem-cli (release)"
   cargo build --release -q -p idempotency-cli
   log "purge: inserting $ROWS expired rows"
-  psql "$DB_URL" -XAtq -c "INSERT INTO idempotency_keys (tenant, method, path, idempotency_key, fingerprint, state, \
-      response_status, response_headers, response_body, created_at, completed_at, expires_at) \
-    SELECT 'purge-bench', 'POST', '/payments', 'old-' || g, decode(repeat('42', 32), 'hex'), 'completed', 201, \
-      decode('0100000002000000086c6f636174696f6e0000000b2f7061796d656e74732f310000000c636f6e74656e742d74797065000000106170706c69636174696f6e2f6a736f6e', 'hex'), convert_to('{\"id\":1,\"amount\":1000,\"currency\":\"EUR\",\"status\":\"succeeded\"}', 'UTF8'), \
-      now() - interval '2 days' + g * interval '1 millisecond', now() - interval '2 days', \
-      now() - interval '1 day' + g * interval '1 millisecond' \
-    FROM generate_series(1, $ROWS) g" -c "VACUUM ANALYZE idempotency_keys" >/dev/null
+  rows_fill_completed "$DB_URL" 1 "$ROWS" "'purge-bench'" "'old-' || g" "decode(repeat('42', 32), 'hex')" \
+    "decode('0100000002000000086c6f636174696f6e0000000b2f7061796d656e74732f310000000c636f6e74656e742d74797065000000106170706c69636174696f6e2f6a736f6e', 'hex')" \
+    "convert_to('{\"id\":1,\"amount\":1000,\"currency\":\"EUR\",\"status\":\"succeeded\"}', 'UTF8')" \
+    "now() - interval '2 days' + g * interval '1 millisecond'" "now() - interval '1 day' + g * interval '1 millisecond'"
+  psql "$DB_URL" -XAtq -c "VACUUM ANALYZE idempotency_keys" >/dev/null
   TRAFFIC=(wrk -t1 -c16 --latency -s bench/miss.lua "http://127.0.0.1:${PORT[postgres]}")
   BASE=$("${TRAFFIC[@]}" -d"${DURATION}s" -- "purge-base-$STAMP" | grep '^JSON ' | cut -c6-)
   log "purge: baseline traffic $BASE"

@@ -26,7 +26,6 @@ RATIOS = [
     ("(4) raw miss / pgbench", "raw-miss", "pgbench-miss", None),
     ("(4) raw replay / pgbench", "raw-replay", "pgbench-replay", None),
     ("(5) pgbench: store's reserve / plain SELECT", "pgbench-store-replay", "pgbench-replay", None),
-    ("(5) pgbench: read-first function / plain SELECT", "pgbench-fn-replay", "pgbench-replay", None),
     ("cached postgres replay / bare", "postgres-cached-replay", "bare-replay", 0.95),
     ("postgres miss, sync commit off / on", "postgres-async-miss", "postgres-miss", None),
     ("(6) transactional payments miss / one-transaction anchor", "payments-tx-miss", "payments-raw-miss", 0.95),
@@ -37,7 +36,7 @@ ORDER = [
     "bare-miss", "memory-miss", "memory-metrics-miss", "memory-evicting-miss", "bare-replay",
     "memory-replay", "postgres-cached-replay", "raw-miss", "postgres-miss", "postgres-fast-miss",
     "postgres-async-miss", "raw-replay", "postgres-replay", "postgres-fast-replay",
-    "pgbench-replay", "pgbench-store-replay", "pgbench-fn-replay", "pgbench-miss",
+    "pgbench-replay", "pgbench-store-replay", "pgbench-miss",
     "payments-raw-miss", "payments-today-miss", "payments-tx-miss", "payments-tx-replay",
 ]
 

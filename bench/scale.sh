@@ -65,6 +65,10 @@ scale_pgbench() { # label script rows
 # --- 1. PostgreSQL with N rows ---------------------------------------------------------------
 if [[ $SCALE_SECTIONS == *" rows "* ]]; then
 log "scale: PostgreSQL table sizes $SCALE_ROWS"
+# Two scratch tables of their own, not the store's: today's key layout (scale_text) against a
+# hashed key (scale_hash). Their columns are named like the store's on purpose, so the two
+# layouts store the same bytes and compare like for like; the store's table is filled through
+# bench/rows.sh.
 psql "$DB_URL" -XAtq >/dev/null <<'SQL'
 CREATE TABLE scale_text (
     tenant text NOT NULL, method text NOT NULL, path text NOT NULL, idempotency_key text NOT NULL,
@@ -88,13 +92,10 @@ have=0
 for rows in $SCALE_ROWS; do
   log "scale: filling to $rows rows (store table and both scratch tables)"
   fill_start=$(date +%s.%N)
+  rows_fill_completed "$DB_URL" "$((have + 1))" "$rows" "'fill-' || (g % 1000)" "md5(g::text)::uuid::text" \
+    "decode(repeat('42', 32), 'hex')" "decode(repeat('ab', 54), 'hex')" "convert_to(repeat('x', 60), 'UTF8')" \
+    "now()" "now() + interval '1 day'"
   psql "$DB_URL" -XAtq -v ON_ERROR_STOP=1 >/dev/null <<SQL
-INSERT INTO idempotency_keys (tenant, method, path, idempotency_key, fingerprint, state,
-    response_status, response_headers, response_body, created_at, completed_at, expires_at)
-SELECT 'fill-' || (g % 1000), 'POST', '/payments', md5(g::text)::uuid::text, decode(repeat('42', 32), 'hex'),
-    'completed', 201, decode(repeat('ab', 54), 'hex'), convert_to(repeat('x', 60), 'UTF8'),
-    now(), now(), now() + interval '1 day'
-FROM generate_series($have + 1, $rows) g;
 INSERT INTO scale_text SELECT 'tenant-' || (g % 1000), 'POST', '/v1/payments', md5(g::text)::uuid::text,
     decode(repeat('42', 32), 'hex'), 'completed', 201, decode(repeat('ab', 54), 'hex'),
     convert_to(repeat('x', 60), 'UTF8'), now(), now() + interval '1 day'
@@ -136,7 +137,7 @@ for bytes in $SCALE_BODIES; do
     scale_server "scale-body-$mode" 18192 --mode "$mode" --body-bytes "$bytes" --max-entries 1000000
     # 100 keys per size (keys of another size are other records: the args make them distinct).
     wrk -t"$THREADS" -c"$CONNECTIONS" -d2s -s bench/replay.lua "http://127.0.0.1:18192" -- 100 >/dev/null
-    psql "$DB_URL" -XAtq -c "DELETE FROM idempotency_keys WHERE idempotency_key LIKE 'r-%' AND length(response_body) <> $bytes" >/dev/null
+    rows_delete_replays_not_of_size "$DB_URL" "$bytes"
     wrk -t"$THREADS" -c"$CONNECTIONS" -d2s -s bench/replay.lua "http://127.0.0.1:18192" -- 100 >/dev/null
     scale_wrk bodies "$mode-replay" "$SCALE_PID" 18192 replay 100
     scale_stop "$SCALE_PID"

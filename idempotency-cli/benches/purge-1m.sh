@@ -30,28 +30,20 @@ trap cleanup EXIT
 psql "$SERVER_URL" -qc "CREATE DATABASE $DB"
 "$BIN" --database-url "$DB_URL" migrate >/dev/null
 
+# shellcheck source=../../bench/rows.sh
+. "$ROOT/bench/rows.sh"
+
 seed() {
-    psql "$DB_URL" -q <<SQL
-TRUNCATE idempotency_keys;
--- Expired completed records, expiry spread over a day so the expires_at index is exercised.
-INSERT INTO idempotency_keys (tenant, method, path, idempotency_key, fingerprint, state, token,
-    response_status, response_headers, response_body, created_at, completed_at, expires_at)
-SELECT 'tenant-' || (g % 100), 'POST', '/payments', 'key-' || g, sha256(g::text::bytea),
-       'completed', gen_random_uuid(), 201,
-       '\\x01000000010000000c636f6e74656e742d74797065000000106170706c69636174696f6e2f6a736f6e'::bytea,
-       convert_to(repeat('x', $BODY_BYTES), 'UTF8'),
-       now() - interval '2 days', now() - interval '2 days',
-       now() - interval '1 hour' - (g % 86400000) * interval '1 millisecond'
-FROM generate_series(1, $ROWS) g;
--- Live records that must survive.
-INSERT INTO idempotency_keys (tenant, method, path, idempotency_key, fingerprint, state, token,
-    response_status, response_headers, response_body, created_at, completed_at, expires_at)
-SELECT 'tenant-' || (g % 100), 'POST', '/payments', 'live-' || g, sha256(('live' || g)::bytea),
-       'completed', gen_random_uuid(), 201, '\\x0100000000'::bytea,
-       convert_to(repeat('y', $BODY_BYTES), 'UTF8'), now(), now(), now() + interval '1 day'
-FROM generate_series(1, $LIVE) g;
-VACUUM ANALYZE idempotency_keys;
-SQL
+    psql "$DB_URL" -qc "TRUNCATE idempotency_keys"
+    # Expired completed records, expiry spread over a day so the expires_at index is exercised.
+    rows_fill_completed "$DB_URL" 1 "$ROWS" "'tenant-' || (g % 100)" "'key-' || g" "sha256(g::text::bytea)" \
+        "'\\x01000000010000000c636f6e74656e742d74797065000000106170706c69636174696f6e2f6a736f6e'::bytea" \
+        "convert_to(repeat('x', $BODY_BYTES), 'UTF8')" "now() - interval '2 days'" \
+        "now() - interval '1 hour' - (g % 86400000) * interval '1 millisecond'"
+    # Live records that must survive.
+    rows_fill_completed "$DB_URL" 1 "$LIVE" "'tenant-' || (g % 100)" "'live-' || g" "sha256(('live' || g)::bytea)" \
+        "'\\x0100000000'::bytea" "convert_to(repeat('y', $BODY_BYTES), 'UTF8')" "now()" "now() + interval '1 day'"
+    psql "$DB_URL" -qc "VACUUM ANALYZE idempotency_keys"
 }
 
 echo "server: $(psql "$SERVER_URL" -Atc 'SHOW server_version'), $(nproc) cores; rows: $ROWS expired + $LIVE live, body $BODY_BYTES B"

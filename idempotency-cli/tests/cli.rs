@@ -9,13 +9,14 @@ use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use diesel::sql_types::{BigInt, Bool, Text};
+use diesel::sql_types::{BigInt, Bool};
 use diesel::QueryableByName;
 use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use idempotency_actix::store::{
     postgres, IdempotencyStore, PostgresStore, ReserveOutcome, Scope, StoredResponse, WriteOutcome,
 };
 use idempotency_actix::Fingerprint;
+use idempotency_e2e::records::{self, State};
 use idempotency_e2e::TestDb;
 use serde_json::Value;
 
@@ -96,48 +97,32 @@ async fn connect(db: &TestDb) -> AsyncPgConnection {
         .expect("connect to test db")
 }
 
-#[derive(QueryableByName)]
-struct Key {
-    #[diesel(sql_type = Text)]
-    k: String,
-}
+const MINUTE: i64 = 60;
+const HOUR: i64 = 60 * MINUTE;
+const DAY: i64 = 24 * HOUR;
 
 async fn keys(conn: &mut AsyncPgConnection) -> Vec<String> {
-    diesel::sql_query("SELECT idempotency_key AS k FROM idempotency_keys ORDER BY 1")
-        .load::<Key>(conn)
-        .await
-        .expect("select keys")
-        .into_iter()
-        .map(|r| r.k)
-        .collect()
+    records::keys(conn).await.expect("select keys")
 }
 
-/// Insert a record with raw SQL: `state` and the SQL expressions for its timestamps decide what
-/// purge and list make of it.
+/// Insert a record as it is (the harness's [`records::seed`]): its state and times (seconds
+/// from the database's clock, negative in the past) decide what purge and list make of it.
 async fn seed(
     conn: &mut AsyncPgConnection,
     tenant: &str,
     key: &str,
-    state: &str,
-    created: &str,
-    expires: &str,
+    state: State,
+    created: i64,
+    expires: i64,
 ) {
-    let completed = state == "completed";
-    let sql =
-        format!(
-        "INSERT INTO idempotency_keys (tenant, method, path, idempotency_key, fingerprint, state, \
-             token, locked_until, response_status, response_headers, response_body, created_at, \
-             completed_at, expires_at) \
-         VALUES ('{tenant}', 'POST', '/payments', '{key}', decode(repeat('ab', 32), 'hex'), \
-             '{state}', gen_random_uuid(), {locked}, {status}, {headers}, {body}, {created}, \
-             {completed_at}, {expires})",
-        locked = if completed { "NULL" } else { expires },
-        status = if completed { "201" } else { "NULL" },
-        headers = if completed { "'\\x0100000000'::bytea" } else { "NULL" },
-        body = if completed { "'\\x7b7d'::bytea" } else { "NULL" },
-        completed_at = if completed { created } else { "NULL" },
-    );
-    conn.batch_execute(&sql).await.expect("seed row");
+    let row = records::Seed {
+        tenant,
+        key,
+        state,
+        created,
+        expires,
+    };
+    records::seed(conn, &row).await.expect("seed row");
 }
 
 fn scope(tenant: &str, key: &str) -> Scope {
@@ -230,120 +215,40 @@ async fn migrate_twice_and_check_gates_deploys() {
 
 /// The purge fixture: what is expired, live and in flight, in two tenants.
 async fn purge_fixture(conn: &mut AsyncPgConnection) {
-    let two_days = "now() - interval '2 days'";
-    let five_days = "now() - interval '5 days'";
+    let two_days = -2 * DAY;
+    let five_days = -5 * DAY;
     // Expired completed records: 3 in tenant a (one created 5 days ago), 2 in tenant b.
-    seed(
-        conn,
-        "a",
-        "exp-a1",
-        "completed",
-        two_days,
-        "now() - interval '1 hour'",
-    )
-    .await;
-    seed(
-        conn,
-        "a",
-        "exp-a2",
-        "completed",
-        two_days,
-        "now() - interval '1 second'",
-    )
-    .await;
-    seed(
-        conn,
-        "a",
-        "exp-a3",
-        "completed",
-        five_days,
-        "now() - interval '4 days'",
-    )
-    .await;
-    seed(
-        conn,
-        "b",
-        "exp-b1",
-        "completed",
-        two_days,
-        "now() - interval '1 day'",
-    )
-    .await;
-    seed(
-        conn,
-        "b",
-        "exp-b2",
-        "completed",
-        two_days,
-        "now() - interval '1 day'",
-    )
-    .await;
+    seed(conn, "a", "exp-a1", State::Completed, two_days, -HOUR).await;
+    seed(conn, "a", "exp-a2", State::Completed, two_days, -1).await;
+    seed(conn, "a", "exp-a3", State::Completed, five_days, -4 * DAY).await;
+    seed(conn, "b", "exp-b1", State::Completed, two_days, -DAY).await;
+    seed(conn, "b", "exp-b2", State::Completed, two_days, -DAY).await;
     // Live completed records: never purged.
-    seed(
-        conn,
-        "a",
-        "live-a1",
-        "completed",
-        "now()",
-        "now() + interval '1 day'",
-    )
-    .await;
-    seed(
-        conn,
-        "b",
-        "live-b1",
-        "completed",
-        "now()",
-        "now() + interval '1 day'",
-    )
-    .await;
-    seed(
-        conn,
-        "b",
-        "live-b2",
-        "completed",
-        two_days,
-        "now() + interval '1 minute'",
-    )
-    .await;
+    seed(conn, "a", "live-a1", State::Completed, 0, DAY).await;
+    seed(conn, "b", "live-b1", State::Completed, 0, DAY).await;
+    seed(conn, "b", "live-b2", State::Completed, two_days, MINUTE).await;
     // Reservations: lease ended 2 days ago (beyond the default 24h grace), 10 minutes ago
     // (within it), and one still running.
-    seed(
-        conn,
-        "a",
-        "stuck-old",
-        "in_flight",
-        five_days,
-        "now() - interval '2 days'",
-    )
-    .await;
+    seed(conn, "a", "stuck-old", State::InFlight, five_days, -2 * DAY).await;
     seed(
         conn,
         "b",
         "stuck-old-b",
-        "in_flight",
+        State::InFlight,
         five_days,
-        "now() - interval '2 days'",
+        -2 * DAY,
     )
     .await;
     seed(
         conn,
         "a",
         "stuck-new",
-        "in_flight",
-        "now() - interval '11 minutes'",
-        "now() - interval '10 minutes'",
+        State::InFlight,
+        -11 * MINUTE,
+        -10 * MINUTE,
     )
     .await;
-    seed(
-        conn,
-        "a",
-        "running",
-        "in_flight",
-        "now()",
-        "now() + interval '1 minute'",
-    )
-    .await;
+    seed(conn, "a", "running", State::InFlight, 0, MINUTE).await;
 }
 
 #[tokio::test]
@@ -475,9 +380,9 @@ async fn overlapping_purges_do_not_both_work() {
             &mut conn,
             "t",
             &format!("exp-{i}"),
-            "completed",
-            "now() - interval '2 days'",
-            "now() - interval '1 day'",
+            State::Completed,
+            -2 * DAY,
+            -DAY,
         )
         .await;
     }
@@ -627,18 +532,18 @@ async fn list_show_and_stats_in_json() {
         &mut conn,
         "acme",
         "stuck-1",
-        "in_flight",
-        "now() - interval '3 hours'",
-        "now() - interval '2 hours'",
+        State::InFlight,
+        -3 * HOUR,
+        -2 * HOUR,
     )
     .await;
     seed(
         &mut conn,
         "acme",
         "old-1",
-        "completed",
-        "now() - interval '3 days'",
-        "now() - interval '2 days'",
+        State::Completed,
+        -3 * DAY,
+        -2 * DAY,
     )
     .await;
 
@@ -953,18 +858,18 @@ async fn release_unsticks_a_key_for_the_store() {
         &mut conn,
         "",
         "dead-1",
-        "in_flight",
-        "now() - interval '1 hour'",
-        "now() - interval '50 minutes'",
+        State::InFlight,
+        -HOUR,
+        -50 * MINUTE,
     )
     .await;
     seed(
         &mut conn,
         "",
         "dead-2",
-        "in_flight",
-        "now() - interval '1 hour'",
-        "now() - interval '50 minutes'",
+        State::InFlight,
+        -HOUR,
+        -50 * MINUTE,
     )
     .await;
     let out = idem(&db.url, &["release", "dead-1", "dead-2", "--tenant", ""]);
@@ -1128,24 +1033,15 @@ async fn purge_skips_rows_a_request_holds_instead_of_waiting() {
     let db = TestDb::new().await;
     let mut conn = connect(&db).await;
     for key in ["exp-1", "exp-2", "exp-3"] {
-        seed(
-            &mut conn,
-            "t",
-            key,
-            "completed",
-            "now() - interval '2 days'",
-            "now() - interval '1 day'",
-        )
-        .await;
+        seed(&mut conn, "t", key, State::Completed, -2 * DAY, -DAY).await;
     }
     // Another session (a request taking the key over) holds a row lock on exp-2.
     let mut request = connect(&db).await;
-    request
-        .batch_execute(
-            "BEGIN; SELECT 1 FROM idempotency_keys WHERE idempotency_key = 'exp-2' FOR UPDATE",
-        )
+    request.batch_execute("BEGIN").await.expect("begin");
+    let locked = records::lock_key(&mut request, "exp-2")
         .await
         .expect("lock a row");
+    assert_eq!(locked, 1);
 
     let started = Instant::now();
     let out = idem(&db.url, &["purge", "--format", "json"]);

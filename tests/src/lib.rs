@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 
 pub mod cluster;
 pub mod database;
-pub mod http;
+pub mod faults;
 pub mod proc;
 pub mod proxy;
 pub mod raw_http;

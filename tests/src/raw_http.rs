@@ -1,7 +1,9 @@
-//! A tiny HTTP/1.1 client over a blocking [`TcpStream`], for tests that must send what a
-//! well-behaved client library never would: a header twice, a lying `Content-Length`, chunked
-//! bodies, invalid UTF-8, raw bytes in header values. Every socket operation has a timeout, so a
-//! server that hangs fails the test instead of hanging it.
+//! The tests' one HTTP/1.1 client, over a blocking [`TcpStream`]: raw bytes are the point for
+//! the tests that must send what a well-behaved client library never would (a header twice, a
+//! lying `Content-Length`, chunked bodies, invalid UTF-8, raw bytes in header values) or read a
+//! response as it streams. Response heads are parsed by `httparse`; bodies are read by
+//! `Content-Length`, chunked framing or to EOF. Every socket operation has a timeout, so a
+//! server that hangs fails the test instead of hanging it. Async tests use [`post_json`].
 //!
 //! ```no_run
 //! use idempotency_e2e::raw_http::{Conn, Request};
@@ -13,7 +15,7 @@
 //! ```
 
 use std::io::{self, BufRead, BufReader, Read, Write};
-use std::net::{Shutdown, TcpStream, ToSocketAddrs};
+use std::net::{Shutdown, SocketAddr, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
 /// Largest response head or body this client reads (a guard against a runaway server).
@@ -64,6 +66,11 @@ impl Response {
         }
         let json: serde_json::Value = serde_json::from_slice(&self.body).ok()?;
         json.get("code")?.as_str().map(str::to_owned)
+    }
+
+    /// The body parsed as JSON (`Null` if it is not JSON).
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body).unwrap_or(serde_json::Value::Null)
     }
 
     /// The body as lossy UTF-8.
@@ -250,47 +257,8 @@ impl Conn {
 
     /// Read one response (to a request with `method`, which decides whether a body follows).
     pub fn read_response(&mut self, method: &str) -> io::Result<Response> {
-        let deadline = Instant::now() + self.timeout;
-        let mut head = Vec::new();
-        loop {
-            let before = head.len();
-            let n = self.reader.read_until(b'\n', &mut head)?;
-            if n == 0 {
-                return Err(io::Error::new(
-                    io::ErrorKind::UnexpectedEof,
-                    "connection closed before a complete response head",
-                ));
-            }
-            if head[before..] == *b"\r\n" || head[before..] == *b"\n" {
-                break;
-            }
-            if head.len() > MAX_RESPONSE_BYTES || Instant::now() > deadline {
-                return Err(io::Error::other("response head too large or too slow"));
-            }
-        }
-        let text = String::from_utf8_lossy(&head).into_owned();
-        let mut lines = text.split("\r\n");
-        let status_line = lines.next().unwrap_or_default();
-        let status = status_line
-            .split(' ')
-            .nth(1)
-            .and_then(|s| s.parse::<u16>().ok())
-            .ok_or_else(|| io::Error::other(format!("bad status line {status_line:?}")))?;
-        // Values are taken from the raw bytes so non-UTF-8 values survive.
-        let mut headers = Vec::new();
-        let first_line_end = head.iter().position(|b| *b == b'\n').unwrap_or(head.len());
-        for raw_line in head[first_line_end..].split(|b| *b == b'\n') {
-            let line = raw_line.strip_suffix(b"\r").unwrap_or(raw_line);
-            if line.is_empty() {
-                continue;
-            }
-            let Some(colon) = line.iter().position(|b| *b == b':') else {
-                return Err(io::Error::other("header line without a colon"));
-            };
-            let name = String::from_utf8_lossy(&line[..colon]).to_ascii_lowercase();
-            let value = trim(&line[colon + 1..]).to_vec();
-            headers.push((name, value));
-        }
+        let head = self.read_head_bytes()?;
+        let (status, headers) = parse_head(&head)?;
         let mut response = Response {
             status,
             headers,
@@ -370,31 +338,29 @@ impl Conn {
 
     /// Read only a response head (status line and headers), leaving the body on the wire.
     pub fn read_head(&mut self) -> io::Result<Head> {
-        let mut raw = Vec::new();
+        parse_head(&self.read_head_bytes()?)
+    }
+
+    /// The bytes of one response head, up to and including the empty line.
+    fn read_head_bytes(&mut self) -> io::Result<Vec<u8>> {
+        let deadline = Instant::now() + self.timeout;
+        let mut head = Vec::new();
         loop {
-            let n = self.reader.read_until(b'\n', &mut raw)?;
+            let before = head.len();
+            let n = self.reader.read_until(b'\n', &mut head)?;
             if n == 0 {
                 return Err(io::Error::new(
                     io::ErrorKind::UnexpectedEof,
                     "connection closed before a complete response head",
                 ));
             }
-            if raw.ends_with(b"\r\n\r\n") || raw.len() > MAX_RESPONSE_BYTES {
-                break;
+            if head[before..] == *b"\r\n" || head[before..] == *b"\n" {
+                return Ok(head);
+            }
+            if head.len() > MAX_RESPONSE_BYTES || Instant::now() > deadline {
+                return Err(io::Error::other("response head too large or too slow"));
             }
         }
-        let mut headers = [httparse::EMPTY_HEADER; 64];
-        let mut parsed = httparse::Response::new(&mut headers);
-        parsed
-            .parse(&raw)
-            .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
-        let status = parsed.code.unwrap_or(0);
-        let headers = parsed
-            .headers
-            .iter()
-            .map(|h| (h.name.to_ascii_lowercase(), h.value.to_vec()))
-            .collect();
-        Ok((status, headers))
     }
 
     /// Read until the bytes read so far contain `needle` (or the read times out).
@@ -430,19 +396,53 @@ impl Conn {
     }
 }
 
-fn trim(mut bytes: &[u8]) -> &[u8] {
-    while let [b' ' | b'\t', rest @ ..] = bytes {
-        bytes = rest;
+/// Parse a complete response head (status line, header fields, the empty line) with
+/// httparse. Names are lower-cased; values are kept as raw bytes, so non-UTF-8 values survive.
+fn parse_head(raw: &[u8]) -> io::Result<Head> {
+    let mut fields = [httparse::EMPTY_HEADER; 128];
+    let mut parsed = httparse::Response::new(&mut fields);
+    match parsed.parse(raw) {
+        Ok(httparse::Status::Complete(_)) => {}
+        Ok(httparse::Status::Partial) => {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "incomplete response head",
+            ))
+        }
+        Err(e) => return Err(io::Error::new(io::ErrorKind::InvalidData, e)),
     }
-    while let [rest @ .., b' ' | b'\t'] = bytes {
-        bytes = rest;
-    }
-    bytes
+    let status = parsed
+        .code
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "no status code"))?;
+    let headers = parsed
+        .headers
+        .iter()
+        .map(|h| (h.name.to_ascii_lowercase(), h.value.to_vec()))
+        .collect();
+    Ok((status, headers))
 }
 
 /// One request on a fresh connection (closed afterwards).
 pub fn send_once(addr: &str, request: &Request, timeout: Duration) -> io::Result<Response> {
     Conn::connect(addr, timeout)?.send(request)
+}
+
+/// How long [`post_json`] may take, connect to last byte.
+const ASYNC_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// `POST path` with `Idempotency-Key: key` and a JSON `body`, on a fresh connection, from async
+/// tests: the blocking client on tokio's blocking pool, so the test's runtime (and a server
+/// running on it) keeps going while the request waits.
+pub async fn post_json(
+    addr: SocketAddr,
+    path: &str,
+    key: &str,
+    body: &str,
+) -> io::Result<Response> {
+    let request = Request::post(path).key(key).json(body);
+    tokio::task::spawn_blocking(move || Conn::connect(addr, ASYNC_TIMEOUT)?.send(&request))
+        .await
+        .map_err(io::Error::other)?
 }
 
 /// A free TCP port on 127.0.0.1 (bound and released; a tiny race with other processes).

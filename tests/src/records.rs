@@ -4,10 +4,12 @@
 
 use std::time::Duration;
 
-use diesel::sql_types::BigInt;
-use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
+use diesel::sql_types::{BigInt, Timestamptz};
+use diesel::{ExpressionMethods, NullableExpressionMethods, QueryDsl, QueryResult};
+use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use idempotency_actix::store::postgres::admin;
 pub use idempotency_actix::store::postgres::admin::State;
+use idempotency_actix::store::postgres::schema::idempotency_keys as k;
 
 /// Longest time one helper may take.
 const TIMEOUT: Duration = Duration::from_secs(20);
@@ -57,6 +59,105 @@ pub fn records_for_key(url: &str, key: &str) -> Vec<Record> {
         .into_iter()
         .filter(|r| r.idempotency_key == key)
         .collect()
+}
+
+/// The method of every [`Seed`] row.
+pub const SEED_METHOD: &str = "POST";
+/// The path of every [`Seed`] row.
+pub const SEED_PATH: &str = "/payments";
+/// The fingerprint byte of every [`Seed`] row (32 of them).
+pub const SEED_FINGERPRINT_BYTE: u8 = 0xab;
+/// The stored headers of a completed [`Seed`] row: no headers, in
+/// `StoredResponse::encode_headers`' format.
+pub const SEED_HEADERS: &[u8] = &[1, 0, 0, 0, 0];
+/// The stored body of a completed [`Seed`] row.
+pub const SEED_BODY: &[u8] = b"{}";
+/// The stored status of a completed [`Seed`] row.
+pub const SEED_STATUS: i16 = 201;
+
+/// A record written as it is, bypassing the store, so a test can place it anywhere in time
+/// (fixtures for purge, list, stats and show). Times are seconds from the database's clock:
+/// negative is in the past. A completed row gets [`SEED_STATUS`], [`SEED_HEADERS`] and
+/// [`SEED_BODY`], completed at `created`; an in-flight row gets a token and its lease ends at
+/// `expires` (the store's invariant `locked_until = expires_at`).
+#[derive(Debug, Clone, Copy)]
+pub struct Seed<'a> {
+    /// Scope: tenant.
+    pub tenant: &'a str,
+    /// Scope: the key (method [`SEED_METHOD`], path [`SEED_PATH`]).
+    pub key: &'a str,
+    /// In flight or completed.
+    pub state: State,
+    /// `created_at`, seconds from now.
+    pub created: i64,
+    /// `expires_at`, seconds from now.
+    pub expires: i64,
+}
+
+/// `now()` shifted by `secs` seconds, by the database's clock.
+fn db_now_plus(secs: i64) -> diesel::expression::SqlLiteral<Timestamptz> {
+    diesel::dsl::sql::<Timestamptz>(&format!("(now() + {secs} * interval '1 second')"))
+}
+
+/// Insert `seed` (one statement, built on the schema module).
+pub async fn seed(conn: &mut AsyncPgConnection, seed: &Seed<'_>) -> QueryResult<()> {
+    let scope = (
+        k::tenant.eq(seed.tenant),
+        k::method.eq(SEED_METHOD),
+        k::path.eq(SEED_PATH),
+        k::idempotency_key.eq(seed.key),
+        k::fingerprint.eq(vec![SEED_FINGERPRINT_BYTE; 32]),
+        k::state.eq(seed.state),
+        k::token.eq(uuid::Uuid::new_v4()),
+        k::created_at.eq(db_now_plus(seed.created)),
+        k::expires_at.eq(db_now_plus(seed.expires)),
+    );
+    let insert = diesel::insert_into(k::table);
+    match seed.state {
+        State::InFlight => {
+            insert
+                .values((
+                    scope,
+                    k::locked_until.eq(db_now_plus(seed.expires).nullable()),
+                ))
+                .execute(conn)
+                .await?
+        }
+        State::Completed => {
+            insert
+                .values((
+                    scope,
+                    k::response_status.eq(SEED_STATUS),
+                    k::response_headers.eq(SEED_HEADERS),
+                    k::response_body.eq(SEED_BODY),
+                    k::completed_at.eq(db_now_plus(seed.created).nullable()),
+                ))
+                .execute(conn)
+                .await?
+        }
+    };
+    Ok(())
+}
+
+/// Every key in the table, sorted.
+pub async fn keys(conn: &mut AsyncPgConnection) -> QueryResult<Vec<String>> {
+    k::table
+        .select(k::idempotency_key)
+        .order(k::idempotency_key)
+        .load(conn)
+        .await
+}
+
+/// Take row locks (`FOR UPDATE`) on the rows with `key`, as a request working on them would;
+/// call inside a transaction the caller opened, which holds them until it ends.
+pub async fn lock_key(conn: &mut AsyncPgConnection, key: &str) -> QueryResult<usize> {
+    k::table
+        .filter(k::idempotency_key.eq(key))
+        .select(k::tenant)
+        .for_update()
+        .load::<String>(conn)
+        .await
+        .map(|rows| rows.len())
 }
 
 /// `SELECT count(*) AS n ...`: pass the whole statement, whose single column is named `n`.

@@ -14,8 +14,8 @@ use diesel_async::RunQueryDsl;
 use futures_util::future::join_all;
 use idempotency_actix::store::postgres::{self, PostgresStore};
 use idempotency_actix::Idempotency;
-use idempotency_e2e::http::{post_json, Response};
 use idempotency_e2e::proxy::PgProxy;
+use idempotency_e2e::raw_http::{post_json, Response};
 use idempotency_e2e::TestDb;
 
 /// What the handler of one app instance knows.
@@ -170,7 +170,7 @@ async fn exactly_once_across_two_instances_sharing_one_database() {
             .await
             .unwrap();
         assert_eq!(response.status, 201, "{response:?}");
-        assert_eq!(response.header("idempotent-replayed"), Some("true"));
+        assert!(response.is_replay(), "{response:?}");
         let seen = first_bodies
             .entry(k)
             .or_insert_with(|| response.body.clone());

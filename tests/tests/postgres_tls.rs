@@ -1,10 +1,10 @@
 //! TLS: a throwaway cluster with `ssl=on` that refuses plain connections, and a CA plus server
-//! certificate generated here with the `openssl` CLI. `sslmode=require` connects (and runs a
+//! certificate generated here with rcgen (no `openssl` binary needed, so the test always runs
+//! where PostgreSQL's `initdb` is installed). `sslmode=require` connects (and runs a
 //! whole reserve/complete cycle through the pool), `verify-full` with `sslrootcert` verifies
 //! chain and host name, `verify-ca` only the chain, and wrong roots or names are refused.
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -15,6 +15,10 @@ use idempotency_actix::store::{
     Fingerprint, IdempotencyStore, ReserveOutcome, Scope, StoreError, StoredResponse, WriteOutcome,
 };
 use idempotency_e2e::{ClusterError, TempCluster};
+use rcgen::{
+    BasicConstraints, CertificateParams, CertifiedIssuer, DnType, ExtendedKeyUsagePurpose, IsCa,
+    KeyPair, KeyUsagePurpose,
+};
 
 struct Certs {
     dir: PathBuf,
@@ -36,24 +40,9 @@ impl Certs {
     }
 }
 
-fn openssl(dir: &Path, args: &[&str]) {
-    let out = Command::new("openssl")
-        .current_dir(dir)
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "openssl {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-/// A CA, a server certificate for `localhost` / 127.0.0.1 signed by it, and an unrelated CA.
-fn make_certs() -> Option<Certs> {
-    if Command::new("openssl").arg("version").output().is_err() {
-        return None;
-    }
+/// A CA, a server certificate for `localhost` / 127.0.0.1 signed by it, and an unrelated CA,
+/// generated with rcgen (ECDSA P-256), as PEM files in a fresh directory.
+fn make_certs() -> Certs {
     let dir = std::env::temp_dir().join(format!(
         "idem-tls-{}-{}",
         std::process::id(),
@@ -61,73 +50,35 @@ fn make_certs() -> Option<Certs> {
     ));
     std::fs::create_dir_all(&dir).unwrap();
     let certs = Certs { dir: dir.clone() };
-    let ec = [
-        "-newkey",
-        "ec",
-        "-pkeyopt",
-        "ec_paramgen_curve:prime256v1",
-        "-nodes",
-    ];
-    for (name, cn) in [("ca", "idempotency test CA"), ("other-ca", "some other CA")] {
-        let mut args = vec!["req", "-x509"];
-        args.extend(ec);
-        let key = format!("{name}.key");
-        let crt = format!("{name}.crt");
-        let subj = format!("/CN={cn}");
-        args.extend([
-            "-keyout",
-            &key,
-            "-out",
-            &crt,
-            "-days",
-            "2",
-            "-subj",
-            &subj,
-            "-addext",
-            "basicConstraints=critical,CA:TRUE",
-            "-addext",
-            "keyUsage=critical,keyCertSign,cRLSign",
-        ]);
-        openssl(&dir, &args);
-    }
-    let mut args = vec!["req", "-new"];
-    args.extend(ec);
-    args.extend([
-        "-keyout",
-        "server.key",
-        "-out",
-        "server.csr",
-        "-subj",
-        "/CN=localhost",
-    ]);
-    openssl(&dir, &args);
-    std::fs::write(
-        dir.join("server.ext"),
-        "subjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=CA:FALSE\n\
-         keyUsage=critical,digitalSignature\nextendedKeyUsage=serverAuth\n",
-    )
-    .unwrap();
-    openssl(
-        &dir,
-        &[
-            "x509",
-            "-req",
-            "-in",
-            "server.csr",
-            "-CA",
-            "ca.crt",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-out",
-            "server.crt",
-            "-days",
-            "2",
-            "-extfile",
-            "server.ext",
-        ],
-    );
-    Some(certs)
+    let write = |name: &str, pem: String| std::fs::write(dir.join(name), pem).unwrap();
+
+    let ca_params = |cn: &str| {
+        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.distinguished_name.push(DnType::CommonName, cn);
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+        params
+    };
+    let ca_key = KeyPair::generate().unwrap();
+    let ca = CertifiedIssuer::self_signed(ca_params("idempotency test CA"), ca_key).unwrap();
+    write("ca.crt", ca.pem());
+    let other_key = KeyPair::generate().unwrap();
+    let other = ca_params("some other CA").self_signed(&other_key).unwrap();
+    write("other-ca.crt", other.pem());
+
+    let mut server =
+        CertificateParams::new(vec!["localhost".to_owned(), "127.0.0.1".to_owned()]).unwrap();
+    server
+        .distinguished_name
+        .push(DnType::CommonName, "localhost");
+    server.is_ca = IsCa::ExplicitNoCa;
+    server.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+    server.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+    let server_key = KeyPair::generate().unwrap();
+    let server_cert = server.signed_by(&server_key, &ca).unwrap();
+    write("server.crt", server_cert.pem());
+    write("server.key", server_key.serialize_pem());
+    certs
 }
 
 fn start_tls_cluster(certs: &Certs) -> Option<TempCluster> {
@@ -172,10 +123,7 @@ async fn connected_with_tls(url: &str) -> Result<bool, StoreError> {
 
 #[tokio::test]
 async fn tls_connections_per_sslmode() {
-    let Some(certs) = make_certs() else {
-        eprintln!("SKIPPED: the openssl CLI is not installed");
-        return;
-    };
+    let certs = make_certs();
     let Some(cluster) = start_tls_cluster(&certs) else {
         eprintln!("SKIPPED: initdb/pg_ctl are not installed");
         return;
@@ -347,10 +295,7 @@ async fn password_cluster(certs: &Certs, ssl_on: bool) -> Option<TempCluster> {
 /// falling back. The old code connected in plaintext for the `?` passwords.
 #[tokio::test]
 async fn sslmode_is_read_from_the_real_query_whatever_the_password_holds() {
-    let Some(certs) = make_certs() else {
-        eprintln!("SKIPPED: the openssl CLI is not installed");
-        return;
-    };
+    let certs = make_certs();
     let Some(tls) = password_cluster(&certs, true).await else {
         eprintln!("SKIPPED: initdb/pg_ctl are not installed");
         return;

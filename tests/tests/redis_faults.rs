@@ -5,113 +5,25 @@
 //!
 //! Each prints a `COUNTS` line (run with `--nocapture` to see it).
 
-use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::thread::JoinHandle;
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use idempotency_actix::store::redis::{parse_record_key, redis, DEFAULT_PREFIX};
+use idempotency_actix::store::redis::{fields, parse_record_key, redis, DEFAULT_PREFIX};
+use idempotency_e2e::faults::{
+    self, classify, keys_logged_unstored, serial, strip_ansi, two_instances_exactly_once,
+    wait_until, Load, Seen, Tally, CLIENT_TIMEOUT, TWO_INSTANCE_DISTINCT,
+};
 use idempotency_e2e::proc::PaymentsApp;
-use idempotency_e2e::raw_http::{send_once, Conn, Request, Response};
+use idempotency_e2e::raw_http::{send_once, Request};
+use idempotency_e2e::records::State;
 use idempotency_e2e::redis_server::RedisServer;
 
-/// Per-request client timeout: longer than any answer the app should need (Redis timeouts
-/// 2 s, handler delays below 3 s).
-const CLIENT_TIMEOUT: Duration = Duration::from_secs(15);
+/// The tenant of every request.
+const TENANT: &str = "acct-1";
 
-fn serial() -> MutexGuard<'static, ()> {
-    static SERIAL: Mutex<()> = Mutex::new(());
-    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// `POST /payments[?delay_ms=]` with the key, a tenant and a valid body.
+/// `POST /payments[?delay_ms=]` with the key, [`TENANT`] and a valid body.
 fn pay(key: &str, amount: u64, delay_ms: Option<u64>) -> Request {
-    let target = match delay_ms {
-        Some(ms) => format!("/payments?delay_ms={ms}"),
-        None => "/payments".to_owned(),
-    };
-    Request::post(&target)
-        .key(key)
-        .header("X-Account-Id", "acct-1")
-        .json(format!(r#"{{"amount":{amount},"currency":"EUR"}}"#))
-}
-
-/// How the client saw one answer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-enum Seen {
-    Created,
-    Replay,
-    Conflict,
-    Unavailable,
-}
-
-/// Classify a response, or explain why it breaks the contract.
-fn classify(response: &Response) -> Result<Seen, String> {
-    let retry_after = response.header("retry-after").is_some();
-    match (response.status, response.problem_code().as_deref()) {
-        (201, None) if response.is_replay() => Ok(Seen::Replay),
-        (201, None) => Ok(Seen::Created),
-        (409, Some("CONFLICT")) if retry_after => Ok(Seen::Conflict),
-        (503, Some("STORAGE_UNAVAILABLE")) if retry_after => Ok(Seen::Unavailable),
-        _ => Err(format!("unexpected answer: {}", response.describe())),
-    }
-}
-
-fn wait_until(timeout: Duration, what: &str, mut check: impl FnMut() -> bool) {
-    let deadline = Instant::now() + timeout;
-    while !check() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(25));
-    }
-}
-
-/// Tally of outcomes, printed as the `COUNTS` line.
-#[derive(Debug, Default)]
-struct Tally(HashMap<String, u64>);
-
-impl Tally {
-    fn add(&mut self, what: impl Into<String>) {
-        *self.0.entry(what.into()).or_default() += 1;
-    }
-    fn get(&self, what: &str) -> u64 {
-        self.0.get(what).copied().unwrap_or(0)
-    }
-    fn line(&self) -> String {
-        let mut parts: Vec<_> = self.0.iter().map(|(k, v)| format!("{k}={v}")).collect();
-        parts.sort();
-        parts.join(" ")
-    }
-}
-
-fn strip_ansi(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    let mut chars = text.chars();
-    while let Some(c) = chars.next() {
-        if c == '\u{1b}' {
-            for c in chars.by_ref() {
-                if c.is_ascii_alphabetic() {
-                    break;
-                }
-            }
-        } else {
-            out.push(c);
-        }
-    }
-    out
-}
-
-/// Keys the app logged as "handler ran, but the response could not be stored" (C16).
-fn keys_logged_unstored(log: &str) -> HashSet<String> {
-    strip_ansi(log)
-        .lines()
-        .filter(|l| l.contains("could not store the response"))
-        .filter_map(|l| {
-            let start = l.find(" key=")? + 5;
-            let rest = &l[start..];
-            Some(rest.split(' ').next()?.to_owned())
-        })
-        .collect()
+    faults::pay(TENANT, key, amount, delay_ms)
 }
 
 /// The example in its Redis mode. The target directory is shared (other builds of the
@@ -130,7 +42,7 @@ fn start_app(env: &[(&str, &str)]) -> PaymentsApp {
 /// One record as the tests read it from Redis.
 #[derive(Debug, Clone)]
 struct Rec {
-    state: String,
+    state: State,
     token: Option<String>,
     body: Option<Vec<u8>>,
 }
@@ -166,17 +78,17 @@ fn records(url: &str) -> Vec<(String, Rec)> {
                     .await
                     .expect("HGETALL");
                 let text = |v: Option<Vec<u8>>| v.map(|b| String::from_utf8_lossy(&b).into_owned());
-                let state = match text(hash.remove("st")).as_deref() {
-                    Some("f") => "in_flight",
-                    Some("c") => "completed",
+                let state = match text(hash.remove(fields::STATE)).as_deref() {
+                    Some(fields::IN_FLIGHT) => State::InFlight,
+                    Some(fields::COMPLETED) => State::Completed,
                     _ => continue,
                 };
                 out.push((
                     scope.key,
                     Rec {
-                        state: state.to_owned(),
-                        token: text(hash.remove("tok")),
-                        body: hash.remove("b"),
+                        state,
+                        token: text(hash.remove(fields::TOKEN)),
+                        body: hash.remove(fields::BODY),
                     },
                 ));
             }
@@ -197,7 +109,7 @@ fn records_for_key(url: &str, key: &str) -> Vec<Rec> {
         .collect()
 }
 
-fn count_state(url: &str, state: &str) -> usize {
+fn count_state(url: &str, state: State) -> usize {
     records(url)
         .iter()
         .filter(|(_, r)| r.state == state)
@@ -230,86 +142,33 @@ fn redis_restart_under_load() {
         ("IDEMPOTENCY_LOCK_TIMEOUT_MS", "10000"),
     ]);
 
-    const CLIENTS: usize = 6;
-    let stop = Arc::new(AtomicBool::new(false));
-    let next_key = Arc::new(AtomicUsize::new(0));
-    // (key, what the client saw, in order)
-    let log: Arc<Mutex<Vec<(usize, Seen)>>> = Arc::default();
+    let load = Load {
+        clients: 6,
+        prefix: "r",
+        tenant: TENANT,
+        classify,
+    };
     let started = Instant::now();
-    let clients: Vec<JoinHandle<Result<(), String>>> = (0..CLIENTS)
-        .map(|_| {
-            let (stop, next_key, log, addr) = (
-                Arc::clone(&stop),
-                Arc::clone(&next_key),
-                Arc::clone(&log),
-                app.addr.clone(),
-            );
-            std::thread::spawn(move || {
-                while !stop.load(Ordering::SeqCst) {
-                    let k = next_key.fetch_add(1, Ordering::SeqCst);
-                    let sends = if k % 3 == 0 { 2 } else { 1 };
-                    for _ in 0..sends {
-                        let response = send_once(
-                            &addr,
-                            &pay(&format!("r-{k}"), 100 + k as u64, None),
-                            CLIENT_TIMEOUT,
-                        )
-                        .map_err(|e| format!("key r-{k}: no answer: {e}"))?;
-                        let seen = classify(&response).map_err(|e| format!("key r-{k}: {e}"))?;
-                        log.lock().unwrap().push((k, seen));
-                    }
-                    std::thread::sleep(Duration::from_millis(5));
-                }
-                Ok(())
-            })
-        })
-        .collect();
-
-    std::thread::sleep(Duration::from_millis(2500));
-    let stopped_at = started.elapsed();
-    server.kill();
-    std::thread::sleep(Duration::from_secs(3));
-    server.restart();
-    let restarted_at = started.elapsed();
-    std::thread::sleep(Duration::from_millis(3500));
-    stop.store(true, Ordering::SeqCst);
-    for client in clients {
-        client
-            .join()
-            .expect("client thread")
-            .expect("contract held");
-    }
-    let during_load = log.lock().unwrap().clone();
-    let keys_sent = next_key.load(Ordering::SeqCst);
+    let (mut stopped_at, mut restarted_at) = (Duration::ZERO, Duration::ZERO);
+    let load_log = load.run(&app.addr, || {
+        std::thread::sleep(Duration::from_millis(2500));
+        stopped_at = started.elapsed();
+        server.kill();
+        std::thread::sleep(Duration::from_secs(3));
+        server.restart();
+        restarted_at = started.elapsed();
+        std::thread::sleep(Duration::from_millis(3500));
+    });
+    let keys_sent = load_log.keys_sent;
 
     // After recovery, every key resolves: a replay, or a fresh run for keys never executed.
-    let mut after = Tally::default();
-    let mut seen_by_key: HashMap<usize, Vec<Seen>> = HashMap::new();
-    for (k, seen) in &during_load {
-        seen_by_key.entry(*k).or_default().push(*seen);
-    }
-    let deadline = Instant::now() + Duration::from_secs(30);
-    for k in 0..keys_sent {
-        loop {
-            let response = send_once(
-                &app.addr,
-                &pay(&format!("r-{k}"), 100 + k as u64, None),
-                CLIENT_TIMEOUT,
-            )
-            .unwrap_or_else(|e| panic!("key r-{k} after recovery: {e}"));
-            let seen = classify(&response).unwrap_or_else(|e| panic!("key r-{k}: {e}"));
-            seen_by_key.entry(k).or_default().push(seen);
-            after.add(format!("{seen:?}"));
-            if matches!(seen, Seen::Created | Seen::Replay) {
-                break;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "key r-{k} did not resolve after recovery"
-            );
-            std::thread::sleep(Duration::from_millis(200));
-        }
-    }
+    let mut seen_by_key = load_log.seen_by_key();
+    let after = load.resolve(
+        &app.addr,
+        keys_sent,
+        &mut seen_by_key,
+        Duration::from_secs(30),
+    );
 
     let stats = app.stats();
     let log = strip_ansi(&app.log());
@@ -318,10 +177,7 @@ fn redis_restart_under_load() {
         .lines()
         .filter(|l| l.contains("response stored after the store recovered"))
         .count();
-    let mut during = Tally::default();
-    for (_, seen) in &during_load {
-        during.add(format!("{seen:?}"));
-    }
+    let during = load_log.tally();
     for k in 0..keys_sent {
         let key = format!("r-{k}");
         let executions = stats.per_key.get(&key).copied().unwrap_or(0);
@@ -339,7 +195,7 @@ fn redis_restart_under_load() {
         during.get("Unavailable") > 0,
         "the outage was not seen by any request; the test proved nothing"
     );
-    let in_flight = count_state(&url, "in_flight");
+    let in_flight = count_state(&url, State::InFlight);
     assert_eq!(in_flight, 0, "reservations left behind");
     drop(server);
     let _ = std::fs::remove_dir_all(&dir);
@@ -348,9 +204,9 @@ fn redis_restart_under_load() {
          requests_during_load={} [{}] resolve_requests={} [{}] executions={} keys_whose_response_was_stored_late={} (store failed after the handler: {})",
         stopped_at.as_secs_f64(),
         restarted_at.as_secs_f64(),
-        during_load.len(),
+        load_log.during.len(),
         during.line(),
-        after.0.values().sum::<u64>(),
+        after.total(),
         after.line(),
         stats.total,
         stored_late,
@@ -379,7 +235,7 @@ fn sigkill_while_the_handler_runs_redis() {
     wait_until(Duration::from_secs(10), "the reservation", || {
         records_for_key(&url, "crash-1")
             .iter()
-            .any(|r| r.state == "in_flight")
+            .any(|r| r.state == State::InFlight)
     });
     let reserved_at = Instant::now();
     let dead = records_for_key(&url, "crash-1").remove(0);
@@ -430,7 +286,7 @@ fn sigkill_while_the_handler_runs_redis() {
     std::thread::sleep(Duration::from_millis(500));
     let rows = records_for_key(&url, "crash-1");
     assert_eq!(rows.len(), 1);
-    assert_eq!(rows[0].state, "completed");
+    assert_eq!(rows[0].state, State::Completed);
     assert_ne!(
         rows[0].token, dead.token,
         "the dead holder's token completed the record"
@@ -445,21 +301,6 @@ fn sigkill_while_the_handler_runs_redis() {
     );
 }
 
-/// xorshift64*: a deterministic shuffle without a crate.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-}
-
 #[test]
 fn two_instances_ten_thousand_requests_exactly_once_redis() {
     let _serial = serial();
@@ -468,112 +309,8 @@ fn two_instances_ten_thousand_requests_exactly_once_redis() {
     let env = [("REDIS_URL", url.as_str())];
     let apps = [start_app(&env), start_app(&env)];
 
-    const REQUESTS: usize = 10_000;
-    const DISTINCT: usize = 7_000;
-    let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
-    let mut work: Vec<usize> = (0..DISTINCT).collect();
-    work.extend((0..REQUESTS - DISTINCT).map(|_| rng.below(DISTINCT)));
-    // Shuffle, then pull some duplicates right next to their original so many arrive while
-    // the original is still in flight (on the other instance).
-    for i in (1..work.len()).rev() {
-        let j = rng.below(i + 1);
-        work.swap(i, j);
-    }
-    let work = Arc::new(work);
-
-    const CLIENTS: usize = 32;
-    let next = Arc::new(AtomicUsize::new(0));
-    let started = Instant::now();
-    let threads: Vec<JoinHandle<Result<Tally, String>>> = (0..CLIENTS)
-        .map(|c| {
-            let (work, next) = (Arc::clone(&work), Arc::clone(&next));
-            let addrs = [apps[0].addr.clone(), apps[1].addr.clone()];
-            std::thread::spawn(move || {
-                let mut tally = Tally::default();
-                let mut conns: [Option<Conn>; 2] = [None, None];
-                loop {
-                    let i = next.fetch_add(1, Ordering::SeqCst);
-                    let Some(&k) = work.get(i) else { break };
-                    let instance = (c + i) % 2;
-                    let request = Request::post("/payments")
-                        .key(format!("two-{k}"))
-                        .header("X-Account-Id", format!("acct-{}", k % 7))
-                        .json(format!(
-                            r#"{{"amount":{},"currency":"EUR"}}"#,
-                            100 + k % 1000
-                        ));
-                    let mut attempts = 0;
-                    loop {
-                        attempts += 1;
-                        if conns[instance].is_none() {
-                            conns[instance] = Some(
-                                Conn::connect(addrs[instance].as_str(), CLIENT_TIMEOUT)
-                                    .map_err(|e| format!("connect: {e}"))?,
-                            );
-                        }
-                        let conn = conns[instance].as_mut().expect("connected");
-                        let response = match conn.send(&request) {
-                            Ok(r) => r,
-                            Err(e) if attempts < 3 => {
-                                // A keep-alive connection the server closed; reconnect.
-                                tally.add("reconnects");
-                                conns[instance] = None;
-                                let _ = e;
-                                continue;
-                            }
-                            Err(e) => return Err(format!("two-{k}: no answer: {e}")),
-                        };
-                        let seen = classify(&response).map_err(|e| format!("two-{k}: {e}"))?;
-                        tally.add(format!("{seen:?}"));
-                        if seen == Seen::Unavailable && attempts < 20 {
-                            std::thread::sleep(Duration::from_millis(50));
-                            continue;
-                        }
-                        break;
-                    }
-                }
-                Ok(tally)
-            })
-        })
-        .collect();
-    let mut tally = Tally::default();
-    for t in threads {
-        let part = t.join().expect("client thread").expect("contract held");
-        for (k, v) in part.0 {
-            *tally.0.entry(k).or_default() += v;
-        }
-    }
-    let took = started.elapsed();
-
-    let mut per_key: HashMap<String, u64> = HashMap::new();
-    let mut totals = Vec::new();
-    for app in &apps {
-        let stats = app.stats();
-        totals.push(stats.total);
-        for (key, n) in stats.per_key {
-            *per_key.entry(key).or_default() += n;
-        }
-    }
-    let executions: u64 = totals.iter().sum();
-    let twice: Vec<_> = per_key.iter().filter(|(_, n)| **n != 1).collect();
-    assert!(twice.is_empty(), "keys not run exactly once: {twice:?}");
-    assert_eq!(per_key.len(), DISTINCT, "every distinct key ran");
-    assert_eq!(executions, DISTINCT as u64, "executions == distinct keys");
-    assert_eq!(count_state(&url, "completed"), DISTINCT);
-    assert_eq!(count_state(&url, "in_flight"), 0);
-    let answers = tally.get("Created") + tally.get("Replay") + tally.get("Conflict");
-    assert_eq!(
-        answers,
-        REQUESTS as u64,
-        "every request got a final answer: {}",
-        tally.line()
-    );
-    println!(
-        "COUNTS two_instances_redis: requests={REQUESTS} distinct_keys={DISTINCT} executions={executions} \
-         (instance A {}, B {}) [{}] in {:.1}s",
-        totals[0],
-        totals[1],
-        tally.line(),
-        took.as_secs_f64()
-    );
+    let run = two_instances_exactly_once(&apps);
+    assert_eq!(count_state(&url, State::Completed), TWO_INSTANCE_DISTINCT);
+    assert_eq!(count_state(&url, State::InFlight), 0);
+    println!("{}", run.counts_line("two_instances_redis"));
 }

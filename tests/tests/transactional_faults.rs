@@ -4,64 +4,26 @@
 //! started under load. The `payments` table is the truth about effects: a handler run that was
 //! rolled back leaves nothing there.
 
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use idempotency_actix::store::postgres::run_migrations;
 use idempotency_actix::store::postgres::schema::State;
+use idempotency_e2e::faults::{self, classify_transactional, serial, Load, Seen, CLIENT_TIMEOUT};
 use idempotency_e2e::proc::{start_cluster_again, PaymentsApp};
 use idempotency_e2e::raw_http::{send_once, Request, Response};
-use idempotency_e2e::records::{count, records_for_key};
+use idempotency_e2e::records::{count, count_in_state, records_for_key};
 use idempotency_e2e::{block_on_fresh_thread, TempCluster, TestDb};
 
-const CLIENT_TIMEOUT: Duration = Duration::from_secs(15);
 const TENANT: &str = "acct_tx_faults";
 
-fn serial() -> MutexGuard<'static, ()> {
-    static SERIAL: Mutex<()> = Mutex::new(());
-    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
-}
-
+/// `POST /payments[?delay_ms=]` with the key, [`TENANT`] and a valid body.
 fn pay(key: &str, amount: u64, delay_ms: Option<u64>) -> Request {
-    let target = match delay_ms {
-        Some(ms) => format!("/payments?delay_ms={ms}"),
-        None => "/payments".to_owned(),
-    };
-    Request::post(&target)
-        .key(key)
-        .header("x-account-id", TENANT)
-        .json(format!(r#"{{"amount":{amount},"currency":"EUR"}}"#))
+    faults::pay(TENANT, key, amount, delay_ms)
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-enum Seen {
-    Created,
-    Replay,
-    Conflict,
-    Unavailable,
-    CommitFailed,
-    CommitUnknown,
-    /// The handler's own statement failed (the database went away mid-handler): its error,
-    /// and everything rolled back.
-    HandlerError,
-}
-
-/// Classify an answer, or explain why it breaks the contract.
+/// Every answer of these tests comes from transactional mode.
 fn classify(response: &Response) -> Result<Seen, String> {
-    let retry_after = response.header("retry-after").is_some();
-    match (response.status, response.problem_code().as_deref()) {
-        (201, None) if response.is_replay() => Ok(Seen::Replay),
-        (201, None) => Ok(Seen::Created),
-        (409, Some("CONFLICT")) if retry_after => Ok(Seen::Conflict),
-        (503, Some("STORAGE_UNAVAILABLE")) if retry_after => Ok(Seen::Unavailable),
-        (503, Some("COMMIT_FAILED")) if retry_after => Ok(Seen::CommitFailed),
-        (503, Some("COMMIT_OUTCOME_UNKNOWN")) if retry_after => Ok(Seen::CommitUnknown),
-        (500, None) if response.body == b"database error" => Ok(Seen::HandlerError),
-        _ => Err(format!("unexpected answer: {}", response.describe())),
-    }
+    classify_transactional(response)
 }
 
 fn rows_for(url: &str, key: &str) -> i64 {
@@ -181,113 +143,62 @@ fn database_restart_under_transactional_load() {
     }
     let app = start(&app_env(&url));
 
-    const CLIENTS: usize = 6;
-    let stop = Arc::new(AtomicBool::new(false));
-    let next_key = Arc::new(AtomicUsize::new(0));
-    let log: Arc<Mutex<Vec<(usize, Seen)>>> = Arc::default();
-    let clients: Vec<JoinHandle<Result<(), String>>> = (0..CLIENTS)
-        .map(|_| {
-            let (stop, next_key, log, addr) = (
-                Arc::clone(&stop),
-                Arc::clone(&next_key),
-                Arc::clone(&log),
-                app.addr.clone(),
-            );
-            std::thread::spawn(move || {
-                while !stop.load(Ordering::SeqCst) {
-                    let k = next_key.fetch_add(1, Ordering::SeqCst);
-                    let sends = if k % 3 == 0 { 2 } else { 1 };
-                    for _ in 0..sends {
-                        let response = send_once(
-                            &addr,
-                            &pay(&format!("t-{k}"), 100 + k as u64, None),
-                            CLIENT_TIMEOUT,
-                        )
-                        .map_err(|e| format!("key t-{k}: no answer: {e}"))?;
-                        let seen = classify(&response).map_err(|e| format!("key t-{k}: {e}"))?;
-                        log.lock().unwrap().push((k, seen));
-                    }
-                    std::thread::sleep(Duration::from_millis(5));
-                }
-                Ok(())
-            })
-        })
-        .collect();
-    std::thread::sleep(Duration::from_millis(2500));
-    cluster.stop();
-    std::thread::sleep(Duration::from_secs(3));
-    start_cluster_again(&cluster);
-    std::thread::sleep(Duration::from_millis(3500));
-    stop.store(true, Ordering::SeqCst);
-    for client in clients {
-        client
-            .join()
-            .expect("client thread")
-            .expect("contract held");
-    }
-    let during = log.lock().unwrap().clone();
-    let keys_sent = next_key.load(Ordering::SeqCst);
-
-    let mut seen_by_key: HashMap<usize, Vec<Seen>> = HashMap::new();
-    for (k, seen) in &during {
-        seen_by_key.entry(*k).or_default().push(*seen);
-    }
+    let load = Load {
+        clients: 6,
+        prefix: "t",
+        tenant: TENANT,
+        classify,
+    };
+    let load_log = load.run(&app.addr, || {
+        std::thread::sleep(Duration::from_millis(2500));
+        cluster.stop();
+        std::thread::sleep(Duration::from_secs(3));
+        start_cluster_again(&cluster);
+        std::thread::sleep(Duration::from_millis(3500));
+    });
+    let keys_sent = load_log.keys_sent;
+    let mut seen_by_key = load_log.seen_by_key();
     // Zero lost commits: every key a client saw created (before any resolving retry) has
     // its row and its completed record.
     let mut lost = 0;
     for (k, seen) in &seen_by_key {
-        if seen.contains(&Seen::Created) && rows_for(&url, &format!("t-{k}")) != 1 {
+        if seen.contains(&Seen::Created) && rows_for(&url, &load.key(*k)) != 1 {
             lost += 1;
         }
     }
     // Resolve every key: a replay, or a first run for keys that never committed.
-    let deadline = Instant::now() + Duration::from_secs(60);
-    for k in 0..keys_sent {
-        loop {
-            let response = send_once(
-                &app.addr,
-                &pay(&format!("t-{k}"), 100 + k as u64, None),
-                CLIENT_TIMEOUT,
-            )
-            .unwrap_or_else(|e| panic!("key t-{k} after recovery: {e}"));
-            let seen = classify(&response).unwrap_or_else(|e| panic!("key t-{k}: {e}"));
-            seen_by_key.entry(k).or_default().push(seen);
-            if matches!(seen, Seen::Created | Seen::Replay) {
-                break;
-            }
-            assert!(Instant::now() < deadline, "key t-{k} did not resolve");
-            std::thread::sleep(Duration::from_millis(200));
-        }
-    }
-    let mut tally: HashMap<Seen, u64> = HashMap::new();
-    for seen in during.iter().map(|(_, s)| *s) {
-        *tally.entry(seen).or_default() += 1;
-    }
+    load.resolve(
+        &app.addr,
+        keys_sent,
+        &mut seen_by_key,
+        Duration::from_secs(60),
+    );
+    let tally = load_log.tally();
+    let tally_line = tally.line();
     let rows = count(&url, "SELECT count(*) AS n FROM payments");
     let distinct = count(
         &url,
         "SELECT count(DISTINCT idempotency_key) AS n FROM payments",
     );
-    let completed = count(
-        &url,
-        "SELECT count(*) AS n FROM idempotency_keys WHERE state = 'completed'",
-    );
-    let in_flight = count(
-        &url,
-        "SELECT count(*) AS n FROM idempotency_keys WHERE state <> 'completed'",
-    );
+    let completed = count_in_state(&url, State::Completed);
+    let in_flight = count_in_state(&url, State::InFlight);
     let stats = app.stats();
     println!(
-        "COUNTS database_restart_under_transactional_load: keys={keys_sent} requests_during_load={} {tally:?} \
+        "COUNTS database_restart_under_transactional_load: keys={keys_sent} requests_during_load={} [{tally_line}] \
          payments_rows={rows} distinct_keys={distinct} completed_records={completed} handler_runs={} lost_commits={lost}",
-        during.len(),
+        load_log.during.len(),
         stats.total,
     );
     assert!(
-        tally.get(&Seen::Unavailable).copied().unwrap_or(0)
-            + tally.get(&Seen::CommitFailed).copied().unwrap_or(0)
-            + tally.get(&Seen::CommitUnknown).copied().unwrap_or(0)
-            + tally.get(&Seen::HandlerError).copied().unwrap_or(0)
+        [
+            Seen::Unavailable,
+            Seen::CommitFailed,
+            Seen::CommitUnknown,
+            Seen::HandlerError
+        ]
+        .iter()
+        .map(|seen| tally.get(&format!("{seen:?}")))
+        .sum::<u64>()
             > 0,
         "the outage was not seen by any request; the test proved nothing"
     );
@@ -297,7 +208,7 @@ fn database_restart_under_transactional_load() {
         "one payment per key, no double execution"
     );
     assert_eq!(distinct, keys_sent as i64);
-    assert_eq!(completed, keys_sent as i64);
+    assert_eq!(completed, keys_sent);
     assert_eq!(in_flight, 0, "nothing left in flight");
     for k in 0..keys_sent {
         let seen = &seen_by_key[&k];

@@ -182,6 +182,32 @@ where
     }
 }
 
+/// A keyed `POST /payments{query}` of `{"amount": amount}`.
+async fn send<S, B>(app: &S, key: &str, query: &str, amount: i64) -> Answer
+where
+    S: Service<actix_http::Request, Response = ServiceResponse<B>, Error = actix_web::Error>,
+    B: actix_web::body::MessageBody + 'static,
+{
+    call(
+        app,
+        post(Some(key), query, serde_json::json!({ "amount": amount })),
+    )
+    .await
+}
+
+/// Nothing of a rolled-back request is left: `payments_left` rows in all, no record of `key`.
+fn assert_nothing_kept(db: &TestDb, key: &str, payments_left: i64) {
+    assert_eq!(
+        payments(db),
+        payments_left,
+        "the handler's writes were rolled back"
+    );
+    assert!(
+        records_for_key(&db.url, key).is_empty(),
+        "no record of {key} is left"
+    );
+}
+
 macro_rules! app {
     ($middleware:expr, $runs:expr) => {
         test::init_service(
@@ -215,33 +241,21 @@ async fn miss_commits_row_and_record_together_then_replays() {
     let runs = Runs::default();
     let app = app!(tx_middleware(&store), runs);
 
-    let first = call(
-        &app,
-        post(Some("k1"), "", serde_json::json!({"amount": 10})),
-    )
-    .await;
+    let first = send(&app, "k1", "", 10).await;
     assert_eq!(first.status, StatusCode::CREATED, "{}", first.body);
     assert_eq!(payments(&db), 1);
     let records = records_for_key(&db.url, "k1");
     assert_eq!(records.len(), 1);
     assert_eq!(records[0].state, State::Completed);
 
-    let retry = call(
-        &app,
-        post(Some("k1"), "", serde_json::json!({"amount": 10})),
-    )
-    .await;
+    let retry = send(&app, "k1", "", 10).await;
     assert_eq!(retry.status, StatusCode::CREATED);
     assert!(retry.replayed);
     assert_eq!(retry.body, first.body, "the replay is the stored response");
     assert_eq!(runs.get(), 1);
     assert_eq!(payments(&db), 1);
 
-    let other = call(
-        &app,
-        post(Some("k1"), "", serde_json::json!({"amount": 11})),
-    )
-    .await;
+    let other = send(&app, "k1", "", 11).await;
     assert_eq!(other.status, StatusCode::UNPROCESSABLE_ENTITY);
     assert_eq!(other.body["code"], "FINGERPRINT_MISMATCH");
     assert_eq!(payments(&db), 1);
@@ -255,25 +269,15 @@ async fn non_storable_response_and_handler_error_roll_back_the_handlers_writes()
     let runs = Runs::default();
     let app = app!(tx_middleware(&store), runs);
 
-    let rejected = call(
-        &app,
-        post(Some("k4"), "?status=400", serde_json::json!({"amount": 1})),
-    )
-    .await;
+    let rejected = send(&app, "k4", "?status=400", 1).await;
     assert_eq!(rejected.status, StatusCode::BAD_REQUEST);
-    assert_eq!(payments(&db), 0, "a 4xx keeps none of the handler's writes");
-    assert!(records_for_key(&db.url, "k4").is_empty());
+    assert_nothing_kept(&db, "k4", 0);
 
-    let failed = call(
-        &app,
-        post(Some("k4"), "?fail=true", serde_json::json!({"amount": 1})),
-    )
-    .await;
+    let failed = send(&app, "k4", "?fail=true", 1).await;
     assert_eq!(failed.status, StatusCode::INTERNAL_SERVER_ERROR);
-    assert_eq!(payments(&db), 0, "a handler error keeps none of its writes");
-    assert!(records_for_key(&db.url, "k4").is_empty());
+    assert_nothing_kept(&db, "k4", 0);
 
-    let ok = call(&app, post(Some("k4"), "", serde_json::json!({"amount": 1}))).await;
+    let ok = send(&app, "k4", "", 1).await;
     assert_eq!(ok.status, StatusCode::CREATED);
     assert!(!ok.replayed);
     assert_eq!(runs.get(), 3);
@@ -288,15 +292,7 @@ async fn handler_transaction_is_a_savepoint() {
     let runs = Runs::default();
     let app = app!(tx_middleware(&store), runs);
 
-    let ok = call(
-        &app,
-        post(
-            Some("s1"),
-            "?savepoint=true",
-            serde_json::json!({"amount": 5}),
-        ),
-    )
-    .await;
+    let ok = send(&app, "s1", "?savepoint=true", 5).await;
     assert_eq!(ok.status, StatusCode::CREATED, "{}", ok.body);
     assert_eq!(
         count(
@@ -308,18 +304,9 @@ async fn handler_transaction_is_a_savepoint() {
     assert_eq!(payments(&db), 1);
 
     // Had the inner transaction committed the outer one, this 4xx could not undo its row.
-    let rejected = call(
-        &app,
-        post(
-            Some("s2"),
-            "?savepoint=true&status=409",
-            serde_json::json!({"amount": 5}),
-        ),
-    )
-    .await;
+    let rejected = send(&app, "s2", "?savepoint=true&status=409", 5).await;
     assert_eq!(rejected.status, StatusCode::CONFLICT);
-    assert_eq!(payments(&db), 1);
-    assert!(records_for_key(&db.url, "s2").is_empty());
+    assert_nothing_kept(&db, "s2", 1);
 }
 
 /// A duplicate while the first transaction is open gets 409 with Retry-After at once (a
@@ -342,24 +329,8 @@ async fn duplicate_while_open_gets_409_at_once_then_replays() {
     let probes = async {
         tokio::time::sleep(Duration::from_millis(300)).await;
         let started = Instant::now();
-        let same = call(
-            &app,
-            post(
-                Some("d1"),
-                "?sleep_ms=1500",
-                serde_json::json!({"amount": 7}),
-            ),
-        )
-        .await;
-        let other = call(
-            &app,
-            post(
-                Some("d1"),
-                "?sleep_ms=1500",
-                serde_json::json!({"amount": 8}),
-            ),
-        )
-        .await;
+        let same = send(&app, "d1", "?sleep_ms=1500", 7).await;
+        let other = send(&app, "d1", "?sleep_ms=1500", 8).await;
         // Default mode's reserve function on the same scope: must not wait on the open row.
         let scope = Scope {
             tenant: "acct_1".into(),
@@ -391,18 +362,10 @@ async fn duplicate_while_open_gets_409_at_once_then_replays() {
         "not blocked behind the open transaction: {took:?}"
     );
 
-    let after = call(
-        &app,
-        post(
-            Some("d1"),
-            "?sleep_ms=1500",
-            serde_json::json!({"amount": 7}),
-        ),
-    )
-    .await;
+    let after = send(&app, "d1", "?sleep_ms=1500", 7).await;
     assert!(after.replayed);
     assert_eq!(after.body, first.body);
-    let mismatch = call(&app, post(Some("d1"), "", serde_json::json!({"amount": 8}))).await;
+    let mismatch = send(&app, "d1", "", 8).await;
     assert_eq!(
         mismatch.status,
         StatusCode::UNPROCESSABLE_ENTITY,
@@ -433,15 +396,7 @@ async fn wait_mode_replays_after_the_first_commits() {
     );
     let second = async {
         tokio::time::sleep(Duration::from_millis(100)).await;
-        call(
-            &app,
-            post(
-                Some("w1"),
-                "?sleep_ms=500",
-                serde_json::json!({"amount": 7}),
-            ),
-        )
-        .await
+        send(&app, "w1", "?sleep_ms=500", 7).await
     };
     let (first, second) = futures_util::future::join(first, second).await;
     assert_eq!(first.status, StatusCode::CREATED);
@@ -466,11 +421,7 @@ async fn failed_commit_answers_a_problem_and_leaves_nothing() {
     let runs = Runs::default();
     let app = app!(tx_middleware(&store), runs);
 
-    let failed = call(
-        &app,
-        post(Some("c1"), "?account=42", serde_json::json!({"amount": 3})),
-    )
-    .await;
+    let failed = send(&app, "c1", "?account=42", 3).await;
     assert_eq!(
         failed.status,
         StatusCode::SERVICE_UNAVAILABLE,
@@ -483,15 +434,10 @@ async fn failed_commit_answers_a_problem_and_leaves_nothing() {
         failed.body.get("id").is_none(),
         "never the handler's response"
     );
-    assert_eq!(payments(&db), 0);
-    assert!(records_for_key(&db.url, "c1").is_empty());
+    assert_nothing_kept(&db, "c1", 0);
 
     execute(&db.url, "INSERT INTO accounts VALUES (42)");
-    let retry = call(
-        &app,
-        post(Some("c1"), "?account=42", serde_json::json!({"amount": 3})),
-    )
-    .await;
+    let retry = send(&app, "c1", "?account=42", 3).await;
     assert_eq!(retry.status, StatusCode::CREATED);
     assert!(
         !retry.replayed,
@@ -514,15 +460,10 @@ async fn storable_response_over_the_limit_is_rolled_back() {
         .transactional()
         .build();
     let app = app!(middleware, runs);
-    let big = call(
-        &app,
-        post(Some("b1"), "?big=4096", serde_json::json!({"amount": 3})),
-    )
-    .await;
+    let big = send(&app, "b1", "?big=4096", 3).await;
     assert_eq!(big.status, StatusCode::INTERNAL_SERVER_ERROR);
     assert_eq!(big.body["code"], "RESPONSE_TOO_LARGE");
-    assert_eq!(payments(&db), 0);
-    assert!(records_for_key(&db.url, "b1").is_empty());
+    assert_nothing_kept(&db, "b1", 0);
 }
 
 /// Without a key the extractor still works: a plain transaction, committed with a 2xx and
@@ -564,11 +505,7 @@ async fn extractor_outside_a_transactional_scope_is_a_500() {
     assert_eq!(get.status, StatusCode::INTERNAL_SERVER_ERROR);
 
     let plain = app!(Idempotency::new(store.clone()), runs);
-    let keyed = call(
-        &plain,
-        post(Some("x1"), "", serde_json::json!({"amount": 1})),
-    )
-    .await;
+    let keyed = send(&plain, "x1", "", 1).await;
     assert_eq!(keyed.status, StatusCode::INTERNAL_SERVER_ERROR);
     assert_eq!(runs.get(), 0);
     assert_eq!(payments(&db), 0);
@@ -598,7 +535,7 @@ async fn exhausted_pool_answers_503_without_running_the_handler() {
     let second = async {
         tokio::time::sleep(Duration::from_millis(200)).await;
         let started = Instant::now();
-        let answer = call(&app, post(Some("p2"), "", serde_json::json!({"amount": 1}))).await;
+        let answer = send(&app, "p2", "", 1).await;
         (answer, started.elapsed())
     };
     let (first, (second, took)) = futures_util::future::join(first, second).await;

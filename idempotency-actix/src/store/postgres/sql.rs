@@ -97,6 +97,24 @@ macro_rules! expression {
     };
 }
 
+/// A hand-written statement with a fixed SQL text: its static query id (`$id`), so diesel-async
+/// prepares it once per connection, and an untyped result loaded by name.
+macro_rules! statement {
+    ($statement:ty, $id:ident) => {
+        /// Static query id for the statement cache.
+        pub(crate) struct $id;
+
+        impl QueryId for $statement {
+            type QueryId = $id;
+            const HAS_STATIC_QUERY_ID: bool = true;
+        }
+
+        impl Query for $statement {
+            type SqlType = Untyped;
+        }
+    };
+}
+
 expression!(DbNow, Timestamptz);
 expression!(NowShifted, Timestamptz);
 
@@ -192,17 +210,7 @@ pub(crate) struct Reserve<'a> {
     pub(crate) lease_us: i64,
 }
 
-/// Static query id for the statement cache.
-pub(crate) struct ReserveId;
-
-impl QueryId for Reserve<'_> {
-    type QueryId = ReserveId;
-    const HAS_STATIC_QUERY_ID: bool = true;
-}
-
-impl Query for Reserve<'_> {
-    type SqlType = Untyped;
-}
+statement!(Reserve<'_>, ReserveId);
 
 /// The reserve call.
 ///
@@ -224,16 +232,24 @@ impl Query for Reserve<'_> {
 impl QueryFragment<Pg> for Reserve<'_> {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
         out.push_sql("SELECT * FROM idempotency_reserve(");
-        // The function's signature fixes the parameter types of the prepared statement.
-        self.scope.push_binds(&mut out)?;
+        self.push_binds(&mut out)?;
+        out.push_sql(")");
+        Ok(())
+    }
+}
+
+impl Reserve<'_> {
+    /// The reserve arguments (scope, fingerprint, token, lease), shared by the reserve call and
+    /// the transactional claim, whose signature ends with the same seven. The functions'
+    /// signatures fix the parameter types of the prepared statements.
+    fn push_binds<'b>(&'b self, out: &mut AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        self.scope.push_binds(out)?;
         out.push_sql(", ");
         out.push_bind_param::<Bytea, _>(&self.fingerprint)?;
         out.push_sql(", ");
         out.push_bind_param::<diesel::sql_types::Uuid, _>(&self.token)?;
         out.push_sql(", ");
-        out.push_bind_param::<BigInt, _>(&self.lease_us)?;
-        out.push_sql(")");
-        Ok(())
+        out.push_bind_param::<BigInt, _>(&self.lease_us)
     }
 }
 
@@ -248,17 +264,7 @@ pub(crate) struct ReplayRead<'a> {
     pub(crate) scope: ScopeBinds<'a>,
 }
 
-/// Static query id for the statement cache.
-pub(crate) struct ReplayReadId;
-
-impl QueryId for ReplayRead<'_> {
-    type QueryId = ReplayReadId;
-    const HAS_STATIC_QUERY_ID: bool = true;
-}
-
-impl Query for ReplayRead<'_> {
-    type SqlType = Untyped;
-}
+statement!(ReplayRead<'_>, ReplayReadId);
 
 impl QueryFragment<Pg> for ReplayRead<'_> {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
@@ -271,6 +277,12 @@ impl QueryFragment<Pg> for ReplayRead<'_> {
         out.push_sql(")");
         Ok(())
     }
+}
+
+/// A column of the schema by its bare name (a result column then carries that name, which is
+/// what [`ReserveRow`]'s load by name needs).
+fn name<C: Column>(out: &mut AstPass<'_, '_, Pg>) -> QueryResult<()> {
+    out.push_identifier(C::NAME)
 }
 
 /// One row of the reserve statement.
@@ -333,17 +345,7 @@ struct Complete<'a> {
     completion: &'a Completion<'a>,
 }
 
-/// Static query id of [`Complete`].
-struct CompleteId;
-
-impl QueryId for Complete<'_> {
-    type QueryId = CompleteId;
-    const HAS_STATIC_QUERY_ID: bool = true;
-}
-
-impl Query for Complete<'_> {
-    type SqlType = Untyped;
-}
+statement!(Complete<'_>, CompleteId);
 
 impl QueryFragment<Pg> for Complete<'_> {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
@@ -399,6 +401,75 @@ pub(crate) async fn release(
 }
 
 // ---------------------------------------------------------------------------------------------
+// Transactional mode (C25): the statements the middleware sends on the handler's connection
+
+/// Reserve-or-fetch inside the request's transaction, with the tenant setting for row-level
+/// security first: a call of `idempotency_tx_claim` (migration
+/// `2026-12-01-000003_transactional_claim`). Binds: `$1` setting name (NULL: none), `$2` its
+/// value, then [`Reserve`]'s seven (`$3..$6` scope, `$7` fingerprint, `$8` token, `$9` lease in
+/// microseconds). The function returns the reserve function's row shape, so [`ReserveRow`]
+/// and one decoder serve both.
+///
+/// Raw SQL: as [`Reserve`], a set-returning function call in `FROM`.
+pub(crate) struct TxClaim<'a> {
+    pub(crate) setting: Option<&'a str>,
+    pub(crate) setting_value: Option<&'a str>,
+    pub(crate) reserve: Reserve<'a>,
+}
+
+statement!(TxClaim<'_>, TxClaimId);
+
+impl QueryFragment<Pg> for TxClaim<'_> {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        out.push_sql("SELECT * FROM idempotency_tx_claim(");
+        out.push_bind_param::<Nullable<Text>, _>(&self.setting)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Nullable<Text>, _>(&self.setting_value)?;
+        out.push_sql(", ");
+        self.reserve.push_binds(&mut out)?;
+        out.push_sql(")");
+        Ok(())
+    }
+}
+
+/// Run [`TxClaim`].
+pub(crate) async fn tx_claim(
+    conn: &mut AsyncPgConnection,
+    query: &TxClaim<'_>,
+) -> QueryResult<Vec<ReserveRow>> {
+    query.load(conn).await
+}
+
+/// `SELECT set_config($1, $2, true)`: the tenant of a keyless transactional request.
+///
+/// Raw SQL: a function call with no table.
+pub(crate) struct SetTenant<'a> {
+    pub(crate) name: &'a str,
+    pub(crate) value: &'a str,
+}
+
+statement!(SetTenant<'_>, SetTenantId);
+
+impl QueryFragment<Pg> for SetTenant<'_> {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        out.push_sql("SELECT set_config(");
+        out.push_bind_param::<Text, _>(&self.name)?;
+        out.push_sql(", ");
+        out.push_bind_param::<Text, _>(&self.value)?;
+        out.push_sql(", true)");
+        Ok(())
+    }
+}
+
+/// Run [`SetTenant`].
+pub(crate) async fn set_tenant(
+    conn: &mut AsyncPgConnection,
+    query: &SetTenant<'_>,
+) -> QueryResult<()> {
+    query.execute(conn).await.map(|_| ())
+}
+
+// ---------------------------------------------------------------------------------------------
 // Purge: the one statement, for the store and for `idem-cli purge`
 
 static COMPLETED: State = State::Completed;
@@ -409,12 +480,13 @@ static IN_FLIGHT: State = State::InFlight;
 ///
 /// ```sql
 /// expires_at <= now()
-/// AND (state = 'completed' OR expires_at <= now() - $grace)
+/// AND (state = $completed OR expires_at <= now() - $grace)
 /// AND ($older_than IS NULL OR created_at <= now() - $older_than)
 /// AND ($tenant IS NULL OR tenant = $tenant)
 /// ```
 ///
-/// The leading `expires_at <= now()` lets the planner walk the `expires_at` index. The
+/// (`$completed`, `$in_flight`: the [`State`] values, bound.) The leading `expires_at <= now()`
+/// lets the planner walk the `expires_at` index. The
 /// optional filters are binds tested for NULL rather than clauses left out, so the statement's
 /// text (and its prepared plan) is the same for every caller.
 #[derive(Debug, Clone)]
@@ -475,8 +547,8 @@ impl QueryFragment<Pg> for Purgeable {
 ///         SELECT ctid FROM idempotency_keys WHERE <Purgeable>
 ///         ORDER BY expires_at LIMIT $limit FOR UPDATE SKIP LOCKED))
 ///     RETURNING state)
-/// SELECT count(*) FILTER (WHERE state = 'completed') AS completed,
-///        count(*) FILTER (WHERE state = 'in_flight') AS in_flight
+/// SELECT count(*) FILTER (WHERE state = $completed) AS completed,
+///        count(*) FILTER (WHERE state = $in_flight) AS in_flight
 /// FROM gone
 /// ```
 ///
@@ -495,17 +567,7 @@ pub(crate) struct Purge {
     pub(crate) limit: i64,
 }
 
-/// Static query id for the statement cache.
-pub(crate) struct PurgeId;
-
-impl QueryId for Purge {
-    type QueryId = PurgeId;
-    const HAS_STATIC_QUERY_ID: bool = true;
-}
-
-impl Query for Purge {
-    type SqlType = Untyped;
-}
+statement!(Purge, PurgeId);
 
 impl QueryFragment<Pg> for Purge {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
@@ -521,13 +583,13 @@ impl QueryFragment<Pg> for Purge {
         out.push_bind_param::<BigInt, _>(&self.limit)?;
         out.push_sql(" FOR UPDATE SKIP LOCKED)) RETURNING ");
         // Unqualified from here on: outside the DELETE only the CTE `gone` is in scope.
-        out.push_identifier(<k::state as Column>::NAME)?;
+        name::<k::state>(&mut out)?;
         out.push_sql(") SELECT count(*) FILTER (WHERE ");
-        out.push_identifier(<k::state as Column>::NAME)?;
+        name::<k::state>(&mut out)?;
         out.push_sql(" = ");
         out.push_bind_param::<Text, _>(&COMPLETED)?;
         out.push_sql(") AS completed, count(*) FILTER (WHERE ");
-        out.push_identifier(<k::state as Column>::NAME)?;
+        name::<k::state>(&mut out)?;
         out.push_sql(" = ");
         out.push_bind_param::<Text, _>(&IN_FLIGHT)?;
         out.push_sql(") AS in_flight FROM gone");
@@ -612,17 +674,7 @@ fn non_negative(n: i64) -> u64 {
 /// Raw SQL: catalog lookups by name (`to_regclass`, `to_regprocedure`) are not table queries.
 pub(crate) struct TableExists;
 
-/// Static query id for the statement cache.
-pub(crate) struct TableExistsId;
-
-impl QueryId for TableExists {
-    type QueryId = TableExistsId;
-    const HAS_STATIC_QUERY_ID: bool = true;
-}
-
-impl Query for TableExists {
-    type SqlType = Untyped;
-}
+statement!(TableExists, TableExistsId);
 
 impl QueryFragment<Pg> for TableExists {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
@@ -638,11 +690,38 @@ impl QueryFragment<Pg> for TableExists {
     }
 }
 
-/// The row of [`TableExists`].
+/// The row of [`TableExists`] and [`ClaimExists`].
 #[derive(QueryableByName, Debug)]
 pub(crate) struct ExistsRow {
     #[diesel(sql_type = Bool)]
     pub(crate) present: bool,
+}
+
+/// Whether the transactional claim function (third migration) is visible on the connection's
+/// `search_path`, to tell a database migrated only to the second migration from another
+/// failure.
+///
+/// Raw SQL: a catalog lookup by name, as [`TableExists`].
+pub(crate) struct ClaimExists;
+
+statement!(ClaimExists, ClaimExistsId);
+
+impl QueryFragment<Pg> for ClaimExists {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        out.push_sql(
+            "SELECT to_regprocedure('idempotency_tx_claim(text, text, text, text, text, text, \
+             bytea, uuid, bigint)') IS NOT NULL AS present",
+        );
+        Ok(())
+    }
+}
+
+/// Run [`ClaimExists`].
+pub(crate) async fn claim_exists(conn: &mut AsyncPgConnection) -> QueryResult<bool> {
+    ClaimExists
+        .get_result::<ExistsRow>(conn)
+        .await
+        .map(|row| row.present)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -951,6 +1030,9 @@ const _: () = {
     assert!(<Purge as QueryId>::HAS_STATIC_QUERY_ID);
     assert!(<TableExists as QueryId>::HAS_STATIC_QUERY_ID);
     assert!(<NowShifted as QueryId>::HAS_STATIC_QUERY_ID);
+    assert!(<TxClaim<'static> as QueryId>::HAS_STATIC_QUERY_ID);
+    assert!(<SetTenant<'static> as QueryId>::HAS_STATIC_QUERY_ID);
+    assert!(<ClaimExists as QueryId>::HAS_STATIC_QUERY_ID);
 };
 
 #[cfg(test)]
@@ -984,6 +1066,63 @@ mod tests {
             assert!(sql.contains(&format!("${n}")), "${n} in {sql}");
         }
         assert!(!sql.contains("$10"), "{sql}");
+    }
+
+    fn scope() -> ScopeBinds<'static> {
+        ScopeBinds {
+            tenant: "t",
+            method: "POST",
+            path: "/p",
+            key: "k",
+        }
+    }
+
+    fn reserve(fingerprint: &[u8]) -> Reserve<'_> {
+        Reserve {
+            scope: scope(),
+            fingerprint,
+            token: uuid::Uuid::nil(),
+            lease_us: 1,
+        }
+    }
+
+    /// Each bind once, numbered in order, none left over: the claim's two settings, then the
+    /// reserve call's seven.
+    #[test]
+    fn claim_binds_each_parameter_once_in_order() {
+        let fingerprint = [0u8; 32];
+        let claim = TxClaim {
+            setting: Some("app.tenant_id"),
+            setting_value: Some("t"),
+            reserve: reserve(&fingerprint),
+        };
+        let sql = sql_of(&claim);
+        assert!(
+            sql.starts_with("SELECT * FROM idempotency_tx_claim($1, $2, $3,"),
+            "{sql}"
+        );
+        for n in 1..=9 {
+            assert_eq!(sql.matches(&format!("${n}")).count(), 1, "{sql}");
+        }
+        assert!(!sql.contains("$10"), "{sql}");
+        let reserve_sql = sql_of(&reserve(&fingerprint));
+        assert!(
+            reserve_sql
+                .starts_with("SELECT * FROM idempotency_reserve($1, $2, $3, $4, $5, $6, $7)"),
+            "{reserve_sql}"
+        );
+    }
+
+    /// The replay read names the schema's columns and binds the completed state.
+    #[test]
+    fn replay_read_selects_the_reserve_row_shape() {
+        let sql = sql_of(&ReplayRead { scope: scope() });
+        assert!(sql.contains("\"response_headers\""), "{sql}");
+        assert!(
+            sql.contains("= ($1, $2, $3, $4) AND \"state\" = $5 AND"),
+            "{sql}"
+        );
+        assert!(!sql.contains("$6"), "{sql}");
     }
 
     #[test]

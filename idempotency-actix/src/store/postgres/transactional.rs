@@ -1,12 +1,14 @@
-//! The SQL of transactional mode (C25): every statement the middleware sends on the
-//! connection it lends to the handler, in one place.
+//! Transactional mode (C25): what the middleware does on the connection it lends to the
+//! handler. The claim, the tenant setting and the claim-function probe are statements of the
+//! `sql` module (the one home of the store's SQL); `BEGIN`, `COMMIT` and `ROLLBACK` go through
+//! diesel-async's transaction manager.
 //!
 //! A transactional request runs, on one pooled connection:
 //!
 //! | round trip | statement | what |
 //! |---|---|---|
 //! | 1 | `BEGIN [ISOLATION LEVEL ..]; SET LOCAL idle_in_transaction_session_timeout = ..` | one simple query, through diesel-async's [`AnsiTransactionManager`] (so a handler's own `transaction()` becomes a savepoint) |
-//! | 2 | `SELECT .. FROM idempotency_tx_claim($1..$9)` | tenant setting for RLS, then reserve-or-fetch inside this transaction (keyed requests only) |
+//! | 2 | `SELECT * FROM idempotency_tx_claim($1..$9)` | tenant setting for RLS, then reserve-or-fetch inside this transaction (keyed requests only) |
 //! | - | the handler's statements | |
 //! | 3 | the store's `complete` UPDATE, fenced by the token | the stored response, in the same transaction (keyed requests only) |
 //! | 4 | `COMMIT` | the reservation, the handler's rows and the response become visible at once |
@@ -20,18 +22,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use diesel::connection::{Instrumentation, InstrumentationEvent};
-use diesel::pg::Pg;
-use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
 use diesel::result::{DatabaseErrorKind, Error as DieselError};
-use diesel::sql_types::{BigInt, Bool, Bytea, Nullable, Text, Untyped};
-use diesel::{QueryResult, QueryableByName};
 use diesel_async::pooled_connection::bb8::PooledConnection;
 use diesel_async::{
-    AnsiTransactionManager, AsyncConnection, AsyncPgConnection, RunQueryDsl, TransactionManager,
+    AnsiTransactionManager, AsyncConnection, AsyncPgConnection, TransactionManager,
 };
 
 use super::error::{classify_error, classify_pool_error};
-use super::sql::{self, Completion, ReserveRow, ScopeBinds};
+use super::sql::{self, Completion, Reserve, SetTenant, TxClaim};
 use super::store::{corrupt, decode_reserve_row, scope_binds};
 use super::{micros, PostgresStore};
 use crate::store::{
@@ -122,7 +120,7 @@ pub(crate) async fn begin(
 }
 
 /// The claim of a keyed request, inside the open transaction: the tenant setting, then
-/// reserve-or-fetch (see [`TxClaim`]). `None` means the function answered `raced` (nothing
+/// reserve-or-fetch (see [`sql::TxClaim`]). `None` means the function answered `raced` (nothing
 /// written; the caller may try again).
 pub(crate) async fn claim(
     store: &PostgresStore,
@@ -135,19 +133,21 @@ pub(crate) async fn claim(
     let query = TxClaim {
         setting: setting.map(|(name, _)| name),
         setting_value: setting.map(|(_, value)| value),
-        scope: scope_binds(scope),
-        fingerprint: fingerprint.as_bytes(),
-        token: ReservationToken::random().as_uuid(),
-        lease_us: micros(lease).max(1),
+        reserve: Reserve {
+            scope: scope_binds(scope),
+            fingerprint: fingerprint.as_bytes(),
+            token: ReservationToken::random().as_uuid(),
+            lease_us: micros(lease).max(1),
+        },
     };
-    let token = query.token;
-    let rows: Vec<ReserveRow> = store
-        .timed(async { query.load(conn).await.map_err(classify_error) })
+    let rows = store
+        .timed(async { sql::tx_claim(conn, &query).await.map_err(classify_error) })
         .await?;
     let Some(row) = rows.into_iter().next() else {
         return Err(corrupt("idempotency_tx_claim returned no row"));
     };
-    parse_row(row, token)
+    // A claim row has the reserve function's shape and vocabulary: one decoder for both.
+    decode_reserve_row(row, query.reserve.token)
 }
 
 /// Only the tenant setting, for a keyless request (no record, so no claim). One round trip;
@@ -160,13 +160,7 @@ pub(crate) async fn set_tenant(
 ) -> Result<(), StoreError> {
     let query = SetTenant { name, value };
     store
-        .timed(async {
-            query
-                .execute(conn)
-                .await
-                .map(|_| ())
-                .map_err(classify_error)
-        })
+        .timed(async { sql::set_tenant(conn, &query).await.map_err(classify_error) })
         .await
 }
 
@@ -326,8 +320,8 @@ pub(crate) async fn classify_claim_error(
     if !matches!(error, StoreError::Backend(_)) {
         return error;
     }
-    match ClaimExists.get_result::<ExistsRow>(conn).await {
-        Ok(row) if !row.present => StoreError::NotProvisioned {
+    match sql::claim_exists(conn).await {
+        Ok(false) => StoreError::NotProvisioned {
             hint: TX_MIGRATE_HINT.to_owned(),
         },
         _ => error,
@@ -337,157 +331,3 @@ pub(crate) async fn classify_claim_error(
 /// The hint when the claim function is missing.
 pub const TX_MIGRATE_HINT: &str = "the function `idempotency_tx_claim` (third migration, \
      needed by transactional mode) does not exist in this database; run `idem-cli migrate`";
-
-/// A claim row has the reserve function's shape and vocabulary: one decoder for both.
-fn parse_row(row: ReserveRow, token: uuid::Uuid) -> Result<Option<ReserveOutcome>, StoreError> {
-    decode_reserve_row(row, token)
-}
-
-// ---------------------------------------------------------------------------------------------
-// statements (each with a static query id: prepared once per connection)
-
-/// `SELECT .. FROM idempotency_tx_claim($1..$9)`. Binds: `$1` setting name (NULL: none), `$2`
-/// its value, `$3..$6` scope, `$7` fingerprint, `$8` token, `$9` lease in microseconds.
-pub(crate) struct TxClaim<'a> {
-    pub(crate) setting: Option<&'a str>,
-    pub(crate) setting_value: Option<&'a str>,
-    pub(crate) scope: ScopeBinds<'a>,
-    pub(crate) fingerprint: &'a [u8],
-    pub(crate) token: uuid::Uuid,
-    pub(crate) lease_us: i64,
-}
-
-/// Static query id of [`TxClaim`].
-pub(crate) struct TxClaimId;
-
-impl QueryId for TxClaim<'_> {
-    type QueryId = TxClaimId;
-    const HAS_STATIC_QUERY_ID: bool = true;
-}
-
-impl Query for TxClaim<'_> {
-    type SqlType = Untyped;
-}
-
-impl QueryFragment<Pg> for TxClaim<'_> {
-    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
-        out.push_sql(
-            "SELECT outcome, state, fingerprint, lease_remaining_us, response_status, \
-             response_headers, response_body, live, eligible FROM idempotency_tx_claim(",
-        );
-        out.push_bind_param::<Nullable<Text>, _>(&self.setting)?;
-        out.push_sql(", ");
-        out.push_bind_param::<Nullable<Text>, _>(&self.setting_value)?;
-        out.push_sql(", ");
-        out.push_bind_param::<Text, _>(&self.scope.tenant)?;
-        out.push_sql(", ");
-        out.push_bind_param::<Text, _>(&self.scope.method)?;
-        out.push_sql(", ");
-        out.push_bind_param::<Text, _>(&self.scope.path)?;
-        out.push_sql(", ");
-        out.push_bind_param::<Text, _>(&self.scope.key)?;
-        out.push_sql(", ");
-        out.push_bind_param::<Bytea, _>(&self.fingerprint)?;
-        out.push_sql(", ");
-        out.push_bind_param::<diesel::sql_types::Uuid, _>(&self.token)?;
-        out.push_sql(", ");
-        out.push_bind_param::<BigInt, _>(&self.lease_us)?;
-        out.push_sql(")");
-        Ok(())
-    }
-}
-
-/// `SELECT set_config($1, $2, true)`: the tenant of a keyless transactional request.
-pub(crate) struct SetTenant<'a> {
-    pub(crate) name: &'a str,
-    pub(crate) value: &'a str,
-}
-
-/// Static query id of [`SetTenant`].
-pub(crate) struct SetTenantId;
-
-impl QueryId for SetTenant<'_> {
-    type QueryId = SetTenantId;
-    const HAS_STATIC_QUERY_ID: bool = true;
-}
-
-impl Query for SetTenant<'_> {
-    type SqlType = Untyped;
-}
-
-impl QueryFragment<Pg> for SetTenant<'_> {
-    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
-        out.push_sql("SELECT set_config(");
-        out.push_bind_param::<Text, _>(&self.name)?;
-        out.push_sql(", ");
-        out.push_bind_param::<Text, _>(&self.value)?;
-        out.push_sql(", true)");
-        Ok(())
-    }
-}
-
-/// Whether the claim function exists (third migration).
-pub(crate) struct ClaimExists;
-
-/// Static query id of [`ClaimExists`].
-pub(crate) struct ClaimExistsId;
-
-impl QueryId for ClaimExists {
-    type QueryId = ClaimExistsId;
-    const HAS_STATIC_QUERY_ID: bool = true;
-}
-
-impl Query for ClaimExists {
-    type SqlType = Untyped;
-}
-
-impl QueryFragment<Pg> for ClaimExists {
-    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
-        out.push_sql(
-            "SELECT to_regprocedure('idempotency_tx_claim(text, text, text, text, text, text, \
-             bytea, uuid, bigint)') IS NOT NULL AS present",
-        );
-        Ok(())
-    }
-}
-
-/// The row of [`ClaimExists`].
-#[derive(QueryableByName, Debug)]
-pub(crate) struct ExistsRow {
-    #[diesel(sql_type = Bool)]
-    pub(crate) present: bool,
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn claim_binds_each_parameter_once_in_order() {
-        let fingerprint = [0u8; 32];
-        let claim = TxClaim {
-            setting: Some("app.tenant_id"),
-            setting_value: Some("t"),
-            scope: ScopeBinds {
-                tenant: "t",
-                method: "POST",
-                path: "/p",
-                key: "k",
-            },
-            fingerprint: &fingerprint,
-            token: uuid::Uuid::nil(),
-            lease_us: 1,
-        };
-        let sql = diesel::debug_query::<Pg, _>(&claim).to_string();
-        for n in 1..=9 {
-            assert_eq!(sql.matches(&format!("${n}")).count(), 1, "{sql}");
-        }
-        assert!(!sql.contains("$10"), "{sql}");
-    }
-
-    const _: () = {
-        assert!(<TxClaim<'static> as QueryId>::HAS_STATIC_QUERY_ID);
-        assert!(<SetTenant<'static> as QueryId>::HAS_STATIC_QUERY_ID);
-        assert!(<ClaimExists as QueryId>::HAS_STATIC_QUERY_ID);
-    };
-}
