@@ -139,6 +139,50 @@ pub async fn seed(conn: &mut AsyncPgConnection, seed: &Seed<'_>) -> QueryResult<
     Ok(())
 }
 
+/// Partitioned layout: `n` completed records (keys `{prefix}{i}`, tenant `t`,
+/// [`SEED_METHOD`] [`SEED_PATH`]) whose claims and response rows expire at `expires_sql` (an SQL
+/// expression of the database's clock), bypassing the store so a test can place them in a past
+/// partition. The claims through the schema module; the response rows by position.
+pub fn seed_partitioned_completed(url: &str, prefix: &str, n: usize, expires_sql: &str) {
+    let (url, prefix, expires_sql) = (url.to_owned(), prefix.to_owned(), expires_sql.to_owned());
+    run(async move {
+        let mut conn = admin::establish(&url).await.expect("connect");
+        for i in 1..=n {
+            let expires = diesel::dsl::sql::<Timestamptz>(&expires_sql);
+            let token: Option<uuid::Uuid> = diesel::insert_into(k::table)
+                .values((
+                    k::tenant.eq("t"),
+                    k::method.eq(SEED_METHOD),
+                    k::path.eq(SEED_PATH),
+                    k::idempotency_key.eq(format!("{prefix}{i}")),
+                    k::fingerprint.eq(vec![SEED_FINGERPRINT_BYTE; 32]),
+                    k::state.eq(State::Completed),
+                    k::token.eq(uuid::Uuid::new_v4()),
+                    k::response_status.eq(SEED_STATUS),
+                    k::created_at.eq(db_now_plus(-4 * 3600)),
+                    k::completed_at.eq(db_now_plus(-4 * 3600).nullable()),
+                    k::expires_at.eq(expires),
+                ))
+                .returning(k::token)
+                .get_result(&mut conn)
+                .await
+                .expect("seed claim");
+            // The response row by position (token, expires_at, headers, body), its expiry
+            // copied from the claim.
+            diesel::sql_query(
+                "INSERT INTO idempotency_responses SELECT $1, expires_at, $2, $3 \
+                 FROM idempotency_keys WHERE token = $1",
+            )
+            .bind::<diesel::sql_types::Nullable<diesel::sql_types::Uuid>, _>(token)
+            .bind::<diesel::sql_types::Bytea, _>(SEED_HEADERS)
+            .bind::<diesel::sql_types::Bytea, _>(SEED_BODY)
+            .execute(&mut conn)
+            .await
+            .expect("seed response");
+        }
+    })
+}
+
 /// Every key in the table, sorted.
 pub async fn keys(conn: &mut AsyncPgConnection) -> QueryResult<Vec<String>> {
     k::table

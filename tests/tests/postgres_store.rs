@@ -520,7 +520,7 @@ async fn store_over_an_app_built_pool() {
 #[tokio::test]
 async fn partitioned_purge_drops_expired_partitions_and_keeps_live_records() {
     use idempotency_actix::store::postgres::admin;
-    use idempotency_e2e::records::{count, execute};
+    use idempotency_e2e::records::{self, count, execute};
 
     let db = TestDb::new_partitioned(PartitionInterval::Hourly).await;
     let store = PostgresStore::connect(&db.url).await.unwrap();
@@ -560,17 +560,11 @@ async fn partitioned_purge_drops_expired_partitions_and_keeps_live_records() {
          FOR VALUES FROM (date_trunc('hour', now()) - interval '3 hours') \
          TO (date_trunc('hour', now()) - interval '2 hours')",
     );
-    execute(
+    records::seed_partitioned_completed(
         &db.url,
-        "WITH c AS (INSERT INTO idempotency_keys (tenant, method, path, idempotency_key, \
-             fingerprint, state, token, response_status, created_at, completed_at, expires_at) \
-           SELECT 't', 'POST', '/payments', 'old-' || i, decode(repeat('07', 32), 'hex'), \
-             'completed', gen_random_uuid(), 200, now() - interval '4 hours', \
-             now() - interval '4 hours', \
-             date_trunc('hour', now()) - interval '150 minutes' \
-           FROM generate_series(1, 50) i RETURNING token, expires_at) \
-         INSERT INTO idempotency_responses SELECT token, expires_at, '\\x'::bytea, 'old'::bytea \
-         FROM c",
+        "old-",
+        50,
+        "date_trunc('hour', now()) - interval '150 minutes'",
     );
     assert_eq!(
         count(
