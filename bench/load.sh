@@ -127,6 +127,8 @@ listen_addresses = '127.0.0.1'
 port = $PGPORT
 unix_socket_directories = '$WORK'
 shared_preload_libraries = 'pg_stat_statements'
+# Nested statements too (a function's own), for the per-statement breakdown of each case.
+pg_stat_statements.track = all
 max_connections = 200
 shared_buffers = 256MB
 EOF
@@ -195,7 +197,7 @@ raw-miss|raw|miss postgres-miss|postgres|miss postgres-fast-miss|postgres-fast|m
 postgres-async-miss|postgres-async|miss \
 raw-replay|raw|replay postgres-replay|postgres|replay postgres-fast-replay|postgres-fast|replay \
 pgbench-replay|-|replay pgbench-store-replay|-|store_replay \
-pgbench-miss|-|miss \
+pgbench-miss|-|miss pgbench-tx-anchor-miss|-|tx_anchor_miss pgbench-tx-miss|-|tx_miss \
 payments-raw-miss|payments-raw|miss payments-today-miss|payments-today|miss payments-tx-miss|payments-tx|miss \
 payments-tx-replay|payments-tx|replay"
 SELECTED=${BENCH_CASES:-}

@@ -153,6 +153,22 @@ def main():
             result["statements_per_request"] = round(calls / n, 3)
         except ValueError:  # pg_stat_statements is not loaded on this server
             result["statements_per_request"] = None
+        # Where the database time goes: the statements of this case (nested ones too, with
+        # pg_stat_statements.track = all), by total time, per request.
+        top = psql(
+            psql_args,
+            "SELECT round((s.calls::numeric / " + str(n) + "), 2) || '|' "
+            "|| round((s.mean_exec_time * 1000)::numeric, 1) || '|' || s.toplevel || '|' "
+            "|| left(regexp_replace(s.query, '\\s+', ' ', 'g'), 90) "
+            "FROM pg_stat_statements s JOIN pg_database d ON d.oid = s.dbid "
+            "WHERE d.datname = current_database() AND query NOT ILIKE '%pg_stat%' "
+            "ORDER BY s.total_exec_time DESC LIMIT 8",
+        )
+        result["statements"] = [
+            dict(zip(("calls_per_request", "mean_us", "toplevel", "query"), line.split("|", 3)))
+            for line in (top or "").splitlines()
+            if line.count("|") >= 3
+        ]
         # The psql calls of this script commit too (about 4); negligible against n.
         result["commits_per_request"] = round((commits1 - commits0) / n, 3)
     print(json.dumps(result), flush=True)

@@ -30,13 +30,14 @@ RATIOS = [
     ("postgres miss, sync commit off / on", "postgres-async-miss", "postgres-miss", None),
     ("(6) transactional payments miss / one-transaction anchor", "payments-tx-miss", "payments-raw-miss", 0.95),
     ("(6) transactional / default mode, payments miss", "payments-tx-miss", "payments-today-miss", None),
+    ("(6) SQL only: transactional statements / anchor", "pgbench-tx-miss", "pgbench-tx-anchor-miss", None),
 ]
 
 ORDER = [
     "bare-miss", "memory-miss", "memory-metrics-miss", "memory-evicting-miss", "bare-replay",
     "memory-replay", "postgres-cached-replay", "raw-miss", "postgres-miss", "postgres-fast-miss",
     "postgres-async-miss", "raw-replay", "postgres-replay", "postgres-fast-replay",
-    "pgbench-replay", "pgbench-store-replay", "pgbench-miss",
+    "pgbench-replay", "pgbench-store-replay", "pgbench-miss", "pgbench-tx-anchor-miss", "pgbench-tx-miss",
     "payments-raw-miss", "payments-today-miss", "payments-tx-miss", "payments-tx-replay",
 ]
 
