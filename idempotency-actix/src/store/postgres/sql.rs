@@ -1113,16 +1113,21 @@ mod tests {
         );
     }
 
-    /// The replay read names the schema's columns and binds the completed state.
+    /// The replay read is one call of the layout's replay function (it
+    /// knows where the response lives: the keys table or the partitioned
+    /// responses table), binding the four scope parts once each, in order.
     #[test]
-    fn replay_read_selects_the_reserve_row_shape() {
+    fn replay_read_calls_the_layout_replay_function() {
         let sql = sql_of(&ReplayRead { scope: scope() });
-        assert!(sql.contains("\"response_headers\""), "{sql}");
         assert!(
-            sql.contains("= ($1, $2, $3, $4) AND \"state\" = $5 AND"),
+            sql.starts_with("SELECT * FROM idempotency_replay($1, $2, $3, $4)"),
             "{sql}"
         );
-        assert!(!sql.contains("$6"), "{sql}");
+        assert!(
+            sql.ends_with("binds: [\"t\", \"POST\", \"/p\", \"k\"]"),
+            "{sql}"
+        );
+        assert!(!sql.contains("$5"), "{sql}");
     }
 
     #[test]
