@@ -17,7 +17,9 @@
 # server's admin URL instead of the throwaway cluster; pg_stat_statements must be loaded
 # there for the statement counts), BENCH_CASES (space-separated subset of the cases),
 # BENCH_SERVER_BIN (a bench_server binary built beforehand: skips the build), BENCH_SCALE (1: also run the scale curves of bench/scale.sh after the cases; only: run just
-# the scale curves; they take up to 30 minutes and about 10 GB of disk, and are not for CI).
+# the scale curves; they take up to 30 minutes and about 10 GB of disk, and are not for CI),
+# BENCH_PARTITIONS (1: also compare the partitioned layout with the plain one, bench/partitions.sh;
+# only: just that; 10 M expired rows per layout, 10-20 minutes, not for CI).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=bench/rows.sh
@@ -26,6 +28,7 @@ source bench/rows.sh
 DURATION=${BENCH_DURATION:-10}
 RUNS=${BENCH_RUNS:-5}
 SCALE=${BENCH_SCALE:-}
+PARTITIONS=${BENCH_PARTITIONS:-}
 THREADS=${BENCH_THREADS:-2}
 CONNECTIONS=${BENCH_CONNECTIONS:-64}
 POOL=${BENCH_POOL:-16}
@@ -37,6 +40,7 @@ STAMP=$(date -u +%Y%m%dT%H%M%SZ)
 OUT=bench-results
 mkdir -p "$OUT"
 RESULTS="$OUT/load-$STAMP.jsonl"
+: >"$RESULTS"
 WORK=$(mktemp -d /tmp/idem-bench.XXXXXX)
 PIDS=()
 PGDATA_DIR=""
@@ -46,6 +50,7 @@ POSTMASTER=""
 log() { printf '[load.sh %s] %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
 
 DB_CREATED=""
+PART_DB_CREATED=""
 cleanup() {
   local status=$?
   for pid in "${PIDS[@]}"; do
@@ -56,6 +61,9 @@ cleanup() {
   done
   if [ -n "$DB_CREATED" ]; then
     psql "$ADMIN_URL" -XAtq -c 'DROP DATABASE IF EXISTS idem_bench WITH (FORCE)' >/dev/null 2>&1 || true
+  fi
+  if [ -n "$PART_DB_CREATED" ]; then
+    psql "$ADMIN_URL" -XAtq -c 'DROP DATABASE IF EXISTS idem_bench_part WITH (FORCE)' >/dev/null 2>&1 || true
   fi
   if [ -n "$POSTMASTER" ]; then
     # Fast shutdown of the cluster this script started (by its postmaster's PID).
@@ -167,7 +175,7 @@ PORT[payments-tx]=18091;     MODE[payments-tx]=payments-tx
 PORT[payments-raw]=18092;    MODE[payments-raw]=payments-raw
 SERVERS="bare memory memory-evicting memory-metrics postgres postgres-fast postgres-cached postgres-async raw payments-today payments-tx payments-raw"
 declare -A SERVER_PID
-if [ "$SCALE" = only ]; then SERVERS=""; fi
+if [ "$SCALE" = only ] || [ "$PARTITIONS" = only ]; then SERVERS=""; fi
 for name in $SERVERS; do
   # shellcheck disable=SC2086
   "$SERVER" serve --mode "${MODE[$name]}" --addr "127.0.0.1:${PORT[$name]}" --workers "$WORKERS" \
@@ -225,7 +233,7 @@ for name in $SERVERS; do
   wrk -t"$THREADS" -c"$CONNECTIONS" -d1s -s bench/miss.lua "http://127.0.0.1:${PORT[$name]}" -- "warm-$STAMP" >/dev/null
 done
 
-[ "$SCALE" = only ] && RUNS=0
+{ [ "$SCALE" = only ] || [ "$PARTITIONS" = only ]; } && RUNS=0
 for run in $(seq 1 "$RUNS"); do
   log "round $run of $RUNS"
   for spec in $CASES_ALL; do
@@ -244,14 +252,12 @@ done
 # miss path, one wrk thread, 16 connections) runs against the PostgreSQL server. The same
 # traffic without a purge first, as the baseline. BENCH_PURGE_ROWS (1000000), BENCH_PURGE=0 skips.
 PURGE_JSON="{}"
-if [ "${BENCH_PURGE:-1}" != 0 ] && [ -z "$SELECTED" ] && [ "$SCALE" != only ]; then
+if [ "${BENCH_PURGE:-1}" != 0 ] && [ -z "$SELECTED" ] && [ "$SCALE" != only ] && [ "$PARTITIONS" != only ]; then
   ROWS=${BENCH_PURGE_ROWS:-1000000}
   log "purge: building idem-cli (release)"
   cargo build --release -q -p idempotency-cli
   log "purge: inserting $ROWS expired rows"
-  rows_fill_completed "$DB_URL" 1 "$ROWS" "'purge-bench'" "'old-' || g" "decode(repeat('42', 32), 'hex')" \
-    "decode('0100000002000000086c6f636174696f6e0000000b2f7061796d656e74732f310000000c636f6e74656e742d74797065000000106170706c69636174696f6e2f6a736f6e', 'hex')" \
-    "convert_to('{\"id\":1,\"amount\":1000,\"currency\":\"EUR\",\"status\":\"succeeded\"}', 'UTF8')" \
+  rows_fill_completed "$DB_URL" 1 "$ROWS" "'purge-bench'" "'old-' || g" "$ROWS_FINGERPRINT" "$ROWS_HEADERS" "$ROWS_BODY" \
     "now() - interval '2 days' + g * interval '1 millisecond'" "now() - interval '1 day' + g * interval '1 millisecond'"
   psql "$DB_URL" -XAtq -c "VACUUM ANALYZE idempotency_keys" >/dev/null
   TRAFFIC=(wrk -t1 -c16 --latency -s bench/miss.lua "http://127.0.0.1:${PORT[postgres]}")
@@ -279,9 +285,15 @@ done
 HWM="${HWM%,}}"
 FOOTPRINT=$("$SERVER" footprint --records 100000)
 SCALE_JSON="{}"
-if [ -n "$SCALE" ]; then
+if [ -n "$SCALE" ] && [ "$PARTITIONS" != only ]; then
   # shellcheck source=bench/scale.sh
   source bench/scale.sh
+fi
+if [ -n "$PARTITIONS" ]; then
+  # shellcheck source=bench/partitions.sh
+  source bench/partitions.sh
+  echo "$PART_JSON" >"$OUT/partitions-$STAMP.json"
+  log "partitions: results in $OUT/partitions-$STAMP.json"
 fi
 STORE_LEN_NOTE="memory store bounded at 100000 records (MemoryStore default)"
 LOAD_END=$(cut -d' ' -f1-3 /proc/loadavg)
