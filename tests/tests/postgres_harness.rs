@@ -22,6 +22,26 @@ async fn database_count(name: &str) -> i64 {
     .n
 }
 
+/// How many migrations the repository ships: one directory each under `migrations/`, the single
+/// source of the schema (counted there rather than written down, so a new migration needs no
+/// edit here).
+fn migration_count() -> usize {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../migrations");
+    let count = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("reading {}: {e}", dir.display()))
+        .filter(|entry| {
+            entry
+                .as_ref()
+                .is_ok_and(|e| e.path().join("up.sql").is_file())
+        })
+        .count();
+    assert!(
+        count >= 5,
+        "expected at least the five shipped migrations, found {count}"
+    );
+    count
+}
+
 #[tokio::test]
 async fn fresh_databases_are_migrated_unique_and_dropped() {
     let a = TestDb::new().await;
@@ -39,11 +59,17 @@ async fn fresh_databases_are_migrated_unique_and_dropped() {
 
     let mut conn = postgres::establish(&b.url).await.unwrap();
     assert!(!postgres::table_exists(&mut conn).await.unwrap());
-    assert_eq!(postgres::pending_migrations(&b.url).await.unwrap().len(), 3);
+    assert_eq!(
+        postgres::pending_migrations(&b.url).await.unwrap().len(),
+        migration_count()
+    );
     drop(conn);
 
     // Migrating twice is harmless; the second run applies nothing.
-    assert_eq!(postgres::run_migrations(&b.url).await.unwrap().len(), 3);
+    assert_eq!(
+        postgres::run_migrations(&b.url).await.unwrap().len(),
+        migration_count()
+    );
     assert!(postgres::run_migrations(&b.url).await.unwrap().is_empty());
 
     let name = a.name.clone();
@@ -55,7 +81,7 @@ async fn fresh_databases_are_migrated_unique_and_dropped() {
 async fn migrations_run_from_inside_an_actix_runtime() {
     let db = TestDb::new_unmigrated().await;
     let applied = postgres::run_migrations(&db.url).await.unwrap();
-    assert_eq!(applied.len(), 3);
+    assert_eq!(applied.len(), migration_count());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -69,7 +95,11 @@ async fn concurrent_migrations_apply_each_version_once() {
     for run in runs {
         applied += run.await.unwrap().unwrap().len();
     }
-    assert_eq!(applied, 3, "exactly one run applied each migration");
+    assert_eq!(
+        applied,
+        migration_count(),
+        "exactly one run applied each migration"
+    );
 }
 
 #[test]
@@ -86,7 +116,7 @@ fn throwaway_cluster_starts_and_stops() {
     let ok = idempotency_e2e::block_on_fresh_thread(async move {
         postgres::run_migrations(&url).await.map(|v| v.len())
     });
-    assert_eq!(ok.unwrap().unwrap(), 3);
+    assert_eq!(ok.unwrap().unwrap(), migration_count());
     let dir = cluster.data_dir.clone();
     drop(cluster);
     assert!(!dir.exists(), "cluster directory removed");
