@@ -162,4 +162,91 @@ mod tests {
         };
         assert!(!err.to_string().contains("secret"), "{err}");
     }
+
+    fn boxed(message: &str) -> Box<dyn std::error::Error + Send + Sync> {
+        message.into()
+    }
+
+    /// How each connect failure maps to an exit code, with the redacted target and never more.
+    #[test]
+    fn connect_errors_are_classified() {
+        let target = "postgres://app:***@db:5432/payments";
+        let err = connect_error(
+            target,
+            StoreError::NotProvisioned {
+                hint: "run idem-cli migrate".into(),
+            },
+        );
+        assert!(matches!(&err, CliError::NotProvisioned(h) if h == "run idem-cli migrate"));
+
+        let err = connect_error(
+            target,
+            StoreError::Backend(boxed("invalid database URL: bad port")),
+        );
+        assert!(
+            matches!(&err, CliError::Usage(m) if m == "invalid database URL postgres://app:***@db:5432/payments: bad port"),
+            "{err:?}"
+        );
+
+        let err = connect_error(target, StoreError::Unavailable(boxed("connection refused")));
+        assert!(
+            matches!(&err, CliError::Unavailable(m) if m == "cannot connect to postgres://app:***@db:5432/payments: connection refused"),
+            "{err:?}"
+        );
+
+        let err = connect_error(target, StoreError::Capacity(7));
+        assert!(
+            matches!(&err, CliError::Unavailable(m) if m.starts_with("cannot connect to postgres://app:***@db:5432/payments: ")),
+            "{err:?}"
+        );
+    }
+
+    /// How a failed statement maps to an exit code.
+    #[test]
+    fn store_errors_are_classified() {
+        assert!(matches!(
+            store_error(StoreError::NotProvisioned { hint: "h".into() }),
+            CliError::NotProvisioned(h) if h == "h"
+        ));
+        assert!(matches!(
+            store_error(StoreError::Unavailable(boxed("reset by peer"))),
+            CliError::Unavailable(m) if m == "database unavailable: reset by peer"
+        ));
+        assert!(matches!(
+            store_error(StoreError::Backend(boxed("syntax error"))),
+            CliError::Other(m) if m == "database error: syntax error"
+        ));
+        let capacity = StoreError::Capacity(3);
+        let shown = capacity.to_string();
+        assert!(matches!(store_error(capacity), CliError::Other(m) if m == shown));
+    }
+
+    /// A server that accepts the TCP connection and never answers the startup message: the
+    /// CLI gives up after its timeout with exit 3 and the redacted target, never the password.
+    #[tokio::test]
+    async fn a_silent_server_times_out() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("a loopback port");
+        let port = listener.local_addr().expect("its address").port();
+        let url = format!("postgres://app:HUNTER2@127.0.0.1:{port}/payments");
+        let err = match connect(&url, Duration::from_millis(300)).await {
+            Err(err) => err,
+            Ok(_) => panic!("a server that never answers cannot be connected to"),
+        };
+        assert!(matches!(&err, CliError::Unavailable(_)), "{err:?}");
+        let shown = err.to_string();
+        assert!(shown.contains("no answer within 0.3s"), "{shown}");
+        assert!(shown.contains(&format!("127.0.0.1:{port}")), "{shown}");
+        assert!(!shown.contains("HUNTER2"), "{shown}");
+        drop(listener);
+    }
+
+    /// A string that is not a URL is a usage error before any connection is tried.
+    #[tokio::test]
+    async fn a_foreign_scheme_is_a_usage_error() {
+        let err = match connect("mysql://u:p@db/x", Duration::from_secs(1)).await {
+            Err(err) => err,
+            Ok(_) => panic!("mysql:// is not PostgreSQL"),
+        };
+        assert!(matches!(err, CliError::Usage(_)), "{err:?}");
+    }
 }

@@ -124,4 +124,64 @@ mod tests {
             }
         }
     }
+
+    fn same_code(a: ExitCode, b: u8) -> bool {
+        format!("{a:?}") == format!("{:?}", ExitCode::from(b))
+    }
+
+    /// Every variant maps to its documented code; a closed stdout is a success.
+    #[test]
+    fn each_failure_has_its_code() {
+        let cases = [
+            (CliError::Usage("u".into()), code::USAGE),
+            (CliError::Unavailable("u".into()), code::UNAVAILABLE),
+            (CliError::NotProvisioned("n".into()), code::NOT_PROVISIONED),
+            (CliError::Pending(2), code::PENDING),
+            (
+                CliError::NotFoundOrRefused("n".into()),
+                code::NOT_FOUND_OR_REFUSED,
+            ),
+            (CliError::Other("o".into()), code::OTHER),
+            (CliError::BrokenPipe, 0),
+        ];
+        for (err, expected) in cases {
+            assert!(same_code(err.exit_code(), expected), "{err:?}");
+        }
+    }
+
+    /// `context` prefixes the message and keeps the code; the variants without a message stay
+    /// as they are.
+    #[test]
+    fn context_keeps_the_code() {
+        let cases = [
+            CliError::Usage("m".into()),
+            CliError::Unavailable("m".into()),
+            CliError::NotProvisioned("m".into()),
+            CliError::NotFoundOrRefused("m".into()),
+            CliError::Other("m".into()),
+        ];
+        for err in cases {
+            let before = format!("{:?}", err.exit_code());
+            let err = err.context("purged 10 rows");
+            assert_eq!(err.to_string(), "purged 10 rows: m");
+            assert_eq!(format!("{:?}", err.exit_code()), before);
+        }
+        let pending = CliError::Pending(3).context("ignored");
+        assert_eq!(
+            pending.to_string(),
+            "3 migration(s) pending: run `idem-cli migrate`"
+        );
+        let pipe = CliError::BrokenPipe.context("ignored");
+        assert!(matches!(pipe, CliError::BrokenPipe));
+        assert_eq!(pipe.to_string(), "");
+    }
+
+    /// A closed pipe is silent; any other write failure is a one-line error.
+    #[test]
+    fn io_errors() {
+        let pipe = CliError::from(std::io::Error::from(std::io::ErrorKind::BrokenPipe));
+        assert!(matches!(pipe, CliError::BrokenPipe));
+        let full = CliError::from(std::io::Error::other("disk full"));
+        assert!(matches!(&full, CliError::Other(m) if m == "cannot write output: disk full"));
+    }
 }
