@@ -20,20 +20,33 @@ if ! command -v cargo-tarpaulin >/dev/null 2>&1; then
   cargo install cargo-tarpaulin --locked
 fi
 
+TARGET=${CARGO_TARGET_DIR:-target}/tarpaulin
+ENGINE=${COVERAGE_ENGINE:-llvm}
+
+# The fault, Redis and metrics tests run the `payments` example as a process. Build it once with
+# tarpaulin's own flags, in a directory of its own (the same flags in the harness's target dir
+# would make cargo rebuild one or the other), point the tests at it (IDEM_PAYMENTS_BIN, read by
+# tests/src/proc.rs) and hand it to tarpaulin (--objects) so its counters map to our sources.
+# Under coverage a test's teardown stops the example with SIGINT, so it exits and writes its
+# counters; tests that SIGKILL it on purpose lose that process's last counters.
+RUSTFLAGS="$(cargo tarpaulin --engine "$ENGINE" --print-rust-flags | tail -n 1)" \
+  cargo build -p idempotency-actix --example payments --features "test-suite redis" \
+  --target-dir "$TARGET-example"
+export IDEM_PAYMENTS_BIN="$TARGET-example/debug/examples/payments"
+
 # llvm engine (instrument-coverage; tarpaulin reads the profiles itself, no llvm-tools needed):
 # every instrumented binary writes its own profile, so the example and idem-cli processes that
 # the fault and CLI tests start count too (--follow-exec is for the ptrace engine, which
-# segfaulted here under the CLI process tests). --all-targets builds the payments example into
-# tarpaulin's target dir, where the fault tests look for it. Tests that kill a child on purpose
-# lose that child's last counters.
+# segfaulted here under the CLI process tests).
 cargo tarpaulin \
   --workspace \
   --all-targets \
   --no-fail-fast \
-  --engine "${COVERAGE_ENGINE:-llvm}" \
+  --engine "$ENGINE" \
   --follow-exec \
   --skip-clean \
-  --target-dir target/tarpaulin \
+  --target-dir "$TARGET" \
+  --objects "$IDEM_PAYMENTS_BIN" \
   --timeout "${COVERAGE_TIMEOUT:-900}" \
   --include-files 'idempotency-actix/src/*' 'idempotency-cli/src/*' \
   --out Json --out Stdout \

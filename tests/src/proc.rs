@@ -25,10 +25,17 @@ const START_TIMEOUT: Duration = Duration::from_secs(60);
 /// The `payments` example binary, built if it is missing or older than its sources.
 ///
 /// `cargo test --workspace` builds examples before it runs any test, so normally this only
-/// finds it next to the test binary (`target/<profile>/examples/payments`).
+/// finds it next to the test binary (`target/<profile>/examples/payments`). `IDEM_PAYMENTS_BIN`
+/// names another one: `scripts/coverage.sh` builds an instrumented example outside the test
+/// harness's target directory and points the fault tests at it.
 pub fn payments_binary() -> PathBuf {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
     BIN.get_or_init(|| {
+        if let Some(bin) = std::env::var_os("IDEM_PAYMENTS_BIN") {
+            let bin = PathBuf::from(bin);
+            assert!(bin.is_file(), "IDEM_PAYMENTS_BIN={} missing", bin.display());
+            return bin;
+        }
         let exe = std::env::current_exe().expect("the test binary's path");
         // target/<profile>/deps/<test> -> target/<profile>/examples/payments
         let profile_dir = exe
@@ -252,9 +259,35 @@ impl PaymentsApp {
     }
 }
 
+/// How long a test's teardown waits for the example to exit on SIGINT under coverage.
+const PROFILE_FLUSH_TIMEOUT: Duration = Duration::from_secs(10);
+
+impl PaymentsApp {
+    /// Teardown under coverage (`LLVM_PROFILE_FILE` set): SIGINT, so actix shuts down, `main`
+    /// returns and the instrumented process writes its counters, then SIGKILL after
+    /// [`PROFILE_FLUSH_TIMEOUT`]. Without coverage, teardown is the plain SIGKILL of
+    /// [`PaymentsApp::kill`]; tests that kill on purpose call that themselves.
+    fn stop_for_teardown(&mut self) {
+        if std::env::var_os("LLVM_PROFILE_FILE").is_some() && self.is_running() {
+            let interrupted = Command::new("kill")
+                .args(["-INT", &self.child.id().to_string()])
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success());
+            let deadline = Instant::now() + PROFILE_FLUSH_TIMEOUT;
+            while interrupted && self.is_running() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        self.kill();
+    }
+}
+
 impl Drop for PaymentsApp {
     fn drop(&mut self) {
-        self.kill();
+        self.stop_for_teardown();
         let _ = std::fs::remove_file(&self.log_path);
     }
 }
