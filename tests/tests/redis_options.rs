@@ -1,0 +1,222 @@
+//! `RedisStore`'s builder options against real `redis-server` processes (one per test, plus a
+//! real replica where `WAIT` needs one): `wait_for_replicas` with and without a replica that
+//! acknowledges, a custom prefix, connect failures that name no password, and the timeouts.
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use idempotency_actix::store::redis::redis;
+use idempotency_actix::store::redis::RedisStore;
+use idempotency_actix::store::{
+    IdempotencyStore, ReserveOutcome, Scope, StoreError, StoredResponse, WriteOutcome,
+};
+use idempotency_actix::Fingerprint;
+use idempotency_e2e::redis_server::RedisServer;
+
+const FP: Fingerprint = Fingerprint([0xAA; 32]);
+const LEASE: Duration = Duration::from_secs(60);
+const TTL: Duration = Duration::from_secs(3600);
+
+fn scope(key: &str) -> Scope {
+    Scope {
+        tenant: "acct_1".into(),
+        method: "POST".into(),
+        path: "/payments".into(),
+        key: key.into(),
+    }
+}
+
+fn response() -> StoredResponse {
+    StoredResponse {
+        status: 201,
+        headers: vec![("content-type".into(), Bytes::from_static(b"text/plain"))],
+        body: Bytes::from_static(b"paid"),
+    }
+}
+
+async fn conn(url: &str) -> redis::aio::MultiplexedConnection {
+    let client = redis::Client::open(url).expect("test URL parses");
+    client
+        .get_multiplexed_async_connection()
+        .await
+        .expect("test redis-server accepts connections")
+}
+
+async fn exists(url: &str, key: &str) -> bool {
+    let mut conn = conn(url).await;
+    let n: i64 = redis::cmd("EXISTS")
+        .arg(key)
+        .query_async(&mut conn)
+        .await
+        .expect("EXISTS");
+    n == 1
+}
+
+/// Start a replica of `primary` and wait until the primary counts it as connected and in sync.
+async fn replica_of(primary: &RedisServer) -> RedisServer {
+    let port = primary.port().to_string();
+    let replica = RedisServer::start_with(&["--replicaof", "127.0.0.1", &port]);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut primary_conn = conn(&primary.url()).await;
+    loop {
+        let info: String = redis::cmd("INFO")
+            .arg("replication")
+            .query_async(&mut primary_conn)
+            .await
+            .expect("INFO replication");
+        if info.contains("connected_slaves:1") && info.contains("state=online") {
+            return replica;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the replica did not come online:\n{info}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// With a replica that acknowledges, `WAIT` succeeds after the reservation and the completion:
+/// the record is on the replica before the handler runs and before the response is replayed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wait_for_replicas_with_a_replica() {
+    let primary = RedisServer::start();
+    let replica = replica_of(&primary).await;
+    let store = RedisStore::builder()
+        .wait_for_replicas(1, Duration::from_secs(5))
+        .connect(&primary.url())
+        .await
+        .expect("connect");
+    let s = scope("wait-ok");
+    let token = match store.reserve(&s, &FP, LEASE).await {
+        Ok(ReserveOutcome::Reserved { token }) => token,
+        other => panic!("expected Reserved, got {other:?}"),
+    };
+    // WAIT returned, so the replica has the reservation already.
+    assert!(exists(&replica.url(), &store.key_of(&s)).await);
+    assert_eq!(
+        store.complete(&s, &token, &response(), TTL).await.ok(),
+        Some(WriteOutcome::Applied)
+    );
+    let mut replica_conn = conn(&replica.url()).await;
+    let fields: Vec<Option<Vec<u8>>> = redis::cmd("HMGET")
+        .arg(store.key_of(&s))
+        .arg("b")
+        .query_async(&mut replica_conn)
+        .await
+        .expect("HMGET on the replica");
+    assert_eq!(
+        fields,
+        vec![Some(b"paid".to_vec())],
+        "completed on the replica"
+    );
+}
+
+/// Without a replica, `WAIT` times out: the reservation is given back and the call fails as
+/// unavailable (503 before the handler), so no handler runs on a record a failover could lose.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wait_for_replicas_without_a_replica_refuses_the_reservation() {
+    let primary = RedisServer::start();
+    let store = RedisStore::builder()
+        .wait_for_replicas(1, Duration::from_millis(100))
+        .connect(&primary.url())
+        .await
+        .expect("connect");
+    let s = scope("wait-missing");
+    match store.reserve(&s, &FP, LEASE).await {
+        Err(StoreError::Unavailable(e)) => {
+            assert!(e.to_string().contains("1 Redis replica"), "{e}")
+        }
+        other => panic!("expected Unavailable, got {other:?}"),
+    }
+    assert!(
+        !exists(&primary.url(), &store.key_of(&s)).await,
+        "the unacknowledged reservation was released"
+    );
+    // Zero replicas turns the option off again: the same key reserves at once.
+    let plain = RedisStore::builder()
+        .wait_for_replicas(0, Duration::from_millis(100))
+        .connect(&primary.url())
+        .await
+        .expect("connect");
+    assert!(matches!(
+        plain.reserve(&s, &FP, LEASE).await,
+        Ok(ReserveOutcome::Reserved { .. })
+    ));
+}
+
+/// A completion the replica does not acknowledge (the replica died after the reservation) is
+/// still applied on the primary: the response exists either way, so it is logged, not failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unacknowledged_completion_is_still_applied() {
+    let primary = RedisServer::start();
+    let mut replica = replica_of(&primary).await;
+    let store = RedisStore::builder()
+        .wait_for_replicas(1, Duration::from_millis(200))
+        .connect(&primary.url())
+        .await
+        .expect("connect");
+    let s = scope("wait-lost-replica");
+    let token = match store.reserve(&s, &FP, LEASE).await {
+        Ok(ReserveOutcome::Reserved { token }) => token,
+        other => panic!("expected Reserved, got {other:?}"),
+    };
+    replica.kill();
+    assert_eq!(
+        store.complete(&s, &token, &response(), TTL).await.ok(),
+        Some(WriteOutcome::Applied)
+    );
+    match store.reserve(&s, &FP, LEASE).await {
+        Ok(ReserveOutcome::Completed { response, .. }) => assert_eq!(&response.body[..], b"paid"),
+        other => panic!("expected the stored response, got {other:?}"),
+    }
+}
+
+/// A custom prefix is used for every record key, and an unsafe one is refused at connect.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn custom_prefix_and_timeouts() {
+    let redis = RedisServer::start();
+    let store = RedisStore::builder()
+        .key_prefix("shop-a:")
+        .connection_timeout(Duration::from_secs(1))
+        .response_timeout(Duration::from_secs(1))
+        .in_flight_grace(Duration::from_secs(5))
+        .connect(&redis.url())
+        .await
+        .expect("connect");
+    assert_eq!(store.key_prefix(), "shop-a:");
+    let s = scope("prefixed");
+    assert!(store.key_of(&s).starts_with("shop-a:"));
+    assert!(matches!(
+        store.reserve(&s, &FP, LEASE).await,
+        Ok(ReserveOutcome::Reserved { .. })
+    ));
+    assert!(exists(&redis.url(), &store.key_of(&s)).await);
+    assert!(store.check().await.is_ok());
+}
+
+/// Connect failures are errors, never panics, and never show the password.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_failures_name_no_password() {
+    match RedisStore::connect("mysql://user:HUNTER2@host/1").await {
+        Err(StoreError::Backend(e)) => {
+            let shown = e.to_string();
+            assert!(shown.contains("invalid Redis URL"), "{shown}");
+            assert!(!shown.contains("HUNTER2"), "{shown}");
+        }
+        other => panic!("expected Backend, got {other:?}"),
+    }
+    // A port nobody listens on: unavailable, within the connection timeout.
+    let port = idempotency_e2e::raw_http::free_port();
+    let started = Instant::now();
+    let result = RedisStore::builder()
+        .connection_timeout(Duration::from_millis(300))
+        .connect(&format!("redis://:HUNTER2@127.0.0.1:{port}/"))
+        .await;
+    match result {
+        Err(StoreError::Unavailable(e)) => {
+            assert!(!e.to_string().contains("HUNTER2"), "{e}")
+        }
+        other => panic!("expected Unavailable, got {other:?}"),
+    }
+    assert!(started.elapsed() < Duration::from_secs(10));
+}
