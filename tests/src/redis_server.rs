@@ -1,5 +1,6 @@
 //! A throwaway `redis-server` per test: on a free loopback port, without persistence
-//! (`--save '' --appendonly no`), killed on drop. Tests never touch a shared Redis.
+//! (`--save '' --appendonly no`), in a working directory of its own (a replica's full sync
+//! still writes an RDB file there), killed and removed on drop. Tests never touch a shared Redis.
 //!
 //! ```no_run
 //! let redis = idempotency_e2e::redis_server::RedisServer::start();
@@ -8,6 +9,7 @@
 //! ```
 
 use std::net::TcpStream;
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -21,6 +23,7 @@ pub struct RedisServer {
     child: Option<Child>,
     port: u16,
     extra: Vec<String>,
+    dir: PathBuf,
 }
 
 impl std::fmt::Debug for RedisServer {
@@ -40,10 +43,15 @@ impl RedisServer {
     /// A server with extra command-line options, e.g. `["--maxmemory-policy", "allkeys-lru"]`.
     pub fn start_with(extra: &[&str]) -> RedisServer {
         let port = free_port();
+        let dir = std::env::temp_dir().join(format!("idem-redis-{}-{port}", std::process::id()));
+        if let Err(e) = std::fs::create_dir_all(&dir) {
+            panic!("cannot create {}: {e}", dir.display());
+        }
         let mut server = RedisServer {
             child: None,
             port,
             extra: extra.iter().map(|s| (*s).to_owned()).collect(),
+            dir,
         };
         server.spawn();
         server
@@ -81,6 +89,8 @@ impl RedisServer {
             .args(["--save", ""])
             .args(["--appendonly", "no"])
             .args(["--protected-mode", "no"])
+            .arg("--dir")
+            .arg(&self.dir)
             .args(&self.extra)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -116,5 +126,6 @@ impl RedisServer {
 impl Drop for RedisServer {
     fn drop(&mut self) {
         self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
