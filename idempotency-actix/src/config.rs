@@ -569,3 +569,590 @@ pub(crate) fn tenant_from_bytes(bytes: &[u8]) -> String {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use actix_web::http::header::{HeaderValue, CONTENT_TYPE, RETRY_AFTER};
+    use actix_web::test::{call_service, init_service, read_body, TestRequest};
+    use actix_web::{web, App};
+
+    use super::*;
+    use crate::problem::ProblemCode;
+    use crate::store::MemoryStore;
+    use crate::Idempotency;
+
+    fn builder() -> IdempotencyBuilder<MemoryStore> {
+        Idempotency::builder(MemoryStore::new())
+    }
+
+    fn error_of(builder: IdempotencyBuilder<MemoryStore>) -> ConfigError {
+        match builder.try_build() {
+            Ok(_) => panic!("an invalid setting was accepted"),
+            Err(error) => error,
+        }
+    }
+
+    fn tenant_of(config: &Config, req: &ServiceRequest) -> Option<String> {
+        config.tenant.as_ref().and_then(|tenant| tenant(req))
+    }
+
+    #[test]
+    fn the_defaults_are_the_documented_ones() {
+        let config = builder().config;
+        assert_eq!(config.header_name, "idempotency-key");
+        assert_eq!(config.methods, vec![Method::POST, Method::PATCH]);
+        assert!(!config.required);
+        assert_eq!(config.ttl, Duration::from_secs(24 * 3600));
+        assert_eq!(config.lock_timeout, Duration::from_secs(60));
+        assert_eq!(config.max_key_len, 255);
+        assert_eq!(config.max_body_bytes, 1024 * 1024);
+        assert_eq!(config.max_response_bytes, 1024 * 1024);
+        assert!(config.tenant.is_none());
+        assert!(!config.missing_tenant_uses_global_scope);
+        for (status, stored) in [
+            (200, true),
+            (201, true),
+            (204, true),
+            (299, true),
+            (301, false),
+            (400, false),
+            (409, false),
+            (500, false),
+            (503, false),
+        ] {
+            let status = StatusCode::from_u16(status).unwrap_or(StatusCode::IM_A_TEAPOT);
+            assert_eq!((config.store_status)(status), stored, "{status}");
+        }
+        assert!(config.store_if.is_none());
+        assert_eq!(config.wait_for_in_flight, None);
+        assert!(!config.fail_open);
+        assert!(config.deny_headers.is_empty());
+        assert_eq!(config.retry_after, Duration::from_secs(1));
+        assert_eq!(config.problem_type_base, DEFAULT_TYPE_BASE);
+        assert!(config.problem_renderer.is_none());
+        assert!(config.on_outcome.is_none());
+        #[cfg(feature = "postgres")]
+        assert!(config.transactional.is_none());
+        assert!(config.covers(&Method::POST) && config.covers(&Method::PATCH));
+        for method in [Method::GET, Method::PUT, Method::DELETE, Method::HEAD] {
+            assert!(!config.covers(&method), "{method}");
+        }
+        assert!(builder().try_build().is_ok());
+    }
+
+    #[test]
+    fn every_setter_sets_its_value() {
+        let hooked = Arc::new(AtomicUsize::new(0));
+        let hook_count = Arc::clone(&hooked);
+        let b = builder()
+            .header_name("X-Request-Key")
+            .methods([Method::PUT, Method::DELETE])
+            .required(true)
+            .ttl(Duration::from_secs(7))
+            .lock_timeout(Duration::from_secs(8))
+            .max_key_len(9)
+            .max_body_bytes(10)
+            .max_response_bytes(11)
+            .missing_tenant_uses_global_scope(true)
+            .store_statuses(|status| status.is_client_error())
+            .store_if(|response| response.body == b"keep")
+            .wait_for_in_flight(Duration::from_secs(12))
+            .fail_open(true)
+            .deny_headers(["X-Internal", "x-trace"])
+            .retry_after(Duration::from_secs(13))
+            .problem_type_base("https://api.example.com/problems/")
+            .problem_renderer(|problem| HttpResponse::Ok().body(problem.detail.clone()))
+            .on_outcome(move |_| {
+                hook_count.fetch_add(1, Ordering::SeqCst);
+            });
+        assert!(b.errors.is_empty(), "{:?}", b.errors);
+        let config = &b.config;
+        assert_eq!(config.header_name, "x-request-key", "names are lower-cased");
+        assert_eq!(config.methods, vec![Method::PUT, Method::DELETE]);
+        assert!(config.covers(&Method::PUT) && !config.covers(&Method::POST));
+        assert!(config.required);
+        assert_eq!(config.ttl, Duration::from_secs(7));
+        assert_eq!(config.lock_timeout, Duration::from_secs(8));
+        assert_eq!(config.max_key_len, 9);
+        assert_eq!(config.max_body_bytes, 10);
+        assert_eq!(config.max_response_bytes, 11);
+        assert!(config.missing_tenant_uses_global_scope);
+        assert!((config.store_status)(StatusCode::NOT_FOUND));
+        assert!(!(config.store_status)(StatusCode::OK));
+        let headers = HeaderMap::new();
+        let parts = |body: &'static [u8]| ResponseParts {
+            status: StatusCode::OK,
+            headers: &headers,
+            body,
+        };
+        let store_if = config.store_if.as_ref().map(Arc::clone);
+        assert_eq!(store_if.as_ref().map(|f| f(&parts(b"keep"))), Some(true));
+        assert_eq!(store_if.as_ref().map(|f| f(&parts(b"drop"))), Some(false));
+        assert_eq!(config.wait_for_in_flight, Some(Duration::from_secs(12)));
+        assert!(config.fail_open);
+        assert_eq!(config.deny_headers, vec!["x-internal", "x-trace"]);
+        assert_eq!(config.retry_after, Duration::from_secs(13));
+        assert_eq!(
+            config.problem_type_base,
+            "https://api.example.com/problems/"
+        );
+        assert!(config.problem_renderer.is_some());
+        let event = OutcomeEvent {
+            scope: None,
+            outcome: crate::Outcome::Replay,
+            status: StatusCode::OK,
+            elapsed: Duration::ZERO,
+        };
+        if let Some(hook) = &config.on_outcome {
+            hook(&event);
+        }
+        assert_eq!(
+            hooked.load(Ordering::SeqCst),
+            1,
+            "the hook is the one given"
+        );
+        let debug = format!("{:?}", parts(b"x"));
+        assert!(
+            debug.contains("ResponseParts") && debug.contains("200"),
+            "{debug}"
+        );
+    }
+
+    #[test]
+    fn header_names_are_taken_in_every_form() {
+        let name = HeaderName::from_static("x-key");
+        for b in [
+            builder().header_name("X-Key"),
+            builder().header_name(String::from("x-KEY")),
+            builder().header_name(name.clone()),
+            builder().header_name(&name),
+        ] {
+            assert!(b.errors.is_empty());
+            assert_eq!(b.config.header_name, name);
+        }
+        assert_eq!("X-Key".into_header_name(), Ok(name.clone()));
+        assert_eq!(
+            "bad name".into_header_name(),
+            Err("\"bad name\" is not a valid HTTP header name".to_owned())
+        );
+        assert_eq!(
+            String::new().into_header_name(),
+            Err("\"\" is not a valid HTTP header name".to_owned())
+        );
+    }
+
+    #[test]
+    fn a_bad_header_name_is_reported_by_try_build_naming_setting_and_value() {
+        let b = builder().header_name("X-Good").header_name("not a header");
+        // The bad value does not replace the last good one.
+        assert_eq!(b.config.header_name, "x-good");
+        let error = error_of(b);
+        assert_eq!(
+            error.to_string(),
+            "invalid Idempotency setting `header_name`: \"not a header\" is not a valid HTTP header name"
+        );
+        let as_error: &dyn std::error::Error = &error;
+        assert!(as_error.source().is_none());
+        assert_eq!(error.clone(), error);
+
+        let error = error_of(builder().tenant_header("x tenant"));
+        assert_eq!(
+            error.to_string(),
+            "invalid Idempotency setting `tenant_header`: \"x tenant\" is not a valid HTTP header name"
+        );
+        let b = builder().tenant_header("x\ntenant");
+        assert!(
+            b.config.tenant.is_none(),
+            "no tenant source from a bad name"
+        );
+
+        // deny_headers keeps the good names and reports the bad one.
+        let b = builder().deny_headers(["x-a", "b@d", "X-C"]);
+        assert_eq!(b.config.deny_headers, vec!["x-a", "x-c"]);
+        assert_eq!(
+            error_of(b).to_string(),
+            "invalid Idempotency setting `deny_headers`: \"b@d\" is not a valid HTTP header name"
+        );
+    }
+
+    #[test]
+    fn the_first_bad_setting_is_the_one_reported() {
+        let error = error_of(
+            builder()
+                .tenant_header("first bad")
+                .header_name("second bad")
+                .deny_headers(["third bad"]),
+        );
+        assert!(error.to_string().contains("`tenant_header`"), "{error}");
+        assert!(error.to_string().contains("first bad"), "{error}");
+    }
+
+    #[test]
+    #[should_panic(
+        expected = "invalid Idempotency setting `header_name`: \"bad key\" is not a valid HTTP header name"
+    )]
+    fn build_panics_with_the_message_of_try_build() {
+        let _ = builder().header_name("bad key").build();
+    }
+
+    #[test]
+    fn the_tenant_header_is_read_as_given_and_non_utf8_is_kept_apart() {
+        let config = builder().tenant_header("X-Account-Id").config;
+        let req = TestRequest::default()
+            .insert_header(("x-account-id", "acct_1"))
+            .to_srv_request();
+        assert_eq!(tenant_of(&config, &req), Some("acct_1".to_owned()));
+        let req = TestRequest::default().to_srv_request();
+        assert_eq!(
+            tenant_of(&config, &req),
+            None,
+            "a missing header is no tenant"
+        );
+        let req = TestRequest::default()
+            .insert_header(("x-account-id", ""))
+            .to_srv_request();
+        assert_eq!(tenant_of(&config, &req), Some(String::new()));
+        let raw = HeaderValue::from_bytes(b"caf\xe9").unwrap_or(HeaderValue::from_static("x"));
+        let req = TestRequest::default()
+            .insert_header(("x-account-id", raw))
+            .to_srv_request();
+        assert_eq!(tenant_of(&config, &req), Some("\u{1}636166e9".to_owned()));
+
+        // A closure source is used as given.
+        let config = builder()
+            .tenant(|req: &ServiceRequest| Some(req.path().to_owned()))
+            .config;
+        let req = TestRequest::default().uri("/t/1").to_srv_request();
+        assert_eq!(tenant_of(&config, &req), Some("/t/1".to_owned()));
+    }
+
+    #[test]
+    fn tenant_bytes_never_collide() {
+        assert_eq!(tenant_from_bytes(b"acct_1"), "acct_1");
+        assert_eq!(tenant_from_bytes(b""), "");
+        assert_eq!(tenant_from_bytes(b"\xff\x00"), "\u{1}ff00");
+        // The hex form of one value is not the text of another header value: its marker is
+        // a control character, which no valid header value contains.
+        assert_ne!(tenant_from_bytes(b"\xff"), tenant_from_bytes(b"ff"));
+        assert!(HeaderValue::from_bytes(b"\x01ff").is_err());
+        assert!(HeaderValue::from_bytes(b"\xff").is_ok());
+    }
+
+    #[test]
+    fn a_zero_wait_is_no_wait_and_durations_may_be_unbounded() {
+        let config = builder().wait_for_in_flight(Duration::ZERO).config;
+        assert_eq!(config.wait_for_in_flight, None);
+        let config = builder()
+            .wait_for_in_flight(Duration::from_secs(5))
+            .wait_for_in_flight(Duration::ZERO)
+            .config;
+        assert_eq!(
+            config.wait_for_in_flight, None,
+            "zero turns a wait off again"
+        );
+        let config = builder()
+            .wait_for_in_flight(Duration::MAX)
+            .ttl(Duration::MAX)
+            .lock_timeout(Duration::MAX)
+            .retry_after(Duration::MAX)
+            .config;
+        assert_eq!(config.wait_for_in_flight, Some(Duration::MAX));
+        assert_eq!(config.ttl, Duration::MAX);
+        assert_eq!(config.lock_timeout, Duration::MAX);
+    }
+
+    #[test]
+    fn deadlines_saturate_instead_of_panicking() {
+        let now = Instant::now();
+        assert_eq!(
+            saturating_deadline(now, Duration::from_secs(5)),
+            now + Duration::from_secs(5)
+        );
+        assert_eq!(saturating_deadline(now, Duration::ZERO), now);
+        for huge in [Duration::MAX, Duration::from_secs(u64::MAX / 2)] {
+            let deadline = saturating_deadline(now, huge);
+            // "As long as the clock can count": decades at least.
+            assert!(
+                deadline.duration_since(now) >= Duration::from_secs(50 * 365 * 24 * 3600),
+                "{:?}",
+                deadline.duration_since(now)
+            );
+        }
+    }
+
+    #[actix_web::test]
+    async fn problems_use_the_type_base_and_a_renderer_cannot_lose_the_status() {
+        let config = builder().problem_type_base("https://x.test/p/").config;
+        let response = config.problem(Problem::new(ProblemCode::MissingKey, "none"));
+        assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+        let body = actix_web::body::to_bytes(response.into_body())
+            .await
+            .unwrap_or_default();
+        let json: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+        assert_eq!(json["type"], "https://x.test/p/missing-key");
+
+        let config = builder()
+            .problem_type_base("https://x.test/p/")
+            .problem_renderer(|problem| {
+                HttpResponse::Ok()
+                    .insert_header((CONTENT_TYPE, "text/plain"))
+                    .body(format!("{} at {}", problem.code, problem.type_uri()))
+            })
+            .config;
+        let response = config.problem(
+            Problem::new(ProblemCode::Conflict, "busy").with_retry_after(Duration::from_secs(4)),
+        );
+        assert_eq!(response.status(), StatusCode::CONFLICT, "status re-applied");
+        assert_eq!(
+            response
+                .headers()
+                .get(RETRY_AFTER)
+                .map(HeaderValue::as_bytes),
+            Some(&b"4"[..]),
+            "Retry-After re-applied"
+        );
+        let body = actix_web::body::to_bytes(response.into_body())
+            .await
+            .unwrap_or_default();
+        assert_eq!(body, "CONFLICT at https://x.test/p/conflict");
+    }
+
+    /// No value of any numeric setting panics while serving: the extremes, through the
+    /// middleware on the memory store.
+    #[actix_web::test]
+    async fn extreme_values_serve_requests_without_panicking() {
+        let runs = web::Data::new(AtomicUsize::new(0));
+        let handler = |runs: web::Data<AtomicUsize>| async move {
+            let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
+            HttpResponse::Created().body(format!("run {n}"))
+        };
+
+        // Everything as large as it goes.
+        let app = init_service(
+            App::new()
+                .app_data(runs.clone())
+                .wrap(
+                    builder()
+                        .ttl(Duration::MAX)
+                        .lock_timeout(Duration::MAX)
+                        .wait_for_in_flight(Duration::MAX)
+                        .retry_after(Duration::MAX)
+                        .max_key_len(usize::MAX)
+                        .max_body_bytes(usize::MAX)
+                        .max_response_bytes(usize::MAX)
+                        .build(),
+                )
+                .route("/", web::post().to(handler)),
+        )
+        .await;
+        for _ in 0..2 {
+            let req = TestRequest::post()
+                .uri("/")
+                .insert_header(("idempotency-key", "big"))
+                .set_payload("body")
+                .to_request();
+            let response = call_service(&app, req).await;
+            assert_eq!(response.status(), StatusCode::CREATED);
+            assert_eq!(
+                read_body(response).await,
+                "run 1",
+                "replayed, not run again"
+            );
+        }
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
+
+        // Everything as small as it goes.
+        let app = init_service(
+            App::new()
+                .app_data(runs.clone())
+                .wrap(
+                    builder()
+                        .ttl(Duration::ZERO)
+                        .lock_timeout(Duration::ZERO)
+                        .wait_for_in_flight(Duration::ZERO)
+                        .retry_after(Duration::ZERO)
+                        .max_key_len(0)
+                        .max_body_bytes(0)
+                        .max_response_bytes(0)
+                        .build(),
+                )
+                .route("/", web::post().to(handler)),
+        )
+        .await;
+        let req = TestRequest::post()
+            .uri("/")
+            .insert_header(("idempotency-key", "k"))
+            .to_request();
+        let response = call_service(&app, req).await;
+        assert_eq!(
+            response.status(),
+            StatusCode::BAD_REQUEST,
+            "every key is too long"
+        );
+        let body = read_body(response).await;
+        let json: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+        assert_eq!(json["code"], "KEY_TOO_LONG");
+        // Without a key the request passes through, whatever the limits.
+        let req = TestRequest::post()
+            .uri("/")
+            .set_payload("body")
+            .to_request();
+        let response = call_service(&app, req).await;
+        assert_eq!(response.status(), StatusCode::CREATED);
+        assert_eq!(runs.load(Ordering::SeqCst), 2);
+    }
+
+    #[actix_web::test]
+    async fn a_zero_body_limit_refuses_any_keyed_body() {
+        let app = init_service(App::new().wrap(builder().max_body_bytes(0).build()).route(
+            "/",
+            web::post().to(|| async { HttpResponse::Created().finish() }),
+        ))
+        .await;
+        let req = TestRequest::post()
+            .uri("/")
+            .insert_header(("idempotency-key", "k"))
+            .set_payload("x")
+            .to_request();
+        let response = call_service(&app, req).await;
+        assert_eq!(response.status(), StatusCode::PAYLOAD_TOO_LARGE);
+        let req = TestRequest::post()
+            .uri("/")
+            .insert_header(("idempotency-key", "k2"))
+            .to_request();
+        let response = call_service(&app, req).await;
+        assert_eq!(response.status(), StatusCode::CREATED, "an empty body fits");
+    }
+
+    #[cfg(feature = "postgres")]
+    mod transactional {
+        use super::*;
+        use crate::store::postgres::IsolationLevel;
+        use crate::store::PostgresStore;
+
+        /// A store whose pool never connects (nothing listens on port 1): building the
+        /// middleware needs no database.
+        async fn store() -> PostgresStore {
+            match PostgresStore::builder("postgres://app@127.0.0.1:1/app")
+                .build()
+                .await
+            {
+                Ok(store) => store,
+                Err(e) => panic!("{e}"),
+            }
+        }
+
+        fn error_of(builder: IdempotencyBuilder<PostgresStore>) -> ConfigError {
+            match builder.try_build() {
+                Ok(_) => panic!("an invalid setting was accepted"),
+                Err(error) => error,
+            }
+        }
+
+        #[tokio::test]
+        async fn transactional_settings_are_applied() {
+            let b = Idempotency::builder(store().await)
+                .transactional()
+                .tenant_setting("app.tenant_id2")
+                .isolation_level(IsolationLevel::Serializable)
+                .retry_serialization_failures(3)
+                // A second call keeps the settings made so far.
+                .transactional();
+            assert!(b.errors.is_empty(), "{:?}", b.errors);
+            let tx = b.tx.as_ref().map(|tx| {
+                (
+                    tx.tenant_setting.clone(),
+                    tx.isolation,
+                    tx.serialization_retries,
+                )
+            });
+            assert_eq!(
+                tx,
+                Some(("app.tenant_id2".to_owned(), IsolationLevel::Serializable, 3))
+            );
+            assert!(b.try_build().is_ok());
+
+            let b = Idempotency::builder(store().await).transactional();
+            let tx = b.tx.as_ref().map(|tx| {
+                (
+                    tx.tenant_setting.clone(),
+                    tx.isolation,
+                    tx.serialization_retries,
+                )
+            });
+            assert_eq!(
+                tx,
+                Some(("app.tenant_id".to_owned(), IsolationLevel::ReadCommitted, 0))
+            );
+            assert!(Idempotency::builder(store().await).tx.is_none());
+        }
+
+        #[tokio::test]
+        async fn transactional_settings_need_transactional_mode() {
+            for (b, setting) in [
+                (
+                    Idempotency::builder(store().await).tenant_setting("app.t"),
+                    "tenant_setting",
+                ),
+                (
+                    Idempotency::builder(store().await)
+                        .isolation_level(IsolationLevel::RepeatableRead),
+                    "isolation_level",
+                ),
+                (
+                    Idempotency::builder(store().await).retry_serialization_failures(1),
+                    "retry_serialization_failures",
+                ),
+            ] {
+                assert_eq!(
+                    error_of(b).to_string(),
+                    format!(
+                        "invalid Idempotency setting `{setting}`: only applies in \
+                         transactional mode: call `transactional()` first"
+                    )
+                );
+            }
+        }
+
+        #[tokio::test]
+        async fn a_tenant_setting_must_be_a_custom_setting_name() {
+            for bad in [
+                "tenant_id",
+                ".tenant",
+                "app.",
+                "",
+                "app.tenant-id",
+                "app.t id",
+                "app.t;drop",
+            ] {
+                let b = Idempotency::builder(store().await)
+                    .transactional()
+                    .tenant_setting(bad);
+                assert_eq!(
+                    b.tx.as_ref().map(|tx| tx.tenant_setting.as_str()),
+                    Some("app.tenant_id"),
+                    "{bad:?} was applied"
+                );
+                assert_eq!(
+                    error_of(b).to_string(),
+                    format!(
+                        "invalid Idempotency setting `tenant_setting`: {bad:?} is not a custom \
+                         setting name (letters, digits, `_`, with a dot: `app.tenant_id`)"
+                    )
+                );
+            }
+            for good in ["a.b", "app.tenant_id", "my_app.v2.tenant"] {
+                let b = Idempotency::builder(store().await)
+                    .transactional()
+                    .tenant_setting(good);
+                assert!(b.errors.is_empty(), "{good:?} refused");
+                assert_eq!(
+                    b.tx.as_ref().map(|tx| tx.tenant_setting.as_str()),
+                    Some(good)
+                );
+            }
+        }
+    }
+}

@@ -375,3 +375,399 @@ fn method_label(method: &Method) -> &'static str {
         _ => "other",
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
+    use metrics_util::MetricKind;
+
+    use super::*;
+
+    /// Every outcome, once. The match in [`expected`] fails to compile when a variant is
+    /// added, so this list cannot silently miss one.
+    const ALL: [Outcome; OUTCOMES] = [
+        Outcome::Stored,
+        Outcome::NotStored,
+        Outcome::Replay,
+        Outcome::Conflict,
+        Outcome::Mismatch,
+        Outcome::InvalidKey,
+        Outcome::MissingKey,
+        Outcome::PayloadTooLarge,
+        Outcome::MissingTenant,
+        Outcome::StoreUnavailable,
+        Outcome::FailOpen,
+        Outcome::Stale,
+        Outcome::CompleteFailed,
+        Outcome::BodyError,
+        Outcome::ReplayNotAcceptable,
+        Outcome::HandlerPanic,
+        Outcome::RolledBack,
+        Outcome::CommitFailed,
+        Outcome::CommitUnknown,
+    ];
+
+    /// The documented label of each outcome and whether its handler ran.
+    fn expected(outcome: Outcome) -> (&'static str, bool) {
+        match outcome {
+            Outcome::Stored => ("stored", true),
+            Outcome::NotStored => ("not_stored", true),
+            Outcome::Replay => ("replay", false),
+            Outcome::Conflict => ("conflict", false),
+            Outcome::Mismatch => ("mismatch", false),
+            Outcome::InvalidKey => ("invalid_key", false),
+            Outcome::MissingKey => ("missing_key", false),
+            Outcome::PayloadTooLarge => ("payload_too_large", false),
+            Outcome::MissingTenant => ("missing_tenant", false),
+            Outcome::StoreUnavailable => ("store_unavailable", false),
+            Outcome::FailOpen => ("fail_open", true),
+            Outcome::Stale => ("stale", true),
+            Outcome::CompleteFailed => ("complete_failed", true),
+            Outcome::BodyError => ("body_error", true),
+            Outcome::ReplayNotAcceptable => ("replay_not_acceptable", false),
+            Outcome::HandlerPanic => ("handler_panic", true),
+            Outcome::RolledBack => ("rolled_back", true),
+            Outcome::CommitFailed => ("commit_failed", true),
+            Outcome::CommitUnknown => ("commit_unknown", true),
+        }
+    }
+
+    /// Every metric recorded so far (one read: the recorder resets counters it reports).
+    type Metrics = Vec<(
+        metrics_util::CompositeKey,
+        Option<metrics::Unit>,
+        Option<SharedString>,
+        DebugValue,
+    )>;
+
+    fn read(snapshotter: &Snapshotter) -> Metrics {
+        snapshotter.snapshot().into_vec()
+    }
+
+    /// The value of metric `name` of `kind` whose labels are exactly `labels`.
+    fn value<'m>(
+        metrics: &'m Metrics,
+        kind: MetricKind,
+        name: &str,
+        labels: &[(&str, &str)],
+    ) -> Option<&'m DebugValue> {
+        metrics
+            .iter()
+            .find(|(key, _, _, _)| {
+                let mut have: Vec<(&str, &str)> = key
+                    .key()
+                    .labels()
+                    .map(|label| (label.key(), label.value()))
+                    .collect();
+                have.sort_unstable();
+                let mut want = labels.to_vec();
+                want.sort_unstable();
+                key.kind() == kind && key.key().name() == name && have == want
+            })
+            .map(|(_, _, _, value)| value)
+    }
+
+    fn scope() -> Scope {
+        Scope {
+            tenant: "acct_1".into(),
+            method: "POST".into(),
+            path: "/payments".into(),
+            key: "k1".into(),
+        }
+    }
+
+    #[test]
+    fn every_outcome_has_a_distinct_snake_case_label() {
+        let mut labels = Vec::new();
+        for outcome in ALL {
+            let (label, _) = expected(outcome);
+            assert_eq!(outcome.as_str(), label);
+            assert!(
+                label.chars().all(|c| c.is_ascii_lowercase() || c == '_'),
+                "{label}"
+            );
+            labels.push(label);
+        }
+        labels.sort_unstable();
+        labels.dedup();
+        assert_eq!(labels.len(), OUTCOMES, "two outcomes share a label");
+        // The counter array is indexed by the discriminant: each variant has its own slot.
+        for (index, outcome) in ALL.into_iter().enumerate() {
+            assert_eq!(outcome as usize, index);
+        }
+    }
+
+    #[test]
+    fn ran_handler_is_true_exactly_for_the_outcomes_after_the_handler() {
+        for outcome in ALL {
+            assert_eq!(outcome.ran_handler(), expected(outcome).1, "{outcome:?}");
+        }
+        // The answers the middleware makes itself never ran the handler, apart from the
+        // transactional ones (the handler ran and was rolled back).
+        assert!(!Outcome::Replay.ran_handler());
+        assert!(Outcome::FailOpen.ran_handler());
+    }
+
+    #[test]
+    fn every_problem_maps_to_its_outcome() {
+        for (code, outcome) in [
+            (ProblemCode::MissingKey, Outcome::MissingKey),
+            (ProblemCode::InvalidKey, Outcome::InvalidKey),
+            (ProblemCode::KeyTooLong, Outcome::InvalidKey),
+            (ProblemCode::PayloadTooLarge, Outcome::PayloadTooLarge),
+            (ProblemCode::FingerprintMismatch, Outcome::Mismatch),
+            (ProblemCode::Conflict, Outcome::Conflict),
+            (ProblemCode::StorageUnavailable, Outcome::StoreUnavailable),
+            (ProblemCode::MissingTenant, Outcome::MissingTenant),
+            (
+                ProblemCode::ReplayNotAcceptable,
+                Outcome::ReplayNotAcceptable,
+            ),
+            (ProblemCode::ResponseTooLarge, Outcome::RolledBack),
+            (ProblemCode::CommitFailed, Outcome::CommitFailed),
+            (ProblemCode::CommitOutcomeUnknown, Outcome::CommitUnknown),
+        ] {
+            assert_eq!(Outcome::of_problem(code), outcome, "{code}");
+            // A problem answered before the handler never counts as a run, except the
+            // transactional ones, which answer after it.
+            let after_handler = matches!(
+                code,
+                ProblemCode::ResponseTooLarge
+                    | ProblemCode::CommitFailed
+                    | ProblemCode::CommitOutcomeUnknown
+            );
+            assert_eq!(
+                Outcome::of_problem(code).ran_handler(),
+                after_handler,
+                "{code}"
+            );
+        }
+    }
+
+    #[test]
+    fn methods_are_a_bounded_label_set() {
+        for (method, label) in [
+            (Method::POST, "POST"),
+            (Method::PATCH, "PATCH"),
+            (Method::PUT, "PUT"),
+            (Method::DELETE, "DELETE"),
+            (Method::GET, "GET"),
+            (Method::HEAD, "other"),
+            (Method::OPTIONS, "other"),
+            (Method::TRACE, "other"),
+            (Method::CONNECT, "other"),
+        ] {
+            assert_eq!(method_label(&method), label, "{method}");
+        }
+        let custom = Method::from_bytes(b"PURGE").unwrap_or(Method::OPTIONS);
+        assert_eq!(custom.as_str(), "PURGE");
+        assert_eq!(method_label(&custom), "other");
+    }
+
+    #[test]
+    fn outcomes_are_counted_per_route_with_bounded_labels() {
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        let meters = Meters::new("memory");
+        metrics::with_local_recorder(&recorder, || {
+            let route = meters.report(&Method::POST, Some("/payments/{id}".into()), None);
+            route.outcome(Outcome::Stored, StatusCode::CREATED, Some(&scope()));
+            route.outcome(Outcome::Replay, StatusCode::CREATED, Some(&scope()));
+            route.outcome(Outcome::Replay, StatusCode::CREATED, None);
+            // A second request on the same route reuses its counters.
+            meters
+                .report(&Method::POST, Some("/payments/{id}".into()), None)
+                .outcome(Outcome::Replay, StatusCode::CREATED, None);
+            meters
+                .report(
+                    &Method::from_bytes(b"PURGE").unwrap_or(Method::HEAD),
+                    None,
+                    None,
+                )
+                .outcome(Outcome::InvalidKey, StatusCode::BAD_REQUEST, None);
+            meters.report(&Method::PATCH, None, None).outcome(
+                Outcome::MissingKey,
+                StatusCode::BAD_REQUEST,
+                None,
+            );
+        });
+        assert_eq!(
+            meters.routes.borrow().len(),
+            3,
+            "one entry per (method, route)"
+        );
+        let metrics = read(&snapshotter);
+        let count = |outcome: &str, method: &str, route: &str| match value(
+            &metrics,
+            MetricKind::Counter,
+            REQUESTS_TOTAL,
+            &[
+                ("outcome", outcome),
+                ("method", method),
+                ("route", route),
+                ("store", "memory"),
+            ],
+        ) {
+            Some(DebugValue::Counter(n)) => *n,
+            None => 0,
+            Some(other) => panic!("not a counter: {other:?}"),
+        };
+        assert_eq!(count("stored", "POST", "/payments/{id}"), 1);
+        assert_eq!(count("replay", "POST", "/payments/{id}"), 3);
+        assert_eq!(count("invalid_key", "other", "unmatched"), 1);
+        assert_eq!(count("missing_key", "PATCH", "unmatched"), 1);
+        assert_eq!(count("stored", "PATCH", "unmatched"), 0);
+        // Nothing else: no key, tenant or raw path ever becomes a label.
+        let requests = metrics
+            .iter()
+            .filter(|(key, ..)| key.key().name() == REQUESTS_TOTAL)
+            .count();
+        assert_eq!(requests, 4, "{metrics:?}");
+    }
+
+    #[test]
+    fn the_hook_sees_every_outcome_and_a_panicking_hook_is_contained() {
+        /// What the hook saw of one event.
+        type Seen = (Outcome, StatusCode, Option<Scope>);
+        let seen: Arc<Mutex<Vec<Seen>>> = Arc::default();
+        let sink = Arc::clone(&seen);
+        let hook: Arc<Hook> = Arc::new(move |event: &OutcomeEvent<'_>| {
+            if let Ok(mut seen) = sink.lock() {
+                seen.push((event.outcome, event.status, event.scope.cloned()));
+            }
+        });
+        let meters = Meters::new("memory");
+        let report = meters.report(&Method::POST, Some("/p".into()), Some(hook));
+        report.outcome(Outcome::Stored, StatusCode::CREATED, Some(&scope()));
+        report
+            .clone()
+            .outcome(Outcome::MissingTenant, StatusCode::BAD_REQUEST, None);
+        let seen = seen.lock().map(|s| s.clone()).unwrap_or_default();
+        assert_eq!(
+            seen,
+            vec![
+                (Outcome::Stored, StatusCode::CREATED, Some(scope())),
+                (Outcome::MissingTenant, StatusCode::BAD_REQUEST, None),
+            ]
+        );
+
+        // A hook that panics is caught; the report goes on and counts the outcome.
+        let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = Arc::clone(&calls);
+        let panicking: Arc<Hook> = Arc::new(move |_: &OutcomeEvent<'_>| {
+            counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            panic!("hook failure");
+        });
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        let meters = Meters::new("memory");
+        metrics::with_local_recorder(&recorder, || {
+            let report = meters.report(&Method::POST, None, Some(panicking));
+            report.outcome(Outcome::Replay, StatusCode::OK, None);
+            report.outcome(Outcome::Replay, StatusCode::OK, None);
+        });
+        assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 2);
+        let metrics = read(&snapshotter);
+        assert!(matches!(
+            value(
+                &metrics,
+                MetricKind::Counter,
+                REQUESTS_TOTAL,
+                &[
+                    ("outcome", "replay"),
+                    ("method", "POST"),
+                    ("route", "unmatched"),
+                    ("store", "memory"),
+                ],
+            ),
+            Some(DebugValue::Counter(2))
+        ));
+    }
+
+    #[tokio::test]
+    async fn store_calls_held_reservations_and_complete_retries_are_recorded() {
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        let meters = Meters::new("postgres");
+        let (held_a, held_b) = metrics::with_local_recorder(&recorder, || {
+            // Resolve the handles while the recorder is installed; they keep using it.
+            for op in [Op::Reserve, Op::Complete, Op::Release] {
+                let _ = meters.histogram(op);
+            }
+            complete_retry("started", "postgres");
+            complete_retry("given_up", "postgres");
+            complete_retry("given_up", "postgres");
+            (meters.held(), meters.held())
+        });
+        let answer = timed(meters.histogram(Op::Reserve), async {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            42
+        })
+        .await;
+        assert_eq!(answer, 42);
+        let failed: Result<(), &str> =
+            timed(meters.histogram(Op::Release), async { Err("x") }).await;
+        assert_eq!(
+            failed,
+            Err("x"),
+            "a failed call is timed and passed through"
+        );
+        drop(held_a);
+
+        let metrics = read(&snapshotter);
+        let histogram = |op: &str| match value(
+            &metrics,
+            MetricKind::Histogram,
+            STORE_CALL_SECONDS,
+            &[("op", op), ("store", "postgres")],
+        ) {
+            Some(DebugValue::Histogram(values)) => values.iter().map(|v| v.0).collect(),
+            None => Vec::new(),
+            Some(other) => panic!("not a histogram: {other:?}"),
+        };
+        let reserve: Vec<f64> = histogram("reserve");
+        assert_eq!(reserve.len(), 1, "{reserve:?}");
+        assert!((0.015..10.0).contains(&reserve[0]), "{reserve:?}");
+        assert_eq!(histogram("release").len(), 1);
+        assert!(histogram("complete").is_empty());
+        match value(
+            &metrics,
+            MetricKind::Gauge,
+            RESERVATIONS_HELD,
+            &[("store", "postgres")],
+        ) {
+            // Two taken, one dropped.
+            Some(DebugValue::Gauge(held)) => assert_eq!(held.0, 1.0),
+            other => panic!("{other:?}"),
+        }
+        let retries = |result: &str| match value(
+            &metrics,
+            MetricKind::Counter,
+            COMPLETE_RETRIES_TOTAL,
+            &[("result", result), ("store", "postgres")],
+        ) {
+            Some(DebugValue::Counter(n)) => *n,
+            None => 0,
+            Some(other) => panic!("not a counter: {other:?}"),
+        };
+        assert_eq!(retries("started"), 1);
+        assert_eq!(retries("given_up"), 2);
+        assert_eq!(retries("succeeded"), 0);
+
+        // The debugging recorder zeroes a gauge when it is read, so the next read is the
+        // change since: dropping the last guard takes exactly one off.
+        drop(held_b);
+        let metrics = read(&snapshotter);
+        match value(
+            &metrics,
+            MetricKind::Gauge,
+            RESERVATIONS_HELD,
+            &[("store", "postgres")],
+        ) {
+            Some(DebugValue::Gauge(change)) => assert_eq!(change.0, -1.0),
+            other => panic!("{other:?}"),
+        }
+    }
+}

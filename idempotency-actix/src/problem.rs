@@ -327,4 +327,300 @@ mod tests {
         assert_eq!(json["detail"], "still running");
         assert_eq!(json["type"], format!("{DEFAULT_TYPE_BASE}conflict"));
     }
+
+    /// Every code, once. The match below fails to compile when a variant is added, so this
+    /// list (and every test over it) cannot silently miss one.
+    const ALL: [ProblemCode; 12] = [
+        ProblemCode::MissingKey,
+        ProblemCode::InvalidKey,
+        ProblemCode::KeyTooLong,
+        ProblemCode::PayloadTooLarge,
+        ProblemCode::FingerprintMismatch,
+        ProblemCode::Conflict,
+        ProblemCode::StorageUnavailable,
+        ProblemCode::MissingTenant,
+        ProblemCode::ReplayNotAcceptable,
+        ProblemCode::ResponseTooLarge,
+        ProblemCode::CommitFailed,
+        ProblemCode::CommitOutcomeUnknown,
+    ];
+
+    /// The contract of the module docs: code, status, slug (the doc heading) for every code.
+    fn documented(code: ProblemCode) -> (&'static str, u16, &'static str) {
+        match code {
+            ProblemCode::MissingKey => ("MISSING_KEY", 400, "missing-key"),
+            ProblemCode::InvalidKey => ("INVALID_KEY", 400, "invalid-key"),
+            ProblemCode::KeyTooLong => ("KEY_TOO_LONG", 400, "key-too-long"),
+            ProblemCode::PayloadTooLarge => ("PAYLOAD_TOO_LARGE", 413, "payload-too-large"),
+            ProblemCode::FingerprintMismatch => {
+                ("FINGERPRINT_MISMATCH", 422, "fingerprint-mismatch")
+            }
+            ProblemCode::Conflict => ("CONFLICT", 409, "conflict"),
+            ProblemCode::StorageUnavailable => ("STORAGE_UNAVAILABLE", 503, "storage-unavailable"),
+            ProblemCode::MissingTenant => ("MISSING_TENANT", 400, "missing-tenant"),
+            ProblemCode::ReplayNotAcceptable => {
+                ("REPLAY_NOT_ACCEPTABLE", 406, "replay-not-acceptable")
+            }
+            ProblemCode::ResponseTooLarge => ("RESPONSE_TOO_LARGE", 500, "response-too-large"),
+            ProblemCode::CommitFailed => ("COMMIT_FAILED", 503, "commit-failed"),
+            ProblemCode::CommitOutcomeUnknown => {
+                ("COMMIT_OUTCOME_UNKNOWN", 503, "commit-outcome-unknown")
+            }
+        }
+    }
+
+    async fn body_json(response: HttpResponse) -> serde_json::Value {
+        let bytes = actix_web::body::to_bytes(response.into_body())
+            .await
+            .unwrap_or_else(|_| panic!("the problem body could not be read"));
+        serde_json::from_slice(&bytes).unwrap_or_else(|e| panic!("not JSON: {e}"))
+    }
+
+    #[test]
+    fn every_code_has_its_documented_code_status_and_slug() {
+        for code in ALL {
+            let (name, status, slug) = documented(code);
+            assert_eq!(code.as_str(), name);
+            assert_eq!(code.to_string(), name, "Display is the machine code");
+            assert_eq!(code.status().as_u16(), status, "{name}");
+            assert_eq!(code.slug(), slug, "{name}");
+            // The slug is the code in lower case with dashes (module docs).
+            assert_eq!(code.slug(), name.to_ascii_lowercase().replace('_', "-"));
+            // serde's rename matches `as_str`, so the JSON `code` is the documented one.
+            assert_eq!(serde_json::to_value(code).ok(), Some(name.into()));
+            // The title is for people: present, one line, never the machine code.
+            let title = code.title();
+            assert!(
+                !title.is_empty() && !title.contains('\n'),
+                "{name}: {title:?}"
+            );
+            assert_ne!(title, name);
+        }
+        let mut names: Vec<_> = ALL.iter().map(|c| c.as_str()).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), ALL.len(), "two codes share a name");
+        let mut titles: Vec<_> = ALL.iter().map(|c| c.title()).collect();
+        titles.sort_unstable();
+        titles.dedup();
+        assert_eq!(titles.len(), ALL.len(), "two codes share a title");
+    }
+
+    #[test]
+    fn the_module_docs_have_a_heading_for_every_slug() {
+        let docs = include_str!("problem.rs");
+        for code in ALL {
+            let heading = format!(
+                "//! ### {}\n//! `{}`, {}",
+                code.slug(),
+                code.as_str(),
+                code.status().as_u16()
+            );
+            assert!(docs.contains(&heading), "no doc heading {heading:?}");
+        }
+    }
+
+    #[actix_web::test]
+    async fn every_code_renders_as_problem_json() {
+        for code in ALL {
+            let problem = Problem::new(code, format!("detail of {code}"));
+            assert_eq!(problem.status(), code.status());
+            assert_eq!(problem.retry_after, None);
+            let response = problem.to_response();
+            assert_eq!(response.status(), code.status(), "{code}");
+            assert_eq!(
+                response
+                    .headers()
+                    .get(CONTENT_TYPE)
+                    .map(HeaderValue::as_bytes),
+                Some(&b"application/problem+json"[..]),
+                "{code}"
+            );
+            assert!(
+                response.headers().get(RETRY_AFTER).is_none(),
+                "{code}: no Retry-After unless set"
+            );
+            let json = body_json(response).await;
+            let expected = serde_json::json!({
+                "type": format!("{DEFAULT_TYPE_BASE}{}", code.slug()),
+                "title": code.title(),
+                "status": code.status().as_u16(),
+                "detail": format!("detail of {}", code.as_str()),
+                "code": code.as_str(),
+            });
+            assert_eq!(json, expected);
+            // The body the response carries is `to_json`'s.
+            let direct: serde_json::Value =
+                serde_json::from_slice(&problem.to_json()).unwrap_or_default();
+            assert_eq!(direct, expected);
+        }
+    }
+
+    #[test]
+    fn json_members_are_in_rfc_order_and_details_are_escaped() {
+        let detail = "a \"quoted\" detail\nwith a newline and \\ and \u{e9}";
+        let problem = Problem::new(ProblemCode::InvalidKey, detail);
+        let raw = String::from_utf8(problem.to_json()).unwrap_or_default();
+        let order: Vec<usize> = [
+            "\"type\"",
+            "\"title\"",
+            "\"status\"",
+            "\"detail\"",
+            "\"code\"",
+        ]
+        .iter()
+        .map(|member| raw.find(member).unwrap_or(usize::MAX))
+        .collect();
+        assert!(order.windows(2).all(|w| w[0] < w[1]), "{raw}");
+        assert!(!raw.contains('\n'), "a raw newline in the JSON: {raw}");
+        let json: serde_json::Value = serde_json::from_str(&raw).unwrap_or_default();
+        assert_eq!(json["detail"], detail);
+    }
+
+    #[test]
+    fn a_custom_type_base_prefixes_the_slug() {
+        let mut problem = Problem::new(ProblemCode::FingerprintMismatch, "x");
+        assert_eq!(
+            problem.type_uri(),
+            format!("{DEFAULT_TYPE_BASE}fingerprint-mismatch")
+        );
+        problem.type_base = "https://api.example.com/problems/".into();
+        assert_eq!(
+            problem.type_uri(),
+            "https://api.example.com/problems/fingerprint-mismatch"
+        );
+        let json: serde_json::Value =
+            serde_json::from_slice(&problem.to_json()).unwrap_or_default();
+        assert_eq!(
+            json["type"],
+            "https://api.example.com/problems/fingerprint-mismatch"
+        );
+    }
+
+    #[test]
+    fn retry_after_is_whole_seconds_rounded_up_and_at_least_one() {
+        for (after, header) in [
+            (Duration::ZERO, "1"),
+            (Duration::from_millis(1), "1"),
+            (Duration::from_millis(999), "1"),
+            (Duration::from_secs(1), "1"),
+            (Duration::from_millis(1001), "2"),
+            (Duration::from_secs(30), "30"),
+            (Duration::from_secs(86_400), "86400"),
+            // Saturates instead of panicking or overflowing.
+            (Duration::MAX, "18446744073709551615"),
+        ] {
+            let response = Problem::new(ProblemCode::StorageUnavailable, "down")
+                .with_retry_after(after)
+                .to_response();
+            assert_eq!(
+                response
+                    .headers()
+                    .get(RETRY_AFTER)
+                    .map(HeaderValue::as_bytes),
+                Some(header.as_bytes()),
+                "{after:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn enforce_on_restores_the_status_and_retry_after_of_a_custom_rendering() {
+        let problem =
+            Problem::new(ProblemCode::Conflict, "busy").with_retry_after(Duration::from_secs(3));
+        let mut response = HttpResponse::Ok()
+            .insert_header((RETRY_AFTER, "999"))
+            .insert_header((CONTENT_TYPE, "text/plain"))
+            .body("custom");
+        problem.enforce_on(&mut response);
+        assert_eq!(response.status(), StatusCode::CONFLICT);
+        assert_eq!(
+            response
+                .headers()
+                .get(RETRY_AFTER)
+                .map(HeaderValue::as_bytes),
+            Some(&b"3"[..])
+        );
+        // The renderer's own headers are kept.
+        assert_eq!(
+            response
+                .headers()
+                .get(CONTENT_TYPE)
+                .map(HeaderValue::as_bytes),
+            Some(&b"text/plain"[..])
+        );
+
+        // Without a Retry-After of its own, the problem leaves the renderer's header alone.
+        let problem = Problem::new(ProblemCode::MissingKey, "none");
+        let mut response = HttpResponse::Ok()
+            .insert_header((RETRY_AFTER, "7"))
+            .finish();
+        problem.enforce_on(&mut response);
+        assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+        assert_eq!(
+            response
+                .headers()
+                .get(RETRY_AFTER)
+                .map(HeaderValue::as_bytes),
+            Some(&b"7"[..])
+        );
+    }
+
+    #[test]
+    fn display_is_code_then_detail() {
+        let problem = Problem::new(ProblemCode::KeyTooLong, "the key has 300 bytes");
+        assert_eq!(problem.to_string(), "KEY_TOO_LONG: the key has 300 bytes");
+        assert_eq!(
+            Problem::new(ProblemCode::CommitFailed, "").to_string(),
+            "COMMIT_FAILED: "
+        );
+        let debug = format!("{problem:?}");
+        assert!(
+            debug.contains("KeyTooLong") && debug.contains("the key has 300 bytes"),
+            "{debug}"
+        );
+    }
+
+    #[actix_web::test]
+    async fn as_a_response_error_it_renders_itself() {
+        for code in ALL {
+            let problem =
+                Problem::new(code, "via ResponseError").with_retry_after(Duration::from_secs(2));
+            assert_eq!(ResponseError::status_code(&problem), code.status());
+            let response = ResponseError::error_response(&problem);
+            assert_eq!(response.status(), code.status());
+            assert_eq!(
+                response
+                    .headers()
+                    .get(RETRY_AFTER)
+                    .map(HeaderValue::as_bytes),
+                Some(&b"2"[..])
+            );
+            assert_eq!(body_json(response).await["code"], code.as_str());
+
+            // A handler returning `Err(problem)` goes through `actix_web::Error`.
+            let error = actix_web::Error::from(problem.clone());
+            assert_eq!(error.to_string(), problem.to_string());
+            assert_eq!(error.as_response_error().status_code(), code.status());
+            let response = error.error_response();
+            assert_eq!(
+                response
+                    .headers()
+                    .get(CONTENT_TYPE)
+                    .map(HeaderValue::as_bytes),
+                Some(&b"application/problem+json"[..])
+            );
+        }
+    }
+
+    #[test]
+    fn builders_and_equality() {
+        let a = Problem::new(ProblemCode::Conflict, "x");
+        let b = a.clone().with_retry_after(Duration::from_secs(1));
+        assert_ne!(a, b);
+        assert_eq!(b.retry_after, Some(Duration::from_secs(1)));
+        assert_eq!(b.clone(), b);
+        assert_eq!(a.type_base, DEFAULT_TYPE_BASE);
+        assert_eq!(Problem::new(ProblemCode::Conflict, String::from("x")), a);
+    }
 }

@@ -60,3 +60,109 @@ impl MessageBody for Forwarded {
         self.get_mut().chunks.poll_recv(cx)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use actix_web::body::to_bytes;
+
+    use super::*;
+
+    /// The next item of `body`, or `None` when none arrives within a short wait (pending).
+    async fn next(body: &mut Forwarded) -> Option<Option<Item>> {
+        let poll = std::future::poll_fn(|cx| Pin::new(&mut *body).poll_next(cx));
+        tokio::time::timeout(Duration::from_millis(50), poll)
+            .await
+            .ok()
+    }
+
+    #[tokio::test]
+    async fn chunks_arrive_in_order_and_the_body_ends_when_the_sender_is_dropped() {
+        let (sender, body) = channel(BodySize::Sized(11));
+        assert_eq!(
+            body.size(),
+            BodySize::Sized(11),
+            "the handler's size is kept"
+        );
+        for chunk in ["hello", " ", "world"] {
+            assert!(sender.send(Ok(Bytes::from(chunk))).await.is_ok());
+        }
+        drop(sender);
+        match to_bytes(body).await {
+            Ok(bytes) => assert_eq!(bytes, Bytes::from_static(b"hello world")),
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_body_waits_for_the_task_and_reports_each_chunk() {
+        let (sender, mut body) = channel(BodySize::Stream);
+        assert_eq!(body.size(), BodySize::Stream);
+        assert!(
+            next(&mut body).await.is_none(),
+            "pending while nothing was sent"
+        );
+        assert!(sender.send(Ok(Bytes::from_static(b"a"))).await.is_ok());
+        match next(&mut body).await {
+            Some(Some(Ok(chunk))) => assert_eq!(chunk, Bytes::from_static(b"a")),
+            other => panic!("{other:?}"),
+        }
+        assert!(next(&mut body).await.is_none(), "pending again");
+        drop(sender);
+        assert!(
+            matches!(next(&mut body).await, Some(None)),
+            "the end of the body once the task is done"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_failed_handler_body_fails_the_forwarded_body_with_a_fixed_message() {
+        let (sender, body) = channel(BodySize::Stream);
+        assert!(sender
+            .send(Ok(Bytes::from_static(b"partial")))
+            .await
+            .is_ok());
+        assert!(sender.send(Err(BodyFailed)).await.is_ok());
+        drop(sender);
+        match to_bytes(body).await {
+            Ok(bytes) => panic!("a failed body was read whole: {bytes:?}"),
+            // Only this fixed text reaches the connection, never the handler's error.
+            Err(e) => assert_eq!(e.to_string(), "the response body failed"),
+        }
+        assert_eq!(BodyFailed.to_string(), "the response body failed");
+        let as_error: &dyn std::error::Error = &BodyFailed;
+        assert!(as_error.source().is_none());
+        assert_eq!(format!("{BodyFailed:?}"), "BodyFailed");
+    }
+
+    #[tokio::test]
+    async fn the_channel_holds_a_bounded_number_of_chunks() {
+        let (sender, mut body) = channel(BodySize::Stream);
+        for i in 0..CHANNEL_CHUNKS {
+            assert!(
+                sender.try_send(Ok(Bytes::from_static(b"x"))).is_ok(),
+                "chunk {i} fits"
+            );
+        }
+        assert!(
+            matches!(
+                sender.try_send(Ok(Bytes::from_static(b"y"))),
+                Err(mpsc::error::TrySendError::Full(_))
+            ),
+            "a slow client makes the task wait"
+        );
+        // Reading one chunk makes room for one more.
+        assert!(matches!(next(&mut body).await, Some(Some(Ok(_)))));
+        assert!(sender.try_send(Ok(Bytes::from_static(b"y"))).is_ok());
+        assert!(sender.try_send(Ok(Bytes::from_static(b"z"))).is_err());
+    }
+
+    #[tokio::test]
+    async fn the_task_learns_when_the_client_is_gone() {
+        let (sender, body) = channel(BodySize::Sized(1));
+        drop(body);
+        assert!(sender.send(Ok(Bytes::from_static(b"x"))).await.is_err());
+        assert!(sender.is_closed());
+    }
+}

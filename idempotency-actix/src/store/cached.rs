@@ -325,7 +325,8 @@ impl<S: IdempotencyStore> IdempotencyStore for CachedStore<S> {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::Mutex;
 
     use bytes::Bytes;
 
@@ -562,5 +563,406 @@ mod tests {
             ReserveOutcome::Completed { .. }
         ));
         assert!(store.is_empty());
+    }
+
+    /// A store that can be taken down, and whose reported time left can be replaced: the
+    /// branches of the wrapper that a healthy memory store never takes.
+    #[derive(Clone, Default)]
+    struct Faulty {
+        inner: Counting,
+        down: Arc<AtomicBool>,
+        /// When set, replaces the `expires_in` of a completed record.
+        expires_in: Arc<Mutex<Option<Option<Duration>>>>,
+    }
+
+    impl Faulty {
+        fn check(&self) -> Result<(), StoreError> {
+            if self.down.load(Ordering::SeqCst) {
+                Err(StoreError::unavailable("the database is down"))
+            } else {
+                Ok(())
+            }
+        }
+
+        fn report_expires_in(&self, expires_in: Option<Duration>) {
+            if let Ok(mut slot) = self.expires_in.lock() {
+                *slot = Some(expires_in);
+            }
+        }
+    }
+
+    impl IdempotencyStore for Faulty {
+        async fn reserve(
+            &self,
+            scope: &Scope,
+            fingerprint: &Fingerprint,
+            lease: Duration,
+        ) -> Result<ReserveOutcome, StoreError> {
+            self.check()?;
+            let replaced = self.expires_in.lock().ok().and_then(|slot| *slot);
+            Ok(match self.inner.reserve(scope, fingerprint, lease).await? {
+                ReserveOutcome::Completed {
+                    fingerprint,
+                    response,
+                    expires_in,
+                } => ReserveOutcome::Completed {
+                    fingerprint,
+                    response,
+                    expires_in: replaced.unwrap_or(expires_in),
+                },
+                other => other,
+            })
+        }
+
+        async fn complete(
+            &self,
+            scope: &Scope,
+            token: &ReservationToken,
+            response: &StoredResponse,
+            ttl: Duration,
+        ) -> Result<WriteOutcome, StoreError> {
+            self.check()?;
+            self.inner.complete(scope, token, response, ttl).await
+        }
+
+        async fn release(
+            &self,
+            scope: &Scope,
+            token: &ReservationToken,
+        ) -> Result<WriteOutcome, StoreError> {
+            self.check()?;
+            self.inner.release(scope, token).await
+        }
+
+        async fn purge_expired(&self, grace: Duration) -> Result<u64, StoreError> {
+            self.check()?;
+            self.inner.purge_expired(grace).await
+        }
+    }
+
+    /// The weight of one cached entry of `response()` under `scope(key)`.
+    fn weight(key: &str) -> u64 {
+        let scope = scope(key);
+        (scope_bytes(&scope) + response().size_bytes() + ENTRY_OVERHEAD_BYTES) as u64
+    }
+
+    fn reserves(counting: &Counting) -> usize {
+        counting.reserves.load(Ordering::SeqCst)
+    }
+
+    #[tokio::test]
+    async fn debug_accessors_and_clones_share_one_cache() {
+        let counting = Counting::default();
+        let store = CachedStore::builder(counting.clone())
+            .max_bytes(123_456)
+            .max_ttl(Duration::from_secs(5))
+            .build();
+        assert_eq!(store.name(), "cached");
+        assert!(Arc::ptr_eq(&store.inner().reserves, &counting.reserves));
+        assert!(store.is_empty());
+        assert_eq!(store.bytes(), 0);
+        stored(&store, "a", Duration::from_secs(3600)).await;
+        replay(&store, "a", &FP).await;
+        // `Debug` shows moka's counts as they are: let its pending maintenance run first.
+        assert_eq!(store.len(), 1);
+        let debug = format!("{store:?}");
+        for part in [
+            "CachedStore",
+            "entries: 1",
+            &format!("bytes: {}", weight("a")),
+            "max_bytes: 123456",
+            "max_ttl: 5s",
+        ] {
+            assert!(debug.contains(part), "{part:?} not in {debug}");
+        }
+        let builder_debug = format!(
+            "{:?}",
+            CachedStore::builder(MemoryStore::new()).max_ttl(Duration::from_secs(9))
+        );
+        assert!(builder_debug.contains("max_ttl: 9s"), "{builder_debug}");
+
+        let clone = store.clone();
+        assert_eq!(clone.len(), 1, "a clone sees the entries");
+        let before = reserves(&counting);
+        replay(&clone, "a", &FP).await;
+        assert_eq!(reserves(&counting), before, "served from the shared cache");
+        clone.clear();
+        assert!(store.is_empty(), "clearing a clone clears the cache");
+        assert_eq!(store.bytes(), 0);
+        replay(&store, "a", &FP).await;
+        assert_eq!(
+            reserves(&counting),
+            before + 1,
+            "asked the store again after clear"
+        );
+    }
+
+    #[tokio::test]
+    async fn an_entry_weighs_its_scope_response_and_overhead() {
+        let store = CachedStore::new(MemoryStore::new());
+        let long_key = "k".repeat(200);
+        for key in ["a", long_key.as_str()] {
+            stored(&store, key, Duration::from_secs(3600)).await;
+            replay(&store, key, &FP).await;
+        }
+        assert_eq!(store.len(), 2);
+        assert_eq!(store.bytes(), weight("a") + weight(&long_key));
+        assert_eq!(weight(&long_key) - weight("a"), 199, "the key is weighed");
+    }
+
+    #[tokio::test]
+    async fn eviction_keeps_the_cache_within_its_bytes() {
+        // Room for exactly three entries of one-letter keys.
+        let max = 3 * weight("a");
+        let store = CachedStore::builder(MemoryStore::new())
+            .max_bytes(max)
+            .build();
+        for i in 0..20 {
+            let key = format!("{}", char::from(b'a' + i));
+            stored(&store, &key, Duration::from_secs(3600)).await;
+            replay(&store, &key, &FP).await;
+            assert!(store.bytes() <= max, "{} bytes after {key}", store.bytes());
+        }
+        let entries = store.len();
+        assert!((1..=3).contains(&entries), "{entries} entries");
+        assert_eq!(store.bytes(), entries as u64 * weight("a"));
+        // Whatever was evicted is still replayed by the wrapped store.
+        for i in 0..20 {
+            let key = format!("{}", char::from(b'a' + i));
+            match replay(&store, &key, &FP).await {
+                ReserveOutcome::Completed { response: r, .. } => assert_eq!(r, response()),
+                other => panic!("{key}: {other:?}"),
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn an_entry_heavier_than_the_whole_cache_is_never_kept() {
+        let counting = Counting::default();
+        let store = CachedStore::builder(counting.clone())
+            .max_bytes(weight("a") - 1)
+            .build();
+        stored(&store, "a", Duration::from_secs(3600)).await;
+        for _ in 0..3 {
+            assert!(matches!(
+                replay(&store, "a", &FP).await,
+                ReserveOutcome::Completed { .. }
+            ));
+            // After moka's maintenance (which `is_empty` runs), the entry is gone.
+            assert!(store.is_empty());
+        }
+        assert_eq!(store.bytes(), 0);
+        // Every replay went to the store: 1 reservation + 3 replays.
+        assert_eq!(reserves(&counting), 4);
+    }
+
+    #[tokio::test]
+    async fn zero_max_bytes_disables_caching() {
+        let counting = Counting::default();
+        let store = CachedStore::builder(counting.clone()).max_bytes(0).build();
+        stored(&store, "a", Duration::from_secs(3600)).await;
+        for _ in 0..3 {
+            match replay(&store, "a", &FP).await {
+                ReserveOutcome::Completed { response: r, .. } => assert_eq!(r, response()),
+                other => panic!("{other:?}"),
+            }
+        }
+        assert!(store.is_empty());
+        assert_eq!(reserves(&counting), 4, "a pass-through");
+    }
+
+    #[tokio::test]
+    async fn max_response_bytes_is_inclusive() {
+        let size = response().size_bytes();
+        let fits = CachedStore::builder(MemoryStore::new())
+            .max_response_bytes(size)
+            .build();
+        stored(&fits, "a", Duration::from_secs(3600)).await;
+        replay(&fits, "a", &FP).await;
+        assert_eq!(fits.len(), 1, "a response of exactly the limit is cached");
+        let too_big = CachedStore::builder(MemoryStore::new())
+            .max_response_bytes(size - 1)
+            .build();
+        stored(&too_big, "a", Duration::from_secs(3600)).await;
+        replay(&too_big, "a", &FP).await;
+        assert!(too_big.is_empty());
+    }
+
+    #[tokio::test]
+    async fn store_errors_pass_through_and_nothing_is_cached_from_them() {
+        let faulty = Faulty::default();
+        let store = CachedStore::new(faulty.clone());
+        let ReserveOutcome::Reserved { token } = replay(&store, "a", &FP).await else {
+            panic!("expected a reservation");
+        };
+        faulty.down.store(true, Ordering::SeqCst);
+        let unavailable = |result: Result<String, StoreError>| match result {
+            Err(StoreError::Unavailable(e)) => assert_eq!(e.to_string(), "the database is down"),
+            other => panic!("{other:?}"),
+        };
+        unavailable(
+            store
+                .reserve(&scope("b"), &FP, LEASE)
+                .await
+                .map(|o| format!("{o:?}")),
+        );
+        unavailable(
+            store
+                .complete(&scope("a"), &token, &response(), Duration::from_secs(3600))
+                .await
+                .map(|o| format!("{o:?}")),
+        );
+        unavailable(
+            store
+                .release(&scope("a"), &token)
+                .await
+                .map(|o| format!("{o:?}")),
+        );
+        unavailable(
+            store
+                .purge_expired(Duration::ZERO)
+                .await
+                .map(|n| n.to_string()),
+        );
+        assert!(store.is_empty());
+        // Back up: the reservation held across the outage, and completes.
+        faulty.down.store(false, Ordering::SeqCst);
+        let outcome = store
+            .complete(&scope("a"), &token, &response(), Duration::from_secs(3600))
+            .await;
+        assert_eq!(outcome.ok(), Some(WriteOutcome::Applied));
+    }
+
+    #[tokio::test]
+    async fn a_cached_replay_is_served_while_the_store_is_down() {
+        let faulty = Faulty::default();
+        let store = CachedStore::new(faulty.clone());
+        stored(&store, "a", Duration::from_secs(3600)).await;
+        replay(&store, "a", &FP).await; // fills the cache
+        faulty.down.store(true, Ordering::SeqCst);
+        match store.reserve(&scope("a"), &FP, LEASE).await {
+            Ok(ReserveOutcome::Completed {
+                fingerprint,
+                response: r,
+                expires_in,
+            }) => {
+                assert_eq!(fingerprint, FP);
+                assert_eq!(r, response());
+                let left = expires_in.unwrap_or_default();
+                assert!(
+                    left > Duration::ZERO && left <= DEFAULT_MAX_TTL,
+                    "{left:?}: bounded by max_ttl"
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        // A key that is not cached still needs the store.
+        assert!(matches!(
+            store.reserve(&scope("b"), &FP, LEASE).await,
+            Err(StoreError::Unavailable(_))
+        ));
+    }
+
+    #[tokio::test]
+    async fn records_reported_as_ending_now_are_not_cached() {
+        let faulty = Faulty::default();
+        let store = CachedStore::new(faulty.clone());
+        stored(&store, "a", Duration::from_secs(3600)).await;
+        faulty.report_expires_in(Some(Duration::ZERO));
+        for _ in 0..2 {
+            assert!(matches!(
+                replay(&store, "a", &FP).await,
+                ReserveOutcome::Completed { .. }
+            ));
+        }
+        assert!(store.is_empty());
+        assert_eq!(reserves(&faulty.inner), 3);
+    }
+
+    #[tokio::test]
+    async fn an_unbounded_time_left_does_not_panic() {
+        // max_ttl and the record's time left both unbounded: no instant can hold the end,
+        // so the record is passed through uncached rather than overflowing the clock.
+        let faulty = Faulty::default();
+        let store = CachedStore::builder(faulty.clone())
+            .max_ttl(Duration::MAX)
+            .build();
+        stored(&store, "a", Duration::from_secs(3600)).await;
+        faulty.report_expires_in(Some(Duration::MAX));
+        match replay(&store, "a", &FP).await {
+            ReserveOutcome::Completed {
+                response: r,
+                expires_in,
+                ..
+            } => {
+                assert_eq!(r, response());
+                assert_eq!(
+                    expires_in,
+                    Some(Duration::MAX),
+                    "the store's answer, unchanged"
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(store.is_empty());
+
+        // An unbounded max_ttl still ends an entry with its record.
+        faulty.report_expires_in(Some(Duration::from_secs(30)));
+        replay(&store, "a", &FP).await;
+        assert_eq!(store.len(), 1);
+        match replay(&store, "a", &FP).await {
+            ReserveOutcome::Completed { expires_in, .. } => {
+                let left = expires_in.unwrap_or_default();
+                assert!(
+                    left <= Duration::from_secs(30) && left > Duration::from_secs(25),
+                    "{left:?}"
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn writes_and_purges_go_to_the_wrapped_store() {
+        let store = CachedStore::new(MemoryStore::new());
+        // release frees the key
+        let ReserveOutcome::Reserved { token } = replay(&store, "r", &FP).await else {
+            panic!("expected a reservation");
+        };
+        assert_eq!(
+            store.release(&scope("r"), &token).await.ok(),
+            Some(WriteOutcome::Applied)
+        );
+        assert_eq!(
+            store.release(&scope("r"), &token).await.ok(),
+            Some(WriteOutcome::Stale),
+            "a second release is stale"
+        );
+        assert!(matches!(
+            replay(&store, "r", &FP).await,
+            ReserveOutcome::Reserved { .. }
+        ));
+        // complete with a token that does not hold the key is stale, and nothing is cached
+        let stale = store
+            .complete(
+                &scope("r"),
+                &ReservationToken::random(),
+                &response(),
+                Duration::from_secs(3600),
+            )
+            .await;
+        assert_eq!(stale.ok(), Some(WriteOutcome::Stale));
+        assert!(store.is_empty());
+        // purge removes expired records of the wrapped store and reports how many
+        stored(&store, "p1", Duration::from_millis(1)).await;
+        stored(&store, "p2", Duration::from_millis(1)).await;
+        stored(&store, "live", Duration::from_secs(3600)).await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert_eq!(store.purge_expired(Duration::ZERO).await.ok(), Some(2));
+        assert_eq!(store.purge_expired(Duration::ZERO).await.ok(), Some(0));
+        assert!(matches!(
+            replay(&store, "live", &FP).await,
+            ReserveOutcome::Completed { .. }
+        ));
     }
 }
