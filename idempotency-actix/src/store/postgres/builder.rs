@@ -60,7 +60,8 @@ impl PostgresStoreBuilder {
         self
     }
 
-    /// Connections kept open while idle. Default: none kept beyond `max_size` usage.
+    /// Connections kept open while idle. Default: none kept beyond `max_size` usage. More
+    /// than `max_size` is clamped to `max_size` when the store is built (bb8 would panic).
     pub fn min_idle(mut self, min_idle: Option<u32>) -> Self {
         self.min_idle = min_idle;
         self
@@ -104,15 +105,17 @@ impl PostgresStoreBuilder {
         self
     }
 
-    /// Close connections idle this long. Default: bb8's (10 minutes).
+    /// Close connections idle this long. Default: bb8's (10 minutes). Zero is taken as 1 ms
+    /// (close idle connections at the pool's next check; bb8 refuses zero with a panic).
     pub fn idle_timeout(mut self, timeout: Option<Duration>) -> Self {
-        self.idle_timeout = timeout;
+        self.idle_timeout = timeout.map(|t| t.max(Duration::from_millis(1)));
         self
     }
 
-    /// Close connections after this age. Default: bb8's (30 minutes).
+    /// Close connections after this age. Default: bb8's (30 minutes). Zero is taken as 1 ms
+    /// (bb8 refuses zero with a panic).
     pub fn max_lifetime(mut self, lifetime: Option<Duration>) -> Self {
-        self.max_lifetime = lifetime;
+        self.max_lifetime = lifetime.map(|t| t.max(Duration::from_millis(1)));
         self
     }
 
@@ -174,7 +177,7 @@ impl PostgresStoreBuilder {
         let last_connect_error = Arc::new(Mutex::new(None));
         let mut builder = Pool::builder()
             .max_size(self.max_size)
-            .min_idle(self.min_idle)
+            .min_idle(self.min_idle.map(|n| n.min(self.max_size)))
             .connection_timeout(self.connection_timeout)
             .error_sink(Box::new(LastErrorSink(Arc::clone(&last_connect_error))))
             .connection_customizer(Box::new(LastErrorSink(Arc::clone(&last_connect_error))));

@@ -1,0 +1,746 @@
+//! `PostgresStoreBuilder` against a real PostgreSQL: every pool option is applied (to the bb8
+//! pool, or to the server session through the startup packet) and leaves a store that works,
+//! the TLS choices of the URL, and the errors of unusable options and URLs: a `StoreError`,
+//! never a panic, never the password.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use diesel::sql_types::{Bool, Text};
+use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
+use idempotency_actix::store::postgres::{self, PostgresStore};
+use idempotency_actix::store::{
+    Fingerprint, IdempotencyStore, ReservationToken, ReserveOutcome, Scope, StoreError,
+    StoredResponse, WriteOutcome,
+};
+use idempotency_e2e::{eventually, TestDb};
+
+const FP: Fingerprint = Fingerprint([9; 32]);
+const LEASE: Duration = Duration::from_secs(60);
+const TTL: Duration = Duration::from_secs(3600);
+/// The password of the URLs whose errors are checked: it must never appear in a message.
+const PASSWORD: &str = "Pw-S3cret-42";
+
+fn scope(key: &str) -> Scope {
+    Scope {
+        tenant: "acct_1".into(),
+        method: "POST".into(),
+        path: "/payments".into(),
+        key: key.into(),
+    }
+}
+
+fn response(key: &str) -> StoredResponse {
+    StoredResponse {
+        status: 201,
+        headers: vec![("location".into(), Bytes::from(format!("/payments/{key}")))],
+        body: Bytes::from(format!("{{\"key\":\"{key}\"}}")),
+    }
+}
+
+/// A whole request's life on `store`: reserve, a duplicate sees it in flight, complete, and
+/// the retry replays the exact response.
+async fn round_trip(store: &PostgresStore, key: &str) {
+    let scope = scope(key);
+    let token = match store.reserve(&scope, &FP, LEASE).await {
+        Ok(ReserveOutcome::Reserved { token }) => token,
+        other => panic!("{key}: expected a reservation, got {other:?}"),
+    };
+    match store.reserve(&scope, &FP, LEASE).await {
+        Ok(ReserveOutcome::InFlight { .. }) => {}
+        other => panic!("{key}: expected in flight, got {other:?}"),
+    }
+    match store.complete(&scope, &token, &response(key), TTL).await {
+        Ok(WriteOutcome::Applied) => {}
+        other => panic!("{key}: complete gave {other:?}"),
+    }
+    // Twice: with the replay fast path on, the second one is the plain SELECT.
+    for _ in 0..2 {
+        match store.reserve(&scope, &FP, LEASE).await {
+            Ok(ReserveOutcome::Completed {
+                fingerprint,
+                response: replayed,
+                expires_in,
+            }) => {
+                assert_eq!(fingerprint, FP);
+                assert_eq!(replayed, response(key));
+                let left = expires_in.unwrap_or_default();
+                assert!(
+                    left > TTL - Duration::from_secs(60) && left <= TTL,
+                    "{left:?}"
+                );
+            }
+            other => panic!("{key}: expected a replay, got {other:?}"),
+        }
+    }
+}
+
+#[derive(diesel::QueryableByName)]
+struct Setting {
+    #[diesel(sql_type = Text)]
+    value: String,
+}
+
+#[derive(diesel::QueryableByName)]
+struct Ssl {
+    #[diesel(sql_type = Bool)]
+    ssl: bool,
+}
+
+/// A server setting as a connection of `store`'s pool sees it.
+async fn setting(store: &PostgresStore, name: &str) -> String {
+    let mut conn = store.pool().get().await.expect("a pooled connection");
+    diesel::sql_query("SELECT current_setting($1) AS value")
+        .bind::<Text, _>(name)
+        .get_result::<Setting>(&mut *conn)
+        .await
+        .unwrap_or_else(|e| panic!("reading {name}: {e}"))
+        .value
+}
+
+/// A server setting as a plain connection to `url` (outside any store) sees it.
+async fn server_setting(url: &str, name: &str) -> String {
+    let mut conn = postgres::establish(url).await.expect("connect");
+    diesel::sql_query("SELECT current_setting($1) AS value")
+        .bind::<Text, _>(name)
+        .get_result::<Setting>(&mut conn)
+        .await
+        .unwrap_or_else(|e| panic!("reading {name}: {e}"))
+        .value
+}
+
+/// Whether the pooled connections of `store` are encrypted.
+async fn pooled_tls(store: &PostgresStore) -> Result<bool, StoreError> {
+    let mut conn = store
+        .pool()
+        .get()
+        .await
+        .map_err(|e| StoreError::unavailable(e.to_string()))?;
+    diesel::sql_query("SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()")
+        .get_result::<Ssl>(&mut *conn)
+        .await
+        .map(|row| row.ssl)
+        .map_err(postgres::classify_error)
+}
+
+/// `url` with one more connection parameter, in its own syntax (URL query or `key=value`).
+fn with_param(url: &str, key: &str, value: &str) -> String {
+    if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+        let encoded: String = value
+            .bytes()
+            .map(|b| match b {
+                b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'/' => {
+                    char::from(b).to_string()
+                }
+                _ => format!("%{b:02X}"),
+            })
+            .collect();
+        let separator = if url.contains('?') { '&' } else { '?' };
+        format!("{url}{separator}{key}={encoded}")
+    } else {
+        let quoted = value.replace('\\', "\\\\").replace('\'', "\\'");
+        format!("{url} {key}='{quoted}'")
+    }
+}
+
+/// A file removed when dropped.
+struct TempFile(PathBuf);
+
+impl TempFile {
+    fn new(name: &str, contents: &[u8]) -> TempFile {
+        let path = std::env::temp_dir().join(format!(
+            "idem-builder-{}-{}-{name}",
+            std::process::id(),
+            ReservationToken::random().as_uuid()
+        ));
+        std::fs::write(&path, contents).expect("writing a temporary file");
+        TempFile(path)
+    }
+
+    fn path(&self) -> String {
+        self.0.display().to_string()
+    }
+}
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// The message of a `StoreError::Backend`, checked to be free of the password.
+fn backend_message(result: Result<PostgresStore, StoreError>, url: &str) -> String {
+    match result {
+        Err(error @ StoreError::Backend(_)) => {
+            let message = error.to_string();
+            let debug = format!("{error:?}");
+            assert!(
+                !message.contains(PASSWORD) && !debug.contains(PASSWORD),
+                "the password leaked for {url:?}: {message} / {debug}"
+            );
+            message
+        }
+        Err(other) => panic!("{url:?}: expected a Backend error, got {other:?}"),
+        Ok(_) => panic!("{url:?} was accepted"),
+    }
+}
+
+#[tokio::test]
+async fn the_defaults_give_a_working_store() {
+    let db = TestDb::new().await;
+    let store = PostgresStore::builder(db.url.as_str())
+        .build()
+        .await
+        .unwrap();
+    let config = store.pool().config();
+    assert_eq!(config.max_size, postgres::DEFAULT_MAX_SIZE);
+    assert_eq!(config.min_idle, None);
+    assert_eq!(
+        config.connection_timeout,
+        postgres::DEFAULT_CONNECTION_TIMEOUT
+    );
+    // bb8's own defaults, set explicitly.
+    assert_eq!(config.idle_timeout, Some(Duration::from_secs(600)));
+    assert_eq!(config.max_lifetime, Some(Duration::from_secs(1800)));
+    assert_eq!(
+        store.pool().state().connections,
+        0,
+        "connections are opened lazily"
+    );
+    store.check().await.unwrap();
+    round_trip(&store, "defaults").await;
+    // The server's own settings are kept.
+    assert_eq!(
+        setting(&store, "synchronous_commit").await,
+        server_setting(&db.url, "synchronous_commit").await
+    );
+    assert_eq!(
+        setting(&store, "statement_timeout").await,
+        server_setting(&db.url, "statement_timeout").await
+    );
+    let debug = format!("{store:?}");
+    assert!(debug.contains("connection_timeout: 2s"), "{debug}");
+}
+
+#[tokio::test]
+async fn every_pool_option_is_applied_and_the_store_works() {
+    let db = TestDb::new().await;
+    let builder = PostgresStore::builder(db.url.clone())
+        .max_size(3)
+        .min_idle(Some(2))
+        .connection_timeout(Duration::from_millis(1500))
+        .query_timeout(None)
+        .statement_timeout(Some(Duration::from_millis(250)))
+        .idle_timeout(Some(Duration::from_secs(120)))
+        .max_lifetime(Some(Duration::from_secs(900)))
+        .purge_batch(2)
+        .synchronous_commit(false)
+        .replay_fast_path(true);
+    let debug = format!("{builder:?}");
+    for part in [
+        "max_size: 3",
+        "min_idle: Some(2)",
+        "connection_timeout: 1.5s",
+        "query_timeout: None",
+        "statement_timeout: Some(250ms)",
+        "idle_timeout: Some(120s)",
+        "max_lifetime: Some(900s)",
+        "purge_batch: 2",
+        "synchronous_commit: false",
+        "replay_fast_path: true",
+    ] {
+        assert!(debug.contains(part), "{part:?} not in {debug}");
+    }
+    let store = builder.build().await.unwrap();
+    let config = store.pool().config();
+    assert_eq!(config.max_size, 3);
+    assert_eq!(config.min_idle, Some(2));
+    assert_eq!(config.connection_timeout, Duration::from_millis(1500));
+    assert_eq!(config.idle_timeout, Some(Duration::from_secs(120)));
+    assert_eq!(config.max_lifetime, Some(Duration::from_secs(900)));
+    // min_idle: the pool opens its idle connections by itself.
+    let pool = store.pool().clone();
+    assert!(
+        eventually(Duration::from_secs(10), || {
+            let pool = pool.clone();
+            async move { pool.state().idle_connections >= 2 }
+        })
+        .await,
+        "{:?}",
+        store.pool().state()
+    );
+    round_trip(&store, "all-options").await;
+    // The session settings sent in the startup packet.
+    assert_eq!(setting(&store, "synchronous_commit").await, "off");
+    assert_eq!(setting(&store, "statement_timeout").await, "250ms");
+    // ... and the server enforces the statement timeout.
+    let mut conn = store.pool().get().await.unwrap();
+    let error = conn.batch_execute("SELECT pg_sleep(2)").await.unwrap_err();
+    assert!(error.to_string().contains("statement timeout"), "{error}");
+    drop(conn);
+    // max_size: never more than 3 connections, however many requests.
+    let keys: Vec<String> = (0..12).map(|i| format!("parallel-{i}")).collect();
+    let calls = keys.iter().map(|key| round_trip(&store, key));
+    futures_util::future::join_all(calls).await;
+    assert!(store.pool().state().connections <= 3);
+}
+
+#[tokio::test]
+async fn startup_options_of_the_url_are_kept_next_to_the_builders() {
+    let db = TestDb::new().await;
+    let url = with_param(&db.url, "options", "-c work_mem=8MB");
+    let store = PostgresStore::builder(url)
+        .synchronous_commit(false)
+        .statement_timeout(Some(Duration::from_secs(3)))
+        .build()
+        .await
+        .unwrap();
+    round_trip(&store, "options").await;
+    assert_eq!(setting(&store, "work_mem").await, "8MB");
+    assert_eq!(setting(&store, "synchronous_commit").await, "off");
+    assert_eq!(setting(&store, "statement_timeout").await, "3s");
+}
+
+/// `max_size(0)` is one connection (bb8 itself panics on zero), and a request that cannot
+/// get one within the connection timeout is a quick 503, not a hang.
+#[tokio::test]
+async fn max_size_zero_is_one_connection_and_exhaustion_is_unavailable() {
+    let db = TestDb::new().await;
+    let store = PostgresStore::builder(db.url.as_str())
+        .max_size(0)
+        .connection_timeout(Duration::from_millis(300))
+        .build()
+        .await
+        .unwrap();
+    assert_eq!(store.pool().config().max_size, 1);
+    round_trip(&store, "single").await;
+    let held = store.pool().get().await.unwrap();
+    let started = Instant::now();
+    match store.reserve(&scope("starved"), &FP, LEASE).await {
+        Err(StoreError::Unavailable(e)) => assert!(
+            e.to_string()
+                .starts_with("no database connection within 300 ms"),
+            "{e}"
+        ),
+        other => panic!("expected Unavailable, got {other:?}"),
+    }
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_millis(250) && waited < Duration::from_secs(3),
+        "{waited:?}"
+    );
+    drop(held);
+    round_trip(&store, "starved").await;
+}
+
+/// A zero connection timeout is clamped to 1 ms (bb8 panics on zero): the store builds, and
+/// a database that is not there is reported at once.
+#[tokio::test]
+async fn a_zero_connection_timeout_is_clamped_not_a_panic() {
+    let url = format!("postgres://app:{PASSWORD}@127.0.0.1:1/app");
+    let store = PostgresStore::builder(url.as_str())
+        .connection_timeout(Duration::ZERO)
+        .build()
+        .await
+        .unwrap();
+    assert_eq!(
+        store.pool().config().connection_timeout,
+        Duration::from_millis(1)
+    );
+    let started = Instant::now();
+    match store.reserve(&scope("k"), &FP, LEASE).await {
+        Err(error @ StoreError::Unavailable(_)) => {
+            assert!(!error.to_string().contains(PASSWORD), "{error}");
+        }
+        other => panic!("expected Unavailable, got {other:?}"),
+    }
+    assert!(started.elapsed() < Duration::from_secs(2));
+}
+
+/// The database being down is not a build error: the pool connects lazily, and requests get
+/// `Unavailable` with the reason, never the password.
+#[tokio::test]
+async fn an_unreachable_database_builds_and_requests_are_unavailable() {
+    let url = format!("postgres://app:{PASSWORD}@127.0.0.1:1/app");
+    let builder =
+        PostgresStore::builder(url.as_str()).connection_timeout(Duration::from_millis(400));
+    let debug = format!("{builder:?}");
+    assert!(
+        debug.contains("postgres://app:***@127.0.0.1:1/app") && !debug.contains(PASSWORD),
+        "{debug}"
+    );
+    let store = builder.build().await.unwrap();
+    for attempt in 0..2 {
+        let started = Instant::now();
+        let error = match store.reserve(&scope("down"), &FP, LEASE).await {
+            Err(error @ StoreError::Unavailable(_)) => error,
+            other => panic!("expected Unavailable, got {other:?}"),
+        };
+        let message = error.to_string();
+        assert!(!message.contains(PASSWORD), "{message}");
+        assert!(
+            message.starts_with("idempotency store unavailable: "),
+            "{message}"
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(3),
+            "attempt {attempt}"
+        );
+    }
+    match store.check().await {
+        Err(StoreError::Unavailable(e)) => assert!(!e.to_string().contains(PASSWORD)),
+        other => panic!("expected Unavailable, got {other:?}"),
+    }
+    assert!(!format!("{store:?}").contains(PASSWORD));
+}
+
+/// An expired reservation of `key` whose row another session holds locked, so the next
+/// reserve has to wait for that lock to take it over. Returns the blocking session.
+async fn blocked_takeover(
+    store: &PostgresStore,
+    url: &str,
+    key: &str,
+) -> diesel_async::AsyncPgConnection {
+    store
+        .reserve(&scope(key), &FP, Duration::from_millis(1))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let mut blocker = postgres::establish(url).await.unwrap();
+    blocker
+        .batch_execute(&format!(
+            "BEGIN; SELECT 1 FROM idempotency_keys WHERE idempotency_key = '{key}' FOR UPDATE"
+        ))
+        .await
+        .unwrap();
+    blocker
+}
+
+/// The query timeout bounds a statement the database does not answer; `None` waits.
+#[tokio::test]
+async fn the_query_timeout_bounds_a_blocked_statement_and_none_waits() {
+    let db = TestDb::new().await;
+    let unbounded = PostgresStore::builder(db.url.as_str())
+        .query_timeout(None)
+        .build()
+        .await
+        .unwrap();
+    let mut blocker = blocked_takeover(&unbounded, &db.url, "waits").await;
+    let waiting = tokio::spawn({
+        let unbounded = unbounded.clone();
+        async move { unbounded.reserve(&scope("waits"), &FP, LEASE).await }
+    });
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert!(!waiting.is_finished(), "no query timeout: still waiting");
+    blocker.batch_execute("COMMIT").await.unwrap();
+    match waiting.await.unwrap() {
+        Ok(ReserveOutcome::Reserved { .. }) => {}
+        other => panic!("the waiting takeover gave {other:?}"),
+    }
+
+    let bounded = PostgresStore::builder(db.url.as_str())
+        .query_timeout(Some(Duration::from_millis(200)))
+        .build()
+        .await
+        .unwrap();
+    let mut blocker = blocked_takeover(&bounded, &db.url, "bounded").await;
+    let started = Instant::now();
+    match bounded.reserve(&scope("bounded"), &FP, LEASE).await {
+        Err(StoreError::Unavailable(e)) => {
+            assert_eq!(e.to_string(), "the database did not answer within 200 ms")
+        }
+        other => panic!("expected Unavailable, got {other:?}"),
+    }
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_millis(200) && waited < Duration::from_secs(2),
+        "{waited:?}"
+    );
+    blocker.batch_execute("COMMIT").await.unwrap();
+}
+
+/// `purge_batch(0)` is one row per statement, and `purge_expired` goes on until every expired
+/// record is gone.
+#[tokio::test]
+async fn purge_batch_zero_is_one_row_per_statement() {
+    let db = TestDb::new().await;
+    let store = PostgresStore::builder(db.url.as_str())
+        .purge_batch(0)
+        .build()
+        .await
+        .unwrap();
+    assert!(format!(
+        "{:?}",
+        PostgresStore::builder(db.url.as_str()).purge_batch(0)
+    )
+    .contains("purge_batch: 1"));
+    for i in 0..3 {
+        let key = scope(&format!("old-{i}"));
+        let Ok(ReserveOutcome::Reserved { token }) = store.reserve(&key, &FP, LEASE).await else {
+            panic!("reserve");
+        };
+        let done = store
+            .complete(&key, &token, &response("old"), Duration::from_millis(1))
+            .await;
+        assert_eq!(done.ok(), Some(WriteOutcome::Applied));
+    }
+    round_trip(&store, "live").await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(store.purge_expired(Duration::ZERO).await.unwrap(), 3);
+    assert_eq!(store.purge_expired(Duration::ZERO).await.unwrap(), 0);
+    assert!(matches!(
+        store.reserve(&scope("live"), &FP, LEASE).await,
+        Ok(ReserveOutcome::Completed { .. })
+    ));
+}
+
+/// The TLS choice of the URL's `sslmode`, through the builder's pool: `disable` is plain,
+/// `prefer` follows the server, `require` encrypts (when the server offers TLS).
+#[tokio::test]
+async fn sslmode_decides_whether_pooled_connections_are_encrypted() {
+    let db = TestDb::new().await;
+    let server_ssl = server_setting(&db.url, "ssl").await == "on";
+    let store = |mode: &str| {
+        let url = with_param(&db.url, "sslmode", mode);
+        async move {
+            PostgresStore::builder(url)
+                .connection_timeout(Duration::from_secs(2))
+                .build()
+                .await
+                .unwrap()
+        }
+    };
+    let plain = store("disable").await;
+    assert!(!pooled_tls(&plain).await.unwrap());
+    round_trip(&plain, "disable").await;
+
+    let prefer = store("prefer").await;
+    assert_eq!(pooled_tls(&prefer).await.unwrap(), server_ssl);
+    round_trip(&prefer, "prefer").await;
+
+    let require = store("require").await;
+    if server_ssl {
+        assert!(pooled_tls(&require).await.unwrap());
+        round_trip(&require, "require").await;
+    } else {
+        eprintln!("the test server has ssl=off: sslmode=require must fail to connect");
+        assert!(matches!(
+            require.reserve(&scope("require"), &FP, LEASE).await,
+            Err(StoreError::Unavailable(_))
+        ));
+    }
+}
+
+/// `verify-full` against a server whose certificate is not signed by the given roots: the
+/// handshake is refused, every request is `Unavailable`, nothing panics.
+#[tokio::test]
+async fn verify_full_with_foreign_roots_is_unavailable() {
+    let db = TestDb::new().await;
+    let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, "an unrelated CA");
+    params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    let key = rcgen::KeyPair::generate().unwrap();
+    let ca = params.self_signed(&key).unwrap();
+    let roots = TempFile::new("ca.crt", ca.pem().as_bytes());
+    let url = with_param(
+        &with_param(&db.url, "sslmode", "verify-full"),
+        "sslrootcert",
+        &roots.path(),
+    );
+    let store = PostgresStore::builder(url.as_str())
+        .connection_timeout(Duration::from_millis(500))
+        .build()
+        .await
+        .unwrap();
+    let started = Instant::now();
+    assert!(
+        matches!(
+            store.reserve(&scope("tls"), &FP, LEASE).await,
+            Err(StoreError::Unavailable(_))
+        ),
+        "an unverified server was used"
+    );
+    assert!(started.elapsed() < Duration::from_secs(3));
+    // The same URL through `connection_manager` builds too (TLS is checked at connect time).
+    assert!(postgres::connection_manager(&url).is_ok());
+}
+
+/// Every URL or TLS option that cannot be used is a `StoreError::Backend` from `build` (and
+/// from `connection_manager`), with a message that says what is wrong and never the password.
+#[tokio::test]
+async fn unusable_urls_are_backend_errors_without_the_password() {
+    let not_pem = TempFile::new("not-a-cert.pem", b"this is not a certificate\n");
+    let not_pem_path = not_pem.path();
+    let cases: Vec<(String, String)> = vec![
+        (
+            format!("postgres://app:{PASSWORD}@db.internal:notaport/pay"),
+            "invalid value for `port`".into(),
+        ),
+        (
+            format!("postgres://app:{PASSWORD}@db.internal/pay?sslmode=bogus"),
+            "unknown sslmode".into(),
+        ),
+        (
+            format!("postgres://app:{PASSWORD}@db.internal/pay?sslcert=/c.pem&sslkey=/k.pem"),
+            "client certificates (sslcert/sslkey) are not supported".into(),
+        ),
+        (
+            format!(
+                "postgres://app:{PASSWORD}@db.internal/pay?sslmode=verify-full&sslrootcert=/nonexistent/root.crt"
+            ),
+            "cannot read sslrootcert `/nonexistent/root.crt`".into(),
+        ),
+        (
+            format!(
+                "postgres://app:{PASSWORD}@db.internal/pay?sslmode=verify-ca&sslrootcert={not_pem_path}"
+            ),
+            format!("no certificate found in sslrootcert `{not_pem_path}`"),
+        ),
+        (
+            format!("postgres://app:{PASSWORD}@db.internal/pay?application_name"),
+            "has no `=`".into(),
+        ),
+        (
+            format!("postgres://app:{PASSWORD}@db.internal/pay?frobnicate=1"),
+            "is unknown".into(),
+        ),
+        (
+            format!("host=db.internal password='{PASSWORD}"),
+            "malformed".into(),
+        ),
+        (
+            format!("mysql://root:{PASSWORD}@db.internal/pay"),
+            "invalid database URL".into(),
+        ),
+    ];
+    for (url, expected) in cases {
+        let message = backend_message(
+            PostgresStore::builder(url.as_str())
+                .max_size(2)
+                .build()
+                .await,
+            &url,
+        );
+        assert!(
+            message.starts_with("idempotency store error: invalid database URL: "),
+            "{url:?}: {message}"
+        );
+        assert!(message.contains(&expected), "{url:?}: {message}");
+        // `connect` and `connection_manager` parse the same way.
+        assert_eq!(
+            backend_message(PostgresStore::connect(&url).await, &url),
+            message
+        );
+        match postgres::connection_manager(&url) {
+            Err(error @ StoreError::Backend(_)) => assert_eq!(error.to_string(), message),
+            Err(other) => panic!("{url:?}: {other:?}"),
+            Ok(_) => panic!("{url:?}: connection_manager accepted it"),
+        }
+        // The builder's Debug never shows the password either.
+        let debug = format!("{:?}", PostgresStore::builder(url.as_str()));
+        assert!(!debug.contains(PASSWORD), "{debug}");
+    }
+}
+
+#[derive(diesel::QueryableByName)]
+struct Pid {
+    #[diesel(sql_type = diesel::sql_types::Integer)]
+    pid: i32,
+}
+
+async fn pooled_pid(store: &PostgresStore) -> i32 {
+    let mut conn = store.pool().get().await.expect("a pooled connection");
+    diesel::sql_query("SELECT pg_backend_pid() AS pid")
+        .get_result::<Pid>(&mut *conn)
+        .await
+        .expect("pg_backend_pid")
+        .pid
+}
+
+/// The pool's checkout check (no round trip) notices a connection the server closed while it
+/// was idle, and replaces it: the next request works on a new connection.
+#[tokio::test]
+async fn a_connection_closed_while_idle_is_replaced_on_checkout() {
+    let db = TestDb::new().await;
+    let store = PostgresStore::builder(db.url.as_str())
+        .max_size(1)
+        .build()
+        .await
+        .unwrap();
+    round_trip(&store, "before").await;
+    let first = pooled_pid(&store).await;
+    assert_eq!(
+        pooled_pid(&store).await,
+        first,
+        "one pooled connection, reused"
+    );
+    let mut admin = postgres::establish(&db.url).await.unwrap();
+    admin
+        .batch_execute(&format!("SELECT pg_terminate_backend({first})"))
+        .await
+        .unwrap();
+    // Let the connection's task see the socket close.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    round_trip(&store, "after").await;
+    let second = pooled_pid(&store).await;
+    assert_ne!(second, first, "the closed connection was not reused");
+    let statistics = store.pool().state().statistics;
+    assert!(
+        statistics.connections_closed_invalid + statistics.connections_closed_broken >= 1,
+        "{statistics:?}"
+    );
+}
+
+/// Found while writing these tests: bb8 asserts `min_idle <= max_size` and non-zero idle and
+/// lifetime timeouts, and the builder passed these values through, so `build` panicked. It now
+/// clamps them, as it does `max_size` and `connection_timeout`.
+#[tokio::test]
+async fn out_of_range_pool_options_do_not_panic() {
+    let url = "postgres://app@127.0.0.1:1/app";
+    let builders = [
+        PostgresStore::builder(url).max_size(2).min_idle(Some(5)),
+        PostgresStore::builder(url).idle_timeout(Some(Duration::ZERO)),
+        PostgresStore::builder(url).max_lifetime(Some(Duration::ZERO)),
+    ];
+    let mut panics = Vec::new();
+    for builder in builders {
+        let shown = format!("{builder:?}");
+        match tokio::spawn(builder.build()).await {
+            Ok(Ok(_)) | Ok(Err(StoreError::Backend(_))) => {}
+            Ok(Err(other)) => panic!("{shown}: {other:?}"),
+            Err(panic) => panics.push(format!("{shown}: build panicked: {panic}")),
+        }
+    }
+    assert!(panics.is_empty(), "{panics:#?}");
+}
+
+/// A `statement_timeout` past the server's range (an `int` of milliseconds, about 24.8 days)
+/// is reported as a `StoreError` naming the setting, whether when building or when the pool
+/// connects; never a panic. (Today the builder accepts it and every connection is refused by
+/// the server, so every request is `Unavailable`.)
+#[tokio::test]
+async fn an_out_of_range_statement_timeout_is_a_clear_error() {
+    let db = TestDb::new().await;
+    for timeout in [Duration::from_secs(30 * 86_400), Duration::MAX] {
+        let built = PostgresStore::builder(db.url.as_str())
+            .statement_timeout(Some(timeout))
+            .connection_timeout(Duration::from_millis(500))
+            .build()
+            .await;
+        let message = match built {
+            Err(error @ StoreError::Backend(_)) => error.to_string(),
+            Err(other) => panic!("{timeout:?}: {other:?}"),
+            Ok(store) => match store.reserve(&scope("st"), &FP, LEASE).await {
+                Err(error @ StoreError::Unavailable(_)) => error.to_string(),
+                other => panic!("{timeout:?}: a reserve gave {other:?}"),
+            },
+        };
+        assert!(
+            message.contains("statement_timeout"),
+            "{timeout:?}: {message}"
+        );
+    }
+}
