@@ -29,8 +29,9 @@ ENGINE=${COVERAGE_ENGINE:-llvm}
 # tests/src/proc.rs) and hand it to tarpaulin (--objects) so its counters map to our sources.
 # Under coverage a test's teardown stops the example with SIGINT, so it exits and writes its
 # counters; tests that SIGKILL it on purpose lose that process's last counters.
-RUSTFLAGS="$(cargo tarpaulin --engine "$ENGINE" --print-rust-flags | tail -n 1)" \
-  cargo build -p idempotency-actix --example payments --features "test-suite redis" \
+FLAGS=$(cargo tarpaulin --engine "$ENGINE" --print-rust-flags 2>/dev/null | sed -n 's/^RUSTFLAGS="\(.*\)"$/\1/p')
+[ -n "$FLAGS" ] || { echo "coverage: cargo tarpaulin --print-rust-flags printed no flags" >&2; exit 1; }
+RUSTFLAGS="$FLAGS" cargo build -p idempotency-actix --example payments --features "test-suite redis" \
   --target-dir "$TARGET-example"
 export IDEM_PAYMENTS_BIN="$TARGET-example/debug/examples/payments"
 
