@@ -23,17 +23,17 @@ fi
 TARGET=${CARGO_TARGET_DIR:-target}/tarpaulin
 ENGINE=${COVERAGE_ENGINE:-llvm}
 
-# The fault, Redis and metrics tests run the `payments` example as a process. Build it once with
-# tarpaulin's own flags, in a directory of its own (the same flags in the harness's target dir
-# would make cargo rebuild one or the other), point the tests at it (IDEM_PAYMENTS_BIN, read by
-# tests/src/proc.rs) and hand it to tarpaulin (--objects) so its counters map to our sources.
+# The fault, Redis and metrics tests run the `payments` example as a process, and tarpaulin's
+# test build does not build examples. Build them first with tarpaulin's own flags into its
+# target dir (same flags and workspace selection, so cargo reuses tarpaulin's dependencies and
+# neither build invalidates the other), point the tests at the example (IDEM_PAYMENTS_BIN, read
+# by tests/src/proc.rs) and hand it to tarpaulin (--objects) so its counters map to our sources.
 # Under coverage a test's teardown stops the example with SIGINT, so it exits and writes its
 # counters; tests that SIGKILL it on purpose lose that process's last counters.
 FLAGS=$(cargo tarpaulin --engine "$ENGINE" --print-rust-flags 2>/dev/null | sed -n 's/^RUSTFLAGS="\(.*\)"$/\1/p')
 [ -n "$FLAGS" ] || { echo "coverage: cargo tarpaulin --print-rust-flags printed no flags" >&2; exit 1; }
-RUSTFLAGS="$FLAGS" cargo build -p idempotency-actix --example payments --features "test-suite redis" \
-  --target-dir "$TARGET-example"
-export IDEM_PAYMENTS_BIN="$TARGET-example/debug/examples/payments"
+RUSTFLAGS="$FLAGS" cargo build --workspace --examples --target-dir "$TARGET"
+export IDEM_PAYMENTS_BIN="$TARGET/debug/examples/payments"
 
 # llvm engine (instrument-coverage; tarpaulin reads the profiles itself, no llvm-tools needed):
 # every instrumented binary writes its own profile, so the example and idem-cli processes that
