@@ -3,7 +3,7 @@
 //!
 //! Each test makes its own database with a `payments` table; the handler inserts one row
 //! through `IdempotentTx` and behaves as its query string says (`status`, `fail`, `sleep_ms`,
-//! `big`, `savepoint`, `account`).
+//! `big`, `savepoint`, `account`, `open_savepoint`, `stream_fail`).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -37,6 +37,10 @@ struct Opts {
     big: Option<usize>,
     savepoint: Option<bool>,
     account: Option<i64>,
+    /// Leave a savepoint open (a `begin_transaction` without its end) when returning.
+    open_savepoint: Option<bool>,
+    /// Answer 201 with a streamed body whose second chunk fails.
+    stream_fail: Option<bool>,
 }
 
 #[derive(diesel::QueryableByName)]
@@ -106,7 +110,22 @@ async fn pay(
             .await
             .map_err(actix_web::error::ErrorInternalServerError)?;
     }
+    if opts.open_savepoint == Some(true) {
+        use diesel_async::{AnsiTransactionManager, TransactionManager};
+        AnsiTransactionManager::begin_transaction(&mut *conn)
+            .await
+            .map_err(actix_web::error::ErrorInternalServerError)?;
+    }
     drop(conn);
+    if opts.stream_fail == Some(true) {
+        let chunks = futures_util::stream::iter([
+            Ok(bytes::Bytes::from_static(b"{\"partial\":")),
+            Err(actix_web::error::ErrorInternalServerError(
+                "the body failed",
+            )),
+        ]);
+        return Ok(HttpResponse::Created().streaming(chunks));
+    }
     if let Some(ms) = opts.sleep_ms {
         tokio::time::sleep(Duration::from_millis(ms)).await;
     }
@@ -660,4 +679,99 @@ async fn skew(tx: IdempotentTx, runs: web::Data<Runs>) -> actix_web::Result<Http
     // Both write before either commits: the conflict surfaces at COMMIT of the second.
     tokio::time::sleep(Duration::from_millis(300)).await;
     Ok(HttpResponse::Created().json(serde_json::json!({ "seen": n })))
+}
+
+/// A storable response that `store_if` refuses is sent as it is, and the transaction (the
+/// handler's row and the reservation) is rolled back: the retry runs the handler again.
+#[actix_web::test]
+async fn store_if_refusal_rolls_back_and_sends_the_response() {
+    let (db, store) = setup().await;
+    let runs = Runs::default();
+    let middleware = Idempotency::builder(store.clone())
+        .tenant_header("x-account-id")
+        .transactional()
+        .store_if(|parts| parts.status != StatusCode::ACCEPTED)
+        .build();
+    let app = app!(middleware, runs);
+    let refused = send(&app, "si1", "?status=202", 1).await;
+    assert_eq!(refused.status, StatusCode::ACCEPTED);
+    assert!(refused.body["id"].is_i64(), "{}", refused.body);
+    assert_nothing_kept(&db, "si1", 0);
+    let again = send(&app, "si1", "?status=202", 1).await;
+    assert_eq!(again.status, StatusCode::ACCEPTED);
+    assert!(!again.replayed);
+    assert_eq!(runs.get(), 2);
+    assert_nothing_kept(&db, "si1", 0);
+}
+
+/// A storable response whose body fails while it is read for storing: 500 without the
+/// handler's error text, and nothing is committed.
+#[actix_web::test]
+async fn failing_response_body_rolls_back() {
+    let (db, store) = setup().await;
+    let runs = Runs::default();
+    let app = app!(tx_middleware(&store), runs);
+    let failed = send(&app, "sf1", "?stream_fail=true", 1).await;
+    assert_eq!(failed.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert!(
+        !failed.body.to_string().contains("the body failed"),
+        "{}",
+        failed.body
+    );
+    assert_nothing_kept(&db, "sf1", 0);
+    let retry = send(&app, "sf1", "", 1).await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert_eq!(runs.get(), 2);
+    assert_eq!(payments(&db), 1);
+}
+
+/// A handler that leaves a savepoint open would turn our COMMIT into a savepoint release:
+/// nothing is committed, the client gets 503 COMMIT_FAILED, and a retry is safe.
+#[actix_web::test]
+async fn an_open_savepoint_is_never_committed() {
+    let (db, store) = setup().await;
+    let runs = Runs::default();
+    let app = app!(tx_middleware(&store), runs);
+    let failed = send(&app, "os1", "?open_savepoint=true", 1).await;
+    assert_eq!(failed.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(failed.body["code"], "COMMIT_FAILED", "{}", failed.body);
+    assert!(failed.retry_after);
+    assert_nothing_kept(&db, "os1", 0);
+    let retry = send(&app, "os1", "", 1).await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert_eq!(payments(&db), 1);
+}
+
+/// A keyless request on a covered method gets a plain transaction; when no connection can be
+/// had in time it is a 503 and its handler does not run.
+#[actix_web::test]
+async fn keyless_request_on_an_exhausted_pool_is_503() {
+    let (db, _) = setup().await;
+    let store = PostgresStore::builder(db.url.clone())
+        .max_size(1)
+        .connection_timeout(Duration::from_millis(300))
+        .build()
+        .await
+        .unwrap();
+    let runs = Runs::default();
+    let app = app!(tx_middleware(&store), runs);
+    let first = call(
+        &app,
+        post(
+            Some("kp1"),
+            "?sleep_ms=1200",
+            serde_json::json!({"amount": 1}),
+        ),
+    );
+    let second = async {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        call(&app, post(None, "", serde_json::json!({"amount": 2}))).await
+    };
+    let (first, second) = futures_util::future::join(first, second).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(second.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(second.body["code"], "STORAGE_UNAVAILABLE");
+    assert!(second.retry_after);
+    assert_eq!(runs.get(), 1);
+    assert_eq!(payments(&db), 1);
 }
