@@ -775,3 +775,31 @@ async fn keyless_request_on_an_exhausted_pool_is_503() {
     assert_eq!(runs.get(), 1);
     assert_eq!(payments(&db), 1);
 }
+
+/// REPEATABLE READ and a store without a query timeout (the statements are awaited without a
+/// deadline): a miss commits once with that isolation, a retry replays, a keyless request runs.
+#[actix_web::test]
+async fn repeatable_read_without_a_query_timeout() {
+    let (db, _) = setup().await;
+    let store = PostgresStore::builder(db.url.clone())
+        .query_timeout(None)
+        .build()
+        .await
+        .unwrap();
+    let runs = Runs::default();
+    let middleware = Idempotency::builder(store.clone())
+        .tenant_header("x-account-id")
+        .transactional()
+        .isolation_level(idempotency_actix::store::postgres::IsolationLevel::RepeatableRead)
+        .build();
+    let app = app!(middleware, runs);
+    let first = send(&app, "rr1", "", 3).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{}", first.body);
+    let replay = send(&app, "rr1", "", 3).await;
+    assert!(replay.replayed);
+    assert_eq!(replay.body, first.body);
+    let keyless = call(&app, post(None, "", serde_json::json!({"amount": 4}))).await;
+    assert_eq!(keyless.status, StatusCode::CREATED);
+    assert_eq!(runs.get(), 2);
+    assert_eq!(payments(&db), 2);
+}
