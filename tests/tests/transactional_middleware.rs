@@ -41,6 +41,8 @@ struct Opts {
     open_savepoint: Option<bool>,
     /// Answer 201 with a streamed body whose second chunk fails.
     stream_fail: Option<bool>,
+    /// Panic after the INSERT.
+    panic: Option<bool>,
 }
 
 #[derive(diesel::QueryableByName)]
@@ -79,7 +81,10 @@ async fn pay(
         .and_then(|v| v.to_str().ok())
         .unwrap_or("")
         .to_owned();
+    // Neither type shows anything of the transaction or the connection.
+    assert_eq!(format!("{tx:?}"), "IdempotentTx { .. }");
     let mut conn = tx.conn();
+    assert_eq!(format!("{conn:?}"), "TxConn { .. }");
     if opts.savepoint == Some(true) {
         // A failing inner transaction: rolled back to its savepoint, the outer one goes on.
         let inner: Result<(), diesel::result::Error> = conn
@@ -117,6 +122,7 @@ async fn pay(
             .map_err(actix_web::error::ErrorInternalServerError)?;
     }
     drop(conn);
+    assert!(opts.panic != Some(true), "the handler panicked on purpose");
     if opts.stream_fail == Some(true) {
         let chunks = futures_util::stream::iter([
             Ok(bytes::Bytes::from_static(b"{\"partial\":")),
@@ -802,4 +808,36 @@ async fn repeatable_read_without_a_query_timeout() {
     assert_eq!(keyless.status, StatusCode::CREATED);
     assert_eq!(runs.get(), 2);
     assert_eq!(payments(&db), 2);
+}
+
+/// A handler that panics on a keyless request: the request's task ends without an answer, the
+/// client gets an opaque 500, the transaction is rolled back with its connection, and the app
+/// keeps serving.
+#[actix_web::test]
+async fn a_panicking_keyless_handler_is_a_500_and_rolls_back() {
+    let (db, store) = setup().await;
+    let runs = Runs::default();
+    let app = app!(tx_middleware(&store), runs);
+    let panicked = call(
+        &app,
+        post(None, "?panic=true", serde_json::json!({"amount": 1})),
+    )
+    .await;
+    assert_eq!(panicked.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert!(
+        !panicked.body.to_string().contains("on purpose"),
+        "{}",
+        panicked.body
+    );
+    let next = call(&app, post(None, "", serde_json::json!({"amount": 2}))).await;
+    assert_eq!(next.status, StatusCode::CREATED);
+    assert_eq!(runs.get(), 2);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while payments(&db) != 1 {
+        assert!(
+            Instant::now() < deadline,
+            "the panicked request's row was not rolled back"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
