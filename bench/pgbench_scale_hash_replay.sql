@@ -3,6 +3,6 @@
 -- (a digest match alone is not identity).
 \set i random(1, :rows)
 SELECT fingerprint, response_status, response_headers, response_body FROM scale_hash
- WHERE scope_hash = sha256(convert_to(length('tenant-' || (:i % 1000)) || ':' || ('tenant-' || (:i % 1000)) || '4:POST12:/v1/payments36:' || md5(:i::text)::uuid::text, 'UTF8'))
-   AND (tenant, method, path, idempotency_key) = ('tenant-' || (:i % 1000), 'POST', '/v1/payments', md5(:i::text)::uuid::text)
+ WHERE scope_hash = sha256(convert_to(length('tenant-' || (:i::bigint % 1000)) || ':' || ('tenant-' || (:i::bigint % 1000)) || '4:' || 'POST12:/v1/payments36:' || md5(:i::text)::uuid::text, 'UTF8'))
+   AND (tenant, method, path, idempotency_key) = ('tenant-' || (:i::bigint % 1000), 'POST', '/v1/payments', md5(:i::text)::uuid::text)
    AND expires_at > now();
