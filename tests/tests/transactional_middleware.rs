@@ -841,3 +841,24 @@ async fn a_panicking_keyless_handler_is_a_500_and_rolls_back() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// A database migrated without the claim function (an app on transactional mode deployed
+/// before `idem-cli migrate` ran the third migration): 503 with the "run `idem-cli migrate`"
+/// hint, the handler does not run and nothing is written.
+#[actix_web::test]
+async fn a_database_without_the_claim_function_is_not_provisioned() {
+    let (db, store) = setup().await;
+    execute(&db.url, "DROP FUNCTION idempotency_tx_claim");
+    let runs = Runs::default();
+    let app = app!(tx_middleware(&store), runs);
+    let refused = send(&app, "np1", "", 1).await;
+    assert_eq!(refused.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(refused.body["code"], "STORAGE_UNAVAILABLE");
+    let detail = refused.body["detail"].as_str().unwrap_or_default();
+    assert!(
+        detail.contains(idempotency_actix::store::postgres::TX_MIGRATE_HINT),
+        "{detail}"
+    );
+    assert_eq!(runs.get(), 0);
+    assert_nothing_kept(&db, "np1", 0);
+}
