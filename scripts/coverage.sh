@@ -32,7 +32,9 @@ ENGINE=${COVERAGE_ENGINE:-llvm}
 # counters; tests that SIGKILL it on purpose lose that process's last counters.
 FLAGS=$(cargo tarpaulin --engine "$ENGINE" --print-rust-flags 2>/dev/null | sed -n 's/^RUSTFLAGS="\(.*\)"$/\1/p')
 [ -n "$FLAGS" ] || { echo "coverage: cargo tarpaulin --print-rust-flags printed no flags" >&2; exit 1; }
-RUSTFLAGS="$FLAGS" cargo build --workspace --examples --target-dir "$TARGET"
+# Instrumented build scripts write profiles as they run: keep them out of the work tree.
+LLVM_PROFILE_FILE="$TARGET/build-profraws/%p-%m.profraw" RUSTFLAGS="$FLAGS" \
+  cargo build --workspace --examples --target-dir "$TARGET"
 export IDEM_PAYMENTS_BIN="$TARGET/debug/examples/payments"
 
 # llvm engine (instrument-coverage; tarpaulin reads the profiles itself, no llvm-tools needed):
