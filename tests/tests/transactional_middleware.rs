@@ -536,23 +536,30 @@ async fn extractor_outside_a_transactional_scope_is_a_500() {
     assert_eq!(payments(&db), 0);
 }
 
-/// A pool with one connection held by a running request: the next request gets 503 within
-/// the connection timeout and its handler does not run.
-#[actix_web::test]
-async fn exhausted_pool_answers_503_without_running_the_handler() {
-    let (db, _) = setup().await;
-    let store = PostgresStore::builder(db.url.clone())
+/// A store whose pool has one connection, given up on after 300 ms.
+async fn one_connection_store(db: &TestDb) -> PostgresStore {
+    PostgresStore::builder(db.url.clone())
         .max_size(1)
         .connection_timeout(Duration::from_millis(300))
         .build()
         .await
-        .unwrap();
-    let runs = Runs::default();
-    let app = app!(tx_middleware(&store), runs);
+        .unwrap()
+}
+
+/// Send `second` 200 ms into a keyed request that holds the pool's only connection for 1.2 s;
+/// both answers, and how long `second` took.
+async fn behind_the_only_connection<S, B>(
+    app: &S,
+    second: test::TestRequest,
+) -> (Answer, Answer, Duration)
+where
+    S: Service<actix_http::Request, Response = ServiceResponse<B>, Error = actix_web::Error>,
+    B: actix_web::body::MessageBody + 'static,
+{
     let first = call(
-        &app,
+        app,
         post(
-            Some("p1"),
+            Some("holder"),
             "?sleep_ms=1200",
             serde_json::json!({"amount": 1}),
         ),
@@ -560,10 +567,23 @@ async fn exhausted_pool_answers_503_without_running_the_handler() {
     let second = async {
         tokio::time::sleep(Duration::from_millis(200)).await;
         let started = Instant::now();
-        let answer = send(&app, "p2", "", 1).await;
+        let answer = call(app, second).await;
         (answer, started.elapsed())
     };
     let (first, (second, took)) = futures_util::future::join(first, second).await;
+    (first, second, took)
+}
+
+/// A pool with one connection held by a running request: the next request gets 503 within
+/// the connection timeout and its handler does not run.
+#[actix_web::test]
+async fn exhausted_pool_answers_503_without_running_the_handler() {
+    let (db, _) = setup().await;
+    let store = one_connection_store(&db).await;
+    let runs = Runs::default();
+    let app = app!(tx_middleware(&store), runs);
+    let keyed = post(Some("p2"), "", serde_json::json!({ "amount": 1 }));
+    let (first, second, took) = behind_the_only_connection(&app, keyed).await;
     assert_eq!(first.status, StatusCode::CREATED);
     assert_eq!(second.status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(second.body["code"], "STORAGE_UNAVAILABLE");
@@ -753,27 +773,11 @@ async fn an_open_savepoint_is_never_committed() {
 #[actix_web::test]
 async fn keyless_request_on_an_exhausted_pool_is_503() {
     let (db, _) = setup().await;
-    let store = PostgresStore::builder(db.url.clone())
-        .max_size(1)
-        .connection_timeout(Duration::from_millis(300))
-        .build()
-        .await
-        .unwrap();
+    let store = one_connection_store(&db).await;
     let runs = Runs::default();
     let app = app!(tx_middleware(&store), runs);
-    let first = call(
-        &app,
-        post(
-            Some("kp1"),
-            "?sleep_ms=1200",
-            serde_json::json!({"amount": 1}),
-        ),
-    );
-    let second = async {
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        call(&app, post(None, "", serde_json::json!({"amount": 2}))).await
-    };
-    let (first, second) = futures_util::future::join(first, second).await;
+    let keyless = post(None, "", serde_json::json!({"amount": 2}));
+    let (first, second, _) = behind_the_only_connection(&app, keyless).await;
     assert_eq!(first.status, StatusCode::CREATED);
     assert_eq!(second.status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(second.body["code"], "STORAGE_UNAVAILABLE");
