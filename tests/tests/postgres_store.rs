@@ -628,3 +628,69 @@ async fn partitioned_purge_drops_expired_partitions_and_keeps_live_records() {
         2
     );
 }
+
+/// The advisory-lock key (migration 000006): the planner inlines it (a generic plan shows
+/// `hashtextextended`, not a call of the SQL function, which would be planned on every call),
+/// and it hashes the same string as the third migration's definition, so app instances on
+/// either side of the migration take the same lock for the same scope.
+#[tokio::test]
+async fn lock_key_is_inlined_and_unchanged() {
+    use diesel::sql_types::{BigInt, Text};
+    use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
+
+    #[derive(diesel::QueryableByName)]
+    struct Keys {
+        #[diesel(sql_type = BigInt)]
+        now: i64,
+        #[diesel(sql_type = BigInt)]
+        before: i64,
+    }
+    #[derive(diesel::QueryableByName)]
+    struct PlanLine {
+        #[diesel(sql_type = Text, column_name = "QUERY PLAN")]
+        line: String,
+    }
+
+    let db = TestDb::new().await;
+    let mut conn = postgres::establish(&db.url).await.unwrap();
+    let scopes = [
+        ("", "POST", "/payments", "k"),
+        ("tenant-1", "PUT", "/a/b", "7:x"),
+        ("tenänt", "PATCH", "/ü/€", "clé 🔑"),
+        ("a:1", "POST", "1:b", ""),
+        ("", "", "", ""),
+    ];
+    for (tenant, method, path, key) in scopes {
+        // The third migration's body, spelled out: integer || text.
+        let keys: Keys = diesel::sql_query(
+            "SELECT idempotency_lock_key($1, $2, $3, $4) AS now, hashtextextended(
+                 octet_length($1) || ':' || $1 || octet_length($2) || ':' || $2
+                 || octet_length($3) || ':' || $3 || octet_length($4) || ':' || $4,
+                 7218830631155870501) AS before",
+        )
+        .bind::<Text, _>(tenant)
+        .bind::<Text, _>(method)
+        .bind::<Text, _>(path)
+        .bind::<Text, _>(key)
+        .get_result(&mut conn)
+        .await
+        .unwrap();
+        assert_eq!(keys.now, keys.before, "{tenant:?} {method:?} {path:?} {key:?}");
+    }
+
+    conn.batch_execute(
+        "SET plan_cache_mode = force_generic_plan;
+         PREPARE lock_key(text, text, text, text) AS
+             SELECT idempotency_lock_key($1, $2, $3, $4)",
+    )
+    .await
+    .unwrap();
+    let plan: Vec<PlanLine> =
+        diesel::sql_query("EXPLAIN (VERBOSE) EXECUTE lock_key('', 'POST', '/p', 'k')")
+            .load(&mut conn)
+            .await
+            .unwrap();
+    let plan: String = plan.into_iter().map(|l| l.line + "\n").collect();
+    assert!(plan.contains("hashtextextended"), "not inlined:\n{plan}");
+    assert!(!plan.contains("idempotency_lock_key"), "not inlined:\n{plan}");
+}
