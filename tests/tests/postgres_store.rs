@@ -675,7 +675,10 @@ async fn lock_key_is_inlined_and_unchanged() {
         .get_result(&mut conn)
         .await
         .unwrap();
-        assert_eq!(keys.now, keys.before, "{tenant:?} {method:?} {path:?} {key:?}");
+        assert_eq!(
+            keys.now, keys.before,
+            "{tenant:?} {method:?} {path:?} {key:?}"
+        );
     }
 
     conn.batch_execute(
@@ -692,5 +695,8 @@ async fn lock_key_is_inlined_and_unchanged() {
             .unwrap();
     let plan: String = plan.into_iter().map(|l| l.line + "\n").collect();
     assert!(plan.contains("hashtextextended"), "not inlined:\n{plan}");
-    assert!(!plan.contains("idempotency_lock_key"), "not inlined:\n{plan}");
+    assert!(
+        !plan.contains("idempotency_lock_key"),
+        "not inlined:\n{plan}"
+    );
 }
