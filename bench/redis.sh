@@ -5,9 +5,10 @@
 #   bash bench/redis.sh
 #
 # Starts its own redis-server on a free loopback port (no persistence), the bench server twice
-# (modes redis and redis-raw, same connection type: one multiplexed ConnectionManager), warms
-# both, then runs BENCH_RUNS rounds; each round runs every case right after its anchor on the
-# same wrk script, and the table reports the median ratio over the rounds with its spread.
+# (modes redis, redis-fast (the replay fast path on) and redis-raw, same connection type: one
+# multiplexed ConnectionManager), warms them, then runs BENCH_RUNS rounds; each round runs every
+# case right after its anchor on the same wrk script, and the table reports the median ratio
+# over the rounds with its spread.
 # Knobs: BENCH_DURATION (s per run, 10), BENCH_RUNS (5), BENCH_THREADS (2), BENCH_CONNECTIONS (64),
 # BENCH_WORKERS (2). Raw results: bench-results/redis-<time>.jsonl.
 set -euo pipefail
@@ -52,7 +53,7 @@ for _ in $(seq 1 50); do redis-cli -p "$REDIS_PORT" ping >/dev/null 2>&1 && brea
 REDIS_URL="redis://127.0.0.1:$REDIS_PORT"
 
 declare -A PORT
-for mode in redis redis-raw; do
+for mode in redis redis-fast redis-raw; do
   PORT[$mode]=$(free_port)
   "$SERVER" serve --mode "$mode" --addr "127.0.0.1:${PORT[$mode]}" --workers "$WORKERS" \
     --redis-url "$REDIS_URL" >"$WORK/$mode.log" 2>&1 &
@@ -69,7 +70,7 @@ run() { # mode script run-id
 }
 
 log "warm-up (stores the replay keys)"
-for mode in redis redis-raw; do
+for mode in redis redis-fast redis-raw; do
   wrk -t"$THREADS" -c"$CONNECTIONS" -d2s -s bench/replay.lua "http://127.0.0.1:${PORT[$mode]}" >/dev/null
 done
 
@@ -78,7 +79,8 @@ for round in $(seq 1 "$RUNS"); do
   for script in miss replay; do
     anchor=$(run redis-raw "$script" "$round-a")
     store=$(run redis "$script" "$round-s")
-    printf '{"round":%d,"path":"%s","anchor":%s,"store":%s}\n' "$round" "$script" "$anchor" "$store" | tee -a "$RESULTS" >&2
+    fast=$(run redis-fast "$script" "$round-f")
+    printf '{"round":%d,"path":"%s","anchor":%s,"store":%s,"fast":%s}\n' "$round" "$script" "$anchor" "$store" "$fast" | tee -a "$RESULTS" >&2
   done
 done
 LOAD_END=$(cut -d' ' -f1-3 /proc/loadavg)
@@ -87,11 +89,13 @@ python3 - "$RESULTS" "$LOAD_END" <<'PY'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
 print(f"\nRedis store vs raw Redis anchor (load at end {sys.argv[2]}); ratio = store rps / anchor rps")
-print(f"{'path':8} {'anchor rps':>11} {'store rps':>10} {'ratio (median)':>15} {'min..max':>12} {'store p99 ms':>13}")
+print("store: the default store; fast: replay_fast_path(true)")
+print(f"{'path':8} {'store':6} {'anchor rps':>11} {'store rps':>10} {'ratio (median)':>15} {'min..max':>12} {'store p99 ms':>13}")
 for path in ("miss", "replay"):
     r = [x for x in rows if x["path"] == path]
-    ratios = [x["store"]["rps"] / x["anchor"]["rps"] for x in r]
-    print(f"{path:8} {statistics.median(x['anchor']['rps'] for x in r):>11.0f} "
-          f"{statistics.median(x['store']['rps'] for x in r):>10.0f} {statistics.median(ratios):>15.3f} "
-          f"{min(ratios):>5.3f}..{max(ratios):<5.3f} {statistics.median(x['store']['p99_ms'] for x in r):>13.2f}")
+    for store in ("store", "fast"):
+        ratios = [x[store]["rps"] / x["anchor"]["rps"] for x in r]
+        print(f"{path:8} {store:6} {statistics.median(x['anchor']['rps'] for x in r):>11.0f} "
+              f"{statistics.median(x[store]['rps'] for x in r):>10.0f} {statistics.median(ratios):>15.3f} "
+              f"{min(ratios):>5.3f}..{max(ratios):<5.3f} {statistics.median(x[store]['p99_ms'] for x in r):>13.2f}")
 PY

@@ -60,6 +60,103 @@ async fn redis_store_conforms() {
     conformance::run_all(&store).await;
 }
 
+/// The same suite with the replay fast path on (native `HMGET` + `PTTL` before the script).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_store_with_replay_fast_path_conforms() {
+    let redis = RedisServer::start();
+    let store = fast_store(&redis).await;
+    conformance::run_all(&store).await;
+}
+
+async fn fast_store(redis: &RedisServer) -> RedisStore {
+    match RedisStore::builder()
+        .replay_fast_path(true)
+        .connect(&redis.url())
+        .await
+    {
+        Ok(store) => store,
+        Err(e) => panic!("connect to {}: {e}", redis.url()),
+    }
+}
+
+/// Redis's own per-command call counts since the last `CONFIG RESETSTAT`.
+async fn command_calls(conn: &mut redis::aio::MultiplexedConnection, command: &str) -> u64 {
+    let stats: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(conn)
+        .await
+        .expect("INFO");
+    stats
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("cmdstat_{command}:calls=")))
+        .and_then(|rest| rest.split(',').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
+}
+
+async fn reset_stats(conn: &mut redis::aio::MultiplexedConnection) {
+    let _: () = redis::cmd("CONFIG")
+        .arg("RESETSTAT")
+        .query_async(conn)
+        .await
+        .expect("RESETSTAT");
+}
+
+/// With the replay fast path, a replay is `HMGET` + `PTTL` and no script, byte-exact and with
+/// the record's remaining TTL; a miss and a live reservation still go through the script.
+#[tokio::test]
+async fn replay_fast_path_replays_with_native_commands_only() {
+    let redis = RedisServer::start();
+    let store = fast_store(&redis).await;
+    let mut conn = redis_conn(&redis).await;
+    let s = scope("t", "fast");
+    let stored = response(b"\x00body\xff");
+    let token = reserved(&store, &s, &FP_A, LEASE).await;
+    store
+        .complete(&s, &token, &stored, TTL)
+        .await
+        .expect("complete");
+
+    reset_stats(&mut conn).await;
+    match store.reserve(&s, &FP_B, LEASE).await {
+        Ok(ReserveOutcome::Completed {
+            fingerprint,
+            response,
+            expires_in,
+        }) => {
+            assert_eq!(
+                fingerprint, FP_A,
+                "the stored fingerprint, not the caller's"
+            );
+            assert_eq!(response, stored);
+            let left = expires_in.expect("remaining TTL");
+            assert!(
+                left <= TTL && left > TTL - Duration::from_secs(60),
+                "{left:?}"
+            );
+        }
+        other => panic!("expected the replay, got {other:?}"),
+    }
+    assert_eq!(command_calls(&mut conn, "hmget").await, 1);
+    assert_eq!(command_calls(&mut conn, "pttl").await, 1);
+    assert_eq!(command_calls(&mut conn, "evalsha").await, 0, "no script");
+
+    // A miss: the read finds nothing, the script reserves.
+    reset_stats(&mut conn).await;
+    let miss = scope("t", "fast-miss");
+    reserved(&store, &miss, &FP_A, LEASE).await;
+    // commandstats counts a script's own commands too: the fast path's HMGET and the script's.
+    assert_eq!(command_calls(&mut conn, "hmget").await, 2);
+    assert_eq!(command_calls(&mut conn, "pttl").await, 1);
+    assert_eq!(command_calls(&mut conn, "evalsha").await, 1);
+    // A live reservation is not a completed record: the script answers it.
+    assert!(matches!(
+        store.reserve(&miss, &FP_A, LEASE).await,
+        Ok(ReserveOutcome::InFlight { .. })
+    ));
+    assert_eq!(command_calls(&mut conn, "evalsha").await, 2);
+}
+
 /// C12 without purge: Redis drops an expired completed record and, after lease + grace, a dead
 /// reservation by itself; `purge_expired` has nothing to do.
 #[tokio::test]

@@ -29,6 +29,11 @@
 //! - complete and release apply only while the caller's token holds an in-flight
 //!   reservation, so a holder's late `complete` (after its lease) applies until a takeover.
 //!
+//! With [`RedisStoreBuilder::replay_fast_path`] (off by default), `reserve` first reads the
+//! record with native `HMGET` + `PTTL` (pipelined, one round trip) and answers a completed
+//! record from them; anything else goes on to the script. A read takes no part in the race:
+//! it only ever returns what is already stored, and every write still happens in a script.
+//!
 //! Time is the Redis server's (`TIME` inside the scripts), so app instances with skewed clocks
 //! agree. Expiry is Redis's own (`PEXPIRE`): a completed record goes with its TTL; a
 //! reservation lives for its lease plus [`RedisStoreBuilder::in_flight_grace`] (default 24 h,
@@ -145,6 +150,7 @@ pub struct RedisStoreBuilder {
     response_timeout: Duration,
     eviction_check: EvictionCheck,
     wait: Option<(u32, Duration)>,
+    replay_fast_path: bool,
 }
 
 impl Default for RedisStoreBuilder {
@@ -156,6 +162,7 @@ impl Default for RedisStoreBuilder {
             response_timeout: DEFAULT_RESPONSE_TIMEOUT,
             eviction_check: EvictionCheck::Warn,
             wait: None,
+            replay_fast_path: false,
         }
     }
 }
@@ -203,6 +210,19 @@ impl RedisStoreBuilder {
     /// it waits: keep `timeout` short. Off by default.
     pub fn wait_for_replicas(mut self, replicas: u32, timeout: Duration) -> Self {
         self.wait = (replicas > 0).then_some((replicas, timeout));
+        self
+    }
+
+    /// Read a live completed record with native commands before calling the reserve script
+    /// (default off). On: every `reserve` first sends `HMGET` of the record's response fields
+    /// and `PTTL`, pipelined in one round trip; a completed record is answered from them (Redis
+    /// never returns an expired key, so a completed record it returns is live), and only
+    /// anything else goes on to the script (a second round trip). It saves Redis the script on
+    /// each replay and costs every miss a round trip: worth it only for replay-heavy traffic
+    /// (measured in `docs/redis.md`, "Benchmarks"). A completed record can be replayed for up
+    /// to 1 ms past its TTL this way (Redis expires it on a whole millisecond).
+    pub fn replay_fast_path(mut self, on: bool) -> Self {
+        self.replay_fast_path = on;
         self
     }
 
@@ -258,6 +278,7 @@ impl RedisStoreBuilder {
                 grace_us: micros(self.in_flight_grace),
                 timeout: self.response_timeout,
                 wait: self.wait,
+                replay_fast_path: self.replay_fast_path,
                 reserve: Script::new(include_str!("redis/reserve.lua")),
                 complete: Script::new(include_str!("redis/complete.lua")),
                 release: Script::new(include_str!("redis/release.lua")),
@@ -282,6 +303,7 @@ struct Inner {
     grace_us: u64,
     timeout: Duration,
     wait: Option<(u32, Duration)>,
+    replay_fast_path: bool,
     reserve: Script,
     complete: Script,
     release: Script,
@@ -354,6 +376,47 @@ where
                 self.inner.timeout.as_millis()
             ))),
         }
+    }
+
+    /// The replay fast path ([`RedisStoreBuilder::replay_fast_path`]): `HMGET` and `PTTL` of
+    /// the record, pipelined (both name the record's key, so on Redis Cluster they go to its
+    /// node). `Some` only for a completed record, decoded by the script's own decoder from a
+    /// reply of the script's shape.
+    async fn replay_read(
+        &self,
+        key: &str,
+        token: ReservationToken,
+    ) -> Result<Option<ReserveOutcome>, StoreError> {
+        let mut conn = self.conn.clone();
+        let (fields, pttl_ms): (Vec<Value>, i64) = self
+            .timed(
+                redis::pipe()
+                    .cmd("HMGET")
+                    .arg(key)
+                    .arg("st")
+                    .arg("fp")
+                    .arg("s")
+                    .arg("h")
+                    .arg("b")
+                    .cmd("PTTL")
+                    .arg(key)
+                    .query_async(&mut conn),
+            )
+            .await?;
+        if bytes_of(fields.first()) != Some(b"c") || pttl_ms <= 0 {
+            return Ok(None);
+        }
+        let mut fields = fields.into_iter().skip(1);
+        let mut next = || fields.next().unwrap_or(Value::Nil);
+        let reply = Value::Array(vec![
+            Value::SimpleString("c".into()),
+            next(),
+            Value::Int(pttl_ms.saturating_mul(1000)),
+            next(),
+            next(),
+            next(),
+        ]);
+        decode_reserve(reply, token).map(Some)
     }
 
     /// `WAIT replicas timeout`; whether enough replicas acknowledged.
@@ -620,6 +683,11 @@ where
     ) -> Result<ReserveOutcome, StoreError> {
         let key = self.key_of(scope);
         let token = ReservationToken::random();
+        if self.inner.replay_fast_path {
+            if let Some(replay) = self.replay_read(&key, token).await? {
+                return Ok(replay);
+            }
+        }
         let mut conn = self.conn.clone();
         let reply: Value = self
             .timed(
