@@ -318,11 +318,7 @@ async fn each_operation_is_one_evalsha_and_noscript_reloads() {
         .complete(&warm, &t, &response(b"w"), TTL)
         .await
         .expect("complete");
-    let _: () = redis::cmd("CONFIG")
-        .arg("RESETSTAT")
-        .query_async(&mut conn)
-        .await
-        .expect("RESETSTAT");
+    reset_stats(&mut conn).await;
 
     let s = scope("t", "count");
     let token = reserved(&store, &s, &FP_A, LEASE).await;
@@ -339,22 +335,17 @@ async fn each_operation_is_one_evalsha_and_noscript_reloads() {
         store.reserve(&s, &FP_A, LEASE).await,
         Ok(ReserveOutcome::Completed { .. })
     ));
-    let stats: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query_async(&mut conn)
-        .await
-        .expect("INFO");
-    let calls = |command: &str| -> u64 {
-        stats
-            .lines()
-            .find_map(|l| l.strip_prefix(&format!("cmdstat_{command}:calls=")))
-            .and_then(|rest| rest.split(',').next())
-            .and_then(|n| n.parse().ok())
-            .unwrap_or(0)
-    };
-    assert_eq!(calls("evalsha"), 5, "5 operations, 5 EVALSHA:\n{stats}");
+    assert_eq!(
+        command_calls(&mut conn, "evalsha").await,
+        5,
+        "5 operations, 5 EVALSHA"
+    );
     for other in ["eval", "script|load", "ping", "multi", "exec", "watch"] {
-        assert_eq!(calls(other), 0, "unexpected {other}:\n{stats}");
+        assert_eq!(
+            command_calls(&mut conn, other).await,
+            0,
+            "unexpected {other}"
+        );
     }
 
     let _: () = redis::cmd("SCRIPT")
