@@ -187,6 +187,7 @@ async fn migrate_twice_and_check_gates_deploys() {
          applied 2026-12-01-000003_transactional_claim\n\
          applied 2026-12-01-000004_layout_functions\n\
          applied 2026-12-01-000005_partitioned_layout\n\
+         applied 2026-12-02-000006_inlinable_lock_key\n\
          layout: plain\n"
     );
 
