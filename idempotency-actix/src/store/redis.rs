@@ -380,13 +380,8 @@ where
 
     /// The replay fast path ([`RedisStoreBuilder::replay_fast_path`]): `HMGET` and `PTTL` of
     /// the record, pipelined (both name the record's key, so on Redis Cluster they go to its
-    /// node). `Some` only for a completed record, decoded by the script's own decoder from a
-    /// reply of the script's shape.
-    async fn replay_read(
-        &self,
-        key: &str,
-        token: ReservationToken,
-    ) -> Result<Option<ReserveOutcome>, StoreError> {
+    /// node). `Some` only for a completed record, decoded as the script's reply is.
+    async fn replay_read(&self, key: &str) -> Result<Option<ReserveOutcome>, StoreError> {
         let mut conn = self.conn.clone();
         let (fields, pttl_ms): (Vec<Value>, i64) = self
             .timed(
@@ -408,15 +403,14 @@ where
         }
         let mut fields = fields.into_iter().skip(1);
         let mut next = || fields.next().unwrap_or(Value::Nil);
-        let reply = Value::Array(vec![
-            Value::SimpleString("c".into()),
+        let mut record = [
             next(),
             Value::Int(pttl_ms.saturating_mul(1000)),
             next(),
             next(),
             next(),
-        ]);
-        decode_reserve(reply, token).map(Some)
+        ];
+        decode_existing(true, &mut record).map(Some)
     }
 
     /// `WAIT replicas timeout`; whether enough replicas acknowledged.
@@ -633,30 +627,37 @@ fn decode_reserve(reply: Value, token: ReservationToken) -> Result<ReserveOutcom
         return Err(corrupt("reserve did not return an array"));
     };
     match bytes_of(items.first()) {
-        Some(b"r") => return Ok(ReserveOutcome::Reserved { token }),
-        Some(b"f" | b"c") => {}
-        _ => return Err(corrupt("unknown reserve outcome")),
+        Some(b"r") => Ok(ReserveOutcome::Reserved { token }),
+        Some(b"f") => decode_existing(false, &mut items[1..]),
+        Some(b"c") => decode_existing(true, &mut items[1..]),
+        _ => Err(corrupt("unknown reserve outcome")),
     }
-    let fingerprint = bytes_of(items.get(1))
+}
+
+/// An existing record from `[fingerprint, remaining_us]` (in flight) or `[fingerprint,
+/// remaining_us, status, headers, body]` (completed): the reserve script's reply after its
+/// outcome tag, and the replay fast path's read in the same order.
+fn decode_existing(completed: bool, items: &mut [Value]) -> Result<ReserveOutcome, StoreError> {
+    let fingerprint = bytes_of(items.first())
         .and_then(Fingerprint::from_slice)
         .ok_or_else(|| corrupt("fingerprint is not 32 bytes"))?;
-    let remaining = int_of(items.get(2))
+    let remaining = int_of(items.get(1))
         .map(|us| Duration::from_micros(u64::try_from(us).unwrap_or(0)))
         .ok_or_else(|| corrupt("remaining time missing"))?;
-    if bytes_of(items.first()) == Some(b"f") {
+    if !completed {
         return Ok(ReserveOutcome::InFlight {
             fingerprint,
             lease_remaining: remaining,
         });
     }
-    let status = int_of(items.get(3))
+    let status = int_of(items.get(2))
         .and_then(|s| u16::try_from(s).ok())
         .ok_or_else(|| corrupt("status missing"))?;
     let headers = StoredResponse::decode_headers(
-        bytes_of(items.get(4)).ok_or_else(|| corrupt("headers missing"))?,
+        bytes_of(items.get(3)).ok_or_else(|| corrupt("headers missing"))?,
     )
     .map_err(|e| StoreError::Backend(Box::new(e)))?;
-    let body = match items.get_mut(5).map(|v| std::mem::replace(v, Value::Nil)) {
+    let body = match items.get_mut(4).map(|v| std::mem::replace(v, Value::Nil)) {
         Some(Value::BulkString(body)) => Bytes::from(body),
         _ => return Err(corrupt("body missing")),
     };
@@ -682,12 +683,12 @@ where
         lease: Duration,
     ) -> Result<ReserveOutcome, StoreError> {
         let key = self.key_of(scope);
-        let token = ReservationToken::random();
         if self.inner.replay_fast_path {
-            if let Some(replay) = self.replay_read(&key, token).await? {
+            if let Some(replay) = self.replay_read(&key).await? {
                 return Ok(replay);
             }
         }
+        let token = ReservationToken::random();
         let mut conn = self.conn.clone();
         let reply: Value = self
             .timed(
