@@ -878,3 +878,95 @@ async fn the_outcome_hook_sees_every_outcome_and_cannot_break_a_request() {
     );
     assert_eq!(counter.get(), 2);
 }
+
+/// A handler that waits for the test to open its gate, then answers 201.
+async fn gated(counter: web::Data<Counter>, gate: web::Data<tokio::sync::Notify>) -> HttpResponse {
+    counter.0.fetch_add(1, Ordering::SeqCst);
+    gate.notified().await;
+    HttpResponse::Created().body("through the gate")
+}
+
+async fn panicking() -> HttpResponse {
+    panic!("a handler that panics");
+}
+
+async fn gated_app(
+    counter: &Counter,
+    gate: &web::Data<tokio::sync::Notify>,
+) -> impl Service<
+    actix_http::Request,
+    Response = ServiceResponse<impl MessageBody>,
+    Error = actix_web::Error,
+> {
+    init_service(
+        App::new()
+            .app_data(web::Data::new(counter.clone()))
+            .app_data(gate.clone())
+            .wrap(Idempotency::new(MemoryStore::new()))
+            .route("/gated", web::post().to(gated))
+            .route("/panics", web::post().to(panicking)),
+    )
+    .await
+}
+
+/// C21 on a store that never waits: the memory store reserves within the request's first poll,
+/// so the handler starts right there, and the work moves to its own task only when the handler
+/// waits. Dropping the request's future then (a client reset) must not strand the handler: it
+/// is woken on its task when the gate opens, its response is stored, and the retry replays it.
+/// Fails if the work is not handed to a task, or if only the dropped request's waker would be
+/// woken.
+#[actix_web::test]
+async fn a_request_dropped_while_its_handler_waits_still_completes() {
+    let counter = Counter::default();
+    let gate = web::Data::new(tokio::sync::Notify::new());
+    let app = gated_app(&counter, &gate).await;
+    let first = app.call(post("/gated", "dropped").to_request());
+    // Polled until the handler waits at its gate, then dropped: what actix does on a reset.
+    assert!(
+        tokio::time::timeout(Duration::from_millis(100), first)
+            .await
+            .is_err(),
+        "the handler must be waiting at its gate"
+    );
+    assert_eq!(counter.get(), 1, "the handler started before the drop");
+    gate.notify_one();
+    let mut retry = send(&app, post("/gated", "dropped")).await;
+    for _ in 0..50 {
+        if retry.status != StatusCode::CONFLICT {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        retry = send(&app, post("/gated", "dropped")).await;
+    }
+    assert_eq!(retry.status, StatusCode::CREATED, "body: {:?}", retry.body);
+    assert!(
+        retry.replayed(),
+        "the retry must replay the stored response"
+    );
+    assert_eq!(retry.body, Bytes::from_static(b"through the gate"));
+    assert_eq!(counter.get(), 1, "the handler ran once");
+}
+
+/// A handler that panics before its first `.await` (inside the request's own poll) gets the same
+/// answer as one that panics on its task: an opaque 500, and the reservation left to its lease
+/// (its effects may exist), so a retry inside the lease gets 409, never a second execution.
+#[actix_web::test]
+async fn a_panicking_handler_gets_an_opaque_500_and_keeps_the_key() {
+    let counter = Counter::default();
+    let gate = web::Data::new(tokio::sync::Notify::new());
+    let app = gated_app(&counter, &gate).await;
+    let error = match app.call(post("/panics", "p1").to_request()).await {
+        Ok(response) => panic!("expected an error, got {}", response.status()),
+        Err(error) => error,
+    };
+    let response = error.error_response();
+    assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    let body = to_bytes(response.into_body()).await.unwrap_or_default();
+    assert!(
+        body.is_empty(),
+        "nothing about the panic reaches the client: {body:?}"
+    );
+    send(&app, post("/panics", "p1"))
+        .await
+        .assert_problem(409, "CONFLICT");
+}

@@ -1,5 +1,6 @@
 //! One covered request on its way through the contract: the checks on the request's own
-//! future, then everything from the reservation on on a task of its own (C21, see [`super`]).
+//! future, then everything from the reservation on detached from it (C21, see [`super`] and
+//! [`detach`](super::detach)).
 
 use std::error::Error as StdError;
 use std::rc::Rc;
@@ -18,6 +19,7 @@ use futures_util::StreamExt;
 use tokio::sync::oneshot;
 use tracing::Instrument;
 
+use super::detach::detach;
 use super::forward::{self, BodyFailed};
 use super::replay::{replay, storable_headers};
 use crate::config::{saturating_deadline, Config, ResponseParts};
@@ -62,7 +64,7 @@ where
     Svc: Service<ServiceRequest, Response = ServiceResponse<B>, Error = Error> + 'static,
     B: MessageBody + 'static,
 {
-    /// Check the request (key, tenant, body), then hand it to [`Self::settle`] on its own task.
+    /// Check the request (key, tenant, body), then hand it to [`Self::settle`], detached.
     pub(super) async fn run(self, mut req: ServiceRequest) -> FlowResult<B> {
         let key = self.key_of(&req);
         if let Ok(None) = key {
@@ -128,9 +130,7 @@ where
         );
         let (answer, answered) = oneshot::channel();
         let settle = self.settle(req, scope, fingerprint, body, report.clone(), answer);
-        // Boxed here, so the spawn moves a pointer instead of copying the whole state machine
-        // (several kilobytes: every await point of the handler's path) into the task cell.
-        actix_rt::spawn(Box::pin(settle).instrument(span.clone()));
+        detach(settle.instrument(span.clone())).await;
         match answered.await {
             Ok(result) => result,
             // The task ended without an answer: the handler panicked. Its reservation stays
@@ -148,7 +148,7 @@ where
         }
     }
 
-    /// Reserve, run the handler, store or release, and answer; on a task of its own.
+    /// Reserve, run the handler, store or release, and answer; detached from the request.
     async fn settle(
         self,
         req: ServiceRequest,

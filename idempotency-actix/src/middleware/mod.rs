@@ -22,7 +22,9 @@
 //! stop at its next `.await` with its effects half done and the key neither completed nor
 //! released; a retry after the lease would run it again. So from the reservation on, the flow
 //! runs on a task of the worker's local runtime (`actix_rt::spawn`: the handler's future is
-//! `!Send`), and the request's future only awaits its answer. A client that disconnects
+//! `!Send`), and the request's future only awaits its answer. The task is made only when the
+//! flow has to wait: it is polled once inside the request's own poll first, and a replay or
+//! miss that never waits (memory store, cached replays) finishes there without one (`detach`). A client that disconnects
 //! changes nothing: the handler, the store write and the release run to their end, and the
 //! response nobody can receive is dropped. A retry gets the replay.
 //!
@@ -60,6 +62,7 @@
 //! TLS with ALPN) gets the same guarantee: an HTTP/2 stream reset drops the request's future
 //! just as a TCP reset does, and the detached task runs on regardless.
 
+mod detach;
 mod flow;
 mod forward;
 pub(crate) mod replay;

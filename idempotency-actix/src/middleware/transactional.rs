@@ -34,6 +34,7 @@ use actix_web::{Error, FromRequest, HttpMessage, HttpRequest, HttpResponse};
 use bytes::Bytes;
 use diesel_async::{AnsiTransactionManager, AsyncPgConnection, TransactionManager};
 
+use super::detach::detach;
 use super::flow::{opaque_500, unavailable_detail, Flow, FlowResult, MAX_POLL_INTERVAL};
 use super::replay::{replay, storable_headers};
 use crate::config::{saturating_deadline, ResponseParts};
@@ -359,10 +360,11 @@ where
     B: MessageBody + 'static,
 {
     let (answer, answered) = tokio::sync::oneshot::channel();
-    actix_rt::spawn(async move {
+    detach(async move {
         let result = keyless(&flow, &tx, req).await;
         let _ = answer.send(result);
-    });
+    })
+    .await;
     match answered.await {
         Ok(result) => result,
         Err(_) => {

@@ -1,0 +1,46 @@
+//! Running the part of a request that must not be cut short (C21), without paying for a task
+//! when it needs none.
+//!
+//! From the reservation on, a request's work must run to its end even when actix drops the
+//! request's future (see [`super`]): it runs on a task of its own. A task costs an allocation,
+//! a trip through the worker's scheduler and a wake-up of the request's future when the answer
+//! is ready; for a request that never waits (a replay or a miss on `MemoryStore`, a replay from
+//! `CachedStore`) that is most of what the middleware adds to it (`docs/benchmarks.md`).
+//!
+//! So [`detach`] first polls the work once, right here, on the request's own poll: if it is
+//! done, no task is made. If it is not (it waits for the database, the network, a timer), it is
+//! handed to a task at once, before the request's future returns. Between that first poll and
+//! the spawn there is no `.await`, so there is no moment at which dropping the request's future
+//! could cut the work: the guarantee is the same as spawning it first.
+//!
+//! The first poll registers the request's waker with whatever the work waits for; the task's
+//! own first poll (right after the spawn) registers the task's waker, and by the `Future`
+//! contract only the waker of the latest poll must be woken. A stray wake-up of the request's
+//! future is harmless: it finds its answer not ready and waits again.
+//!
+//! A panic in the first poll is caught, like a task's panic would be: the work is dropped, its
+//! answer's sender with it, and the request's future answers the opaque 500 it gives for a
+//! task that ended without an answer.
+
+use std::future::{poll_fn, Future};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::task::Poll;
+
+/// Run `work` to its end whatever happens to the caller: poll it once now, and if it is not
+/// finished, spawn it on the worker's local task set. Completes on its first poll.
+pub(super) async fn detach(work: impl Future<Output = ()> + 'static) {
+    // Boxed before the first poll, so the same pinned future moves into the task: a future
+    // that was polled may not move.
+    let mut work = Box::pin(work);
+    let first =
+        poll_fn(|cx| Poll::Ready(catch_unwind(AssertUnwindSafe(|| work.as_mut().poll(cx))))).await;
+    match first {
+        Ok(Poll::Ready(())) => {}
+        Ok(Poll::Pending) => {
+            actix_rt::spawn(work);
+        }
+        // The panic was reported by the panic hook; the work and its answer's sender are
+        // dropped, which the caller answers as a task that ended without a response.
+        Err(_) => {}
+    }
+}
