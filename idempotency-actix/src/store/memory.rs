@@ -3,9 +3,12 @@
 //! The defaults below are where the store's bounds and grace are set, each with its reason;
 //! [`MemoryStore`] explains what is counted and what happens when the store is full.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
+use std::hash::{BuildHasher, RandomState};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
+
+use hashbrown::HashTable;
 
 use super::{
     Fingerprint, IdempotencyStore, ReservationToken, ReserveOutcome, Scope, StoreError,
@@ -211,7 +214,7 @@ impl MemoryStoreBuilder {
     pub fn build(self) -> MemoryStore {
         MemoryStore {
             inner: Arc::new(Mutex::new(Inner {
-                records: HashMap::new(),
+                records: Records::default(),
                 completion_order: VecDeque::new(),
                 limits: self.limits,
                 bytes: 0,
@@ -285,12 +288,97 @@ impl MemoryStore {
     }
 }
 
+/// A record's scope with its hash, computed once.
+#[derive(Clone)]
+struct Key {
+    hash: u64,
+    scope: Arc<Scope>,
+}
+
+impl Key {
+    fn probe(&self) -> Probe<'_> {
+        Probe {
+            hash: self.hash,
+            scope: &self.scope,
+        }
+    }
+}
+
+/// A scope to look up, with its hash: each store call hashes its scope once.
+#[derive(Clone, Copy)]
+struct Probe<'a> {
+    hash: u64,
+    scope: &'a Scope,
+}
+
+/// The records by scope, each stored with its scope's hash.
+///
+/// Why not a `HashMap<Arc<Scope>, Record>`: a map hashes the scope's four strings again at
+/// every lookup (a `reserve` or `complete` looks its scope up three or four times), and when it
+/// grows it rehashes every record, following each record's pointer to its strings: a pause of
+/// about 0.6 s at a million records (`docs/benchmarks.md`), under the lock every request takes.
+/// Here a call hashes its scope once, and growing reads the stored hashes, so it only moves
+/// memory. `hashbrown::HashTable` is the table behind std's `HashMap`, with the hash left to
+/// the caller; the hasher is std's `RandomState` (SipHash with a random key), because the keys
+/// come from clients.
+#[derive(Default)]
+struct Records {
+    table: HashTable<(Key, Record)>,
+    hasher: RandomState,
+}
+
+impl Records {
+    fn probe<'a>(&self, scope: &'a Scope) -> Probe<'a> {
+        Probe {
+            hash: self.hasher.hash_one(scope),
+            scope,
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.table.len()
+    }
+
+    fn get_key_value(&self, probe: Probe<'_>) -> Option<&(Key, Record)> {
+        self.table
+            .find(probe.hash, |(key, _)| *key.scope == *probe.scope)
+    }
+
+    fn get(&self, probe: Probe<'_>) -> Option<&Record> {
+        self.get_key_value(probe).map(|(_, record)| record)
+    }
+
+    fn get_mut(&mut self, probe: Probe<'_>) -> Option<&mut Record> {
+        self.table
+            .find_mut(probe.hash, |(key, _)| *key.scope == *probe.scope)
+            .map(|(_, record)| record)
+    }
+
+    fn remove(&mut self, probe: Probe<'_>) -> Option<(Key, Record)> {
+        let entry = self
+            .table
+            .find_entry(probe.hash, |(key, _)| *key.scope == *probe.scope)
+            .ok()?;
+        Some(entry.remove().0)
+    }
+
+    /// Add the record of a scope that has none.
+    fn insert(&mut self, key: Key, record: Record) {
+        self.table
+            .insert_unique(key.hash, (key, record), |(key, _)| key.hash);
+    }
+
+    fn retain(&mut self, mut keep: impl FnMut(&mut Record) -> bool) {
+        self.table.retain(|(_, record)| keep(record));
+    }
+}
+
 struct Inner {
-    records: HashMap<Arc<Scope>, Record>,
+    records: Records,
     /// Completed records in completion order, oldest first, with the generation they had then.
     /// With one TTL this is also expiry order, so sweeping and eviction pop from the front.
     /// Entries whose record changed since (generation differs) are skipped.
-    completion_order: VecDeque<(Instant, Arc<Scope>, u64)>,
+    completion_order: VecDeque<(Instant, Key, u64)>,
     limits: Limits,
     /// The sum of the records' charges, never more than `limits.max_bytes`.
     bytes: usize,
@@ -423,21 +511,21 @@ impl Inner {
         self.next_generation
     }
 
-    fn remove(&mut self, scope: &Scope) -> Option<(Arc<Scope>, Record)> {
-        let removed = self.records.remove_entry(scope)?;
-        self.bytes = self.bytes.saturating_sub(removed.1.charge);
-        Some(removed)
+    fn remove(&mut self, probe: Probe<'_>) -> Option<(Arc<Scope>, Record)> {
+        let (key, record) = self.records.remove(probe)?;
+        self.bytes = self.bytes.saturating_sub(record.charge);
+        Some((key.scope, record))
     }
 
     /// Bring the record of `scope` up to date at `now`: delete it if it is dead, drop the
     /// allowance of an ended reservation. Afterwards a sweep at `now` would not change it.
-    fn settle(&mut self, scope: &Scope, now: Instant) {
+    fn settle(&mut self, probe: Probe<'_>, now: Instant) {
         let grace = self.limits.reservation_grace;
-        let Some(record) = self.records.get_mut(scope) else {
+        let Some(record) = self.records.get_mut(probe) else {
             return;
         };
         if record.is_dead(now, grace) {
-            self.remove(scope);
+            self.remove(probe);
         } else {
             let freed = record.end_allowance(now);
             self.bytes = self.bytes.saturating_sub(freed);
@@ -447,19 +535,19 @@ impl Inner {
     /// Drop completed records from the front of the completion queue while they are expired,
     /// and run the full sweep when it is due.
     fn sweep_front(&mut self, now: Instant) {
-        while let Some((expires_at, scope, generation)) = self.completion_order.front() {
+        while let Some((expires_at, _, _)) = self.completion_order.front() {
             if *expires_at > now {
                 break;
             }
-            let scope = Arc::clone(scope);
-            let generation = *generation;
-            self.completion_order.pop_front();
+            let Some((_, key, generation)) = self.completion_order.pop_front() else {
+                break;
+            };
             if self
                 .records
-                .get(&scope)
+                .get(key.probe())
                 .is_some_and(|r| r.generation == generation && r.is_dead(now, Duration::ZERO))
             {
-                self.remove(&scope);
+                self.remove(key.probe());
             }
         }
         if now.saturating_duration_since(self.last_full_sweep) >= self.limits.sweep_interval {
@@ -469,28 +557,41 @@ impl Inner {
 
     /// Delete every dead record (reservations: lease ended more than `grace` ago) and drop
     /// the allowance of ended reservations; returns how many records were deleted.
+    ///
+    /// One pass over the records, without hashing: it runs under the lock, so its cost is a
+    /// pause for every request (`docs/benchmarks.md`: looking every completion-queue entry up
+    /// by scope as well made it about 0.5 s per million records). Queue entries of records
+    /// deleted here (completed records that expired behind a longer-lived one: mixed TTLs)
+    /// stay until they reach the front, where `sweep_front` skips them like any entry whose
+    /// record changed; only when such entries could outnumber the records is the queue
+    /// compacted, so the lookups cost O(1) per completion, amortised, and the uncharged
+    /// scopes they hold stay below the records' own.
     fn sweep_all(&mut self, now: Instant, grace: Duration) -> u64 {
         let before = self.records.len();
         let mut freed = 0usize;
-        self.records.retain(|_, r| {
+        let mut next_event: Option<Instant> = None;
+        let event_grace = self.limits.reservation_grace;
+        self.records.retain(|r| {
             if r.is_dead(now, grace) {
                 freed = freed.saturating_add(r.charge);
-                false
-            } else {
-                freed = freed.saturating_add(r.end_allowance(now));
-                true
+                return false;
             }
+            freed = freed.saturating_add(r.end_allowance(now));
+            let at = r.next_event(event_grace);
+            next_event = Some(next_event.map_or(at, |e| e.min(at)));
+            true
         });
         self.bytes = self.bytes.saturating_sub(freed);
-        let records = &self.records;
-        self.completion_order.retain(|(_, scope, generation)| {
-            records
-                .get(scope)
-                .is_some_and(|r| r.generation == *generation)
-        });
+        if self.completion_order.len() > self.records.len().saturating_mul(2) {
+            let records = &self.records;
+            self.completion_order.retain(|(_, key, generation)| {
+                records
+                    .get(key.probe())
+                    .is_some_and(|r| r.generation == *generation)
+            });
+        }
         self.last_full_sweep = now;
-        let grace = self.limits.reservation_grace;
-        self.next_event = self.records.values().map(|r| r.next_event(grace)).min();
+        self.next_event = next_event;
         (before - self.records.len()) as u64
     }
 
@@ -543,10 +644,10 @@ impl Inner {
         // Plan first, so that nothing is evicted when even evicting every completed record
         // would not make room (the rest are reservations).
         let (mut records, mut bytes, mut take) = (0, 0, 0);
-        for (i, (_, scope, generation)) in self.completion_order.iter().enumerate() {
+        for (i, (_, key, generation)) in self.completion_order.iter().enumerate() {
             if let Some(r) = self
                 .records
-                .get(scope)
+                .get(key.probe())
                 .filter(|r| r.generation == *generation)
             {
                 records += 1;
@@ -560,13 +661,13 @@ impl Inner {
         if take == 0 {
             return Err(self.full(new_record));
         }
-        for (_, scope, generation) in self.completion_order.drain(..take).collect::<Vec<_>>() {
+        for (_, key, generation) in self.completion_order.drain(..take).collect::<Vec<_>>() {
             if self
                 .records
-                .get(&scope)
+                .get(key.probe())
                 .is_some_and(|r| r.generation == generation)
             {
-                evicted.extend(self.remove(&scope));
+                evicted.extend(self.remove(key.probe()));
             }
         }
         Ok(())
@@ -607,11 +708,12 @@ impl IdempotencyStore for MemoryStore {
         let mut evicted = Vec::new();
         let now = Instant::now();
         let mut inner = self.lock();
+        let probe = inner.records.probe(scope);
         inner.sweep_front(now);
-        inner.settle(scope, now);
+        inner.settle(probe, now);
         // After `settle` the record, if any, is live: a completed record inside its TTL or a
         // reservation before the end of its grace.
-        let found = match inner.records.get(scope) {
+        let found = match inner.records.get(probe) {
             Some(record) => match &record.state {
                 State::Completed {
                     response,
@@ -670,13 +772,17 @@ impl IdempotencyStore for MemoryStore {
         };
         if let Found::Absent = found {
             inner.make_room(now, true, charge, &mut evicted)?;
-            inner.records.insert(Arc::new(scope.clone()), record);
+            let key = Key {
+                hash: probe.hash,
+                scope: Arc::new(scope.clone()),
+            };
+            inner.records.insert(key, record);
             inner.bytes = inner.bytes.saturating_add(charge);
         } else {
             // The ended reservation was settled: it charges its scope only.
-            let old = inner.records.get(scope).map_or(0, |r| r.charge);
+            let old = inner.records.get(probe).map_or(0, |r| r.charge);
             inner.make_room(now, false, charge.saturating_sub(old), &mut evicted)?;
-            if let Some(existing) = inner.records.get_mut(scope) {
+            if let Some(existing) = inner.records.get_mut(probe) {
                 *existing = record;
             }
             inner.bytes = inner.bytes.saturating_sub(old).saturating_add(charge);
@@ -701,9 +807,10 @@ impl IdempotencyStore for MemoryStore {
         let mut evicted = Vec::new();
         let now = Instant::now();
         let mut inner = self.lock();
+        let probe = inner.records.probe(scope);
         // A reservation past its grace is gone even if no sweep deleted it yet.
-        inner.settle(scope, now);
-        let old = match inner.records.get(scope) {
+        inner.settle(probe, now);
+        let old = match inner.records.get(probe) {
             Some(record) if record.holds(token) => record.charge,
             _ => return Ok(WriteOutcome::Stale),
         };
@@ -715,12 +822,12 @@ impl IdempotencyStore for MemoryStore {
         }
         let generation = inner.generation();
         let expires_at = later(now, ttl);
-        let Some((key, record)) = inner.records.get_key_value(scope) else {
+        let Some((key, record)) = inner.records.get_key_value(probe) else {
             return Ok(WriteOutcome::Stale);
         };
-        let key = Arc::clone(key);
+        let key = key.clone();
         let old = record.charge;
-        if let Some(record) = inner.records.get_mut(scope) {
+        if let Some(record) = inner.records.get_mut(probe) {
             record.generation = generation;
             record.charge = charge;
             record.state = State::Completed {
@@ -744,8 +851,9 @@ impl IdempotencyStore for MemoryStore {
         token: &ReservationToken,
     ) -> Result<WriteOutcome, StoreError> {
         let mut inner = self.lock();
-        if inner.records.get(scope).is_some_and(|r| r.holds(token)) {
-            let removed = inner.remove(scope);
+        let probe = inner.records.probe(scope);
+        if inner.records.get(probe).is_some_and(|r| r.holds(token)) {
+            let removed = inner.remove(probe);
             drop(inner);
             drop(removed);
             Ok(WriteOutcome::Applied)
@@ -949,5 +1057,52 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(store.len(), 1, "the expired record of a is gone");
+    }
+
+    /// Mixed TTLs: records that expire behind a longer-lived one are deleted by the full sweep
+    /// (their bytes given back at once), and their completion-queue entries, which would hold
+    /// their scopes uncharged, are compacted away once they outnumber the records.
+    #[tokio::test]
+    async fn records_expiring_behind_a_longer_ttl_are_swept_and_their_queue_entries_compacted() {
+        let store = MemoryStore::new();
+        let fp = Fingerprint([1; 32]);
+        let complete = |key: &'static str, ttl: Duration| {
+            let store = store.clone();
+            async move {
+                let ReserveOutcome::Reserved { token } = store
+                    .reserve(&scope(key), &fp, Duration::from_secs(60))
+                    .await
+                    .unwrap()
+                else {
+                    panic!("expected a reservation for {key}");
+                };
+                store
+                    .complete(&scope(key), &token, &response(), ttl)
+                    .await
+                    .unwrap();
+            }
+        };
+        complete("long", Duration::from_secs(3600)).await;
+        let one_record = store.bytes_used();
+        for key in ["s1", "s2", "s3", "s4"] {
+            complete(key, Duration::from_millis(1)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        assert_eq!(store.lock().completion_order.len(), 5);
+        assert_eq!(store.purge_expired(Duration::ZERO).await.unwrap(), 4);
+        assert_eq!(store.len(), 1, "only the long-lived record is left");
+        assert_eq!(store.bytes_used(), one_record, "their bytes are given back");
+        assert_eq!(
+            store.lock().completion_order.len(),
+            1,
+            "the deleted records' queue entries outnumbered the records and were compacted"
+        );
+        assert!(matches!(
+            store
+                .reserve(&scope("long"), &fp, Duration::from_secs(60))
+                .await
+                .unwrap(),
+            ReserveOutcome::Completed { .. }
+        ));
     }
 }
