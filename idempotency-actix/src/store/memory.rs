@@ -317,7 +317,8 @@ struct Probe<'a> {
 /// Why not a `HashMap<Arc<Scope>, Record>`: a map hashes the scope's four strings again at
 /// every lookup (a `reserve` or `complete` looks its scope up three or four times), and when it
 /// grows it rehashes every record, following each record's pointer to its strings: a pause of
-/// about 0.6 s at a million records (`docs/benchmarks.md`), under the lock every request takes.
+/// 0.66 s when it grew past 0.9 M records (`docs/benchmarks.md`), under the lock every request
+/// takes.
 /// Here a call hashes its scope once, and growing reads the stored hashes, so it only moves
 /// memory. `hashbrown::HashTable` is the table behind std's `HashMap`, with the hash left to
 /// the caller; the hasher is std's `RandomState` (SipHash with a random key), because the keys
@@ -561,7 +562,7 @@ impl Inner {
     ///
     /// One pass over the records, without hashing: it runs under the lock, so its cost is a
     /// pause for every request (`docs/benchmarks.md`: looking every completion-queue entry up
-    /// by scope as well made it about 0.5 s per million records). Queue entries of records
+    /// by scope as well made it about a second at 1.4 M records). Queue entries of records
     /// deleted here (completed records that expired behind a longer-lived one: mixed TTLs)
     /// stay until they reach the front, where `sweep_front` skips them like any entry whose
     /// record changed; only when such entries could outnumber the records is the queue
