@@ -24,14 +24,16 @@
 
 use std::future::{poll_fn, Future};
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::pin::Pin;
 use std::task::Poll;
 
 /// Run `work` to its end whatever happens to the caller: poll it once now, and if it is not
 /// finished, spawn it on the worker's local task set. Completes on its first poll.
-pub(super) async fn detach(work: impl Future<Output = ()> + 'static) {
-    // Boxed before the first poll, so the same pinned future moves into the task: a future
-    // that was polled may not move.
-    let mut work = Box::pin(work);
+///
+/// `work` comes boxed: a polled future may not move, so the same allocation goes to the task;
+/// and boxed by the caller, the caller's own future holds a pointer, not the work's state
+/// machine (kilobytes: every await point of the handler's path), which would be copied twice.
+pub(super) async fn detach<F: Future<Output = ()> + 'static>(mut work: Pin<Box<F>>) {
     let first =
         poll_fn(|cx| Poll::Ready(catch_unwind(AssertUnwindSafe(|| work.as_mut().poll(cx))))).await;
     match first {

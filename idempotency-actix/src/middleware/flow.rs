@@ -130,7 +130,7 @@ where
         );
         let (answer, answered) = oneshot::channel();
         let settle = self.settle(req, scope, fingerprint, body, report.clone(), answer);
-        detach(settle.instrument(span.clone())).await;
+        detach(Box::pin(settle.instrument(span.clone()))).await;
         match answered.await {
             Ok(result) => result,
             // The task ended without an answer: the handler panicked. Its reservation stays

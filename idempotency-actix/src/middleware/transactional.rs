@@ -360,10 +360,10 @@ where
     B: MessageBody + 'static,
 {
     let (answer, answered) = tokio::sync::oneshot::channel();
-    detach(async move {
+    detach(Box::pin(async move {
         let result = keyless(&flow, &tx, req).await;
         let _ = answer.send(result);
-    })
+    }))
     .await;
     match answered.await {
         Ok(result) => result,
