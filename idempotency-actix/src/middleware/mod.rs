@@ -24,9 +24,9 @@
 //! runs on a task of the worker's local runtime (`actix_rt::spawn`: the handler's future is
 //! `!Send`), and the request's future only awaits its answer. The task is made only when the
 //! flow has to wait: it is polled once inside the request's own poll first, and a replay or
-//! miss that never waits (memory store, cached replays) finishes there without one (`detach`). A client that disconnects
-//! changes nothing: the handler, the store write and the release run to their end, and the
-//! response nobody can receive is dropped. A retry gets the replay.
+//! miss that never waits (memory store, cached replays) finishes there without one (`detach`).
+//! A client that disconnects changes nothing: the handler, the store write and the release run
+//! to their end, and the response nobody can receive is dropped. A retry gets the replay.
 //!
 //! This needs a local task set, which every actix-web server has (`#[actix_web::main]`, and
 //! actix-web's workers on a plain Tokio runtime). **Tests** that call the middleware through
