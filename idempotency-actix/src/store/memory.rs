@@ -341,19 +341,20 @@ impl Records {
         self.table.len()
     }
 
-    fn get_key_value(&self, probe: Probe<'_>) -> Option<&(Key, Record)> {
+    fn get(&self, probe: Probe<'_>) -> Option<&Record> {
         self.table
             .find(probe.hash, |(key, _)| *key.scope == *probe.scope)
+            .map(|(_, record)| record)
     }
 
-    fn get(&self, probe: Probe<'_>) -> Option<&Record> {
-        self.get_key_value(probe).map(|(_, record)| record)
+    fn get_key_value_mut(&mut self, probe: Probe<'_>) -> Option<(&Key, &mut Record)> {
+        self.table
+            .find_mut(probe.hash, |(key, _)| *key.scope == *probe.scope)
+            .map(|(key, record)| (&*key, record))
     }
 
     fn get_mut(&mut self, probe: Probe<'_>) -> Option<&mut Record> {
-        self.table
-            .find_mut(probe.hash, |(key, _)| *key.scope == *probe.scope)
-            .map(|(_, record)| record)
+        self.get_key_value_mut(probe).map(|(_, record)| record)
     }
 
     fn remove(&mut self, probe: Probe<'_>) -> Option<(Key, Record)> {
@@ -824,19 +825,16 @@ impl IdempotencyStore for MemoryStore {
         }
         let generation = inner.generation();
         let expires_at = later(now, ttl);
-        let Some((key, record)) = inner.records.get_key_value(probe) else {
+        let Some((key, record)) = inner.records.get_key_value_mut(probe) else {
             return Ok(WriteOutcome::Stale);
         };
         let key = key.clone();
-        let old = record.charge;
-        if let Some(record) = inner.records.get_mut(probe) {
-            record.generation = generation;
-            record.charge = charge;
-            record.state = State::Completed {
-                response,
-                expires_at,
-            };
-        }
+        let old = std::mem::replace(&mut record.charge, charge);
+        record.generation = generation;
+        record.state = State::Completed {
+            response,
+            expires_at,
+        };
         inner.bytes = inner.bytes.saturating_sub(old).saturating_add(charge);
         inner.note_event(expires_at);
         inner
