@@ -5,6 +5,7 @@
 
 use std::collections::VecDeque;
 use std::hash::{BuildHasher, RandomState};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -133,7 +134,20 @@ fn scope_charge(scope: &Scope) -> usize {
 /// panic. Cloning is cheap and clones share the records.
 #[derive(Clone)]
 pub struct MemoryStore {
-    inner: Arc<Mutex<Inner>>,
+    shared: Arc<Shared>,
+}
+
+/// What the clones of one store share. Only `inner` is behind the lock: a call hashes its scope
+/// and draws its token before taking it, so the critical section is the table work alone (with
+/// two workers on one lock, every nanosecond held is a nanosecond the other may wait, and a
+/// wait that ends in the kernel costs a futex call on both sides).
+struct Shared {
+    inner: Mutex<Inner>,
+    /// Hashes scopes for the table: std's keyed SipHash, because the keys come from clients.
+    hasher: RandomState,
+    /// Fencing tokens of this store: see [`MemoryStore::next_token`].
+    token_base: u64,
+    tokens: AtomicU64,
 }
 
 /// Builder for [`MemoryStore`].
@@ -214,15 +228,20 @@ impl MemoryStoreBuilder {
     /// The store.
     pub fn build(self) -> MemoryStore {
         MemoryStore {
-            inner: Arc::new(Mutex::new(Inner {
-                records: Records::default(),
-                completion_order: VecDeque::new(),
-                limits: self.limits,
-                bytes: 0,
-                next_generation: 0,
-                last_full_sweep: Instant::now(),
-                next_event: None,
-            })),
+            shared: Arc::new(Shared {
+                inner: Mutex::new(Inner {
+                    records: Records::default(),
+                    completion_order: VecDeque::new(),
+                    limits: self.limits,
+                    bytes: 0,
+                    next_generation: 0,
+                    last_full_sweep: Instant::now(),
+                    next_event: None,
+                }),
+                hasher: RandomState::new(),
+                token_base: ReservationToken::random().as_uuid().as_u64_pair().0,
+                tokens: AtomicU64::new(0),
+            }),
         }
     }
 }
@@ -283,9 +302,33 @@ impl MemoryStore {
     fn lock(&self) -> MutexGuard<'_, Inner> {
         // Nothing inside the critical sections can panic halfway through an update, so a
         // poisoned lock still guards consistent data.
-        self.inner
+        self.shared
+            .inner
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// `scope` with its hash, computed before the lock is taken.
+    fn probe<'a>(&self, scope: &'a Scope) -> Probe<'a> {
+        Probe {
+            hash: self.shared.hasher.hash_one(scope),
+            scope,
+        }
+    }
+
+    /// A fencing token for a new reservation: this store's random base and a counter.
+    ///
+    /// Why not [`ReservationToken::random`], as the stores that persist tokens use: a token of
+    /// this store never leaves the process (the middleware hands it from `reserve` to
+    /// `complete` or `release`), so the fence (C9) needs it distinct from every other token of
+    /// this store, which the counter guarantees, and not unguessable. `random` costs a
+    /// SHA-256 and a `getpid` system call per token (for fork safety across processes that
+    /// share a database); under the store's lock that call was 3 % of a miss's CPU and made
+    /// the other worker wait (`docs/benchmarks.md`). A forked child gets a copy of the store
+    /// along with the counter: its tokens fence its own copy.
+    fn next_token(&self) -> ReservationToken {
+        let count = self.shared.tokens.fetch_add(1, Ordering::Relaxed);
+        ReservationToken::from_uuid(uuid::Uuid::from_u64_pair(self.shared.token_base, count))
     }
 }
 
@@ -312,6 +355,15 @@ struct Probe<'a> {
     scope: &'a Scope,
 }
 
+impl Probe<'_> {
+    /// Whether `key` is this scope. A probe made from a record's own key (eviction and
+    /// sweeping walk the completion queue) shares its allocation, so the pointer answers
+    /// without comparing four strings.
+    fn finds(&self, key: &Key) -> bool {
+        std::ptr::eq(&*key.scope, self.scope) || *key.scope == *self.scope
+    }
+}
+
 /// The records by scope, each stored with its scope's hash.
 ///
 /// Why not a `HashMap<Arc<Scope>, Record>`: a map hashes the scope's four strings again at
@@ -319,37 +371,28 @@ struct Probe<'a> {
 /// grows it rehashes every record, following each record's pointer to its strings: a pause of
 /// 0.66 s when it grew past 0.9 M records (`docs/benchmarks.md`), under the lock every request
 /// takes.
-/// Here a call hashes its scope once, and growing reads the stored hashes, so it only moves
-/// memory. `hashbrown::HashTable` is the table behind std's `HashMap`, with the hash left to
-/// the caller; the hasher is std's `RandomState` (SipHash with a random key), because the keys
-/// come from clients.
+/// Here a call hashes its scope once (before taking the lock: [`MemoryStore::probe`]), and
+/// growing reads the stored hashes, so it only moves memory. `hashbrown::HashTable` is the
+/// table behind std's `HashMap`, with the hash left to the caller.
 #[derive(Default)]
 struct Records {
     table: HashTable<(Key, Record)>,
-    hasher: RandomState,
 }
 
 impl Records {
-    fn probe<'a>(&self, scope: &'a Scope) -> Probe<'a> {
-        Probe {
-            hash: self.hasher.hash_one(scope),
-            scope,
-        }
-    }
-
     fn len(&self) -> usize {
         self.table.len()
     }
 
     fn get(&self, probe: Probe<'_>) -> Option<&Record> {
         self.table
-            .find(probe.hash, |(key, _)| *key.scope == *probe.scope)
+            .find(probe.hash, |(key, _)| probe.finds(key))
             .map(|(_, record)| record)
     }
 
     fn get_key_value_mut(&mut self, probe: Probe<'_>) -> Option<(&Key, &mut Record)> {
         self.table
-            .find_mut(probe.hash, |(key, _)| *key.scope == *probe.scope)
+            .find_mut(probe.hash, |(key, _)| probe.finds(key))
             .map(|(key, record)| (&*key, record))
     }
 
@@ -360,7 +403,7 @@ impl Records {
     fn remove(&mut self, probe: Probe<'_>) -> Option<(Key, Record)> {
         let entry = self
             .table
-            .find_entry(probe.hash, |(key, _)| *key.scope == *probe.scope)
+            .find_entry(probe.hash, |(key, _)| probe.finds(key))
             .ok()?;
         Some(entry.remove().0)
     }
@@ -709,9 +752,10 @@ impl IdempotencyStore for MemoryStore {
         lease: Duration,
     ) -> Result<ReserveOutcome, StoreError> {
         let mut evicted = Vec::new();
+        let probe = self.probe(scope);
+        let token = self.next_token();
         let now = Instant::now();
         let mut inner = self.lock();
-        let probe = inner.records.probe(scope);
         inner.sweep_front(now);
         inner.settle(probe, now);
         // After `settle` the record, if any, is live: a completed record inside its TTL or a
@@ -761,7 +805,6 @@ impl IdempotencyStore for MemoryStore {
         let allowance = inner.limits.response_allowance;
         let charge = scope_charge(scope).saturating_add(allowance);
         let lease_until = later(now, lease);
-        let token = ReservationToken::random();
         let generation = inner.generation();
         let record = Record {
             fingerprint: *fingerprint,
@@ -808,9 +851,9 @@ impl IdempotencyStore for MemoryStore {
         let response = Arc::new(Compact::new(response));
         let charge = scope_charge(scope).saturating_add(response.size());
         let mut evicted = Vec::new();
+        let probe = self.probe(scope);
         let now = Instant::now();
         let mut inner = self.lock();
-        let probe = inner.records.probe(scope);
         // A reservation past its grace is gone even if no sweep deleted it yet.
         inner.settle(probe, now);
         let old = match inner.records.get(probe) {
@@ -850,8 +893,8 @@ impl IdempotencyStore for MemoryStore {
         scope: &Scope,
         token: &ReservationToken,
     ) -> Result<WriteOutcome, StoreError> {
+        let probe = self.probe(scope);
         let mut inner = self.lock();
-        let probe = inner.records.probe(scope);
         if inner.records.get(probe).is_some_and(|r| r.holds(token)) {
             let removed = inner.remove(probe);
             drop(inner);
