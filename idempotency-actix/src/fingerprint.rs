@@ -412,8 +412,7 @@ impl<'a> Parser<'a> {
 mod tests {
     use super::*;
 
-    const PINNED_CANONICAL: &str =
-        r#"{"":{},"a":[1,-0.5e+10,true,null,{"a":1,"a":0,"b":2}],"k":[],"z":"q\"b\\c\u0001\u001f é😀/\u0009","é":"é"}"#;
+    const PINNED_CANONICAL: &str = r#"{"":{},"a":[1,-0.5e+10,true,null,{"a":1,"a":0,"b":2}],"k":[],"z":"q\"b\\c\u0001\u001f é😀/\u0009","é":"é"}"#;
     const PINNED_FINGERPRINT: &str =
         "3803ef98cd7a29eb76a90c069cfbf3771a5297b31a770b4171d822c76690186d";
 

@@ -312,7 +312,7 @@ impl MemoryStore {
     fn probe<'a>(&self, scope: &'a Scope) -> Probe<'a> {
         Probe {
             hash: self.shared.hasher.hash_one(scope),
-            scope,
+            scope: Target::Scope(scope),
         }
     }
 
@@ -336,31 +336,109 @@ impl MemoryStore {
 #[derive(Clone)]
 struct Key {
     hash: u64,
-    scope: Arc<Scope>,
+    scope: PackedScope,
 }
 
 impl Key {
     fn probe(&self) -> Probe<'_> {
         Probe {
             hash: self.hash,
-            scope: &self.scope,
+            scope: Target::Packed(&self.scope),
         }
     }
+}
+
+/// A record's scope in one shared allocation: tenant, method, path and key, each prefixed with
+/// its length (so no two scopes pack alike).
+///
+/// Why not an `Arc<Scope>`: that is five allocations (the `Arc` and four strings) made and
+/// freed per record, and five pointers to follow when a lookup compares a record's scope,
+/// each a likely cache miss under the store's lock. Packed, it is one allocation and one
+/// `memcmp`-able run of bytes.
+#[derive(Clone, PartialEq, Eq)]
+struct PackedScope(Arc<[u8]>);
+
+impl PackedScope {
+    fn new(scope: &Scope) -> Self {
+        let len = scope_parts(scope).iter().map(|part| 4 + part.len()).sum();
+        let mut packed = Vec::with_capacity(len);
+        for part in scope_parts(scope) {
+            packed.extend_from_slice(&part_len(part).to_le_bytes());
+            packed.extend_from_slice(part.as_bytes());
+        }
+        Self(packed.into())
+    }
+
+    /// The four parts, in [`scope_parts`] order.
+    fn parts(&self) -> impl Iterator<Item = &[u8]> {
+        let mut rest: &[u8] = &self.0;
+        std::iter::from_fn(move || {
+            let (len, tail) = rest.split_first_chunk::<4>()?;
+            let (part, tail) = tail.split_at_checked(u32::from_le_bytes(*len) as usize)?;
+            rest = tail;
+            Some(part)
+        })
+    }
+
+    /// Whether this is `scope`, compared part by part without unpacking.
+    fn is(&self, scope: &Scope) -> bool {
+        let mut parts = self.parts();
+        scope_parts(scope)
+            .into_iter()
+            .all(|expected| parts.next() == Some(expected.as_bytes()))
+            && parts.next().is_none()
+    }
+
+    /// The parts as text, for the eviction log (formatted only if the event is).
+    fn texts(&self) -> [Text<'_>; 4] {
+        let mut parts = self.parts();
+        std::array::from_fn(|_| Text(parts.next().unwrap_or_default()))
+    }
+}
+
+/// A packed part as text: the parts were `String`s, so this is never lossy in practice.
+struct Text<'a>(&'a [u8]);
+
+impl std::fmt::Display for Text<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&String::from_utf8_lossy(self.0))
+    }
+}
+
+fn scope_parts(scope: &Scope) -> [&str; 4] {
+    [&scope.tenant, &scope.method, &scope.path, &scope.key]
+}
+
+/// A part's length as packed. The middleware bounds keys, paths and tenants far below 4 GiB;
+/// a longer part would pack a wrong length and so match nothing, never another scope's record
+/// (its hash still finds the slot, the comparison fails).
+fn part_len(part: &str) -> u32 {
+    u32::try_from(part.len()).unwrap_or(u32::MAX)
 }
 
 /// A scope to look up, with its hash: each store call hashes its scope once.
 #[derive(Clone, Copy)]
 struct Probe<'a> {
     hash: u64,
-    scope: &'a Scope,
+    scope: Target<'a>,
+}
+
+/// What a probe looks for: a request's scope, or a record's own (from the completion queue).
+#[derive(Clone, Copy)]
+enum Target<'a> {
+    Scope(&'a Scope),
+    Packed(&'a PackedScope),
 }
 
 impl Probe<'_> {
     /// Whether `key` is this scope. A probe made from a record's own key (eviction and
-    /// sweeping walk the completion queue) shares its allocation, so the pointer answers
-    /// without comparing four strings.
+    /// sweeping walk the completion queue) usually shares its allocation, so the pointer
+    /// answers without comparing bytes.
     fn finds(&self, key: &Key) -> bool {
-        std::ptr::eq(&*key.scope, self.scope) || *key.scope == *self.scope
+        match self.scope {
+            Target::Scope(scope) => key.scope.is(scope),
+            Target::Packed(packed) => Arc::ptr_eq(&packed.0, &key.scope.0) || *packed == key.scope,
+        }
     }
 }
 
@@ -557,7 +635,7 @@ impl Inner {
         self.next_generation
     }
 
-    fn remove(&mut self, probe: Probe<'_>) -> Option<(Arc<Scope>, Record)> {
+    fn remove(&mut self, probe: Probe<'_>) -> Option<(PackedScope, Record)> {
         let (key, record) = self.records.remove(probe)?;
         self.bytes = self.bytes.saturating_sub(record.charge);
         Some((key.scope, record))
@@ -668,7 +746,7 @@ impl Inner {
         now: Instant,
         new_record: bool,
         need: usize,
-        evicted: &mut Vec<(Arc<Scope>, Record)>,
+        evicted: &mut Vec<(PackedScope, Record)>,
     ) -> Result<(), StoreError> {
         if self.fits(new_record, need, 0, 0) {
             return Ok(());
@@ -721,8 +799,9 @@ impl Inner {
 }
 
 /// Log the live records evicted to make room (only with `evict_live_completed_when_full`).
-fn log_evictions(evicted: &[(Arc<Scope>, Record)], now: Instant) {
+fn log_evictions(evicted: &[(PackedScope, Record)], now: Instant) {
     for (scope, record) in evicted {
+        let [tenant, method, path, key] = scope.texts();
         let ttl_left = match record.state {
             State::Completed { expires_at, .. } => expires_at.saturating_duration_since(now),
             State::InFlight { .. } => Duration::ZERO,
@@ -730,10 +809,10 @@ fn log_evictions(evicted: &[(Arc<Scope>, Record)], now: Instant) {
         tracing::warn!(
             target: "idempotency_actix",
             outcome = "evicted",
-            tenant = %scope.tenant,
-            method = %scope.method,
-            path = %scope.path,
-            key = %scope.key,
+            %tenant,
+            %method,
+            %path,
+            %key,
             ttl_left_secs = ttl_left.as_secs(),
             "memory store full: evicted a live completed record (evict_live_completed_when_full); a retry with this key will run the handler again"
         );
@@ -820,7 +899,7 @@ impl IdempotencyStore for MemoryStore {
             inner.make_room(now, true, charge, &mut evicted)?;
             let key = Key {
                 hash: probe.hash,
-                scope: Arc::new(scope.clone()),
+                scope: PackedScope::new(scope),
             };
             inner.records.insert(key, record);
             inner.bytes = inner.bytes.saturating_add(charge);
@@ -930,6 +1009,40 @@ mod tests {
             headers: vec![],
             body: Bytes::from_static(b"ok"),
         }
+    }
+
+    #[tokio::test]
+    async fn scopes_that_differ_only_in_where_parts_end_are_different_records() {
+        let a = Scope {
+            tenant: String::new(),
+            method: "POST".into(),
+            path: "/ab".into(),
+            key: "c".into(),
+        };
+        let b = Scope {
+            path: "/a".into(),
+            key: "bc".into(),
+            ..a.clone()
+        };
+        let packed = PackedScope::new(&a);
+        assert!(packed.is(&a));
+        assert!(!packed.is(&b));
+        assert!(PackedScope::new(&b) != packed);
+        assert_eq!(
+            packed.texts().map(|t| t.to_string()),
+            ["", "POST", "/ab", "c"]
+        );
+
+        let store = MemoryStore::new();
+        let fp = Fingerprint([1; 32]);
+        for scope in [&a, &b] {
+            let outcome = store.reserve(scope, &fp, Duration::from_secs(60)).await;
+            assert!(
+                matches!(outcome, Ok(ReserveOutcome::Reserved { .. })),
+                "{outcome:?}"
+            );
+        }
+        assert_eq!(store.len(), 2);
     }
 
     async fn reserve_and_complete(store: &MemoryStore, key: &str) {
