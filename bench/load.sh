@@ -176,6 +176,14 @@ PORT[payments-raw]=18092;    MODE[payments-raw]=payments-raw
 SERVERS="bare memory memory-evicting memory-metrics postgres postgres-fast postgres-cached postgres-async raw payments-today payments-tx payments-raw"
 declare -A SERVER_PID
 if [ "$SCALE" = only ] || [ "$PARTITIONS" = only ]; then SERVERS=""; fi
+# A port that already answers would be measured in place of our server (which then fails to
+# bind and exits after wait_up has seen the port answer): refuse instead.
+for name in $SERVERS; do
+  if (exec 3<>"/dev/tcp/127.0.0.1/${PORT[$name]}") 2>/dev/null; then
+    echo "load.sh: port ${PORT[$name]} ($name) is already in use (a leftover bench_server?); stop it first" >&2
+    exit 1
+  fi
+done
 for name in $SERVERS; do
   # shellcheck disable=SC2086
   "$SERVER" serve --mode "${MODE[$name]}" --addr "127.0.0.1:${PORT[$name]}" --workers "$WORKERS" \
