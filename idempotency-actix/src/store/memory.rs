@@ -1085,21 +1085,35 @@ mod tests {
 
     #[tokio::test]
     async fn records_spread_over_the_tables_are_all_found_counted_and_swept() {
-        let store = MemoryStore::builder()
-            .max_entries(10_000)
-            .max_bytes(usize::MAX)
-            .build();
+        let roomy = || {
+            MemoryStore::builder()
+                .max_entries(10_000)
+                .max_bytes(usize::MAX)
+                .build()
+        };
         let fp = Fingerprint([1; 32]);
         let keys: Vec<String> = (0..2_000).map(|i| format!("k{i}")).collect();
-        for key in &keys {
-            let outcome = store
-                .reserve(&scope(key), &fp, Duration::from_secs(60))
-                .await;
-            assert!(
-                matches!(outcome, Ok(ReserveOutcome::Reserved { .. })),
-                "{outcome:?}"
-            );
-        }
+        // All reserved with `lease`, then each outcome of a second reserve checked.
+        let reserve_all = |store: MemoryStore, lease: Duration| {
+            let keys = keys.clone();
+            async move {
+                let mut outcomes = Vec::new();
+                for key in &keys {
+                    outcomes.push(store.reserve(&scope(key), &fp, lease).await);
+                }
+                outcomes
+            }
+        };
+        let reserved = |o: &Result<ReserveOutcome, StoreError>| {
+            matches!(o, Ok(ReserveOutcome::Reserved { .. }))
+        };
+
+        let store = roomy();
+        let minute = Duration::from_secs(60);
+        assert!(reserve_all(store.clone(), minute)
+            .await
+            .iter()
+            .all(reserved));
         assert_eq!(store.len(), keys.len());
         let used = store
             .lock()
@@ -1109,30 +1123,18 @@ mod tests {
             .filter(|t| !t.is_empty())
             .count();
         assert_eq!(used, TABLES, "2,000 records leave no table empty");
-        for key in &keys {
-            let outcome = store
-                .reserve(&scope(key), &fp, Duration::from_secs(60))
-                .await;
-            assert!(
-                matches!(outcome, Ok(ReserveOutcome::InFlight { .. })),
-                "{outcome:?}"
-            );
-        }
+        let again = reserve_all(store.clone(), minute).await;
+        assert!(again
+            .iter()
+            .all(|o| matches!(o, Ok(ReserveOutcome::InFlight { .. }))));
         // The sweep walks every table: with the leases running it deletes nothing...
         assert_eq!(store.purge_expired(Duration::ZERO).await.ok(), Some(0));
         assert_eq!(store.len(), keys.len());
+
         // ...and once they have ended (grace zero), everything, and counts it.
-        let ended = MemoryStore::builder()
-            .max_entries(10_000)
-            .max_bytes(usize::MAX)
-            .build();
-        for key in &keys {
-            let outcome = ended.reserve(&scope(key), &fp, Duration::ZERO).await;
-            assert!(
-                matches!(outcome, Ok(ReserveOutcome::Reserved { .. })),
-                "{outcome:?}"
-            );
-        }
+        let ended = roomy();
+        let zero = Duration::ZERO;
+        assert!(reserve_all(ended.clone(), zero).await.iter().all(reserved));
         tokio::time::sleep(Duration::from_millis(5)).await;
         let purged = ended.purge_expired(Duration::ZERO).await.ok();
         assert_eq!(purged, Some(keys.len() as u64));
