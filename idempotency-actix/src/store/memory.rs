@@ -64,11 +64,11 @@ fn later(now: Instant, d: Duration) -> Instant {
 
 /// What a scope costs without its response.
 fn scope_charge(scope: &Scope) -> usize {
-    RECORD_OVERHEAD
-        .saturating_add(scope.tenant.len())
-        .saturating_add(scope.method.len())
-        .saturating_add(scope.path.len())
-        .saturating_add(scope.key.len())
+    scope_parts(scope)
+        .iter()
+        .fold(RECORD_OVERHEAD, |charge, part| {
+            charge.saturating_add(part.len())
+        })
 }
 
 /// An in-process store: no setup, nothing shared between processes.
@@ -354,8 +354,8 @@ impl Key {
 ///
 /// Why not an `Arc<Scope>`: that is five allocations (the `Arc` and four strings) made and
 /// freed per record, and five pointers to follow when a lookup compares a record's scope,
-/// each a likely cache miss under the store's lock. Packed, it is one allocation and one
-/// `memcmp`-able run of bytes.
+/// each a likely cache miss under the store's lock. Packed, a record keeps one allocation
+/// (built through one temporary buffer) and one `memcmp`-able run of bytes.
 #[derive(Clone, PartialEq, Eq)]
 struct PackedScope(Arc<[u8]>);
 
@@ -432,14 +432,16 @@ enum Target<'a> {
 }
 
 impl Probe<'_> {
-    /// Whether `key` is this scope. A probe made from a record's own key (eviction and
-    /// sweeping walk the completion queue) usually shares its allocation, so the pointer
-    /// answers without comparing bytes.
+    /// Whether `key` is this scope. The full hashes first: the table matched seven bits of
+    /// them, and comparing the rest costs nothing next to reading the scope. A probe made from
+    /// a record's own key (eviction and sweeping walk the completion queue) usually shares its
+    /// allocation, and `Arc`'s equality answers that from the pointer.
     fn finds(&self, key: &Key) -> bool {
-        match self.scope {
-            Target::Scope(scope) => key.scope.is(scope),
-            Target::Packed(packed) => Arc::ptr_eq(&packed.0, &key.scope.0) || *packed == key.scope,
-        }
+        key.hash == self.hash
+            && match self.scope {
+                Target::Scope(scope) => key.scope.is(scope),
+                Target::Packed(packed) => *packed == key.scope,
+            }
     }
 }
 
