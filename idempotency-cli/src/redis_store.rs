@@ -3,6 +3,9 @@
 //! `idempotency_actix::store::redis`); `migrate` and `purge` have nothing to do.
 //!
 //! Records are found with `SCAN MATCH <prefix>...` (never `KEYS`, which blocks the server).
+//! On a Redis Cluster (the URL names any of its nodes: the command asks it with
+//! `INFO cluster`), the scan walks every primary and each record is read from its own node
+//! ([`KeyScan`]), so `list` and `stats` count the whole cluster.
 //! The key parts are percent-encoded by the store, so a pattern built from a tenant or key
 //! holds no glob character of the user's; every key found is parsed back and compared
 //! exactly. Ages and expiries are measured against the server's clock (`TIME`), the clock
@@ -12,10 +15,13 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
+use futures_util::future::try_join_all;
 use idempotency_actix::store::postgres::admin::{Detail, Record, State, Time};
-use idempotency_actix::store::redis::redis::aio::MultiplexedConnection;
+use idempotency_actix::store::redis::redis::aio::{ConnectionLike, MultiplexedConnection};
 use idempotency_actix::store::redis::redis::{self, RedisError};
-use idempotency_actix::store::redis::{encode_key_part, fields, parse_record_key, DEFAULT_PREFIX};
+use idempotency_actix::store::redis::{
+    encode_key_part, fields, parse_record_key, KeyScan, DEFAULT_PREFIX,
+};
 use idempotency_actix::store::Scope;
 use serde_json::json;
 
@@ -27,8 +33,12 @@ use crate::error::CliError;
 use crate::output::{table, Out};
 use crate::record::{round_ms, RecordView, TABLE_HEADER};
 
-/// Keys asked for per `SCAN` call.
-const SCAN_COUNT: usize = 1000;
+/// Records read per batch (their reads are all in flight at once).
+const READ_BATCH: usize = 1000;
+
+/// What a connection must be to serve the commands: a single server's or a cluster's.
+trait Conn: ConnectionLike + Clone + Send + Sync + 'static {}
+impl<C: ConnectionLike + Clone + Send + Sync + 'static> Conn for C {}
 
 /// Run `command` against the Redis at `url`, keys under `prefix`.
 pub async fn run(
@@ -61,6 +71,40 @@ pub async fn run(
         _ => {}
     }
     let mut conn = connect(url, timeout).await?;
+    if !in_cluster_mode(&mut conn).await? {
+        return run_on(conn, prefix, command, format, out).await;
+    }
+    let cluster = redis::cluster::ClusterClientBuilder::new([url])
+        .connection_timeout(timeout)
+        .build()
+        .map_err(|e| CliError::Usage(format!("invalid Redis URL ({})", e.category())))?;
+    match tokio::time::timeout(timeout, cluster.get_async_connection()).await {
+        Ok(Ok(conn)) => run_on(conn, prefix, command, format, out).await,
+        Ok(Err(e)) => Err(unavailable(e)),
+        Err(_) => Err(CliError::Unavailable(format!(
+            "Redis Cluster did not accept a connection within {} s",
+            timeout.as_secs_f64()
+        ))),
+    }
+}
+
+/// Whether the server at the end of `conn` is a Redis Cluster node.
+async fn in_cluster_mode(conn: &mut MultiplexedConnection) -> Result<bool, CliError> {
+    let info: String = redis::cmd("INFO")
+        .arg("cluster")
+        .query_async(conn)
+        .await
+        .map_err(failed)?;
+    Ok(info.lines().any(|line| line.trim() == "cluster_enabled:1"))
+}
+
+async fn run_on<C: Conn>(
+    mut conn: C,
+    prefix: &str,
+    command: &Command,
+    format: Format,
+    out: &mut Out,
+) -> Result<(), CliError> {
     let now_us = server_time_us(&mut conn).await?;
     let mut redis = Redis {
         conn,
@@ -114,13 +158,13 @@ fn failed(e: RedisError) -> CliError {
     }
 }
 
-async fn server_time_us(conn: &mut MultiplexedConnection) -> Result<i64, CliError> {
+async fn server_time_us<C: Conn>(conn: &mut C) -> Result<i64, CliError> {
     let (secs, micros): (i64, i64) = redis::cmd("TIME").query_async(conn).await.map_err(failed)?;
     Ok(secs.saturating_mul(1_000_000).saturating_add(micros))
 }
 
-struct Redis<'a> {
-    conn: MultiplexedConnection,
+struct Redis<'a, C> {
+    conn: C,
     prefix: &'a str,
     now_us: i64,
 }
@@ -133,7 +177,7 @@ struct Found {
     body: Option<Vec<u8>>,
 }
 
-impl Redis<'_> {
+impl<C: Conn> Redis<'_, C> {
     /// A glob pattern for the records of a (partial) scope: missing parts match anything.
     fn pattern(&self, scope: &ScopeArgs, key: Option<&str>) -> String {
         let part = |p: Option<&str>| p.map_or_else(|| "*".to_owned(), encode_key_part);
@@ -148,28 +192,12 @@ impl Redis<'_> {
         )
     }
 
-    /// Every key matching `pattern`, by `SCAN` (the order Redis returns them in).
+    /// Every key matching `pattern`, by `SCAN` on every primary.
     async fn scan(&mut self, pattern: &str) -> Result<Vec<Vec<u8>>, CliError> {
-        let mut cursor: u64 = 0;
-        let mut keys = Vec::new();
-        loop {
-            let (next, batch): (u64, Vec<Vec<u8>>) = redis::cmd("SCAN")
-                .arg(cursor)
-                .arg("MATCH")
-                .arg(pattern)
-                .arg("COUNT")
-                .arg(SCAN_COUNT)
-                .arg("TYPE")
-                .arg("hash")
-                .query_async(&mut self.conn)
-                .await
-                .map_err(failed)?;
-            keys.extend(batch);
-            if next == 0 {
-                return Ok(keys);
-            }
-            cursor = next;
-        }
+        KeyScan::new(pattern)
+            .collect(&mut self.conn)
+            .await
+            .map_err(failed)
     }
 
     /// Read the records at `keys` (one pipeline); keys that vanished or are not records are
@@ -180,13 +208,20 @@ impl Redis<'_> {
         with_response: bool,
     ) -> Result<Vec<Found>, CliError> {
         let mut found = Vec::new();
-        for chunk in keys.chunks(SCAN_COUNT) {
-            let mut pipe = redis::pipe();
-            for key in chunk {
-                pipe.cmd("HGETALL").arg(key);
-            }
-            let hashes: Vec<HashMap<String, Vec<u8>>> =
-                pipe.query_async(&mut self.conn).await.map_err(failed)?;
+        for chunk in keys.chunks(READ_BATCH) {
+            // One `HGETALL` per key, all in flight at once: pipelined on one server's
+            // connection, each sent to its own node on a cluster (where a pipeline may not
+            // span slots).
+            let reads = chunk.iter().map(|key| {
+                let mut conn = self.conn.clone();
+                async move {
+                    redis::cmd("HGETALL")
+                        .arg(key.as_slice())
+                        .query_async::<HashMap<String, Vec<u8>>>(&mut conn)
+                        .await
+                }
+            });
+            let hashes = try_join_all(reads).await.map_err(failed)?;
             for (key, mut hash) in chunk.iter().zip(hashes) {
                 let Some(scope) = parse_record_key(self.prefix, key) else {
                     continue;
@@ -247,7 +282,7 @@ impl Redis<'_> {
 }
 
 async fn list(
-    redis: &mut Redis<'_>,
+    redis: &mut Redis<'_, impl Conn>,
     args: &ListArgs,
     format: Format,
     out: &mut Out,
@@ -317,7 +352,7 @@ async fn list(
 }
 
 async fn matching(
-    redis: &mut Redis<'_>,
+    redis: &mut Redis<'_, impl Conn>,
     key: &str,
     scope: &ScopeArgs,
     with_response: bool,
@@ -342,7 +377,7 @@ async fn matching(
 }
 
 async fn show(
-    redis: &mut Redis<'_>,
+    redis: &mut Redis<'_, impl Conn>,
     args: &ShowArgs,
     format: Format,
     out: &mut Out,
@@ -376,7 +411,11 @@ async fn show(
     out.flush()
 }
 
-async fn stats(redis: &mut Redis<'_>, format: Format, out: &mut Out) -> Result<(), CliError> {
+async fn stats(
+    redis: &mut Redis<'_, impl Conn>,
+    format: Format,
+    out: &mut Out,
+) -> Result<(), CliError> {
     let pattern = format!("{}*", redis.prefix);
     let keys = redis.scan(&pattern).await?;
     let rows: Vec<Record> = redis
@@ -454,7 +493,7 @@ return 1
 ";
 
 async fn release(
-    redis: &mut Redis<'_>,
+    redis: &mut Redis<'_, impl Conn>,
     args: &ReleaseArgs,
     format: Format,
     out: &mut Out,

@@ -10,7 +10,7 @@ use idempotency_actix::store::{
     IdempotencyStore, RedisStore, ReserveOutcome, Scope, StoredResponse, WriteOutcome,
 };
 use idempotency_actix::Fingerprint;
-use idempotency_e2e::redis_server::RedisServer;
+use idempotency_e2e::redis_server::{RedisCluster, RedisServer};
 use serde_json::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_idem-cli");
@@ -73,13 +73,13 @@ fn scope(tenant: &str, key: &str) -> Scope {
     }
 }
 
-async fn reserve(store: &RedisStore, s: &Scope, lease: Duration) -> ReserveOutcome {
+async fn reserve(store: &impl IdempotencyStore, s: &Scope, lease: Duration) -> ReserveOutcome {
     store.reserve(s, &FP, lease).await.expect("reserve")
 }
 
 /// Seeds: a completed record with a binary header and body (tenant acme), a live reservation
 /// (acme), a reservation whose lease ended (globex), and a key that needs escaping.
-async fn seed(store: &RedisStore) {
+async fn seed(store: &impl IdempotencyStore) {
     let ReserveOutcome::Reserved { token } = reserve(store, &scope("acme", "done"), LEASE).await
     else {
         panic!("fresh key")
@@ -187,6 +187,42 @@ async fn list_show_stats_and_release_read_the_store() {
     expect_code(&out, 0);
     assert!(matches!(
         reserve(&store, &scope("acme", "running"), LEASE).await,
+        ReserveOutcome::Reserved { .. }
+    ));
+}
+
+/// On a Redis Cluster, whichever node the URL names: `stats` and `list` count the records of
+/// every primary, `show` and `release` reach a record on any node.
+#[tokio::test]
+async fn on_a_cluster_every_primary_is_read() {
+    let cluster = RedisCluster::start();
+    let urls = cluster.urls();
+    let store = RedisStore::builder()
+        .connect_cluster(&[&urls[0]])
+        .await
+        .expect("connect_cluster");
+    seed(&store).await;
+    for i in 0..30 {
+        reserve(&store, &scope("bulk", &format!("k{i}")), LEASE).await;
+    }
+    for url in &urls {
+        let out = idem(url, &["stats", "--format", "json"]);
+        expect_code(&out, 0);
+        let stats = &json_lines(&out)[0];
+        assert_eq!(stats["total"], 34, "from {url}: {stats}");
+        assert_eq!(stats["in_flight_lease_live"], 32);
+        let out = idem(url, &["list", "--tenant", "bulk", "--format", "json"]);
+        expect_code(&out, 0);
+        assert_eq!(json_lines(&out).len(), 30);
+        let out = idem(url, &["show", "done", "--format", "json"]);
+        expect_code(&out, 0);
+        assert_eq!(json_lines(&out)[0]["response"]["body_json"]["id"], 1);
+    }
+    let out = idem(&urls[2], &["release", "stuck", "--format", "json"]);
+    expect_code(&out, 0);
+    assert_eq!(json_lines(&out)[0]["released"], true);
+    assert!(matches!(
+        reserve(&store, &scope("globex", "stuck"), LEASE).await,
         ReserveOutcome::Reserved { .. }
     ));
 }

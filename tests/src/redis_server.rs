@@ -129,3 +129,112 @@ impl Drop for RedisServer {
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
+
+/// A throwaway Redis Cluster: three primaries (no replicas), each a [`RedisServer`] with
+/// `--cluster-enabled yes` on free loopback ports (its bus port chosen free too), joined and
+/// given the 16384 slots by `redis-cli --cluster create`. Dropping it kills every node.
+pub struct RedisCluster {
+    nodes: Vec<RedisServer>,
+}
+
+impl std::fmt::Debug for RedisCluster {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let ports: Vec<u16> = self.nodes.iter().map(RedisServer::port).collect();
+        f.debug_struct("RedisCluster")
+            .field("ports", &ports)
+            .finish()
+    }
+}
+
+impl RedisCluster {
+    /// Three primaries sharing the slots, every node seeing the cluster `ok`. Panics if
+    /// `redis-cli` is missing or the cluster does not form in time.
+    pub fn start() -> RedisCluster {
+        let nodes: Vec<RedisServer> = (0..3)
+            .map(|_| {
+                let bus = free_port().to_string();
+                RedisServer::start_with(&[
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    "5000",
+                    "--cluster-port",
+                    &bus,
+                ])
+            })
+            .collect();
+        let addresses: Vec<String> = nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port()))
+            .collect();
+        let created = Command::new("redis-cli")
+            .args(["--cluster", "create"])
+            .args(&addresses)
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .stdin(Stdio::null())
+            .output();
+        match created {
+            Ok(out) if out.status.success() => {}
+            Ok(out) => panic!(
+                "redis-cli --cluster create failed: {}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            ),
+            Err(e) => panic!("cannot run redis-cli ({e}); install redis-tools"),
+        }
+        let cluster = RedisCluster { nodes };
+        cluster.wait_ok();
+        cluster
+    }
+
+    /// `redis://127.0.0.1:<port>/` of every node.
+    pub fn urls(&self) -> Vec<String> {
+        self.nodes.iter().map(RedisServer::url).collect()
+    }
+
+    /// Until every node reports `cluster_state:ok` and knows all three nodes (gossip takes a
+    /// moment after `create` returns).
+    fn wait_ok(&self) {
+        let started = Instant::now();
+        loop {
+            let ready = self.nodes.iter().all(|node| {
+                let info = Command::new("redis-cli")
+                    .args(["-p", &node.port().to_string(), "CLUSTER", "INFO"])
+                    .stdin(Stdio::null())
+                    .output()
+                    .map(|out| String::from_utf8_lossy(&out.stdout).into_owned())
+                    .unwrap_or_default();
+                info.contains("cluster_state:ok") && info.contains("cluster_known_nodes:3")
+            });
+            if ready {
+                return;
+            }
+            assert!(
+                started.elapsed() < START_TIMEOUT,
+                "the Redis Cluster on {self:?} did not become ok within {START_TIMEOUT:?}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+/// Redis's own count of calls of `command` (lower case, e.g. `"evalsha"`) on the server at
+/// the end of `conn`, since its start or last `CONFIG RESETSTAT`; scripts' own calls included.
+pub async fn command_calls(
+    conn: &mut idempotency_actix::store::redis::redis::aio::MultiplexedConnection,
+    command: &str,
+) -> u64 {
+    let stats: String = idempotency_actix::store::redis::redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(conn)
+        .await
+        .expect("INFO commandstats");
+    stats
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("cmdstat_{command}:calls=")))
+        .and_then(|rest| rest.split(',').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
+}

@@ -13,7 +13,7 @@ use idempotency_actix::store::{
     WriteOutcome,
 };
 use idempotency_actix::Fingerprint;
-use idempotency_e2e::redis_server::RedisServer;
+use idempotency_e2e::redis_server::{command_calls, RedisServer};
 
 const FP_A: Fingerprint = Fingerprint([0xAA; 32]);
 const FP_B: Fingerprint = Fingerprint([0xBB; 32]);
@@ -77,21 +77,6 @@ async fn fast_store(redis: &RedisServer) -> RedisStore {
         Ok(store) => store,
         Err(e) => panic!("connect to {}: {e}", redis.url()),
     }
-}
-
-/// Redis's own per-command call counts since the last `CONFIG RESETSTAT`.
-async fn command_calls(conn: &mut redis::aio::MultiplexedConnection, command: &str) -> u64 {
-    let stats: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query_async(conn)
-        .await
-        .expect("INFO");
-    stats
-        .lines()
-        .find_map(|l| l.strip_prefix(&format!("cmdstat_{command}:calls=")))
-        .and_then(|rest| rest.split(',').next())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(0)
 }
 
 async fn reset_stats(conn: &mut redis::aio::MultiplexedConnection) {

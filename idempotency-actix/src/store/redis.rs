@@ -48,8 +48,14 @@
 //! on every checkout (bb8-redis's default) would add a round trip per call (C26), and a pool
 //! buys nothing here: the scripts are short and Redis serves one connection's pipeline as fast
 //! as many. [`RedisStore::from_connection`] takes any [`redis::aio::ConnectionLike`] that is
-//! `Clone` (a `ConnectionManager`, a `MultiplexedConnection`, or the cluster client's
-//! connection with the redis crate's `cluster-async` feature).
+//! `Clone` (a `ConnectionManager`, a `MultiplexedConnection`, a cluster connection).
+//!
+//! # Redis Cluster
+//! With the feature `redis-cluster`, `RedisStoreBuilder::connect_cluster` connects through the
+//! redis crate's cluster client. The request path needs nothing more (each call names its one
+//! key); `WAIT` is pipelined behind the record's `PTTL` so it reaches the record's primary;
+//! commands that name no key (`SCAN`, `CONFIG GET`) go to every primary (`nodes.rs`,
+//! [`KeyScan`]).
 //!
 //! # Faults
 //! Redis unreachable, a timeout (default 2 s per call), `LOADING`, `BUSY`, `READONLY`, `OOM`,
@@ -73,6 +79,9 @@ use percent_encoding::{percent_decode_str, utf8_percent_encode, AsciiSet, NON_AL
 pub use redis;
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::{RedisError, Script, Value};
+
+mod nodes;
+pub use nodes::KeyScan;
 
 use super::{
     Fingerprint, IdempotencyStore, ReservationToken, ReserveOutcome, Scope, StoreError,
@@ -234,16 +243,7 @@ impl RedisStoreBuilder {
     /// [`StoreError::Unavailable`] when the server cannot be reached in time.
     pub async fn connect(self, url: &str) -> Result<RedisStore, StoreError> {
         validate_prefix(&self.prefix)?;
-        let client = redis::Client::open(url).map_err(|e| {
-            // The error never echoes the URL (it may hold a password).
-            StoreError::Backend(
-                format!(
-                    "invalid Redis URL ({}): expected redis:// or rediss://host[:port][/db]",
-                    e.category()
-                )
-                .into(),
-            )
-        })?;
+        let client = redis::Client::open(url).map_err(invalid_url)?;
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(self.connection_timeout)
             .set_response_timeout(self.response_timeout)
@@ -255,6 +255,36 @@ impl RedisStoreBuilder {
         )
         .await
         .map_err(|_| StoreError::unavailable("Redis did not accept a connection in time"))?
+        .map_err(classify)?;
+        refuse_cluster_node(&mut conn.clone(), self.response_timeout).await?;
+        self.with_connection(conn).await
+    }
+
+    /// Connect to a Redis Cluster (feature `redis-cluster`) through the redis crate's cluster
+    /// client: `urls` name one or more of its nodes (`redis://` or `rediss://`), from which it
+    /// learns the rest. Every request-path call names one record key, so it goes to that
+    /// key's primary in its one round trip; `MOVED`/`ASK` during a resharding are followed by
+    /// the client. The eviction policy is checked on every primary.
+    ///
+    /// # Errors
+    /// As [`RedisStoreBuilder::connect`].
+    #[cfg(feature = "redis-cluster")]
+    pub async fn connect_cluster(
+        self,
+        urls: &[&str],
+    ) -> Result<RedisStore<redis::cluster_async::ClusterConnection>, StoreError> {
+        validate_prefix(&self.prefix)?;
+        let client = redis::cluster::ClusterClientBuilder::new(urls.iter().copied())
+            .connection_timeout(self.connection_timeout)
+            .response_timeout(self.response_timeout)
+            .build()
+            .map_err(invalid_url)?;
+        let conn = tokio::time::timeout(
+            self.connection_timeout.saturating_mul(3),
+            client.get_async_connection(),
+        )
+        .await
+        .map_err(|_| StoreError::unavailable("Redis Cluster did not accept a connection in time"))?
         .map_err(classify)?;
         self.with_connection(conn).await
     }
@@ -413,15 +443,29 @@ where
         decode_existing(true, &mut record).map(Some)
     }
 
-    /// `WAIT replicas timeout`; whether enough replicas acknowledged.
-    async fn wait_replicas(&self, replicas: u32, timeout: Duration) -> Result<bool, StoreError> {
+    /// `WAIT replicas timeout` on the node that holds `key`; whether enough replicas
+    /// acknowledged.
+    ///
+    /// `WAIT` names no key, and a cluster connection would send it to every primary (and
+    /// answer with the least count). Pipelined behind a `PTTL` of the record, it goes where the
+    /// record's write went; on one server the `PTTL` costs nothing but its few bytes.
+    async fn wait_replicas(
+        &self,
+        key: &str,
+        replicas: u32,
+        timeout: Duration,
+    ) -> Result<bool, StoreError> {
         let mut conn = self.conn.clone();
         let timeout_ms = u64::try_from(timeout.as_millis())
             .unwrap_or(u64::MAX)
             .max(1);
-        let acked: i64 = tokio::time::timeout(
+        let (acked,): (i64,) = tokio::time::timeout(
             timeout + self.inner.timeout,
-            redis::cmd("WAIT")
+            redis::pipe()
+                .cmd("PTTL")
+                .arg(key)
+                .ignore()
+                .cmd("WAIT")
                 .arg(replicas)
                 .arg(timeout_ms)
                 .query_async(&mut conn),
@@ -491,6 +535,54 @@ pub fn encode_key_part(part: &str) -> String {
     utf8_percent_encode(part, KEY_PART).to_string()
 }
 
+/// A URL the redis crate refused. The error never echoes the URL (it may hold a password).
+fn invalid_url(e: RedisError) -> StoreError {
+    StoreError::Backend(
+        format!(
+            "invalid Redis URL ({}): expected redis:// or rediss://host[:port][/db]",
+            e.category()
+        )
+        .into(),
+    )
+}
+
+/// [`RedisStoreBuilder::connect`] opens a connection to one server. A Redis Cluster node would
+/// answer `MOVED` for every key another primary holds, i.e. 503 for most requests: refuse it
+/// at start, pointing at `connect_cluster`.
+async fn refuse_cluster_node(
+    conn: &mut ConnectionManager,
+    timeout: Duration,
+) -> Result<(), StoreError> {
+    let answer = tokio::time::timeout(
+        timeout,
+        redis::cmd("INFO")
+            .arg("cluster")
+            .query_async::<String>(conn),
+    )
+    .await
+    .map_err(|_| StoreError::unavailable("Redis did not answer INFO in time"))?;
+    let info = match answer {
+        Ok(info) => info,
+        Err(e) if e.is_io_error() || e.is_connection_dropped() => return Err(classify(e)),
+        Err(e) => {
+            // A managed Redis or an ACL user may refuse INFO: not a reason to refuse to start.
+            tracing::warn!(
+                error = %e,
+                "could not check whether Redis runs in cluster mode (INFO refused)"
+            );
+            return Ok(());
+        }
+    };
+    if info.lines().any(|line| line.trim() == "cluster_enabled:1") {
+        return Err(StoreError::Backend(
+            "this Redis runs in cluster mode: connect with RedisStoreBuilder::connect_cluster \
+             (feature `redis-cluster`), or every key held by another node would fail"
+                .into(),
+        ));
+    }
+    Ok(())
+}
+
 fn validate_prefix(prefix: &str) -> Result<(), StoreError> {
     let bad = prefix.is_empty()
         || prefix
@@ -550,7 +642,7 @@ fn policy_evicts(policy: &str) -> bool {
     policy.starts_with("volatile-") || policy.starts_with("allkeys-")
 }
 
-async fn check_eviction<C: ConnectionLike + Send>(
+async fn check_eviction<C: ConnectionLike + Send + 'static>(
     conn: &mut C,
     check: EvictionCheck,
     timeout: Duration,
@@ -560,14 +652,14 @@ async fn check_eviction<C: ConnectionLike + Send>(
     }
     let answer = tokio::time::timeout(
         timeout,
-        redis::cmd("CONFIG")
-            .arg("GET")
-            .arg("maxmemory-policy")
-            .query_async::<HashMap<String, String>>(conn),
+        nodes::on_every_primary(
+            conn,
+            redis::cmd("CONFIG").arg("GET").arg("maxmemory-policy"),
+        ),
     )
     .await;
-    let policy = match answer {
-        Ok(Ok(map)) => map.get("maxmemory-policy").cloned(),
+    let replies = match answer {
+        Ok(Ok(replies)) => replies,
         Ok(Err(e)) if e.is_io_error() || e.is_connection_dropped() => return Err(classify(e)),
         Ok(Err(e)) => {
             tracing::warn!(
@@ -583,13 +675,30 @@ async fn check_eviction<C: ConnectionLike + Send>(
             ))
         }
     };
+    // One reply per primary (one on a single server): the first policy that may evict decides.
+    let policies = replies.into_iter().map(|(_, reply)| {
+        redis::from_owned_redis_value::<HashMap<String, String>>(reply)
+            .ok()
+            .and_then(|mut map| map.remove("maxmemory-policy"))
+    });
+    let mut policy = None;
+    for answer in policies {
+        match answer {
+            Some(p) if policy_evicts(&p) => {
+                policy = Some(p);
+                break;
+            }
+            Some(_) => {}
+            None => {
+                tracing::warn!(
+                    "Redis did not report maxmemory-policy; make sure it is `noeviction`"
+                );
+            }
+        }
+    }
     let Some(policy) = policy else {
-        tracing::warn!("Redis did not report maxmemory-policy; make sure it is `noeviction`");
         return Ok(());
     };
-    if !policy_evicts(&policy) {
-        return Ok(());
-    }
     let message = format!(
         "Redis maxmemory-policy is {policy:?}: when memory is full Redis may evict live \
          idempotency records and a retry would run its handler again; set it to `noeviction`"
@@ -706,7 +815,7 @@ where
         if let (ReserveOutcome::Reserved { .. }, Some((replicas, timeout))) =
             (&outcome, self.inner.wait)
         {
-            if !self.wait_replicas(replicas, timeout).await? {
+            if !self.wait_replicas(&key, replicas, timeout).await? {
                 // Not durable enough to run the handler on: give the key back.
                 let _ = self.release(scope, &token).await;
                 return Err(StoreError::unavailable(format!(
@@ -743,7 +852,7 @@ where
             return Ok(WriteOutcome::Stale);
         }
         if let Some((replicas, timeout)) = self.inner.wait {
-            if !self.wait_replicas(replicas, timeout).await? {
+            if !self.wait_replicas(&key, replicas, timeout).await? {
                 tracing::warn!(
                     key = %scope.key,
                     replicas,
@@ -783,45 +892,32 @@ where
     /// So with a `grace` at least as long as the store's this is `Ok(0)` without a command.
     /// A shorter `grace` (an operator clearing dead reservations sooner) is honoured with a
     /// `SCAN` of the prefix and a fenced delete per ended reservation; this is never on the
-    /// request path. On Redis Cluster it scans the node the connection routes `SCAN` to.
+    /// request path. On Redis Cluster (a cluster connection, feature `redis-cluster`) it
+    /// scans every primary ([`KeyScan`]).
     async fn purge_expired(&self, grace: Duration) -> Result<u64, StoreError> {
         let grace_us = micros(grace);
         if grace_us >= self.inner.grace_us {
             return Ok(0);
         }
         let mut conn = self.conn.clone();
-        let hash = self
-            .timed(self.inner.purge.prepare_invoke().load_async(&mut conn))
-            .await?;
-        let pattern = format!("{}*", self.inner.prefix);
-        let mut cursor: u64 = 0;
+        let mut scan = KeyScan::new(format!("{}*", self.inner.prefix));
         let mut deleted = 0u64;
-        loop {
-            let (next, keys): (u64, Vec<Vec<u8>>) = self
-                .timed(
-                    redis::cmd("SCAN")
-                        .arg(cursor)
-                        .arg("MATCH")
-                        .arg(&pattern)
-                        .arg("COUNT")
-                        .arg(1000)
-                        .arg("TYPE")
-                        .arg("hash")
-                        .query_async(&mut conn),
-                )
-                .await?;
-            if !keys.is_empty() {
-                let mut pipe = redis::pipe();
-                for key in &keys {
-                    pipe.cmd("EVALSHA").arg(&hash).arg(1).arg(key).arg(grace_us);
+        while let Some(keys) = self.timed(scan.next_batch(&mut conn)).await? {
+            // One call per key, all in flight at once: on one server they share the
+            // multiplexed connection's pipeline; on a cluster each goes to its key's node (a
+            // pipeline spanning slots would be refused there).
+            let calls = keys.iter().map(|key| {
+                let mut conn = conn.clone();
+                async move {
+                    let mut call = self.inner.purge.key(key.as_slice());
+                    call.arg(grace_us).invoke_async::<i64>(&mut conn).await
                 }
-                let results: Vec<i64> = self.timed(pipe.query_async(&mut conn)).await?;
-                deleted += results.iter().filter(|n| **n == 1).count() as u64;
-            }
-            if next == 0 {
-                return Ok(deleted);
-            }
-            cursor = next;
+            });
+            let results = self
+                .timed(futures_util::future::try_join_all(calls))
+                .await?;
+            deleted += results.iter().filter(|n| **n == 1).count() as u64;
         }
+        Ok(deleted)
     }
 }

@@ -1,0 +1,234 @@
+//! Commands that name no record: where they go when the store's connection reaches several
+//! nodes (Redis Cluster).
+//!
+//! The request path never needs this file: every request-path command names exactly one key,
+//! so the redis crate's cluster connection sends it to that key's node. What names no key is
+//! operator work: walking the records (`SCAN`, for [`purge_expired`] and idem-cli) and reading
+//! the eviction policy (`CONFIG GET`). On one server (or a `ConnectionManager`) these are
+//! plain commands. On a cluster each primary holds its own part of the keyspace and its own
+//! configuration, so they must reach every primary, and a `SCAN` cursor is only meaningful on
+//! the node that issued it.
+//!
+//! The store stays generic over any [`ConnectionLike`]; with the feature `redis-cluster` a
+//! connection that turns out to be the redis crate's
+//! [`ClusterConnection`](redis::cluster_async::ClusterConnection) (a run-time type check, no
+//! extra bound on the store's public API) has these commands routed to every primary (`SCAN`
+//! cursors then continue on the node that returned them). Home-made because the redis crate
+//! routes `SCAN` to one random node and has no cluster-wide scan in the version we can use.
+//!
+//! [`purge_expired`]: crate::store::IdempotencyStore::purge_expired
+
+use redis::aio::ConnectionLike;
+use redis::{Cmd, RedisResult, Value};
+
+/// Keys asked for per `SCAN` call.
+const SCAN_COUNT: usize = 1000;
+
+/// A walk over every record key matching a `SCAN MATCH` pattern, on every primary, batch by
+/// batch. A key written or deleted during the walk may or may not be returned (`SCAN`'s own
+/// guarantee); a key present for the whole walk is returned at least once.
+#[derive(Debug)]
+pub struct KeyScan {
+    pattern: String,
+    state: ScanState,
+}
+
+#[derive(Debug)]
+enum ScanState {
+    /// No command sent yet.
+    Start,
+    /// One server: the cursor to continue from.
+    Single(u64),
+    /// A cluster: the primaries (host, port) whose scan is not finished, with their cursors.
+    Nodes(Vec<(String, u16, u64)>),
+    /// Every node said cursor 0.
+    Done,
+}
+
+impl KeyScan {
+    /// A walk over the hash keys matching `pattern` (a glob: build it from encoded key parts,
+    /// see [`encode_key_part`](super::encode_key_part)).
+    pub fn new(pattern: impl Into<String>) -> KeyScan {
+        KeyScan {
+            pattern: pattern.into(),
+            state: ScanState::Start,
+        }
+    }
+
+    /// The next batch of keys (possibly empty), or `None` when the walk is over.
+    ///
+    /// # Errors
+    /// The first error of a `SCAN` call; the walk is left where it was, so calling again
+    /// retries the failed call.
+    pub async fn next_batch<C>(&mut self, conn: &mut C) -> RedisResult<Option<Vec<Vec<u8>>>>
+    where
+        C: ConnectionLike + Send + 'static,
+    {
+        let (state, keys) = self.advance(conn).await?;
+        self.state = state;
+        Ok(keys)
+    }
+
+    /// One `SCAN` call from the current state: the state after it and the keys it returned.
+    async fn advance<C>(&self, conn: &mut C) -> RedisResult<(ScanState, Option<Vec<Vec<u8>>>)>
+    where
+        C: ConnectionLike + Send + 'static,
+    {
+        match &self.state {
+            ScanState::Done => Ok((ScanState::Done, None)),
+            ScanState::Start => {
+                let mut nodes = Vec::new();
+                let mut keys = Vec::new();
+                let mut single = None;
+                for (node, reply) in on_every_primary(conn, &self.scan(0)).await? {
+                    let (cursor, batch): (u64, Vec<Vec<u8>>) =
+                        redis::from_owned_redis_value(reply)?;
+                    keys.extend(batch);
+                    match node {
+                        Some((host, port)) if cursor != 0 => nodes.push((host, port, cursor)),
+                        Some(_) => {}
+                        None => single = Some(cursor),
+                    }
+                }
+                let state = match single {
+                    Some(0) => ScanState::Done,
+                    Some(cursor) => ScanState::Single(cursor),
+                    None if nodes.is_empty() => ScanState::Done,
+                    None => ScanState::Nodes(nodes),
+                };
+                Ok((state, Some(keys)))
+            }
+            ScanState::Single(cursor) => {
+                let (next, keys): (u64, Vec<Vec<u8>>) =
+                    self.scan(*cursor).query_async(conn).await?;
+                let state = match next {
+                    0 => ScanState::Done,
+                    next => ScanState::Single(next),
+                };
+                Ok((state, Some(keys)))
+            }
+            ScanState::Nodes(nodes) => {
+                let mut nodes = nodes.clone();
+                let Some((host, port, cursor)) = nodes.pop() else {
+                    return Ok((ScanState::Done, None));
+                };
+                let reply = on_node(conn, &host, port, &self.scan(cursor)).await?;
+                let (next, keys): (u64, Vec<Vec<u8>>) = redis::from_owned_redis_value(reply)?;
+                if next != 0 {
+                    nodes.push((host, port, next));
+                }
+                let state = if nodes.is_empty() {
+                    ScanState::Done
+                } else {
+                    ScanState::Nodes(nodes)
+                };
+                Ok((state, Some(keys)))
+            }
+        }
+    }
+
+    /// Every remaining key, in one vector.
+    ///
+    /// # Errors
+    /// As [`KeyScan::next_batch`].
+    pub async fn collect<C>(mut self, conn: &mut C) -> RedisResult<Vec<Vec<u8>>>
+    where
+        C: ConnectionLike + Send + 'static,
+    {
+        let mut keys = Vec::new();
+        while let Some(batch) = self.next_batch(conn).await? {
+            keys.extend(batch);
+        }
+        Ok(keys)
+    }
+
+    fn scan(&self, cursor: u64) -> Cmd {
+        let mut cmd = redis::cmd("SCAN");
+        cmd.arg(cursor)
+            .arg("MATCH")
+            .arg(&self.pattern)
+            .arg("COUNT")
+            .arg(SCAN_COUNT)
+            .arg("TYPE")
+            .arg("hash");
+        cmd
+    }
+}
+
+/// `cmd` on every primary: one reply per node, with the node's address on a cluster and
+/// `None` for a single server.
+pub(crate) async fn on_every_primary<C>(
+    conn: &mut C,
+    cmd: &Cmd,
+) -> RedisResult<Vec<(Option<(String, u16)>, Value)>>
+where
+    C: ConnectionLike + Send + 'static,
+{
+    #[cfg(feature = "redis-cluster")]
+    if let Some(cluster) = as_cluster(conn) {
+        return cluster::on_every_primary(cluster, cmd).await;
+    }
+    let reply: Value = cmd.query_async(conn).await?;
+    Ok(vec![(None, reply)])
+}
+
+/// `cmd` on the node at `host:port` (a cluster's primary named by [`on_every_primary`]).
+async fn on_node<C>(conn: &mut C, host: &str, port: u16, cmd: &Cmd) -> RedisResult<Value>
+where
+    C: ConnectionLike + Send + 'static,
+{
+    #[cfg(feature = "redis-cluster")]
+    if let Some(cluster) = as_cluster(conn) {
+        return cluster::on_node(cluster, host, port, cmd).await;
+    }
+    let _ = (host, port);
+    cmd.query_async(conn).await
+}
+
+/// The connection as the redis crate's cluster connection, if it is one.
+#[cfg(feature = "redis-cluster")]
+fn as_cluster<C: 'static>(conn: &mut C) -> Option<&mut redis::cluster_async::ClusterConnection> {
+    (conn as &mut dyn std::any::Any).downcast_mut()
+}
+
+#[cfg(feature = "redis-cluster")]
+mod cluster {
+    use redis::cluster_async::ClusterConnection;
+    use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo, SingleNodeRoutingInfo};
+    use redis::{Cmd, ErrorKind, RedisResult, Value};
+
+    pub(super) async fn on_every_primary(
+        conn: &mut ClusterConnection,
+        cmd: &Cmd,
+    ) -> RedisResult<Vec<(Option<(String, u16)>, Value)>> {
+        // No response policy: the crate answers with a map of node address to reply.
+        let routing = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
+        let Value::Map(replies) = conn.route_command(cmd, routing).await? else {
+            return Err((ErrorKind::TypeError, "expected one reply per primary").into());
+        };
+        replies
+            .into_iter()
+            .map(|(address, reply)| {
+                let address: String = redis::from_owned_redis_value(address)?;
+                let node = address
+                    .rsplit_once(':')
+                    .and_then(|(host, port)| Some((host.to_owned(), port.parse().ok()?)))
+                    .ok_or((ErrorKind::TypeError, "a primary's address is not host:port"))?;
+                Ok((Some(node), reply))
+            })
+            .collect()
+    }
+
+    pub(super) async fn on_node(
+        conn: &mut ClusterConnection,
+        host: &str,
+        port: u16,
+        cmd: &Cmd,
+    ) -> RedisResult<Value> {
+        let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress {
+            host: host.to_owned(),
+            port,
+        });
+        conn.route_command(cmd, routing).await
+    }
+}

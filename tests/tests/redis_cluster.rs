@@ -1,0 +1,222 @@
+//! `RedisStore` on a real Redis Cluster (three primaries on free loopback ports, started per
+//! test by `redis-cli --cluster create`, killed on drop): the conformance suite through the
+//! redis crate's cluster connection, records spread over every primary, the operator's work
+//! that names no key (purge's `SCAN`, the eviction check) reaching every primary, `WAIT`
+//! going to the record's node, and `connect` refusing a cluster node.
+
+use std::time::Duration;
+
+use idempotency_actix::store::conformance;
+use idempotency_actix::store::redis::redis;
+use idempotency_actix::store::redis::{EvictionCheck, KeyScan, RedisStore};
+use idempotency_actix::store::{IdempotencyStore, ReserveOutcome, Scope, StoreError};
+use idempotency_actix::Fingerprint;
+use idempotency_e2e::redis_server::{command_calls, RedisCluster};
+
+type ClusterStore = RedisStore<redis::cluster_async::ClusterConnection>;
+
+const FP: Fingerprint = Fingerprint([0xC1; 32]);
+const LEASE: Duration = Duration::from_secs(60);
+
+fn scope(key: &str) -> Scope {
+    Scope {
+        tenant: "t".into(),
+        method: "POST".into(),
+        path: "/payments".into(),
+        key: key.into(),
+    }
+}
+
+async fn cluster_store(cluster: &RedisCluster) -> ClusterStore {
+    let urls = cluster.urls();
+    match RedisStore::builder().connect_cluster(&[&urls[0]]).await {
+        Ok(store) => store,
+        Err(e) => panic!("connect_cluster: {e}"),
+    }
+}
+
+async fn node_conn(url: &str) -> redis::aio::MultiplexedConnection {
+    let client = redis::Client::open(url).expect("test URL parses");
+    client
+        .get_multiplexed_async_connection()
+        .await
+        .expect("node accepts connections")
+}
+
+/// Keys under `idem:` on each node, read from the node itself.
+async fn keys_per_node(cluster: &RedisCluster) -> Vec<usize> {
+    let mut counts = Vec::new();
+    for url in cluster.urls() {
+        let mut conn = node_conn(&url).await;
+        let keys: Vec<Vec<u8>> = redis::cmd("KEYS")
+            .arg("idem:*")
+            .query_async(&mut conn)
+            .await
+            .expect("KEYS on a test node");
+        counts.push(keys.len());
+    }
+    counts
+}
+
+async fn reserve(store: &ClusterStore, key: &str, lease: Duration) {
+    match store.reserve(&scope(key), &FP, lease).await {
+        Ok(ReserveOutcome::Reserved { .. }) => {}
+        other => panic!("reserve {key}: {other:?}"),
+    }
+}
+
+/// C26 on Redis Cluster: the whole conformance suite through the cluster connection, with
+/// its records on every primary (so calls went to three nodes, not one).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_store_on_a_cluster_conforms() {
+    let cluster = RedisCluster::start();
+    let store = cluster_store(&cluster).await;
+    conformance::run_all(&store).await;
+    let counts = keys_per_node(&cluster).await;
+    assert!(
+        counts.iter().all(|n| *n > 0),
+        "the suite's records should land on every primary: {counts:?}"
+    );
+}
+
+/// A purge with a grace shorter than the store's walks every primary: each dead reservation
+/// is deleted wherever its slot lives, and counted. (With `SCAN` sent to one random node, or
+/// the deletes pipelined across slots, most of them would survive or the purge would fail.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn purge_reaches_every_primary() {
+    let cluster = RedisCluster::start();
+    let store = cluster_store(&cluster).await;
+    for i in 0..60 {
+        reserve(&store, &format!("dead-{i}"), Duration::from_millis(100)).await;
+    }
+    reserve(&store, "running", LEASE).await;
+    let before = keys_per_node(&cluster).await;
+    assert!(before.iter().all(|n| *n > 0), "spread: {before:?}");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let deleted = store
+        .purge_expired(Duration::ZERO)
+        .await
+        .expect("purge on a cluster");
+    assert_eq!(deleted, 60, "every dead reservation on every primary");
+    assert_eq!(
+        keys_per_node(&cluster).await.iter().sum::<usize>(),
+        1,
+        "only the running reservation is left"
+    );
+    assert!(matches!(
+        store.reserve(&scope("running"), &FP, LEASE).await,
+        Ok(ReserveOutcome::InFlight { .. })
+    ));
+}
+
+/// `KeyScan` over a cluster connection returns every matching key of every primary once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn key_scan_walks_every_primary() {
+    let cluster = RedisCluster::start();
+    let store = cluster_store(&cluster).await;
+    for i in 0..2500 {
+        reserve(&store, &format!("k-{i}"), LEASE).await;
+    }
+    let mut conn = store.connection();
+    let mut keys = KeyScan::new("idem:*")
+        .collect(&mut conn)
+        .await
+        .expect("scan");
+    keys.sort();
+    keys.dedup();
+    assert_eq!(keys.len(), 2500);
+    let wanted = store.key_of(&scope("k-1234"));
+    assert!(keys.iter().any(|k| k.as_slice() == wanted.as_bytes()));
+}
+
+/// The eviction check reads every primary's policy: one node out of three set to evict is
+/// enough to refuse, whichever node the URL names.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eviction_check_reads_every_primary() {
+    let cluster = RedisCluster::start();
+    let urls = cluster.urls();
+    let mut conn = node_conn(&urls[2]).await;
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory-policy")
+        .arg("allkeys-lru")
+        .query_async(&mut conn)
+        .await
+        .expect("CONFIG SET");
+    for _ in 0..3 {
+        match RedisStore::builder()
+            .eviction_check(EvictionCheck::Refuse)
+            .connect_cluster(&[&urls[0]])
+            .await
+        {
+            Err(StoreError::Backend(e)) => assert!(e.to_string().contains("allkeys-lru"), "{e}"),
+            other => panic!("an evicting primary must be refused, got {other:?}"),
+        }
+    }
+}
+
+/// `WAIT` pipelined behind the record's `PTTL` reaches the record's node only (one `WAIT` per
+/// reservation in the whole cluster, where a bare `WAIT` would go to every primary). The test
+/// cluster has no replicas, so `WAIT 1` times out: the reservation is given back and the call
+/// is unavailable (503), on every primary's slots.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wait_for_replicas_on_a_cluster() {
+    let cluster = RedisCluster::start();
+    let urls = cluster.urls();
+    let plain = cluster_store(&cluster).await;
+    let waiting = RedisStore::builder()
+        .wait_for_replicas(1, Duration::from_millis(50))
+        .connect_cluster(&[&urls[1]])
+        .await
+        .expect("connect_cluster");
+    let mut nodes = Vec::new();
+    for url in &urls {
+        let mut conn = node_conn(url).await;
+        let _: () = redis::cmd("CONFIG")
+            .arg("RESETSTAT")
+            .query_async(&mut conn)
+            .await
+            .expect("RESETSTAT");
+        nodes.push(conn);
+    }
+    const TRIES: usize = 15;
+    for i in 0..TRIES {
+        let s = scope(&format!("w1-{i}"));
+        match waiting.reserve(&s, &FP, LEASE).await {
+            Err(StoreError::Unavailable(_)) => {}
+            other => panic!("no replica acknowledged, expected 503: {other:?}"),
+        }
+        // Given back: the key is free again.
+        assert!(matches!(
+            plain.reserve(&s, &FP, LEASE).await,
+            Ok(ReserveOutcome::Reserved { .. })
+        ));
+    }
+    let mut waits = Vec::new();
+    for conn in &mut nodes {
+        let calls = command_calls(conn, "wait").await;
+        waits.push(usize::try_from(calls).unwrap_or(usize::MAX));
+    }
+    // Each node got exactly as many WAITs as it holds of the (now re-reserved) keys.
+    let keys = keys_per_node(&cluster).await;
+    assert_eq!(keys.iter().sum::<usize>(), TRIES);
+    assert_eq!(
+        waits, keys,
+        "one WAIT per reservation, on the record's own node"
+    );
+}
+
+/// `connect` (one server) refuses a cluster node in one clear error instead of answering
+/// `MOVED` (503) for every key another primary holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_refuses_a_cluster_node() {
+    let cluster = RedisCluster::start();
+    match RedisStore::connect(&cluster.urls()[0]).await {
+        Err(StoreError::Backend(e)) => {
+            let message = e.to_string();
+            assert!(message.contains("connect_cluster"), "{message}");
+        }
+        other => panic!("a cluster node must be refused, got {other:?}"),
+    }
+}
