@@ -194,18 +194,47 @@ impl RedisCluster {
         self.nodes.iter().map(RedisServer::url).collect()
     }
 
+    /// Move `slots` hash slots, with their keys, from node `from` to node `to` (indexes into
+    /// [`RedisCluster::urls`]) with `redis-cli --cluster reshard`, while clients keep running.
+    /// Returns what `redis-cli` printed; panics if it fails.
+    pub fn reshard(&self, from: usize, to: usize, slots: u32) -> String {
+        let id = |i: usize| self.cli(i, &["CLUSTER", "MYID"]).trim().to_owned();
+        let (from_id, to_id) = (id(from), id(to));
+        let out = Command::new("redis-cli")
+            .args(["--cluster", "reshard"])
+            .arg(format!("127.0.0.1:{}", self.nodes[from].port()))
+            .args(["--cluster-from", &from_id, "--cluster-to", &to_id])
+            .args(["--cluster-slots", &slots.to_string(), "--cluster-yes"])
+            .stdin(Stdio::null())
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run redis-cli ({e})"));
+        let printed = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "redis-cli --cluster reshard failed: {printed}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        printed
+    }
+
+    /// `redis-cli -p <node's port> args...`, its standard output.
+    fn cli(&self, node: usize, args: &[&str]) -> String {
+        Command::new("redis-cli")
+            .args(["-p", &self.nodes[node].port().to_string()])
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .map(|out| String::from_utf8_lossy(&out.stdout).into_owned())
+            .unwrap_or_default()
+    }
+
     /// Until every node reports `cluster_state:ok` and knows all three nodes (gossip takes a
     /// moment after `create` returns).
     fn wait_ok(&self) {
         let started = Instant::now();
         loop {
-            let ready = self.nodes.iter().all(|node| {
-                let info = Command::new("redis-cli")
-                    .args(["-p", &node.port().to_string(), "CLUSTER", "INFO"])
-                    .stdin(Stdio::null())
-                    .output()
-                    .map(|out| String::from_utf8_lossy(&out.stdout).into_owned())
-                    .unwrap_or_default();
+            let ready = (0..self.nodes.len()).all(|node| {
+                let info = self.cli(node, &["CLUSTER", "INFO"]);
                 info.contains("cluster_state:ok") && info.contains("cluster_known_nodes:3")
             });
             if ready {

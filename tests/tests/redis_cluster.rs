@@ -4,12 +4,17 @@
 //! that names no key (purge's `SCAN`, the eviction check) reaching every primary, `WAIT`
 //! going to the record's node, and `connect` refusing a cluster node.
 
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use idempotency_actix::store::conformance;
 use idempotency_actix::store::redis::redis;
 use idempotency_actix::store::redis::{EvictionCheck, KeyScan, RedisStore};
-use idempotency_actix::store::{IdempotencyStore, ReserveOutcome, Scope, StoreError};
+use idempotency_actix::store::{
+    IdempotencyStore, ReserveOutcome, Scope, StoreError, StoredResponse, WriteOutcome,
+};
 use idempotency_actix::Fingerprint;
 use idempotency_e2e::redis_server::{command_calls, RedisCluster};
 
@@ -205,6 +210,108 @@ async fn wait_for_replicas_on_a_cluster() {
         waits, keys,
         "one WAIT per reservation, on the record's own node"
     );
+}
+
+/// Slots move between primaries (`redis-cli --cluster reshard`, keys migrated with `MIGRATE`)
+/// while four clients race two by two on each key: every key's handler runs exactly once, the
+/// calls that meet a slot in migration are followed there (`ASK`/`MOVED`) or fail as
+/// unavailable (503, then retried), never as anything else, and every key replays its own
+/// response afterwards, wherever its slot ended up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resharding_under_keyed_load_runs_each_key_once() {
+    let cluster = Arc::new(RedisCluster::start());
+    let store = cluster_store(&cluster).await;
+    let next = Arc::new(AtomicUsize::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let runs = Arc::new(Mutex::new(HashMap::<usize, u32>::new()));
+    let unavailable = Arc::new(AtomicUsize::new(0));
+    let workers: Vec<_> = (0..4)
+        .map(|_| {
+            let (store, next, stop) = (store.clone(), next.clone(), stop.clone());
+            let (runs, unavailable) = (runs.clone(), unavailable.clone());
+            tokio::spawn(async move {
+                while !stop.load(Ordering::Relaxed) {
+                    // Two consecutive draws name the same key: two clients per key.
+                    let key = next.fetch_add(1, Ordering::Relaxed) / 2;
+                    run_once(&store, key, &runs, &unavailable).await;
+                }
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let resharding = cluster.clone();
+    let printed = tokio::task::spawn_blocking(move || resharding.reshard(0, 1, 3000))
+        .await
+        .expect("reshard thread");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stop.store(true, Ordering::Relaxed);
+    for worker in workers {
+        worker.await.expect("worker");
+    }
+    assert!(printed.contains("Moving slot"), "{printed}");
+    let runs = runs.lock().expect("runs").clone();
+    let keys = next.load(Ordering::Relaxed) / 2;
+    assert!(keys > 100, "too little load to mean anything: {keys} keys");
+    for key in 0..keys {
+        // The last key may have been drawn by one worker only, and stopped before it ran.
+        if let Some(n) = runs.get(&key) {
+            assert_eq!(*n, 1, "key {key} ran {n} times");
+        }
+        if runs.contains_key(&key) {
+            match store.reserve(&scope(&format!("r-{key}")), &FP, LEASE).await {
+                Ok(ReserveOutcome::Completed { response, .. }) => {
+                    assert_eq!(response.body.as_ref(), key.to_string().as_bytes());
+                }
+                other => panic!("key {key} must replay after the resharding: {other:?}"),
+            }
+        }
+    }
+    eprintln!(
+        "{keys} keys, {} calls answered unavailable during the resharding",
+        unavailable.load(Ordering::Relaxed)
+    );
+}
+
+/// One client's attempt at key `key` until it ran the handler or saw its response; calls that
+/// are unavailable are counted and retried, anything else fails the test.
+async fn run_once(
+    store: &ClusterStore,
+    key: usize,
+    runs: &Mutex<HashMap<usize, u32>>,
+    unavailable: &AtomicUsize,
+) {
+    let s = scope(&format!("r-{key}"));
+    loop {
+        match store.reserve(&s, &FP, LEASE).await {
+            Ok(ReserveOutcome::Reserved { token }) => {
+                *runs.lock().expect("runs").entry(key).or_default() += 1;
+                let response = StoredResponse {
+                    status: 201,
+                    headers: Vec::new(),
+                    body: key.to_string().into(),
+                };
+                loop {
+                    match store.complete(&s, &token, &response, LEASE).await {
+                        Ok(WriteOutcome::Applied) => return,
+                        Err(StoreError::Unavailable(_)) => {
+                            unavailable.fetch_add(1, Ordering::Relaxed);
+                            tokio::time::sleep(Duration::from_millis(10)).await;
+                        }
+                        other => panic!("complete of key {key}: {other:?}"),
+                    }
+                }
+            }
+            Ok(ReserveOutcome::Completed { .. }) => return,
+            Ok(ReserveOutcome::InFlight { .. }) => {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            Err(StoreError::Unavailable(_)) => {
+                unavailable.fetch_add(1, Ordering::Relaxed);
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            Err(e) => panic!("reserve of key {key}: {e}"),
+        }
+    }
 }
 
 /// `connect` (one server) refuses a cluster node in one clear error instead of answering
