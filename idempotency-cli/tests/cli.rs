@@ -188,6 +188,7 @@ async fn migrate_twice_and_check_gates_deploys() {
          applied 2026-12-01-000004_layout_functions\n\
          applied 2026-12-01-000005_partitioned_layout\n\
          applied 2026-12-02-000006_inlinable_lock_key\n\
+         applied 2026-12-02-000007_partitioned_generic_plans\n\
          layout: plain\n"
     );
 

@@ -700,3 +700,73 @@ async fn lock_key_is_inlined_and_unchanged() {
         "not inlined:\n{plan}"
     );
 }
+
+/// Migration 000007: on the partitioned layout, the reserve function's read of the response
+/// runs on a generic plan, which takes a lock on every leaf partition (it prunes at run time),
+/// instead of being planned again on each replay (a custom plan, pruned at plan time, locks
+/// the one leaf it reads). Checked in one session after the plan cache's five custom plans.
+#[tokio::test]
+async fn partitioned_replays_run_on_a_generic_plan() {
+    use diesel::sql_types::BigInt;
+    use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
+
+    #[derive(diesel::QueryableByName)]
+    struct Count {
+        #[diesel(sql_type = BigInt)]
+        n: i64,
+    }
+
+    let db = TestDb::new_partitioned(PartitionInterval::Daily).await;
+    let store = PostgresStore::connect(&db.url).await.unwrap();
+    let s = scope("generic");
+    let ReserveOutcome::Reserved { token } = store.reserve(&s, &FP, LEASE).await.unwrap() else {
+        panic!("fresh key");
+    };
+    let response = StoredResponse {
+        status: 201,
+        headers: Vec::new(),
+        body: Bytes::from_static(b"{}"),
+    };
+    assert_eq!(
+        store.complete(&s, &token, &response, LEASE).await.unwrap(),
+        WriteOutcome::Applied
+    );
+
+    let mut conn = postgres::establish(&db.url).await.unwrap();
+    let replay = "SELECT count(*) AS n FROM idempotency_reserve('t', 'POST', '/payments', \
+                  'generic', decode(repeat('07', 32), 'hex'), gen_random_uuid(), 60000000) \
+                  WHERE outcome = 'existing' AND response_body = '\\x7b7d'";
+    for _ in 0..7 {
+        let replayed: Count = diesel::sql_query(replay)
+            .get_result(&mut conn)
+            .await
+            .unwrap();
+        assert_eq!(replayed.n, 1, "a replay with its body");
+    }
+    conn.batch_execute("BEGIN").await.unwrap();
+    let replayed: Count = diesel::sql_query(replay)
+        .get_result(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(replayed.n, 1);
+    let locked: Count = diesel::sql_query(
+        "SELECT count(*) AS n FROM pg_locks l JOIN pg_inherits i ON i.inhrelid = l.relation \
+          WHERE l.pid = pg_backend_pid() AND i.inhparent = 'idempotency_responses'::regclass",
+    )
+    .get_result(&mut conn)
+    .await
+    .unwrap();
+    let leaves: Count = diesel::sql_query(
+        "SELECT count(*) AS n FROM pg_inherits \
+          WHERE inhparent = 'idempotency_responses'::regclass",
+    )
+    .get_result(&mut conn)
+    .await
+    .unwrap();
+    conn.batch_execute("COMMIT").await.unwrap();
+    assert!(leaves.n > 1, "{} leaves", leaves.n);
+    assert_eq!(
+        locked.n, leaves.n,
+        "a generic plan locks every leaf; a custom plan (planned per call) only the one it reads"
+    );
+}
