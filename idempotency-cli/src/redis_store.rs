@@ -88,14 +88,20 @@ pub async fn run(
     }
 }
 
-/// Whether the server at the end of `conn` is a Redis Cluster node.
+/// Whether the server at the end of `conn` is a Redis Cluster node. A server that refuses
+/// `INFO` (an ACL user without it) is taken for a single server, as before clusters were known.
 async fn in_cluster_mode(conn: &mut MultiplexedConnection) -> Result<bool, CliError> {
-    let info: String = redis::cmd("INFO")
+    match redis::cmd("INFO")
         .arg("cluster")
-        .query_async(conn)
+        .query_async::<String>(conn)
         .await
-        .map_err(failed)?;
-    Ok(info.lines().any(|line| line.trim() == "cluster_enabled:1"))
+    {
+        Ok(info) => Ok(info.lines().any(|line| line.trim() == "cluster_enabled:1")),
+        Err(e) if e.is_io_error() || e.is_timeout() || e.is_connection_dropped() => {
+            Err(unavailable(e))
+        }
+        Err(_) => Ok(false),
+    }
 }
 
 async fn run_on<C: Conn>(

@@ -437,3 +437,33 @@ async fn reserved<S: IdempotencyStore>(
         other => panic!("expected Reserved for {scope:?}, got {other:?}"),
     }
 }
+
+/// A user that may not run `INFO` (an ACL such as managed Redis services hand out) still
+/// connects: the cluster-mode check at connect is skipped with a warning, not a refusal.
+#[tokio::test]
+async fn connect_works_for_a_user_without_info() {
+    let redis = RedisServer::start();
+    let mut admin = redis_conn(&redis).await;
+    let _: () = redis::cmd("ACL")
+        .arg(&[
+            "SETUSER", "limited", "on", ">pw", "~*", "&*", "+@all", "-info",
+        ])
+        .query_async(&mut admin)
+        .await
+        .expect("ACL SETUSER");
+    let url = format!("redis://limited:pw@127.0.0.1:{}/", redis.port());
+    let limited = redis::Client::open(url.as_str()).expect("URL parses");
+    let mut conn = limited
+        .get_multiplexed_async_connection()
+        .await
+        .expect("the limited user connects");
+    let refused = redis::cmd("INFO")
+        .arg("cluster")
+        .query_async::<String>(&mut conn)
+        .await;
+    assert!(refused.is_err(), "the ACL must refuse INFO for this test");
+    let store = RedisStore::connect(&url)
+        .await
+        .expect("a user without INFO still connects");
+    reserved(&store, &scope("t", "acl"), &FP_A, LEASE).await;
+}

@@ -25,8 +25,10 @@ use redis::{Cmd, RedisResult, Value};
 const SCAN_COUNT: usize = 1000;
 
 /// A walk over every record key matching a `SCAN MATCH` pattern, on every primary, batch by
-/// batch. A key written or deleted during the walk may or may not be returned (`SCAN`'s own
-/// guarantee); a key present for the whole walk is returned at least once.
+/// batch. A key written or deleted during the walk may or may not be returned; a key present
+/// for the whole walk is returned at least once (`SCAN`'s own guarantee, per node), unless a
+/// resharding moves it during the walk from a node not yet walked to one already walked. Fine
+/// for what walks keys here: a purge run again later, and idem-cli's listings.
 #[derive(Debug)]
 pub struct KeyScan {
     pattern: String,
