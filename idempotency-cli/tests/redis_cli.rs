@@ -6,7 +6,6 @@ use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
 use bytes::Bytes;
-use idempotency_actix::store::redis::redis;
 use idempotency_actix::store::{
     IdempotencyStore, RedisStore, ReserveOutcome, Scope, StoredResponse, WriteOutcome,
 };
@@ -234,19 +233,7 @@ async fn a_user_without_info_can_read_the_store() {
     let redis = RedisServer::start();
     let store = RedisStore::connect(&redis.url()).await.expect("connect");
     seed(&store).await;
-    let client = redis::Client::open(redis.url()).expect("URL parses");
-    let mut admin = client
-        .get_multiplexed_async_connection()
-        .await
-        .expect("connect");
-    let _: () = redis::cmd("ACL")
-        .arg(&[
-            "SETUSER", "limited", "on", ">pw", "~*", "&*", "+@all", "-info",
-        ])
-        .query_async(&mut admin)
-        .await
-        .expect("ACL SETUSER");
-    let url = format!("redis://limited:pw@127.0.0.1:{}/", redis.port());
+    let url = redis.user_url("limited", &["-info"]);
     let out = idem(&url, &["stats", "--format", "json"]);
     expect_code(&out, 0);
     assert_eq!(json_lines(&out)[0]["total"], 4);

@@ -67,6 +67,25 @@ impl RedisServer {
         self.port
     }
 
+    /// Create the user `name` (password `pw`) with every permission but those `denied` (e.g.
+    /// `["-info"]`), by `redis-cli`; returns its URL.
+    pub fn user_url(&self, name: &str, denied: &[&str]) -> String {
+        let out = Command::new("redis-cli")
+            .args(["-p", &self.port.to_string(), "ACL", "SETUSER", name])
+            .args(["on", ">pw", "~*", "&*", "+@all"])
+            .args(denied)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run redis-cli ({e})"));
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout).trim(),
+            "OK",
+            "ACL SETUSER: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        format!("redis://{name}:pw@127.0.0.1:{}/", self.port)
+    }
+
     /// Kill the server (SIGKILL: nothing is saved, it has no persistence anyway).
     pub fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {

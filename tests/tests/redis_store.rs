@@ -443,15 +443,7 @@ async fn reserved<S: IdempotencyStore>(
 #[tokio::test]
 async fn connect_works_for_a_user_without_info() {
     let redis = RedisServer::start();
-    let mut admin = redis_conn(&redis).await;
-    let _: () = redis::cmd("ACL")
-        .arg(&[
-            "SETUSER", "limited", "on", ">pw", "~*", "&*", "+@all", "-info",
-        ])
-        .query_async(&mut admin)
-        .await
-        .expect("ACL SETUSER");
-    let url = format!("redis://limited:pw@127.0.0.1:{}/", redis.port());
+    let url = redis.user_url("limited", &["-info"]);
     let limited = redis::Client::open(url.as_str()).expect("URL parses");
     let mut conn = limited
         .get_multiplexed_async_connection()
