@@ -169,10 +169,15 @@ impl RedisCluster {
     /// Three primaries sharing the slots, every node seeing the cluster `ok`. Panics if
     /// `redis-cli` is missing or the cluster does not form in time.
     pub fn start() -> RedisCluster {
+        Self::start_with(&[])
+    }
+
+    /// As [`RedisCluster::start`], every node with extra options (e.g. an AOF).
+    pub fn start_with(extra: &[&str]) -> RedisCluster {
         let nodes: Vec<RedisServer> = (0..3)
             .map(|_| {
                 let bus = free_port().to_string();
-                RedisServer::start_with(&[
+                let mut args = vec![
                     "--cluster-enabled",
                     "yes",
                     "--cluster-config-file",
@@ -181,7 +186,9 @@ impl RedisCluster {
                     "5000",
                     "--cluster-port",
                     &bus,
-                ])
+                ];
+                args.extend_from_slice(extra);
+                RedisServer::start_with(&args)
             })
             .collect();
         let addresses: Vec<String> = nodes
@@ -211,6 +218,16 @@ impl RedisCluster {
     /// `redis://127.0.0.1:<port>/` of every node.
     pub fn urls(&self) -> Vec<String> {
         self.nodes.iter().map(RedisServer::url).collect()
+    }
+
+    /// Kill node `node` (SIGKILL) and start it again on the same port and directory, so it
+    /// rejoins with its `nodes.conf` (and its AOF, if it has one); then wait for the cluster
+    /// to be `ok` again. `down` is how long it stays dead.
+    pub fn kill_and_restart(&mut self, node: usize, down: Duration) {
+        self.nodes[node].kill();
+        std::thread::sleep(down);
+        self.nodes[node].restart();
+        self.wait_ok();
     }
 
     /// Move `slots` hash slots, with their keys, from node `from` to node `to` (indexes into
