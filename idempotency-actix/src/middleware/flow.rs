@@ -525,6 +525,8 @@ where
                         return;
                     }
                     Ok(WriteOutcome::Stale) => {
+                        // Taken over, or an earlier attempt that "failed" had been applied
+                        // (its reply lost): the store cannot tell them apart after completion.
                         outcome::complete_retry("stale", name);
                         return;
                     }
