@@ -6,6 +6,8 @@
 //!   cargo run --example payments -- --migrate      # PostgreSQL store, table created on start
 //! REDIS_URL=redis://127.0.0.1:6379/ \
 //!   cargo run --example payments --features redis  # Redis store
+//! REDIS_URL=redis://127.0.0.1:7000/ REDIS_CLUSTER=1 \
+//!   cargo run --example payments --features redis-cluster  # Redis Cluster (any node's URL)
 //! ```
 //!
 //! Endpoints (on 127.0.0.1:8080, or `PAYMENTS_ADDR`):
@@ -250,9 +252,23 @@ async fn serve_postgres(_: &str, _: bool, _: bool, _: &str) -> std::io::Result<(
 #[cfg(feature = "redis")]
 async fn serve_redis(url: &str, addr: &str) -> std::io::Result<()> {
     use idempotency_actix::store::RedisStore;
-    let store = RedisStore::connect(url)
-        .await
-        .map_err(|e| std::io::Error::other(e.to_string()))?;
+    let fail = |e: idempotency_actix::store::StoreError| std::io::Error::other(e.to_string());
+    if std::env::var("REDIS_CLUSTER").is_ok_and(|v| v == "1") {
+        #[cfg(feature = "redis-cluster")]
+        {
+            let store = RedisStore::builder()
+                .connect_cluster(&[url])
+                .await
+                .map_err(fail)?;
+            println!("store: Redis Cluster");
+            return serve(store, addr).await;
+        }
+        #[cfg(not(feature = "redis-cluster"))]
+        return Err(std::io::Error::other(
+            "REDIS_CLUSTER=1 but this build has no `redis-cluster` feature",
+        ));
+    }
+    let store = RedisStore::connect(url).await.map_err(fail)?;
     println!("store: Redis");
     serve(store, addr).await
 }

@@ -66,7 +66,7 @@ pub fn payments_binary() -> PathBuf {
                     "--example",
                     "payments",
                     "--features",
-                    "test-suite redis",
+                    "test-suite redis redis-cluster",
                 ])
                 .stdin(Stdio::null())
                 .status();

@@ -16,7 +16,7 @@ use idempotency_e2e::faults::{
 use idempotency_e2e::proc::PaymentsApp;
 use idempotency_e2e::raw_http::{send_once, Request};
 use idempotency_e2e::records::State;
-use idempotency_e2e::redis_server::RedisServer;
+use idempotency_e2e::redis_server::{RedisCluster, RedisServer};
 
 /// The tenant of every request.
 const TENANT: &str = "acct-1";
@@ -313,4 +313,29 @@ fn two_instances_ten_thousand_requests_exactly_once_redis() {
     assert_eq!(count_state(&url, State::Completed), TWO_INSTANCE_DISTINCT);
     assert_eq!(count_state(&url, State::InFlight), 0);
     println!("{}", run.counts_line("two_instances_redis"));
+}
+
+/// The same two instances x 10,000 requests on a three-primary Redis Cluster (the example's
+/// `REDIS_CLUSTER=1` mode): exactly once, the records spread over every primary.
+#[test]
+fn two_instances_ten_thousand_requests_exactly_once_redis_cluster() {
+    let _serial = serial();
+    let cluster = RedisCluster::start();
+    let urls = cluster.urls();
+    let env = [("REDIS_URL", urls[0].as_str()), ("REDIS_CLUSTER", "1")];
+    let apps = [PaymentsApp::start(&env), PaymentsApp::start(&env)];
+    for app in &apps {
+        assert!(app.log().contains("store: Redis Cluster"), "{}", app.log());
+    }
+
+    let run = two_instances_exactly_once(&apps);
+    let completed: Vec<usize> = urls
+        .iter()
+        .map(|url| count_state(url, State::Completed))
+        .collect();
+    assert!(completed.iter().all(|n| *n > 0), "spread: {completed:?}");
+    assert_eq!(completed.iter().sum::<usize>(), TWO_INSTANCE_DISTINCT);
+    let in_flight: usize = urls.iter().map(|u| count_state(u, State::InFlight)).sum();
+    assert_eq!(in_flight, 0);
+    println!("{}", run.counts_line("two_instances_redis_cluster"));
 }
