@@ -20,7 +20,7 @@ use idempotency_actix::store::postgres::admin::{Detail, Record, State, Time};
 use idempotency_actix::store::redis::redis::aio::{ConnectionLike, MultiplexedConnection};
 use idempotency_actix::store::redis::redis::{self, RedisError};
 use idempotency_actix::store::redis::{
-    encode_key_part, fields, parse_record_key, KeyScan, DEFAULT_PREFIX,
+    cluster_enabled, encode_key_part, fields, parse_record_key, KeyScan, DEFAULT_PREFIX,
 };
 use idempotency_actix::store::Scope;
 use serde_json::json;
@@ -77,7 +77,7 @@ pub async fn run(
     let cluster = redis::cluster::ClusterClientBuilder::new([url])
         .connection_timeout(timeout)
         .build()
-        .map_err(|e| CliError::Usage(format!("invalid Redis URL ({})", e.category())))?;
+        .map_err(|e| invalid_url(&e))?;
     match tokio::time::timeout(timeout, cluster.get_async_connection()).await {
         Ok(Ok(conn)) => run_on(conn, prefix, command, format, out).await,
         Ok(Err(e)) => Err(unavailable(e)),
@@ -91,12 +91,8 @@ pub async fn run(
 /// Whether the server at the end of `conn` is a Redis Cluster node. A server that refuses
 /// `INFO` (an ACL user without it) is taken for a single server, as before clusters were known.
 async fn in_cluster_mode(conn: &mut MultiplexedConnection) -> Result<bool, CliError> {
-    match redis::cmd("INFO")
-        .arg("cluster")
-        .query_async::<String>(conn)
-        .await
-    {
-        Ok(info) => Ok(info.lines().any(|line| line.trim() == "cluster_enabled:1")),
+    match cluster_enabled(conn).await {
+        Ok(enabled) => Ok(enabled),
         Err(e) if e.is_io_error() || e.is_timeout() || e.is_connection_dropped() => {
             Err(unavailable(e))
         }
@@ -136,12 +132,7 @@ fn summary(out: &mut Out, format: Format, command: &str, text: &str) -> Result<(
 
 async fn connect(url: &str, timeout: Duration) -> Result<MultiplexedConnection, CliError> {
     // Neither message repeats the URL: it may carry a password.
-    let client = redis::Client::open(url).map_err(|e| {
-        CliError::Usage(format!(
-            "invalid Redis URL ({}): expected redis:// or rediss://host[:port][/db]",
-            e.category()
-        ))
-    })?;
+    let client = redis::Client::open(url).map_err(|e| invalid_url(&e))?;
     match tokio::time::timeout(timeout, client.get_multiplexed_async_connection()).await {
         Ok(Ok(conn)) => Ok(conn),
         Ok(Err(e)) => Err(unavailable(e)),
@@ -150,6 +141,14 @@ async fn connect(url: &str, timeout: Duration) -> Result<MultiplexedConnection, 
             timeout.as_secs_f64()
         ))),
     }
+}
+
+/// A URL the redis crate refused; the message never repeats it (it may carry a password).
+fn invalid_url(e: &RedisError) -> CliError {
+    CliError::Usage(format!(
+        "invalid Redis URL ({}): expected redis:// or rediss://host[:port][/db]",
+        e.category()
+    ))
 }
 
 fn unavailable(e: RedisError) -> CliError {

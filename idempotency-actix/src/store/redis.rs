@@ -81,7 +81,7 @@ use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::{RedisError, Script, Value};
 
 mod nodes;
-pub use nodes::KeyScan;
+pub use nodes::{cluster_enabled, KeyScan};
 
 use super::{
     Fingerprint, IdempotencyStore, ReservationToken, ReserveOutcome, Scope, StoreError,
@@ -553,16 +553,11 @@ async fn refuse_cluster_node(
     conn: &mut ConnectionManager,
     timeout: Duration,
 ) -> Result<(), StoreError> {
-    let answer = tokio::time::timeout(
-        timeout,
-        redis::cmd("INFO")
-            .arg("cluster")
-            .query_async::<String>(conn),
-    )
-    .await
-    .map_err(|_| StoreError::unavailable("Redis did not answer INFO in time"))?;
-    let info = match answer {
-        Ok(info) => info,
+    let answer = tokio::time::timeout(timeout, cluster_enabled(conn))
+        .await
+        .map_err(|_| StoreError::unavailable("Redis did not answer INFO in time"))?;
+    let enabled = match answer {
+        Ok(enabled) => enabled,
         Err(e) if e.is_io_error() || e.is_connection_dropped() => return Err(classify(e)),
         Err(e) => {
             // A managed Redis or an ACL user may refuse INFO: not a reason to refuse to start.
@@ -573,7 +568,7 @@ async fn refuse_cluster_node(
             return Ok(());
         }
     };
-    if info.lines().any(|line| line.trim() == "cluster_enabled:1") {
+    if enabled {
         return Err(StoreError::Backend(
             "this Redis runs in cluster mode: connect with RedisStoreBuilder::connect_cluster \
              (feature `redis-cluster`), or every key held by another node would fail"

@@ -157,6 +157,16 @@ impl KeyScan {
     }
 }
 
+/// Whether the server at the end of `conn` runs in cluster mode (`INFO cluster` says
+/// `cluster_enabled:1`): a plain connection to such a node gets `MOVED` for most keys.
+///
+/// # Errors
+/// The `INFO` call's (refused by an ACL, or the server unreachable).
+pub async fn cluster_enabled<C: ConnectionLike + Send>(conn: &mut C) -> RedisResult<bool> {
+    let info: String = redis::cmd("INFO").arg("cluster").query_async(conn).await?;
+    Ok(info.lines().any(|line| line.trim() == "cluster_enabled:1"))
+}
+
 /// `cmd` on every primary: one reply per node, with the node's address on a cluster and
 /// `None` for a single server.
 pub(crate) async fn on_every_primary<C>(
