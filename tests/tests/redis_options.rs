@@ -151,7 +151,9 @@ async fn an_unacknowledged_completion_is_still_applied() {
     let primary = RedisServer::start();
     let mut replica = replica_of(&primary).await;
     let store = RedisStore::builder()
-        .wait_for_replicas(1, Duration::from_millis(200))
+        // Long enough for a live replica to acknowledge on a loaded CI machine (200 ms was
+        // not, once); the dead replica's WAIT below costs the whole timeout.
+        .wait_for_replicas(1, Duration::from_secs(2))
         .connect(&primary.url())
         .await
         .expect("connect");
