@@ -152,8 +152,9 @@ async fn an_unacknowledged_completion_is_still_applied() {
     let mut replica = replica_of(&primary).await;
     let store = RedisStore::builder()
         // Long enough for a live replica to acknowledge on a loaded CI machine (200 ms was
-        // not, once); the dead replica's WAIT below costs the whole timeout.
-        .wait_for_replicas(1, Duration::from_secs(2))
+        // not, once), and below the connection's 2 s response timeout, which would cut the
+        // dead replica's WAIT below short.
+        .wait_for_replicas(1, Duration::from_secs(1))
         .connect(&primary.url())
         .await
         .expect("connect");
