@@ -144,6 +144,80 @@ async fn wait_for_replicas_without_a_replica_refuses_the_reservation() {
     ));
 }
 
+/// A `WAIT` longer than the response timeout runs to its end: the connection's own timeout
+/// used to cut it first, and the reservation was then neither acknowledged nor released (the key
+/// stayed held for its lease: 409 on every retry).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_longer_than_the_response_timeout_runs_to_its_end() {
+    let primary = RedisServer::start();
+    let store = RedisStore::builder()
+        .response_timeout(Duration::from_millis(300))
+        .wait_for_replicas(1, Duration::from_millis(900))
+        .connect(&primary.url())
+        .await
+        .expect("connect");
+    let s = scope("wait-long");
+    let started = Instant::now();
+    match store.reserve(&s, &FP, LEASE).await {
+        Err(StoreError::Unavailable(e)) => {
+            assert!(e.to_string().contains("1 Redis replica"), "{e}")
+        }
+        other => panic!("expected Unavailable, got {other:?}"),
+    }
+    assert!(
+        started.elapsed() >= Duration::from_millis(900),
+        "WAIT was cut after {:?}",
+        started.elapsed()
+    );
+    assert!(
+        !exists(&primary.url(), &store.key_of(&s)).await,
+        "the unacknowledged reservation was released"
+    );
+    // Ordinary calls keep the short response timeout.
+    assert!(store.check().await.is_ok());
+}
+
+/// Over a connection of the app's own whose response timeout cuts the `WAIT` short, the
+/// reservation fails (503) and is still given back: Redis runs the release after the `WAIT`,
+/// so the key is free for a retry instead of held for its lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_cut_by_the_connection_still_releases_the_reservation() {
+    let primary = RedisServer::start();
+    let client = redis::Client::open(primary.url()).expect("test URL parses");
+    let config =
+        redis::AsyncConnectionConfig::new().set_response_timeout(Duration::from_millis(200));
+    let short = client
+        .get_multiplexed_async_connection_with_config(&config)
+        .await
+        .expect("connect");
+    let store = RedisStore::builder()
+        .wait_for_replicas(1, Duration::from_millis(600))
+        .with_connection(short)
+        .await
+        .expect("store");
+    let s = scope("wait-cut");
+    // Load the release script first: on a fresh server its NOSCRIPT reply would come behind
+    // the WAIT too, be cut by the same timeout, and the release never sent again.
+    let token = idempotency_actix::store::ReservationToken::random();
+    assert_eq!(
+        store.release(&scope("never-reserved"), &token).await.ok(),
+        Some(WriteOutcome::Stale)
+    );
+    assert!(matches!(
+        store.reserve(&s, &FP, LEASE).await,
+        Err(StoreError::Unavailable(_))
+    ));
+    // The release went out behind the WAIT; Redis answers both once the WAIT times out.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while exists(&primary.url(), &store.key_of(&s)).await {
+        assert!(
+            Instant::now() < deadline,
+            "the reservation was never given back"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// A completion the replica does not acknowledge (the replica died after the reservation) is
 /// still applied on the primary: the response exists either way, so it is logged, not failed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -152,8 +226,9 @@ async fn an_unacknowledged_completion_is_still_applied() {
     let mut replica = replica_of(&primary).await;
     let store = RedisStore::builder()
         // Long enough for a live replica to acknowledge on a loaded CI machine (200 ms was
-        // not, once), and below the connection's 2 s response timeout, which would cut the
-        // dead replica's WAIT below short.
+        // not, once), and longer than the response timeout: the dead replica's WAIT must run
+        // to its end, not be cut by the connection (which used to fail an applied completion).
+        .response_timeout(Duration::from_millis(500))
         .wait_for_replicas(1, Duration::from_secs(1))
         .connect(&primary.url())
         .await

@@ -217,6 +217,10 @@ impl RedisStoreBuilder {
     /// call fails (503, the handler does not run); a completion not acknowledged is logged
     /// (the response has been produced either way). `WAIT` holds the shared connection while
     /// it waits: keep `timeout` short. Off by default.
+    ///
+    /// `timeout` may exceed `response_timeout`: the connection that `connect` and
+    /// `connect_cluster` open waits for `WAIT` as long as it needs (the other calls keep
+    /// `response_timeout`).
     pub fn wait_for_replicas(mut self, replicas: u32, timeout: Duration) -> Self {
         self.wait = (replicas > 0).then_some((replicas, timeout));
         self
@@ -246,7 +250,7 @@ impl RedisStoreBuilder {
         let client = redis::Client::open(url).map_err(invalid_url)?;
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(self.connection_timeout)
-            .set_response_timeout(self.response_timeout)
+            .set_response_timeout(self.connection_response_timeout())
             .set_number_of_retries(1)
             .set_max_delay(1000);
         let conn = tokio::time::timeout(
@@ -276,7 +280,7 @@ impl RedisStoreBuilder {
         validate_prefix(&self.prefix)?;
         let client = redis::cluster::ClusterClientBuilder::new(urls.iter().copied())
             .connection_timeout(self.connection_timeout)
-            .response_timeout(self.response_timeout)
+            .response_timeout(self.connection_response_timeout())
             .build()
             .map_err(invalid_url)?;
         let conn = tokio::time::timeout(
@@ -290,6 +294,11 @@ impl RedisStoreBuilder {
     }
 
     /// Build the store over a connection the app already has, after the eviction check.
+    ///
+    /// With [`wait_for_replicas`](Self::wait_for_replicas), give that connection a response
+    /// timeout above the `WAIT` timeout plus this builder's `response_timeout`: a connection
+    /// that cuts the `WAIT` short fails the reservation (503) even when Redis would have
+    /// answered in time.
     pub async fn with_connection<C>(self, conn: C) -> Result<RedisStore<C>, StoreError>
     where
         C: ConnectionLike + Clone + Send + Sync + 'static,
@@ -298,6 +307,16 @@ impl RedisStoreBuilder {
         let mut probe = conn.clone();
         check_eviction(&mut probe, self.eviction_check, self.response_timeout).await?;
         Ok(self.build_unchecked(conn))
+    }
+
+    /// The response timeout of a connection this builder opens: the store's own
+    /// `response_timeout`, plus the `WAIT` timeout when there is one. The store times every
+    /// other call itself (`RedisStore::timed`); were the connection's timeout the shorter, it
+    /// would cut a `WAIT` for a slow replica before Redis answers it, and the reservation
+    /// would be neither acknowledged nor given back.
+    fn connection_response_timeout(&self) -> Duration {
+        let wait = self.wait.map_or(Duration::ZERO, |(_, timeout)| timeout);
+        self.response_timeout.saturating_add(wait)
     }
 
     fn build_unchecked<C>(self, conn: C) -> RedisStore<C> {
@@ -810,9 +829,12 @@ where
         if let (ReserveOutcome::Reserved { .. }, Some((replicas, timeout))) =
             (&outcome, self.inner.wait)
         {
-            if !self.wait_replicas(&key, replicas, timeout).await? {
-                // Not durable enough to run the handler on: give the key back.
+            let acknowledged = self.wait_replicas(&key, replicas, timeout).await;
+            if !matches!(acknowledged, Ok(true)) {
+                // Not known to be durable enough to run the handler on: give the key back
+                // (best effort: if Redis is gone, the reservation ends with its lease).
                 let _ = self.release(scope, &token).await;
+                acknowledged?;
                 return Err(StoreError::unavailable(format!(
                     "the reservation did not reach {replicas} Redis replica(s) in time"
                 )));
