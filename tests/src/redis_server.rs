@@ -94,6 +94,21 @@ impl RedisServer {
         }
     }
 
+    /// Send the server `signal` (`"STOP"`, `"CONT"`, ...) with `kill(1)`.
+    pub fn signal(&self, signal: &str) {
+        if let Some(child) = &self.child {
+            let sent = Command::new("kill")
+                .arg(format!("-{signal}"))
+                .arg(child.id().to_string())
+                .status();
+            assert!(
+                sent.is_ok_and(|s| s.success()),
+                "kill -{signal} of redis-server on port {} failed",
+                self.port
+            );
+        }
+    }
+
     /// Start the server again on the same port, empty. Panics if it does not come up.
     pub fn restart(&mut self) {
         self.kill();
@@ -149,12 +164,20 @@ impl Drop for RedisServer {
     }
 }
 
-/// A throwaway Redis Cluster: three primaries (no replicas), each a [`RedisServer`] with
+/// A throwaway Redis Cluster: three primaries (and, with
+/// [`RedisCluster::start_with_replicas`], one replica each), each a [`RedisServer`] with
 /// `--cluster-enabled yes` on free loopback ports (its bus port chosen free too), joined and
 /// given the 16384 slots by `redis-cli --cluster create`. Dropping it kills every node.
 pub struct RedisCluster {
     nodes: Vec<RedisServer>,
 }
+
+/// `--cluster-node-timeout` of a cluster without replicas: long, so a loaded CI machine never
+/// makes a node look failed.
+const NODE_TIMEOUT_MS: &str = "5000";
+
+/// `--cluster-node-timeout` of a cluster with replicas: short, so a failover takes seconds.
+const FAILOVER_NODE_TIMEOUT_MS: &str = "1000";
 
 impl std::fmt::Debug for RedisCluster {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -174,7 +197,18 @@ impl RedisCluster {
 
     /// As [`RedisCluster::start`], every node with extra options (e.g. an AOF).
     pub fn start_with(extra: &[&str]) -> RedisCluster {
-        let nodes: Vec<RedisServer> = (0..3)
+        Self::create(0, NODE_TIMEOUT_MS, extra)
+    }
+
+    /// Three primaries, each with one replica (six nodes; the primaries are the first three
+    /// of [`RedisCluster::urls`]), and a node timeout of one second, so a killed primary's
+    /// replica takes over within seconds.
+    pub fn start_with_replicas(extra: &[&str]) -> RedisCluster {
+        Self::create(1, FAILOVER_NODE_TIMEOUT_MS, extra)
+    }
+
+    fn create(replicas: usize, node_timeout_ms: &str, extra: &[&str]) -> RedisCluster {
+        let nodes: Vec<RedisServer> = (0..3 * (1 + replicas))
             .map(|_| {
                 let bus = free_port().to_string();
                 let mut args = vec![
@@ -183,9 +217,12 @@ impl RedisCluster {
                     "--cluster-config-file",
                     "nodes.conf",
                     "--cluster-node-timeout",
-                    "5000",
+                    node_timeout_ms,
                     "--cluster-port",
                     &bus,
+                    // A replica's sync starts at once (Redis would wait 5 s for others).
+                    "--repl-diskless-sync-delay",
+                    "0",
                 ];
                 args.extend_from_slice(extra);
                 RedisServer::start_with(&args)
@@ -198,7 +235,7 @@ impl RedisCluster {
         let created = Command::new("redis-cli")
             .args(["--cluster", "create"])
             .args(&addresses)
-            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
             .stdin(Stdio::null())
             .output();
         match created {
@@ -212,6 +249,15 @@ impl RedisCluster {
         }
         let cluster = RedisCluster { nodes };
         cluster.wait_ok();
+        for node in 0..cluster.nodes.len() {
+            if node < 3 {
+                cluster.wait_role(node, "master");
+            } else {
+                // A replica that never finished its first sync refuses to take over
+                // ("disconnected from master for longer than allowed").
+                cluster.wait_synced(node);
+            }
+        }
         cluster
     }
 
@@ -228,6 +274,101 @@ impl RedisCluster {
         std::thread::sleep(down);
         self.nodes[node].restart();
         self.wait_ok();
+    }
+
+    /// Cut primary `node`'s replication link (`CLIENT KILL TYPE replica`, after a password
+    /// change that keeps the replica out), so its writes of the next `unreplicated` never reach
+    /// its replica (the window asynchronous replication leaves open, made wide enough to meet;
+    /// zero: no cut), then kill it (SIGKILL) and wait until the replica has
+    /// taken its slots over and every other node sees the cluster `ok`; then start the killed
+    /// node again (empty: it has no persistence), which rejoins as the new primary's replica,
+    /// and wait until it has synced. Returns the index of the promoted replica.
+    pub fn fail_over(&mut self, node: usize, unreplicated: Duration) -> usize {
+        let port = self.nodes[node].port().to_string();
+        let replica = (0..self.nodes.len())
+            .find(|&n| {
+                let role = self.cli(n, &["ROLE"]);
+                let lines: Vec<&str> = role.lines().collect();
+                lines.first() == Some(&"slave") && lines.get(2) == Some(&port.as_str())
+            })
+            .unwrap_or_else(|| panic!("node {node} of {self:?} has no replica"));
+        if !unreplicated.is_zero() {
+            // The replica stops reading (SIGSTOP), and a one-byte output limit makes the
+            // primary drop the link at the first write the replica does not take: what the
+            // primary writes from then on exists only on the primary.
+            self.nodes[replica].signal("STOP");
+            self.cli(
+                node,
+                &[
+                    "CONFIG",
+                    "SET",
+                    "client-output-buffer-limit",
+                    "replica 1 1 0",
+                ],
+            );
+            // A write larger than the kernel's socket buffers, so it waits in the primary's
+            // output buffer (the limit's business): otherwise the kernel would hold the
+            // writes and hand them to the replica once it runs again. A key of this node.
+            let local = (0..)
+                .map(|i| format!("replication-cut-{i}"))
+                .find(|key| self.cli(node, &["SET", key, "-"]).trim() == "OK")
+                .unwrap_or_default();
+            self.cli(
+                node,
+                &[
+                    "EVAL",
+                    "return redis.call('SET', KEYS[1], string.rep('x', 32 * 1024 * 1024))",
+                    "1",
+                    &local,
+                ],
+            );
+            std::thread::sleep(unreplicated);
+        }
+        self.nodes[node].kill();
+        self.nodes[replica].signal("CONT");
+        self.wait_role(replica, "master");
+        let started = Instant::now();
+        while !(0..self.nodes.len()).filter(|&n| n != node).all(|n| {
+            self.cli(n, &["CLUSTER", "INFO"])
+                .contains("cluster_state:ok")
+        }) {
+            assert!(
+                started.elapsed() < START_TIMEOUT,
+                "the cluster did not recover from the failover within {START_TIMEOUT:?}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        self.nodes[node].restart();
+        self.wait_synced(node);
+        replica
+    }
+
+    /// Until node `node` is a replica whose link to its primary is up (its first sync done).
+    fn wait_synced(&self, node: usize) {
+        self.wait_role(node, "slave");
+        let started = Instant::now();
+        while !self
+            .cli(node, &["INFO", "replication"])
+            .contains("master_link_status:up")
+        {
+            assert!(
+                started.elapsed() < START_TIMEOUT,
+                "replica {node} of {self:?} did not sync within {START_TIMEOUT:?}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Until node `node` reports `role` (`master` or `slave`) as the first line of `ROLE`.
+    fn wait_role(&self, node: usize, role: &str) {
+        let started = Instant::now();
+        while self.cli(node, &["ROLE"]).lines().next() != Some(role) {
+            assert!(
+                started.elapsed() < START_TIMEOUT,
+                "node {node} of {self:?} did not become {role} within {START_TIMEOUT:?}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
 
     /// Move `slots` hash slots, with their keys, from node `from` to node `to` (indexes into
@@ -264,14 +405,15 @@ impl RedisCluster {
             .unwrap_or_default()
     }
 
-    /// Until every node reports `cluster_state:ok` and knows all three nodes (gossip takes a
-    /// moment after `create` returns).
+    /// Until every node reports `cluster_state:ok` and knows every node (gossip takes a moment
+    /// after `create` returns).
     fn wait_ok(&self) {
         let started = Instant::now();
         loop {
             let ready = (0..self.nodes.len()).all(|node| {
                 let info = self.cli(node, &["CLUSTER", "INFO"]);
-                info.contains("cluster_state:ok") && info.contains("cluster_known_nodes:3")
+                info.contains("cluster_state:ok")
+                    && info.contains(&format!("cluster_known_nodes:{}", self.nodes.len()))
             });
             if ready {
                 return;

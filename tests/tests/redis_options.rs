@@ -219,15 +219,16 @@ async fn a_wait_cut_by_the_connection_still_releases_the_reservation() {
 }
 
 /// A completion the replica does not acknowledge (the replica died after the reservation) is
-/// still applied on the primary: the response exists either way, so it is logged, not failed.
+/// stored on the primary and still fails, so the middleware retries it (C16): the retry by the
+/// same token is applied again, and once a replica is back its `WAIT` succeeds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_unacknowledged_completion_is_still_applied() {
+async fn an_unacknowledged_completion_fails_and_its_retry_succeeds_once_a_replica_is_back() {
     let primary = RedisServer::start();
     let mut replica = replica_of(&primary).await;
     let store = RedisStore::builder()
         // Long enough for a live replica to acknowledge on a loaded CI machine (200 ms was
         // not, once), and longer than the response timeout: the dead replica's WAIT must run
-        // to its end, not be cut by the connection (which used to fail an applied completion).
+        // to its end, not be cut by the connection.
         .response_timeout(Duration::from_millis(500))
         .wait_for_replicas(1, Duration::from_secs(1))
         .connect(&primary.url())
@@ -239,14 +240,31 @@ async fn an_unacknowledged_completion_is_still_applied() {
         other => panic!("expected Reserved, got {other:?}"),
     };
     replica.kill();
-    assert_eq!(
-        store.complete(&s, &token, &response(), TTL).await.ok(),
-        Some(WriteOutcome::Applied)
-    );
+    match store.complete(&s, &token, &response(), TTL).await {
+        Err(StoreError::Unavailable(e)) => {
+            assert!(e.to_string().contains("stored, but did not reach 1"), "{e}")
+        }
+        other => panic!("expected Unavailable, got {other:?}"),
+    }
+    // Stored on the primary all the same: a retry of the request replays.
     match store.reserve(&s, &FP, LEASE).await {
         Ok(ReserveOutcome::Completed { response, .. }) => assert_eq!(&response.body[..], b"paid"),
         other => panic!("expected the stored response, got {other:?}"),
     }
+    // The replica comes back (empty, it resyncs): the middleware's next retry is applied
+    // again and acknowledged.
+    replica.restart();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        match store.complete(&s, &token, &response(), TTL).await {
+            Ok(WriteOutcome::Applied) => break,
+            Err(StoreError::Unavailable(_)) if Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            other => panic!("expected the retry to be acknowledged, got {other:?}"),
+        }
+    }
+    assert!(exists(&replica.url(), &store.key_of(&s)).await);
 }
 
 /// A custom prefix is used for every record key, and an unsafe one is refused at connect.

@@ -234,6 +234,46 @@ async fn ended_reservation_refuses_other_body_and_accepts_late_complete() {
     }
 }
 
+/// A second `complete` by the token that completed the record answers `Applied` and changes
+/// nothing (a retry after a lost reply or an unacknowledged `WAIT` is not a takeover); after a
+/// takeover the old token stays stale.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repeated_complete_by_its_token_is_applied_and_changes_nothing() {
+    let redis = RedisServer::start();
+    let store = store(&redis).await;
+    let s = scope("t", "again");
+    let token = reserved(&store, &s, &FP_A, LEASE).await;
+    let first = response(b"first");
+    for (attempt, body) in [(1, &first), (2, &response(b"second"))] {
+        assert_eq!(
+            store.complete(&s, &token, body, TTL).await.ok(),
+            Some(WriteOutcome::Applied),
+            "attempt {attempt}"
+        );
+    }
+    match store.reserve(&s, &FP_A, LEASE).await {
+        Ok(ReserveOutcome::Completed { response, .. }) => assert_eq!(response, first),
+        other => panic!("expected the first response, got {other:?}"),
+    }
+    // A takeover (here: the completed record expired and a new request reserved) fences the
+    // old token out again.
+    let short = scope("t", "again-expired");
+    let old = reserved(&store, &short, &FP_A, LEASE).await;
+    assert_eq!(
+        store
+            .complete(&short, &old, &first, Duration::from_millis(50))
+            .await
+            .ok(),
+        Some(WriteOutcome::Applied)
+    );
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let _new = reserved(&store, &short, &FP_A, LEASE).await;
+    assert_eq!(
+        store.complete(&short, &old, &first, TTL).await.ok(),
+        Some(WriteOutcome::Stale)
+    );
+}
+
 /// Keys: no Cluster hash tag or glob character whatever the scope holds, no two scopes share a
 /// key, and the CLI can read the scope back.
 #[test]

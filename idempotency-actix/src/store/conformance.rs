@@ -216,11 +216,19 @@ pub async fn fenced_writes_reject_foreign_tokens<S: IdempotencyStore>(store: &S)
         WriteOutcome::Applied
     );
     assert_eq!(release(store, &scope, &token).await, WriteOutcome::Stale);
+    // A second complete by the same token may say Applied (idempotent) or Stale, and changes
+    // nothing either way; a foreign token is stale.
+    let _ = complete(store, &scope, &token, &response(b"y"), TTL).await;
     assert_eq!(
-        complete(store, &scope, &token, &response(b"y"), TTL).await,
-        WriteOutcome::Stale,
-        "a completed record is immutable"
+        complete(store, &scope, &foreign, &response(b"z"), TTL).await,
+        WriteOutcome::Stale
     );
+    match reserve(store, &scope, &FP_A, LEASE).await {
+        ReserveOutcome::Completed { response, .. } => {
+            assert_eq!(&response.body[..], b"x", "a completed record is immutable")
+        }
+        other => panic!("C6: expected Completed, got {other:?}"),
+    }
 }
 
 /// C10: a released key can be reserved again, even with another fingerprint.

@@ -13,7 +13,10 @@
 //!    retry of the same request whose first holder crashed or hung).
 //! 2. [`complete`](IdempotencyStore::complete): store the response, but only if the caller still
 //!    holds the reservation (its token matches). A holder whose lease was taken over gets
-//!    [`WriteOutcome::Stale`] and must not overwrite the new holder's record.
+//!    [`WriteOutcome::Stale`] and must not overwrite the new holder's record. A completed
+//!    record never changes: a second `complete` by the token that completed it may answer
+//!    `Applied` (the Redis store does, so a retry after a reply lost in transit, or after an
+//!    unacknowledged `WAIT`, is not mistaken for a takeover) or `Stale`, and leaves it as it is.
 //! 3. [`release`](IdempotencyStore::release): drop the reservation (the response is not to be
 //!    stored, e.g. a 5xx), fenced by the token in the same way.
 //!

@@ -14,8 +14,9 @@
 //! so the CLI's `SCAN MATCH` patterns are exact). The request path never scans.
 //!
 //! Fields: `st` (`f` in flight, `c` completed), `fp` (32 raw bytes), `tok` (the reservation
-//! token, in flight only), `ca` (reserved at), `co` (completed at), `ex` (lease end for a
-//! reservation, expiry for a completed record), times in microseconds of the server's clock;
+//! token; kept after completion, absent from records completed by earlier versions), `ca`
+//! (reserved at), `co` (completed at), `ex` (lease end for a reservation, expiry for a
+//! completed record), times in microseconds of the server's clock;
 //! and for completed records `s` (status), `h` (headers, [`StoredResponse::encode_headers`]) and
 //! `b` (the body), all byte-exact.
 //!
@@ -27,7 +28,10 @@
 //! - reserve reads first and writes only for an absent key, an expired completed record, or a
 //!   reservation whose lease ended *and* whose fingerprint is the caller's (a takeover);
 //! - complete and release apply only while the caller's token holds an in-flight
-//!   reservation, so a holder's late `complete` (after its lease) applies until a takeover.
+//!   reservation, so a holder's late `complete` (after its lease) applies until a takeover; a
+//!   second `complete` by the token that completed the record answers applied and changes
+//!   nothing (so a retried completion, after a lost reply or an unacknowledged `WAIT`, is not
+//!   taken for a takeover).
 //!
 //! With [`RedisStoreBuilder::replay_fast_path`] (off by default), `reserve` first reads the
 //! record with native `HMGET` + `PTTL` (pipelined, one round trip) and answers a completed
@@ -120,7 +124,8 @@ pub mod fields {
     pub const COMPLETED: &str = "c";
     /// Fingerprint, 32 raw bytes.
     pub const FINGERPRINT: &str = "fp";
-    /// Reservation token (UUID text), in flight only.
+    /// Reservation token (UUID text); kept when the record is completed (a retried `complete`
+    /// by the same token is answered as applied).
     pub const TOKEN: &str = "tok";
     /// Reserved at, microseconds since the Unix epoch (server clock).
     pub const CREATED_AT: &str = "ca";
@@ -214,8 +219,10 @@ impl RedisStoreBuilder {
     /// After a reservation and after a completion, send `WAIT replicas timeout` (a second
     /// round trip) so the write is on `replicas` replicas before the handler runs and before
     /// the middleware moves on. A reservation not acknowledged in time is released and the
-    /// call fails (503, the handler does not run); a completion not acknowledged is logged
-    /// (the response has been produced either way). `WAIT` holds the shared connection while
+    /// call fails (503, the handler does not run). A completion not acknowledged fails too,
+    /// after it was stored: the client gets its response all the same, and the middleware
+    /// retries the completion until the lease ends (a retry by the same token is applied
+    /// again, so it is acknowledged once a replica is back or has taken over). `WAIT` holds the shared connection while
     /// it waits: keep `timeout` short. Off by default.
     ///
     /// `timeout` may exceed `response_timeout`: the connection that `connect` and
@@ -870,12 +877,16 @@ where
         }
         if let Some((replicas, timeout)) = self.inner.wait {
             if !self.wait_replicas(&key, replicas, timeout).await? {
-                tracing::warn!(
-                    key = %scope.key,
-                    replicas,
-                    "idempotency record stored, but not acknowledged by enough Redis replicas \
-                     in time: a failover now could lose it"
-                );
+                // Stored on the primary only: a failover now would bring back the reservation
+                // and, after its lease, a second run. Failing the call makes the middleware
+                // retry it until the lease ends (C16); the script answers a retry by the same
+                // token as applied, and its `WAIT` then covers the record, on this primary or
+                // on the replica that took over (which has the reservation: its own `WAIT`
+                // held before the handler ran).
+                return Err(StoreError::unavailable(format!(
+                    "the response was stored, but did not reach {replicas} Redis replica(s) \
+                     in time"
+                )));
             }
         }
         Ok(WriteOutcome::Applied)
