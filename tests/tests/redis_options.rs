@@ -218,6 +218,31 @@ async fn a_wait_cut_by_the_connection_still_releases_the_reservation() {
     }
 }
 
+/// No timeout makes a call panic or fail: `Duration::MAX` (an "as long as it takes" setting)
+/// as the `WAIT` timeout used to overflow when the store added its response timeout to it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_timeout_of_any_size_is_served() {
+    let primary = RedisServer::start();
+    let _replica = replica_of(&primary).await;
+    let store = RedisStore::builder()
+        .wait_for_replicas(1, Duration::MAX)
+        .response_timeout(Duration::MAX)
+        .connection_timeout(Duration::MAX)
+        .in_flight_grace(Duration::MAX)
+        .connect(&primary.url())
+        .await
+        .expect("connect");
+    let s = scope("wait-forever");
+    let token = match store.reserve(&s, &FP, LEASE).await {
+        Ok(ReserveOutcome::Reserved { token }) => token,
+        other => panic!("expected Reserved, got {other:?}"),
+    };
+    assert_eq!(
+        store.complete(&s, &token, &response(), TTL).await.ok(),
+        Some(WriteOutcome::Applied)
+    );
+}
+
 /// A completion the replica does not acknowledge (the replica died after the reservation) is
 /// stored on the primary and still fails, so the middleware retries it (C16): the retry by the
 /// same token is applied again, and once a replica is back its `WAIT` succeeds.

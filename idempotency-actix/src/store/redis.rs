@@ -229,6 +229,9 @@ impl RedisStoreBuilder {
     /// `connect_cluster` open waits for `WAIT` as long as it needs (the other calls keep
     /// `response_timeout`).
     pub fn wait_for_replicas(mut self, replicas: u32, timeout: Duration) -> Self {
+        // Beyond about 100 years (MAX_DURATION_US) Redis refuses the WAIT timeout and the
+        // store's own deadlines would overflow: "forever" is taken as 100 years.
+        let timeout = Duration::from_micros(micros(timeout));
         self.wait = (replicas > 0).then_some((replicas, timeout));
         self
     }
@@ -482,11 +485,10 @@ where
         timeout: Duration,
     ) -> Result<bool, StoreError> {
         let mut conn = self.conn.clone();
-        let timeout_ms = u64::try_from(timeout.as_millis())
-            .unwrap_or(u64::MAX)
-            .max(1);
+        // At least 1 ms: `WAIT n 0` would block for ever.
+        let timeout_ms = (micros(timeout) / 1000).max(1);
         let (acked,): (i64,) = tokio::time::timeout(
-            timeout + self.inner.timeout,
+            timeout.saturating_add(self.inner.timeout),
             redis::pipe()
                 .cmd("PTTL")
                 .arg(key)
