@@ -222,8 +222,8 @@ impl RedisStoreBuilder {
     /// call fails (503, the handler does not run). A completion not acknowledged fails too,
     /// after it was stored: the client gets its response all the same, and the middleware
     /// retries the completion until the lease ends (a retry by the same token is applied
-    /// again, so it is acknowledged once a replica is back or has taken over). `WAIT` holds the shared connection while
-    /// it waits: keep `timeout` short. Off by default.
+    /// again, so it is acknowledged once a replica is back or has taken over). `WAIT` holds
+    /// the shared connection while it waits: keep `timeout` short. Off by default.
     ///
     /// `timeout` may exceed `response_timeout`: the connection that `connect` and
     /// `connect_cluster` open waits for `WAIT` as long as it needs (the other calls keep
