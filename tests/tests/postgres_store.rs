@@ -175,6 +175,55 @@ async fn concurrent_takeover_has_one_winner_on(db: &TestDb) {
     }
 }
 
+/// A second `complete` by the token that completed the record answers `Applied` and changes
+/// nothing: the middleware's retry after an applied call whose reply was lost (the database
+/// went away after the commit) is not taken for a takeover. A foreign token stays stale.
+#[tokio::test]
+async fn a_repeated_complete_by_its_token_is_applied_and_changes_nothing() {
+    a_repeated_complete_by_its_token_is_applied_on(&TestDb::new().await).await;
+}
+
+/// As [`a_repeated_complete_by_its_token_is_applied_and_changes_nothing`], on the
+/// time-partitioned layout (issue 15).
+#[tokio::test]
+async fn a_repeated_complete_by_its_token_is_applied_and_changes_nothing_partitioned() {
+    a_repeated_complete_by_its_token_is_applied_on(
+        &TestDb::new_partitioned(PartitionInterval::Hourly).await,
+    )
+    .await;
+}
+
+async fn a_repeated_complete_by_its_token_is_applied_on(db: &TestDb) {
+    let store = PostgresStore::connect(&db.url).await.unwrap();
+    let key = scope("again");
+    let ReserveOutcome::Reserved { token } = store.reserve(&key, &FP, LEASE).await.unwrap() else {
+        panic!("reserve");
+    };
+    let ttl = Duration::from_secs(3600);
+    for body in [&b"first"[..], b"second"] {
+        let response = StoredResponse {
+            status: 201,
+            headers: Vec::new(),
+            body: Bytes::copy_from_slice(body),
+        };
+        assert_eq!(
+            store.complete(&key, &token, &response, ttl).await.unwrap(),
+            WriteOutcome::Applied
+        );
+    }
+    assert_eq!(
+        store
+            .complete(&key, &ReservationToken::random(), &ok_response(b"x"), ttl)
+            .await
+            .unwrap(),
+        WriteOutcome::Stale
+    );
+    match store.reserve(&key, &FP, LEASE).await.unwrap() {
+        ReserveOutcome::Completed { response, .. } => assert_eq!(&response.body[..], b"first"),
+        other => panic!("expected the first response, got {other:?}"),
+    }
+}
+
 fn ok_response(body: &'static [u8]) -> StoredResponse {
     StoredResponse {
         status: 200,
@@ -247,13 +296,14 @@ async fn binary_bodies_and_lease_remaining_on(db: &TestDb) {
         }
         other => panic!("{other:?}"),
     }
-    // Completing twice is stale: the reservation is gone.
+    // Completing again by the same token is applied again and changes nothing (a retry after a
+    // lost reply); releasing is stale: the reservation is gone.
     assert_eq!(
         store
             .complete(&key, &token, &response, LEASE)
             .await
             .unwrap(),
-        WriteOutcome::Stale
+        WriteOutcome::Applied
     );
     assert_eq!(
         store.release(&key, &token).await.unwrap(),

@@ -15,8 +15,9 @@
 //!    holds the reservation (its token matches). A holder whose lease was taken over gets
 //!    [`WriteOutcome::Stale`] and must not overwrite the new holder's record. A completed
 //!    record never changes: a second `complete` by the token that completed it may answer
-//!    `Applied` (the Redis store does, so a retry after a reply lost in transit, or after an
-//!    unacknowledged `WAIT`, is not mistaken for a takeover) or `Stale`, and leaves it as it is.
+//!    `Applied` (the PostgreSQL and Redis stores do, so a retry after a reply lost in transit,
+//!    or after an unacknowledged `WAIT`, is not mistaken for a takeover) or `Stale`, and
+//!    leaves it as it is.
 //! 3. [`release`](IdempotencyStore::release): drop the reservation (the response is not to be
 //!    stored, e.g. a 5xx), fenced by the token in the same way.
 //!

@@ -384,6 +384,28 @@ pub(crate) async fn complete(
     Ok(usize::from(row.applied))
 }
 
+/// Whether `token` completed `scope`'s record: one primary-key lookup, asked only after a
+/// [`complete`] found no reservation, so that a retry of a completion that was applied but
+/// whose reply was lost (the connection dropped after the commit) answers applied instead of
+/// stale. The token is unique per reservation, so a match is this request's own record.
+pub(crate) async fn completed_by(
+    conn: &mut AsyncPgConnection,
+    scope: &ScopeBinds<'_>,
+    token: uuid::Uuid,
+) -> QueryResult<bool> {
+    diesel::select(diesel::dsl::exists(
+        k::table
+            .find(scope.key())
+            .filter(k::state.eq(State::Completed))
+            .filter(k::token.eq(token))
+            // One column both layouts have (a bare `find` would name every column of the
+            // plain layout's table).
+            .select(k::token),
+    ))
+    .get_result(conn)
+    .await
+}
+
 /// Delete the reservation, fenced by the token: one primary-key DELETE.
 pub(crate) async fn release(
     conn: &mut AsyncPgConnection,

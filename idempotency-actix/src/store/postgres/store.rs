@@ -330,7 +330,13 @@ impl IdempotencyStore for PostgresStore {
         let mut conn = self.conn().await?;
         self.timed(async {
             match sql::complete(&mut conn, &scope, &completion).await {
-                Ok(0) => Ok(WriteOutcome::Stale),
+                // Not ours to complete any more: already completed by this very token (a
+                // retry after a lost reply), or taken over.
+                Ok(0) => match sql::completed_by(&mut conn, &scope, completion.token).await {
+                    Ok(true) => Ok(WriteOutcome::Applied),
+                    Ok(false) => Ok(WriteOutcome::Stale),
+                    Err(e) => Err(classify_query_error(&mut conn, e).await),
+                },
                 Ok(_) => Ok(WriteOutcome::Applied),
                 Err(e) => Err(classify_query_error(&mut conn, e).await),
             }
