@@ -212,6 +212,42 @@ async fn wait_for_replicas_on_a_cluster() {
     );
 }
 
+/// As on one server, a `WAIT` longer than the response timeout runs to its end on a cluster
+/// connection (the cluster client's own response timeout would otherwise cut it, and the
+/// reservation would be neither acknowledged nor given back).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_longer_than_the_response_timeout_runs_to_its_end_on_a_cluster() {
+    let cluster = RedisCluster::start();
+    let urls = cluster.urls();
+    let store = match RedisStore::builder()
+        .response_timeout(Duration::from_millis(300))
+        .wait_for_replicas(1, Duration::from_millis(900))
+        .connect_cluster(&[&urls[0]])
+        .await
+    {
+        Ok(store) => store,
+        Err(e) => panic!("connect_cluster: {e}"),
+    };
+    let s = scope("wait-long");
+    let started = std::time::Instant::now();
+    match store.reserve(&s, &FP, LEASE).await {
+        Err(StoreError::Unavailable(e)) => {
+            assert!(e.to_string().contains("1 Redis replica"), "{e}")
+        }
+        other => panic!("no replica acknowledged, expected 503: {other:?}"),
+    }
+    assert!(
+        started.elapsed() >= Duration::from_millis(900),
+        "WAIT was cut after {:?}",
+        started.elapsed()
+    );
+    assert_eq!(
+        keys_per_node(&cluster).await.iter().sum::<usize>(),
+        0,
+        "the unacknowledged reservation was released"
+    );
+}
+
 /// Slots move between primaries (`redis-cli --cluster reshard`, keys migrated with `MIGRATE`)
 /// while four clients race two by two on each key: every key's handler runs exactly once, the
 /// calls that meet a slot in migration are followed there (`ASK`/`MOVED`) or fail as
