@@ -47,7 +47,8 @@
 //! serves `/metrics` has it); `--body-bytes N` makes the handler answer an N-byte body (bare
 //! and middleware modes alike) instead of the 60-byte document; `--tenant-header NAME` scopes
 //! records by that request header; `--replay-fast-path on` builds the PostgreSQL store with
-//! `PostgresStoreBuilder::replay_fast_path(true)`; `--prefill N` (mode `memory`) stores N
+//! `PostgresStoreBuilder::replay_fast_path(true)`; `--redis-wait N` (mode `redis`) builds the
+//! Redis store with `wait_for_replicas(N, 100 ms)`; `--prefill N` (mode `memory`) stores N
 //! completed records before serving and prints `PREFILL {json}` with the resident memory per
 //! record.
 //!
@@ -134,6 +135,7 @@ struct Args {
     tenant_header: Option<String>,
     replay_fast_path: bool,
     prefill: usize,
+    redis_wait: u32,
 }
 
 fn parse_args() -> Result<(String, Args), String> {
@@ -154,6 +156,7 @@ fn parse_args() -> Result<(String, Args), String> {
         tenant_header: None,
         replay_fast_path: false,
         prefill: 0,
+        redis_wait: 0,
     };
     while let Some(flag) = argv.next() {
         let mut value = || argv.next().ok_or(format!("{flag} needs a value"));
@@ -176,6 +179,7 @@ fn parse_args() -> Result<(String, Args), String> {
             "--tenant-header" => args.tenant_header = Some(value()?),
             "--replay-fast-path" => args.replay_fast_path = value()? == "on",
             "--prefill" => args.prefill = value()?.parse().map_err(|e| format!("{e}"))?,
+            "--redis-wait" => args.redis_wait = value()?.parse().map_err(|e| format!("{e}"))?,
             other => return Err(format!("unknown argument {other}")),
         }
     }
@@ -295,7 +299,9 @@ async fn serve(args: Args) -> std::io::Result<()> {
         #[cfg(feature = "redis")]
         "redis" => serve_with_store!(
             args,
-            idempotency_actix::store::RedisStore::connect(&args.redis_url)
+            idempotency_actix::store::RedisStore::builder()
+                .wait_for_replicas(args.redis_wait, Duration::from_millis(100))
+                .connect(&args.redis_url)
                 .await
                 .map_err(std::io::Error::other)?
         ),

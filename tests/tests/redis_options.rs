@@ -243,6 +243,48 @@ async fn a_wait_timeout_of_any_size_is_served() {
     );
 }
 
+/// Each `WAIT` holds its connection until it is answered (Redis answers a connection's
+/// commands in order), so over one connection four reservations waiting for a missing replica
+/// take four timeouts; over four connections (`connections(4)`; eight by default with
+/// `wait_for_replicas`) they overlap and take about one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waits_overlap_over_several_connections() {
+    let primary = RedisServer::start();
+    const WAIT: Duration = Duration::from_millis(500);
+    for (connections, at_least, below) in
+        [(1, WAIT * 4, Duration::from_secs(60)), (4, WAIT, WAIT * 3)]
+    {
+        let store = RedisStore::builder()
+            .connections(connections)
+            .wait_for_replicas(1, WAIT)
+            .connect(&primary.url())
+            .await
+            .expect("connect");
+        let started = Instant::now();
+        let calls = (0..4).map(|i| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                let s = scope(&format!("overlap-{connections}-{i}"));
+                matches!(
+                    store.reserve(&s, &FP, LEASE).await,
+                    Err(StoreError::Unavailable(_))
+                )
+            })
+        });
+        for call in futures_util::future::join_all(calls).await {
+            assert!(
+                call.expect("task"),
+                "no replica: each reservation is refused"
+            );
+        }
+        let took = started.elapsed();
+        assert!(
+            took >= at_least && took < below,
+            "{connections} connection(s): four WAITs took {took:?}"
+        );
+    }
+}
+
 /// A completion the replica does not acknowledge (the replica died after the reservation) is
 /// stored on the primary and still fails, so the middleware retries it (C16): the retry by the
 /// same token is applied again, and once a replica is back its `WAIT` succeeds.

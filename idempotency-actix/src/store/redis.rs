@@ -75,6 +75,7 @@
 //! disabled (managed Redis) it warns that it could not check. Use `noeviction`.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -96,6 +97,11 @@ use super::{
 pub const DEFAULT_PREFIX: &str = "idem:";
 /// Default [`RedisStoreBuilder::in_flight_grace`]: as long as `idem-cli purge --grace`.
 pub const DEFAULT_IN_FLIGHT_GRACE: Duration = Duration::from_secs(24 * 3600);
+/// Connections [`RedisStoreBuilder::connect`] opens when [`RedisStoreBuilder::wait_for_replicas`]
+/// is on and [`RedisStoreBuilder::connections`] was not set: each `WAIT` holds its connection
+/// until the replicas answer, so with one connection every write waited for the one before it
+/// (misses fell to 0.32x on a local replica, `docs/redis.md`); eight let eight overlap.
+pub const DEFAULT_WAIT_CONNECTIONS: usize = 8;
 /// Default [`RedisStoreBuilder::connection_timeout`].
 pub const DEFAULT_CONNECTION_TIMEOUT: Duration = Duration::from_secs(2);
 /// Default [`RedisStoreBuilder::response_timeout`].
@@ -165,6 +171,7 @@ pub struct RedisStoreBuilder {
     eviction_check: EvictionCheck,
     wait: Option<(u32, Duration)>,
     replay_fast_path: bool,
+    connections: Option<usize>,
 }
 
 impl Default for RedisStoreBuilder {
@@ -177,6 +184,7 @@ impl Default for RedisStoreBuilder {
             eviction_check: EvictionCheck::Warn,
             wait: None,
             replay_fast_path: false,
+            connections: None,
         }
     }
 }
@@ -236,6 +244,17 @@ impl RedisStoreBuilder {
         self
     }
 
+    /// How many connections `connect` and `connect_cluster` open (default 1, or
+    /// [`DEFAULT_WAIT_CONNECTIONS`] with [`wait_for_replicas`](Self::wait_for_replicas); at
+    /// least 1). Calls take them in turn. One multiplexed connection carries any load without
+    /// `WAIT`, which is why it is the default; a `WAIT` holds its connection until the replicas
+    /// answer, so more connections let more of them overlap. A store over a connection of the
+    /// app's own (`with_connection`, `from_connection`) uses that one.
+    pub fn connections(mut self, n: usize) -> Self {
+        self.connections = Some(n.max(1));
+        self
+    }
+
     /// Read a live completed record with native commands before calling the reserve script
     /// (default off). On: every `reserve` first sends `HMGET` of the record's response fields
     /// and `PTTL`, pipelined in one round trip; a completed record is answered from them (Redis
@@ -263,15 +282,21 @@ impl RedisStoreBuilder {
             .set_response_timeout(self.connection_response_timeout())
             .set_number_of_retries(1)
             .set_max_delay(1000);
-        let conn = tokio::time::timeout(
-            self.connection_timeout.saturating_mul(3),
-            ConnectionManager::new_with_config(client, config),
-        )
-        .await
-        .map_err(|_| StoreError::unavailable("Redis did not accept a connection in time"))?
-        .map_err(classify)?;
-        refuse_cluster_node(&mut conn.clone(), self.response_timeout).await?;
-        self.with_connection(conn).await
+        let mut conns = Vec::new();
+        for _ in 0..self.connection_count() {
+            let conn = tokio::time::timeout(
+                self.connection_timeout.saturating_mul(3),
+                ConnectionManager::new_with_config(client.clone(), config.clone()),
+            )
+            .await
+            .map_err(|_| StoreError::unavailable("Redis did not accept a connection in time"))?
+            .map_err(classify)?;
+            if conns.is_empty() {
+                refuse_cluster_node(&mut conn.clone(), self.response_timeout).await?;
+            }
+            conns.push(conn);
+        }
+        self.with_connections(conns).await
     }
 
     /// Connect to a Redis Cluster (feature `redis-cluster`) through the redis crate's cluster
@@ -293,14 +318,20 @@ impl RedisStoreBuilder {
             .response_timeout(self.connection_response_timeout())
             .build()
             .map_err(invalid_url)?;
-        let conn = tokio::time::timeout(
-            self.connection_timeout.saturating_mul(3),
-            client.get_async_connection(),
-        )
-        .await
-        .map_err(|_| StoreError::unavailable("Redis Cluster did not accept a connection in time"))?
-        .map_err(classify)?;
-        self.with_connection(conn).await
+        let mut conns = Vec::new();
+        for _ in 0..self.connection_count() {
+            let conn = tokio::time::timeout(
+                self.connection_timeout.saturating_mul(3),
+                client.get_async_connection(),
+            )
+            .await
+            .map_err(|_| {
+                StoreError::unavailable("Redis Cluster did not accept a connection in time")
+            })?
+            .map_err(classify)?;
+            conns.push(conn);
+        }
+        self.with_connections(conns).await
     }
 
     /// Build the store over a connection the app already has, after the eviction check.
@@ -313,10 +344,33 @@ impl RedisStoreBuilder {
     where
         C: ConnectionLike + Clone + Send + Sync + 'static,
     {
+        self.with_connections(vec![conn]).await
+    }
+
+    /// [`with_connection`](Self::with_connection) over `conns`, which calls take in turn;
+    /// empty is refused.
+    async fn with_connections<C>(self, conns: Vec<C>) -> Result<RedisStore<C>, StoreError>
+    where
+        C: ConnectionLike + Clone + Send + Sync + 'static,
+    {
         validate_prefix(&self.prefix)?;
-        let mut probe = conn.clone();
+        let Some(first) = conns.first() else {
+            return Err(StoreError::Backend(
+                "no Redis connection to build on".into(),
+            ));
+        };
+        let mut probe = first.clone();
         check_eviction(&mut probe, self.eviction_check, self.response_timeout).await?;
-        Ok(self.build_unchecked(conn))
+        Ok(self.build_unchecked(conns))
+    }
+
+    /// How many connections `connect` opens (see [`connections`](Self::connections)).
+    fn connection_count(&self) -> usize {
+        self.connections.unwrap_or(if self.wait.is_some() {
+            DEFAULT_WAIT_CONNECTIONS
+        } else {
+            1
+        })
     }
 
     /// The response timeout of a connection this builder opens: the store's own
@@ -329,10 +383,12 @@ impl RedisStoreBuilder {
         self.response_timeout.saturating_add(wait)
     }
 
-    fn build_unchecked<C>(self, conn: C) -> RedisStore<C> {
+    /// The store over `conns` (not empty: `pick` takes them in turn).
+    fn build_unchecked<C>(self, conns: Vec<C>) -> RedisStore<C> {
         RedisStore {
-            conn,
+            conns: conns.into(),
             inner: Arc::new(Inner {
+                next: AtomicUsize::new(0),
                 prefix: self.prefix,
                 grace_us: micros(self.in_flight_grace),
                 timeout: self.response_timeout,
@@ -350,14 +406,17 @@ impl RedisStoreBuilder {
 /// Idempotency records in Redis, for apps that run several instances and keep Redis rather
 /// than PostgreSQL. See the [module docs](self) for the layout and guarantees.
 ///
-/// Cloning is cheap; clones share the connection.
+/// Cloning is cheap; clones share the connections.
 #[derive(Clone)]
 pub struct RedisStore<C = ConnectionManager> {
-    conn: C,
+    /// Never empty; calls take them in turn ([`RedisStoreBuilder::connections`]).
+    conns: Arc<[C]>,
     inner: Arc<Inner>,
 }
 
 struct Inner {
+    /// Which of the connections the next call takes.
+    next: AtomicUsize,
     prefix: String,
     grace_us: u64,
     timeout: Duration,
@@ -399,12 +458,21 @@ where
     /// [`RedisStoreBuilder::with_connection`] for that). Its own response timeout still bounds
     /// every call.
     pub fn from_connection(conn: C) -> Self {
-        RedisStore::builder().build_unchecked(conn)
+        RedisStore::builder().build_unchecked(vec![conn])
     }
 
-    /// The connection (a clone), e.g. for a readiness probe.
+    /// The (first) connection, a clone, e.g. for a readiness probe.
     pub fn connection(&self) -> C {
-        self.conn.clone()
+        // Never empty: every constructor gives at least one.
+        self.conns[0].clone()
+    }
+
+    /// The connection for the next call: each in turn. A write and its `WAIT` must share one
+    /// (`WAIT` counts the replicas that have that connection's writes), so a call that needs
+    /// both takes it once.
+    fn pick(&self) -> C {
+        let i = self.inner.next.fetch_add(1, Ordering::Relaxed) % self.conns.len();
+        self.conns[i].clone()
     }
 
     /// The key prefix.
@@ -419,7 +487,7 @@ where
 
     /// A readiness probe: `PING` within the response timeout.
     pub async fn check(&self) -> Result<(), StoreError> {
-        let mut conn = self.conn.clone();
+        let mut conn = self.pick();
         self.timed(redis::cmd("PING").query_async::<()>(&mut conn))
             .await
     }
@@ -441,7 +509,7 @@ where
     /// the record, pipelined (both name the record's key, so on Redis Cluster they go to its
     /// node). `Some` only for a completed record, decoded as the script's reply is.
     async fn replay_read(&self, key: &str) -> Result<Option<ReserveOutcome>, StoreError> {
-        let mut conn = self.conn.clone();
+        let mut conn = self.pick();
         let (fields, pttl_ms): (Vec<Value>, i64) = self
             .timed(
                 redis::pipe()
@@ -472,19 +540,19 @@ where
         decode_existing(true, &mut record).map(Some)
     }
 
-    /// `WAIT replicas timeout` on the node that holds `key`; whether enough replicas
-    /// acknowledged.
+    /// `WAIT replicas timeout` on `conn`, the connection that wrote `key`'s record, on the node
+    /// that holds it; whether enough replicas acknowledged.
     ///
     /// `WAIT` names no key, and a cluster connection would send it to every primary (and
     /// answer with the least count). Pipelined behind a `PTTL` of the record, it goes where the
     /// record's write went; on one server the `PTTL` costs nothing but its few bytes.
     async fn wait_replicas(
         &self,
+        conn: &mut C,
         key: &str,
         replicas: u32,
         timeout: Duration,
     ) -> Result<bool, StoreError> {
-        let mut conn = self.conn.clone();
         // At least 1 ms: `WAIT n 0` would block for ever.
         let timeout_ms = (micros(timeout) / 1000).max(1);
         let (acked,): (i64,) = tokio::time::timeout(
@@ -496,7 +564,7 @@ where
                 .cmd("WAIT")
                 .arg(replicas)
                 .arg(timeout_ms)
-                .query_async(&mut conn),
+                .query_async(conn),
         )
         .await
         .map_err(|_| StoreError::unavailable("Redis did not answer WAIT in time"))?
@@ -821,7 +889,7 @@ where
             }
         }
         let token = ReservationToken::random();
-        let mut conn = self.conn.clone();
+        let mut conn = self.pick();
         let reply: Value = self
             .timed(
                 self.inner
@@ -838,7 +906,7 @@ where
         if let (ReserveOutcome::Reserved { .. }, Some((replicas, timeout))) =
             (&outcome, self.inner.wait)
         {
-            let acknowledged = self.wait_replicas(&key, replicas, timeout).await;
+            let acknowledged = self.wait_replicas(&mut conn, &key, replicas, timeout).await;
             if !matches!(acknowledged, Ok(true)) {
                 // Not known to be durable enough to run the handler on: give the key back
                 // (best effort: if Redis is gone, the reservation ends with its lease).
@@ -860,7 +928,7 @@ where
         ttl: Duration,
     ) -> Result<WriteOutcome, StoreError> {
         let key = self.key_of(scope);
-        let mut conn = self.conn.clone();
+        let mut conn = self.pick();
         let applied: i64 = self
             .timed(
                 self.inner
@@ -878,7 +946,10 @@ where
             return Ok(WriteOutcome::Stale);
         }
         if let Some((replicas, timeout)) = self.inner.wait {
-            if !self.wait_replicas(&key, replicas, timeout).await? {
+            if !self
+                .wait_replicas(&mut conn, &key, replicas, timeout)
+                .await?
+            {
                 // Stored on the primary only: a failover now would bring back the reservation
                 // and, after its lease, a second run. Failing the call makes the middleware
                 // retry it until the lease ends (C16); the script answers a retry by the same
@@ -900,7 +971,7 @@ where
         token: &ReservationToken,
     ) -> Result<WriteOutcome, StoreError> {
         let key = self.key_of(scope);
-        let mut conn = self.conn.clone();
+        let mut conn = self.pick();
         let released: i64 = self
             .timed(
                 self.inner
@@ -929,7 +1000,7 @@ where
         if grace_us >= self.inner.grace_us {
             return Ok(0);
         }
-        let mut conn = self.conn.clone();
+        let mut conn = self.pick();
         let mut scan = KeyScan::new(format!("{}*", self.inner.prefix));
         let mut deleted = 0u64;
         while let Some(keys) = self.timed(scan.next_batch(&mut conn)).await? {
