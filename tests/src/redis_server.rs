@@ -276,13 +276,12 @@ impl RedisCluster {
         self.wait_ok();
     }
 
-    /// Cut primary `node`'s replication link (`CLIENT KILL TYPE replica`, after a password
-    /// change that keeps the replica out), so its writes of the next `unreplicated` never reach
-    /// its replica (the window asynchronous replication leaves open, made wide enough to meet;
-    /// zero: no cut), then kill it (SIGKILL) and wait until the replica has
-    /// taken its slots over and every other node sees the cluster `ok`; then start the killed
-    /// node again (empty: it has no persistence), which rejoins as the new primary's replica,
-    /// and wait until it has synced. Returns the index of the promoted replica.
+    /// Cut primary `node` off from its replica, so that its writes of the next `unreplicated`
+    /// never reach it (the window asynchronous replication leaves open, made wide enough to
+    /// meet; zero: no cut), then kill it (SIGKILL) and wait until the replica has taken its
+    /// slots over and every other node sees the cluster `ok`; then start the killed node again
+    /// (empty: it has no persistence), which rejoins as the new primary's replica, and wait
+    /// until it has synced. Returns the index of the promoted replica.
     pub fn fail_over(&mut self, node: usize, unreplicated: Duration) -> usize {
         let port = self.nodes[node].port().to_string();
         let replica = (0..self.nodes.len())
@@ -309,10 +308,10 @@ impl RedisCluster {
             // A write larger than the kernel's socket buffers, so it waits in the primary's
             // output buffer (the limit's business): otherwise the kernel would hold the
             // writes and hand them to the replica once it runs again. A key of this node.
-            let local = (0..)
+            let local = (0..1000)
                 .map(|i| format!("replication-cut-{i}"))
                 .find(|key| self.cli(node, &["SET", key, "-"]).trim() == "OK")
-                .unwrap_or_default();
+                .unwrap_or_else(|| panic!("no key of node {node} found to write"));
             self.cli(
                 node,
                 &[
