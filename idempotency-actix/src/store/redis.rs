@@ -540,6 +540,31 @@ where
         decode_existing(true, &mut record).map(Some)
     }
 
+    /// The release script on `conn`: after a reservation's `WAIT` failed, on the connection
+    /// that waited (free again at that moment, where another might still be held by a `WAIT`).
+    async fn release_on(
+        &self,
+        conn: &mut C,
+        scope: &Scope,
+        token: &ReservationToken,
+    ) -> Result<WriteOutcome, StoreError> {
+        let key = self.key_of(scope);
+        let released: i64 = self
+            .timed(
+                self.inner
+                    .release
+                    .key(&key)
+                    .arg(token.as_uuid().hyphenated().to_string())
+                    .invoke_async(conn),
+            )
+            .await?;
+        Ok(if released == 1 {
+            WriteOutcome::Applied
+        } else {
+            WriteOutcome::Stale
+        })
+    }
+
     /// `WAIT replicas timeout` on `conn`, the connection that wrote `key`'s record, on the node
     /// that holds it; whether enough replicas acknowledged.
     ///
@@ -910,7 +935,7 @@ where
             if !matches!(acknowledged, Ok(true)) {
                 // Not known to be durable enough to run the handler on: give the key back
                 // (best effort: if Redis is gone, the reservation ends with its lease).
-                let _ = self.release(scope, &token).await;
+                let _ = self.release_on(&mut conn, scope, &token).await;
                 acknowledged?;
                 return Err(StoreError::unavailable(format!(
                     "the reservation did not reach {replicas} Redis replica(s) in time"
@@ -970,22 +995,7 @@ where
         scope: &Scope,
         token: &ReservationToken,
     ) -> Result<WriteOutcome, StoreError> {
-        let key = self.key_of(scope);
-        let mut conn = self.pick();
-        let released: i64 = self
-            .timed(
-                self.inner
-                    .release
-                    .key(&key)
-                    .arg(token.as_uuid().hyphenated().to_string())
-                    .invoke_async(&mut conn),
-            )
-            .await?;
-        Ok(if released == 1 {
-            WriteOutcome::Applied
-        } else {
-            WriteOutcome::Stale
-        })
+        self.release_on(&mut self.pick(), scope, token).await
     }
 
     /// Redis expires records itself (`PEXPIRE`): completed records at the end of their TTL,
