@@ -30,12 +30,18 @@ use std::task::Poll;
 /// Run `work` to its end whatever happens to the caller: poll it once now, and if it is not
 /// finished, spawn it on the worker's local task set. Completes on its first poll.
 ///
-/// `work` comes boxed: a polled future may not move, so the same allocation goes to the task;
-/// and boxed by the caller, the caller's own future holds a pointer, not the work's state
-/// machine (kilobytes: every await point of the handler's path), which would be copied twice.
-pub(super) async fn detach<F: Future<Output = ()> + 'static>(mut work: Pin<Box<F>>) {
-    let first =
-        poll_fn(|cx| Poll::Ready(catch_unwind(AssertUnwindSafe(|| work.as_mut().poll(cx))))).await;
+/// `work` is `Unpin`: a handle to a future on the heap (a `Pin<Box<_>>`, perhaps wrapped in a
+/// span), because a polled future may not move, so the same allocation goes to the task. The
+/// caller boxes the work outside any `async` body (see `Flow::settle_boxed`): the state machine
+/// is kilobytes (every await point of the handler's path), and built inside the caller's future
+/// it would also take room there and be copied on every move.
+pub(super) async fn detach<F: Future<Output = ()> + Unpin + 'static>(mut work: F) {
+    let first = poll_fn(|cx| {
+        Poll::Ready(catch_unwind(AssertUnwindSafe(|| {
+            Pin::new(&mut work).poll(cx)
+        })))
+    })
+    .await;
     match first {
         Ok(Poll::Ready(())) => {}
         Ok(Poll::Pending) => {

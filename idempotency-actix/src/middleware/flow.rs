@@ -3,6 +3,8 @@
 //! [`detach`](super::detach)).
 
 use std::error::Error as StdError;
+use std::future::Future;
+use std::pin::Pin;
 use std::rc::Rc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -129,8 +131,8 @@ where
             path = %scope.path,
         );
         let (answer, answered) = oneshot::channel();
-        let settle = self.settle(req, scope, fingerprint, body, report.clone(), answer);
-        detach(Box::pin(settle.instrument(span.clone()))).await;
+        let work = self.settle_boxed(req, scope, fingerprint, body, report.clone(), answer);
+        detach(work.instrument(span.clone())).await;
         match answered.await {
             Ok(result) => result,
             // The task ended without an answer: the handler panicked. Its reservation stays
@@ -146,6 +148,21 @@ where
                 Err(opaque_500("the request's task ended without a response"))
             }
         }
+    }
+
+    /// [`Self::settle`], on the heap. A plain function on purpose: built inside `run`'s `async`
+    /// body, the work's state (kilobytes) would also take room in `run`'s own future, and be
+    /// copied with it, on every request (`docs/benchmarks.md`, "Futures by the kilobyte").
+    fn settle_boxed(
+        self,
+        req: ServiceRequest,
+        scope: Scope,
+        fingerprint: Fingerprint,
+        body: Bytes,
+        report: Report,
+        answer: Answer<B>,
+    ) -> Pin<Box<impl Future<Output = ()> + 'static>> {
+        Box::pin(self.settle(req, scope, fingerprint, body, report, answer))
     }
 
     /// Reserve, run the handler, store or release, and answer; detached from the request.
@@ -165,7 +182,11 @@ where
                 fingerprint,
                 report,
             };
-            super::transactional::settle_keyed(self, tx, req, keyed, body, answer).await;
+            // Boxed: its state is the largest of any path, and would size every request's.
+            let keyed = Box::pin(super::transactional::settle_keyed(
+                self, tx, req, keyed, body, answer,
+            ));
+            keyed.await;
             return;
         }
         let _ = body;
@@ -366,7 +387,9 @@ where
                 let _ = answer.send(Ok(response.map_into_right_body()));
             }
             Err(body) => {
-                let outcome = self.stream(scope, token, request, head, body, answer).await;
+                // Boxed: a streamed body is rare; its state need not size every request's.
+                let stream = Box::pin(self.stream(scope, token, request, head, body, answer));
+                let outcome = stream.await;
                 report.outcome(outcome, status, Some(scope));
             }
         }

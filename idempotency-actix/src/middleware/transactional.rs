@@ -360,11 +360,12 @@ where
     B: MessageBody + 'static,
 {
     let (answer, answered) = tokio::sync::oneshot::channel();
-    detach(Box::pin(async move {
+    // Boxed in its own statement, so that the work's state takes no room in this future.
+    let work = Box::pin(async move {
         let result = keyless(&flow, &tx, req).await;
         let _ = answer.send(result);
-    }))
-    .await;
+    });
+    detach(work).await;
     match answered.await {
         Ok(result) => result,
         Err(_) => {
