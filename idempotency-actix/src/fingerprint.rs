@@ -48,11 +48,11 @@ impl Fingerprint {
             hasher.update((part.len() as u64).to_be_bytes());
             hasher.update(part.as_bytes());
         }
-        let canonical = if json { canonical_json(body) } else { None };
+        let canonical = if json { canonical_form(body) } else { None };
         match canonical {
             Some(canonical) => {
                 hasher.update([TAG_JSON]);
-                hasher.update(&canonical);
+                hasher.update(&*canonical);
             }
             None => {
                 hasher.update([TAG_RAW]);
@@ -110,18 +110,38 @@ pub fn is_json_content_type(content_type: &str) -> bool {
 /// The canonical form of a JSON document, or `None` if `body` is not JSON this function can
 /// canonicalise (invalid UTF-8, invalid JSON, nested deeper than [`MAX_JSON_DEPTH`]).
 pub fn canonical_json(body: &[u8]) -> Option<Vec<u8>> {
+    canonicalise(std::str::from_utf8(body).ok()?)
+}
+
+/// Whether `body` is JSON that is its own canonical form: compact (no whitespace), no escape
+/// sequence in any string, the members of every object already in key order. Then
+/// `canonical_json(body)` is `Some(body)`, and the fingerprint hashes the body as it is. `false`
+/// says only that the full canonicalisation must decide.
+pub fn is_canonical_json(body: &[u8]) -> bool {
+    std::str::from_utf8(body).is_ok_and(|text| Parser::new(text).is_canonical_document())
+}
+
+/// What the fingerprint hashes of a JSON body: the body itself when it is already canonical
+/// (checked in one pass that allocates nothing: building and writing the document's tree was
+/// the largest part of the middleware's own work on a small body, `docs/benchmarks.md`), else
+/// its canonical form. The same bytes either way; `None` as for [`canonical_json`].
+fn canonical_form(body: &[u8]) -> Option<Cow<'_, [u8]>> {
     let text = std::str::from_utf8(body).ok()?;
-    let mut parser = Parser {
-        s: text.as_bytes(),
-        text,
-        pos: 0,
-    };
+    if Parser::new(text).is_canonical_document() {
+        Some(Cow::Borrowed(body))
+    } else {
+        canonicalise(text).map(Cow::Owned)
+    }
+}
+
+fn canonicalise(text: &str) -> Option<Vec<u8>> {
+    let mut parser = Parser::new(text);
     let value = parser.value(0)?;
     parser.skip_ws();
     if parser.pos != parser.s.len() {
         return None;
     }
-    let mut out = Vec::with_capacity(body.len());
+    let mut out = Vec::with_capacity(text.len());
     value.write(&mut out);
     Some(out)
 }
@@ -208,6 +228,84 @@ struct Parser<'a> {
 }
 
 impl<'a> Parser<'a> {
+    fn new(text: &'a str) -> Self {
+        Self {
+            s: text.as_bytes(),
+            text,
+            pos: 0,
+        }
+    }
+
+    /// The whole text is one value that [`Self::is_canonical`] accepts.
+    fn is_canonical_document(&mut self) -> bool {
+        self.is_canonical(0) && self.pos == self.s.len()
+    }
+
+    /// Whether the value starting here is written exactly as [`Value::write`] would write what
+    /// [`Self::value`] parses of it, reading past it if so. It uses the parser's own grammar
+    /// (`string`, `number`, `literal`), so it accepts nothing the parser rejects, and on top of
+    /// it asks for: no whitespace anywhere (a value, `:`, `,` or closing bracket must come next
+    /// where whitespace could), strings the parser borrows as written (no escape sequence, so
+    /// the writer, which escapes only `"`, `\` and control characters, writes them back
+    /// unchanged), and object keys in non-decreasing byte order (the parser's sort is stable,
+    /// so equal keys keep their order and the sort changes nothing). Depth is bounded as in
+    /// [`Self::value`].
+    fn is_canonical(&mut self, depth: usize) -> bool {
+        if depth > MAX_JSON_DEPTH {
+            return false;
+        }
+        match self.s.get(self.pos) {
+            Some(b'{') => {
+                self.pos += 1;
+                if self.eat(b'}') {
+                    return true;
+                }
+                let mut previous: Option<&'a str> = None;
+                loop {
+                    let Some(Cow::Borrowed(key)) = self.string() else {
+                        return false;
+                    };
+                    if previous.is_some_and(|previous| previous.as_bytes() > key.as_bytes()) {
+                        return false;
+                    }
+                    previous = Some(key);
+                    if !(self.eat(b':') && self.is_canonical(depth + 1)) {
+                        return false;
+                    }
+                    if self.eat(b'}') {
+                        return true;
+                    }
+                    if !self.eat(b',') {
+                        return false;
+                    }
+                }
+            }
+            Some(b'[') => {
+                self.pos += 1;
+                if self.eat(b']') {
+                    return true;
+                }
+                loop {
+                    if !self.is_canonical(depth + 1) {
+                        return false;
+                    }
+                    if self.eat(b']') {
+                        return true;
+                    }
+                    if !self.eat(b',') {
+                        return false;
+                    }
+                }
+            }
+            Some(b'"') => matches!(self.string(), Some(Cow::Borrowed(_))),
+            Some(b't') => self.literal("true").is_some(),
+            Some(b'f') => self.literal("false").is_some(),
+            Some(b'n') => self.literal("null").is_some(),
+            Some(_) => self.number().is_some(),
+            None => false,
+        }
+    }
+
     fn skip_ws(&mut self) {
         while let Some(b' ' | b'\t' | b'\n' | b'\r') = self.s.get(self.pos) {
             self.pos += 1;
@@ -569,5 +667,112 @@ mod tests {
         assert!(is_json_content_type("application/merge-patch+json"));
         assert!(!is_json_content_type("text/json-ish"));
         assert!(!is_json_content_type("application/octet-stream"));
+    }
+
+    #[test]
+    fn compact_sorted_json_without_escapes_is_its_own_canonical_form() {
+        let own = [
+            r#"{"amount":1000,"currency":"EUR","customer":"cus_42","description":"load bench"}"#,
+            r#"{"a":1,"a":0,"b":[true,null,-0.5e+10,{}],"é":"😀"}"#,
+            "[]",
+            "\"\"",
+            "0",
+        ];
+        for body in own {
+            assert!(is_canonical_json(body.as_bytes()), "{body}");
+            assert_eq!(canon(body).as_deref(), Some(body));
+        }
+        let deep = |levels: usize| format!("{}{}", "[".repeat(levels), "]".repeat(levels));
+        let (deepest, too_deep) = (deep(MAX_JSON_DEPTH + 1), deep(MAX_JSON_DEPTH + 2));
+        assert!(is_canonical_json(deepest.as_bytes()));
+        assert!(!is_canonical_json(too_deep.as_bytes()));
+        assert_eq!(canon(&too_deep), None);
+        let not_own = [
+            r#"{"b":1,"a":2}"#,
+            r#"{"a": 1}"#,
+            r#"{"a" :1}"#,
+            r#" {"a":1}"#,
+            r#"{"a":1} "#,
+            r#"{"a":1 }"#,
+            r#"[1, 2]"#,
+            r#"{"a":"\u0041"}"#,
+            r#"{"a":"\/"}"#,
+            r#"{"\"":1}"#,
+            r#"{"a":01}"#,
+            r#"{"a":1,}"#,
+            "",
+            "{",
+            "tru",
+            "\"\u{1}\"",
+        ];
+        for body in not_own {
+            assert!(!is_canonical_json(body.as_bytes()), "{body}");
+        }
+    }
+
+    /// Whatever `is_canonical_json` accepts is its own canonical form, and the fingerprint's
+    /// shortcut hashes exactly what canonicalising would.
+    fn check_shortcut(body: &[u8]) -> Result<(), proptest::test_runner::TestCaseError> {
+        let full = canonical_json(body);
+        if is_canonical_json(body) {
+            proptest::prop_assert_eq!(full.as_deref(), Some(body));
+        }
+        let shortcut = canonical_form(body);
+        proptest::prop_assert_eq!(shortcut.as_deref(), full.as_deref());
+        Ok(())
+    }
+
+    /// JSON texts written in many ways: compact or spaced, keys in or out of order (and
+    /// repeated), strings with and without escapes, nested.
+    fn json_text() -> impl proptest::strategy::Strategy<Value = String> {
+        use proptest::prelude::*;
+        let atom = prop_oneof![
+            Just("true".to_owned()),
+            Just("null".to_owned()),
+            "-?(0|[1-9][0-9]{0,3})(\\.[0-9]{1,3})?([eE][+-]?[0-9]{1,2})?",
+            "\"([a-c]|é|\\\\n|\\\\\"|\\\\u0041|\\\\/| ){0,4}\"",
+        ];
+        atom.prop_recursive(4, 32, 4, |inner| {
+            let separators = prop_oneof![Just((",", ":")), Just((", ", ": ")), Just((" ,", " :"))];
+            prop_oneof![
+                (
+                    proptest::collection::vec(inner.clone(), 0..4),
+                    separators.clone()
+                )
+                    .prop_map(|(items, (comma, _))| format!("[{}]", items.join(comma))),
+                (
+                    proptest::collection::vec(("\"([a-c]|\\\\u0062){0,2}\"", inner), 0..4),
+                    separators
+                )
+                    .prop_map(|(members, (comma, colon))| {
+                        let members: Vec<String> = members
+                            .iter()
+                            .map(|(k, v)| format!("{k}{colon}{v}"))
+                            .collect();
+                        format!("{{{}}}", members.join(comma))
+                    }),
+            ]
+        })
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn the_canonical_shortcut_agrees_with_canonicalising(text in json_text()) {
+            check_shortcut(text.as_bytes())?;
+            if let Some(canonical) = canonical_json(text.as_bytes()) {
+                check_shortcut(&canonical)?;
+                // Every canonical form without an escape takes the shortcut.
+                if !canonical.contains(&b'\\') {
+                    proptest::prop_assert!(is_canonical_json(&canonical));
+                }
+            }
+        }
+
+        #[test]
+        fn the_canonical_shortcut_accepts_nothing_canonicalising_would_change(
+            bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..64)
+        ) {
+            check_shortcut(&bytes)?;
+        }
     }
 }

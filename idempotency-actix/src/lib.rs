@@ -70,7 +70,9 @@ pub use fingerprint::Fingerprint;
 /// the API: no semver promise, may change in any release.
 #[doc(hidden)]
 pub mod internals {
-    pub use crate::fingerprint::{canonical_json, is_json_content_type, MAX_JSON_DEPTH};
+    pub use crate::fingerprint::{
+        canonical_json, is_canonical_json, is_json_content_type, MAX_JSON_DEPTH,
+    };
     pub use crate::key::{parse_key, to_sf_string, KeyError};
     pub use crate::middleware::replay::replay as replay_response;
 }
