@@ -15,8 +15,10 @@ use crate::store::StoredResponse;
 pub const REPLAYED_HEADER: HeaderName = HeaderName::from_static("idempotent-replayed");
 
 /// Headers that are never stored or replayed (C11): cookies belong to one response, the rest
-/// describe one connection or one message framing.
-const NEVER_STORED: [HeaderName; 11] = [
+/// describe one connection or one message framing. A `static`, not a `const`: a `const` array
+/// is built and dropped again at every use, here once per header of every stored or replayed
+/// response.
+static NEVER_STORED: [HeaderName; 11] = [
     header::SET_COOKIE,
     header::CONNECTION,
     HeaderName::from_static("keep-alive"),
