@@ -32,7 +32,7 @@ use std::task::Poll;
 ///
 /// `work` is `Unpin`: a handle to a future on the heap (a `Pin<Box<_>>`, perhaps wrapped in a
 /// span), because a polled future may not move, so the same allocation goes to the task. The
-/// caller boxes the work outside any `async` body (see `Flow::settle_boxed`): the state machine
+/// caller boxes the work outside any `async` body (see `Flow::settle`): the state machine
 /// is kilobytes (every await point of the handler's path), and built inside the caller's future
 /// it would also take room there and be copied on every move.
 pub(super) async fn detach<F: Future<Output = ()> + Unpin + 'static>(mut work: F) {

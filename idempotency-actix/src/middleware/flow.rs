@@ -131,7 +131,7 @@ where
             path = %scope.path,
         );
         let (answer, answered) = oneshot::channel();
-        let work = self.settle_boxed(req, scope, fingerprint, body, report.clone(), answer);
+        let work = self.settle(req, scope, fingerprint, body, report.clone(), answer);
         detach(work.instrument(span.clone())).await;
         match answered.await {
             Ok(result) => result,
@@ -150,10 +150,12 @@ where
         }
     }
 
-    /// [`Self::settle`], on the heap. A plain function on purpose: built inside `run`'s `async`
-    /// body, the work's state (kilobytes) would also take room in `run`'s own future, and be
-    /// copied with it, on every request (`docs/benchmarks.md`, "Futures by the kilobyte").
-    fn settle_boxed(
+    /// Reserve, run the handler, store or release, and answer; detached from the request.
+    ///
+    /// Returned on the heap by a plain function on purpose: built inside `run`'s `async` body,
+    /// the work's state (kilobytes) would also take room in `run`'s own future, and be copied
+    /// with it, on every request (`docs/benchmarks.md`, "Futures by the kilobyte").
+    fn settle(
         self,
         req: ServiceRequest,
         scope: Scope,
@@ -162,66 +164,55 @@ where
         report: Report,
         answer: Answer<B>,
     ) -> Pin<Box<impl Future<Output = ()> + 'static>> {
-        Box::pin(self.settle(req, scope, fingerprint, body, report, answer))
-    }
-
-    /// Reserve, run the handler, store or release, and answer; detached from the request.
-    async fn settle(
-        self,
-        req: ServiceRequest,
-        scope: Scope,
-        fingerprint: Fingerprint,
-        body: Bytes,
-        report: Report,
-        answer: Answer<B>,
-    ) {
-        #[cfg(feature = "postgres")]
-        if let Some(tx) = self.config.transactional.clone() {
-            let keyed = super::transactional::Keyed {
-                scope,
-                fingerprint,
-                report,
-            };
-            // Boxed: its state is the largest of any path, and would size every request's.
-            let keyed = Box::pin(super::transactional::settle_keyed(
-                self, tx, req, keyed, body, answer,
-            ));
-            keyed.await;
-            return;
-        }
-        let _ = body;
-        let token = match self.reserve(&scope, &fingerprint).await {
-            Ok(token) => token,
-            Err(Decision::Refuse(problem)) => {
-                let _ = answer.send(Ok(self.refuse(req, problem, &report, Some(&scope))));
-                return;
-            }
-            Err(Decision::Replay(stored)) => {
-                let response = match replay(stored, &req) {
-                    Ok(response) => {
-                        report.outcome(Outcome::Replay, response.status(), Some(&scope));
-                        req.into_response(response).map_into_right_body()
-                    }
-                    Err(problem) => {
-                        tracing::info!(target: "idempotency_actix", outcome = "replay_not_acceptable", "stored response encoded in a way this retry does not accept");
-                        self.refuse(req, problem, &report, Some(&scope))
-                    }
+        Box::pin(async move {
+            #[cfg(feature = "postgres")]
+            if let Some(tx) = self.config.transactional.clone() {
+                let keyed = super::transactional::Keyed {
+                    scope,
+                    fingerprint,
+                    report,
                 };
-                let _ = answer.send(Ok(response));
+                // Boxed: its state is the largest of any path, and would size every request's.
+                let keyed = Box::pin(super::transactional::settle_keyed(
+                    self, tx, req, keyed, body, answer,
+                ));
+                keyed.await;
                 return;
             }
-            Err(Decision::PassThrough) => {
-                let result = pass_through(Rc::clone(&self.service), req).await;
-                report.outcome(Outcome::FailOpen, status_of(&result), Some(&scope));
-                let _ = answer.send(result);
-                return;
-            }
-        };
-        let _held = self.meters.held();
-        req.extensions_mut()
-            .insert(IdempotencyKey(scope.key.clone()));
-        let result = self.service.call(req).await;
-        self.finish(&scope, token, result, &report, answer).await;
+            let _ = body;
+            let token = match self.reserve(&scope, &fingerprint).await {
+                Ok(token) => token,
+                Err(Decision::Refuse(problem)) => {
+                    let _ = answer.send(Ok(self.refuse(req, problem, &report, Some(&scope))));
+                    return;
+                }
+                Err(Decision::Replay(stored)) => {
+                    let response = match replay(stored, &req) {
+                        Ok(response) => {
+                            report.outcome(Outcome::Replay, response.status(), Some(&scope));
+                            req.into_response(response).map_into_right_body()
+                        }
+                        Err(problem) => {
+                            tracing::info!(target: "idempotency_actix", outcome = "replay_not_acceptable", "stored response encoded in a way this retry does not accept");
+                            self.refuse(req, problem, &report, Some(&scope))
+                        }
+                    };
+                    let _ = answer.send(Ok(response));
+                    return;
+                }
+                Err(Decision::PassThrough) => {
+                    let result = pass_through(Rc::clone(&self.service), req).await;
+                    report.outcome(Outcome::FailOpen, status_of(&result), Some(&scope));
+                    let _ = answer.send(result);
+                    return;
+                }
+            };
+            let _held = self.meters.held();
+            req.extensions_mut()
+                .insert(IdempotencyKey(scope.key.clone()));
+            let result = self.service.call(req).await;
+            self.finish(&scope, token, result, &report, answer).await;
+        })
     }
 
     /// The key of the request, `None` if it has none and none is required.
