@@ -560,7 +560,8 @@ struct Inner {
 /// header name and value.
 struct Compact {
     status: u16,
-    headers: Vec<u8>,
+    /// Shared, so that a replay's header values are slices of it, not copies.
+    headers: bytes::Bytes,
     body: bytes::Bytes,
 }
 
@@ -568,7 +569,7 @@ impl Compact {
     fn new(response: &StoredResponse) -> Self {
         Self {
             status: response.status,
-            headers: response.encode_headers(),
+            headers: response.encode_headers().into(),
             body: response.body.clone(),
         }
     }
@@ -581,7 +582,7 @@ impl Compact {
     fn expand(&self) -> Result<StoredResponse, StoreError> {
         Ok(StoredResponse {
             status: self.status,
-            headers: StoredResponse::decode_headers(&self.headers)
+            headers: StoredResponse::decode_headers_shared(&self.headers)
                 .map_err(|e| StoreError::Backend(Box::new(e)))?,
             body: self.body.clone(),
         })

@@ -58,31 +58,46 @@ impl StoredResponse {
     /// Decode what [`encode_headers`](Self::encode_headers) wrote. Never panics on arbitrary
     /// input; anything truncated, oversized or with a non-UTF-8 name is an error.
     pub fn decode_headers(bytes: &[u8]) -> Result<Vec<(String, Bytes)>, HeaderDecodeError> {
-        let mut reader = Reader(bytes);
-        if reader.take(1)? != [FORMAT_V1] {
-            return Err(HeaderDecodeError("unknown format version"));
-        }
-        let count = reader.u32()? as usize;
-        // Every header needs at least 8 bytes, so a count larger than that is a lie; checking
-        // it first keeps a corrupt count from reserving gigabytes.
-        if count > reader.0.len() / 8 {
-            return Err(HeaderDecodeError("header count exceeds the data"));
-        }
-        let mut headers = Vec::with_capacity(count);
-        for _ in 0..count {
-            let name_len = reader.u32()? as usize;
-            let name = std::str::from_utf8(reader.take(name_len)?)
-                .map_err(|_| HeaderDecodeError("header name is not UTF-8"))?
-                .to_owned();
-            let value_len = reader.u32()? as usize;
-            let value = Bytes::copy_from_slice(reader.take(value_len)?);
-            headers.push((name, value));
-        }
-        if !reader.0.is_empty() {
-            return Err(HeaderDecodeError("trailing bytes"));
-        }
-        Ok(headers)
+        decode(bytes, Bytes::copy_from_slice)
     }
+
+    /// [`decode_headers`](Self::decode_headers) of bytes already held in a [`Bytes`]: each
+    /// value is a slice of it, not a copy, so decoding allocates nothing per value (a replay
+    /// from [`MemoryStore`](crate::store::MemoryStore) copies no header value).
+    pub fn decode_headers_shared(bytes: &Bytes) -> Result<Vec<(String, Bytes)>, HeaderDecodeError> {
+        decode(bytes, |value| bytes.slice_ref(value))
+    }
+}
+
+/// The decoder behind both `decode_headers` functions; `value` turns a value's bytes (a
+/// subslice of `bytes`) into its `Bytes`.
+fn decode<'a>(
+    bytes: &'a [u8],
+    value: impl Fn(&'a [u8]) -> Bytes,
+) -> Result<Vec<(String, Bytes)>, HeaderDecodeError> {
+    let mut reader = Reader(bytes);
+    if reader.take(1)? != [FORMAT_V1] {
+        return Err(HeaderDecodeError("unknown format version"));
+    }
+    let count = reader.u32()? as usize;
+    // Every header needs at least 8 bytes, so a count larger than that is a lie; checking
+    // it first keeps a corrupt count from reserving gigabytes.
+    if count > reader.0.len() / 8 {
+        return Err(HeaderDecodeError("header count exceeds the data"));
+    }
+    let mut headers = Vec::with_capacity(count);
+    for _ in 0..count {
+        let name_len = reader.u32()? as usize;
+        let name = std::str::from_utf8(reader.take(name_len)?)
+            .map_err(|_| HeaderDecodeError("header name is not UTF-8"))?
+            .to_owned();
+        let value_len = reader.u32()? as usize;
+        headers.push((name, value(reader.take(value_len)?)));
+    }
+    if !reader.0.is_empty() {
+        return Err(HeaderDecodeError("trailing bytes"));
+    }
+    Ok(headers)
 }
 
 fn len_u32(len: usize) -> u32 {
@@ -135,6 +150,21 @@ mod tests {
         let r = sample();
         let decoded = StoredResponse::decode_headers(&r.encode_headers()).unwrap();
         assert_eq!(decoded, r.headers);
+    }
+
+    #[test]
+    fn shared_decoding_gives_the_same_headers_as_slices_of_the_encoding() {
+        let r = sample();
+        let encoded = Bytes::from(r.encode_headers());
+        let decoded = StoredResponse::decode_headers_shared(&encoded).unwrap();
+        assert_eq!(decoded, r.headers);
+        let within = encoded.as_ptr_range();
+        for (_, value) in decoded.iter().filter(|(_, v)| !v.is_empty()) {
+            assert!(within.contains(&value.as_ptr()), "a value was copied");
+        }
+        for cut in 0..encoded.len() {
+            assert!(StoredResponse::decode_headers_shared(&encoded.slice(..cut)).is_err());
+        }
     }
 
     #[test]
