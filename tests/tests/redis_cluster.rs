@@ -338,8 +338,10 @@ async fn a_primary_failing_over_to_its_replica_under_keyed_load_runs_each_key_on
 }
 
 /// Four clients race two by two on fresh keys (`r-0`, `r-1`, ...) with `lease`, each until it
-/// ran the handler (which takes `handler`) or saw the response, retrying what is unavailable; `disturb` runs on a
-/// thread of its own meanwhile (it gets `cluster` and gives it back with what it returns).
+/// ran the handler (which takes `handler`) or saw the response, retrying what is unavailable.
+/// Once they have drawn [`LOAD_KEYS`] keys, `disturb` runs on a thread of its own (it gets
+/// `cluster` and gives it back with what it returns); the load stops once they have drawn
+/// [`LOAD_KEYS`] more after it.
 /// Then: every key's handler ran exactly once and every key replays its own body. Returns the
 /// cluster, what `disturb` returned and how many calls were unavailable.
 async fn under_keyed_load<T: Send + 'static>(
@@ -366,18 +368,22 @@ async fn under_keyed_load<T: Send + 'static>(
             })
         })
         .collect();
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Load is counted in keys, not timed: on a loaded machine (CI runs these tests side by
+    // side) a fixed 300 ms drew too few keys to mean anything.
+    until_drawn(&next, LOAD_KEYS, Duration::from_secs(30)).await;
     let (cluster, disturbed) = tokio::task::spawn_blocking(move || disturb(cluster))
         .await
         .expect("disturbing thread");
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The clients must make progress again after the disturbance: a cluster that never
+    // recovers fails here, by name.
+    let after = next.load(Ordering::Relaxed) / 2;
+    until_drawn(&next, after + LOAD_KEYS, Duration::from_secs(60)).await;
     stop.store(true, Ordering::Relaxed);
     for worker in workers {
         worker.await.expect("worker");
     }
     let runs = runs.lock().expect("runs").clone();
     let keys = next.load(Ordering::Relaxed) / 2;
-    assert!(keys > 100, "too little load to mean anything: {keys} keys");
     for key in 0..keys {
         // The last key may have been drawn by one worker only, and stopped before it ran.
         let Some(n) = runs.get(&key) else { continue };
@@ -392,6 +398,26 @@ async fn under_keyed_load<T: Send + 'static>(
     let unavailable = unavailable.load(Ordering::Relaxed);
     eprintln!("{keys} keys, {unavailable} calls answered unavailable");
     (cluster, disturbed, unavailable)
+}
+
+/// Keys the clients draw before the disturbance, and again after it.
+const LOAD_KEYS: usize = 60;
+
+/// Waits until the clients of [`under_keyed_load`] have drawn `keys` keys; fails the test if
+/// they have not within `within`.
+async fn until_drawn(next: &AtomicUsize, keys: usize, within: Duration) {
+    let start = std::time::Instant::now();
+    loop {
+        let drawn = next.load(Ordering::Relaxed) / 2;
+        if drawn >= keys {
+            return;
+        }
+        assert!(
+            start.elapsed() < within,
+            "the clients drew {drawn} of {keys} keys in {within:?}: the load stalled"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }
 
 /// One client's attempt at key `key` until it ran the handler or saw its response; calls that
