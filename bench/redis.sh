@@ -4,11 +4,13 @@
 #
 #   bash bench/redis.sh
 #
-# Starts its own redis-server on a free loopback port (no persistence), the bench server twice
-# (modes redis, redis-fast (the replay fast path on) and redis-raw, same connection type: one
-# multiplexed ConnectionManager), warms them, then runs BENCH_RUNS rounds; each round runs every
-# case right after its anchor on the same wrk script, and the table reports the median ratio
-# over the rounds with its spread.
+# Starts its own redis-server on a free loopback port (no persistence), the bench server in modes
+# redis and redis-raw (same connection type: one multiplexed ConnectionManager), warms them, then
+# runs BENCH_RUNS rounds; each round runs every case right after its anchor on the same wrk
+# script, and the table reports the median ratio over the rounds with its spread.
+# BENCH_BASELINE_SERVER=<another build's bench_server> adds its redis mode as a third case
+# ("before"), e.g. the last commit's build, so a change is measured against it in the same run
+# (on its own prefix, so the two stores' records never meet).
 # Knobs: BENCH_DURATION (s per run, 10), BENCH_RUNS (5), BENCH_THREADS (2), BENCH_CONNECTIONS (64),
 # BENCH_WORKERS (2). Raw results: bench-results/redis-<time>.jsonl.
 set -euo pipefail
@@ -53,10 +55,18 @@ for _ in $(seq 1 50); do redis-cli -p "$REDIS_PORT" ping >/dev/null 2>&1 && brea
 REDIS_URL="redis://127.0.0.1:$REDIS_PORT"
 
 declare -A PORT
-for mode in redis redis-fast redis-raw; do
+CASES=(redis redis-raw)
+[ -n "${BENCH_BASELINE_SERVER:-}" ] && CASES+=(before)
+for mode in "${CASES[@]}"; do
   PORT[$mode]=$(free_port)
-  "$SERVER" serve --mode "$mode" --addr "127.0.0.1:${PORT[$mode]}" --workers "$WORKERS" \
-    --redis-url "$REDIS_URL" >"$WORK/$mode.log" 2>&1 &
+  if [ "$mode" = before ]; then
+    # Another database number: the earlier build's records may have another format.
+    "$BENCH_BASELINE_SERVER" serve --mode redis --addr "127.0.0.1:${PORT[$mode]}" \
+      --workers "$WORKERS" --redis-url "$REDIS_URL/1" >"$WORK/$mode.log" 2>&1 &
+  else
+    "$SERVER" serve --mode "$mode" --addr "127.0.0.1:${PORT[$mode]}" --workers "$WORKERS" \
+      --redis-url "$REDIS_URL" >"$WORK/$mode.log" 2>&1 &
+  fi
   PIDS+=("$!")
   for _ in $(seq 1 100); do
     curl -s -o /dev/null -X POST -H 'content-type: application/json' -d '{}' "http://127.0.0.1:${PORT[$mode]}/payments" && break
@@ -70,7 +80,7 @@ run() { # mode script run-id
 }
 
 log "warm-up (stores the replay keys)"
-for mode in redis redis-fast redis-raw; do
+for mode in "${CASES[@]}"; do
   wrk -t"$THREADS" -c"$CONNECTIONS" -d2s -s bench/replay.lua "http://127.0.0.1:${PORT[$mode]}" >/dev/null
 done
 
@@ -79,8 +89,9 @@ for round in $(seq 1 "$RUNS"); do
   for script in miss replay; do
     anchor=$(run redis-raw "$script" "$round-a")
     store=$(run redis "$script" "$round-s")
-    fast=$(run redis-fast "$script" "$round-f")
-    printf '{"round":%d,"path":"%s","anchor":%s,"store":%s,"fast":%s}\n' "$round" "$script" "$anchor" "$store" "$fast" | tee -a "$RESULTS" >&2
+    before=null
+    [ -n "${BENCH_BASELINE_SERVER:-}" ] && before=$(run before "$script" "$round-b")
+    printf '{"round":%d,"path":"%s","anchor":%s,"store":%s,"before":%s}\n' "$round" "$script" "$anchor" "$store" "$before" | tee -a "$RESULTS" >&2
   done
 done
 LOAD_END=$(cut -d' ' -f1-3 /proc/loadavg)
@@ -89,11 +100,11 @@ python3 - "$RESULTS" "$LOAD_END" <<'PY'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
 print(f"\nRedis store vs raw Redis anchor (load at end {sys.argv[2]}); ratio = store rps / anchor rps")
-print("store: the default store; fast: replay_fast_path(true)")
+print("store: this build's store; before: BENCH_BASELINE_SERVER's, when given")
 print(f"{'path':8} {'store':6} {'anchor rps':>11} {'store rps':>10} {'ratio (median)':>15} {'min..max':>12} {'store p99 ms':>13}")
 for path in ("miss", "replay"):
     r = [x for x in rows if x["path"] == path]
-    for store in ("store", "fast"):
+    for store in [s for s in ("store", "before") if r and r[0][s] is not None]:
         ratios = [x[store]["rps"] / x["anchor"]["rps"] for x in r]
         print(f"{path:8} {store:6} {statistics.median(x['anchor']['rps'] for x in r):>11.0f} "
               f"{statistics.median(x[store]['rps'] for x in r):>10.0f} {statistics.median(ratios):>15.3f} "

@@ -5,7 +5,7 @@
 //!     [--addr 127.0.0.1:18080] [--workers 2] [--database-url URL] [--pool 16] [--sync-commit off]
 //!     [--max-entries 100000] [--metrics prometheus] [--body-bytes N] [--tenant-header NAME]
 //!     [--replay-fast-path on] [--prefill N]
-//! bench_server serve --mode redis|redis-fast|redis-raw --redis-url redis://127.0.0.1:6379 [--workers 2]
+//! bench_server serve --mode redis|redis-raw --redis-url redis://127.0.0.1:6379 [--workers 2]
 //! bench_server footprint [--records 100000]
 //! bench_server migrate --database-url URL
 //! ```
@@ -27,7 +27,6 @@
 //!   the middleware's work except its round trips.
 //!
 //! - `redis`: behind `Idempotency` with the Redis store (one multiplexed connection).
-//! - `redis-fast`: the same with `RedisStoreBuilder::replay_fast_path(true)`.
 //! - `redis-raw`: no middleware; the handler sends the least Redis commands a hand-written
 //!   idempotent endpoint needs over the same kind of connection: a replay is one `GET` of the
 //!   stored response; a miss is `SET key token NX PX lease`, the handler, then `SET key
@@ -301,15 +300,6 @@ async fn serve(args: Args) -> std::io::Result<()> {
             args,
             idempotency_actix::store::RedisStore::builder()
                 .wait_for_replicas(args.redis_wait, Duration::from_millis(100))
-                .connect(&args.redis_url)
-                .await
-                .map_err(std::io::Error::other)?
-        ),
-        #[cfg(feature = "redis")]
-        "redis-fast" => serve_with_store!(
-            args,
-            idempotency_actix::store::RedisStore::builder()
-                .replay_fast_path(true)
                 .connect(&args.redis_url)
                 .await
                 .map_err(std::io::Error::other)?

@@ -1,6 +1,6 @@
 //! `idem-cli` against a `RedisStore` (`--redis-url` / `REDIS_URL`): `list`, `show`, `stats` and
-//! `release` read the records the store writes (one hash per record, see
-//! `idempotency_actix::store::redis`); `migrate` and `purge` have nothing to do.
+//! `release` read the records the store writes (one string per record, decoded by
+//! `idempotency_actix::store::redis::record`); `migrate` and `purge` have nothing to do.
 //!
 //! Records are found with `SCAN MATCH <prefix>...` (never `KEYS`, which blocks the server).
 //! On a Redis Cluster (the URL names any of its nodes: the command asks it with
@@ -12,7 +12,6 @@
 //! the store uses for leases and TTLs. The output is the PostgreSQL commands' own (same
 //! columns, same JSON).
 
-use std::collections::HashMap;
 use std::time::Duration;
 
 use futures_util::future::try_join_all;
@@ -20,7 +19,7 @@ use idempotency_actix::store::postgres::admin::{Detail, Record, State, Time};
 use idempotency_actix::store::redis::redis::aio::{ConnectionLike, MultiplexedConnection};
 use idempotency_actix::store::redis::redis::{self, RedisError};
 use idempotency_actix::store::redis::{
-    cluster_enabled, encode_key_part, fields, parse_record_key, KeyScan, DEFAULT_PREFIX,
+    cluster_enabled, encode_key_part, parse_record_key, record, KeyScan, DEFAULT_PREFIX,
 };
 use idempotency_actix::store::Scope;
 use serde_json::json;
@@ -214,34 +213,49 @@ impl<C: Conn> Redis<'_, C> {
     ) -> Result<Vec<Found>, CliError> {
         let mut found = Vec::new();
         for chunk in keys.chunks(READ_BATCH) {
-            // One `HGETALL` per key, all in flight at once: pipelined on one server's
-            // connection, each sent to its own node on a cluster (where a pipeline may not
-            // span slots).
+            // `GET` and `PTTL` per key (one pipeline, one slot), all keys in flight at once:
+            // pipelined on one server's connection, each sent to its own node on a cluster
+            // (where a pipeline may not span slots). A key of another type answers an error
+            // (`WRONGTYPE`): not a record, skipped.
             let reads = chunk.iter().map(|key| {
                 let mut conn = self.conn.clone();
                 async move {
-                    redis::cmd("HGETALL")
+                    let read: Result<(Option<Vec<u8>>, i64), RedisError> = redis::pipe()
+                        .cmd("GET")
                         .arg(key.as_slice())
-                        .query_async::<HashMap<String, Vec<u8>>>(&mut conn)
-                        .await
+                        .cmd("PTTL")
+                        .arg(key.as_slice())
+                        .query_async(&mut conn)
+                        .await;
+                    match read {
+                        Err(e) if e.kind() == redis::ErrorKind::TypeError => Ok(None),
+                        Err(e) if e.code() == Some("WRONGTYPE") => Ok(None),
+                        Err(e) => Err(e),
+                        Ok((value, pttl_ms)) => Ok(value.map(|v| (v, pttl_ms))),
+                    }
                 }
             });
-            let hashes = try_join_all(reads).await.map_err(failed)?;
-            for (key, mut hash) in chunk.iter().zip(hashes) {
+            let values = try_join_all(reads).await.map_err(failed)?;
+            for (key, value) in chunk.iter().zip(values) {
+                let Some((bytes, pttl_ms)) = value else {
+                    continue;
+                };
                 let Some(scope) = parse_record_key(self.prefix, key) else {
                     continue;
                 };
-                let Some(record) = self.record(scope, &hash) else {
+                let Ok(stored) = record::decode(bytes.into()) else {
                     continue;
                 };
-                let (headers, body) = if with_response {
-                    (hash.remove(fields::HEADERS), hash.remove(fields::BODY))
-                } else {
-                    (None, None)
+                let response = match &stored.state {
+                    record::State::Completed { response, .. } if with_response => {
+                        Some((response.encode_headers(), response.body.to_vec()))
+                    }
+                    _ => None,
                 };
+                let (headers, body) = response.unzip();
                 found.push(Found {
                     key: key.clone(),
-                    record,
+                    record: self.record(scope, &stored, pttl_ms),
                     headers,
                     body,
                 });
@@ -250,39 +264,48 @@ impl<C: Conn> Redis<'_, C> {
         Ok(found)
     }
 
-    fn record(&self, scope: Scope, hash: &HashMap<String, Vec<u8>>) -> Option<Record> {
-        let text = |name: &str| {
-            hash.get(name)
-                .and_then(|v| std::str::from_utf8(v).ok())
-                .map(str::to_owned)
+    /// `stored` as the PostgreSQL commands show a row. A reservation's lease ends where its
+    /// key's remaining life (`pttl_ms`) falls to its grace, by Redis's clock (`now_us`).
+    fn record(&self, scope: Scope, stored: &record::Record, pttl_ms: i64) -> Record {
+        let at = |us: u64| Time::from_unix_micros(i64::try_from(us).unwrap_or(i64::MAX));
+        let (state, lease_end, completed_at, expires_at, status, body_len) = match &stored.state {
+            record::State::InFlight { grace_us, .. } => {
+                let life_us = pttl_ms.max(0).saturating_mul(1000);
+                let grace = i64::try_from(*grace_us).unwrap_or(i64::MAX);
+                let end = Time::from_unix_micros(
+                    self.now_us.saturating_add(life_us).saturating_sub(grace),
+                );
+                (State::InFlight, Some(end), None, end, None, None)
+            }
+            record::State::Completed {
+                completed_us,
+                expires_us,
+                response,
+            } => (
+                State::Completed,
+                None,
+                Some(at(*completed_us)),
+                at(*expires_us),
+                i16::try_from(response.status).ok(),
+                i32::try_from(response.body.len()).ok(),
+            ),
         };
-        let number = |name: &str| text(name).and_then(|v| v.parse::<i64>().ok());
-        let state = match text(fields::STATE)?.as_str() {
-            fields::IN_FLIGHT => State::InFlight,
-            fields::COMPLETED => State::Completed,
-            _ => return None,
-        };
-        let created = number(fields::CREATED_AT)?;
-        let expires = number(fields::EXPIRES_AT)?;
-        let in_flight = state == State::InFlight;
-        Some(Record {
+        Record {
             tenant: scope.tenant,
             method: scope.method,
             path: scope.path,
             idempotency_key: scope.key,
-            fingerprint: hash.get(fields::FINGERPRINT).cloned().unwrap_or_default(),
+            fingerprint: stored.fingerprint.as_bytes().to_vec(),
             state,
-            token: text(fields::TOKEN).and_then(|t| uuid::Uuid::parse_str(&t).ok()),
-            locked_until: in_flight.then(|| Time::from_unix_micros(expires)),
-            response_status: number(fields::STATUS).and_then(|s| i16::try_from(s).ok()),
-            created_at: Time::from_unix_micros(created),
-            completed_at: number(fields::COMPLETED_AT).map(Time::from_unix_micros),
-            expires_at: Time::from_unix_micros(expires),
-            body_bytes: hash
-                .get(fields::BODY)
-                .and_then(|b| i32::try_from(b.len()).ok()),
+            token: Some(stored.token.as_uuid()),
+            locked_until: lease_end,
+            response_status: status,
+            created_at: at(stored.created_us),
+            completed_at,
+            expires_at,
+            body_bytes: body_len,
             read_at: Time::from_unix_micros(self.now_us),
-        })
+        }
     }
 }
 
@@ -483,27 +506,13 @@ async fn stats(
     out.flush()
 }
 
-/// Delete the record only if it is still what was inspected (state and token) and, without
-/// force, still a reservation whose lease ended by the server's clock.
-const RELEASE_SCRIPT: &str = r"
-local r = redis.call('HMGET', KEYS[1], 'st', 'tok', 'ex')
-if r[1] ~= ARGV[1] or (r[2] or '') ~= ARGV[2] then return 0 end
-if ARGV[3] ~= '1' then
-  local t = redis.call('TIME')
-  local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-  if r[1] ~= 'f' or tonumber(r[3]) > now then return 0 end
-end
-redis.call('DEL', KEYS[1])
-return 1
-";
-
 async fn release(
     redis: &mut Redis<'_, impl Conn>,
     args: &ReleaseArgs,
     format: Format,
     out: &mut Out,
 ) -> Result<(), CliError> {
-    let script = redis::Script::new(RELEASE_SCRIPT);
+    let script = redis::Script::new(record::RELEASE_INSPECTED);
     let mut refusals: Vec<String> = Vec::new();
     for key in &args.keys {
         let found = matching(redis, key, &args.scope, false).await?;
@@ -531,14 +540,18 @@ async fn release(
         };
         let row = &f.record;
         let state = if row.is_in_flight() {
-            fields::IN_FLIGHT
+            record::IN_FLIGHT
         } else {
-            fields::COMPLETED
+            record::COMPLETED
         };
         let deleted: i64 = script
             .key(f.key.as_slice())
-            .arg(state)
-            .arg(row.token.map(|t| t.to_string()).unwrap_or_default())
+            .arg(&[state][..])
+            .arg(
+                row.token
+                    .map(|t| t.hyphenated().to_string())
+                    .unwrap_or_default(),
+            )
             .arg(if args.force { "1" } else { "0" })
             .invoke_async(&mut redis.conn)
             .await

@@ -5,10 +5,9 @@
 //!
 //! Each prints a `COUNTS` line (run with `--nocapture` to see it).
 
-use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use idempotency_actix::store::redis::{fields, parse_record_key, redis, DEFAULT_PREFIX};
+use idempotency_actix::store::redis::{parse_record_key, record, redis, DEFAULT_PREFIX};
 use idempotency_e2e::faults::{
     self, classify, keys_logged_unstored, serial, strip_ansi, two_instances_exactly_once,
     wait_until, Load, Seen, Tally, CLIENT_TIMEOUT, TWO_INSTANCE_DISTINCT,
@@ -47,7 +46,7 @@ struct Rec {
     body: Option<Vec<u8>>,
 }
 
-/// Every record under the store's prefix, by Idempotency-Key (SCAN + HGETALL).
+/// Every record under the store's prefix, by Idempotency-Key (SCAN + GET).
 fn records(url: &str) -> Vec<(String, Rec)> {
     let url = url.to_owned();
     idempotency_e2e::block_on_fresh_thread(async move {
@@ -72,23 +71,26 @@ fn records(url: &str) -> Vec<(String, Rec)> {
                 let Some(scope) = parse_record_key(DEFAULT_PREFIX, &key) else {
                     continue;
                 };
-                let mut hash: HashMap<String, Vec<u8>> = redis::cmd("HGETALL")
+                let value: Option<Vec<u8>> = redis::cmd("GET")
                     .arg(&key)
                     .query_async(&mut conn)
                     .await
-                    .expect("HGETALL");
-                let text = |v: Option<Vec<u8>>| v.map(|b| String::from_utf8_lossy(&b).into_owned());
-                let state = match text(hash.remove(fields::STATE)).as_deref() {
-                    Some(fields::IN_FLIGHT) => State::InFlight,
-                    Some(fields::COMPLETED) => State::Completed,
-                    _ => continue,
+                    .expect("GET");
+                let Some(stored) = value.and_then(|v| record::decode(v.into()).ok()) else {
+                    continue;
+                };
+                let (state, body) = match stored.state {
+                    record::State::InFlight { .. } => (State::InFlight, None),
+                    record::State::Completed { response, .. } => {
+                        (State::Completed, Some(response.body.to_vec()))
+                    }
                 };
                 out.push((
                     scope.key,
                     Rec {
                         state,
-                        token: text(hash.remove(fields::TOKEN)),
-                        body: hash.remove(fields::BODY),
+                        token: Some(stored.token.as_uuid().hyphenated().to_string()),
+                        body,
                     },
                 ));
             }

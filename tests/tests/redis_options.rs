@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use idempotency_actix::store::redis::redis;
-use idempotency_actix::store::redis::RedisStore;
+use idempotency_actix::store::redis::{record, RedisStore};
 use idempotency_actix::store::{
     IdempotencyStore, ReserveOutcome, Scope, StoreError, StoredResponse, WriteOutcome,
 };
@@ -98,17 +98,19 @@ async fn wait_for_replicas_with_a_replica() {
         Some(WriteOutcome::Applied)
     );
     let mut replica_conn = conn(&replica.url()).await;
-    let fields: Vec<Option<Vec<u8>>> = redis::cmd("HMGET")
+    let value: Option<Vec<u8>> = redis::cmd("GET")
         .arg(store.key_of(&s))
-        .arg("b")
         .query_async(&mut replica_conn)
         .await
-        .expect("HMGET on the replica");
-    assert_eq!(
-        fields,
-        vec![Some(b"paid".to_vec())],
-        "completed on the replica"
-    );
+        .expect("GET on the replica");
+    let body = match value.map(|v| record::decode(v.into())) {
+        Some(Ok(record::Record {
+            state: record::State::Completed { response, .. },
+            ..
+        })) => Some(response.body.to_vec()),
+        _ => None,
+    };
+    assert_eq!(body, Some(b"paid".to_vec()), "completed on the replica");
 }
 
 /// Without a replica, `WAIT` times out: the reservation is given back and the call fails as

@@ -60,25 +60,6 @@ async fn redis_store_conforms() {
     conformance::run_all(&store).await;
 }
 
-/// The same suite with the replay fast path on (native `HMGET` + `PTTL` before the script).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_store_with_replay_fast_path_conforms() {
-    let redis = RedisServer::start();
-    let store = fast_store(&redis).await;
-    conformance::run_all(&store).await;
-}
-
-async fn fast_store(redis: &RedisServer) -> RedisStore {
-    match RedisStore::builder()
-        .replay_fast_path(true)
-        .connect(&redis.url())
-        .await
-    {
-        Ok(store) => store,
-        Err(e) => panic!("connect to {}: {e}", redis.url()),
-    }
-}
-
 async fn reset_stats(conn: &mut redis::aio::MultiplexedConnection) {
     let _: () = redis::cmd("CONFIG")
         .arg("RESETSTAT")
@@ -87,16 +68,23 @@ async fn reset_stats(conn: &mut redis::aio::MultiplexedConnection) {
         .expect("RESETSTAT");
 }
 
-/// With the replay fast path, a replay is `HMGET` + `PTTL` and no script, byte-exact and with
-/// the record's remaining TTL; a miss and a live reservation still go through the script.
+/// C26 without a script where none is needed: a miss reserves with one native `SET NX GET`
+/// (and `TIME`, pipelined), a replay is the same two native commands, byte-exact and with the
+/// record's remaining TTL; only a live reservation (a concurrent duplicate) goes on to the
+/// reserve script.
 #[tokio::test]
-async fn replay_fast_path_replays_with_native_commands_only() {
+async fn misses_and_replays_use_native_commands_only() {
     let redis = RedisServer::start();
-    let store = fast_store(&redis).await;
+    let store = store(&redis).await;
     let mut conn = redis_conn(&redis).await;
-    let s = scope("t", "fast");
+    let s = scope("t", "native");
     let stored = response(b"\x00body\xff");
+
+    reset_stats(&mut conn).await;
     let token = reserved(&store, &s, &FP_A, LEASE).await;
+    assert_eq!(command_calls(&mut conn, "set").await, 1);
+    assert_eq!(command_calls(&mut conn, "time").await, 1);
+    assert_eq!(command_calls(&mut conn, "evalsha").await, 0, "no script");
     store
         .complete(&s, &token, &stored, TTL)
         .await
@@ -122,24 +110,21 @@ async fn replay_fast_path_replays_with_native_commands_only() {
         }
         other => panic!("expected the replay, got {other:?}"),
     }
-    assert_eq!(command_calls(&mut conn, "hmget").await, 1);
-    assert_eq!(command_calls(&mut conn, "pttl").await, 1);
+    assert_eq!(command_calls(&mut conn, "set").await, 1);
+    assert_eq!(command_calls(&mut conn, "time").await, 1);
     assert_eq!(command_calls(&mut conn, "evalsha").await, 0, "no script");
 
-    // A miss: the read finds nothing, the script reserves.
+    // A live reservation: the script decides (it may not be taken over).
+    let busy = scope("t", "busy");
+    reserved(&store, &busy, &FP_A, LEASE).await;
+    // Once to load the script (a first EVALSHA answers NOSCRIPT), then counted.
+    let _ = store.reserve(&busy, &FP_A, LEASE).await;
     reset_stats(&mut conn).await;
-    let miss = scope("t", "fast-miss");
-    reserved(&store, &miss, &FP_A, LEASE).await;
-    // commandstats counts a script's own commands too: the fast path's HMGET and the script's.
-    assert_eq!(command_calls(&mut conn, "hmget").await, 2);
-    assert_eq!(command_calls(&mut conn, "pttl").await, 1);
-    assert_eq!(command_calls(&mut conn, "evalsha").await, 1);
-    // A live reservation is not a completed record: the script answers it.
     assert!(matches!(
-        store.reserve(&miss, &FP_A, LEASE).await,
+        store.reserve(&busy, &FP_A, LEASE).await,
         Ok(ReserveOutcome::InFlight { .. })
     ));
-    assert_eq!(command_calls(&mut conn, "evalsha").await, 2);
+    assert_eq!(command_calls(&mut conn, "evalsha").await, 1);
 }
 
 /// C12 without purge: Redis drops an expired completed record and, after lease + grace, a dead
@@ -327,10 +312,11 @@ async fn unsafe_prefix_is_refused() {
     }
 }
 
-/// C26: reserve, complete, release and a replay are one EVALSHA each (the scripts are loaded
-/// once), and a flushed script cache is reloaded transparently (NOSCRIPT).
+/// C26: reserve and a replay are one native `SET` each, complete and release one EVALSHA each
+/// (the scripts are loaded once), and a flushed script cache is reloaded transparently
+/// (NOSCRIPT).
 #[tokio::test]
-async fn each_operation_is_one_evalsha_and_noscript_reloads() {
+async fn each_operation_is_one_command_and_noscript_reloads() {
     let redis = RedisServer::start();
     let store = store(&redis).await;
     let mut conn = redis_conn(&redis).await;
@@ -362,9 +348,11 @@ async fn each_operation_is_one_evalsha_and_noscript_reloads() {
     ));
     assert_eq!(
         command_calls(&mut conn, "evalsha").await,
-        5,
-        "5 operations, 5 EVALSHA"
+        2,
+        "a complete and a release"
     );
+    // Two reserves and a replay; the scripts' own SETs count too (one, the complete's).
+    assert_eq!(command_calls(&mut conn, "set").await, 4);
     for other in ["eval", "script|load", "ping", "multi", "exec", "watch"] {
         assert_eq!(
             command_calls(&mut conn, other).await,
@@ -378,7 +366,16 @@ async fn each_operation_is_one_evalsha_and_noscript_reloads() {
         .query_async(&mut conn)
         .await
         .expect("SCRIPT FLUSH");
-    reserved(&store, &scope("t", "after-flush"), &FP_A, LEASE).await;
+    // The complete script is reloaded on NOSCRIPT.
+    let after = scope("t", "after-flush");
+    let token = reserved(&store, &after, &FP_A, LEASE).await;
+    assert_eq!(
+        store
+            .complete(&after, &token, &response(b"f"), TTL)
+            .await
+            .ok(),
+        Some(WriteOutcome::Applied)
+    );
 }
 
 /// C15: Redis down is `StoreError::Unavailable` within the timeout, not a hang; the store
@@ -498,4 +495,47 @@ async fn connect_works_for_a_user_without_info() {
         .await
         .expect("a user without INFO still connects");
     reserved(&store, &scope("t", "acl"), &FP_A, LEASE).await;
+}
+
+/// A key at a record's place that is not a record (a hash written by an earlier build of this
+/// store, or by another program) is a store error, never overwritten and never taken for a
+/// miss.
+#[tokio::test]
+async fn a_key_that_is_not_a_record_is_an_error_and_left_alone() {
+    let redis = RedisServer::start();
+    let store = store(&redis).await;
+    let mut conn = redis_conn(&redis).await;
+    let (hash, text) = (scope("t", "hash"), scope("t", "text"));
+    let _: () = redis::cmd("HSET")
+        .arg(store.key_of(&hash))
+        .arg("st")
+        .arg("c")
+        .query_async(&mut conn)
+        .await
+        .expect("HSET");
+    let _: () = redis::cmd("SET")
+        .arg(store.key_of(&text))
+        .arg("not a record")
+        .query_async(&mut conn)
+        .await
+        .expect("SET");
+    for s in [&hash, &text] {
+        let result = store.reserve(s, &FP_A, LEASE).await;
+        assert!(
+            matches!(result, Err(StoreError::Backend(_))),
+            "{s:?}: {result:?}"
+        );
+    }
+    let kind: String = redis::cmd("TYPE")
+        .arg(store.key_of(&hash))
+        .query_async(&mut conn)
+        .await
+        .expect("TYPE");
+    assert_eq!(kind, "hash");
+    let value: String = redis::cmd("GET")
+        .arg(store.key_of(&text))
+        .query_async(&mut conn)
+        .await
+        .expect("GET");
+    assert_eq!(value, "not a record");
 }

@@ -6,40 +6,39 @@
 //! and no purge job. `docs/redis.md` is the operator's guide (persistence, failover, eviction).
 //!
 //! # Layout
-//! One Redis hash per record, at the key
+//! One Redis string per record, at the key
 //! `<prefix><tenant>:<method>:<path>:<key>` (default prefix `idem:`), each part
 //! percent-encoded ([`record_key`]): every byte outside `A-Z a-z 0-9 - . _ ~ /` becomes `%XX`,
 //! so `:` only ever separates parts (no two scopes share a key), and no key holds `{`/`}`
 //! (Redis Cluster hash tags: a record is one key, so one slot) or a glob character (`*?[]\`,
 //! so the CLI's `SCAN MATCH` patterns are exact). The request path never scans.
 //!
-//! Fields: `st` (`f` in flight, `c` completed), `fp` (32 raw bytes), `tok` (the reservation
-//! token; kept after completion, absent from records completed by earlier versions), `ca`
-//! (reserved at), `co` (completed at), `ex` (lease end for a reservation, expiry for a
-//! completed record), times in microseconds of the server's clock;
-//! and for completed records `s` (status), `h` (headers, [`StoredResponse::encode_headers`]) and
-//! `b` (the body), all byte-exact.
+//! The record's bytes (state, fingerprint, token, times, and the response of a completed
+//! record, byte-exact) are [`record`]'s business, and only its.
 //!
 //! # Round trips, atomicity, time
-//! `reserve`, `complete` and `release` are one `EVALSHA` each, of a Lua script loaded once
-//! and called by its hash (the redis crate's [`Script`] reloads it on `NOSCRIPT`, e.g. after
-//! a restart or failover). Redis runs a script alone, so each operation is atomic; the rules
-//! are PostgreSQL's (`migrations/*_reserve_function/up.sql`, `store/postgres/sql.rs`):
-//! - reserve reads first and writes only for an absent key, an expired completed record, or a
-//!   reservation whose lease ended *and* whose fingerprint is the caller's (a takeover);
-//! - complete and release apply only while the caller's token holds an in-flight
-//!   reservation, so a holder's late `complete` (after its lease) applies until a takeover; a
-//!   second `complete` by the token that completed the record answers applied and changes
-//!   nothing (so a retried completion, after a lost reply or an unacknowledged `WAIT`, is not
-//!   taken for a takeover).
+//! Every call is one round trip and atomic; the rules are PostgreSQL's
+//! (`migrations/*_reserve_function/up.sql`, `store/postgres/sql.rs`):
+//! - `reserve` sends `SET key <reservation> NX GET PX <lease + grace>` with `TIME` behind it
+//!   (pipelined). Redis's own `SET` decides the race for an absent key: it writes the
+//!   reservation and answers nil (reserved), or writes nothing and answers the record there
+//!   (a completed one is a replay; `TIME` gives what is left of its TTL). Only when it finds
+//!   a reservation does the store call the reserve script (a second round trip, for
+//!   concurrent duplicates and takeovers alone), which reads and writes in one step: it takes
+//!   the key over only if the reservation's lease ended *and* its fingerprint is the caller's.
+//! - `complete` and `release` are one `EVALSHA` each, of a Lua script loaded once and called
+//!   by its hash (the redis crate's [`Script`] reloads it on `NOSCRIPT`, e.g. after a restart
+//!   or failover). Redis runs a script alone. They apply only while the caller's token holds
+//!   an in-flight reservation, so a holder's late `complete` (after its lease) applies until a
+//!   takeover; a second `complete` by the token that completed the record answers applied and
+//!   changes nothing (so a retried completion, after a lost reply or an unacknowledged
+//!   `WAIT`, is not taken for a takeover).
 //!
-//! With [`RedisStoreBuilder::replay_fast_path`] (off by default), `reserve` first reads the
-//! record with native `HMGET` + `PTTL` (pipelined, one round trip) and answers a completed
-//! record from them; anything else goes on to the script. A read takes no part in the race:
-//! it only ever returns what is already stored, and every write still happens in a script.
-//!
-//! Time is the Redis server's (`TIME` inside the scripts), so app instances with skewed clocks
-//! agree. Expiry is Redis's own (`PEXPIRE`): a completed record goes with its TTL; a
+//! Time is the Redis server's, so app instances with skewed clocks agree: a reservation's
+//! lease ends where its key's remaining life (`PTTL`) falls to its grace, and a completed
+//! record's times come from `TIME` in the complete script. (The one exception is a record's
+//! "reserved at", written by the reserving instance with its `SET` and only ever shown by
+//! `idem-cli`.) Expiry is Redis's own (`PX`): a completed record goes with its TTL; a
 //! reservation lives for its lease plus [`RedisStoreBuilder::in_flight_grace`] (default 24 h,
 //! like `idem-cli purge --grace`), so an ended reservation still refuses another body and
 //! accepts its holder's late `complete` for that long. Nothing needs purging:
@@ -86,6 +85,7 @@ use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::{RedisError, Script, Value};
 
 mod nodes;
+pub mod record;
 pub use nodes::{cluster_enabled, KeyScan};
 
 use super::{
@@ -120,33 +120,6 @@ const KEY_PART: &AsciiSet = &NON_ALPHANUMERIC
     .remove(b'~')
     .remove(b'/');
 
-/// The record fields, for tools (idem-cli) that read records directly.
-pub mod fields {
-    /// State: [`IN_FLIGHT`] or [`COMPLETED`].
-    pub const STATE: &str = "st";
-    /// State value of a reservation.
-    pub const IN_FLIGHT: &str = "f";
-    /// State value of a completed record.
-    pub const COMPLETED: &str = "c";
-    /// Fingerprint, 32 raw bytes.
-    pub const FINGERPRINT: &str = "fp";
-    /// Reservation token (UUID text); kept when the record is completed (a retried `complete`
-    /// by the same token is answered as applied).
-    pub const TOKEN: &str = "tok";
-    /// Reserved at, microseconds since the Unix epoch (server clock).
-    pub const CREATED_AT: &str = "ca";
-    /// Completed at, microseconds since the Unix epoch.
-    pub const COMPLETED_AT: &str = "co";
-    /// Lease end (in flight) or expiry (completed), microseconds since the Unix epoch.
-    pub const EXPIRES_AT: &str = "ex";
-    /// Stored status code (decimal text).
-    pub const STATUS: &str = "s";
-    /// Stored headers, [`crate::store::StoredResponse::encode_headers`].
-    pub const HEADERS: &str = "h";
-    /// Stored body, byte for byte.
-    pub const BODY: &str = "b";
-}
-
 /// What [`RedisStoreBuilder::connect`] does when the server's `maxmemory-policy` may evict
 /// records.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -170,7 +143,6 @@ pub struct RedisStoreBuilder {
     response_timeout: Duration,
     eviction_check: EvictionCheck,
     wait: Option<(u32, Duration)>,
-    replay_fast_path: bool,
     connections: Option<usize>,
 }
 
@@ -183,7 +155,6 @@ impl Default for RedisStoreBuilder {
             response_timeout: DEFAULT_RESPONSE_TIMEOUT,
             eviction_check: EvictionCheck::Warn,
             wait: None,
-            replay_fast_path: false,
             connections: None,
         }
     }
@@ -252,19 +223,6 @@ impl RedisStoreBuilder {
     /// app's own (`with_connection`, `from_connection`) uses that one.
     pub fn connections(mut self, n: usize) -> Self {
         self.connections = Some(n.max(1));
-        self
-    }
-
-    /// Read a live completed record with native commands before calling the reserve script
-    /// (default off). On: every `reserve` first sends `HMGET` of the record's response fields
-    /// and `PTTL`, pipelined in one round trip; a completed record is answered from them (Redis
-    /// never returns an expired key, so a completed record it returns is live), and only
-    /// anything else goes on to the script (a second round trip). It saves Redis the script on
-    /// each replay and costs every miss a round trip: worth it only for replay-heavy traffic
-    /// (measured in `docs/redis.md`, "Benchmarks"). A completed record can be replayed for up
-    /// to 1 ms past its TTL this way (Redis expires it on a whole millisecond).
-    pub fn replay_fast_path(mut self, on: bool) -> Self {
-        self.replay_fast_path = on;
         self
     }
 
@@ -360,6 +318,7 @@ impl RedisStoreBuilder {
             ));
         };
         let mut probe = first.clone();
+        check_version(&mut probe, self.response_timeout).await?;
         check_eviction(&mut probe, self.eviction_check, self.response_timeout).await?;
         Ok(self.build_unchecked(conns))
     }
@@ -393,7 +352,6 @@ impl RedisStoreBuilder {
                 grace_us: micros(self.in_flight_grace),
                 timeout: self.response_timeout,
                 wait: self.wait,
-                replay_fast_path: self.replay_fast_path,
                 reserve: Script::new(include_str!("redis/reserve.lua")),
                 complete: Script::new(include_str!("redis/complete.lua")),
                 release: Script::new(include_str!("redis/release.lua")),
@@ -421,7 +379,6 @@ struct Inner {
     grace_us: u64,
     timeout: Duration,
     wait: Option<(u32, Duration)>,
-    replay_fast_path: bool,
     reserve: Script,
     complete: Script,
     release: Script,
@@ -505,39 +462,37 @@ where
         }
     }
 
-    /// The replay fast path ([`RedisStoreBuilder::replay_fast_path`]): `HMGET` and `PTTL` of
-    /// the record, pipelined (both name the record's key, so on Redis Cluster they go to its
-    /// node). `Some` only for a completed record, decoded as the script's reply is.
-    async fn replay_read(&self, key: &str) -> Result<Option<ReserveOutcome>, StoreError> {
-        let mut conn = self.pick();
-        let (fields, pttl_ms): (Vec<Value>, i64) = self
+    /// The native half of `reserve`: `SET key <reservation> NX GET PX <life>` and `TIME`,
+    /// pipelined (`TIME` names no key, so on a cluster it goes with the `SET` to the record's
+    /// node, the clock that wrote the record's times). `None`: reserved; otherwise the record
+    /// that was there, untouched, and Redis's clock in microseconds.
+    async fn set_or_get(
+        &self,
+        conn: &mut C,
+        key: &str,
+        reservation: &[u8],
+        life_ms: u64,
+    ) -> Result<Option<(Bytes, u64)>, StoreError> {
+        let (existing, (secs, micros)): (Option<Vec<u8>>, (u64, u64)) = self
             .timed(
                 redis::pipe()
-                    .cmd("HMGET")
+                    .cmd("SET")
                     .arg(key)
-                    .arg("st")
-                    .arg("fp")
-                    .arg("s")
-                    .arg("h")
-                    .arg("b")
-                    .cmd("PTTL")
-                    .arg(key)
-                    .query_async(&mut conn),
+                    .arg(reservation)
+                    .arg("NX")
+                    .arg("GET")
+                    .arg("PX")
+                    .arg(life_ms)
+                    .cmd("TIME")
+                    .query_async(conn),
             )
             .await?;
-        if bytes_of(fields.first()) != Some(b"c") || pttl_ms <= 0 {
-            return Ok(None);
-        }
-        let mut fields = fields.into_iter().skip(1);
-        let mut next = || fields.next().unwrap_or(Value::Nil);
-        let mut record = [
-            next(),
-            Value::Int(pttl_ms.saturating_mul(1000)),
-            next(),
-            next(),
-            next(),
-        ];
-        decode_existing(true, &mut record).map(Some)
+        Ok(existing.map(|record| {
+            (
+                Bytes::from(record),
+                secs.saturating_mul(1_000_000).saturating_add(micros),
+            )
+        }))
     }
 
     /// The release script on `conn`: after a reservation's `WAIT` failed, on the connection
@@ -554,7 +509,7 @@ where
                 self.inner
                     .release
                     .key(&key)
-                    .arg(token.as_uuid().hyphenated().to_string())
+                    .arg(record::token_text(token))
                     .invoke_async(conn),
             )
             .await?;
@@ -753,6 +708,58 @@ fn corrupt(what: &str) -> StoreError {
     StoreError::Backend(format!("corrupt Redis idempotency record: {what}").into())
 }
 
+/// The oldest Redis whose `SET` takes `NX` with `GET` (the reserve's one native command).
+const MIN_VERSION: (u32, u32) = (7, 0);
+
+/// Refuse a server older than [`MIN_VERSION`] (on a cluster, any primary that is): it would
+/// answer every reserve with a syntax error. Where `INFO` is refused, warn and go on.
+async fn check_version<C: ConnectionLike + Send + 'static>(
+    conn: &mut C,
+    timeout: Duration,
+) -> Result<(), StoreError> {
+    let answer = tokio::time::timeout(
+        timeout,
+        nodes::on_every_primary(conn, redis::cmd("INFO").arg("server")),
+    )
+    .await
+    .map_err(|_| StoreError::unavailable("Redis did not answer INFO in time"))?;
+    let replies = match answer {
+        Ok(replies) => replies,
+        Err(e) if e.is_io_error() || e.is_connection_dropped() => return Err(classify(e)),
+        Err(e) => {
+            tracing::warn!(
+                error = %e,
+                "could not read the Redis version (INFO refused); RedisStore needs Redis 7.0 \
+                 or newer"
+            );
+            return Ok(());
+        }
+    };
+    for (_, reply) in replies {
+        let info: String = redis::from_owned_redis_value(reply).unwrap_or_default();
+        if let Some(version) = too_old(&info) {
+            return Err(StoreError::Backend(
+                format!(
+                    "Redis {version} is too old: RedisStore needs 7.0 or newer (SET with NX \
+                     and GET)"
+                )
+                .into(),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The `redis_version` of an `INFO server` reply when it is older than [`MIN_VERSION`].
+fn too_old(info: &str) -> Option<&str> {
+    let version = info
+        .lines()
+        .find_map(|line| line.trim().strip_prefix("redis_version:"))?;
+    let mut parts = version.split('.').map(|p| p.parse::<u32>().unwrap_or(0));
+    let found = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
+    (found < MIN_VERSION).then_some(version)
+}
+
 /// Policies that may evict a key with a TTL (all our records have one).
 fn policy_evicts(policy: &str) -> bool {
     policy.starts_with("volatile-") || policy.starts_with("allkeys-")
@@ -847,54 +854,72 @@ fn int_of(value: Option<&Value>) -> Option<i64> {
     }
 }
 
+/// The reserve script's reply (see `redis/reserve.lua`).
 fn decode_reserve(reply: Value, token: ReservationToken) -> Result<ReserveOutcome, StoreError> {
     let Value::Array(mut items) = reply else {
         return Err(corrupt("reserve did not return an array"));
     };
     match bytes_of(items.first()) {
         Some(b"r") => Ok(ReserveOutcome::Reserved { token }),
-        Some(b"f") => decode_existing(false, &mut items[1..]),
-        Some(b"c") => decode_existing(true, &mut items[1..]),
+        Some(b"f") => {
+            let fingerprint = bytes_of(items.get(1))
+                .and_then(Fingerprint::from_slice)
+                .ok_or_else(|| corrupt("fingerprint is not 32 bytes"))?;
+            Ok(ReserveOutcome::InFlight {
+                fingerprint,
+                lease_remaining: remaining(items.get(2))?,
+            })
+        }
+        Some(b"c") => {
+            let left = remaining(items.get(2))?;
+            let bytes = match items.get_mut(1).map(|v| std::mem::replace(v, Value::Nil)) {
+                Some(Value::BulkString(bytes)) => Bytes::from(bytes),
+                _ => return Err(corrupt("record missing")),
+            };
+            completed(record::decode(bytes).map_err(corrupt)?, |_| left)
+        }
         _ => Err(corrupt("unknown reserve outcome")),
     }
 }
 
-/// An existing record from `[fingerprint, remaining_us]` (in flight) or `[fingerprint,
-/// remaining_us, status, headers, body]` (completed): the reserve script's reply after its
-/// outcome tag, and the replay fast path's read in the same order.
-fn decode_existing(completed: bool, items: &mut [Value]) -> Result<ReserveOutcome, StoreError> {
-    let fingerprint = bytes_of(items.first())
-        .and_then(Fingerprint::from_slice)
-        .ok_or_else(|| corrupt("fingerprint is not 32 bytes"))?;
-    let remaining = int_of(items.get(1))
+/// A non-negative number of microseconds in a script reply.
+fn remaining(value: Option<&Value>) -> Result<Duration, StoreError> {
+    int_of(value)
         .map(|us| Duration::from_micros(u64::try_from(us).unwrap_or(0)))
-        .ok_or_else(|| corrupt("remaining time missing"))?;
-    if !completed {
-        return Ok(ReserveOutcome::InFlight {
-            fingerprint,
-            lease_remaining: remaining,
-        });
+        .ok_or_else(|| corrupt("remaining time missing"))
+}
+
+/// A record that must be a completed one, live for `expires_in(its expiry)` more.
+fn completed(
+    found: record::Record,
+    expires_in: impl FnOnce(u64) -> Duration,
+) -> Result<ReserveOutcome, StoreError> {
+    match found.state {
+        record::State::Completed {
+            response,
+            expires_us,
+            ..
+        } => Ok(ReserveOutcome::Completed {
+            fingerprint: found.fingerprint,
+            response,
+            expires_in: Some(expires_in(expires_us)),
+        }),
+        record::State::InFlight { .. } => Err(corrupt("expected a completed record")),
     }
-    let status = int_of(items.get(2))
-        .and_then(|s| u16::try_from(s).ok())
-        .ok_or_else(|| corrupt("status missing"))?;
-    let headers = StoredResponse::decode_headers(
-        bytes_of(items.get(3)).ok_or_else(|| corrupt("headers missing"))?,
-    )
-    .map_err(|e| StoreError::Backend(Box::new(e)))?;
-    let body = match items.get_mut(4).map(|v| std::mem::replace(v, Value::Nil)) {
-        Some(Value::BulkString(body)) => Bytes::from(body),
-        _ => return Err(corrupt("body missing")),
-    };
-    Ok(ReserveOutcome::Completed {
-        fingerprint,
-        response: StoredResponse {
-            status,
-            headers,
-            body,
-        },
-        expires_in: Some(remaining),
-    })
+}
+
+/// Microseconds since the Unix epoch by this instance's clock (a record's "reserved at", shown
+/// by idem-cli and never decided on); 0 for a clock before 1970.
+fn unix_micros_here() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, micros)
+}
+
+/// How long Redis keeps a reservation's key: its lease plus the grace, in whole milliseconds
+/// rounded up (so the lease, which ends `grace` before the key does, is never cut short).
+fn key_life_ms(lease_us: u64, grace_us: u64) -> u64 {
+    lease_us.saturating_add(grace_us).div_ceil(1000).max(1)
 }
 
 impl<C> IdempotencyStore for RedisStore<C>
@@ -908,26 +933,40 @@ where
         lease: Duration,
     ) -> Result<ReserveOutcome, StoreError> {
         let key = self.key_of(scope);
-        if self.inner.replay_fast_path {
-            if let Some(replay) = self.replay_read(&key).await? {
-                return Ok(replay);
-            }
-        }
         let token = ReservationToken::random();
+        let lease_us = micros(lease).max(1);
+        let grace_us = self.inner.grace_us;
+        let reservation =
+            record::in_flight(fingerprint, &token, unix_micros_here(), lease_us, grace_us);
+        let life_ms = key_life_ms(lease_us, grace_us);
         let mut conn = self.pick();
-        let reply: Value = self
-            .timed(
-                self.inner
-                    .reserve
-                    .key(&key)
-                    .arg(fingerprint.as_bytes())
-                    .arg(token.as_uuid().hyphenated().to_string())
-                    .arg(micros(lease).max(1))
-                    .arg(self.inner.grace_us)
-                    .invoke_async(&mut conn),
-            )
-            .await?;
-        let outcome = decode_reserve(reply, token)?;
+        let outcome = match self
+            .set_or_get(&mut conn, &key, &reservation, life_ms)
+            .await?
+        {
+            None => ReserveOutcome::Reserved { token },
+            Some((bytes, now_us)) if bytes.first() == Some(&record::COMPLETED) => {
+                completed(record::decode(bytes).map_err(corrupt)?, |expires_us| {
+                    Duration::from_micros(expires_us.saturating_sub(now_us))
+                })?
+            }
+            Some(_) => {
+                // A reservation: whether it may be taken over is the script's to decide, on
+                // Redis's clock and in the same step as the write.
+                let reply: Value = self
+                    .timed(
+                        self.inner
+                            .reserve
+                            .key(&key)
+                            .arg(fingerprint.as_bytes())
+                            .arg(reservation.as_slice())
+                            .arg(life_ms)
+                            .invoke_async(&mut conn),
+                    )
+                    .await?;
+                decode_reserve(reply, token)?
+            }
+        };
         if let (ReserveOutcome::Reserved { .. }, Some((replicas, timeout))) =
             (&outcome, self.inner.wait)
         {
@@ -959,11 +998,9 @@ where
                 self.inner
                     .complete
                     .key(&key)
-                    .arg(token.as_uuid().hyphenated().to_string())
-                    .arg(response.status)
-                    .arg(response.encode_headers())
-                    .arg(response.body.as_ref())
+                    .arg(record::token_text(token))
                     .arg(micros(ttl))
+                    .arg(record::response_tail(response))
                     .invoke_async(&mut conn),
             )
             .await?;
@@ -1030,5 +1067,25 @@ where
             deleted += results.iter().filter(|n| **n == 1).count() as u64;
         }
         Ok(deleted)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::too_old;
+
+    #[test]
+    fn servers_older_than_7_0_are_named() {
+        let info = |v: &str| format!("# Server\r\nredis_version:{v}\r\nredis_mode:standalone\r\n");
+        assert_eq!(too_old(&info("6.2.14")), Some("6.2.14"));
+        assert_eq!(too_old(&info("5.0.7")), Some("5.0.7"));
+        assert_eq!(too_old(&info("7.0.15")), None);
+        assert_eq!(too_old(&info("7.2.4")), None, "Valkey reports 7.2.4");
+        assert_eq!(too_old(&info("8.4.0")), None);
+        assert_eq!(
+            too_old("# Server\r\n"),
+            None,
+            "no version: nothing to refuse"
+        );
     }
 }

@@ -4,25 +4,26 @@
 -- this token already completed answers 1 again and is left as it is, so a retry after an
 -- applied call whose reply was lost, or whose `WAIT` was not acknowledged, is not `Stale`.
 -- The token stays in the completed record for that (PostgreSQL keeps it too).
+-- Record bytes: record.rs (1-based here: state 1, token 34..69, and 2..85 are kept).
 --
 -- KEYS[1] record key
--- ARGV[1] token   ARGV[2] status   ARGV[3] encoded headers   ARGV[4] body
--- ARGV[5] TTL, microseconds
+-- ARGV[1] token   ARGV[2] TTL, microseconds   ARGV[3] status, headers and body (response_tail)
 -- Returns 1 (applied, now or before) or 0 (stale: no reservation held by this token).
-local r = redis.call('HMGET', KEYS[1], 'st', 'tok')
-if r[2] ~= ARGV[1] then
+local v = redis.call('GET', KEYS[1])
+if not v or string.sub(v, 34, 69) ~= ARGV[1] then
   return 0
 end
-if r[1] == 'c' then
+local st = string.sub(v, 1, 1)
+if st == 'C' then
   return 1
 end
-if r[1] ~= 'f' then
+if st ~= 'F' then
   return 0
 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local ttl = tonumber(ARGV[5])
-redis.call('HSET', KEYS[1], 'st', 'c', 's', ARGV[2], 'h', ARGV[3], 'b', ARGV[4],
-  'co', string.format('%.0f', now), 'ex', string.format('%.0f', now + ttl))
-redis.call('PEXPIRE', KEYS[1], string.format('%.0f', math.max(math.ceil(ttl / 1000), 1)))
+local ttl = tonumber(ARGV[2])
+redis.call('SET', KEYS[1],
+  'C' .. string.sub(v, 2, 85) .. string.format('%016.0f%016.0f', now, now + ttl) .. ARGV[3],
+  'PX', string.format('%.0f', math.max(math.ceil(ttl / 1000), 1)))
 return 1

@@ -48,8 +48,9 @@ enum ScanState {
 }
 
 impl KeyScan {
-    /// A walk over the hash keys matching `pattern` (a glob: build it from encoded key parts,
-    /// see [`encode_key_part`](super::encode_key_part)).
+    /// A walk over the string keys (records are strings, [`record`](super::record)) matching
+    /// `pattern` (a glob: build it from encoded key parts, see
+    /// [`encode_key_part`](super::encode_key_part)).
     pub fn new(pattern: impl Into<String>) -> KeyScan {
         KeyScan {
             pattern: pattern.into(),
@@ -152,7 +153,7 @@ impl KeyScan {
             .arg("COUNT")
             .arg(SCAN_COUNT)
             .arg("TYPE")
-            .arg("hash");
+            .arg("string");
         cmd
     }
 }

@@ -1,13 +1,17 @@
 -- Delete one reservation whose lease ended more than ARGV[1] microseconds ago (used by
 -- `purge_expired` with a grace shorter than the store's own; Redis expires everything else).
--- KEYS[1] record key. Returns 1 (deleted) or 0.
-local r = redis.call('HMGET', KEYS[1], 'st', 'ex')
-if r[1] ~= 'f' or not tonumber(r[2]) then
+-- Record bytes: record.rs (1-based here: state 1, grace 102..117). The lease ended when the
+-- key's remaining life fell to its grace, so it ended (grace - PTTL) ago.
+-- KEYS[1] a key under the store's prefix. Returns 1 (deleted) or 0.
+if redis.call('TYPE', KEYS[1])['ok'] ~= 'string' then
   return 0
 end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-if tonumber(r[2]) + tonumber(ARGV[1]) > now then
+local v = redis.call('GET', KEYS[1])
+if not v or string.sub(v, 1, 1) ~= 'F' or string.len(v) ~= 117 then
+  return 0
+end
+local pttl = math.max(redis.call('PTTL', KEYS[1]), 0)
+if tonumber(string.sub(v, 102, 117)) - pttl * 1000 < tonumber(ARGV[1]) then
   return 0
 end
 redis.call('DEL', KEYS[1])

@@ -1,35 +1,38 @@
--- Reserve-or-fetch for RedisStore (one EVALSHA, atomic: Redis runs a script alone).
--- Mirrors idempotency_reserve (migrations/*_reserve_function/up.sql): read first, write only
--- for an absent key, an expired completed record, or an ended reservation of the same
--- fingerprint. Times are the server's (TIME), in microseconds.
+-- Reserve-or-fetch, the slow path of RedisStore::reserve (one EVALSHA, atomic: Redis runs a
+-- script alone). The store calls it when its native `SET ... NX GET` found a reservation:
+-- only a script can take a reservation over, because only it can read the record, check the
+-- lease on Redis's clock and write in one step. Mirrors idempotency_reserve
+-- (migrations/*_reserve_function/up.sql): read first; write only for an absent key or an
+-- ended reservation of the same fingerprint. Record bytes: record.rs (1-based here: state 1,
+-- fingerprint 2..33, grace or expiry 102..117).
 --
 -- KEYS[1] record key
 -- ARGV[1] fingerprint (32 raw bytes)
--- ARGV[2] new reservation token (text)
--- ARGV[3] lease, microseconds (>= 1)
--- ARGV[4] grace after the lease before Redis drops an ended reservation, microseconds
+-- ARGV[2] the new reservation (record.rs, in_flight)
+-- ARGV[3] its key's life in milliseconds (lease + grace, rounded up)
 --
--- Returns {'r'} (reserved with ARGV[2]),
+-- Returns {'r'} (reserved: ARGV[2] is stored),
 --         {'f', fingerprint, lease_remaining_us} (in flight, not taken over), or
---         {'c', fingerprint, remaining_us, status, headers, body} (live completed record).
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local r = redis.call('HMGET', KEYS[1], 'st', 'fp', 'ex', 's', 'h', 'b')
-local st, fp, ex = r[1], r[2], tonumber(r[3])
-if st == 'c' and ex and ex > now then
-  return {'c', fp, ex - now, r[4], r[5], r[6]}
+--         {'c', record, remaining_us} (a live completed record).
+local v = redis.call('GET', KEYS[1])
+if v then
+  local st = string.sub(v, 1, 1)
+  if st == 'C' then
+    local t = redis.call('TIME')
+    local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+    return {'c', v, math.max(tonumber(string.sub(v, 102, 117)) - now, 0)}
+  end
+  if st ~= 'F' then
+    return redis.error_reply('ERR not an idempotency record')
+  end
+  -- The lease ends where the key's life less the grace does: Redis's clock, to the ms.
+  local fp = string.sub(v, 2, 33)
+  local remaining = redis.call('PTTL', KEYS[1]) * 1000 - tonumber(string.sub(v, 102, 117))
+  if remaining > 0 or fp ~= ARGV[1] then
+    return {'f', fp, math.max(remaining, 0)}
+  end
 end
-if st == 'f' and ex and (ex > now or fp ~= ARGV[1]) then
-  return {'f', fp, math.max(ex - now, 0)}
-end
--- Absent, an expired completed record, or an ended reservation of this same request (its
--- holder crashed or hung): a fresh reservation. DEL drops the old record's fields.
-if st then
-  redis.call('DEL', KEYS[1])
-end
-local lease = tonumber(ARGV[3])
-local until_us = string.format('%.0f', now + lease)
-redis.call('HSET', KEYS[1], 'st', 'f', 'fp', ARGV[1], 'tok', ARGV[2],
-  'ca', string.format('%.0f', now), 'ex', until_us)
-redis.call('PEXPIRE', KEYS[1], string.format('%.0f', math.ceil((lease + tonumber(ARGV[4])) / 1000)))
+-- Absent (expired since the caller looked), or an ended reservation of this same request (its
+-- holder crashed or hung): a fresh reservation.
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
 return {'r'}

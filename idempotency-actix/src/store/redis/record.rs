@@ -1,0 +1,313 @@
+//! The one-string record format of [`RedisStore`](super::RedisStore): the single place that
+//! knows its bytes, shared by the store, its Lua scripts (which read fixed offsets, named in
+//! their comments), `idem-cli` and the tests.
+//!
+//! # Why one string
+//! A record in one string lets the request path use Redis's own commands instead of a script:
+//! `SET key <reservation> NX GET PX <lease + grace>` reserves an absent key, or leaves the
+//! record as it is and returns it (a replay), in one native command. With a hash per record
+//! every reserve needed a script (four commands inside), which cost Redis about three times
+//! what a hand-written endpoint's `GET` or `SET NX` does (`docs/redis.md`, "Benchmarks").
+//!
+//! # Layout
+//! A fixed header of [`HEADER_LEN`] bytes, then, for a completed record, the response.
+//! Numbers are zero-padded decimal ASCII, so a script reads them with `string.sub` and
+//! `tonumber` (Lua numbers are doubles: 16 digits of microseconds is exact, and lasts until
+//! the year 2286).
+//!
+//! | bytes (0-based) | in flight (`F`) | completed (`C`) |
+//! |---|---|---|
+//! | 0 | `F` | `C` |
+//! | 1..33 | fingerprint, 32 raw bytes | the same |
+//! | 33..69 | reservation token, hyphenated UUID | the same (kept: a retried `complete` by it is applied) |
+//! | 69..85 | reserved at, µs, the reserving instance's clock (shown by `idem-cli`, never decided on) | the same |
+//! | 85..101 | lease, µs | completed at, µs, Redis's clock |
+//! | 101..117 | grace, µs (the key lives lease + grace) | expires at, µs, Redis's clock |
+//! | 117..120 | | status, 3 digits |
+//! | 120..130 | | length of the encoded headers, 10 digits |
+//! | 130.. | | headers ([`StoredResponse::encode_headers`]), then the body, byte-exact |
+//!
+//! A reservation's lease end is its key's expiry less its grace (`PTTL` less grace), so every
+//! decision about time uses Redis's clock although the reservation is written by a plain `SET`
+//! from the app.
+
+use bytes::Bytes;
+
+use crate::store::{Fingerprint, ReservationToken, StoredResponse};
+
+/// Bytes before a completed record's response: state, fingerprint, token, three times.
+pub const HEADER_LEN: usize = 117;
+/// State byte of a reservation.
+pub const IN_FLIGHT: u8 = b'F';
+/// State byte of a completed record.
+pub const COMPLETED: u8 = b'C';
+/// The script `idem-cli release` runs: delete a record only if it is still what was inspected
+/// (state byte, token) and, unless forced, a reservation whose lease ended by Redis's clock.
+/// Here because it reads the record's bytes.
+pub const RELEASE_INSPECTED: &str = include_str!("release_inspected.lua");
+
+const FP: std::ops::Range<usize> = 1..33;
+const TOKEN: std::ops::Range<usize> = 33..69;
+const CREATED: std::ops::Range<usize> = 69..85;
+const SECOND: std::ops::Range<usize> = 85..101;
+const THIRD: std::ops::Range<usize> = 101..117;
+const STATUS: std::ops::Range<usize> = 117..120;
+const HEADERS_LEN: std::ops::Range<usize> = 120..130;
+/// Digits of a time or duration field.
+const DIGITS: usize = 16;
+/// The largest number a field holds.
+const MAX_FIELD: u64 = 9_999_999_999_999_999;
+
+/// A record read back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Record {
+    /// The request's fingerprint.
+    pub fingerprint: Fingerprint,
+    /// The token of the reservation that made (or holds) the record.
+    pub token: ReservationToken,
+    /// Reserved at, microseconds since the Unix epoch, by the reserving instance's clock.
+    pub created_us: u64,
+    /// What the state adds.
+    pub state: State,
+}
+
+/// The state of a [`Record`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum State {
+    /// A reservation.
+    InFlight {
+        /// Its lease, microseconds.
+        lease_us: u64,
+        /// How long its key outlives the lease, microseconds.
+        grace_us: u64,
+    },
+    /// A completed record.
+    Completed {
+        /// Completed at, microseconds since the Unix epoch, Redis's clock.
+        completed_us: u64,
+        /// Expires at, microseconds since the Unix epoch, Redis's clock.
+        expires_us: u64,
+        /// The stored response; its headers and body are slices of the record's bytes.
+        response: StoredResponse,
+    },
+}
+
+/// A reservation's bytes.
+pub fn in_flight(
+    fingerprint: &Fingerprint,
+    token: &ReservationToken,
+    created_us: u64,
+    lease_us: u64,
+    grace_us: u64,
+) -> Vec<u8> {
+    let mut out = Vec::with_capacity(HEADER_LEN);
+    out.push(IN_FLIGHT);
+    out.extend_from_slice(fingerprint.as_bytes());
+    out.extend_from_slice(token_text(token).as_bytes());
+    for n in [created_us, lease_us, grace_us] {
+        push_number(&mut out, n);
+    }
+    out
+}
+
+/// What the complete script appends to the header it builds: status, headers, body.
+pub fn response_tail(response: &StoredResponse) -> Vec<u8> {
+    let headers = response.encode_headers();
+    let mut out = Vec::with_capacity(13 + headers.len() + response.body.len());
+    // A status outside 100..=999 never reaches a store (actix's StatusCode), but three digits
+    // are all the format has room for.
+    out.extend_from_slice(format!("{:03}", response.status.min(999)).as_bytes());
+    out.extend_from_slice(format!("{:010}", headers.len()).as_bytes());
+    out.extend_from_slice(&headers);
+    out.extend_from_slice(&response.body);
+    out
+}
+
+/// The token as the record holds it (and the scripts compare it).
+pub fn token_text(token: &ReservationToken) -> String {
+    token.as_uuid().hyphenated().to_string()
+}
+
+/// Decode a record; `Err` names what is wrong with bytes that are not one.
+pub fn decode(bytes: Bytes) -> Result<Record, &'static str> {
+    if bytes.len() < HEADER_LEN {
+        return Err("shorter than a record's header");
+    }
+    let fingerprint = Fingerprint::from_slice(&bytes[FP]).ok_or("fingerprint is not 32 bytes")?;
+    let token = std::str::from_utf8(&bytes[TOKEN])
+        .ok()
+        .and_then(|t| uuid::Uuid::parse_str(t).ok())
+        .map(ReservationToken::from_uuid)
+        .ok_or("token is not a UUID")?;
+    let created_us = number(&bytes[CREATED]).ok_or("reserved-at is not a number")?;
+    let second = number(&bytes[SECOND]).ok_or("a time field is not a number")?;
+    let third = number(&bytes[THIRD]).ok_or("a time field is not a number")?;
+    let state = match bytes[0] {
+        IN_FLIGHT if bytes.len() == HEADER_LEN => State::InFlight {
+            lease_us: second,
+            grace_us: third,
+        },
+        COMPLETED if bytes.len() >= HEADERS_LEN.end => {
+            let status = number(&bytes[STATUS])
+                .and_then(|s| u16::try_from(s).ok())
+                .ok_or("status is not a number")?;
+            let headers_len = number(&bytes[HEADERS_LEN])
+                .and_then(|n| usize::try_from(n).ok())
+                .ok_or("headers length is not a number")?;
+            let body_start = HEADERS_LEN
+                .end
+                .checked_add(headers_len)
+                .filter(|end| *end <= bytes.len())
+                .ok_or("headers run past the end")?;
+            let headers_bytes = bytes.slice(HEADERS_LEN.end..body_start);
+            let headers = StoredResponse::decode_headers_shared(&headers_bytes)
+                .map_err(|_| "headers do not decode")?;
+            State::Completed {
+                completed_us: second,
+                expires_us: third,
+                response: StoredResponse {
+                    status,
+                    headers,
+                    body: bytes.slice(body_start..),
+                },
+            }
+        }
+        IN_FLIGHT | COMPLETED => return Err("wrong length for its state"),
+        _ => return Err("unknown state"),
+    };
+    Ok(Record {
+        fingerprint,
+        token,
+        created_us,
+        state,
+    })
+}
+
+fn push_number(out: &mut Vec<u8>, n: u64) {
+    let text = format!("{:0width$}", n.min(MAX_FIELD), width = DIGITS);
+    out.extend_from_slice(text.as_bytes());
+}
+
+fn number(digits: &[u8]) -> Option<u64> {
+    if digits.is_empty() || !digits.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    std::str::from_utf8(digits).ok()?.parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn token() -> ReservationToken {
+        ReservationToken::random()
+    }
+
+    /// What the complete script builds from a reservation (`complete.lua`): its first 85 bytes,
+    /// the two times, the tail.
+    fn completed(reservation: &[u8], completed_us: u64, expires_us: u64, tail: &[u8]) -> Bytes {
+        let mut out = vec![COMPLETED];
+        out.extend_from_slice(&reservation[1..CREATED.end]);
+        push_number(&mut out, completed_us);
+        push_number(&mut out, expires_us);
+        out.extend_from_slice(tail);
+        out.into()
+    }
+
+    #[test]
+    fn a_reservation_reads_back() {
+        let (fp, tok) = (Fingerprint([7; 32]), token());
+        let bytes = in_flight(&fp, &tok, 1_764_000_000_000_000, 30_000_000, 86_400_000_000);
+        assert_eq!(bytes.len(), HEADER_LEN);
+        let record = decode(bytes.into()).expect("decodes");
+        assert_eq!(record.fingerprint, fp);
+        assert_eq!(record.token, tok);
+        assert_eq!(record.created_us, 1_764_000_000_000_000);
+        assert_eq!(
+            record.state,
+            State::InFlight {
+                lease_us: 30_000_000,
+                grace_us: 86_400_000_000
+            }
+        );
+    }
+
+    #[test]
+    fn a_completed_record_reads_back_byte_exact() {
+        let (fp, tok) = (Fingerprint([0xff; 32]), token());
+        let response = StoredResponse {
+            status: 201,
+            headers: vec![
+                ("location".into(), Bytes::from_static(b"/p/\xff\x00")),
+                ("x-empty".into(), Bytes::new()),
+            ],
+            body: Bytes::from_static(b"\x00\xffbinary\r\n"),
+        };
+        let reservation = in_flight(&fp, &tok, 5, 6, 7);
+        let bytes = completed(&reservation, 8, 9, &response_tail(&response));
+        let record = decode(bytes).expect("decodes");
+        assert_eq!(
+            (record.fingerprint, record.token, record.created_us),
+            (fp, tok, 5)
+        );
+        assert_eq!(
+            record.state,
+            State::Completed {
+                completed_us: 8,
+                expires_us: 9,
+                response
+            }
+        );
+    }
+
+    #[test]
+    fn what_is_not_a_record_is_refused_by_name() {
+        let good = in_flight(&Fingerprint([1; 32]), &token(), 1, 2, 3);
+        assert_eq!(decode(Bytes::new()), Err("shorter than a record's header"));
+        let mut state = good.clone();
+        state[0] = b'c';
+        assert_eq!(decode(state.into()), Err("unknown state"));
+        let mut digits = good.clone();
+        digits[90] = b'x';
+        assert_eq!(decode(digits.into()), Err("a time field is not a number"));
+        let mut longer = good.clone();
+        longer.push(b'!');
+        assert_eq!(decode(longer.into()), Err("wrong length for its state"));
+        let mut tail = good;
+        tail[0] = COMPLETED;
+        tail.extend_from_slice(b"2010000000099");
+        assert_eq!(decode(tail.into()), Err("headers run past the end"));
+    }
+
+    proptest! {
+        /// Whatever Redis hands back (a key some other program wrote, a truncated value),
+        /// decoding answers and never panics.
+        #[test]
+        fn decoding_any_bytes_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..300)) {
+            let _ = decode(bytes.into());
+        }
+
+        /// Every response survives the trip, whatever its bytes.
+        #[test]
+        fn every_response_round_trips(
+            status in 100u16..1000,
+            headers in proptest::collection::vec(("[a-z-]{1,12}", proptest::collection::vec(any::<u8>(), 0..20)), 0..4),
+            body in proptest::collection::vec(any::<u8>(), 0..200),
+            times in (0..=MAX_FIELD, 0..=MAX_FIELD, 0..=MAX_FIELD),
+        ) {
+            let response = StoredResponse {
+                status,
+                headers: headers.into_iter().map(|(n, v)| (n, Bytes::from(v))).collect(),
+                body: body.into(),
+            };
+            let reservation = in_flight(&Fingerprint([3; 32]), &token(), times.0, 1, 1);
+            let record = decode(completed(&reservation, times.1, times.2, &response_tail(&response)));
+            prop_assert_eq!(record.map(|r| r.state), Ok(State::Completed {
+                completed_us: times.1,
+                expires_us: times.2,
+                response,
+            }));
+        }
+    }
+}
