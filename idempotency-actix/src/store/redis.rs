@@ -411,8 +411,9 @@ impl<C> RedisStore<C>
 where
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
-    /// A store with the defaults over a connection the app already has (no eviction check; use
-    /// [`RedisStoreBuilder::with_connection`] for that). Its own response timeout still bounds
+    /// A store with the defaults over a connection the app already has, without the start-up
+    /// checks (the server's version, 7.0 or newer, and its eviction policy; use
+    /// [`RedisStoreBuilder::with_connection`] for those). Its own response timeout still bounds
     /// every call.
     pub fn from_connection(conn: C) -> Self {
         RedisStore::builder().build_unchecked(vec![conn])
@@ -622,6 +623,29 @@ fn invalid_url(e: RedisError) -> StoreError {
     )
 }
 
+/// One start-up check's command: its answer, or `None` when Redis refused the command (an ACL
+/// user or a managed Redis may refuse `INFO` and `CONFIG`: not a reason to refuse to start, so
+/// `refused` is logged as a warning). No answer within `timeout`, or a broken connection, is
+/// an error.
+async fn start_check<T>(
+    timeout: Duration,
+    command: &str,
+    refused: &str,
+    call: impl std::future::Future<Output = Result<T, RedisError>>,
+) -> Result<Option<T>, StoreError> {
+    match tokio::time::timeout(timeout, call).await {
+        Err(_) => Err(StoreError::unavailable(format!(
+            "Redis did not answer {command} in time"
+        ))),
+        Ok(Ok(answer)) => Ok(Some(answer)),
+        Ok(Err(e)) if e.is_io_error() || e.is_connection_dropped() => Err(classify(e)),
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "{refused}");
+            Ok(None)
+        }
+    }
+}
+
 /// [`RedisStoreBuilder::connect`] opens a connection to one server. A Redis Cluster node would
 /// answer `MOVED` for every key another primary holds, i.e. 503 for most requests: refuse it
 /// at start, pointing at `connect_cluster`.
@@ -629,22 +653,14 @@ async fn refuse_cluster_node(
     conn: &mut ConnectionManager,
     timeout: Duration,
 ) -> Result<(), StoreError> {
-    let answer = tokio::time::timeout(timeout, cluster_enabled(conn))
-        .await
-        .map_err(|_| StoreError::unavailable("Redis did not answer INFO in time"))?;
-    let enabled = match answer {
-        Ok(enabled) => enabled,
-        Err(e) if e.is_io_error() || e.is_connection_dropped() => return Err(classify(e)),
-        Err(e) => {
-            // A managed Redis or an ACL user may refuse INFO: not a reason to refuse to start.
-            tracing::warn!(
-                error = %e,
-                "could not check whether Redis runs in cluster mode (INFO refused)"
-            );
-            return Ok(());
-        }
-    };
-    if enabled {
+    let enabled = start_check(
+        timeout,
+        "INFO",
+        "could not check whether Redis runs in cluster mode (INFO refused)",
+        cluster_enabled(conn),
+    )
+    .await?;
+    if enabled == Some(true) {
         return Err(StoreError::Backend(
             "this Redis runs in cluster mode: connect with RedisStoreBuilder::connect_cluster \
              (feature `redis-cluster`), or every key held by another node would fail"
@@ -717,25 +733,14 @@ async fn check_version<C: ConnectionLike + Send + 'static>(
     conn: &mut C,
     timeout: Duration,
 ) -> Result<(), StoreError> {
-    let answer = tokio::time::timeout(
+    let replies = start_check(
         timeout,
+        "INFO",
+        "could not read the Redis version (INFO refused); RedisStore needs Redis 7.0 or newer",
         nodes::on_every_primary(conn, redis::cmd("INFO").arg("server")),
     )
-    .await
-    .map_err(|_| StoreError::unavailable("Redis did not answer INFO in time"))?;
-    let replies = match answer {
-        Ok(replies) => replies,
-        Err(e) if e.is_io_error() || e.is_connection_dropped() => return Err(classify(e)),
-        Err(e) => {
-            tracing::warn!(
-                error = %e,
-                "could not read the Redis version (INFO refused); RedisStore needs Redis 7.0 \
-                 or newer"
-            );
-            return Ok(());
-        }
-    };
-    for (_, reply) in replies {
+    .await?;
+    for (_, reply) in replies.into_iter().flatten() {
         let info: String = redis::from_owned_redis_value(reply).unwrap_or_default();
         if let Some(version) = too_old(&info) {
             return Err(StoreError::Backend(
@@ -773,30 +778,19 @@ async fn check_eviction<C: ConnectionLike + Send + 'static>(
     if check == EvictionCheck::Skip {
         return Ok(());
     }
-    let answer = tokio::time::timeout(
+    let Some(replies) = start_check(
         timeout,
+        "CONFIG GET",
+        "could not read Redis maxmemory-policy (CONFIG GET refused?); make sure it is \
+         `noeviction`, or Redis may drop live idempotency records",
         nodes::on_every_primary(
             conn,
             redis::cmd("CONFIG").arg("GET").arg("maxmemory-policy"),
         ),
     )
-    .await;
-    let replies = match answer {
-        Ok(Ok(replies)) => replies,
-        Ok(Err(e)) if e.is_io_error() || e.is_connection_dropped() => return Err(classify(e)),
-        Ok(Err(e)) => {
-            tracing::warn!(
-                error = %e,
-                "could not read Redis maxmemory-policy (CONFIG GET refused?); make sure it is \
-                 `noeviction`, or Redis may drop live idempotency records"
-            );
-            return Ok(());
-        }
-        Err(_) => {
-            return Err(StoreError::unavailable(
-                "Redis did not answer CONFIG GET in time",
-            ))
-        }
+    .await?
+    else {
+        return Ok(());
     };
     // One reply per primary (one on a single server): the first policy that may evict decides.
     let policies = replies.into_iter().map(|(_, reply)| {

@@ -31,6 +31,8 @@
 //! decision about time uses Redis's clock although the reservation is written by a plain `SET`
 //! from the app.
 
+use std::io::Write;
+
 use bytes::Bytes;
 
 use crate::store::{Fingerprint, ReservationToken, StoredResponse};
@@ -103,7 +105,14 @@ pub fn in_flight(
     let mut out = Vec::with_capacity(HEADER_LEN);
     out.push(IN_FLIGHT);
     out.extend_from_slice(fingerprint.as_bytes());
-    out.extend_from_slice(token_text(token).as_bytes());
+    let mut text = [0u8; uuid::fmt::Hyphenated::LENGTH];
+    out.extend_from_slice(
+        token
+            .as_uuid()
+            .hyphenated()
+            .encode_lower(&mut text)
+            .as_bytes(),
+    );
     for n in [created_us, lease_us, grace_us] {
         push_number(&mut out, n);
     }
@@ -115,9 +124,8 @@ pub fn response_tail(response: &StoredResponse) -> Vec<u8> {
     let headers = response.encode_headers();
     let mut out = Vec::with_capacity(13 + headers.len() + response.body.len());
     // A status outside 100..=999 never reaches a store (actix's StatusCode), but three digits
-    // are all the format has room for.
-    out.extend_from_slice(format!("{:03}", response.status.min(999)).as_bytes());
-    out.extend_from_slice(format!("{:010}", headers.len()).as_bytes());
+    // are all the format has room for. Writing to a Vec cannot fail.
+    let _ = write!(out, "{:03}{:010}", response.status.min(999), headers.len());
     out.extend_from_slice(&headers);
     out.extend_from_slice(&response.body);
     out
@@ -184,8 +192,8 @@ pub fn decode(bytes: Bytes) -> Result<Record, &'static str> {
 }
 
 fn push_number(out: &mut Vec<u8>, n: u64) {
-    let text = format!("{:0width$}", n.min(MAX_FIELD), width = DIGITS);
-    out.extend_from_slice(text.as_bytes());
+    // Writing to a Vec cannot fail.
+    let _ = write!(out, "{:0width$}", n.min(MAX_FIELD), width = DIGITS);
 }
 
 fn number(digits: &[u8]) -> Option<u64> {
