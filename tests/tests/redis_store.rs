@@ -539,3 +539,94 @@ async fn a_key_that_is_not_a_record_is_an_error_and_left_alone() {
         .expect("GET");
     assert_eq!(value, "not a record");
 }
+
+/// Redis's count of connected clients.
+async fn connected_clients(redis: &RedisServer) -> usize {
+    let info: String = redis::cmd("INFO")
+        .arg("clients")
+        .query_async(&mut redis_conn(redis).await)
+        .await
+        .expect("INFO clients");
+    info.lines()
+        .find_map(|l| l.trim().strip_prefix("connected_clients:"))
+        .and_then(|n| n.parse::<usize>().ok())
+        .expect("connected_clients")
+        // Not the connection that asked.
+        - 1
+}
+
+/// Reserve fresh keys on `store` until Redis counts `clients` connections (each call must
+/// succeed), within 5 s.
+async fn reserve_until_clients(store: &RedisStore, redis: &RedisServer, clients: usize, tag: &str) {
+    for i in 0..100 {
+        reserved(store, &scope(tag, &i.to_string()), &FP_A, LEASE).await;
+        if connected_clients(redis).await == clients {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!(
+        "{tag}: Redis counts {} connections, expected {clients}",
+        connected_clients(redis).await
+    );
+}
+
+/// `connect`'s store gives each calling thread a connection of its own, made on that thread's
+/// runtime (so an actix worker's commands do not cross to the thread that made the store).
+/// A thread whose runtime shut down and that runs another gets a new connection: no call
+/// goes into the dead one (checked to fail without the sentinel: the first call on the second
+/// runtime was answered unavailable).
+#[test]
+fn each_thread_gets_a_connection_of_its_own_and_a_new_one_with_a_new_runtime() {
+    let redis = RedisServer::start();
+    let home = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let store = home.block_on(store(&redis));
+    // The shared connection only.
+    assert_eq!(home.block_on(connected_clients(&redis)), 1);
+    let worker = std::thread::spawn(move || {
+        let first = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        first.block_on(reserve_until_clients(&store, &redis, 2, "first"));
+        drop(first);
+        let second = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        // Every call succeeds from the first on; the thread gets a connection again (the
+        // first runtime's closed with it).
+        second.block_on(reserve_until_clients(&store, &redis, 2, "second"));
+        (store, redis)
+    });
+    let (store, redis) = worker.join().expect("worker thread");
+    drop(store);
+    drop(home);
+    drop(redis);
+}
+
+/// `connection_per_thread(false)`: one shared connection, whatever thread calls.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connection_per_thread_off_keeps_one_connection() {
+    let redis = RedisServer::start();
+    let store = RedisStore::builder()
+        .connection_per_thread(false)
+        .connect(&redis.url())
+        .await
+        .expect("connect");
+    let calls = (0..50).map(|i| {
+        let store = store.clone();
+        tokio::spawn(
+            async move { reserved(&store, &scope("off", &i.to_string()), &FP_A, LEASE).await },
+        )
+    });
+    for call in calls {
+        call.await.expect("call");
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(connected_clients(&redis).await, 1);
+}

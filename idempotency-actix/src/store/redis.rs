@@ -46,11 +46,14 @@
 //! the store's (then it scans; see there).
 //!
 //! # Connection
-//! One multiplexed connection ([`ConnectionManager`]): every request's command is pipelined on
-//! it, it reconnects by itself, and a call costs exactly its one round trip. A pool that pings
+//! Multiplexed connections ([`ConnectionManager`]): every request's command is pipelined on
+//! one, it reconnects by itself, and a call costs exactly its one round trip. A pool that pings
 //! on every checkout (bb8-redis's default) would add a round trip per call (C26), and a pool
-//! buys nothing here: the scripts are short and Redis serves one connection's pipeline as fast
-//! as many. [`RedisStore::from_connection`] takes any [`redis::aio::ConnectionLike`] that is
+//! buys nothing here: Redis serves one connection's pipeline as fast as many. What counts is
+//! the thread that serves a connection: `connect` gives each thread that calls the store a
+//! connection made on its own runtime ([`RedisStoreBuilder::connection_per_thread`], module
+//! `per_thread`), so an actix worker's commands do not cross to the thread that made the
+//! store. [`RedisStore::from_connection`] takes any [`redis::aio::ConnectionLike`] that is
 //! `Clone` (a `ConnectionManager`, a `MultiplexedConnection`, a cluster connection).
 //!
 //! # Redis Cluster
@@ -85,6 +88,7 @@ use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::{RedisError, Script, Value};
 
 mod nodes;
+mod per_thread;
 pub mod record;
 pub use nodes::{cluster_enabled, KeyScan};
 
@@ -144,6 +148,7 @@ pub struct RedisStoreBuilder {
     eviction_check: EvictionCheck,
     wait: Option<(u32, Duration)>,
     connections: Option<usize>,
+    per_thread: bool,
 }
 
 impl Default for RedisStoreBuilder {
@@ -156,6 +161,7 @@ impl Default for RedisStoreBuilder {
             eviction_check: EvictionCheck::Warn,
             wait: None,
             connections: None,
+            per_thread: true,
         }
     }
 }
@@ -226,6 +232,19 @@ impl RedisStoreBuilder {
         self
     }
 
+    /// Give every thread that calls the store a connection of its own, made on that thread's
+    /// runtime (default on; stores made by [`connect`](Self::connect) without
+    /// [`wait_for_replicas`](Self::wait_for_replicas) only). A connection is served by a task
+    /// of the runtime it was made on: with one connection made in `main`, every command of an
+    /// actix worker crosses to the main thread and back. A thread's first call starts making
+    /// its connection and goes on over the shared one, so no request waits for it (module
+    /// `per_thread` has the details). Costs one connection to Redis per worker thread and app
+    /// instance, besides the shared one: turn it off where Redis limits clients tightly.
+    pub fn connection_per_thread(mut self, on: bool) -> Self {
+        self.per_thread = on;
+        self
+    }
+
     /// Connect to `url` (`redis://[user:password@]host[:port][/db]`, or `rediss://` for TLS
     /// checked against the system's roots), check the eviction policy, and build the store.
     ///
@@ -254,7 +273,18 @@ impl RedisStoreBuilder {
             }
             conns.push(conn);
         }
-        self.with_connections(conns).await
+        // Not with `WAIT`: its connections are there to be waited on side by side.
+        let per_thread = (self.per_thread && self.wait.is_none()).then(|| {
+            per_thread::PerThread::new(client, config, self.connection_timeout.saturating_mul(3))
+        });
+        let mut store = self.with_connections(conns).await?;
+        if let Some(local) = per_thread {
+            // Made before anything shares `inner`.
+            if let Some(inner) = Arc::get_mut(&mut store.inner) {
+                inner.per_thread = Some(local);
+            }
+        }
+        Ok(store)
     }
 
     /// Connect to a Redis Cluster (feature `redis-cluster`) through the redis crate's cluster
@@ -352,6 +382,7 @@ impl RedisStoreBuilder {
                 grace_us: micros(self.in_flight_grace),
                 timeout: self.response_timeout,
                 wait: self.wait,
+                per_thread: None,
                 reserve: Script::new(include_str!("redis/reserve.lua")),
                 complete: Script::new(include_str!("redis/complete.lua")),
                 release: Script::new(include_str!("redis/release.lua")),
@@ -379,6 +410,9 @@ struct Inner {
     grace_us: u64,
     timeout: Duration,
     wait: Option<(u32, Duration)>,
+    /// Each thread's own connection ([`RedisStoreBuilder::connection_per_thread`]); only in
+    /// stores whose connection type is `ConnectionManager`.
+    per_thread: Option<per_thread::PerThread>,
     reserve: Script,
     complete: Script,
     release: Script,
@@ -429,6 +463,16 @@ where
     /// (`WAIT` counts the replicas that have that connection's writes), so a call that needs
     /// both takes it once.
     fn pick(&self) -> C {
+        if let Some(local) = self.inner.per_thread.as_ref().and_then(|p| p.get()) {
+            // `per_thread` is set only by `connect`, whose store's `C` is `ConnectionManager`.
+            let mut local = Some(local);
+            if let Some(conn) = (&mut local as &mut dyn std::any::Any)
+                .downcast_mut::<Option<C>>()
+                .and_then(Option::take)
+            {
+                return conn;
+            }
+        }
         let i = self.inner.next.fetch_add(1, Ordering::Relaxed) % self.conns.len();
         self.conns[i].clone()
     }
