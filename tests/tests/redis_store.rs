@@ -630,3 +630,37 @@ async fn connection_per_thread_off_keeps_one_connection() {
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(connected_clients(&redis).await, 1);
 }
+
+/// A thread's connection closes when the thread exits, while the store and the runtime live on
+/// (here a thread of Tokio's blocking pool, which exits after 100 ms idle): short-lived threads
+/// leave no connections behind.
+#[test]
+fn a_threads_connection_closes_when_the_thread_exits() {
+    let redis = std::sync::Arc::new(RedisServer::start());
+    let home = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_keep_alive(Duration::from_millis(100))
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let store = home.block_on(store(&redis));
+    let (s, r, h) = (store.clone(), redis.clone(), home.handle().clone());
+    home.block_on(
+        home.spawn_blocking(move || h.block_on(reserve_until_clients(&s, &r, 2, "blocking"))),
+    )
+    .expect("blocking thread");
+    home.block_on(async {
+        for _ in 0..100 {
+            if connected_clients(&redis).await == 1 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!(
+            "the exited thread's connection is still open: {} connections",
+            connected_clients(&redis).await
+        );
+    });
+    // The store still works, over the shared connection.
+    home.block_on(reserved(&store, &scope("after", "k"), &FP_A, LEASE));
+}

@@ -21,8 +21,9 @@
 //! task on that runtime: once the runtime is gone, so is the sentinel, and the next call on the
 //! thread makes a new connection instead of sending into a dead one.
 //!
-//! The thread keeps only weak references; the store holds the connections, so they close when
-//! the last clone of the store is dropped.
+//! The thread holds its connections, so they close when it exits (a short-lived thread, such
+//! as one of Tokio's blocking pool, leaves nothing behind); a store dropped before the thread
+//! leaves its connection there until the thread next looks up a connection of any store.
 //!
 //! Home-made: neither the redis crate nor a pool crate offers a connection per runtime thread
 //! (bb8 and deadpool share one pool between threads, which is the crossing this avoids).
@@ -30,6 +31,7 @@
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
+
 use std::time::{Duration, Instant};
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
@@ -45,8 +47,8 @@ pub(super) struct PerThread {
     config: ConnectionManagerConfig,
     /// Bound on one attempt to connect.
     timeout: Duration,
-    /// Every thread's slot (strong references: the connections live as long as the store).
-    slots: Mutex<Vec<Arc<Slot>>>,
+    /// Dropped with the store: threads drop their connections of stores that are gone.
+    alive: Arc<()>,
 }
 
 /// One thread's connection, made or being made.
@@ -68,9 +70,18 @@ struct Attempt {
     not_before: Option<Instant>,
 }
 
+/// One store's connection on this thread.
+struct Entry {
+    /// [`PerThread::id`].
+    store: u64,
+    /// [`PerThread::alive`].
+    alive: Weak<()>,
+    slot: Arc<Slot>,
+}
+
 thread_local! {
-    /// This thread's slots, one per store (by [`PerThread::id`]).
-    static SLOTS: RefCell<Vec<(u64, Weak<Slot>)>> = const { RefCell::new(Vec::new()) };
+    /// This thread's connections, one per store.
+    static SLOTS: RefCell<Vec<Entry>> = const { RefCell::new(Vec::new()) };
 }
 
 impl PerThread {
@@ -85,7 +96,7 @@ impl PerThread {
             client,
             config,
             timeout,
-            slots: Mutex::new(Vec::new()),
+            alive: Arc::new(()),
         }
     }
 
@@ -100,7 +111,7 @@ impl PerThread {
                 return Some(ready.conn.clone());
             }
             // Made on a runtime that has shut down: forget it, make another on this one.
-            let fresh = self.replace(&slot);
+            let fresh = self.replace();
             self.start(&runtime, fresh);
             return None;
         }
@@ -112,46 +123,28 @@ impl PerThread {
     fn slot(&self) -> Arc<Slot> {
         SLOTS.with(|slots| {
             let mut slots = slots.borrow_mut();
-            if let Some(slot) = slots
-                .iter()
-                .find(|(id, _)| *id == self.id)
-                .and_then(|(_, slot)| slot.upgrade())
-            {
-                return slot;
+            if let Some(entry) = slots.iter().find(|e| e.store == self.id) {
+                return Arc::clone(&entry.slot);
             }
-            // Entries of dropped stores (and this store's, if it was dropped and the id
-            // reused: ids are never reused) go.
-            slots.retain(|(id, slot)| *id != self.id && slot.strong_count() > 0);
-            let slot = self.register();
-            slots.push((self.id, Arc::downgrade(&slot)));
+            // Connections of stores that are gone go now.
+            slots.retain(|e| e.alive.strong_count() > 0);
+            let slot = Arc::new(Slot {
+                ready: OnceLock::new(),
+                attempt: Mutex::new(Attempt::default()),
+            });
+            slots.push(Entry {
+                store: self.id,
+                alive: Arc::downgrade(&self.alive),
+                slot: Arc::clone(&slot),
+            });
             slot
         })
     }
 
-    /// A new slot, held by the store.
-    fn register(&self) -> Arc<Slot> {
-        let slot = Arc::new(Slot {
-            ready: OnceLock::new(),
-            attempt: Mutex::new(Attempt::default()),
-        });
-        if let Ok(mut slots) = self.slots.lock() {
-            slots.push(Arc::clone(&slot));
-        }
-        slot
-    }
-
-    /// Drop `dead` (from the store and this thread) and give this thread a new slot.
-    fn replace(&self, dead: &Arc<Slot>) -> Arc<Slot> {
-        if let Ok(mut slots) = self.slots.lock() {
-            slots.retain(|slot| !Arc::ptr_eq(slot, dead));
-        }
-        let fresh = self.register();
-        SLOTS.with(|slots| {
-            let mut slots = slots.borrow_mut();
-            slots.retain(|(id, _)| *id != self.id);
-            slots.push((self.id, Arc::downgrade(&fresh)));
-        });
-        fresh
+    /// Give this thread a new slot for this store in place of the one it had.
+    fn replace(&self) -> Arc<Slot> {
+        SLOTS.with(|slots| slots.borrow_mut().retain(|e| e.store != self.id));
+        self.slot()
     }
 
     /// Start making `slot`'s connection on `runtime`, unless an attempt runs or failed lately.
