@@ -5,9 +5,11 @@
 #   bash bench/redis.sh
 #
 # Starts its own redis-server on a free loopback port (no persistence), the bench server in modes
-# redis and redis-raw (same connection type: one multiplexed ConnectionManager), warms them, then
-# runs BENCH_RUNS rounds; each round runs every case right after its anchor on the same wrk
-# script, and the table reports the median ratio over the rounds with its spread.
+# redis, redis-raw (the anchor: one multiplexed ConnectionManager shared by the workers, as a
+# hand-written endpoint keeps it) and redis-raw-local (the anchor with a connection per worker,
+# as the store's connection_per_thread does), warms them, then runs BENCH_RUNS rounds; each
+# round runs every case right after the anchor on the same wrk script, and the table reports the
+# median ratio over the rounds (to each anchor) with its spread.
 # BENCH_BASELINE_SERVER=<another build's bench_server> adds its redis mode as a third case
 # ("before"), e.g. the last commit's build, so a change is measured against it in the same run
 # (on its own prefix, so the two stores' records never meet).
@@ -55,7 +57,7 @@ for _ in $(seq 1 50); do redis-cli -p "$REDIS_PORT" ping >/dev/null 2>&1 && brea
 REDIS_URL="redis://127.0.0.1:$REDIS_PORT"
 
 declare -A PORT
-CASES=(redis redis-raw)
+CASES=(redis redis-raw redis-raw-local)
 [ -n "${BENCH_BASELINE_SERVER:-}" ] && CASES+=(before)
 for mode in "${CASES[@]}"; do
   PORT[$mode]=$(free_port)
@@ -91,7 +93,8 @@ for round in $(seq 1 "$RUNS"); do
     store=$(run redis "$script" "$round-s")
     before=null
     [ -n "${BENCH_BASELINE_SERVER:-}" ] && before=$(run before "$script" "$round-b")
-    printf '{"round":%d,"path":"%s","anchor":%s,"store":%s,"before":%s}\n' "$round" "$script" "$anchor" "$store" "$before" | tee -a "$RESULTS" >&2
+    local_anchor=$(run redis-raw-local "$script" "$round-l")
+    printf '{"round":%d,"path":"%s","anchor":%s,"store":%s,"before":%s,"anchor_local":%s}\n' "$round" "$script" "$anchor" "$store" "$before" "$local_anchor" | tee -a "$RESULTS" >&2
   done
 done
 LOAD_END=$(cut -d' ' -f1-3 /proc/loadavg)
@@ -101,12 +104,15 @@ import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
 print(f"\nRedis store vs raw Redis anchor (load at end {sys.argv[2]}); ratio = store rps / anchor rps")
 print("store: this build's store; before: BENCH_BASELINE_SERVER's, when given")
-print(f"{'path':8} {'store':6} {'anchor rps':>11} {'store rps':>10} {'ratio (median)':>15} {'min..max':>12} {'store p99 ms':>13}")
+print("anchor: redis-raw (one shared connection); local: redis-raw-local (a connection per worker)")
+print(f"{'path':8} {'store':6} {'anchor':7} {'anchor rps':>11} {'store rps':>10} {'ratio (median)':>15} {'min..max':>12} {'store p99 ms':>13}")
 for path in ("miss", "replay"):
     r = [x for x in rows if x["path"] == path]
     for store in [s for s in ("store", "before") if r and r[0][s] is not None]:
-        ratios = [x[store]["rps"] / x["anchor"]["rps"] for x in r]
-        print(f"{path:8} {store:6} {statistics.median(x['anchor']['rps'] for x in r):>11.0f} "
-              f"{statistics.median(x[store]['rps'] for x in r):>10.0f} {statistics.median(ratios):>15.3f} "
-              f"{min(ratios):>5.3f}..{max(ratios):<5.3f} {statistics.median(x[store]['p99_ms'] for x in r):>13.2f}")
+        for anchor in ("anchor", "anchor_local"):
+            ratios = [x[store]["rps"] / x[anchor]["rps"] for x in r]
+            print(f"{path:8} {store:6} {anchor.replace('anchor_', '') if anchor != 'anchor' else 'shared':7} "
+                  f"{statistics.median(x[anchor]['rps'] for x in r):>11.0f} "
+                  f"{statistics.median(x[store]['rps'] for x in r):>10.0f} {statistics.median(ratios):>15.3f} "
+                  f"{min(ratios):>5.3f}..{max(ratios):<5.3f} {statistics.median(x[store]['p99_ms'] for x in r):>13.2f}")
 PY

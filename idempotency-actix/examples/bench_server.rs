@@ -5,7 +5,7 @@
 //!     [--addr 127.0.0.1:18080] [--workers 2] [--database-url URL] [--pool 16] [--sync-commit off]
 //!     [--max-entries 100000] [--metrics prometheus] [--body-bytes N] [--tenant-header NAME]
 //!     [--replay-fast-path on] [--prefill N]
-//! bench_server serve --mode redis|redis-raw --redis-url redis://127.0.0.1:6379 [--workers 2]
+//! bench_server serve --mode redis|redis-raw|redis-raw-local --redis-url redis://127.0.0.1:6379 [--workers 2]
 //! bench_server footprint [--records 100000]
 //! bench_server migrate --database-url URL
 //! ```
@@ -30,7 +30,10 @@
 //! - `redis-raw`: no middleware; the handler sends the least Redis commands a hand-written
 //!   idempotent endpoint needs over the same kind of connection: a replay is one `GET` of the
 //!   stored response; a miss is `SET key token NX PX lease`, the handler, then `SET key
-//!   response PX ttl` (two round trips, as the store's reserve and complete).
+//!   response PX ttl` (two round trips, as the store's reserve and complete), over one
+//!   `ConnectionManager` shared by the workers, as a hand-written endpoint would keep it.
+//! - `redis-raw-local`: the same with a connection per worker made on the worker's runtime
+//!   (`App::data_factory`), as the store's `connection_per_thread` does.
 //! - `payments-today`, `payments-tx`, `payments-raw`: a handler that inserts one row into a
 //!   `payments` table (created by `migrate`). `payments-today`: the default mode, the handler
 //!   inserting through its own pool connection (its own commit, besides the store's two);
@@ -305,7 +308,7 @@ async fn serve(args: Args) -> std::io::Result<()> {
                 .map_err(std::io::Error::other)?
         ),
         #[cfg(feature = "redis")]
-        "redis-raw" => redis_raw::serve(args).await,
+        "redis-raw" | "redis-raw-local" => redis_raw::serve(args).await,
         "payments-today" => {
             let store = postgres_store(&args).await?;
             let data = web::Data::new(store.clone());
@@ -720,14 +723,21 @@ mod redis_raw {
 
     pub(super) async fn serve(args: Args) -> std::io::Result<()> {
         let client = redis::Client::open(args.redis_url.as_str()).map_err(std::io::Error::other)?;
-        let conn = ConnectionManager::new(client)
+        let conn = ConnectionManager::new(client.clone())
             .await
             .map_err(std::io::Error::other)?;
         let state = web::Data::new(conn);
+        let local = args.mode == "redis-raw-local";
         HttpServer::new(move || {
-            App::new()
-                .app_data(state.clone())
-                .route("/payments", web::post().to(payment))
+            let app = App::new();
+            let app = if local {
+                // A connection per worker, made on the worker's own runtime.
+                let client = client.clone();
+                app.data_factory(move || ConnectionManager::new(client.clone()))
+            } else {
+                app.app_data(state.clone())
+            };
+            app.route("/payments", web::post().to(payment))
         })
         .workers(args.workers)
         .bind(&args.addr)?

@@ -7,8 +7,10 @@
 //! makes its store in `main`, so that task runs on the main thread while requests run on the
 //! worker threads: every command crossed threads twice (to the connection's task and back),
 //! two wake-ups and usually two context switches. A connection made on the worker's own
-//! runtime keeps a request's commands on its thread. Measured on the raw Redis anchor of the
-//! load bench (`docs/redis.md`): 1.06-1.24x the misses and 1.17-1.36x the replays per second.
+//! runtime keeps a request's commands on its thread. Measured with `bench/redis.sh` (paired
+//! rounds, medians): the raw anchor with a connection per worker does 1.22x the misses and
+//! 1.19x the replays of the same anchor over one shared connection; the store 1.05-1.12x the
+//! misses and 1.17-1.34x the replays it did over one shared connection (`docs/redis.md`).
 //!
 //! # How
 //! The first call on a thread starts making that thread's connection on the thread's runtime
