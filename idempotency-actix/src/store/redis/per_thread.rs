@@ -107,45 +107,51 @@ impl PerThread {
     /// Tokio runtime, always `None`.
     pub(super) fn get(&self) -> Option<ConnectionManager> {
         let runtime = tokio::runtime::Handle::try_current().ok()?;
-        let slot = self.slot();
+        let slot = self.slot()?;
         if let Some(ready) = slot.ready.get() {
             if !ready.alive.is_closed() {
                 return Some(ready.conn.clone());
             }
             // Made on a runtime that has shut down: forget it, make another on this one.
-            let fresh = self.replace();
-            self.start(&runtime, fresh);
+            if let Some(fresh) = self.replace() {
+                self.start(&runtime, fresh);
+            }
             return None;
         }
         self.start(&runtime, slot);
         None
     }
 
-    /// This thread's slot for this store, made if there is none.
-    fn slot(&self) -> Arc<Slot> {
-        SLOTS.with(|slots| {
-            let mut slots = slots.borrow_mut();
-            if let Some(entry) = slots.iter().find(|e| e.store == self.id) {
-                return Arc::clone(&entry.slot);
-            }
-            // Connections of stores that are gone go now.
-            slots.retain(|e| e.alive.strong_count() > 0);
-            let slot = Arc::new(Slot {
-                ready: OnceLock::new(),
-                attempt: Mutex::new(Attempt::default()),
-            });
-            slots.push(Entry {
-                store: self.id,
-                alive: Arc::downgrade(&self.alive),
-                slot: Arc::clone(&slot),
-            });
-            slot
-        })
+    /// This thread's slot for this store, made if there is none; `None` while the thread is
+    /// exiting (its thread-locals are gone: the shared connection serves).
+    fn slot(&self) -> Option<Arc<Slot>> {
+        SLOTS
+            .try_with(|slots| {
+                let mut slots = slots.borrow_mut();
+                if let Some(entry) = slots.iter().find(|e| e.store == self.id) {
+                    return Arc::clone(&entry.slot);
+                }
+                // Connections of stores that are gone go now.
+                slots.retain(|e| e.alive.strong_count() > 0);
+                let slot = Arc::new(Slot {
+                    ready: OnceLock::new(),
+                    attempt: Mutex::new(Attempt::default()),
+                });
+                slots.push(Entry {
+                    store: self.id,
+                    alive: Arc::downgrade(&self.alive),
+                    slot: Arc::clone(&slot),
+                });
+                slot
+            })
+            .ok()
     }
 
     /// Give this thread a new slot for this store in place of the one it had.
-    fn replace(&self) -> Arc<Slot> {
-        SLOTS.with(|slots| slots.borrow_mut().retain(|e| e.store != self.id));
+    fn replace(&self) -> Option<Arc<Slot>> {
+        SLOTS
+            .try_with(|slots| slots.borrow_mut().retain(|e| e.store != self.id))
+            .ok()?;
         self.slot()
     }
 
