@@ -33,7 +33,6 @@
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
-
 use std::time::{Duration, Instant};
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
@@ -106,19 +105,17 @@ impl PerThread {
     /// starting to make it if no attempt runs and none failed in the last second. Outside a
     /// Tokio runtime, always `None`.
     pub(super) fn get(&self) -> Option<ConnectionManager> {
-        let runtime = tokio::runtime::Handle::try_current().ok()?;
         let slot = self.slot()?;
         if let Some(ready) = slot.ready.get() {
             if !ready.alive.is_closed() {
                 return Some(ready.conn.clone());
             }
             // Made on a runtime that has shut down: forget it, make another on this one.
-            if let Some(fresh) = self.replace() {
-                self.start(&runtime, fresh);
-            }
+            let fresh = self.replace()?;
+            self.start(fresh);
             return None;
         }
-        self.start(&runtime, slot);
+        self.start(slot);
         None
     }
 
@@ -155,8 +152,12 @@ impl PerThread {
         self.slot()
     }
 
-    /// Start making `slot`'s connection on `runtime`, unless an attempt runs or failed lately.
-    fn start(&self, runtime: &tokio::runtime::Handle, slot: Arc<Slot>) {
+    /// Start making `slot`'s connection on this thread's runtime (none: nothing to do), unless an
+    /// attempt runs or failed lately.
+    fn start(&self, slot: Arc<Slot>) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
         {
             let Ok(mut attempt) = slot.attempt.lock() else {
                 return;
