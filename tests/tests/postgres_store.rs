@@ -65,6 +65,24 @@ async fn postgres_store_with_replay_fast_path_conforms_on(db: &TestDb) {
     conformance::run_all(&store).await;
 }
 
+/// A pool per thread (`#[tokio::test]` runs on a current-thread runtime, where the store uses
+/// it): the whole suite, on the thread's own connections.
+#[tokio::test]
+async fn postgres_store_with_a_pool_per_thread_conforms() {
+    let db = TestDb::new().await;
+    let store = PostgresStore::builder(&db.url)
+        .pool_per_thread(Some(4))
+        .build()
+        .await
+        .unwrap();
+    conformance::run_all(&store).await;
+    assert_eq!(
+        store.pool().state().connections,
+        0,
+        "the suite ran over the shared pool"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_store_conforms_on_a_multi_thread_runtime() {
     let db = TestDb::new().await;

@@ -61,6 +61,7 @@ pub mod admin;
 mod builder;
 mod error;
 mod migrate;
+mod per_thread;
 mod pool;
 #[doc(hidden)]
 pub mod schema;

@@ -9,6 +9,7 @@ use diesel_async::AsyncPgConnection;
 
 use super::admin::PurgeFilter;
 use super::error::{self, classify_query_error, not_provisioned, table_exists};
+use super::per_thread::PoolPerThread;
 use super::schema::State;
 use super::sql::{self, Completion, ReplayRead, Reserve, ReserveRow, ScopeBinds};
 use super::{micros, PgPool, PostgresStoreBuilder, DEFAULT_PURGE_BATCH, DEFAULT_QUERY_TIMEOUT};
@@ -32,6 +33,8 @@ const RESERVE_ATTEMPTS: usize = 5;
 #[derive(Clone)]
 pub struct PostgresStore {
     pub(super) pool: PgPool,
+    /// Each thread's own pool, when built with `pool_per_thread`.
+    pub(super) pool_per_thread: Option<Arc<PoolPerThread>>,
     pub(super) connection_timeout: Duration,
     pub(super) query_timeout: Option<Duration>,
     pub(super) last_connect_error: Arc<Mutex<Option<String>>>,
@@ -60,6 +63,7 @@ impl PostgresStore {
             connection_timeout: pool.config().connection_timeout,
             query_timeout: Some(DEFAULT_QUERY_TIMEOUT),
             pool,
+            pool_per_thread: None,
             last_connect_error: Arc::new(Mutex::new(None)),
             purge_batch: DEFAULT_PURGE_BATCH,
             replay_fast_path: false,
@@ -90,6 +94,7 @@ impl PostgresStore {
             purge_batch: DEFAULT_PURGE_BATCH,
             synchronous_commit: true,
             replay_fast_path: false,
+            pool_per_thread: None,
         }
     }
 
@@ -136,13 +141,17 @@ impl PostgresStore {
         .await
     }
 
-    async fn conn(
+    /// A connection for one operation: from this thread's pool (`pool_per_thread`) or the
+    /// shared one.
+    pub(super) async fn conn(
         &self,
     ) -> Result<
-        diesel_async::pooled_connection::bb8::PooledConnection<'_, AsyncPgConnection>,
+        diesel_async::pooled_connection::bb8::PooledConnection<'static, AsyncPgConnection>,
         StoreError,
     > {
-        self.pool.get().await.map_err(|e| {
+        let own = self.pool_per_thread.as_ref().and_then(|p| p.get());
+        let pool = own.as_ref().unwrap_or(&self.pool);
+        pool.get_owned().await.map_err(|e| {
             // Cloned, not taken: every request timing out during an outage gets the reason.
             let last = self.last_connect_error.lock().ok().and_then(|l| l.clone());
             error::classify_pool_error(e, self.connection_timeout, last)

@@ -28,7 +28,7 @@ use diesel_async::{
     AnsiTransactionManager, AsyncConnection, AsyncPgConnection, TransactionManager,
 };
 
-use super::error::{classify_error, classify_pool_error};
+use super::error::classify_error;
 use super::sql::{self, Completion, Reserve, SetTenant, TxClaim};
 use super::store::{corrupt, decode_reserve_row, scope_binds};
 use super::{micros, PostgresStore};
@@ -84,10 +84,7 @@ pub(crate) enum CommitError {
 /// Take a connection from the store's pool for the whole request (within the pool's
 /// connection timeout: pool exhausted or database down is [`StoreError::Unavailable`]).
 pub(crate) async fn checkout(store: &PostgresStore) -> Result<TxConnection, StoreError> {
-    store.pool.get_owned().await.map_err(|e| {
-        let last = store.last_connect_error.lock().ok().and_then(|l| l.clone());
-        classify_pool_error(e, store.connection_timeout, last)
-    })
+    store.conn().await
 }
 
 /// `BEGIN` (with the isolation level) and the idle-in-transaction bound, in one simple-query
