@@ -173,9 +173,22 @@ PORT[postgres-fast]=18089;   MODE[postgres-fast]=postgres; EXTRA[postgres-fast]=
 PORT[payments-today]=18090;  MODE[payments-today]=payments-today
 PORT[payments-tx]=18091;     MODE[payments-tx]=payments-tx
 PORT[payments-raw]=18092;    MODE[payments-raw]=payments-raw
-SERVERS="bare memory memory-evicting memory-metrics postgres postgres-fast postgres-cached postgres-async raw payments-today payments-tx payments-raw"
+# The same store and anchor with a pool per worker, its connections driven on the worker's own
+# runtime (docs/benchmarks.md, "Where the connections are driven").
+PORT[raw-local]=18093;       MODE[raw-local]=raw-local
+PORT[postgres-local]=18094;  MODE[postgres-local]=postgres; EXTRA[postgres-local]="--pool-per-thread on"
+PORT[payments-tx-local]=18095; MODE[payments-tx-local]=payments-tx; EXTRA[payments-tx-local]="--pool-per-thread on"
+SERVERS="bare memory memory-evicting memory-metrics postgres postgres-fast postgres-cached postgres-async raw payments-today payments-tx payments-raw raw-local postgres-local payments-tx-local"
 declare -A SERVER_PID
 if [ "$SCALE" = only ] || [ "$PARTITIONS" = only ]; then SERVERS=""; fi
+# With BENCH_CASES, only the servers those cases use (fewer idle pools on the database).
+if [ -n "${BENCH_CASES:-}" ] && [ -n "$SERVERS" ]; then
+  SERVERS=$(for c in $BENCH_CASES; do
+    for name in $SERVERS; do
+      case $c in "$name"-miss|"$name"-replay) echo "$name";; esac
+    done
+  done | sort -u | tr '\n' ' ')
+fi
 # A port that already answers would be measured in place of our server (which then fails to
 # bind and exits after wait_up has seen the port answer): refuse instead.
 for name in $SERVERS; do
@@ -209,18 +222,21 @@ ALL_SERVER_PIDS="${PIDS[*]}"
 CASES_ALL="bare-miss|bare|miss memory-miss|memory|miss memory-metrics-miss|memory-metrics|miss \
 memory-evicting-miss|memory-evicting|miss \
 bare-replay|bare|replay memory-replay|memory|replay postgres-cached-replay|postgres-cached|replay \
-raw-miss|raw|miss postgres-miss|postgres|miss postgres-fast-miss|postgres-fast|miss \
+raw-miss|raw|miss postgres-miss|postgres|miss postgres-local-miss|postgres-local|miss raw-local-miss|raw-local|miss \
+postgres-fast-miss|postgres-fast|miss \
 postgres-async-miss|postgres-async|miss \
-raw-replay|raw|replay postgres-replay|postgres|replay postgres-fast-replay|postgres-fast|replay \
+raw-replay|raw|replay postgres-replay|postgres|replay postgres-local-replay|postgres-local|replay raw-local-replay|raw-local|replay \
+postgres-fast-replay|postgres-fast|replay \
 pgbench-replay|-|replay pgbench-store-replay|-|store_replay \
 pgbench-miss|-|miss pgbench-tx-anchor-miss|-|tx_anchor_miss pgbench-tx-miss|-|tx_miss \
 payments-raw-miss|payments-raw|miss payments-today-miss|payments-today|miss payments-tx-miss|payments-tx|miss \
+payments-tx-local-miss|payments-tx-local|miss \
 payments-tx-replay|payments-tx|replay"
 SELECTED=${BENCH_CASES:-}
 
 wrk_case() { # name server script run
   local name=$1 server=$2 script=$3 run=$4 psql_opt=()
-  case $server in postgres*|raw|payments*) psql_opt=(--psql "$PSQL_ARGS" --postmaster "${POSTMASTER:-}");; esac
+  case $server in postgres*|raw*|payments*) psql_opt=(--psql "$PSQL_ARGS" --postmaster "${POSTMASTER:-}");; esac
   python3 bench/measure.py --case "$name" --run "$run" --pids "$ALL_SERVER_PIDS" "${psql_opt[@]}" -- \
     wrk -t"$THREADS" -c"$CONNECTIONS" -d"${DURATION}s" --latency -s "bench/$script.lua" \
     "http://127.0.0.1:${PORT[$server]}" -- "$STAMP-$run-$name"

@@ -1,10 +1,10 @@
 //! The server behind the load benchmark (`bash bench/load.sh`, see `docs/benchmarks.md`).
 //!
 //! ```text
-//! bench_server serve --mode bare|memory|memory-cached|postgres|postgres-cached|raw|payments-today|payments-tx|payments-raw \
+//! bench_server serve --mode bare|memory|memory-cached|postgres|postgres-cached|raw|raw-local|payments-today|payments-tx|payments-raw \
 //!     [--addr 127.0.0.1:18080] [--workers 2] [--database-url URL] [--pool 16] [--sync-commit off]
 //!     [--max-entries 100000] [--metrics prometheus] [--body-bytes N] [--tenant-header NAME]
-//!     [--replay-fast-path on] [--prefill N]
+//!     [--replay-fast-path on] [--pool-per-thread on] [--prefill N]
 //! bench_server serve --mode redis|redis-raw|redis-raw-local --redis-url redis://127.0.0.1:6379 [--workers 2]
 //! bench_server footprint [--records 100000]
 //! bench_server migrate --database-url URL
@@ -25,6 +25,9 @@
 //!   INSERT of the reservation and one UPDATE storing the response. The key is
 //!   taken from the header as it is and the fingerprint is a constant: the anchor does none of
 //!   the middleware's work except its round trips.
+//! - `raw-local`: the same with a pool per worker (`--pool` split between them), built on the
+//!   worker's runtime (`App::data_factory`) so its connections are driven there, as the
+//!   store's `pool_per_thread` does.
 //!
 //! - `redis`: behind `Idempotency` with the Redis store (one multiplexed connection).
 //! - `redis-raw`: no middleware; the handler sends the least Redis commands a hand-written
@@ -49,7 +52,9 @@
 //! serves `/metrics` has it); `--body-bytes N` makes the handler answer an N-byte body (bare
 //! and middleware modes alike) instead of the 60-byte document; `--tenant-header NAME` scopes
 //! records by that request header; `--replay-fast-path on` builds the PostgreSQL store with
-//! `PostgresStoreBuilder::replay_fast_path(true)`; `--redis-wait N` (mode `redis`) builds the
+//! `PostgresStoreBuilder::replay_fast_path(true)`; `--pool-per-thread on` builds it with
+//! `pool_per_thread(Some(pool / workers))` (the same connections in all, each worker's opened
+//! on its own runtime); `--redis-wait N` (mode `redis`) builds the
 //! Redis store with `wait_for_replicas(N, 100 ms)`; `--prefill N` (mode `memory`) stores N
 //! completed records before serving and prints `PREFILL {json}` with the resident memory per
 //! record.
@@ -136,6 +141,7 @@ struct Args {
     body_bytes: Option<usize>,
     tenant_header: Option<String>,
     replay_fast_path: bool,
+    pool_per_thread: bool,
     prefill: usize,
     redis_wait: u32,
 }
@@ -157,6 +163,7 @@ fn parse_args() -> Result<(String, Args), String> {
         body_bytes: None,
         tenant_header: None,
         replay_fast_path: false,
+        pool_per_thread: false,
         prefill: 0,
         redis_wait: 0,
     };
@@ -180,6 +187,7 @@ fn parse_args() -> Result<(String, Args), String> {
             "--body-bytes" => args.body_bytes = Some(value()?.parse().map_err(|e| format!("{e}"))?),
             "--tenant-header" => args.tenant_header = Some(value()?),
             "--replay-fast-path" => args.replay_fast_path = value()? == "on",
+            "--pool-per-thread" => args.pool_per_thread = value()? == "on",
             "--prefill" => args.prefill = value()?.parse().map_err(|e| format!("{e}"))?,
             "--redis-wait" => args.redis_wait = value()?.parse().map_err(|e| format!("{e}"))?,
             other => return Err(format!("unknown argument {other}")),
@@ -236,6 +244,7 @@ async fn postgres_store(args: &Args) -> std::io::Result<PostgresStore> {
         .min_idle(Some(args.pool))
         .synchronous_commit(args.sync_commit)
         .replay_fast_path(args.replay_fast_path)
+        .pool_per_thread(args.pool_per_thread.then(|| per_worker_pool(args)))
         .build()
         .await
         .map_err(std::io::Error::other)
@@ -297,7 +306,7 @@ async fn serve(args: Args) -> std::io::Result<()> {
         "postgres-cached" => {
             serve_with_store!(args, CachedStore::new(postgres_store(&args).await?))
         }
-        "raw" => serve_raw(args).await,
+        "raw" | "raw-local" => serve_raw(args).await,
         #[cfg(feature = "redis")]
         "redis" => serve_with_store!(
             args,
@@ -473,18 +482,56 @@ async fn raw_pool(args: &Args) -> std::io::Result<RawPool> {
 }
 
 async fn serve_raw(args: Args) -> std::io::Result<()> {
-    let pool = raw_pool(&args).await?;
-    let headers = stored_response().encode_headers();
-    let state = web::Data::new(RawState { pool, headers });
+    let local = args.mode == "raw-local";
+    let state = if local {
+        None
+    } else {
+        let pool = raw_pool(&args).await?;
+        let headers = stored_response().encode_headers();
+        Some(web::Data::new(RawState { pool, headers }))
+    };
+    let per_worker = per_worker_pool(&args);
+    let url = database_url(&args)?;
     HttpServer::new(move || {
-        App::new()
-            .app_data(state.clone())
-            .route("/payments", web::post().to(raw_payment))
+        let app = App::new();
+        let app = if let Some(state) = &state {
+            app.app_data(state.clone())
+        } else {
+            // A pool per worker, its connections made (and driven) on the worker's runtime.
+            let url = url.clone();
+            app.data_factory(move || {
+                let url = url.clone();
+                async move {
+                    let mut config = ManagerConfig::<AsyncPgConnection>::default();
+                    config.recycling_method = RecyclingMethod::Fast;
+                    let manager =
+                        AsyncDieselConnectionManager::<AsyncPgConnection>::new_with_config(
+                            url, config,
+                        );
+                    let pool = Pool::builder()
+                        .max_size(per_worker)
+                        .min_idle(Some(per_worker))
+                        .connection_timeout(Duration::from_secs(2))
+                        .build(manager)
+                        .await
+                        .map_err(|e| eprintln!("raw-local pool: {e}"))?;
+                    let headers = stored_response().encode_headers();
+                    Ok::<_, ()>(RawState { pool, headers })
+                }
+            })
+        };
+        app.route("/payments", web::post().to(raw_payment))
     })
     .workers(args.workers)
     .bind(&args.addr)?
     .run()
     .await
+}
+
+/// `--pool` split between the workers (each worker's own pool in the `-local` modes).
+fn per_worker_pool(args: &Args) -> u32 {
+    let workers = u32::try_from(args.workers.max(1)).unwrap_or(1);
+    args.pool.div_ceil(workers).max(1)
 }
 
 struct RawState {
