@@ -116,8 +116,14 @@ async fn exactly_once_across_two_instances_sharing_one_database() {
     let mut addrs = Vec::new();
     let mut handles = Vec::new();
     for name in ["instance-a", "instance-b"] {
-        // Separate pools, as two app processes would have.
-        let store = PostgresStore::connect(&db.url).await.unwrap();
+        // Separate pools, as two app processes would have: instance-a with a pool per worker
+        // thread (`pool_per_thread`), instance-b with one shared pool, so both ways of holding
+        // connections race for the same keys.
+        let store = PostgresStore::builder(db.url.as_str())
+            .pool_per_thread((name == "instance-a").then_some(2))
+            .build()
+            .await
+            .unwrap();
         let (addr, handle) = start_instance(Instance {
             name,
             store,

@@ -181,7 +181,10 @@ impl PostgresStoreBuilder {
     /// thread ([`PostgresStore::pool`], admin calls, a multi-threaded Tokio runtime, where a
     /// pool per thread would bring nothing) and keeps no idle connections open in this mode.
     /// [`min_idle`](Self::min_idle) applies to each thread's pool. A thread builds its pool on
-    /// its first call; a thread that exits closes its pool.
+    /// its first call; a thread that exits closes its pool. A thread's requests wait for its
+    /// own pool only, not for another thread's idle connections: in transactional mode, where a
+    /// request holds its connection while the handler runs, size `connections` for one
+    /// worker's concurrent transactional requests.
     pub fn pool_per_thread(mut self, connections: Option<u32>) -> Self {
         self.pool_per_thread = connections.map(|n| n.max(1));
         self
