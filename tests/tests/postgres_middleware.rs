@@ -246,12 +246,23 @@ async fn missing_table_answers_503_with_the_migrate_hint() {
 
 #[actix_web::test]
 async fn unreachable_database_answers_503_quickly_and_recovers() {
+    unreachable_database_answers_503_quickly_and_recovers_with(None).await;
+}
+
+/// The same with a pool per worker thread: each worker's pool sees the outage and recovers.
+#[actix_web::test]
+async fn unreachable_database_answers_503_quickly_and_recovers_with_a_pool_per_thread() {
+    unreachable_database_answers_503_quickly_and_recovers_with(Some(2)).await;
+}
+
+async fn unreachable_database_answers_503_quickly_and_recovers_with(pool_per_thread: Option<u32>) {
     let db = TestDb::new().await;
     create_executions_table(&db.url).await;
     let proxy = PgProxy::for_url(&db.url).await.unwrap();
     let timeout = Duration::from_millis(800);
     let store = PostgresStore::builder(proxy.url_through(&db.url))
         .connection_timeout(timeout)
+        .pool_per_thread(pool_per_thread)
         .build()
         .await
         .unwrap();
