@@ -177,8 +177,9 @@ PORT[payments-raw]=18092;    MODE[payments-raw]=payments-raw
 # runtime (docs/benchmarks.md, "Where the connections are driven").
 PORT[raw-local]=18093;       MODE[raw-local]=raw-local
 PORT[postgres-local]=18094;  MODE[postgres-local]=postgres; EXTRA[postgres-local]="--pool-per-thread on"
+PORT[postgres-fast-local]=18096; MODE[postgres-fast-local]=postgres; EXTRA[postgres-fast-local]="--pool-per-thread on --replay-fast-path on"
 PORT[payments-tx-local]=18095; MODE[payments-tx-local]=payments-tx; EXTRA[payments-tx-local]="--pool-per-thread on"
-SERVERS="bare memory memory-evicting memory-metrics postgres postgres-fast postgres-cached postgres-async raw payments-today payments-tx payments-raw raw-local postgres-local payments-tx-local"
+SERVERS="bare memory memory-evicting memory-metrics postgres postgres-fast postgres-cached postgres-async raw payments-today payments-tx payments-raw raw-local postgres-local postgres-fast-local payments-tx-local"
 declare -A SERVER_PID
 if [ "$SCALE" = only ] || [ "$PARTITIONS" = only ]; then SERVERS=""; fi
 # With BENCH_CASES, only the servers those cases use (fewer idle pools on the database).
@@ -223,10 +224,10 @@ CASES_ALL="bare-miss|bare|miss memory-miss|memory|miss memory-metrics-miss|memor
 memory-evicting-miss|memory-evicting|miss \
 bare-replay|bare|replay memory-replay|memory|replay postgres-cached-replay|postgres-cached|replay \
 raw-miss|raw|miss postgres-miss|postgres|miss postgres-local-miss|postgres-local|miss raw-local-miss|raw-local|miss \
-postgres-fast-miss|postgres-fast|miss \
+postgres-fast-miss|postgres-fast|miss postgres-fast-local-miss|postgres-fast-local|miss \
 postgres-async-miss|postgres-async|miss \
 raw-replay|raw|replay postgres-replay|postgres|replay postgres-local-replay|postgres-local|replay raw-local-replay|raw-local|replay \
-postgres-fast-replay|postgres-fast|replay \
+postgres-fast-replay|postgres-fast|replay postgres-fast-local-replay|postgres-fast-local|replay \
 pgbench-replay|-|replay pgbench-store-replay|-|store_replay \
 pgbench-miss|-|miss pgbench-tx-anchor-miss|-|tx_anchor_miss pgbench-tx-miss|-|tx_miss \
 payments-raw-miss|payments-raw|miss payments-today-miss|payments-today|miss payments-tx-miss|payments-tx|miss \
