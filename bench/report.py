@@ -19,6 +19,14 @@ RATIOS = [
     ("(3) postgres replay / raw-SQL anchor", "postgres-replay", "raw-replay", 0.95),
     ("(3) postgres miss, replay fast path / raw", "postgres-fast-miss", "raw-miss", 0.95),
     ("(3) postgres replay, replay fast path / raw", "postgres-fast-replay", "raw-replay", 0.95),
+    ("(3) postgres miss, pool per thread / raw", "postgres-local-miss", "raw-miss", 0.95),
+    ("(3) postgres replay, pool per thread / raw", "postgres-local-replay", "raw-replay", 0.95),
+    ("(3) postgres replay, pool per thread + fast path / raw", "postgres-fast-local-replay", "raw-replay", 0.95),
+    ("postgres miss, pool per thread / shared pool", "postgres-local-miss", "postgres-miss", None),
+    ("postgres replay, pool per thread / shared pool", "postgres-local-replay", "postgres-replay", None),
+    ("postgres miss, pool per thread / raw, pool per worker", "postgres-local-miss", "raw-local-miss", None),
+    ("postgres replay, pool per thread / raw, pool per worker", "postgres-local-replay", "raw-local-replay", None),
+    ("raw replay, pool per worker / shared pool", "raw-local-replay", "raw-replay", None),
     ("postgres miss, fast path / function only", "postgres-fast-miss", "postgres-miss", None),
     ("postgres replay, fast path / function only", "postgres-fast-replay", "postgres-replay", None),
     ("(3) postgres miss / pgbench", "postgres-miss", "pgbench-miss", None),
@@ -30,15 +38,20 @@ RATIOS = [
     ("postgres miss, sync commit off / on", "postgres-async-miss", "postgres-miss", None),
     ("(6) transactional payments miss / one-transaction anchor", "payments-tx-miss", "payments-raw-miss", 0.95),
     ("(6) transactional / default mode, payments miss", "payments-tx-miss", "payments-today-miss", None),
+    ("(6) transactional, pool per thread / one-transaction anchor", "payments-tx-local-miss", "payments-raw-miss", 0.95),
+    ("(6) transactional, pool per thread / shared pool", "payments-tx-local-miss", "payments-tx-miss", None),
     ("(6) SQL only: transactional statements / anchor", "pgbench-tx-miss", "pgbench-tx-anchor-miss", None),
 ]
 
 ORDER = [
     "bare-miss", "memory-miss", "memory-metrics-miss", "memory-evicting-miss", "bare-replay",
     "memory-replay", "postgres-cached-replay", "raw-miss", "postgres-miss", "postgres-fast-miss",
-    "postgres-async-miss", "raw-replay", "postgres-replay", "postgres-fast-replay",
+    "postgres-async-miss", "raw-local-miss", "postgres-local-miss", "postgres-fast-local-miss",
+    "raw-replay", "postgres-replay", "postgres-fast-replay", "raw-local-replay",
+    "postgres-local-replay", "postgres-fast-local-replay",
     "pgbench-replay", "pgbench-store-replay", "pgbench-miss", "pgbench-tx-anchor-miss", "pgbench-tx-miss",
-    "payments-raw-miss", "payments-today-miss", "payments-tx-miss", "payments-tx-replay",
+    "payments-raw-miss", "payments-today-miss", "payments-tx-miss", "payments-tx-local-miss",
+    "payments-tx-replay",
 ]
 
 
