@@ -172,8 +172,9 @@ impl PostgresStoreBuilder {
     /// builds its store in `main`, so the shared pool's connections are all driven on the main
     /// thread, and every statement of a worker crosses threads twice (two wake-ups, usually two
     /// context switches). With a pool per thread each worker's statements stay on its thread:
-    /// `docs/benchmarks.md` ("Where the connections are driven") has it at about 1.1x the
-    /// misses and 1.5x the replays of the shared pool, same number of connections in all.
+    /// `docs/benchmarks.md` ("Where the connections are driven") has it at 1.06x the misses,
+    /// 1.25x the replays and 1.20x the transactional misses of the shared pool (paired rounds,
+    /// the same number of connections in all).
     ///
     /// **Connections:** up to `connections` per thread that serves requests (actix-web
     /// starts one worker per CPU core by default), so split your budget:
