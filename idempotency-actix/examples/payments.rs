@@ -22,6 +22,8 @@
 //!   module docs: `idempotency_requests_total{outcome="replay",...}` and friends).
 //!
 //! `IDEMPOTENCY_LOCK_TIMEOUT_MS` sets the lease (default 60 s); the fault tests shorten it.
+//! `PAYMENTS_POOL_PER_THREAD=N` builds the PostgreSQL store with
+//! `PostgresStoreBuilder::pool_per_thread(Some(N))` (a pool of N connections per worker).
 //!
 //! # Transactional mode
 //! ```text
@@ -233,7 +235,14 @@ async fn serve_postgres(
             }
         );
     }
-    let store = PostgresStore::connect(url).await.map_err(fail)?;
+    let per_thread = std::env::var("PAYMENTS_POOL_PER_THREAD")
+        .ok()
+        .and_then(|n| n.parse().ok());
+    let store = PostgresStore::builder(url)
+        .pool_per_thread(per_thread)
+        .build()
+        .await
+        .map_err(fail)?;
     if transactional {
         println!("store: PostgreSQL, transactional mode (payments in the `payments` table)");
         return tx::serve(store, url, addr).await;

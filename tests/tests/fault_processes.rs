@@ -45,6 +45,17 @@ fn pay(key: &str, amount: u64, delay_ms: Option<u64>) -> Request {
 /// send a steady stream of keyed requests, a third of them retried at once.
 #[test]
 fn database_restart_under_load() {
+    database_restart_under_load_with(&[]);
+}
+
+/// The same with a pool per worker thread (`PostgresStoreBuilder::pool_per_thread`): every
+/// worker's own pool sees the outage and recovers, and nothing runs twice.
+#[test]
+fn database_restart_under_load_with_a_pool_per_thread() {
+    database_restart_under_load_with(&[("PAYMENTS_POOL_PER_THREAD", "4")]);
+}
+
+fn database_restart_under_load_with(extra_env: &[(&str, &str)]) {
     let _serial = serial();
     let cluster = TempCluster::start(&[], &[]).expect("a private PostgreSQL cluster");
     let url = cluster.url();
@@ -56,10 +67,12 @@ fn database_restart_under_load() {
     }
     // The lease (10 s) outlasts the outage (about 3 s): a response whose storing failed when
     // the database went away is stored once it is back, before any retry could take over.
-    let app = PaymentsApp::start(&[
+    let mut env = vec![
         ("DATABASE_URL", url.as_str()),
         ("IDEMPOTENCY_LOCK_TIMEOUT_MS", "10000"),
-    ]);
+    ];
+    env.extend_from_slice(extra_env);
+    let app = PaymentsApp::start(&env);
 
     let load = Load {
         clients: 6,
@@ -117,7 +130,7 @@ fn database_restart_under_load() {
     let in_flight = count_in_state(&url, State::InFlight) as i64;
     assert_eq!(in_flight, 0, "reservations left behind");
     println!(
-        "COUNTS database_restart_under_load: stopped at {:.1}s, restarted at {:.1}s; keys={keys_sent} \
+        "COUNTS database_restart_under_load {extra_env:?}: stopped at {:.1}s, restarted at {:.1}s; keys={keys_sent} \
          requests_during_load={} [{}] resolve_requests={} [{}] executions={} keys_whose_response_was_stored_late={} (store failed after the handler: {})",
         stopped_at.as_secs_f64(),
         restarted_at.as_secs_f64(),
