@@ -13,7 +13,7 @@
 //! fragments here have a *static* [`QueryId`], so diesel-async's per-connection statement cache
 //! prepares each on first use and every later execution on that connection is one round trip
 //! (Bind/Execute/Sync in one flight). The request-path statements are checked for that below
-//! (`const _`), and `tests/tests/postgres_round_trips.rs` counts the messages. The admin
+//! (`const _`), and `tests/tests/e2e/postgres_round_trips.rs` counts the messages. The admin
 //! queries are built dynamically (`into_boxed`): the CLI runs each once.
 //!
 //! All times come from the database (`now()`); durations travel as bigint microseconds.

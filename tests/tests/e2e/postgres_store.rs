@@ -431,7 +431,7 @@ async fn missing_reserve_function_is_not_provisioned_with_the_migrate_hint() {
     let db = TestDb::new().await;
     let mut conn = postgres::establish(&db.url).await.unwrap();
     conn.batch_execute(include_str!(
-        "../../migrations/2026-11-30-000002_reserve_function/down.sql"
+        "../../../migrations/2026-11-30-000002_reserve_function/down.sql"
     ))
     .await
     .unwrap();
@@ -447,7 +447,7 @@ async fn missing_reserve_function_is_not_provisioned_with_the_migrate_hint() {
         Err(StoreError::NotProvisioned { .. })
     ));
     conn.batch_execute(include_str!(
-        "../../migrations/2026-11-30-000002_reserve_function/up.sql"
+        "../../../migrations/2026-11-30-000002_reserve_function/up.sql"
     ))
     .await
     .unwrap();

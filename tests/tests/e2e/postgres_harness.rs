@@ -144,7 +144,8 @@ fn server_url_falls_back_to_a_throwaway_cluster_and_cleans_it_up() {
     let output = std::process::Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
-            "child_uses_the_fallback_server",
+            // The test's name in this binary: its module path below the crate, then the name.
+            "postgres_harness::child_uses_the_fallback_server",
             "--ignored",
             "--nocapture",
         ])

@@ -1,0 +1,24 @@
+//! The end-to-end tests that share a process: real PostgreSQL, real Redis, real HTTP.
+//!
+//! One test binary instead of one per file: each binary links actix-web, diesel, the redis
+//! client and the store code again, which made the workspace's test build (and CI) minutes
+//! longer. Cargo runs the tests of one binary on as many threads as there are cores, as it did
+//! within each file before. The process-fault tests stay binaries of their own
+//! (`fault_processes.rs`, `redis_faults.rs`, `transactional_faults.rs`, `redis_cluster.rs`):
+//! they kill and restart servers and are CPU-hungry, so they run with nothing else beside them.
+//!
+//! Run one file's tests by its module name: `cargo test -p idempotency-e2e --test e2e postgres_store::`.
+
+mod hostile_input;
+mod http_streaming;
+mod metrics_scrape;
+mod postgres_builder;
+mod postgres_harness;
+mod postgres_middleware;
+mod postgres_round_trips;
+mod postgres_store;
+mod postgres_tls;
+mod redis_options;
+mod redis_store;
+mod transactional_middleware;
+mod transactional_scale;
