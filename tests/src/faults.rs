@@ -453,3 +453,103 @@ pub fn two_instances_exactly_once(apps: &[crate::proc::PaymentsApp; 2]) -> TwoIn
         took,
     }
 }
+
+/// The lease both apps of [`sigkill_while_the_handler_runs`] must run with
+/// (`IDEMPOTENCY_LOCK_TIMEOUT_MS`): its timing checks are written against it.
+pub const SIGKILL_LEASE_MS: &str = "4000";
+
+/// A key's record as [`sigkill_while_the_handler_runs`] reads it, from whichever store holds it.
+#[derive(Debug, Clone)]
+pub struct KeyRecord {
+    /// In flight or completed.
+    pub state: crate::records::State,
+    /// The reservation's fencing token, as text.
+    pub token: Option<String>,
+    /// The stored body of a completed record.
+    pub body: Option<Vec<u8>>,
+}
+
+/// SIGKILL while a handler runs, on any store (the PostgreSQL and the Redis fault tests run
+/// it): `first` starts the handler for key `crash-1` (it sleeps 2 s) and is killed; a retry on
+/// `second` inside the lease gets 409; after the lease one retry runs the handler and
+/// completes; a replay follows; the dead reservation never completes. Both apps run with
+/// [`SIGKILL_LEASE_MS`]; `request` is the keyed request for `crash-1` with `delay_ms=2000`,
+/// and `records` reads that key's records. Prints the `COUNTS` line under `name`.
+pub fn sigkill_while_the_handler_runs(
+    name: &str,
+    mut first: crate::proc::PaymentsApp,
+    second: &crate::proc::PaymentsApp,
+    request: &Request,
+    records: impl Fn() -> Vec<KeyRecord>,
+) {
+    use crate::records::State;
+    let in_flight = {
+        let (addr, request) = (first.addr.clone(), request.clone());
+        std::thread::spawn(move || send_once(&addr, &request, CLIENT_TIMEOUT))
+    };
+    wait_until(Duration::from_secs(10), "the reservation", || {
+        records().iter().any(|r| r.state == State::InFlight)
+    });
+    let reserved_at = Instant::now();
+    let dead = records().remove(0);
+    assert_eq!(
+        first.stats().per_key.get("crash-1"),
+        Some(&1),
+        "the handler is running"
+    );
+    first.kill();
+    let lost = in_flight.join().expect("client thread");
+    assert!(lost.is_err(), "the killed process answered: {lost:?}");
+
+    let mut tally = Tally::default();
+    let early = send_once(&second.addr, request, CLIENT_TIMEOUT).expect("retry");
+    assert!(
+        reserved_at.elapsed() < Duration::from_millis(3500),
+        "the retry came too late to be inside the lease; the machine is too slow for this test"
+    );
+    assert_eq!(classify(&early), Ok(Seen::Conflict), "{}", early.describe());
+    tally.add("409_inside_lease");
+    assert_eq!(second.stats().per_key.get("crash-1"), None);
+
+    // After the lease: one retry takes over and runs the handler once.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let completed = loop {
+        let response = send_once(&second.addr, request, CLIENT_TIMEOUT).expect("retry");
+        match classify(&response) {
+            Ok(Seen::Conflict) => tally.add("409_until_lease_end"),
+            Ok(Seen::Created) => break response,
+            other => panic!("retry: {other:?} {}", response.describe()),
+        }
+        assert!(Instant::now() < deadline, "the key was never taken over");
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    tally.add("201_after_lease");
+    let taken_over_after = reserved_at.elapsed();
+    assert!(
+        taken_over_after >= Duration::from_millis(3900),
+        "taken over after {taken_over_after:?}, before the 4 s lease ended"
+    );
+    assert_eq!(second.stats().per_key.get("crash-1"), Some(&1));
+    let replay = send_once(&second.addr, request, CLIENT_TIMEOUT).expect("replay");
+    assert!(replay.is_replay(), "{}", replay.describe());
+    assert_eq!(replay.body, completed.body);
+    tally.add("replay");
+
+    // The dead reservation never completes: its token is gone from the record for good.
+    std::thread::sleep(Duration::from_millis(500));
+    let rows = records();
+    assert_eq!(rows.len(), 1);
+    assert_eq!(rows[0].state, State::Completed);
+    assert_ne!(
+        rows[0].token, dead.token,
+        "the dead holder's token completed the record"
+    );
+    assert_eq!(rows[0].body.as_deref(), Some(&completed.body[..]));
+    println!(
+        "COUNTS {name}: requests={} executions_dead_process=1 executions_new_process={} retry_completed_after={:.1}s [{}]",
+        tally.0.values().sum::<u64>() + 1,
+        second.stats().total,
+        taken_over_after.as_secs_f64(),
+        tally.line()
+    );
+}

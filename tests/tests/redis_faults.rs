@@ -10,10 +10,10 @@ use std::time::{Duration, Instant};
 use idempotency_actix::store::redis::{parse_record_key, record, redis, DEFAULT_PREFIX};
 use idempotency_e2e::faults::{
     self, classify, keys_logged_unstored, serial, strip_ansi, two_instances_exactly_once,
-    wait_until, Load, Seen, Tally, CLIENT_TIMEOUT, TWO_INSTANCE_DISTINCT,
+    KeyRecord, Load, Seen, TWO_INSTANCE_DISTINCT,
 };
 use idempotency_e2e::proc::PaymentsApp;
-use idempotency_e2e::raw_http::{send_once, Request};
+use idempotency_e2e::raw_http::Request;
 use idempotency_e2e::records::State;
 use idempotency_e2e::redis_server::{RedisCluster, RedisServer};
 
@@ -223,83 +223,27 @@ fn sigkill_while_the_handler_runs_redis() {
     let url = server.url();
     let env = [
         ("REDIS_URL", url.as_str()),
-        ("IDEMPOTENCY_LOCK_TIMEOUT_MS", "4000"),
+        ("IDEMPOTENCY_LOCK_TIMEOUT_MS", faults::SIGKILL_LEASE_MS),
     ];
-    let mut first = start_app(&env);
+    let first = start_app(&env);
     // The instance the client retries against, started before the crash so the retry can
     // follow it at once (well inside the lease even on a slow machine).
     let second = start_app(&env);
-    let request = pay("crash-1", 700, Some(2000));
-    let in_flight = {
-        let (addr, request) = (first.addr.clone(), request.clone());
-        std::thread::spawn(move || send_once(&addr, &request, CLIENT_TIMEOUT))
-    };
-    wait_until(Duration::from_secs(10), "the reservation", || {
-        records_for_key(&url, "crash-1")
-            .iter()
-            .any(|r| r.state == State::InFlight)
-    });
-    let reserved_at = Instant::now();
-    let dead = records_for_key(&url, "crash-1").remove(0);
-    assert_eq!(
-        first.stats().per_key.get("crash-1"),
-        Some(&1),
-        "the handler is running"
-    );
-    first.kill();
-    let lost = in_flight.join().expect("client thread");
-    assert!(lost.is_err(), "the killed process answered: {lost:?}");
-
-    let mut tally = Tally::default();
-    let early = send_once(&second.addr, &request, CLIENT_TIMEOUT).expect("retry");
-    assert!(
-        reserved_at.elapsed() < Duration::from_millis(3500),
-        "the retry came too late to be inside the lease; the machine is too slow for this test"
-    );
-    assert_eq!(classify(&early), Ok(Seen::Conflict), "{}", early.describe());
-    tally.add("409_inside_lease");
-    assert_eq!(second.stats().per_key.get("crash-1"), None);
-
-    // After the lease: one retry takes over and runs the handler once.
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let completed = loop {
-        let response = send_once(&second.addr, &request, CLIENT_TIMEOUT).expect("retry");
-        match classify(&response) {
-            Ok(Seen::Conflict) => tally.add("409_until_lease_end"),
-            Ok(Seen::Created) => break response,
-            other => panic!("retry: {other:?} {}", response.describe()),
-        }
-        assert!(Instant::now() < deadline, "the key was never taken over");
-        std::thread::sleep(Duration::from_millis(200));
-    };
-    tally.add("201_after_lease");
-    let taken_over_after = reserved_at.elapsed();
-    assert!(
-        taken_over_after >= Duration::from_millis(3900),
-        "taken over after {taken_over_after:?}, before the 4 s lease ended"
-    );
-    assert_eq!(second.stats().per_key.get("crash-1"), Some(&1));
-    let replay = send_once(&second.addr, &request, CLIENT_TIMEOUT).expect("replay");
-    assert!(replay.is_replay(), "{}", replay.describe());
-    assert_eq!(replay.body, completed.body);
-    tally.add("replay");
-
-    // The dead reservation never completes: its token is gone from the row for good.
-    std::thread::sleep(Duration::from_millis(500));
-    let rows = records_for_key(&url, "crash-1");
-    assert_eq!(rows.len(), 1);
-    assert_eq!(rows[0].state, State::Completed);
-    assert_ne!(
-        rows[0].token, dead.token,
-        "the dead holder's token completed the record"
-    );
-    assert_eq!(rows[0].body.as_deref(), Some(&completed.body[..]));
-    println!(
-        "COUNTS sigkill_while_the_handler_runs_redis: requests={} executions_dead_process=1 executions_new_process={} retry_completed_after={:.1}s [{}]",
-        tally.0.values().sum::<u64>() + 1,
-        second.stats().total,
-        taken_over_after.as_secs_f64(),
-        tally.line()
+    faults::sigkill_while_the_handler_runs(
+        "sigkill_while_the_handler_runs_redis",
+        first,
+        &second,
+        &pay("crash-1", 700, Some(2000)),
+        || {
+            records_for_key(&url, "crash-1")
+                .into_iter()
+                .map(|r| KeyRecord {
+                    state: r.state,
+                    token: r.token,
+                    body: r.body,
+                })
+                .collect()
+        },
     );
 }
 
