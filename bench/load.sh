@@ -137,7 +137,11 @@ unix_socket_directories = '$WORK'
 shared_preload_libraries = 'pg_stat_statements'
 # Nested statements too (a function's own), for the per-statement breakdown of each case.
 pg_stat_statements.track = all
-max_connections = 200
+# Every server's pool opens at full size (min_idle): up to twice --pool per server (a pool
+# per thread beside the shared one) for all the servers, plus pgbench's clients and psql.
+# A fixed 200 was too few once the pool-per-thread servers were added: a full run died at
+# its first pgbench case with "too many clients".
+max_connections = $(( (2 * 16 + 1) * POOL + 20 ))
 shared_buffers = 256MB
 EOF
   as_postgres "$PGBIN/pg_ctl" -D "$PGDATA_DIR" -l "$WORK/postgres.log" -w start >/dev/null || { tail -n 20 "$WORK/postgres.log" >&2; exit 1; }
