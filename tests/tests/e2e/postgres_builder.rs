@@ -843,3 +843,78 @@ async fn a_thread_that_runs_a_new_runtime_gets_a_new_pool() {
     .join()
     .unwrap();
 }
+
+/// A thread's pool serves waiting requests in the order they asked. bb8 alone does not: a
+/// connection put back wakes one waiter, but a request that asks before that waiter runs
+/// (on a worker's single thread: the request that just returned it, asking for its next
+/// statement) takes the connection first, and the waiter queues again at the back. Under
+/// load that starved single requests for seconds (`docs/benchmarks.md`, "Current
+/// reference": wrk timeouts with a pool per thread only).
+///
+/// One connection; request A holds it in a `complete` that waits on a row lock, W queues for
+/// it, then the lock goes and A, in the same poll that returns the connection, asks for it
+/// again. W must be served first.
+#[tokio::test]
+async fn a_threads_pool_serves_waiting_requests_in_order() {
+    let db = TestDb::new().await;
+    let store = PostgresStore::builder(db.url.as_str())
+        .pool_per_thread(Some(1))
+        .build()
+        .await
+        .unwrap();
+    let held = scope("held");
+    let token = match store.reserve(&held, &FP, LEASE).await {
+        Ok(ReserveOutcome::Reserved { token }) => token,
+        other => panic!("expected a reservation, got {other:?}"),
+    };
+    let mut blocker = postgres::establish(&db.url).await.unwrap();
+    blocker.batch_execute("BEGIN").await.unwrap();
+    assert_eq!(
+        idempotency_e2e::records::lock_key(&mut blocker, "held")
+            .await
+            .unwrap(),
+        1
+    );
+
+    let order = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let a = tokio::spawn({
+        let (store, order) = (store.clone(), order.clone());
+        async move {
+            let applied = store.complete(&held, &token, &response("held"), TTL).await;
+            assert!(matches!(applied, Ok(WriteOutcome::Applied)), "{applied:?}");
+            // No await between the connection's return and this request for it.
+            let again = store.reserve(&scope("a-again"), &FP, LEASE).await;
+            assert!(
+                matches!(again, Ok(ReserveOutcome::Reserved { .. })),
+                "{again:?}"
+            );
+            order.lock().unwrap().push("a-again");
+        }
+    });
+    // A now holds the only connection, waiting for the row lock.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let w = tokio::spawn({
+        let (store, order) = (store.clone(), order.clone());
+        async move {
+            let reserved = store.reserve(&scope("waiter"), &FP, LEASE).await;
+            assert!(
+                matches!(reserved, Ok(ReserveOutcome::Reserved { .. })),
+                "{reserved:?}"
+            );
+            order.lock().unwrap().push("waiter");
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        order.lock().unwrap().is_empty(),
+        "nobody should have been served yet"
+    );
+    blocker.batch_execute("COMMIT").await.unwrap();
+    a.await.unwrap();
+    w.await.unwrap();
+    assert_eq!(
+        *order.lock().unwrap(),
+        ["waiter", "a-again"],
+        "the waiting request was overtaken by one that asked later"
+    );
+}

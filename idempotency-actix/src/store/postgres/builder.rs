@@ -212,7 +212,7 @@ impl PostgresStoreBuilder {
                     .pool_builder(size, settings.min_idle, &sink)
                     .build_unchecked(manager_for(target.clone(), &url))
             };
-            Arc::new(PoolPerThread::new(Box::new(make)))
+            Arc::new(PoolPerThread::new(size, Box::new(make)))
         });
         // With a pool per thread the shared one serves only calls made off such a thread
         // (admin calls, a multi-threaded runtime): it keeps no idle connections open.

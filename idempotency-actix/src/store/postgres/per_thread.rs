@@ -21,6 +21,18 @@
 //! died with the old runtime. So each pool comes with a sentinel task on its runtime: once
 //! the runtime is gone, so is the sentinel, and the next call on the thread builds a new pool.
 //!
+//! # Fair
+//! A connection put back into a bb8 pool wakes one waiting request, but a request that asks
+//! before that one runs takes the connection first, and the woken one queues again at the
+//! back. On a worker's single thread that is the rule, not a race: the request that just put
+//! the connection back asks for its next statement in the same poll. Under load single
+//! requests were passed over for seconds (`docs/benchmarks.md`, "Current reference"). So each
+//! thread's pool has a queue in front of it, a Tokio semaphore with one permit per connection,
+//! which hands out permits in the order they were asked for: at most as many requests as the
+//! pool has connections reach it, and a newcomer waits behind everyone already waiting. The
+//! permit goes back after the connection (see [`Checkout`]). The wait for both is bounded by
+//! the store's connection timeout, as bb8's own wait is.
+//!
 //! Only on a current-thread runtime (actix-web's workers, `#[tokio::test]`): on a
 //! multi-threaded Tokio runtime a task may run on any of its threads, so a pool per thread
 //! would only split the connections; there, and outside any runtime, the shared pool serves.
@@ -34,9 +46,13 @@
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
+use std::time::Duration;
 
+use diesel_async::pooled_connection::PoolError;
 use tokio::runtime::{Handle, RuntimeFlavor};
+use tokio::sync::Semaphore;
 
+use super::pool::Checkout;
 use super::PgPool;
 
 /// Builds one thread's pool (on the runtime it is called on).
@@ -46,6 +62,8 @@ pub(super) type MakePool = dyn Fn() -> PgPool + Send + Sync;
 pub(super) struct PoolPerThread {
     /// Tells this store's entries from other stores' in a thread's list.
     id: u64,
+    /// Connections in each thread's pool: the permits of its queue.
+    size: u32,
     make: Box<MakePool>,
     /// Dropped with the store: threads drop their pools of stores that are gone.
     alive: Arc<()>,
@@ -57,10 +75,36 @@ struct Entry {
     store: u64,
     /// [`PoolPerThread::alive`].
     alive: Weak<()>,
-    pool: PgPool,
+    pool: ThreadPool,
     /// Closed once the runtime the pool was built on has shut down (its sentinel task, which
     /// holds the receiver, is dropped with it).
     runtime: tokio::sync::oneshot::Sender<()>,
+}
+
+/// One thread's pool and the queue in front of it (see "Fair" above).
+#[derive(Clone)]
+pub(super) struct ThreadPool {
+    pool: PgPool,
+    turns: Arc<Semaphore>,
+}
+
+impl ThreadPool {
+    /// A connection, in turn; `TimedOut` after `timeout` (the queue's wait included).
+    pub(super) async fn get(
+        &self,
+        timeout: Duration,
+    ) -> Result<Checkout, bb8::RunError<PoolError>> {
+        let in_turn = async {
+            // The semaphore is never closed, so this is never `None`; if it were, the
+            // checkout would still be bb8's, only without the queue.
+            let turn = Arc::clone(&self.turns).acquire_owned().await.ok();
+            let conn = self.pool.get_owned().await?;
+            Ok(Checkout::new(conn, turn))
+        };
+        tokio::time::timeout(timeout, in_turn)
+            .await
+            .unwrap_or(Err(bb8::RunError::TimedOut))
+    }
 }
 
 thread_local! {
@@ -69,10 +113,11 @@ thread_local! {
 }
 
 impl PoolPerThread {
-    pub(super) fn new(make: Box<MakePool>) -> Self {
+    pub(super) fn new(size: u32, make: Box<MakePool>) -> Self {
         static NEXT_ID: AtomicU64 = AtomicU64::new(0);
         Self {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            size,
             make,
             alive: Arc::new(()),
         }
@@ -81,7 +126,7 @@ impl PoolPerThread {
     /// This thread's pool, built now if it has none (or only one of a runtime that has shut
     /// down); `None` outside a current-thread runtime or while the thread is exiting (the
     /// shared pool serves).
-    pub(super) fn get(&self) -> Option<PgPool> {
+    pub(super) fn get(&self) -> Option<ThreadPool> {
         let runtime = Handle::try_current().ok()?;
         if runtime.runtime_flavor() != RuntimeFlavor::CurrentThread {
             return None;
@@ -104,7 +149,10 @@ impl PoolPerThread {
                     .partition(|e| e.alive.strong_count() > 0);
                 *pools = keep;
                 gone.extend(stale);
-                let pool = (self.make)();
+                let pool = ThreadPool {
+                    pool: (self.make)(),
+                    turns: Arc::new(Semaphore::new(self.size as usize)),
+                };
                 let (runtime_alive, sentinel) = tokio::sync::oneshot::channel::<()>();
                 // Lives as long as the runtime (or until the entry is dropped).
                 runtime.spawn(async move {

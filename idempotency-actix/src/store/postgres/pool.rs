@@ -1,9 +1,45 @@
-//! The pool's error sink: bb8 tells a waiter only "timed out"; this keeps the reason.
+//! What the store gets from its pools: a [`Checkout`], and the error sink that keeps the
+//! reason bb8 does not give a waiter (it only says "timed out").
 
+use std::ops::{Deref, DerefMut};
 use std::sync::{Arc, Mutex};
 
+use diesel_async::pooled_connection::bb8::PooledConnection;
 use diesel_async::pooled_connection::PoolError;
 use diesel_async::AsyncPgConnection;
+use tokio::sync::OwnedSemaphorePermit;
+
+/// A connection checked out for one statement (or one transactional request), with its turn
+/// in the queue of a thread's pool when it came from one (`per_thread.rs`, "Fair").
+pub(crate) struct Checkout {
+    conn: PooledConnection<'static, AsyncPgConnection>,
+    /// Dropped after `conn` (fields drop in declaration order): the connection is back in its
+    /// pool before the next in line is let through to take it.
+    _turn: Option<OwnedSemaphorePermit>,
+}
+
+impl Checkout {
+    pub(super) fn new(
+        conn: PooledConnection<'static, AsyncPgConnection>,
+        turn: Option<OwnedSemaphorePermit>,
+    ) -> Self {
+        Self { conn, _turn: turn }
+    }
+}
+
+impl Deref for Checkout {
+    type Target = AsyncPgConnection;
+
+    fn deref(&self) -> &AsyncPgConnection {
+        &self.conn
+    }
+}
+
+impl DerefMut for Checkout {
+    fn deref_mut(&mut self) -> &mut AsyncPgConnection {
+        &mut self.conn
+    }
+}
 
 /// Remembers the last connection error, because bb8 only reports "timed out" to the waiter.
 #[derive(Debug, Clone)]

@@ -10,6 +10,7 @@ use diesel_async::AsyncPgConnection;
 use super::admin::PurgeFilter;
 use super::error::{self, classify_query_error, not_provisioned, table_exists};
 use super::per_thread::PoolPerThread;
+use super::pool::Checkout;
 use super::schema::State;
 use super::sql::{self, Completion, ReplayRead, Reserve, ReserveRow, ScopeBinds};
 use super::{micros, PgPool, PostgresStoreBuilder, DEFAULT_PURGE_BATCH, DEFAULT_QUERY_TIMEOUT};
@@ -143,15 +144,12 @@ impl PostgresStore {
 
     /// A connection for one operation: from this thread's pool (`pool_per_thread`) or the
     /// shared one.
-    pub(super) async fn conn(
-        &self,
-    ) -> Result<
-        diesel_async::pooled_connection::bb8::PooledConnection<'static, AsyncPgConnection>,
-        StoreError,
-    > {
-        let own = self.pool_per_thread.as_ref().and_then(|p| p.get());
-        let pool = own.as_ref().unwrap_or(&self.pool);
-        pool.get_owned().await.map_err(|e| {
+    pub(super) async fn conn(&self) -> Result<Checkout, StoreError> {
+        let checkout = match self.pool_per_thread.as_ref().and_then(|p| p.get()) {
+            Some(own) => own.get(self.connection_timeout).await,
+            None => self.pool.get_owned().await.map(|c| Checkout::new(c, None)),
+        };
+        checkout.map_err(|e| {
             // Cloned, not taken: every request timing out during an outage gets the reason.
             let last = self.last_connect_error.lock().ok().and_then(|l| l.clone());
             error::classify_pool_error(e, self.connection_timeout, last)

@@ -23,7 +23,6 @@ use std::time::Duration;
 
 use diesel::connection::{Instrumentation, InstrumentationEvent};
 use diesel::result::{DatabaseErrorKind, Error as DieselError};
-use diesel_async::pooled_connection::bb8::PooledConnection;
 use diesel_async::{
     AnsiTransactionManager, AsyncConnection, AsyncPgConnection, TransactionManager,
 };
@@ -36,8 +35,9 @@ use crate::store::{
     Fingerprint, ReservationToken, ReserveOutcome, Scope, StoreError, StoredResponse, WriteOutcome,
 };
 
-/// A pooled connection owned by one request (not borrowing the pool).
-pub(crate) type TxConnection = PooledConnection<'static, AsyncPgConnection>;
+/// A pooled connection owned by one request (not borrowing the pool), held with its turn in
+/// a thread's pool when it came from one.
+pub(crate) type TxConnection = super::pool::Checkout;
 
 /// The isolation level of transactional requests. Default [`IsolationLevel::ReadCommitted`]
 /// (PostgreSQL's default).
