@@ -177,7 +177,7 @@ impl PostgresStoreBuilder {
     /// the same number of connections in all).
     ///
     /// **Tail latency:** under saturating load on two cores, the slowest replays were slower
-    /// with a pool per thread than with the shared pool (maximum 140 ms to 2 s against 54-170
+    /// with a pool per thread than with the shared pool (maximum 120 ms to 2 s against 54-170
     /// ms, a few requests past 2 s in some 8-10 s runs; `docs/benchmarks.md`, "Current
     /// reference"), for a cause not yet found. A thread's requests are served in the order
     /// they ask for a connection, so none is passed over; measure your own p99 before

@@ -25,8 +25,8 @@
 //! A connection put back into a bb8 pool wakes one waiting request, but a request that asks
 //! before that one runs takes the connection first, and the woken one queues again at the
 //! back. On a worker's single thread that is the rule, not a race: the request that just put
-//! the connection back asks for its next statement in the same poll. Under load single
-//! requests were passed over for seconds (`docs/benchmarks.md`, "Current reference"). So each
+//! the connection back asks for its next statement in the same poll. Under load a request can
+//! be passed over again and again, up to the connection timeout (a spurious 503). So each
 //! thread's pool has a queue in front of it, a Tokio semaphore with one permit per connection,
 //! which hands out permits in the order they were asked for: at most as many requests as the
 //! pool has connections reach it, and a newcomer waits behind everyone already waiting. The
