@@ -4,7 +4,7 @@
 //! bench_server serve --mode bare|memory|memory-cached|postgres|postgres-cached|raw|raw-local|payments-today|payments-tx|payments-raw \
 //!     [--addr 127.0.0.1:18080] [--workers 2] [--database-url URL] [--pool 16] [--sync-commit off]
 //!     [--max-entries 100000] [--metrics prometheus] [--body-bytes N] [--tenant-header NAME]
-//!     [--replay-fast-path on] [--pool-per-thread on] [--prefill N]
+//!     [--replay-fast-path on] [--pool-per-thread on] [--prefill N] [--watchdog MS]
 //! bench_server serve --mode redis|redis-raw|redis-raw-local --redis-url redis://127.0.0.1:6379 [--workers 2]
 //! bench_server footprint [--records 100000]
 //! bench_server migrate --database-url URL
@@ -57,7 +57,13 @@
 //! on its own runtime); `--redis-wait N` (mode `redis`) builds the
 //! Redis store with `wait_for_replicas(N, 100 ms)`; `--prefill N` (mode `memory`) stores N
 //! completed records before serving and prints `PREFILL {json}` with the resident memory per
-//! record.
+//! record; `--watchdog MS` (the store modes and `raw`, `raw-local`) starts two tasks on each
+//! worker, one on its runtime (`tokio::spawn`) and one on its `LocalSet` (as requests run),
+//! each sleeping 2 ms in a loop, and prints to stderr every wake-up more than MS late: late on
+//! both at once means the thread was not running (descheduled, or a poll blocked it); late on
+//! the `LocalSet` alone means its tasks were starved. A tool for tail-latency hunts
+//! (`docs/benchmarks.md`, "A second machine"): off by default; on, it adds 1,000 timer
+//! wake-ups a second per worker and nothing to a request's own path.
 //!
 //! `footprint` fills a memory store with records shaped like the benchmark's and prints the
 //! resident memory per record, as JSON.
@@ -144,6 +150,7 @@ struct Args {
     pool_per_thread: bool,
     prefill: usize,
     redis_wait: u32,
+    watchdog: Option<u64>,
 }
 
 fn parse_args() -> Result<(String, Args), String> {
@@ -166,6 +173,7 @@ fn parse_args() -> Result<(String, Args), String> {
         pool_per_thread: false,
         prefill: 0,
         redis_wait: 0,
+        watchdog: None,
     };
     while let Some(flag) = argv.next() {
         let mut value = || argv.next().ok_or(format!("{flag} needs a value"));
@@ -190,6 +198,7 @@ fn parse_args() -> Result<(String, Args), String> {
             "--pool-per-thread" => args.pool_per_thread = value()? == "on",
             "--prefill" => args.prefill = value()?.parse().map_err(|e| format!("{e}"))?,
             "--redis-wait" => args.redis_wait = value()?.parse().map_err(|e| format!("{e}"))?,
+            "--watchdog" => args.watchdog = Some(value()?.parse().map_err(|e| format!("{e}"))?),
             other => return Err(format!("unknown argument {other}")),
         }
     }
@@ -255,7 +264,9 @@ macro_rules! serve_with_store {
     ($args:expr, $store:expr) => {{
         let store = $store;
         let tenant_header = $args.tenant_header.clone();
+        let watchdog = $args.watchdog;
         HttpServer::new(move || {
+            watchdog::start(watchdog);
             let builder = Idempotency::builder(store.clone());
             let middleware = match &tenant_header {
                 Some(name) => builder.tenant_header(name.as_str()).build(),
@@ -492,7 +503,9 @@ async fn serve_raw(args: Args) -> std::io::Result<()> {
     };
     let per_worker = per_worker_pool(&args);
     let url = database_url(&args)?;
+    let watchdog = args.watchdog;
     HttpServer::new(move || {
+        watchdog::start(watchdog);
         let app = App::new();
         let app = if let Some(state) = &state {
             app.app_data(state.clone())
@@ -848,6 +861,38 @@ mod redis_raw {
         match stored {
             Ok(()) => response,
             Err(_) => HttpResponse::ServiceUnavailable().finish(),
+        }
+    }
+}
+
+/// `--watchdog MS`: see the module docs.
+mod watchdog {
+    use std::time::{Duration, Instant};
+
+    const TICK: Duration = Duration::from_millis(2);
+
+    /// Start the two late-wake-up detectors on this worker (called from the app factory, which
+    /// runs once per worker, on the worker's thread and inside its `LocalSet`).
+    pub(super) fn start(threshold_ms: Option<u64>) {
+        let Some(ms) = threshold_ms else {
+            return;
+        };
+        let threshold = Duration::from_millis(ms);
+        let thread = format!("{:?}", std::thread::current().id());
+        let since = Instant::now();
+        tokio::spawn(detector("runtime", thread.clone(), since, threshold));
+        actix_rt::spawn(detector("localset", thread, since, threshold));
+    }
+
+    async fn detector(on: &'static str, thread: String, since: Instant, threshold: Duration) {
+        loop {
+            let asleep = Instant::now();
+            tokio::time::sleep(TICK).await;
+            let late = asleep.elapsed().saturating_sub(TICK);
+            if late > threshold {
+                let at = asleep.duration_since(since).as_secs_f64();
+                eprintln!("watchdog: {thread} {on} woke {late:?} late at {at:.3} s");
+            }
         }
     }
 }
