@@ -180,7 +180,7 @@ impl PostgresStoreBuilder {
     /// replays were slower with a pool per thread than with the shared pool (maximum 120 ms to
     /// 2 s against 54-170 ms, a few requests past 2 s in some 8-10 s runs; `docs/benchmarks.md`,
     /// "Current reference"), for a cause not yet found; on a second machine the same binary
-    /// showed no such tail (maximum 31-162 ms against 78-106 ms; "A second machine"). A
+    /// showed no such tail (maximum 31-163 ms against 78-106 ms; "A second machine"). A
     /// thread's requests are served in the order they ask for a connection, so none is passed
     /// over; measure your own p99 before choosing this.
     ///
