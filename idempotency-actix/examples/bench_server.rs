@@ -4,7 +4,7 @@
 //! bench_server serve --mode bare|memory|memory-cached|postgres|postgres-cached|raw|raw-local|payments-today|payments-tx|payments-raw \
 //!     [--addr 127.0.0.1:18080] [--workers 2] [--database-url URL] [--pool 16] [--sync-commit off]
 //!     [--max-entries 100000] [--metrics prometheus] [--body-bytes N] [--tenant-header NAME]
-//!     [--replay-fast-path on] [--pool-per-thread on] [--prefill N] [--watchdog MS]
+//!     [--replay-fast-path on] [--pool-per-thread on] [--prefill N] [--watchdog MS] [--max-lifetime S]
 //! bench_server serve --mode redis|redis-raw|redis-raw-local --redis-url redis://127.0.0.1:6379 [--workers 2]
 //! bench_server footprint [--records 100000]
 //! bench_server migrate --database-url URL
@@ -63,7 +63,8 @@
 //! both at once means the thread was not running (descheduled, or a poll blocked it); late on
 //! the `LocalSet` alone means its tasks were starved. A tool for tail-latency hunts
 //! (`docs/benchmarks.md`, "A second machine"): off by default; on, it adds 1,000 timer
-//! wake-ups a second per worker and nothing to a request's own path.
+//! wake-ups a second per worker and nothing to a request's own path; `--max-lifetime S`
+//! builds the PostgreSQL store with `max_lifetime(S seconds)` (to see its reconnections).
 //!
 //! `footprint` fills a memory store with records shaped like the benchmark's and prints the
 //! resident memory per record, as JSON.
@@ -151,6 +152,7 @@ struct Args {
     prefill: usize,
     redis_wait: u32,
     watchdog: Option<u64>,
+    max_lifetime: Option<u64>,
 }
 
 fn parse_args() -> Result<(String, Args), String> {
@@ -174,6 +176,7 @@ fn parse_args() -> Result<(String, Args), String> {
         prefill: 0,
         redis_wait: 0,
         watchdog: None,
+        max_lifetime: None,
     };
     while let Some(flag) = argv.next() {
         let mut value = || argv.next().ok_or(format!("{flag} needs a value"));
@@ -199,6 +202,9 @@ fn parse_args() -> Result<(String, Args), String> {
             "--prefill" => args.prefill = value()?.parse().map_err(|e| format!("{e}"))?,
             "--redis-wait" => args.redis_wait = value()?.parse().map_err(|e| format!("{e}"))?,
             "--watchdog" => args.watchdog = Some(value()?.parse().map_err(|e| format!("{e}"))?),
+            "--max-lifetime" => {
+                args.max_lifetime = Some(value()?.parse().map_err(|e| format!("{e}"))?)
+            }
             other => return Err(format!("unknown argument {other}")),
         }
     }
@@ -254,6 +260,7 @@ async fn postgres_store(args: &Args) -> std::io::Result<PostgresStore> {
         .synchronous_commit(args.sync_commit)
         .replay_fast_path(args.replay_fast_path)
         .pool_per_thread(args.pool_per_thread.then(|| per_worker_pool(args)))
+        .max_lifetime(args.max_lifetime.map(Duration::from_secs))
         .build()
         .await
         .map_err(std::io::Error::other)
