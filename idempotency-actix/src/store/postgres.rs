@@ -60,6 +60,7 @@
 pub mod admin;
 mod builder;
 mod error;
+mod lifetime;
 mod migrate;
 mod per_thread;
 mod pool;

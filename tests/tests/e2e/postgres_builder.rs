@@ -917,3 +917,105 @@ async fn a_threads_pool_serves_waiting_requests_in_order() {
         "the waiting request was overtaken by one that asked later"
     );
 }
+
+/// When each of this database's connections (other than the caller's) was opened, in
+/// milliseconds since the epoch, by backend pid.
+async fn births(conn: &mut diesel_async::AsyncPgConnection) -> Vec<(i32, f64)> {
+    #[derive(diesel::QueryableByName)]
+    struct Birth {
+        #[diesel(sql_type = diesel::sql_types::Integer)]
+        pid: i32,
+        #[diesel(sql_type = diesel::sql_types::Double)]
+        ms: f64,
+    }
+    let rows: Vec<Birth> = diesel::sql_query(
+        "SELECT pid, extract(epoch FROM backend_start)::float8 * 1000 AS ms FROM pg_stat_activity \
+         WHERE datname = current_database() AND pid <> pg_backend_pid()",
+    )
+    .load(conn)
+    .await
+    .unwrap();
+    rows.into_iter().map(|b| (b.pid, b.ms)).collect()
+}
+
+/// bb8 closes a connection at a fixed age, so connections opened together (here the pool's
+/// `min_idle`, all opened at start) would be closed together, and requests would wait while
+/// all their replacements connect: a latency spike once per lifetime. Each connection gets its
+/// own lifetime instead, in the last tenth of `max_lifetime`, so under load their replacements
+/// are opened apart. Before that change, all eight replacements of this test were opened within
+/// a few milliseconds of each other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_opened_together_are_not_closed_together() {
+    const POOL: usize = 8;
+    let lifetime = Duration::from_secs(6);
+    let db = TestDb::new().await;
+    let store = PostgresStore::builder(db.url.as_str())
+        .max_size(POOL as u32)
+        .min_idle(Some(POOL as u32))
+        .max_lifetime(Some(lifetime))
+        .build()
+        .await
+        .unwrap();
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            backends(&db).await == POOL as i64
+        })
+        .await,
+        "the pool did not open its min_idle connections"
+    );
+    // Every connection busy all the time, so each is checked out (and put back) often.
+    let until = Instant::now() + lifetime.mul_f64(1.4);
+    let load: Vec<_> = (0..POOL)
+        .map(|i| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                let mut n = 0;
+                while Instant::now() < until {
+                    round_trip(&store, &format!("load-{i}-{n}")).await;
+                    n += 1;
+                }
+            })
+        })
+        .collect();
+    let mut observer = postgres::establish(&db.url).await.unwrap();
+    let mut seen = std::collections::HashMap::new();
+    while Instant::now() < until {
+        seen.extend(births(&mut observer).await);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    for task in load {
+        task.await.unwrap();
+    }
+    let mut births: Vec<f64> = seen.into_values().collect();
+    births.sort_by(f64::total_cmp);
+    let first = births[0];
+    let replacements: Vec<f64> = births
+        .iter()
+        .copied()
+        .filter(|ms| *ms > first + 1000.0)
+        .collect();
+    assert!(
+        replacements.len() >= POOL,
+        "every connection should have been replaced once: {} of {} births after the first \
+         second ({births:?})",
+        replacements.len(),
+        births.len()
+    );
+    // The most replacements opened within any 50 ms.
+    let crowd = replacements
+        .iter()
+        .map(|start| {
+            replacements
+                .iter()
+                .filter(|ms| **ms >= *start && **ms < *start + 50.0)
+                .count()
+        })
+        .max()
+        .unwrap_or(0);
+    let offsets: Vec<i64> = replacements.iter().map(|ms| (ms - first) as i64).collect();
+    assert!(
+        crowd <= POOL - 2,
+        "{crowd} of the {POOL} connections were replaced within 50 ms (ms after the first \
+         birth: {offsets:?})"
+    );
+}

@@ -11,6 +11,7 @@ use diesel_async::pooled_connection::{
 use diesel_async::AsyncPgConnection;
 use futures_util::FutureExt;
 
+use super::lifetime::{self, Retired};
 use super::per_thread::PoolPerThread;
 use super::pool::LastErrorSink;
 use super::tls::ConnectTarget;
@@ -118,14 +119,18 @@ impl PostgresStoreBuilder {
     /// Close connections after this age. Default: bb8's (30 minutes). Zero is taken as 1 ms
     /// (bb8 refuses zero with a panic).
     ///
-    /// bb8 (0.9) applies the age without jitter, so connections opened together (the pool's
-    /// `min_idle` at start, or a burst) are closed together, and until their replacements are
-    /// open, requests wait for a connection: a latency spike once per lifetime. Measured on
-    /// two cores with a local database (`docs/benchmarks.md`, "A second machine"; an 8 s
-    /// lifetime to see several in a 24 s replay run): maximum latency 213-269 ms and p99
-    /// 26 ms, against 79-114 ms and 16-17 ms with the default; throughput the same. With TLS
-    /// to a remote database a reconnection takes longer. A longer lifetime makes the spikes
-    /// rarer; `None` is the default (30 minutes), not "never".
+    /// Each connection closes at its own age, drawn at random from the last tenth of this
+    /// lifetime (27 to 30 minutes by default), when it is next checked out past it. bb8 (0.9)
+    /// alone applies one age to all, so connections opened together (the pool's `min_idle` at
+    /// start, or a burst) would close together, and requests would wait while the whole pool
+    /// reconnects, once per lifetime, for as long as a connection takes to open (a TLS
+    /// handshake to a remote database). Measured with a 1 s connection setup and a 60 s
+    /// lifetime (`docs/benchmarks.md`, "Connections closed together"): p99.9 53 ms against
+    /// 942-952 ms with bb8's lifetime alone. bb8's lifetime stays set to the full value, as a
+    /// bound for connections not checked out in their last tenth. `None` is the default (30
+    /// minutes), not "never". A pool built from [`connection_manager`] keeps bb8's behaviour,
+    /// as does a connection whose diesel instrumentation the app replaces (the deadline rides on
+    /// it; diesel's default instrumentation is kept and still sees every event).
     pub fn max_lifetime(mut self, lifetime: Option<Duration>) -> Self {
         self.max_lifetime = lifetime.map(|t| t.max(Duration::from_millis(1)));
         self
@@ -227,7 +232,7 @@ impl PostgresStoreBuilder {
             let make = move || {
                 settings
                     .pool_builder(size, settings.min_idle, &sink)
-                    .build_unchecked(manager_for(target.clone(), &url))
+                    .build_unchecked(manager_for(target.clone(), &url, Some(settings.lifetime())))
             };
             Arc::new(PoolPerThread::new(size, Box::new(make)))
         });
@@ -236,7 +241,7 @@ impl PostgresStoreBuilder {
         let min_idle = self.min_idle.filter(|_| pool_per_thread.is_none());
         let pool = self
             .pool_builder(self.max_size, min_idle, &last_connect_error)
-            .build_unchecked(manager_for(target, &self.url));
+            .build_unchecked(manager_for(target, &self.url, Some(self.lifetime())));
         Ok(PostgresStore {
             pool,
             pool_per_thread,
@@ -264,12 +269,19 @@ impl PostgresStoreBuilder {
             .error_sink(Box::new(LastErrorSink(Arc::clone(last_connect_error))))
             .connection_customizer(Box::new(LastErrorSink(Arc::clone(last_connect_error))))
             .idle_timeout(self.idle_timeout.or(Some(Duration::from_secs(600))))
-            .max_lifetime(self.max_lifetime.or(Some(Duration::from_secs(1800))))
+            .max_lifetime(self.lifetime())
+    }
+
+    /// The connections' lifetime: the one set, or bb8's default (30 minutes), which the
+    /// jittered deadlines (`lifetime.rs`) are drawn from.
+    fn lifetime(&self) -> Duration {
+        self.max_lifetime.unwrap_or(Duration::from_secs(1800))
     }
 }
 
 /// A bb8 connection manager for `url` with the same TLS handling as [`PostgresStore::connect`]
-/// (see [`PostgresStore::connect`] for `sslmode`) and a checkout check that costs no round trip. For apps
+/// (see [`PostgresStore::connect`] for `sslmode`) and a checkout check that costs no round trip
+/// (without the builder's per-connection lifetimes: see [`PostgresStoreBuilder::max_lifetime`]). For apps
 /// that build their own pool (to share it, or to tune bb8 beyond the builder) and then call
 /// [`PostgresStore::new`]:
 ///
@@ -291,33 +303,43 @@ pub fn connection_manager(
     url: &str,
 ) -> Result<AsyncDieselConnectionManager<AsyncPgConnection>, StoreError> {
     let target = ConnectTarget::parse(url, None).map_err(|e| StoreError::Backend(Box::new(e)))?;
-    Ok(manager_for(target, url))
+    Ok(manager_for(target, url, None))
 }
 
+/// The manager of [`connection_manager`]; with `lifetime`, each connection also gets its own
+/// deadline within it (`lifetime.rs`), for a pool whose bb8 `max_lifetime` is `lifetime`.
 fn manager_for(
     target: ConnectTarget,
     url: &str,
+    lifetime: Option<Duration>,
 ) -> AsyncDieselConnectionManager<AsyncPgConnection> {
     let target = Arc::new(target);
     let mut config = ManagerConfig::<AsyncPgConnection>::default();
     config.custom_setup = Box::new(move |_url| {
         let target = Arc::clone(&target);
-        async move { target.connect().await }.boxed()
+        async move {
+            let mut conn = target.connect().await?;
+            if let Some(lifetime) = lifetime {
+                lifetime::give(&mut conn, lifetime);
+            }
+            Ok(conn)
+        }
+        .boxed()
     });
     // bb8 checks a connection on checkout. diesel-async's default check is `SELECT 1`: a
     // round trip on every request. This check is local: the connection task has not seen
-    // the socket close and no transaction is left open. A connection that dies between
-    // the check and the statement fails that one request with 503.
+    // the socket close, no transaction is left open, and the connection is not past its own
+    // deadline. A connection that dies between the check and the statement fails that one
+    // request with 503.
     config.recycling_method = RecyclingMethod::CustomFunction(Box::new(|conn| {
-        let broken = PoolableConnection::is_broken(conn);
-        async move {
-            if broken {
-                Err(diesel::result::Error::BrokenTransactionManager)
-            } else {
-                Ok(())
-            }
-        }
-        .boxed()
+        let verdict = if PoolableConnection::is_broken(conn) {
+            Err(diesel::result::Error::BrokenTransactionManager)
+        } else if lifetime::is_over(conn, std::time::Instant::now()) {
+            Err(diesel::result::Error::QueryBuilderError(Box::new(Retired)))
+        } else {
+            Ok(())
+        };
+        async move { verdict }.boxed()
     }));
     // The manager keeps this string only to hand it to `custom_setup`, which ignores it (the
     // parsed target holds what is needed): the redacted form, so no copy of the password lives

@@ -47,6 +47,9 @@ pub(super) struct LastErrorSink(pub(super) Arc<Mutex<Option<String>>>);
 
 impl bb8::ErrorSink<PoolError> for LastErrorSink {
     fn sink(&self, error: PoolError) {
+        if is_retirement(&error) {
+            return;
+        }
         tracing::debug!(%error, "idempotency store: database connection failed");
         if let Ok(mut last) = self.0.lock() {
             *last = Some(error.to_string());
@@ -56,6 +59,15 @@ impl bb8::ErrorSink<PoolError> for LastErrorSink {
     fn boxed_clone(&self) -> Box<dyn bb8::ErrorSink<PoolError>> {
         Box::new(self.clone())
     }
+}
+
+/// A connection closed at its own deadline (`lifetime.rs`) is routine, not a connection error.
+fn is_retirement(error: &PoolError) -> bool {
+    matches!(
+        error,
+        PoolError::QueryError(diesel::result::Error::QueryBuilderError(inner))
+            if inner.is::<super::lifetime::Retired>()
+    )
 }
 
 /// A new connection succeeded: the last error no longer explains anything, so a later timeout
