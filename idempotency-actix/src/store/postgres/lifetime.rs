@@ -16,7 +16,9 @@
 //! closes it and takes (or opens) another, as for a broken one. bb8's own `max_lifetime` stays
 //! set to the full lifetime: every deadline is at or before it, so it only closes connections
 //! that were not checked out after their deadline (idle ones, at its reaper's next round) and
-//! any connection whose instrumentation an app replaced.
+//! any connection whose instrumentation an app replaced. In bb8's statistics a connection
+//! closed at its own deadline counts as `connections_closed_invalid` (a failed checkout check),
+//! not as `connections_closed_max_lifetime`.
 //!
 //! Why a tenth: wide enough that the reconnections of a whole pool are seconds or minutes
 //! apart (3 minutes for the default 30), narrow enough that a connection still lives at least

@@ -84,3 +84,31 @@ impl bb8::CustomizeConnection<AsyncPgConnection, PoolError> for LastErrorSink {
         Box::pin(async { Ok(()) })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use bb8::ErrorSink;
+
+    use super::*;
+    use crate::store::postgres::lifetime::Retired;
+
+    fn query_builder_error(error: impl std::error::Error + Send + Sync + 'static) -> PoolError {
+        PoolError::QueryError(diesel::result::Error::QueryBuilderError(Box::new(error)))
+    }
+
+    /// A connection closed at its own deadline is not an outage: a later "timed out" must not
+    /// be explained by it. Any other error is still kept.
+    #[test]
+    fn a_retired_connection_is_not_remembered_as_the_last_error() {
+        let sink = LastErrorSink(Arc::new(Mutex::new(None)));
+        sink.sink(query_builder_error(Retired));
+        assert_eq!(*sink.0.lock().unwrap(), None);
+        sink.sink(query_builder_error(std::fmt::Error));
+        assert!(sink.0.lock().unwrap().is_some());
+        *sink.0.lock().unwrap() = None;
+        sink.sink(PoolError::QueryError(
+            diesel::result::Error::BrokenTransactionManager,
+        ));
+        assert!(sink.0.lock().unwrap().is_some());
+    }
+}
