@@ -918,8 +918,9 @@ async fn a_threads_pool_serves_waiting_requests_in_order() {
     );
 }
 
-/// When each of this database's connections (other than the caller's) was opened, in
-/// milliseconds since the epoch, by backend pid.
+/// When each client connection to this database (other than the caller's) was opened, in
+/// milliseconds since the epoch, by backend pid. Client backends only: an autovacuum worker
+/// started on the database meanwhile is not a pooled connection.
 async fn births(conn: &mut diesel_async::AsyncPgConnection) -> Vec<(i32, f64)> {
     #[derive(diesel::QueryableByName)]
     struct Birth {
@@ -930,7 +931,8 @@ async fn births(conn: &mut diesel_async::AsyncPgConnection) -> Vec<(i32, f64)> {
     }
     let rows: Vec<Birth> = diesel::sql_query(
         "SELECT pid, extract(epoch FROM backend_start)::float8 * 1000 AS ms FROM pg_stat_activity \
-         WHERE datname = current_database() AND pid <> pg_backend_pid()",
+         WHERE datname = current_database() AND pid <> pg_backend_pid() \
+           AND backend_type = 'client backend'",
     )
     .load(conn)
     .await

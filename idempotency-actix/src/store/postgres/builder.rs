@@ -335,6 +335,9 @@ fn manager_for(
         let verdict = if PoolableConnection::is_broken(conn) {
             Err(diesel::result::Error::BrokenTransactionManager)
         } else if lifetime::is_over(conn, std::time::Instant::now()) {
+            tracing::debug!(
+                "idempotency store: a database connection reached its lifetime; closing it"
+            );
             Err(diesel::result::Error::QueryBuilderError(Box::new(Retired)))
         } else {
             Ok(())
