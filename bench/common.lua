@@ -25,9 +25,10 @@ function common.done(summary, latency, requests)
   local e = summary.errors
   io.write(string.format(
     'JSON {"requests":%d,"duration_s":%.3f,"rps":%.1f,"p50_ms":%.3f,"p99_ms":%.3f,' ..
-    '"max_ms":%.3f,"errors":%d,"status_errors":%d}\n',
+    '"p999_ms":%.3f,"p9999_ms":%.3f,"max_ms":%.3f,"errors":%d,"status_errors":%d}\n',
     summary.requests, secs, summary.requests / secs,
-    latency:percentile(50) / 1000, latency:percentile(99) / 1000, latency.max / 1000,
+    latency:percentile(50) / 1000, latency:percentile(99) / 1000,
+    latency:percentile(99.9) / 1000, latency:percentile(99.99) / 1000, latency.max / 1000,
     e.connect + e.read + e.write + e.timeout + e.status, e.status))
 end
 
