@@ -306,12 +306,12 @@ pub fn connection_manager(
     Ok(manager_for(target, url, None))
 }
 
-/// The manager of [`connection_manager`]; with `lifetime`, each connection also gets its own
-/// deadline within it (`lifetime.rs`), for a pool whose bb8 `max_lifetime` is `lifetime`.
+/// The manager of [`connection_manager`]; with `max_lifetime`, each connection also gets its
+/// own deadline within it (`lifetime.rs`), for a pool whose bb8 `max_lifetime` is the same.
 fn manager_for(
     target: ConnectTarget,
     url: &str,
-    lifetime: Option<Duration>,
+    max_lifetime: Option<Duration>,
 ) -> AsyncDieselConnectionManager<AsyncPgConnection> {
     let target = Arc::new(target);
     let mut config = ManagerConfig::<AsyncPgConnection>::default();
@@ -319,8 +319,8 @@ fn manager_for(
         let target = Arc::clone(&target);
         async move {
             let mut conn = target.connect().await?;
-            if let Some(lifetime) = lifetime {
-                lifetime::give(&mut conn, lifetime);
+            if let Some(max_lifetime) = max_lifetime {
+                lifetime::give(&mut conn, max_lifetime);
             }
             Ok(conn)
         }
