@@ -163,7 +163,7 @@ fn store_calls(c: &mut Criterion) {
         .to_http_request();
     group.bench_function("build_response", |b| {
         b.iter(
-            || match replay_response(black_box(response.clone()), &req) {
+            || match replay_response(black_box(response.clone()), &req, &[]) {
                 Ok(response) => black_box(response),
                 Err(problem) => panic!("replay refused: {problem:?}"),
             },

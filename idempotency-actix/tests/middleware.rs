@@ -970,3 +970,93 @@ async fn a_panicking_handler_gets_an_opaque_500_and_keeps_the_key() {
         .await
         .assert_problem(409, "CONFLICT");
 }
+
+#[actix_web::test]
+async fn a_failed_open_request_still_gives_the_handler_its_key() {
+    // With the store down and fail_open on, the handler runs unprotected; the key it forwards
+    // to a payment provider is then the only protection left, so it must still see it (C17).
+    let app = init_service(
+        App::new()
+            .wrap(Idempotency::builder(DownStore).fail_open(true).build())
+            .route("/key", web::post().to(key_echo)),
+    )
+    .await;
+    let reply = send(&app, post("/key", "pay-7").set_payload("x")).await;
+    assert_eq!(reply.status, StatusCode::OK);
+    assert_eq!(reply.body, "pay-7");
+}
+
+#[actix_web::test]
+async fn a_header_denied_after_it_was_stored_is_not_replayed() {
+    // C11: deny-listed headers are never stored *or replayed*. A record stored before the
+    // header was denied (an earlier deploy, or another instance on the same store) still
+    // holds it; the replay must drop it.
+    let store = MemoryStore::new();
+    let counter = Counter::default();
+    let before = init_service(
+        App::new()
+            .app_data(web::Data::new(counter.clone()))
+            .wrap(Idempotency::new(store.clone()))
+            .route("/echo", web::post().to(echo)),
+    )
+    .await;
+    let first = send(&before, post("/echo", "k").set_payload("a")).await;
+    assert_eq!(first.header("x-secret"), Some("do-not-store"));
+    let after = init_service(
+        App::new()
+            .app_data(web::Data::new(counter.clone()))
+            .wrap(
+                Idempotency::builder(store)
+                    .deny_headers([HeaderName::from_static("x-secret")])
+                    .build(),
+            )
+            .route("/echo", web::post().to(echo)),
+    )
+    .await;
+    let retry = send(&after, post("/echo", "k").set_payload("a")).await;
+    assert!(retry.replayed());
+    assert_eq!(retry.header("x-execution"), Some("1"));
+    assert_eq!(retry.header("x-secret"), None);
+}
+
+async fn name_echo(counter: web::Data<Counter>, name: web::Path<String>) -> HttpResponse {
+    counter.0.fetch_add(1, Ordering::SeqCst);
+    HttpResponse::Created().body(name.into_inner())
+}
+
+#[actix_web::test]
+async fn escapes_the_router_keeps_are_one_scope_whatever_their_case() {
+    // actix's router keeps `%2F`, `%2B` and `%25` as sent, and the path extractor decodes them,
+    // so `a%2Fb` and `a%2fb` (the same URI, RFC 3986 6.2.2.1) reach the handler as the same
+    // `a/b`, and so do `a+b` and `a%2Bb`. One key must not run the handler once per spelling:
+    // the second spelling is the same record (422, its path as sent differs), never a second run.
+    let counter = Counter::default();
+    let app = init_service(
+        App::new()
+            .app_data(web::Data::new(counter.clone()))
+            .wrap(Idempotency::new(MemoryStore::new()))
+            .route("/items/{name}", web::post().to(name_echo)),
+    )
+    .await;
+    for (first, second) in [
+        ("/items/a%2Fb", "/items/a%2fb"),
+        ("/items/c%2bd", "/items/c%2Bd"),
+        ("/items/e+f", "/items/e%2Bf"),
+        ("/items/g%25h", "/items/g%25h"),
+    ] {
+        let key = format!("k-{first}");
+        let reply = send(&app, post(first, &key).set_payload("x")).await;
+        assert_eq!(reply.status, StatusCode::CREATED, "{first}");
+        let before = counter.get();
+        let again = send(&app, post(second, &key).set_payload("x")).await;
+        assert_eq!(counter.get(), before, "{second} ran the handler again");
+        if first == second {
+            assert!(again.replayed());
+        } else {
+            again.assert_problem(422, "FINGERPRINT_MISMATCH");
+        }
+    }
+    // Different names stay different records.
+    let other = send(&app, post("/items/a%2Fc", "k-/items/a%2Fb").set_payload("x")).await;
+    assert_eq!(other.status, StatusCode::CREATED);
+}

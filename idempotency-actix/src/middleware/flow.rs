@@ -43,6 +43,48 @@ pub(super) type FlowResult<B> = Result<ServiceResponse<EitherBody<B, BoxBody>>, 
 /// Where the task sends the answer; dropped unread when the client is gone.
 pub(super) type Answer<B> = oneshot::Sender<FlowResult<B>>;
 
+/// The path of a request's scope (C3): one string for every spelling that reaches the
+/// handler as the same request, so one key never runs once per spelling.
+///
+/// `matched` is the path as actix's router sees it: percent-encoded characters decoded except
+/// `%2F`, `%2B` and `%25`, which it keeps as sent (decoding `/` would change which route
+/// matches). The path extractor decodes those three too, so `a%2Fb` and `a%2fb` (the same URI,
+/// RFC 3986 6.2.2.1), and `a+b` and `a%2Bb`, reach a handler as the same value. Here the
+/// escapes' hex digits are upper-cased and `%2B` becomes `+`. `%2F` stays escaped: decoded,
+/// `/items/a%2Fb` (one segment) would share its record with the route `/items/a/b`. Erring
+/// towards one record is the safe side: two spellings of one key then get a replay or a 422
+/// (the fingerprint takes the path as sent), never a second run.
+fn scope_path(matched: &str) -> String {
+    if !matched.contains('%') {
+        return matched.to_owned();
+    }
+    let mut path = String::with_capacity(matched.len());
+    let mut rest = matched;
+    while let Some(at) = rest.find('%') {
+        path.push_str(&rest[..at]);
+        let escape = rest.as_bytes().get(at + 1..at + 3);
+        match escape {
+            Some([hi, lo]) if hi.is_ascii_hexdigit() && lo.is_ascii_hexdigit() => {
+                if hi.eq_ignore_ascii_case(&b'2') && lo.eq_ignore_ascii_case(&b'b') {
+                    path.push('+');
+                } else {
+                    path.push('%');
+                    path.push(char::from(hi.to_ascii_uppercase()));
+                    path.push(char::from(lo.to_ascii_uppercase()));
+                }
+                rest = &rest[at + 3..];
+            }
+            // Not an escape (the router keeps a lone `%` as sent): keep it.
+            _ => {
+                path.push('%');
+                rest = &rest[at + 1..];
+            }
+        }
+    }
+    path.push_str(rest);
+    path
+}
+
 /// Hand the request to the next service untouched.
 pub(super) async fn pass_through<Svc, B>(service: Rc<Svc>, req: ServiceRequest) -> FlowResult<B>
 where
@@ -101,9 +143,8 @@ where
         let scope = Scope {
             tenant,
             method: req.method().as_str().to_owned(),
-            // The path as the router sees it (percent-encoded unreserved characters decoded),
-            // so `/%70ayments` and `/payments`, one route, are one record, not two executions.
-            path: req.match_info().as_str().to_owned(),
+            // The path as the router sees it, one spelling per route and parameters.
+            path: scope_path(req.match_info().as_str()),
             key,
         };
         let json = req
@@ -187,7 +228,7 @@ where
                     return;
                 }
                 Err(Decision::Replay(stored)) => {
-                    let response = match replay(stored, &req) {
+                    let response = match replay(stored, &req, &self.config.deny_headers) {
                         Ok(response) => {
                             report.outcome(Outcome::Replay, response.status(), Some(&scope));
                             req.into_response(response).map_into_right_body()
@@ -201,6 +242,10 @@ where
                     return;
                 }
                 Err(Decision::PassThrough) => {
+                    // Unprotected here, so the key the handler forwards downstream (a payment
+                    // provider's own idempotency key) is the only protection left (C17).
+                    req.extensions_mut()
+                        .insert(IdempotencyKey(scope.key.clone()));
                     let result = pass_through(Rc::clone(&self.service), req).await;
                     report.outcome(Outcome::FailOpen, status_of(&result), Some(&scope));
                     let _ = answer.send(result);
@@ -695,4 +740,30 @@ async fn read_body(req: &mut ServiceRequest, max: usize) -> Result<Result<Bytes,
         body.extend_from_slice(&chunk);
     }
     Ok(Ok(first.unwrap_or_else(|| body.freeze())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::scope_path;
+
+    #[test]
+    fn a_scope_path_has_one_spelling_per_value_the_handler_sees() {
+        for (matched, scope) in [
+            ("/payments", "/payments"),
+            ("/items/a%2fb", "/items/a%2Fb"),
+            ("/items/a%2Fb", "/items/a%2Fb"),
+            ("/items/a%2bb", "/items/a+b"),
+            ("/items/a%2Bb", "/items/a+b"),
+            ("/items/a+b", "/items/a+b"),
+            ("/items/%25", "/items/%25"),
+            // Not escapes: kept as they are, and never a panic.
+            ("/items/%", "/items/%"),
+            ("/items/%2", "/items/%2"),
+            ("/items/%zz%", "/items/%zz%"),
+            ("/items/%%2f", "/items/%%2F"),
+            ("/\u{e9}%2f\u{e9}", "/\u{e9}%2F\u{e9}"),
+        ] {
+            assert_eq!(scope_path(matched), scope, "{matched}");
+        }
+    }
 }

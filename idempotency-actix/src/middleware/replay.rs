@@ -56,7 +56,15 @@ pub(super) fn storable_headers(headers: &HeaderMap, deny: &[HeaderName]) -> Vec<
 /// header accepts none here, stricter than RFC 9110, because clients that send none, like plain
 /// `curl`, cannot decode), and any other retry gets `406 REPLAY_NOT_ACCEPTABLE`. Wrapping
 /// `Compress` outside `Idempotency` avoids the question: records are stored unencoded.
-pub fn replay(stored: StoredResponse, request: &impl HttpMessage) -> Result<HttpResponse, Problem> {
+///
+/// `deny` is the configured deny list, applied again here (C11: never stored *or replayed*):
+/// a record stored before a header was denied (an earlier deploy, another instance on the
+/// same store) still holds it.
+pub fn replay(
+    stored: StoredResponse,
+    request: &impl HttpMessage,
+    deny: &[HeaderName],
+) -> Result<HttpResponse, Problem> {
     if let Some(coding) = stored_encoding(&stored) {
         if !accepts(request, &coding) {
             return Err(Problem::new(
@@ -78,7 +86,7 @@ pub fn replay(stored: StoredResponse, request: &impl HttpMessage) -> Result<Http
             HeaderName::try_from(name.as_str()),
             HeaderValue::from_maybe_shared(value),
         ) {
-            if !NEVER_STORED.contains(&name) {
+            if !NEVER_STORED.contains(&name) && !deny.contains(&name) {
                 headers.append(name, value);
             }
         }

@@ -287,7 +287,7 @@ pub(super) async fn settle_keyed<S, Svc, B>(
                 return;
             }
             Claimed::Replay(stored) => {
-                let (response, outcome) = match replay(stored, &req) {
+                let (response, outcome) = match replay(stored, &req, &config.deny_headers) {
                     Ok(response) => (response, Outcome::Replay),
                     Err(problem) => {
                         tracing::info!(target: "idempotency_actix", outcome = "replay_not_acceptable", key = %scope.key, tenant = %scope.tenant, path = %scope.path, "stored response encoded in a way this retry does not accept");
