@@ -637,6 +637,60 @@ async fn serializable_conflicts_are_retried_when_enabled() {
     assert_eq!(records_for_key(&db.url, "z1")[0].state, State::Completed);
 }
 
+/// A serialization failure of one of the handler's own statements (not the COMMIT) is seen
+/// by the store's watch on the connection and the request is run again. The watch shares the
+/// connection's instrumentation with its own lifetime (`lifetime.rs`), so this is the path that
+/// keeps both.
+#[actix_web::test]
+async fn a_serialization_failure_inside_the_handler_is_retried() {
+    let (db, store) = setup().await;
+    let runs = Runs::default();
+    let middleware = Idempotency::builder(store.clone())
+        .tenant_header("x-account-id")
+        .transactional()
+        .retry_serialization_failures(2);
+    let app = test::init_service(
+        App::new().app_data(web::Data::new(runs.clone())).service(
+            web::scope("")
+                .wrap(middleware.build())
+                .route("/payments", web::post().to(fails_first_run)),
+        ),
+    )
+    .await;
+    for key in ["w1", "w2"] {
+        let before = runs.get();
+        let answer = call(&app, post(Some(key), "", serde_json::json!({"amount": 1}))).await;
+        assert_eq!(answer.status, StatusCode::CREATED, "{}", answer.body);
+        assert_eq!(runs.get(), before + 2, "run once more after the 40001");
+        assert_eq!(records_for_key(&db.url, key)[0].state, State::Completed);
+    }
+    assert_eq!(
+        payments(&db),
+        2,
+        "only the second run of each request committed"
+    );
+}
+
+/// Every odd run fails its first statement with SQLSTATE 40001; even runs insert a payment.
+async fn fails_first_run(
+    tx: IdempotentTx,
+    runs: web::Data<Runs>,
+) -> actix_web::Result<HttpResponse> {
+    let run = runs.0.fetch_add(1, Ordering::SeqCst) + 1;
+    let mut conn = tx.conn();
+    if run % 2 == 1 {
+        diesel::sql_query("DO $$ BEGIN RAISE EXCEPTION 'forced' USING ERRCODE = '40001'; END $$")
+            .execute(&mut *conn)
+            .await
+            .map_err(actix_web::error::ErrorInternalServerError)?;
+    }
+    diesel::sql_query("INSERT INTO payments (amount) VALUES (1)")
+        .execute(&mut *conn)
+        .await
+        .map_err(actix_web::error::ErrorInternalServerError)?;
+    Ok(HttpResponse::Created().json(serde_json::json!({ "run": run })))
+}
+
 /// Without the retry option, the loser of a write skew fails and nothing of it remains.
 #[actix_web::test]
 async fn serializable_conflict_without_retries_is_commit_failed() {

@@ -28,6 +28,7 @@ use diesel_async::{
 };
 
 use super::error::classify_error;
+use super::lifetime;
 use super::sql::{self, Completion, Reserve, SetTenant, TxClaim};
 use super::store::{corrupt, decode_reserve_row, scope_binds};
 use super::{micros, PostgresStore};
@@ -228,12 +229,16 @@ pub(crate) async fn commit(
 }
 
 /// Watch the connection for a serialization failure (SQLSTATE 40001) on any statement, the
-/// handler's included: diesel instrumentation on this connection (it replaces the
-/// connection's instrumentation; only installed when serialization retries are on). The flag
-/// is set when one happened since this call.
+/// handler's included, through diesel instrumentation (only when serialization retries are
+/// on). The flag is set when one happened since this call. The store's own connections carry
+/// the watch in their [`lifetime`] instrumentation, which keeps their deadline and diesel's
+/// default instrumentation; a connection from a pool the app built gets its instrumentation
+/// replaced by the watch.
 pub(crate) fn watch_serialization_failures(conn: &mut AsyncPgConnection) -> Arc<AtomicBool> {
     let flag = Arc::new(AtomicBool::new(false));
-    conn.set_instrumentation(SerializationWatch(Arc::clone(&flag)));
+    if !lifetime::watch_serialization_failures(conn, Arc::clone(&flag)) {
+        conn.set_instrumentation(SerializationWatch(Arc::clone(&flag)));
+    }
     flag
 }
 
