@@ -278,14 +278,33 @@ pub async fn expired_lease_with_other_fingerprint_is_not_taken_over<S: Idempoten
     }
 }
 
-/// C12: an expired completed record is treated as absent.
+/// C12: an expired completed record is treated as absent; before that, `expires_in` is what
+/// is left of its TTL, not the TTL (`CachedStore` keeps a replay no longer than that).
 pub async fn expired_completed_record_is_absent<S: IdempotencyStore>(store: &S) {
     let scope = fresh_scope();
     let token = reserved(store, &scope, &FP_A, LEASE).await;
     assert_eq!(
-        complete(store, &scope, &token, &response(b"old"), SHORT).await,
+        complete(store, &scope, &token, &response(b"old"), SHORT * 2).await,
         WriteOutcome::Applied
     );
+    tokio::time::sleep(SHORT).await;
+    match reserve(store, &scope, &FP_A, LEASE).await {
+        ReserveOutcome::Completed {
+            expires_in: Some(left),
+            ..
+        } => {
+            // At least SHORT of the 2 x SHORT has passed; a little more for clock rounding.
+            let most = SHORT + Duration::from_millis(50);
+            assert!(
+                left <= most,
+                "expires_in {left:?} after half the TTL (at most {most:?})"
+            );
+        }
+        ReserveOutcome::Completed {
+            expires_in: None, ..
+        } => {}
+        other => panic!("C6: expected Completed halfway through the TTL, got {other:?}"),
+    }
     tokio::time::sleep(SHORT * 2).await;
     reserved(store, &scope, &FP_B, LEASE).await;
 }

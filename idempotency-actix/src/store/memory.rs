@@ -196,9 +196,10 @@ impl MemoryStoreBuilder {
         self
     }
 
-    /// Opt into cache-like behaviour: when the store is full of live records, evict the live
-    /// completed records closest to expiry to make room, instead of failing `reserve` (503).
-    /// Default `false`.
+    /// Opt into cache-like behaviour: when the store is full of live records, evict live
+    /// completed records to make room, oldest completion first (with one TTL for all records,
+    /// as with one `Idempotency` per store, that is the closest to expiry), instead of failing
+    /// `reserve` (503). Default `false`.
     ///
     /// An evicted record is forgotten: a retry of its request runs the handler a second time.
     /// Each eviction is logged at `warn` (target `idempotency_actix`) with its scope. Under a
@@ -720,6 +721,24 @@ impl Inner {
         }
     }
 
+    /// Drop the completion-queue entries of records that are gone or changed, once they could
+    /// outnumber the records. Called by the full sweep and after every completion: entries of
+    /// short-lived records stuck behind a longer-lived one at the queue's front are otherwise
+    /// only dropped by the full sweep, and with a long `sweep_interval` they would pile up,
+    /// uncharged, while the same keys are used again. After a compaction the queue holds at
+    /// most one entry per record, so the next one is at least as many completions away: O(1)
+    /// per completion, amortised.
+    fn compact_queue_if_stale(&mut self) {
+        if self.completion_order.len() > self.records.len().saturating_mul(2) {
+            let records = &self.records;
+            self.completion_order.retain(|(_, key, generation)| {
+                records
+                    .get(key.probe())
+                    .is_some_and(|r| r.generation == *generation)
+            });
+        }
+    }
+
     /// Delete every dead record (reservations: lease ended more than `grace` ago) and drop
     /// the allowance of ended reservations; returns how many records were deleted.
     ///
@@ -747,14 +766,7 @@ impl Inner {
             true
         });
         self.bytes = self.bytes.saturating_sub(freed);
-        if self.completion_order.len() > self.records.len().saturating_mul(2) {
-            let records = &self.records;
-            self.completion_order.retain(|(_, key, generation)| {
-                records
-                    .get(key.probe())
-                    .is_some_and(|r| r.generation == *generation)
-            });
-        }
+        self.compact_queue_if_stale();
         self.last_full_sweep = now;
         self.next_event = next_event;
         (before - self.records.len()) as u64
@@ -1003,6 +1015,7 @@ impl IdempotencyStore for MemoryStore {
         inner
             .completion_order
             .push_back((expires_at, key, generation));
+        inner.compact_queue_if_stale();
         drop(inner);
         log_evictions(&evicted, now);
         Ok(WriteOutcome::Applied)
@@ -1316,6 +1329,25 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(store.len(), 1, "the expired record of a is gone");
+    }
+
+    /// Keys used again and again behind a long-lived record, with no full sweep in sight: the
+    /// completion queue stays in proportion to the records instead of growing with every
+    /// completion (its entries hold scopes that are not charged against the bound).
+    #[tokio::test]
+    async fn the_completion_queue_stays_in_proportion_without_a_full_sweep() {
+        let store = MemoryStore::builder().sweep_interval(Duration::MAX).build();
+        complete_with_ttl(&store, "long", Duration::from_secs(3600)).await;
+        for _ in 0..100 {
+            complete_with_ttl(&store, "short", Duration::from_millis(1)).await;
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        assert_eq!(store.len(), 2);
+        let queued = store.lock().completion_order.len();
+        assert!(
+            queued <= 2 * store.len() + 1,
+            "{queued} queue entries for 2 records"
+        );
     }
 
     /// Mixed TTLs: records that expire behind a longer-lived one are deleted by the full sweep
