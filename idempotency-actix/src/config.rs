@@ -510,14 +510,19 @@ impl IdempotencyBuilder<crate::store::PostgresStore> {
     /// Run a request again, up to `retries` more times, when its transaction fails with a
     /// serialization failure (SQLSTATE 40001, under `REPEATABLE READ` and `SERIALIZABLE`): at
     /// COMMIT, at the response's write, or at one of the handler's own statements (seen through
-    /// diesel instrumentation installed on the connection, which replaces any default
-    /// instrumentation there). Default 0: the client gets `COMMIT_FAILED` (or the handler's
-    /// own error) and retries itself, which is safe.
+    /// diesel instrumentation on the connection: the store's own connections carry it next to
+    /// diesel's default instrumentation; on a connection from a pool the app built it replaces
+    /// that connection's instrumentation). Default 0: the client gets `COMMIT_FAILED` (or the
+    /// handler's own error) and retries itself, which is safe.
     ///
     /// **This re-runs the handler**, inside the middleware, with the same request: its
     /// database writes were rolled back, but any effect outside the database (an HTTP call, an
     /// email, a message on a queue) happens once per run. Turn it on only for handlers whose
     /// only effects are in this database, or that pass an idempotency key downstream.
+    ///
+    /// A request whose handler keeps a copy of its `HttpRequest` past its return (on a spawned
+    /// task) cannot be routed again: it gets `COMMIT_FAILED` instead of a re-run (actix's
+    /// panic on the shared request is caught; its message still reaches the panic hook).
     pub fn retry_serialization_failures(mut self, retries: u32) -> Self {
         if let Some(tx) = self.tx_setting("retry_serialization_failures") {
             tx.serialization_retries = retries;

@@ -22,6 +22,7 @@ use std::cell::{RefCell, RefMut};
 use std::fmt;
 use std::future::{ready, Ready};
 use std::ops::{Deref, DerefMut};
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::rc::Rc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -339,9 +340,28 @@ pub(super) async fn settle_keyed<S, Svc, B>(
                 return;
             }
             After::Retry(http_req) => {
+                let mut next = ServiceRequest::from_parts(http_req, Payload::from(body.clone()));
+                // actix routes through `match_info_mut`, which panics when the request is
+                // shared: the handler (or a middleware inside this one) kept a copy of its
+                // `HttpRequest`, on a spawned task say. Such a request cannot run again; all of
+                // it was rolled back, so it is answered like a failed commit.
+                let restored = catch_unwind(AssertUnwindSafe(|| {
+                    *next.match_info_mut() = match_info.clone();
+                }));
+                if restored.is_err() {
+                    tracing::error!(target: "idempotency_actix", outcome = "commit_failed", key = %scope.key, tenant = %scope.tenant, path = %scope.path, "serialization failure, rolled back; not run again because a copy of the request is still held (a handler kept its HttpRequest)");
+                    let (http_req, _) = next.into_parts();
+                    let _ = answer.send(commit_failed(
+                        &flow,
+                        http_req,
+                        Some(&scope),
+                        Some(&report),
+                        "serialization failure, and the request could not be run again",
+                    ));
+                    return;
+                }
                 tracing::info!(target: "idempotency_actix", outcome = "serialization_retry", key = %scope.key, tenant = %scope.tenant, path = %scope.path, run = runs, "serialization failure; everything rolled back, running the request again");
-                req = ServiceRequest::from_parts(http_req, Payload::from(body.clone()));
-                *req.match_info_mut() = match_info.clone();
+                req = next;
             }
         }
     }

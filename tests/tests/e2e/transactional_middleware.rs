@@ -691,6 +691,60 @@ async fn fails_first_run(
     Ok(HttpResponse::Created().json(serde_json::json!({ "run": run })))
 }
 
+/// A request whose handler kept a copy of its `HttpRequest` (here on a spawned task) cannot be
+/// routed again (actix needs the request unshared to route it): after a serialization failure
+/// it is answered like a failed commit (everything rolled back, the key free), not with a
+/// panic's opaque 500.
+#[actix_web::test]
+async fn a_request_its_handler_kept_is_not_run_again_and_the_key_stays_free() {
+    let (db, store) = setup().await;
+    let runs = Runs::default();
+    let middleware = Idempotency::builder(store.clone())
+        .tenant_header("x-account-id")
+        .transactional()
+        .retry_serialization_failures(2);
+    let app = test::init_service(App::new().app_data(web::Data::new(runs.clone())).service(
+        web::scope("").wrap(middleware.build()).route(
+            "/payments",
+            web::post().to(keeps_request_and_fails_first_run),
+        ),
+    ))
+    .await;
+    let body = serde_json::json!({"amount": 1});
+    let answer = call(&app, post(Some("h1"), "", body.clone())).await;
+    assert_eq!(
+        answer.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{}",
+        answer.body
+    );
+    assert_eq!(answer.body["code"], "COMMIT_FAILED", "{}", answer.body);
+    assert!(answer.retry_after);
+    assert_eq!(runs.get(), 1, "not run again");
+    assert_eq!(payments(&db), 0, "nothing committed");
+    assert!(
+        records_for_key(&db.url, "h1").is_empty(),
+        "the claim rolled back"
+    );
+    // The key is free: a retry runs (an even run, which succeeds).
+    let retry = call(&app, post(Some("h1"), "", body)).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.body);
+    assert_eq!(payments(&db), 1);
+}
+
+/// Like `fails_first_run`, and keeps a copy of its request on a task for a second.
+async fn keeps_request_and_fails_first_run(
+    req: actix_web::HttpRequest,
+    tx: IdempotentTx,
+    runs: web::Data<Runs>,
+) -> actix_web::Result<HttpResponse> {
+    actix_web::rt::spawn(async move {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        drop(req);
+    });
+    fails_first_run(tx, runs).await
+}
+
 /// Without the retry option, the loser of a write skew fails and nothing of it remains.
 #[actix_web::test]
 async fn serializable_conflict_without_retries_is_commit_failed() {
