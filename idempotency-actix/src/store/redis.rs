@@ -70,6 +70,14 @@
 //! out may still have run on the server: a reservation made that way is held by nobody and
 //! ends with its lease, like a crashed holder's.
 //!
+//! A full Redis (`OOM` under `noeviction`) refuses new keys only, like a full memory store
+//! (C22). It refuses a reserve's `SET` before running it, even for a key it holds, so on `OOM`
+//! the reserve asks the reserve script instead (a second round trip, only while Redis is
+//! full): a script without flags runs under `OOM` and fails only when it writes. A completed
+//! record still replays (or carries its fingerprint, for the 422), a reservation is still in
+//! flight (409); a new key or a takeover needs a write and fails with `OOM` (503), as does
+//! `complete`.
+//!
 //! # Eviction
 //! A `maxmemory-policy` that may evict keys with a TTL (every `volatile-*` and `allkeys-*`
 //! policy) can silently drop live records (C22). [`RedisStoreBuilder::connect`] checks it with
@@ -498,28 +506,39 @@ where
         &self,
         call: impl std::future::Future<Output = Result<T, RedisError>>,
     ) -> Result<T, StoreError> {
-        match tokio::time::timeout(self.inner.timeout, call).await {
-            Ok(result) => result.map_err(classify),
-            Err(_) => Err(StoreError::unavailable(format!(
-                "Redis did not answer within {} ms",
-                self.inner.timeout.as_millis()
-            ))),
-        }
+        self.answer(call).await?.map_err(classify)
+    }
+
+    /// Redis's answer to `call`, its errors unclassified (for a caller that handles one of
+    /// them itself); no answer within the response timeout is [`StoreError::Unavailable`].
+    async fn answer<T>(
+        &self,
+        call: impl std::future::Future<Output = Result<T, RedisError>>,
+    ) -> Result<Result<T, RedisError>, StoreError> {
+        tokio::time::timeout(self.inner.timeout, call)
+            .await
+            .map_err(|_| {
+                StoreError::unavailable(format!(
+                    "Redis did not answer within {} ms",
+                    self.inner.timeout.as_millis()
+                ))
+            })
     }
 
     /// The native half of `reserve`: `SET key <reservation> NX GET PX <life>` and `TIME`,
     /// pipelined (`TIME` names no key, so on a cluster it goes with the `SET` to the record's
-    /// node, the clock that wrote the record's times). `None`: reserved; otherwise the record
-    /// that was there, untouched, and Redis's clock in microseconds.
+    /// node, the clock that wrote the record's times).
     async fn set_or_get(
         &self,
         conn: &mut C,
         key: &str,
         reservation: &[u8],
         life_ms: u64,
-    ) -> Result<Option<(Bytes, u64)>, StoreError> {
-        let (existing, (secs, micros)): (Option<Vec<u8>>, (u64, u64)) = self
-            .timed(
+    ) -> Result<SetOrGet, StoreError> {
+        // The record that was there (nil: reserved), and `TIME` (seconds, microseconds).
+        type Reply = (Option<Vec<u8>>, (u64, u64));
+        let answer: Result<Reply, RedisError> = self
+            .answer(
                 redis::pipe()
                     .cmd("SET")
                     .arg(key)
@@ -532,12 +551,17 @@ where
                     .query_async(conn),
             )
             .await?;
-        Ok(existing.map(|record| {
-            (
+        match answer {
+            Ok((None, _)) => Ok(SetOrGet::Reserved),
+            Ok((Some(record), (secs, micros))) => Ok(SetOrGet::Found(
                 Bytes::from(record),
                 secs.saturating_mul(1_000_000).saturating_add(micros),
-            )
-        }))
+            )),
+            // Redis refuses a `SET` under `OOM` before running it (it is flagged as a command
+            // that may grow memory), even when the key exists and `NX` would write nothing.
+            Err(e) if e.code() == Some("OOM") => Ok(SetOrGet::OutOfMemory),
+            Err(e) => Err(classify(e)),
+        }
     }
 
     /// The release script on `conn`: after a reservation's `WAIT` failed, on the connection
@@ -596,6 +620,16 @@ where
         .map_err(classify)?;
         Ok(acked >= i64::from(replicas))
     }
+}
+
+/// What the native `SET ... NX GET` of a reserve found.
+enum SetOrGet {
+    /// The key was absent and now holds the caller's reservation.
+    Reserved,
+    /// The record that was there, untouched, and Redis's clock in microseconds.
+    Found(Bytes, u64),
+    /// Redis is out of memory and refused the `SET` without looking at the key.
+    OutOfMemory,
 }
 
 /// The Redis key of `scope`'s record under `prefix`: `<prefix><tenant>:<method>:<path>:<key>`,
@@ -982,15 +1016,21 @@ where
             .set_or_get(&mut conn, &key, &reservation, life_ms)
             .await?
         {
-            None => ReserveOutcome::Reserved { token },
-            Some((bytes, now_us)) if bytes.first() == Some(&record::COMPLETED) => {
+            SetOrGet::Reserved => ReserveOutcome::Reserved { token },
+            SetOrGet::Found(bytes, now_us) if bytes.first() == Some(&record::COMPLETED) => {
                 completed(record::decode(bytes).map_err(corrupt)?, |expires_us| {
                     Duration::from_micros(expires_us.saturating_sub(now_us))
                 })?
             }
-            Some(_) => {
-                // A reservation: whether it may be taken over is the script's to decide, on
-                // Redis's clock and in the same step as the write.
+            // A reservation: whether it may be taken over is the script's to decide, on
+            // Redis's clock and in the same step as the write.
+            //
+            // Redis full (`OOM`, `noeviction`): the `SET` was refused unread, but a key that
+            // is there must still answer (a replay, 409, 422), as a full memory store's does
+            // (C22: a full store refuses new keys only). The script answers: a script without
+            // flags runs under `OOM` and fails only at a write (Redis 7.0), and it writes only
+            // for an absent key or a takeover, which then fail with `OOM`, i.e. 503, closed.
+            SetOrGet::Found(..) | SetOrGet::OutOfMemory => {
                 let reply: Value = self
                     .timed(
                         self.inner

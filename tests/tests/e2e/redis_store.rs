@@ -444,6 +444,143 @@ async fn evicting_policy_is_detected() {
         .is_ok());
 }
 
+/// Fill Redis (`noeviction`, `maxmemory 1`): from now on it refuses every command that may
+/// grow memory with `OOM`, as a Redis that ran out of memory does. Checked with a plain `SET`,
+/// so a test that relies on it proves something.
+async fn fill_redis(conn: &mut redis::aio::MultiplexedConnection) {
+    for (name, value) in [("maxmemory-policy", "noeviction"), ("maxmemory", "1")] {
+        let _: () = redis::cmd("CONFIG")
+            .arg("SET")
+            .arg(name)
+            .arg(value)
+            .query_async(conn)
+            .await
+            .expect("CONFIG SET");
+    }
+    let refused = redis::cmd("SET")
+        .arg("probe")
+        .arg("x")
+        .query_async::<()>(conn)
+        .await;
+    assert!(
+        refused.as_ref().is_err_and(|e| e.code() == Some("OOM")),
+        "Redis must refuse writes for this test: {refused:?}"
+    );
+}
+
+/// Whether `key` exists.
+async fn key_exists(conn: &mut redis::aio::MultiplexedConnection, key: &str) -> bool {
+    let n: i64 = redis::cmd("EXISTS")
+        .arg(key)
+        .query_async(conn)
+        .await
+        .expect("EXISTS");
+    n == 1
+}
+
+/// C22 with `noeviction`: a full Redis fails closed for new keys only, as the memory store
+/// does (`full_store_refuses_new_keys_by_default`). A key it already holds still answers: a
+/// completed record replays (or, with another body, carries its fingerprint for the 422) and a
+/// live reservation is in flight (409). Only what needs a write fails: a new key, a takeover,
+/// a completion. Redis refuses `SET` under `OOM` before running it, even for a key that
+/// exists; this failed before the store fell back to the reserve script (every reserve was
+/// `Unavailable`, so a client retrying a completed payment got 503 until memory was freed).
+#[tokio::test]
+async fn a_full_redis_refuses_new_keys_and_still_answers_existing_ones() {
+    let redis = RedisServer::start();
+    let store = store(&redis).await;
+    let mut conn = redis_conn(&redis).await;
+    let (done, busy, ended) = (scope("t", "done"), scope("t", "busy"), scope("t", "ended"));
+    let stored = response(b"paid once");
+    let token = reserved(&store, &done, &FP_A, LEASE).await;
+    assert_eq!(
+        store.complete(&done, &token, &stored, TTL).await.ok(),
+        Some(WriteOutcome::Applied)
+    );
+    let busy_token = reserved(&store, &busy, &FP_A, LEASE).await;
+    reserved(&store, &ended, &FP_A, Duration::from_millis(100)).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    fill_redis(&mut conn).await;
+
+    for (fp, what) in [(FP_A, "the same body"), (FP_B, "another body")] {
+        match store.reserve(&done, &fp, LEASE).await {
+            Ok(ReserveOutcome::Completed {
+                fingerprint,
+                response,
+                expires_in,
+            }) => {
+                assert_eq!(fingerprint, FP_A, "{what}: the stored fingerprint");
+                assert_eq!(response, stored, "{what}");
+                let left = expires_in.expect("Redis reports the time left");
+                assert!(
+                    left <= TTL && left > TTL - Duration::from_secs(60),
+                    "{what}: {left:?}"
+                );
+            }
+            other => panic!("{what}: a full Redis must still replay, got {other:?}"),
+        }
+        match store.reserve(&busy, &fp, LEASE).await {
+            Ok(ReserveOutcome::InFlight {
+                fingerprint,
+                lease_remaining,
+            }) => {
+                assert_eq!(fingerprint, FP_A, "{what}");
+                assert!(
+                    lease_remaining > Duration::ZERO,
+                    "{what}: the lease is live"
+                );
+            }
+            other => panic!("{what}: a full Redis must still see the reservation, got {other:?}"),
+        }
+    }
+    // An ended reservation refuses another body without a write; its own body would take it
+    // over, which is a write: refused, and the reservation stays as it was.
+    match store.reserve(&ended, &FP_B, LEASE).await {
+        Ok(ReserveOutcome::InFlight {
+            fingerprint,
+            lease_remaining,
+        }) => {
+            assert_eq!(fingerprint, FP_A);
+            assert_eq!(lease_remaining, Duration::ZERO);
+        }
+        other => panic!("another body must see the ended reservation, got {other:?}"),
+    }
+    let takeover = store.reserve(&ended, &FP_A, LEASE).await;
+    assert!(
+        matches!(takeover, Err(StoreError::Unavailable(_))),
+        "a takeover needs a write: {takeover:?}"
+    );
+    // A new key fails closed (503), and nothing was written for it.
+    let fresh = scope("t", "fresh");
+    let refused = store.reserve(&fresh, &FP_A, LEASE).await;
+    assert!(
+        matches!(refused, Err(StoreError::Unavailable(_))),
+        "a new key must fail closed: {refused:?}"
+    );
+    assert!(!key_exists(&mut conn, &store.key_of(&fresh)).await);
+    // A completion is a write too: refused, the middleware retries it until the lease ends.
+    let completing = store.complete(&busy, &busy_token, &stored, TTL).await;
+    assert!(
+        matches!(completing, Err(StoreError::Unavailable(_))),
+        "{completing:?}"
+    );
+
+    // Memory freed: the new key reserves, the held reservation completes.
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory")
+        .arg("0")
+        .query_async(&mut conn)
+        .await
+        .expect("CONFIG SET");
+    reserved(&store, &fresh, &FP_A, LEASE).await;
+    assert_eq!(
+        store.complete(&busy, &busy_token, &stored, TTL).await.ok(),
+        Some(WriteOutcome::Applied)
+    );
+}
+
 /// A store over a connection the app already has works the same.
 #[tokio::test]
 async fn from_connection_uses_the_apps_connection() {
