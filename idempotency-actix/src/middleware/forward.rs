@@ -34,16 +34,35 @@ pub(super) type Item = Result<Bytes, BodyFailed>;
 
 /// The body the client reads: the chunks the task forwards, ending when the task drops its
 /// sender (after the record is stored) or sends [`BodyFailed`] (the connection is aborted).
+///
+/// A body of unknown length ends for the client with its end marker, which comes when the
+/// sender is dropped. A sized body (`Content-Length`) ends for the client at its last byte, so
+/// the chunk that completes it is held until the sender is dropped: either way a client that
+/// has the whole response can retry at once and get the replay, not a 409.
 pub(super) struct Forwarded {
-    pub(super) chunks: mpsc::Receiver<Item>,
+    chunks: mpsc::Receiver<Item>,
     /// The handler body's own size, so a sized stream keeps its `Content-Length`.
-    pub(super) size: BodySize,
+    size: BodySize,
+    /// Bytes of a sized body not yet passed on.
+    left: u64,
+    /// The chunk that completes a sized body, until the task is done.
+    last: Option<Bytes>,
 }
 
 /// A fresh channel: the sender for the task, the body for the response.
 pub(super) fn channel(size: BodySize) -> (mpsc::Sender<Item>, Forwarded) {
     let (sender, chunks) = mpsc::channel(CHANNEL_CHUNKS);
-    (sender, Forwarded { chunks, size })
+    let left = match size {
+        BodySize::Sized(n) => n,
+        BodySize::None | BodySize::Stream => 0,
+    };
+    let body = Forwarded {
+        chunks,
+        size,
+        left,
+        last: None,
+    };
+    (sender, body)
 }
 
 impl MessageBody for Forwarded {
@@ -57,7 +76,30 @@ impl MessageBody for Forwarded {
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Bytes, Self::Error>>> {
-        self.get_mut().chunks.poll_recv(cx)
+        let this = self.get_mut();
+        loop {
+            match this.chunks.poll_recv(cx) {
+                Poll::Ready(Some(Ok(chunk))) if matches!(this.size, BodySize::Sized(_)) => {
+                    let len = u64::try_from(chunk.len()).unwrap_or(u64::MAX);
+                    this.left = this.left.saturating_sub(len);
+                    if this.left > 0 {
+                        return Poll::Ready(Some(Ok(chunk)));
+                    }
+                    // The body's last bytes: held until the task is done (see above). A
+                    // handler that sends more than its size is cut by actix anyway.
+                    match this.last.take() {
+                        Some(held) => {
+                            this.last = Some(chunk);
+                            return Poll::Ready(Some(Ok(held)));
+                        }
+                        None => this.last = Some(chunk),
+                    }
+                }
+                Poll::Ready(Some(item)) => return Poll::Ready(Some(item)),
+                Poll::Ready(None) => return Poll::Ready(this.last.take().map(Ok)),
+                Poll::Pending => return Poll::Pending,
+            }
+        }
     }
 }
 
@@ -93,6 +135,36 @@ mod tests {
             Ok(bytes) => assert_eq!(bytes, Bytes::from_static(b"hello world")),
             Err(e) => panic!("{e}"),
         }
+    }
+
+    #[tokio::test]
+    async fn a_sized_body_gives_its_last_bytes_only_once_the_task_is_done() {
+        let (sender, mut body) = channel(BodySize::Sized(6));
+        assert!(sender.send(Ok(Bytes::from_static(b"abc"))).await.is_ok());
+        match next(&mut body).await {
+            Some(Some(Ok(chunk))) => assert_eq!(chunk, Bytes::from_static(b"abc")),
+            other => panic!("{other:?}"),
+        }
+        assert!(sender.send(Ok(Bytes::from_static(b"def"))).await.is_ok());
+        assert!(
+            next(&mut body).await.is_none(),
+            "the chunk that completes the body waits while the record is being stored"
+        );
+        drop(sender);
+        match next(&mut body).await {
+            Some(Some(Ok(chunk))) => assert_eq!(chunk, Bytes::from_static(b"def")),
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(next(&mut body).await, Some(None)), "then the end");
+    }
+
+    #[tokio::test]
+    async fn a_failed_sized_body_never_gives_its_held_bytes() {
+        let (sender, body) = channel(BodySize::Sized(3));
+        assert!(sender.send(Ok(Bytes::from_static(b"abc"))).await.is_ok());
+        assert!(sender.send(Err(BodyFailed)).await.is_ok());
+        drop(sender);
+        assert!(to_bytes(body).await.is_err());
     }
 
     #[tokio::test]

@@ -43,8 +43,8 @@
 //! the task keeps pulling (without forwarding) until the stream ends, so the record is stored
 //! and the retry replays; once the stream is over the limit (and so will not be stored) and
 //! nobody listens, the task stops and drops it. The end of the body reaches the client only
-//! after the record is stored, so a client that read the whole response and retries at once
-//! gets the replay, never a 409. If the stream fails after its head was sent, the connection
+//! after the record is stored (with a `Content-Length`, the chunk that completes the body), so
+//! a client that read the whole response and retries at once gets the replay, never a 409. If the stream fails after its head was sent, the connection
 //! is aborted (the error text goes to the log only) and the reservation is left to its lease:
 //! the handler ran, so its effects may exist.
 //!
