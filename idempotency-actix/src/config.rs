@@ -267,14 +267,20 @@ impl<S> IdempotencyBuilder<S> {
     /// Take the tenant from a request header (set by your gateway or auth layer, never by the
     /// client itself). Takes a `&str` in any case (`"X-Account-Id"`) or a [`HeaderName`]. A
     /// missing or empty header is no tenant: see [`tenant`](Self::tenant).
+    ///
+    /// A header sent more than once is no tenant either: a gateway that appends its value
+    /// after one the client sent, instead of replacing it, would otherwise let the client
+    /// choose the tenant (the first value is the client's) and replay another tenant's records.
     pub fn tenant_header(mut self, name: impl IntoHeaderName) -> Self {
         let Some(name) = self.header("tenant_header", name) else {
             return self;
         };
         self.tenant(move |req: &ServiceRequest| {
-            req.headers()
-                .get(&name)
-                .map(|value| tenant_from_bytes(value.as_bytes()))
+            let mut values = req.headers().get_all(&name);
+            match (values.next(), values.next()) {
+                (Some(value), None) => Some(tenant_from_bytes(value.as_bytes())),
+                _ => None,
+            }
         })
     }
 

@@ -449,6 +449,34 @@ async fn keyed_requests_without_a_tenant_are_refused() {
     assert_eq!(counter.get(), 1);
 }
 
+/// A gateway that appends its tenant header after one the client sent (instead of replacing
+/// it) leaves two values; the first is the client's. Taking it would let a client pick another
+/// tenant's scope and replay its records (C3), so a repeated tenant header is no tenant.
+#[actix_web::test]
+async fn a_tenant_header_sent_twice_is_no_tenant() {
+    let counter = Counter::default();
+    let app = app_with(&counter, |b| b.tenant_header("X-Tenant")).await;
+    let victim = send(
+        &app,
+        post("/echo", "k")
+            .insert_header(("x-tenant", "victim"))
+            .set_payload("a"),
+    )
+    .await;
+    assert_eq!(victim.status, StatusCode::CREATED);
+    let twice = send(
+        &app,
+        post("/echo", "k")
+            .append_header(("x-tenant", "victim"))
+            .append_header(("x-tenant", "attacker"))
+            .set_payload("a"),
+    )
+    .await;
+    twice.assert_problem(400, "MISSING_TENANT");
+    assert!(!twice.replayed(), "another tenant's record was replayed");
+    assert_eq!(counter.get(), 1);
+}
+
 /// Guards the explicit opt-in of C23: `missing_tenant_uses_global_scope(true)` puts keyed
 /// requests without a tenant into the global scope (a retry replays), apart from every tenant.
 #[actix_web::test]
