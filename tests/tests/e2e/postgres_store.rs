@@ -583,8 +583,9 @@ async fn store_over_an_app_built_pool() {
 }
 
 /// Partitioned layout: purge drops only partitions whose whole range is past, creates the
-/// partitions ahead (moving a long-TTL response out of the default partition), and every live
-/// record still replays afterwards. Expired claims go with the batched DELETE.
+/// partitions ahead except the one whose range the default partition holds a long-TTL
+/// response for (never moved: migration 000008), and every live record still replays
+/// afterwards. Expired claims go with the batched DELETE.
 #[tokio::test]
 async fn partitioned_purge_drops_expired_partitions_and_keeps_live_records() {
     use idempotency_actix::store::postgres::admin;
@@ -650,17 +651,18 @@ async fn partitioned_purge_drops_expired_partitions_and_keeps_live_records() {
             .as_deref(),
         Some("hourly")
     );
-    // Ahead far enough to cover the long TTL: its row moves out of the default partition.
+    // Ahead past the long TTL: hours 4 and 6 get partitions, hour 5 (the long-TTL row's) does
+    // not, and the row stays in the default partition.
     let created = admin::create_partitions(&mut conn, 6, Duration::from_secs(5))
         .await
         .unwrap();
-    assert_eq!(created.len(), 3, "{created:?}");
+    assert_eq!(created.len(), 2, "{created:?}");
     assert_eq!(
         count(
             &db.url,
             "SELECT count(*) AS n FROM idempotency_responses_default"
         ),
-        0
+        1
     );
     // A grace of three hours keeps the old partition (its upper bound is 2 h past)...
     let dropped = admin::drop_partitions(
@@ -682,7 +684,7 @@ async fn partitioned_purge_drops_expired_partitions_and_keeps_live_records() {
         .into_iter()
         .map(|p| p.name)
         .collect();
-    assert_eq!(names.len(), 4 + 3 + 1, "{names:?}");
+    assert_eq!(names.len(), 4 + 2 + 1, "{names:?}");
     for (key, body) in &live {
         match store.reserve(key, &FP, LEASE).await.unwrap() {
             ReserveOutcome::Completed { response, .. } => assert_eq!(&response.body[..], *body),
@@ -695,6 +697,112 @@ async fn partitioned_purge_drops_expired_partitions_and_keeps_live_records() {
         count(&db.url, "SELECT count(*) AS n FROM idempotency_keys"),
         2
     );
+}
+
+/// Completed records expiring in hours 4 to 6 from now (past the current hour + 3 the
+/// migration made ahead), seeded in one statement: they all land in the default partition.
+const SEED_DEFAULT_PARTITION: &str = "\
+    WITH claims AS ( \
+        INSERT INTO idempotency_keys (tenant, method, path, idempotency_key, fingerprint, state, \
+                                      token, response_status, created_at, completed_at, expires_at) \
+        SELECT 't', 'POST', '/seeded', 'seed-' || g, decode(repeat('07', 32), 'hex'), 'completed', \
+               gen_random_uuid(), 200, now(), now(), \
+               date_trunc('hour', now()) + interval '4 hours' + (g % 10800) * interval '1 second' \
+          FROM generate_series(1, 250000) g \
+        RETURNING token, expires_at) \
+    INSERT INTO idempotency_responses (token, expires_at, response_headers, response_body) \
+    SELECT token, expires_at, '\\x'::bytea, convert_to(repeat('x', 100), 'UTF8') FROM claims";
+
+/// Review of issue 15, finding 1: creating the partitions ahead must not stall live traffic
+/// for time proportional to the data. The default partition holds 250,000 rows of the ranges
+/// to create; the create step runs while a live record is replayed over and over, and no
+/// replay may wait longer than one short ATTACH. The rows are never moved: a range the default
+/// partition holds rows for gets no partition of its own, and every live record (one in a
+/// range partition, one in the default partition) still replays afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partitioned_create_step_never_stalls_replays() {
+    use idempotency_actix::store::postgres::admin;
+    use idempotency_e2e::records::{count, execute};
+
+    let db = TestDb::new_partitioned(PartitionInterval::Hourly).await;
+    let store = PostgresStore::connect(&db.url).await.unwrap();
+    let mut live = Vec::new();
+    for (name, ttl, body) in [
+        ("in-range", Duration::from_secs(1800), &b"short"[..]),
+        (
+            "in-default",
+            Duration::from_secs(5 * 3600 + 600),
+            &b"long"[..],
+        ),
+    ] {
+        let key = scope(name);
+        let ReserveOutcome::Reserved { token } = store.reserve(&key, &FP, LEASE).await.unwrap()
+        else {
+            panic!("reserve {name}");
+        };
+        store
+            .complete(&key, &token, &ok_response(body), ttl)
+            .await
+            .unwrap();
+        live.push((key, body));
+    }
+    execute(&db.url, SEED_DEFAULT_PARTITION);
+    let in_default = "SELECT count(*) AS n FROM idempotency_responses_default";
+    assert_eq!(count(&db.url, in_default), 250_001);
+    // Statistics, so the default partition's size is what the planner sees (as after autovacuum).
+    execute(&db.url, "ANALYZE idempotency_responses");
+
+    // Hours 4 to 8 ahead are missing; 4 to 6 hold rows in the default partition.
+    let url = db.url.clone();
+    let create = tokio::spawn(async move {
+        let mut conn = postgres::establish(&url).await.unwrap();
+        let started = Instant::now();
+        let created = admin::create_partitions(&mut conn, 8, Duration::from_secs(10)).await;
+        (created, started.elapsed())
+    });
+    let (replay_key, replay_body) = &live[0];
+    let mut worst = Duration::ZERO;
+    let mut replays = 0;
+    while !create.is_finished() {
+        let started = Instant::now();
+        match store.reserve(replay_key, &FP, LEASE).await.unwrap() {
+            ReserveOutcome::Completed { response, .. } => {
+                assert_eq!(&response.body[..], *replay_body)
+            }
+            other => panic!("live record not replayed during the create step: {other:?}"),
+        }
+        worst = worst.max(started.elapsed());
+        replays += 1;
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let (created, took) = create.await.unwrap();
+    let created = created.unwrap();
+    eprintln!(
+        "create step: {took:?}, created {created:?}; {replays} replays, the slowest {worst:?}"
+    );
+    assert!(
+        replays > 0,
+        "no replay ran during the create step ({took:?})"
+    );
+    assert!(
+        worst < Duration::from_millis(300),
+        "a replay waited {worst:?} for the create step ({took:?})"
+    );
+    // Only the ranges the default partition held no rows for: hours 7 and 8.
+    assert_eq!(created.len(), 2, "{created:?}");
+    assert_eq!(count(&db.url, in_default), 250_001, "rows moved");
+    for (key, body) in &live {
+        match store.reserve(key, &FP, LEASE).await.unwrap() {
+            ReserveOutcome::Completed { response, .. } => assert_eq!(&response.body[..], *body),
+            other => panic!("live record {} lost: {other:?}", key.key),
+        }
+    }
+    // A second run finds nothing to create (hours 4 to 6 still hold rows in the default).
+    let mut conn = postgres::establish(&db.url).await.unwrap();
+    let again = admin::create_partitions(&mut conn, 8, Duration::from_secs(10))
+        .await
+        .unwrap();
+    assert!(again.is_empty(), "{again:?}");
 }
 
 /// The advisory-lock key (migration 000006): the planner inlines it (a generic plan shows

@@ -353,15 +353,41 @@ pub async fn partitions(conn: &mut AsyncPgConnection) -> QueryResult<Vec<Partiti
 }
 
 /// Create the partitions of the current interval and the next `ahead` intervals that are
-/// missing (moving rows of their range out of the default partition). Waits at most
-/// `lock_timeout` for its lock on `idempotency_responses`, then fails having changed nothing.
+/// missing, except those whose range the default partition already holds rows for (they stay
+/// there; nothing is moved: migration 000008). Each partition is attached in its own
+/// transaction, which holds `ACCESS EXCLUSIVE` on the default partition for the one scan
+/// `ATTACH PARTITION` makes of it; each waits at most `lock_timeout` for its locks. On an
+/// error the partitions attached before it stay, and the next run carries on.
+///
+/// Call it outside a transaction (autocommit), or the locks add up until the caller commits.
 pub async fn create_partitions(
     conn: &mut AsyncPgConnection,
     ahead: u32,
     lock_timeout: Duration,
 ) -> QueryResult<Vec<String>> {
+    let mut created = Vec::new();
+    create_partitions_into(conn, ahead, lock_timeout, &mut created).await?;
+    Ok(created)
+}
+
+/// As [`create_partitions`], pushing each name onto `created` as soon as its partition is
+/// committed, so a caller that gets an error still knows which partitions were made.
+pub async fn create_partitions_into(
+    conn: &mut AsyncPgConnection,
+    ahead: u32,
+    lock_timeout: Duration,
+    created: &mut Vec<String>,
+) -> QueryResult<()> {
     let ahead = i32::try_from(ahead).unwrap_or(i32::MAX);
-    sql::create_partitions(conn, ahead, lock_timeout_ms(lock_timeout)).await
+    let lock_timeout_ms = lock_timeout_ms(lock_timeout);
+    // The function creates every missing partition up to `k` intervals ahead in one
+    // transaction; asking for one more interval per call makes each call (almost always) one
+    // ATTACH, so the default partition's lock is released between partitions instead of
+    // being held across all of them.
+    for k in 0..=ahead {
+        created.extend(sql::create_partitions(conn, k, lock_timeout_ms).await?);
+    }
+    Ok(())
 }
 
 /// Drop the range partitions whose upper bound is at least `grace` in the past (every row in
