@@ -241,13 +241,25 @@ pub struct PurgeArgs {
     #[arg(long, value_name = "TENANT")]
     pub tenant: Option<String>,
 
-    /// Partitioned layout: partitions to keep created ahead of the current one.
-    #[arg(long, value_name = "N", default_value_t = 3,
-          value_parser = clap::value_parser!(u32).range(1..=1000))]
-    pub partitions_ahead: u32,
+    /// Partitioned layout: keep partitions created until their ranges cover now + this (e.g.
+    /// 36h, 3d). Keep it above the longest response TTL plus the time purge may miss runs:
+    /// a response expiring past it goes to the default partition (see docs/operations.md).
+    #[arg(
+        long,
+        value_name = "DURATION",
+        default_value = "36h",
+        conflicts_with = "partitions_ahead"
+    )]
+    pub horizon: HumanDuration,
 
-    /// Partitioned layout: the longest wait for the lock on idempotency_responses that
-    /// creating or dropping a partition takes (live traffic queued behind it waits as long).
+    /// Partitioned layout: instead of --horizon, exactly this many intervals ahead of the
+    /// current one.
+    #[arg(long, value_name = "N",
+          value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub partitions_ahead: Option<u32>,
+
+    /// Partitioned layout: the longest wait for each lock that dropping or creating a
+    /// partition takes (live traffic queued behind it waits as long).
     #[arg(long, value_name = "DURATION", default_value = "1s")]
     pub lock_timeout: HumanDuration,
 }

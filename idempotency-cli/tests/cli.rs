@@ -189,6 +189,7 @@ async fn migrate_twice_and_check_gates_deploys() {
          applied 2026-12-01-000005_partitioned_layout\n\
          applied 2026-12-02-000006_inlinable_lock_key\n\
          applied 2026-12-02-000007_partitioned_generic_plans\n\
+         applied 2026-12-03-000008_partition_create_without_moving\n\
          layout: plain\n"
     );
 
@@ -1170,6 +1171,69 @@ fn sslmode_require_with_a_question_mark_in_the_password_never_falls_back() {
     assert_no_secret(&out, "sslmode=require without TLS");
     let out = idem(&format!("{base}?sslmode=disable"), &["stats"]);
     expect_code(&out, NOT_PROVISIONED);
+}
+
+/// Review of issue 15, finding 2: a drop step that fails (its lock timeout, while a reader
+/// holds the past partition) does not skip the create step, or the partitions ahead would run
+/// out. And without `--partitions-ahead`, the partitions ahead cover the default `--horizon`
+/// (36 h: the default 24 h TTL plus margin), so a 24 h response never lands in the default
+/// partition.
+#[tokio::test]
+async fn partitioned_purge_creates_ahead_even_when_the_drop_fails() {
+    let db = TestDb::new_unmigrated().await;
+    let out = idem(
+        &db.url,
+        &["migrate", "--partitioned", "--interval", "hourly"],
+    );
+    expect_code(&out, 0);
+    let mut conn = connect(&db).await;
+    conn.batch_execute(
+        "CREATE TABLE idempotency_responses_past PARTITION OF idempotency_responses \
+         FOR VALUES FROM (date_trunc('hour', now()) - interval '5 hours') \
+         TO (date_trunc('hour', now()) - interval '4 hours')",
+    )
+    .await
+    .unwrap();
+    // The partition that holds the instant now + 36 h (exactly one once it is created).
+    let covering = "SELECT count(*) AS n FROM idempotency_partitions() \
+                    WHERE NOT is_default AND lower_bound <= now() + interval '36 hours' \
+                    AND upper_bound > now() + interval '36 hours'";
+    assert_eq!(records::count(&db.url, covering), 0);
+
+    // A reader of the past partition, in an open transaction: DROP TABLE waits for it.
+    let mut reader = connect(&db).await;
+    reader
+        .batch_execute("BEGIN; LOCK TABLE idempotency_responses_past IN ACCESS SHARE MODE")
+        .await
+        .unwrap();
+    let out = idem(&db.url, &["purge", "--lock-timeout", "200ms"]);
+    expect_code(&out, 1);
+    assert!(
+        stderr(&out).contains("dropping past partitions"),
+        "{}",
+        stderr(&out)
+    );
+    assert!(
+        stderr(&out).contains("idempotency_responses_p"),
+        "the created partitions are reported: {}",
+        stderr(&out)
+    );
+    assert_eq!(records::count(&db.url, covering), 1, "create step skipped");
+
+    reader.batch_execute("ROLLBACK").await.unwrap();
+    let out = idem(&db.url, &["--format", "json", "purge"]);
+    expect_code(&out, 0);
+    let purge = json_one(&out);
+    assert_eq!(
+        purge["partitions_dropped"],
+        serde_json::json!(["idempotency_responses_past"])
+    );
+
+    let out = idem(
+        &db.url,
+        &["purge", "--horizon", "2h", "--partitions-ahead", "2"],
+    );
+    expect_code(&out, USAGE);
 }
 
 /// Issue 15: `migrate --partitioned` provisions the partitioned layout, `migrate --check` and

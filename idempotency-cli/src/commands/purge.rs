@@ -13,12 +13,18 @@
 //!   so a killed purge never leaves it behind.
 //! - Partitioned layout (migration 000005): the claims are deleted exactly as above; then the
 //!   response partitions whose whole range is past `--older-than` are dropped, the expired rows
-//!   of the default partition (long TTLs) are deleted in batches, and the partitions of the
-//!   next `--partitions-ahead` intervals are created. Dropping and creating take an ACCESS
-//!   EXCLUSIVE lock on `idempotency_responses` for milliseconds, waiting at most
-//!   `--lock-timeout` for it (traffic queued behind the waiting lock waits as long); on a
-//!   timeout the step fails, changes nothing, and the next run tries again. With `--tenant`
-//!   the partition steps are skipped (a partition holds every tenant's responses).
+//!   of the default partition are deleted in batches, and the partitions ahead are created,
+//!   until they cover now + `--horizon` (default 36 h: the default 24 h TTL plus 12 h of missed
+//!   runs) or exactly `--partitions-ahead` intervals. Dropping takes ACCESS EXCLUSIVE on
+//!   `idempotency_responses` for milliseconds; creating (migration 000008) never moves a row
+//!   and takes ACCESS EXCLUSIVE on the default partition only, one partition at a time, for
+//!   the scan `ATTACH PARTITION` makes of it (short while the default partition is small,
+//!   which the horizon keeps it). Each waits at most `--lock-timeout` for its lock (traffic
+//!   queued behind the waiting lock waits as long); on a timeout the step fails, changes
+//!   nothing, and the next run tries again. The steps are independent: one failing does not
+//!   skip the others (a failed drop must not leave the partitions ahead to run out), and the
+//!   run then exits with the first failure. With `--tenant` the partition steps are skipped (a
+//!   partition holds every tenant's responses).
 
 use std::io::{IsTerminal, Write};
 use std::time::{Duration, Instant};
@@ -132,39 +138,92 @@ pub async fn run(
     }
     progress.clear();
     let layout = sql!(conn, admin::partition_interval(conn));
-    if layout.is_some() && args.tenant.is_none() {
-        summary.partitions = Some(partition_work(conn, args).await?);
+    if let (Some(interval), None) = (layout.as_deref(), &args.tenant) {
+        let ahead = partitions_ahead(args, interval)?;
+        let (work, failed) = partition_work(conn, args, ahead).await;
+        if let Some(err) = failed {
+            // The steps that ran are done (each committed on its own): say what they did.
+            return Err(err.context(&format!(
+                "purge deleted {} records; partitions dropped [{}], created [{}]; default \
+                 partition: {} expired rows deleted; then a partition step failed",
+                summary.total(),
+                work.dropped.join(", "),
+                work.created.join(", "),
+                work.default_rows_deleted
+            )));
+        }
+        summary.partitions = Some(work);
     }
     // Unlock explicitly so the next cron run never has to wait for the disconnect to be noticed.
     let _: bool = sql!(conn, admin::unlock_purge(conn));
     report(out, format, args, &summary, started.elapsed(), false)
 }
 
-/// The partitioned layout's steps, under the purge lock (see the module docs).
+/// How many intervals ahead of the current one to create: `--partitions-ahead` as given, or
+/// enough for the last partition to cover now + `--horizon` (the current interval's partition
+/// starts at most one interval before now, so `ceil(horizon / interval)` more reach past it).
+fn partitions_ahead(args: &PurgeArgs, interval: &str) -> Result<u32, CliError> {
+    if let Some(n) = args.partitions_ahead {
+        return Ok(n);
+    }
+    let step_ms: u128 = if interval == "hourly" {
+        3_600_000
+    } else {
+        86_400_000
+    };
+    let ahead = args.horizon.0.as_millis().div_ceil(step_ms);
+    match u32::try_from(ahead) {
+        Ok(n) if n <= MAX_AHEAD => Ok(n),
+        _ => Err(CliError::Usage(format!(
+            "--horizon {} needs {ahead} {interval} partitions ahead; at most {MAX_AHEAD}",
+            args.horizon
+        ))),
+    }
+}
+
+/// The most partitions a purge keeps ahead (the bound of `--partitions-ahead`).
+const MAX_AHEAD: u32 = 1000;
+
+/// The partitioned layout's steps, under the purge lock (see the module docs). Every step runs
+/// even when an earlier one failed; the first failure is returned with what was done.
 async fn partition_work(
     conn: &mut AsyncPgConnection,
     args: &PurgeArgs,
-) -> Result<PartitionWork, CliError> {
+    ahead: u32,
+) -> (PartitionWork, Option<CliError>) {
     let lock_timeout = args.lock_timeout.0;
-    let mut work = PartitionWork {
-        dropped: sql!(
-            conn,
-            admin::drop_partitions(conn, args.older_than.0, lock_timeout)
-        ),
-        ..PartitionWork::default()
-    };
-    loop {
-        let deleted = sql!(conn, admin::purge_default_partition(conn, args.batch_size));
-        work.default_rows_deleted += deleted;
-        if deleted < u64::from(args.batch_size) {
-            break;
+    let mut work = PartitionWork::default();
+    let mut failed = None;
+    match admin::drop_partitions(conn, args.older_than.0, lock_timeout).await {
+        Ok(dropped) => work.dropped = dropped,
+        Err(err) => {
+            let err = crate::db::classify(conn, err).await;
+            failed = Some(err.context("dropping past partitions"));
         }
     }
-    work.created = sql!(
-        conn,
-        admin::create_partitions(conn, args.partitions_ahead, lock_timeout)
-    );
-    Ok(work)
+    loop {
+        match admin::purge_default_partition(conn, args.batch_size).await {
+            Ok(deleted) => {
+                work.default_rows_deleted += deleted;
+                if deleted < u64::from(args.batch_size) {
+                    break;
+                }
+            }
+            Err(err) => {
+                let err = crate::db::classify(conn, err).await;
+                failed.get_or_insert(err.context("purging the default partition"));
+                break;
+            }
+        }
+    }
+    // Into `work.created` as they are made: on a failure part-way the ones made are reported.
+    if let Err(err) =
+        admin::create_partitions_into(conn, ahead, lock_timeout, &mut work.created).await
+    {
+        let err = crate::db::classify(conn, err).await;
+        failed.get_or_insert(err.context("creating partitions ahead"));
+    }
+    (work, failed)
 }
 
 fn report(
