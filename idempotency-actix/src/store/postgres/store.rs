@@ -125,6 +125,10 @@ impl PostgresStore {
     /// locked by a concurrent purge or request are skipped, not waited for, so overlapping
     /// runs never block each other. Call it until it returns less than `limit`.
     ///
+    /// On the partitioned layout this deletes expired claims only, as
+    /// [`purge_expired`](IdempotencyStore::purge_expired) does: see there why `idem-cli purge`
+    /// is then required.
+    ///
     /// # Errors
     /// As `reserve`.
     pub async fn purge_batch(&self, grace: Duration, limit: u32) -> Result<u64, StoreError> {
@@ -368,6 +372,17 @@ impl IdempotencyStore for PostgresStore {
         .await
     }
 
+    /// Deletes expired records in batches of the builder's `purge_batch` size.
+    ///
+    /// **Partitioned layout: the claims only.** It never drops or creates the partitions of
+    /// `idempotency_responses` nor purges its default partition, so there `idem-cli purge`
+    /// (cron, as the role that ran the migrations) is required: without it the responses are
+    /// never deleted, and once the partitions ahead run out every response lands in the
+    /// default partition. Deliberately not done here: partition maintenance is DDL that needs
+    /// ownership of the response table, which a payments application's role should not have,
+    /// and its locks belong to one scheduled job serialised by purge's advisory lock rather
+    /// than to every application instance (docs/operations.md, "Choosing the partitioned
+    /// layout").
     async fn purge_expired(&self, grace: Duration) -> Result<u64, StoreError> {
         let mut total = 0;
         loop {
