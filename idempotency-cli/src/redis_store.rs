@@ -19,7 +19,8 @@ use idempotency_actix::store::postgres::admin::{Detail, Record, State, Time};
 use idempotency_actix::store::redis::redis::aio::{ConnectionLike, MultiplexedConnection};
 use idempotency_actix::store::redis::redis::{self, RedisError};
 use idempotency_actix::store::redis::{
-    cluster_enabled, encode_key_part, parse_record_key, record, KeyScan, DEFAULT_PREFIX,
+    cluster_enabled, encode_key_part, parse_record_key, record, validate_key_prefix, KeyScan,
+    DEFAULT_PREFIX,
 };
 use idempotency_actix::store::Scope;
 use serde_json::json;
@@ -49,6 +50,8 @@ pub async fn run(
     out: &mut Out,
 ) -> Result<(), CliError> {
     let prefix = prefix.unwrap_or(DEFAULT_PREFIX);
+    // The store's own rule, so idem-cli never reads or releases another prefix's records.
+    validate_key_prefix(prefix).map_err(|e| CliError::Usage(e.to_string()))?;
     match command {
         Command::Migrate(_) => {
             return summary(

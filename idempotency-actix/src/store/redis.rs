@@ -9,7 +9,8 @@
 //! One Redis string per record, at the key
 //! `<prefix><tenant>:<method>:<path>:<key>` (default prefix `idem:`), each part
 //! percent-encoded ([`record_key`]): every byte outside `A-Z a-z 0-9 - . _ ~ /` becomes `%XX`,
-//! so `:` only ever separates parts (no two scopes share a key), and no key holds `{`/`}`
+//! so `:` only ever separates parts (no two scopes share a key; and as every prefix ends with
+//! `:`, no two stores either, [`validate_key_prefix`]), and no key holds `{`/`}`
 //! (Redis Cluster hash tags: a record is one key, so one slot) or a glob character (`*?[]\`,
 //! so the CLI's `SCAN MATCH` patterns are exact). The request path never scans.
 //!
@@ -175,9 +176,10 @@ impl Default for RedisStoreBuilder {
 }
 
 impl RedisStoreBuilder {
-    /// Prefix of every record key (default `idem:`). Non-empty, printable ASCII, and without
-    /// `{`, `}`, `*`, `?`, `[`, `]` or `\` (checked when the store is built), so keys stay
-    /// Cluster- and SCAN-safe. Give each app its own prefix when several share a server.
+    /// Prefix of every record key (default `idem:`). Non-empty, printable ASCII, without
+    /// `{`, `}`, `*`, `?`, `[`, `]` or `\` (so keys stay Cluster- and SCAN-safe), and ending
+    /// with `:` (so no two prefixes share a key, [`validate_key_prefix`]); checked when the store
+    /// is built. Give each app its own prefix when several share a server.
     pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
         self.prefix = prefix.into();
         self
@@ -260,7 +262,7 @@ impl RedisStoreBuilder {
     /// [`StoreError::Backend`] for a bad URL or prefix (or a refused eviction policy);
     /// [`StoreError::Unavailable`] when the server cannot be reached in time.
     pub async fn connect(self, url: &str) -> Result<RedisStore, StoreError> {
-        validate_prefix(&self.prefix)?;
+        validate_key_prefix(&self.prefix)?;
         let client = redis::Client::open(url).map_err(invalid_url)?;
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(self.connection_timeout)
@@ -308,7 +310,7 @@ impl RedisStoreBuilder {
         self,
         urls: &[&str],
     ) -> Result<RedisStore<redis::cluster_async::ClusterConnection>, StoreError> {
-        validate_prefix(&self.prefix)?;
+        validate_key_prefix(&self.prefix)?;
         let client = redis::cluster::ClusterClientBuilder::new(urls.iter().copied())
             .connection_timeout(self.connection_timeout)
             .response_timeout(self.connection_response_timeout())
@@ -349,7 +351,7 @@ impl RedisStoreBuilder {
     where
         C: ConnectionLike + Clone + Send + Sync + 'static,
     {
-        validate_prefix(&self.prefix)?;
+        validate_key_prefix(&self.prefix)?;
         let Some(first) = conns.first() else {
             return Err(StoreError::Backend(
                 "no Redis connection to build on".into(),
@@ -748,16 +750,44 @@ async fn refuse_cluster_node(
     Ok(())
 }
 
-fn validate_prefix(prefix: &str) -> Result<(), StoreError> {
-    let bad = prefix.is_empty()
-        || prefix
-            .bytes()
-            .any(|b| !b.is_ascii_graphic() || b"{}*?[]\\".contains(&b));
-    if bad {
+/// Check a key prefix as [`RedisStoreBuilder`] does before it connects (idem-cli checks its
+/// `--redis-prefix` with it too): printable ASCII without `{`, `}` (Cluster hash tags), `*`,
+/// `?`, `[`, `]`, `\` (glob characters of `SCAN MATCH`), ending with `:`.
+///
+/// # Why the trailing `:`
+/// It makes every key belong to one store. The encoded parts never hold a raw `:`
+/// ([`record_key`] encodes it), so a record key is its prefix followed by exactly three `:`.
+/// Take keys `P1 + E1` and `P2 + E2` of two different prefixes that both end with `:`, `P1`
+/// the shorter (or as long):
+/// - if `P1` is not a prefix of `P2`, the keys differ within `P1`;
+/// - if it is, `P2 = P1 + X` with `X` non-empty and ending with `:`, so after `P1` the second
+///   key holds `X`'s colons (at least one) and `E2`'s three: four or more, where the first
+///   key holds three. They differ, and the second is not a record key under `P1`
+///   ([`parse_record_key`] refuses it), so a `SCAN` of `P1*` can tell it from its own.
+///
+/// Without the colon, `idem:a` + tenant `b` and `idem:` + tenant `ab` were one key, and a
+/// purge by `idem:` took `idem:x:...` keys for its own.
+///
+/// # Errors
+/// [`StoreError::Backend`] naming what is wrong.
+pub fn validate_key_prefix(prefix: &str) -> Result<(), StoreError> {
+    let unsafe_byte = prefix
+        .bytes()
+        .any(|b| !b.is_ascii_graphic() || b"{}*?[]\\".contains(&b));
+    if prefix.is_empty() || unsafe_byte {
         return Err(StoreError::Backend(
             format!(
                 "invalid Redis key prefix {prefix:?}: it must be non-empty printable ASCII \
-                 without {{ }} * ? [ ] \\"
+                 without {{ }} * ? [ ] \\, ending with `:`"
+            )
+            .into(),
+        ));
+    }
+    if !prefix.ends_with(':') {
+        return Err(StoreError::Backend(
+            format!(
+                "invalid Redis key prefix {prefix:?}: it must end with `:` (e.g. \"{prefix}:\"), \
+                 or its keys could be another prefix's"
             )
             .into(),
         ));
@@ -1117,9 +1147,10 @@ where
     /// reservations at lease end plus the store's [grace](RedisStoreBuilder::in_flight_grace).
     /// So with a `grace` at least as long as the store's this is `Ok(0)` without a command.
     /// A shorter `grace` (an operator clearing dead reservations sooner) is honoured with a
-    /// `SCAN` of the prefix and a fenced delete per ended reservation; this is never on the
-    /// request path. On Redis Cluster (a cluster connection, feature `redis-cluster`) it
-    /// scans every primary ([`KeyScan`]).
+    /// `SCAN` of the prefix and a fenced delete per ended reservation of this store (a key that
+    /// is not one of its record keys, e.g. another store's under a longer prefix, is left
+    /// alone); this is never on the request path. On Redis Cluster (a cluster connection,
+    /// feature `redis-cluster`) it scans every primary ([`KeyScan`]).
     async fn purge_expired(&self, grace: Duration) -> Result<u64, StoreError> {
         let grace_us = micros(grace);
         if grace_us >= self.inner.grace_us {
@@ -1129,10 +1160,16 @@ where
         let mut scan = KeyScan::new(format!("{}*", self.inner.prefix));
         let mut deleted = 0u64;
         while let Some(keys) = self.timed(scan.next_batch(&mut conn)).await? {
+            // `<prefix>*` also matches the keys of a store whose prefix starts with ours
+            // (`idem:x:` under `idem:`): not ours to purge with our grace. Such a key has more
+            // parts after our prefix than a record key, so it does not parse.
+            let ours = keys
+                .iter()
+                .filter(|key| parse_record_key(&self.inner.prefix, key).is_some());
             // One call per key, all in flight at once: on one server they share the
             // multiplexed connection's pipeline; on a cluster each goes to its key's node (a
             // pipeline spanning slots would be refused there).
-            let calls = keys.iter().map(|key| {
+            let calls = ours.map(|key| {
                 let mut conn = conn.clone();
                 async move {
                     let mut call = self.inner.purge.key(key.as_slice());
@@ -1150,7 +1187,111 @@ where
 
 #[cfg(test)]
 mod tests {
-    use super::too_old;
+    use super::{parse_record_key, record_key, too_old, validate_key_prefix, Scope};
+    use crate::store::StoreError;
+    use proptest::prelude::*;
+
+    fn scope(tenant: &str, method: &str, path: &str, key: &str) -> Scope {
+        Scope {
+            tenant: tenant.into(),
+            method: method.into(),
+            path: path.into(),
+            key: key.into(),
+        }
+    }
+
+    /// A prefix must end with `:`; one that does not could write another prefix's keys
+    /// (`idem:a` + tenant `b` is `idem:` + tenant `ab`).
+    #[test]
+    fn a_prefix_without_a_trailing_colon_is_refused() {
+        for bad in ["idem", "idem:a", "app-", "idem:x:y", "a"] {
+            match validate_key_prefix(bad) {
+                Err(StoreError::Backend(e)) => {
+                    assert!(e.to_string().contains("end with `:`"), "{bad:?}: {e}")
+                }
+                other => panic!("prefix {bad:?} must be refused, got {other:?}"),
+            }
+        }
+        for unsafe_ in ["", "{app}:", "app*:", "a b:", "é:"] {
+            assert!(validate_key_prefix(unsafe_).is_err(), "{unsafe_:?}");
+        }
+        for good in ["idem:", "idem:a:", "payments:idem:", ":", "shop-a:"] {
+            assert!(validate_key_prefix(good).is_ok(), "{good:?}");
+        }
+    }
+
+    /// Crafted near-misses: scopes whose keys would touch under prefixes that nest or share a
+    /// stem. Every valid (prefix, scope) pair has a key of its own, and only its own prefix
+    /// parses it back.
+    #[test]
+    fn prefixes_ending_in_a_colon_never_share_a_key() {
+        let pairs = [
+            ("idem:", scope("ab", "POST", "/p", "k")),
+            ("idem:a:", scope("b", "POST", "/p", "k")),
+            ("idem:", scope("a:b", "POST", "/p", "k")),
+            ("idem:", scope("a", "b:POST", "/p", "k")),
+            ("idem:a:", scope("", "b", "POST", "/p:k")),
+            ("idem:", scope("x", "POST", "/p", "k")),
+            ("idem:x:", scope("POST", "/p", "k", "")),
+            ("idem:x:", scope("x", "POST", "/p", "k")),
+            ("idem:x:POST:", scope("/p", "k", "", "")),
+            (":", scope("idem", "x", "POST", "/p:k")),
+        ];
+        let prefixes: Vec<&str> = pairs.iter().map(|(p, _)| *p).collect();
+        let mut seen = std::collections::HashMap::new();
+        for (prefix, s) in &pairs {
+            assert!(validate_key_prefix(prefix).is_ok(), "{prefix:?}");
+            let key = record_key(prefix, s);
+            if let Some(earlier) = seen.insert(key.clone(), (prefix, s)) {
+                panic!("{key:?} is both {earlier:?} and {:?}", (prefix, s));
+            }
+            for other in &prefixes {
+                let parsed = parse_record_key(other, key.as_bytes());
+                if other == prefix {
+                    assert_eq!(parsed.as_ref(), Some(s), "{key:?}");
+                } else {
+                    assert_eq!(parsed, None, "{key:?} parsed under {other:?}");
+                }
+            }
+        }
+        // The collision a prefix without the colon allowed, for the record.
+        assert_eq!(
+            record_key("idem:", &scope("ab", "POST", "/p", "k")),
+            record_key("idem:a", &scope("b", "POST", "/p", "k"))
+        );
+    }
+
+    /// A valid prefix: printable segments without `:` or a glob or hash-tag character, each
+    /// followed by `:`.
+    fn prefix() -> impl Strategy<Value = String> {
+        proptest::collection::vec("[a-z0-9%._-]{0,4}", 1..4)
+            .prop_map(|segments| segments.iter().map(|s| format!("{s}:")).collect::<String>())
+    }
+
+    fn any_scope() -> impl Strategy<Value = Scope> {
+        let part = || "[a:b%x/ ]{0,4}";
+        (part(), part(), part(), part()).prop_map(|(t, m, p, k)| scope(&t, &m, &p, &k))
+    }
+
+    proptest! {
+        /// Two different (prefix, scope) pairs never share a key, and a key parses only under
+        /// its own prefix. Half the cases nest one prefix in the other (`p1` + more), the case
+        /// a purge's `SCAN <p1>*` meets.
+        #[test]
+        fn no_two_prefixed_scopes_share_a_key(
+            (p1, s1) in (prefix(), any_scope()),
+            (p2, s2, nested) in (prefix(), any_scope(), any::<bool>()),
+        ) {
+            let p2 = if nested { format!("{p1}{p2}") } else { p2 };
+            prop_assert!(validate_key_prefix(&p1).is_ok() && validate_key_prefix(&p2).is_ok());
+            let (k1, k2) = (record_key(&p1, &s1), record_key(&p2, &s2));
+            prop_assert_eq!(k1 == k2, (&p1, &s1) == (&p2, &s2));
+            if p1 != p2 {
+                prop_assert_eq!(parse_record_key(&p2, k1.as_bytes()), None);
+                prop_assert_eq!(parse_record_key(&p1, k2.as_bytes()), None);
+            }
+        }
+    }
 
     #[test]
     fn servers_older_than_7_0_are_named() {

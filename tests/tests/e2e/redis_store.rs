@@ -17,6 +17,7 @@ use idempotency_e2e::redis_server::{command_calls, RedisServer};
 
 const FP_A: Fingerprint = Fingerprint([0xAA; 32]);
 const FP_B: Fingerprint = Fingerprint([0xBB; 32]);
+const FP_Z: Fingerprint = Fingerprint([0xEE; 32]);
 const LEASE: Duration = Duration::from_secs(60);
 const TTL: Duration = Duration::from_secs(3600);
 
@@ -296,11 +297,13 @@ fn record_keys_are_cluster_and_scan_safe_and_reversible() {
     assert_eq!(parse_record_key("idem:", b"idem:a:b:c:d:e"), None);
 }
 
-/// A prefix that would break Cluster slots or SCAN patterns is refused.
+/// A prefix that would break Cluster slots or SCAN patterns is refused, and so is one that
+/// does not end with `:` (`idem:a` with tenant `b` would write where `idem:` with tenant `ab`
+/// does).
 #[tokio::test]
 async fn unsafe_prefix_is_refused() {
     let redis = RedisServer::start();
-    for prefix in ["", "{app}:", "app*", "a b"] {
+    for prefix in ["", "{app}:", "app*:", "a b:", "idem", "idem:a", "app-"] {
         let result = RedisStore::builder()
             .key_prefix(prefix)
             .connect(&redis.url())
@@ -310,6 +313,71 @@ async fn unsafe_prefix_is_refused() {
             "prefix {prefix:?}"
         );
     }
+}
+
+/// Two apps on one server, one prefix inside the other's (`idem:` and `idem:x:`): neither sees
+/// the other's records, and a purge by either (the outer's `SCAN idem:*` also finds
+/// `idem:x:...`, the inner's `SCAN idem:x:*` finds the outer's tenant `x`) deletes only its own
+/// ended reservations. Failed before the purge skipped keys that are not its own records: the
+/// outer store deleted the inner one's ended reservations with its own grace.
+#[tokio::test]
+async fn stores_under_nested_prefixes_keep_to_their_own_records() {
+    let redis = RedisServer::start();
+    let connect = |prefix: &'static str| {
+        let url = redis.url();
+        async move {
+            RedisStore::builder()
+                .key_prefix(prefix)
+                .connect(&url)
+                .await
+                .unwrap_or_else(|e| panic!("connect with prefix {prefix:?}: {e}"))
+        }
+    };
+    let (outer, inner) = (connect("idem:").await, connect("idem:x:").await);
+    // The outer store's tenant `x` comes closest to the inner store's keys.
+    let (s, x) = (scope("t", "k"), scope("x", "k"));
+    let short = Duration::from_millis(100);
+    for one in [&s, &x] {
+        reserved(&inner, one, &FP_B, short).await;
+        // Reserved: nothing of the inner store's is at the outer store's key.
+        reserved(&outer, one, &FP_A, short).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    // Each store finds its own ended reservations, never the other's.
+    for (store, mine, name) in [(&outer, FP_A, "idem:"), (&inner, FP_B, "idem:x:")] {
+        for one in [&s, &x] {
+            match store.reserve(one, &FP_Z, LEASE).await {
+                Ok(ReserveOutcome::InFlight { fingerprint, .. }) => {
+                    assert_eq!(fingerprint, mine, "{name} {one:?}")
+                }
+                other => panic!("{name} {one:?}: expected its own reservation, got {other:?}"),
+            }
+        }
+    }
+
+    let mut conn = redis_conn(&redis).await;
+    assert_eq!(
+        outer.purge_expired(Duration::ZERO).await.ok(),
+        Some(2),
+        "the outer store's own ended reservations only"
+    );
+    for one in [&s, &x] {
+        let key = inner.key_of(one);
+        assert!(
+            key_exists(&mut conn, &key).await,
+            "the outer purge deleted {key}"
+        );
+    }
+    // And the other way round: an ended reservation of the outer store's tenant `x`.
+    reserved(&outer, &x, &FP_A, short).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(inner.purge_expired(Duration::ZERO).await.ok(), Some(2));
+    let key = outer.key_of(&x);
+    assert!(
+        key_exists(&mut conn, &key).await,
+        "the inner purge deleted {key}"
+    );
 }
 
 /// C26: reserve and a replay are one native `SET` each, complete and release one EVALSHA each

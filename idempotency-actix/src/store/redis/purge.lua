@@ -2,7 +2,7 @@
 -- `purge_expired` with a grace shorter than the store's own; Redis expires everything else).
 -- Record bytes: record.rs (1-based here: state 1, grace 102..117). The lease ended when the
 -- key's remaining life fell to its grace, so it ended (grace - PTTL) ago.
--- KEYS[1] a key under the store's prefix. Returns 1 (deleted) or 0.
+-- KEYS[1] one of the store's record keys (parsed under its prefix). Returns 1 (deleted) or 0.
 if redis.call('TYPE', KEYS[1])['ok'] ~= 'string' then
   return 0
 end
