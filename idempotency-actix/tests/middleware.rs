@@ -1085,6 +1085,10 @@ async fn escapes_the_router_keeps_are_one_scope_whatever_their_case() {
         }
     }
     // Different names stay different records.
-    let other = send(&app, post("/items/a%2Fc", "k-/items/a%2Fb").set_payload("x")).await;
+    let other = send(
+        &app,
+        post("/items/a%2Fc", "k-/items/a%2Fb").set_payload("x"),
+    )
+    .await;
     assert_eq!(other.status, StatusCode::CREATED);
 }
