@@ -460,6 +460,35 @@ async fn the_query_timeout_bounds_a_blocked_statement_and_none_waits() {
     blocker.batch_execute("COMMIT").await.unwrap();
 }
 
+/// A statement cut by the query timeout may still run on the server; the connection it ran on
+/// must not serve another key, whose statement would queue behind it, time out as well and
+/// run later (a reservation nobody holds: 409s for a whole lease after a 503 that said "not
+/// processed"). With one connection in the pool, a bystander key right after a timed-out
+/// statement is served at once, and nothing of it is left behind when it fails.
+#[tokio::test]
+async fn a_timed_out_statement_does_not_hold_up_the_next_key() {
+    let db = TestDb::new().await;
+    let store = PostgresStore::builder(db.url.as_str())
+        .max_size(1)
+        .query_timeout(Some(Duration::from_millis(200)))
+        .build()
+        .await
+        .unwrap();
+    let mut blocker = blocked_takeover(&store, &db.url, "locked").await;
+    match store.reserve(&scope("locked"), &FP, LEASE).await {
+        Err(StoreError::Unavailable(_)) => {}
+        other => panic!("expected Unavailable, got {other:?}"),
+    }
+    let bystander = store.reserve(&scope("bystander"), &FP, LEASE).await;
+    let bystander_reserved = matches!(bystander, Ok(ReserveOutcome::Reserved { .. }));
+    blocker.batch_execute("COMMIT").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(
+        bystander_reserved,
+        "the next key waited behind the timed-out statement: {bystander:?}"
+    );
+}
+
 /// `purge_batch(0)` is one row per statement, and `purge_expired` goes on until every expired
 /// record is gone.
 #[tokio::test]

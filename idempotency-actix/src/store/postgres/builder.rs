@@ -91,7 +91,8 @@ impl PostgresStoreBuilder {
     /// connections but does not answer (overloaded, stuck on a lock, a half-dead network
     /// path). The statement may still finish on the server after we gave up; for `reserve`
     /// that leaves a reservation whose lease has to run out before a retry can take it over
-    /// (a retry meanwhile gets 409, never a second execution).
+    /// (a retry meanwhile gets 409, never a second execution). The connection it ran on is
+    /// closed rather than lent to another request, which would otherwise wait behind it.
     pub fn query_timeout(mut self, timeout: Option<Duration>) -> Self {
         self.query_timeout = timeout;
         self

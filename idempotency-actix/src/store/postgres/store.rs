@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use diesel_async::AsyncPgConnection;
+use diesel_async::{AnsiTransactionManager, AsyncPgConnection, TransactionManager};
 
 use super::admin::PurgeFilter;
 use super::error::{self, classify_query_error, not_provisioned, table_exists};
@@ -114,7 +114,10 @@ impl PostgresStore {
     /// missing.
     pub async fn check(&self) -> Result<(), StoreError> {
         let mut conn = self.conn().await?;
-        match self.timed(table_exists(&mut conn)).await? {
+        match self
+            .timed(&mut conn, async |c| table_exists(c).await)
+            .await?
+        {
             true => Ok(()),
             false => Err(not_provisioned()),
         }
@@ -137,10 +140,10 @@ impl PostgresStore {
             ..PurgeFilter::default()
         };
         let mut conn = self.conn().await?;
-        self.timed(async {
-            match sql::purge(&mut conn, &filter, limit).await {
+        self.timed(&mut conn, async |conn| {
+            match sql::purge(conn, &filter, limit).await {
                 Ok(purged) => Ok(purged.total()),
-                Err(e) => Err(classify_query_error(&mut conn, e).await),
+                Err(e) => Err(classify_query_error(conn, e).await),
             }
         })
         .await
@@ -160,22 +163,30 @@ impl PostgresStore {
         })
     }
 
-    /// Run one statement under the query timeout.
+    /// Run one statement on `conn` under the query timeout.
+    ///
+    /// A statement cut short by the timeout may still run on the server (waiting for a lock,
+    /// say), and its reply would come ahead of the next statement's on this connection: the
+    /// next request to check the connection out would wait behind it, time out too, and have
+    /// its own statement run later (for a reserve, a reservation nobody holds: 409s for a whole
+    /// lease after a 503 that said "not processed"). So a connection whose statement timed
+    /// out is marked broken, and the pool closes it instead of lending it again.
     pub(super) async fn timed<T>(
         &self,
-        statement: impl std::future::Future<Output = Result<T, StoreError>>,
+        conn: &mut AsyncPgConnection,
+        statement: impl AsyncFnOnce(&mut AsyncPgConnection) -> Result<T, StoreError>,
     ) -> Result<T, StoreError> {
-        match self.query_timeout {
-            None => statement.await,
-            Some(limit) => tokio::time::timeout(limit, statement)
-                .await
-                .unwrap_or_else(|_| {
-                    Err(StoreError::unavailable(format!(
-                        "the database did not answer within {} ms",
-                        limit.as_millis()
-                    )))
-                }),
-        }
+        let Some(limit) = self.query_timeout else {
+            return statement(conn).await;
+        };
+        let answered = tokio::time::timeout(limit, statement(&mut *conn)).await;
+        answered.unwrap_or_else(|_| {
+            abandon(conn);
+            Err(StoreError::unavailable(format!(
+                "the database did not answer within {} ms",
+                limit.as_millis()
+            )))
+        })
     }
 
     async fn reserve_once(
@@ -273,6 +284,14 @@ pub(super) fn decode_reserve_row(
     }
 }
 
+/// Mark `conn` broken, so the pool closes it when it comes back instead of lending it again:
+/// its transaction manager's status in error is what the pool's `has_broken` check (and our
+/// checkout check) read, whatever the connection was doing.
+fn abandon(conn: &mut AsyncPgConnection) {
+    <AnsiTransactionManager as TransactionManager<AsyncPgConnection>>::transaction_manager_status_mut(conn)
+        .set_in_error();
+}
+
 pub(super) fn corrupt(what: &str) -> StoreError {
     StoreError::Backend(format!("corrupt idempotency_keys row: {what}").into())
 }
@@ -305,12 +324,14 @@ impl IdempotencyStore for PostgresStore {
         };
         let mut conn = self.conn().await?;
         if self.replay_fast_path {
-            if let Some(replay) = self.timed(self.replay_read(&mut conn, scope)).await? {
+            let read = self.timed(&mut conn, async |c| self.replay_read(c, scope).await);
+            if let Some(replay) = read.await? {
                 return Ok(replay);
             }
         }
         for attempt in 1..=RESERVE_ATTEMPTS {
-            if let Some(outcome) = self.timed(self.reserve_once(&mut conn, &query)).await? {
+            let once = self.timed(&mut conn, async |c| self.reserve_once(c, &query).await);
+            if let Some(outcome) = once.await? {
                 return Ok(outcome);
             }
             tracing::debug!(attempt, key = %scope.key, "idempotency reserve raced; re-running");
@@ -339,17 +360,17 @@ impl IdempotencyStore for PostgresStore {
         };
         let scope = scope_binds(scope);
         let mut conn = self.conn().await?;
-        self.timed(async {
-            match sql::complete(&mut conn, &scope, &completion).await {
+        self.timed(&mut conn, async |conn| {
+            match sql::complete(conn, &scope, &completion).await {
                 // Not ours to complete any more: already completed by this very token (a
                 // retry after a lost reply), or taken over.
-                Ok(0) => match sql::completed_by(&mut conn, &scope, completion.token).await {
+                Ok(0) => match sql::completed_by(conn, &scope, completion.token).await {
                     Ok(true) => Ok(WriteOutcome::Applied),
                     Ok(false) => Ok(WriteOutcome::Stale),
-                    Err(e) => Err(classify_query_error(&mut conn, e).await),
+                    Err(e) => Err(classify_query_error(conn, e).await),
                 },
                 Ok(_) => Ok(WriteOutcome::Applied),
-                Err(e) => Err(classify_query_error(&mut conn, e).await),
+                Err(e) => Err(classify_query_error(conn, e).await),
             }
         })
         .await
@@ -362,11 +383,11 @@ impl IdempotencyStore for PostgresStore {
     ) -> Result<WriteOutcome, StoreError> {
         let scope = scope_binds(scope);
         let mut conn = self.conn().await?;
-        self.timed(async {
-            match sql::release(&mut conn, &scope, token.as_uuid()).await {
+        self.timed(&mut conn, async |conn| {
+            match sql::release(conn, &scope, token.as_uuid()).await {
                 Ok(0) => Ok(WriteOutcome::Stale),
                 Ok(_) => Ok(WriteOutcome::Applied),
-                Err(e) => Err(classify_query_error(&mut conn, e).await),
+                Err(e) => Err(classify_query_error(conn, e).await),
             }
         })
         .await

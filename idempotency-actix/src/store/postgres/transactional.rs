@@ -109,7 +109,7 @@ pub(crate) async fn begin(
         isolation.begin_sql()
     );
     store
-        .timed(async {
+        .timed(conn, async |conn| {
             AnsiTransactionManager::begin_transaction_sql(conn, &sql)
                 .await
                 .map_err(classify_error)
@@ -139,7 +139,9 @@ pub(crate) async fn claim(
         },
     };
     let rows = store
-        .timed(async { sql::tx_claim(conn, &query).await.map_err(classify_error) })
+        .timed(conn, async |conn| {
+            sql::tx_claim(conn, &query).await.map_err(classify_error)
+        })
         .await?;
     let Some(row) = rows.into_iter().next() else {
         return Err(corrupt("idempotency_tx_claim returned no row"));
@@ -158,7 +160,9 @@ pub(crate) async fn set_tenant(
 ) -> Result<(), StoreError> {
     let query = SetTenant { name, value };
     store
-        .timed(async { sql::set_tenant(conn, &query).await.map_err(classify_error) })
+        .timed(conn, async |conn| {
+            sql::set_tenant(conn, &query).await.map_err(classify_error)
+        })
         .await
 }
 
