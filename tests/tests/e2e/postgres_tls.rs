@@ -338,3 +338,46 @@ async fn sslmode_is_read_from_the_real_query_whatever_the_password_holds() {
         );
     }
 }
+
+/// Guards the `sslrootcert=system` downgrade (review finding): libpq 16 reads it as "check the
+/// server against the system trust store", verify-full by default, any weaker mode an error.
+/// Here it connected in plaintext without an sslmode (`Ok(false)` against this server, which
+/// takes both) and with `require` or `prefer` accepted any certificate (`Ok(true)` with this
+/// one, which no system root signed). Now the certificate is checked, and refused; a weaker
+/// mode is refused before any connection is made.
+#[tokio::test]
+async fn sslrootcert_system_verifies_against_the_system_roots() {
+    let certs = make_certs();
+    let Some(cluster) = password_cluster(&certs, true).await else {
+        eprintln!("SKIPPED: initdb/pg_ctl are not installed");
+        return;
+    };
+    let base = format!("postgres://postgres@127.0.0.1:{}/postgres", cluster.port);
+    for query in [
+        "sslrootcert=system",
+        "sslmode=verify-full&sslrootcert=system",
+    ] {
+        let result = connected_with_tls(&format!("{base}?{query}")).await;
+        assert!(
+            matches!(result, Err(StoreError::Unavailable(_))),
+            "{query}: a certificate no system root signed must be refused: {result:?}"
+        );
+    }
+    for mode in ["disable", "allow", "prefer", "require", "verify-ca"] {
+        let result = connected_with_tls(&format!("{base}?sslmode={mode}&sslrootcert=system")).await;
+        match result {
+            Err(StoreError::Backend(e)) => {
+                let e = e.to_string();
+                assert!(e.contains("sslrootcert=system"), "{mode}: {e}");
+            }
+            other => panic!("{mode} with sslrootcert=system must be refused: {other:?}"),
+        }
+    }
+    // The same server with its own CA: the test above fails for the right reason.
+    let own = connected_with_tls(&format!(
+        "{base}?sslmode=verify-full&sslrootcert={}",
+        certs.path("ca.crt")
+    ))
+    .await;
+    assert!(matches!(own, Ok(true)), "{own:?}");
+}

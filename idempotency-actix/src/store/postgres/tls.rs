@@ -12,12 +12,18 @@
 //! | `verify-ca`               | yes                  | chain against the roots, not the name  |
 //! | `verify-full`             | yes                  | chain and host name                    |
 //!
+//! `sslrootcert=system` follows libpq 16: it makes the default `sslmode` `verify-full`, and
+//! with any other explicit `sslmode` (`disable` ... `verify-ca`) the string is refused, so a
+//! URL that names the system roots never connects unverified or in plaintext.
+//!
 //! Roots are the file named by `sslrootcert` (PEM, one or more certificates), or the system's
-//! trust store (`rustls-native-certs`) when it is absent or `sslrootcert=system`. libpq would
-//! read `~/.postgresql/root.crt` instead; the system store is what managed PostgreSQL services
-//! (RDS, Cloud SQL, Azure, Supabase, Neon) chain to, so it is the more useful default for a
-//! server process. Client certificates (`sslcert`/`sslkey`) are not supported and are reported
-//! as an error rather than silently ignored.
+//! trust store (`rustls-native-certs`) when it is absent (with `verify-ca`/`verify-full`) or
+//! `sslrootcert=system`. libpq would read `~/.postgresql/root.crt` instead; the system store
+//! is what managed PostgreSQL services (RDS, Cloud SQL, Azure, Supabase, Neon) chain to, so it
+//! is the more useful default for a server process. Only the connection string is read: no
+//! `PGSSLMODE`/`PGSSLROOTCERT` (or other `PG*`) environment variable. Client certificates
+//! (`sslcert`/`sslkey`) are not supported and are reported as an error rather than silently
+//! ignored.
 
 use std::sync::Arc;
 
@@ -51,6 +57,9 @@ enum Mode {
 pub(crate) struct ConnectTarget {
     config: tokio_postgres::Config,
     tls: Option<Arc<ClientConfig>>,
+    /// The mode after libpq's rules (which the options alone do not show: `sslrootcert=system`
+    /// changes the default), kept so that logs and tests can tell what was chosen.
+    mode: Mode,
 }
 
 impl std::fmt::Debug for ConnectTarget {
@@ -59,6 +68,7 @@ impl std::fmt::Debug for ConnectTarget {
         f.debug_struct("ConnectTarget")
             .field("hosts", &self.config.get_hosts())
             .field("tls", &self.tls.is_some())
+            .field("mode", &self.mode)
             .finish()
     }
 }
@@ -95,25 +105,7 @@ impl ConnectTarget {
             };
             config.options(options);
         }
-        let mode = match ssl.mode.as_deref() {
-            None | Some("disable") | Some("allow") => Mode::Disable,
-            Some("prefer") => Mode::Prefer,
-            // libpq: `require` with a root certificate file behaves like verify-ca.
-            Some("require") if ssl.rootcert.as_deref().is_some_and(|r| r != "system") => {
-                Mode::VerifyCa
-            }
-            Some("require") => Mode::Require,
-            Some("verify-ca") => Mode::VerifyCa,
-            Some("verify-full") => Mode::VerifyFull,
-            // The value is not repeated: whatever it is, it was not meant as an sslmode.
-            Some(_) => {
-                return Err(UrlError(
-                    "unknown sslmode (expected disable, allow, prefer, require, verify-ca or \
-                     verify-full)"
-                        .into(),
-                ))
-            }
-        };
+        let mode = resolve_mode(&ssl)?;
         if ssl.client_cert {
             return Err(UrlError(
                 "client certificates (sslcert/sslkey) are not supported".into(),
@@ -143,13 +135,19 @@ impl ConnectTarget {
                 Some(Arc::new(client_config(verify)?))
             }
         };
-        Ok(Self { config, tls })
+        Ok(Self { config, tls, mode })
     }
 
     /// Whether connections will be encrypted (always, or when the server offers it).
     #[cfg(test)]
     pub(crate) fn uses_tls(&self) -> bool {
         self.tls.is_some()
+    }
+
+    /// The TLS mode chosen, after libpq's rules.
+    #[cfg(test)]
+    fn mode(&self) -> Mode {
+        self.mode
     }
 
     /// Open one connection and hand it to diesel-async, which drives it on the current runtime.
@@ -170,6 +168,46 @@ impl ConnectTarget {
             }
         }
     }
+}
+
+/// `sslrootcert=system`: libpq 16's word for "the system trust store".
+const SYSTEM_ROOTS: &str = "system";
+
+/// The mode `ssl` asks for, after libpq's rules (those of libpq 16 for `sslrootcert=system`).
+fn resolve_mode(ssl: &SslParams) -> Result<Mode, UrlError> {
+    let system_roots = ssl.rootcert.as_deref() == Some(SYSTEM_ROOTS);
+    let mode = match ssl.mode.as_deref() {
+        // libpq 16: whoever names the system roots wants them checked, so they make
+        // verify-full the default. Anything weaker would encrypt to any certificate or not
+        // at all while the URL reads as verified.
+        None if system_roots => Mode::VerifyFull,
+        None | Some("disable") | Some("allow") => Mode::Disable,
+        Some("prefer") => Mode::Prefer,
+        // libpq: `require` with a root certificate file behaves like verify-ca.
+        Some("require") if ssl.rootcert.is_some() && !system_roots => Mode::VerifyCa,
+        Some("require") => Mode::Require,
+        Some("verify-ca") => Mode::VerifyCa,
+        Some("verify-full") => Mode::VerifyFull,
+        // The value is not repeated: whatever it is, it was not meant as an sslmode.
+        Some(_) => {
+            return Err(UrlError(
+                "unknown sslmode (expected disable, allow, prefer, require, verify-ca or \
+                 verify-full)"
+                    .into(),
+            ))
+        }
+    };
+    if system_roots && mode != Mode::VerifyFull {
+        // As libpq 16, an error rather than an upgrade: the URL says two different things.
+        // A public CA vouches for every name it signed, so only a name check makes the
+        // system roots mean anything. The value is repeated: it is a known sslmode here.
+        let asked = ssl.mode.as_deref().unwrap_or_default();
+        return Err(UrlError(format!(
+            "weak sslmode={asked} may not be used with sslrootcert=system (the system trust \
+             store needs the host name checked): use sslmode=verify-full or leave sslmode out"
+        )));
+    }
+    Ok(mode)
 }
 
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
@@ -616,7 +654,7 @@ fn client_config(verify: Verify) -> Result<ClientConfig, UrlError> {
 fn load_roots(rootcert: Option<&str>) -> Result<RootCertStore, UrlError> {
     let mut roots = RootCertStore::empty();
     match rootcert {
-        Some(path) if path != "system" => {
+        Some(path) if path != SYSTEM_ROOTS => {
             let pem = std::fs::read(path)
                 .map_err(|e| UrlError(format!("cannot read sslrootcert `{path}`: {e}")))?;
             // rustls-pki-types' PEM reader (rustls re-exports it): rustls-pemfile, used
@@ -999,5 +1037,83 @@ mod tests {
                 assert_eq!(ssl.mode.as_deref(), Some("require"));
             }
         }
+    }
+
+    /// `sslrootcert=system` as libpq 16 reads it, in a URL (with a password) and in the
+    /// key=value form: verify-full when `sslmode` is absent, an error for any weaker mode.
+    fn system_root_strings(mode: Option<&str>) -> [String; 2] {
+        let [a, b] = HALVES;
+        let (query, pair) = match mode {
+            Some(mode) => (format!("sslmode={mode}&"), format!("sslmode={mode} ")),
+            None => (String::new(), String::new()),
+        };
+        [
+            format!("postgres://app:{a}?{b}@db.internal/pay?{query}sslrootcert=system"),
+            format!("host=db.internal user=app password='{a} {b}' {pair}sslrootcert=system"),
+        ]
+    }
+
+    /// The system trust store of a machine without one cannot be loaded: that is an error too
+    /// (never a weaker mode), and the only one accepted here.
+    fn assert_verify_full(input: &str) {
+        match ConnectTarget::parse(input, None) {
+            Ok(target) => {
+                assert_eq!(target.mode(), Mode::VerifyFull, "{input:?}");
+                assert!(target.uses_tls(), "{input:?}");
+                assert_eq!(target.config.get_ssl_mode(), SslMode::Require, "{input:?}");
+            }
+            Err(e) => {
+                let e = e.to_string();
+                assert!(e.contains("system trust store is empty"), "{input:?}: {e}");
+                assert_hidden(&e, input);
+            }
+        }
+    }
+
+    /// Guards the `sslrootcert=system` downgrade (review finding): libpq 16 makes it mean
+    /// verify-full. Here it connected in plaintext without an sslmode, and with `require` or
+    /// `prefer` accepted any certificate (a man in the middle with a self-signed one).
+    #[test]
+    fn sslrootcert_system_without_sslmode_is_verify_full() {
+        for input in system_root_strings(None)
+            .into_iter()
+            .chain(system_root_strings(Some("verify-full")))
+        {
+            assert_verify_full(&input);
+        }
+    }
+
+    #[test]
+    fn sslrootcert_system_with_a_weaker_sslmode_is_refused() {
+        for mode in ["disable", "allow", "prefer", "require", "verify-ca"] {
+            for input in system_root_strings(Some(mode)) {
+                let err = match ConnectTarget::parse(&input, None) {
+                    Ok(target) => panic!("{input:?} accepted as {:?}", target.mode()),
+                    Err(e) => e.to_string(),
+                };
+                assert!(
+                    err.contains(&format!("sslmode={mode}")) && err.contains("sslrootcert=system"),
+                    "{input:?}: {err}"
+                );
+                assert!(err.contains("verify-full"), "{input:?}: {err}");
+                assert_hidden(&err, &input);
+            }
+        }
+    }
+
+    /// A root certificate file still upgrades `require` to verify-ca (libpq), and `system` is
+    /// only the exact word: anything else is a file name.
+    #[test]
+    fn sslrootcert_files_keep_their_meaning() {
+        let err = ConnectTarget::parse(
+            "postgres://u@db/app?sslmode=require&sslrootcert=/nonexistent/system",
+            None,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("cannot read sslrootcert"), "{err}");
+        let err =
+            ConnectTarget::parse("postgres://u@db/app?sslrootcert=System", None).map(|t| t.mode());
+        assert!(matches!(err, Ok(Mode::Disable)), "{err:?}");
     }
 }
