@@ -131,8 +131,9 @@ fn micros(duration: Duration) -> i64 {
 /// | `verify-full`             | yes                  | chain and host name                   |
 ///
 /// Roots come from `sslrootcert=<PEM file>`, or the system trust store when it is absent or
-/// `system`. Client certificates (`sslcert`/`sslkey`) are rejected as unsupported. No
-/// statement timeout is set (a purge may legitimately run long).
+/// `system`. As in libpq 16, `sslrootcert=system` without `sslmode` means `verify-full`, and
+/// with any weaker `sslmode` the URL is refused. Client certificates (`sslcert`/`sslkey`) are
+/// rejected as unsupported. No statement timeout is set (a purge may legitimately run long).
 ///
 /// # Errors
 /// [`StoreError::Backend`] for a bad URL; [`StoreError::Unavailable`] when the server cannot
