@@ -39,6 +39,10 @@ pub fn redact(url: &str) -> String {
     admin::redact(url)
 }
 
+/// The CLI's `lock_timeout`: the longest any of its statements waits for a lock, and the
+/// longest `migrate` waits for the migration lock.
+pub const LOCK_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// Open a connection with the library's TLS-aware `establish`, bounded by `timeout`, and set
 /// the session up: `application_name` so operators can spot the CLI in `pg_stat_activity`,
 /// and timeouts so a forgotten CLI can never hold locks or a statement for long.
@@ -55,12 +59,13 @@ pub async fn connect(url: &str, timeout: Duration) -> Result<AsyncPgConnection, 
         Ok(Err(err)) => return Err(connect_error(&target, err)),
         Ok(Ok(conn)) => conn,
     };
-    conn.batch_execute(
+    conn.batch_execute(&format!(
         "SET application_name = 'idem-cli'; \
          SET statement_timeout = '5min'; \
-         SET lock_timeout = '5s'; \
+         SET lock_timeout = '{}ms'; \
          SET idle_in_transaction_session_timeout = '1min'",
-    )
+        LOCK_TIMEOUT.as_millis()
+    ))
     .await
     .map_err(|err| store_error(admin::classify_error(err)))?;
     Ok(conn)

@@ -1331,3 +1331,76 @@ async fn partitioned_layout_migrate_check_stats_show_and_purge() {
     expect_code(&out, 1);
     assert!(stderr(&out).contains("plain layout"), "{}", stderr(&out));
 }
+
+/// The migration advisory lock key ("idemmigr"), as the library and the CLI take it.
+const MIGRATION_LOCK: &str = "x'6964656d6d696772'::bigint";
+
+/// Run `idem-cli args...` against `url`, killing it if it is still running after `limit`
+/// (`None` then), so a hang fails the test instead of stalling the suite.
+fn idem_within(url: &str, args: &[&str], limit: Duration) -> Option<Output> {
+    let mut child = command(url, args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("running {BIN}: {e}"));
+    let started = Instant::now();
+    loop {
+        match child.try_wait() {
+            Ok(Some(_)) => return Some(child.wait_with_output().expect("collect output")),
+            Ok(None) if started.elapsed() < limit => std::thread::sleep(Duration::from_millis(50)),
+            _ => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return None;
+            }
+        }
+    }
+}
+
+/// Review item 1: `migrate --check` and `migrate` waited without limit on the migration lock
+/// held by another session. The check reads only and takes no lock; `migrate` gives up after
+/// the CLI's lock timeout (5s) with exit 3 and one line saying why, and applies nothing.
+#[tokio::test]
+async fn migrate_never_waits_long_for_the_migration_lock() {
+    let db = TestDb::new_unmigrated().await;
+    let mut holder = connect(&db).await;
+    holder
+        .batch_execute(&format!("SELECT pg_advisory_lock({MIGRATION_LOCK})"))
+        .await
+        .expect("take the migration lock");
+
+    let started = Instant::now();
+    let out = idem_within(&db.url, &["migrate", "--check"], Duration::from_secs(20))
+        .expect("migrate --check waited on the migration lock");
+    expect_code(&out, PENDING);
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "--check took {:?}",
+        started.elapsed()
+    );
+
+    let started = Instant::now();
+    let out = idem_within(&db.url, &["migrate"], Duration::from_secs(30))
+        .expect("migrate waited on the migration lock past 30s");
+    let waited = started.elapsed();
+    expect_code(&out, UNAVAILABLE);
+    assert!(
+        stderr(&out).contains("another migration holds the lock"),
+        "{}",
+        stderr(&out)
+    );
+    assert!(
+        waited >= Duration::from_secs(4) && waited < Duration::from_secs(15),
+        "gave up after {waited:?}"
+    );
+    let out = idem(&db.url, &["migrate", "--check"]);
+    expect_code(&out, PENDING);
+
+    holder
+        .batch_execute(&format!("SELECT pg_advisory_unlock({MIGRATION_LOCK})"))
+        .await
+        .expect("release the migration lock");
+    let out = idem(&db.url, &["migrate"]);
+    expect_code(&out, 0);
+    assert!(stdout(&out).contains("layout: plain"), "{}", stdout(&out));
+}

@@ -11,9 +11,16 @@
 //!
 //! Concurrent callers (several app instances starting with `--migrate`, or `idem-cli migrate`
 //! next to them) are serialised by a session-level advisory lock, so exactly one applies each
-//! migration and the others see nothing pending.
+//! migration and the others see nothing pending. Nothing here waits without limit: connecting
+//! is bounded by 30 s and the wait for the lock by 2 minutes, after
+//! which the call fails with [`StoreError::Unavailable`] saying why (a start-up that would
+//! otherwise hang behind a stuck migration fails visibly and can be retried).
+
+use std::time::{Duration, Instant};
 
 use diesel::connection::SimpleConnection;
+use diesel::sql_types::{BigInt, Bool};
+use diesel::{QueryableByName, RunQueryDsl};
 use diesel_async::async_connection_wrapper::AsyncConnectionWrapper;
 use diesel_async::AsyncPgConnection;
 use diesel_migrations::{embed_migrations, EmbeddedMigrations, MigrationHarness};
@@ -27,7 +34,20 @@ use crate::store::StoreError;
 pub const MIGRATIONS: EmbeddedMigrations = embed_migrations!("../migrations");
 
 /// Arbitrary constant identifying this crate's migration advisory lock ("idem" + "migr").
+/// `idem-cli migrate` takes the same key.
 const MIGRATION_LOCK_KEY: i64 = 0x6964_656d_6d69_6772;
+
+/// The longest [`run_migrations`] and friends wait to open their connection.
+const MIGRATION_CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The longest [`run_migrations`] and friends wait for the migration lock another session
+/// holds (another instance migrating, or `idem-cli migrate`). Long enough for any of the
+/// embedded migrations to finish elsewhere; past it something is stuck and waiting on would
+/// hang the application's start-up for good.
+const MIGRATION_LOCK_WAIT: Duration = Duration::from_secs(120);
+
+/// How often a waiting caller retries the lock.
+const LOCK_POLL: Duration = Duration::from_millis(100);
 
 /// Apply every pending migration to the database at `url`. Returns the versions applied now
 /// (empty when the schema was already current, so running it twice is harmless).
@@ -35,8 +55,8 @@ const MIGRATION_LOCK_KEY: i64 = 0x6964_656d_6d69_6772;
 /// Safe to call from inside an actix-web or tokio runtime (see the module docs).
 ///
 /// # Errors
-/// [`StoreError::Unavailable`] when the database cannot be reached, [`StoreError::Backend`]
-/// when a migration fails (it is rolled back; nothing half-applied remains) or the URL is bad.
+/// [`StoreError::Unavailable`] when the database cannot be reached within 30 s, or another
+/// session held the migration lock for longer than 2 minutes; [`StoreError::Backend`] when a migration fails (it is rolled back; nothing half-applied remains) or the URL is bad.
 pub async fn run_migrations(url: &str) -> Result<Vec<String>, StoreError> {
     with_harness(url, |harness| {
         harness
@@ -140,17 +160,51 @@ where
         .build()
         .map_err(|e| StoreError::Backend(Box::new(e)))?;
     let conn = runtime
-        .block_on(target.connect())
+        .block_on(async { tokio::time::timeout(MIGRATION_CONNECT_TIMEOUT, target.connect()).await })
+        .map_err(|_| {
+            StoreError::unavailable(format!(
+                "no database connection within {}s (migrations not run)",
+                MIGRATION_CONNECT_TIMEOUT.as_secs()
+            ))
+        })?
         .map_err(classify_connection_error)?;
     let _entered = runtime.enter();
     let mut harness: Harness = AsyncConnectionWrapper::from(conn);
-    harness
-        .batch_execute(&format!("SELECT pg_advisory_lock({MIGRATION_LOCK_KEY})"))
-        .map_err(super::error::classify_error)?;
+    take_lock(&mut harness)?;
     let result = work(&mut harness).map_err(StoreError::Backend);
     // Closing the connection would release the lock too; unlocking explicitly keeps the
     // session clean should the wrapper ever be pooled.
     let _ = harness.batch_execute(&format!("SELECT pg_advisory_unlock({MIGRATION_LOCK_KEY})"));
     drop(harness);
     result
+}
+
+#[derive(QueryableByName)]
+struct Locked {
+    #[diesel(sql_type = Bool)]
+    locked: bool,
+}
+
+/// `pg_try_advisory_lock` until it succeeds or [`MIGRATION_LOCK_WAIT`] passed. A blocking
+/// `pg_advisory_lock` would wait for as long as the holder lives (a hung deploy step, a
+/// forgotten psql session), hanging whoever migrates next.
+fn take_lock(harness: &mut Harness) -> Result<(), StoreError> {
+    let deadline = Instant::now() + MIGRATION_LOCK_WAIT;
+    loop {
+        let row = diesel::sql_query("SELECT pg_try_advisory_lock($1) AS locked")
+            .bind::<BigInt, _>(MIGRATION_LOCK_KEY)
+            .get_result::<Locked>(harness)
+            .map_err(super::error::classify_error)?;
+        if row.locked {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            return Err(StoreError::unavailable(format!(
+                "another migration holds the lock (advisory lock {MIGRATION_LOCK_KEY}) and did \
+                 not finish within {}s; migrations not run",
+                MIGRATION_LOCK_WAIT.as_secs()
+            )));
+        }
+        std::thread::sleep(LOCK_POLL);
+    }
 }
