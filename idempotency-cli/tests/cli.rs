@@ -1404,3 +1404,52 @@ async fn migrate_never_waits_long_for_the_migration_lock() {
     expect_code(&out, 0);
     assert!(stdout(&out).contains("layout: plain"), "{}", stdout(&out));
 }
+
+/// Review item 2: after the first `migrate`, `SELECT` is enough for `migrate --check` (docs/
+/// operations.md), even where the role may not create anything in the schema: the check runs
+/// no DDL. A pending migration still closes the gate.
+#[tokio::test]
+async fn migrate_check_needs_only_select() {
+    let db = TestDb::new().await;
+    let role = format!("idem_ro_{}", db.name.trim_start_matches("idem_test_"));
+    let mut conn = connect(&db).await;
+    conn.batch_execute(&format!(
+        "REVOKE CREATE ON SCHEMA public FROM PUBLIC; \
+         CREATE ROLE \"{role}\" LOGIN; \
+         GRANT SELECT ON ALL TABLES IN SCHEMA public TO \"{role}\""
+    ))
+    .await
+    .expect("a SELECT-only role");
+    let url = with_user(&db.url, &role, None);
+
+    let out = idem(&url, &["migrate", "--check"]);
+    let up_to_date = out.status.code();
+    let up_to_date_out = stdout(&out);
+    let up_to_date_err = stderr(&out);
+
+    // One migration pending again: the gate closes (exit 5), still without DDL.
+    conn.batch_execute(
+        "DELETE FROM __diesel_schema_migrations \
+         WHERE version = (SELECT max(version) FROM __diesel_schema_migrations)",
+    )
+    .await
+    .expect("forget the last migration");
+    let pending = idem(&url, &["migrate", "--check"]);
+
+    conn.batch_execute(&format!("DROP OWNED BY \"{role}\"; DROP ROLE \"{role}\""))
+        .await
+        .expect("drop the role");
+
+    assert_eq!(
+        up_to_date,
+        Some(0),
+        "stdout: {up_to_date_out} stderr: {up_to_date_err}"
+    );
+    assert!(up_to_date_out.contains("up to date"), "{up_to_date_out}");
+    expect_code(&pending, PENDING);
+    assert!(
+        stdout(&pending).contains("pending 2026-12-03-000008_partition_create_without_moving"),
+        "{}",
+        stdout(&pending)
+    );
+}

@@ -163,13 +163,21 @@ struct Flag {
     flag: bool,
 }
 
-/// The versions applied so far (diesel's bookkeeping table, created empty if missing).
+/// The versions applied so far, read with a plain `SELECT` (an empty list when diesel's
+/// bookkeeping table does not exist yet). diesel's own `pending_migrations` first runs
+/// `CREATE TABLE IF NOT EXISTS`, which PostgreSQL refuses to a role without `CREATE` on the
+/// schema even when the table exists: `--check` must work with `SELECT` alone.
 async fn applied_versions(
     conn: &mut AsyncPgConnection,
 ) -> Result<Vec<String>, diesel::result::Error> {
-    use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
-    conn.batch_execute(diesel::migration::CREATE_MIGRATIONS_TABLE)
-        .await?;
+    use diesel_async::RunQueryDsl;
+    let present =
+        diesel::sql_query("SELECT to_regclass('__diesel_schema_migrations') IS NOT NULL AS flag")
+            .get_result::<Flag>(conn)
+            .await?;
+    if !present.flag {
+        return Ok(Vec::new());
+    }
     let rows = diesel::sql_query("SELECT version::text AS version FROM __diesel_schema_migrations")
         .load::<Version>(conn)
         .await?;
