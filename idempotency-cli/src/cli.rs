@@ -77,6 +77,7 @@ pub struct Cli {
     pub format: Format,
 
     /// Give up connecting after this long (e.g. 10s); the database is then "unavailable" (exit 3).
+    /// With --redis-url also the longest wait for any one Redis reply.
     #[arg(
         long,
         global = true,
@@ -85,6 +86,18 @@ pub struct Cli {
         help_heading = "Global options"
     )]
     pub connect_timeout: HumanDuration,
+
+    /// PostgreSQL: the longest any one statement may run (the session's statement_timeout).
+    /// The CLI also stops waiting for any one answer 5s after it, so a server or network gone
+    /// silent mid-command is "unavailable" (exit 3) instead of a hang.
+    #[arg(
+        long,
+        global = true,
+        value_name = "DURATION",
+        default_value = "5m",
+        help_heading = "Global options"
+    )]
+    pub statement_timeout: HumanDuration,
 
     #[command(subcommand)]
     pub command: Command,

@@ -4,6 +4,8 @@
 //! CLI and the middleware agree on what a URL means; this module only adds the CLI's session
 //! settings and its error classification.
 
+use std::future::Future;
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use diesel_async::{AsyncPgConnection, SimpleAsyncConnection};
@@ -39,6 +41,50 @@ pub fn redact(url: &str) -> String {
     admin::redact(url)
 }
 
+/// The session's `statement_timeout` (`--statement-timeout`), set once by `main`.
+static STATEMENT_TIMEOUT: OnceLock<Duration> = OnceLock::new();
+
+/// How much longer than the statement timeout the CLI waits for an answer: the server's own
+/// cancellation (a clearer error) arrives first whenever the server is still there.
+const ANSWER_MARGIN: Duration = Duration::from_secs(5);
+
+/// Default `--statement-timeout`.
+const DEFAULT_STATEMENT_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Set the statement timeout for every connection and query of this run.
+pub fn set_statement_timeout(timeout: Duration) {
+    // Set once, from `main`; a second call changes nothing.
+    let _ = STATEMENT_TIMEOUT.set(timeout);
+}
+
+fn statement_timeout() -> Duration {
+    STATEMENT_TIMEOUT
+        .get()
+        .copied()
+        .unwrap_or(DEFAULT_STATEMENT_TIMEOUT)
+}
+
+/// The longest the CLI waits for any one answer from the database. `statement_timeout` is
+/// enforced by the server, so it cannot help when the server or the network froze: the socket
+/// stays open and nothing ever arrives.
+pub fn answer_limit() -> Duration {
+    statement_timeout() + ANSWER_MARGIN
+}
+
+/// Await one database round trip for at most [`answer_limit`]; past it the database is
+/// "unavailable" (exit 3).
+pub async fn bounded<F: Future>(round_trip: F) -> Result<F::Output, CliError> {
+    tokio::time::timeout(answer_limit(), round_trip)
+        .await
+        .map_err(|_| {
+            CliError::Unavailable(format!(
+                "database unavailable: no answer within {}s (--statement-timeout plus {}s)",
+                answer_limit().as_secs_f64(),
+                ANSWER_MARGIN.as_secs()
+            ))
+        })
+}
+
 /// The CLI's `lock_timeout`: the longest any of its statements waits for a lock, and the
 /// longest `migrate` waits for the migration lock.
 pub const LOCK_TIMEOUT: Duration = Duration::from_secs(5);
@@ -49,25 +95,32 @@ pub const LOCK_TIMEOUT: Duration = Duration::from_secs(5);
 pub async fn connect(url: &str, timeout: Duration) -> Result<AsyncPgConnection, CliError> {
     check_url(url)?;
     let target = redact(url);
-    let mut conn = match tokio::time::timeout(timeout, admin::establish(url)).await {
-        Err(_) => {
-            return Err(CliError::Unavailable(format!(
-                "cannot connect to {target}: no answer within {}s",
-                timeout.as_secs_f64()
-            )))
-        }
+    let no_answer = || {
+        CliError::Unavailable(format!(
+            "cannot connect to {target}: no answer within {}s",
+            timeout.as_secs_f64()
+        ))
+    };
+    // Login and the session settings both count as connecting: a server that accepts the
+    // login and then goes silent is as unavailable as one that never answers.
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut conn = match tokio::time::timeout_at(deadline, admin::establish(url)).await {
+        Err(_) => return Err(no_answer()),
         Ok(Err(err)) => return Err(connect_error(&target, err)),
         Ok(Ok(conn)) => conn,
     };
-    conn.batch_execute(&format!(
+    let settings = format!(
         "SET application_name = 'idem-cli'; \
-         SET statement_timeout = '5min'; \
+         SET statement_timeout = '{}ms'; \
          SET lock_timeout = '{}ms'; \
          SET idle_in_transaction_session_timeout = '1min'",
+        statement_timeout().as_millis().max(1),
         LOCK_TIMEOUT.as_millis()
-    ))
-    .await
-    .map_err(|err| store_error(admin::classify_error(err)))?;
+    );
+    match tokio::time::timeout_at(deadline, conn.batch_execute(&settings)).await {
+        Err(_) => return Err(no_answer()),
+        Ok(result) => result.map_err(|err| store_error(admin::classify_error(err)))?,
+    }
     Ok(conn)
 }
 
@@ -97,7 +150,11 @@ fn connect_error(target: &str, err: StoreError) -> CliError {
 /// exists (the library's check; diesel-async does not expose SQLSTATE 42P01), so a missing table
 /// is reported as "run `idem-cli migrate`" (exit 4) and not as a generic failure.
 pub async fn classify(conn: &mut AsyncPgConnection, err: diesel::result::Error) -> CliError {
-    store_error(admin::classify_query_error(conn, err).await)
+    // The check is a round trip too: bounded like any other.
+    match bounded(admin::classify_query_error(conn, err)).await {
+        Ok(err) => store_error(err),
+        Err(frozen) => frozen,
+    }
 }
 
 /// Map the store's classification onto the CLI's exit codes.

@@ -16,7 +16,8 @@ use clap::Parser;
 /// used again to ask whether the table exists.
 macro_rules! sql {
     ($conn:expr, $query:expr) => {{
-        let result = $query.await;
+        // Bounded: a frozen server or network is "unavailable" (exit 3), never a hang.
+        let result = $crate::db::bounded($query).await?;
         match result {
             Ok(value) => value,
             Err(err) => return Err($crate::db::classify($conn, err).await),
@@ -79,6 +80,13 @@ async fn run(cli: Cli) -> Result<(), CliError> {
         CliError::Usage("no database: pass --database-url or set DATABASE_URL (or --redis-url / REDIS_URL for a RedisStore)".into())
     })?;
     let timeout = cli.connect_timeout.0;
+    if cli.statement_timeout.0.is_zero() {
+        // PostgreSQL reads 0 as "no limit", the opposite of what a bound is for.
+        return Err(CliError::Usage(
+            "--statement-timeout must be more than 0 (e.g. 5m)".into(),
+        ));
+    }
+    db::set_statement_timeout(cli.statement_timeout.0);
     let mut out = output::Out::new();
     if let Command::Migrate(args) = &cli.command {
         return commands::migrate::run(url, timeout, args, cli.format, &mut out).await;

@@ -17,7 +17,7 @@ use std::time::Duration;
 use futures_util::future::try_join_all;
 use idempotency_actix::store::postgres::admin::{Detail, Record, State, Time};
 use idempotency_actix::store::redis::redis::aio::{ConnectionLike, MultiplexedConnection};
-use idempotency_actix::store::redis::redis::{self, RedisError};
+use idempotency_actix::store::redis::redis::{self, AsyncConnectionConfig, RedisError};
 use idempotency_actix::store::redis::{
     cluster_enabled, encode_key_part, parse_record_key, record, validate_key_prefix, KeyScan,
     DEFAULT_PREFIX,
@@ -78,6 +78,7 @@ pub async fn run(
     }
     let cluster = redis::cluster::ClusterClientBuilder::new([url])
         .connection_timeout(timeout)
+        .response_timeout(timeout)
         .build()
         .map_err(|e| invalid_url(&e))?;
     match tokio::time::timeout(timeout, cluster.get_async_connection()).await {
@@ -135,7 +136,13 @@ fn summary(out: &mut Out, format: Format, command: &str, text: &str) -> Result<(
 async fn connect(url: &str, timeout: Duration) -> Result<MultiplexedConnection, CliError> {
     // Neither message repeats the URL: it may carry a password.
     let client = redis::Client::open(url).map_err(|e| invalid_url(&e))?;
-    match tokio::time::timeout(timeout, client.get_multiplexed_async_connection()).await {
+    // The response timeout bounds every later command (INFO, TIME, SCAN, GET...) too: a
+    // server gone silent mid-command is "unavailable" (exit 3), never a hang.
+    let config = AsyncConnectionConfig::new()
+        .set_connection_timeout(timeout)
+        .set_response_timeout(timeout);
+    let connecting = client.get_multiplexed_async_connection_with_config(&config);
+    match tokio::time::timeout(timeout, connecting).await {
         Ok(Ok(conn)) => Ok(conn),
         Ok(Err(e)) => Err(unavailable(e)),
         Err(_) => Err(CliError::Unavailable(format!(

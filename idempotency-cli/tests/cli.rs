@@ -1453,3 +1453,129 @@ async fn migrate_check_needs_only_select() {
         stdout(&pending)
     );
 }
+
+/// A TCP proxy to `upstream` that forwards both ways until the client sends bytes containing
+/// `marker`; from then on it swallows what the client sends and keeps every socket open: a
+/// server (or network) gone silent mid-session, which neither side's TCP stack notices.
+async fn freezing_proxy(upstream: String, marker: &'static [u8]) -> u16 {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("a loopback port");
+    let port = listener.local_addr().expect("its address").port();
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let Ok(server) = tokio::net::TcpStream::connect(&upstream).await else {
+                continue;
+            };
+            let upstream_marker = marker;
+            tokio::spawn(async move {
+                let (mut client_read, mut client_write) = client.into_split();
+                let (mut server_read, mut server_write) = server.into_split();
+                let up = async move {
+                    let mut buf = vec![0u8; 64 * 1024];
+                    let mut frozen = false;
+                    loop {
+                        let n = match client_read.read(&mut buf).await {
+                            Ok(0) | Err(_) => break,
+                            Ok(n) => n,
+                        };
+                        frozen = frozen
+                            || buf[..n]
+                                .windows(upstream_marker.len())
+                                .any(|w| w == upstream_marker);
+                        if !frozen && server_write.write_all(&buf[..n]).await.is_err() {
+                            break;
+                        }
+                    }
+                    // Hold the server side open: a frozen peer never closes.
+                    std::future::pending::<()>().await;
+                    drop(server_write);
+                };
+                let down = async move {
+                    let _ = tokio::io::copy(&mut server_read, &mut client_write).await;
+                };
+                tokio::select! {
+                    () = up => {}
+                    _ = down => {}
+                }
+            });
+        }
+    });
+    port
+}
+
+/// Review item 3: a server that goes silent after login hung the CLI forever (only
+/// establishing the connection was bounded). Now the session setup counts as connecting
+/// (`--connect-timeout`) and every later answer is waited for at most `--statement-timeout`
+/// plus a margin: exit 3 and one line, in bounded time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_silent_after_login_is_unavailable() {
+    let db = TestDb::new().await;
+    let upstream = idempotency_e2e::proxy::host_port(&db.url);
+
+    // Silent from the CLI's session settings on (the first statement after login).
+    let port = freezing_proxy(upstream.clone(), b"application_name").await;
+    let url = with_port(&db.url, port);
+    let started = Instant::now();
+    let out = tokio::task::spawn_blocking(move || {
+        idem_within(
+            &url,
+            &["--connect-timeout", "2s", "stats"],
+            Duration::from_secs(40),
+        )
+    })
+    .await
+    .expect("runner")
+    .expect("stats hung on a server silent after login");
+    expect_code(&out, UNAVAILABLE);
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(
+        stderr(&out).contains("no answer within 2s"),
+        "{}",
+        stderr(&out)
+    );
+
+    // Silent from the first query on the table on.
+    let port = freezing_proxy(upstream, b"idempotency_keys").await;
+    let url = with_port(&db.url, port);
+    let started = Instant::now();
+    let out = tokio::task::spawn_blocking(move || {
+        idem_within(
+            &url,
+            &[
+                "--connect-timeout",
+                "2s",
+                "--statement-timeout",
+                "1s",
+                "stats",
+            ],
+            Duration::from_secs(40),
+        )
+    })
+    .await
+    .expect("runner")
+    .expect("stats hung on a server silent mid-session");
+    expect_code(&out, UNAVAILABLE);
+    assert!(stderr(&out).contains("no answer"), "{}", stderr(&out));
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
+/// `url` (a `postgres://` URL) pointed at 127.0.0.1:`port`.
+fn with_port(url: &str, port: u16) -> String {
+    let (scheme, rest) = url.split_once("://").expect("URL form");
+    let (userinfo, after) = match rest.split_once('@') {
+        Some((user, after)) => (format!("{user}@"), after),
+        None => (String::new(), rest),
+    };
+    let end = after.find(['/', '?']).unwrap_or(after.len());
+    format!("{scheme}://{userinfo}127.0.0.1:{port}{}", &after[end..])
+}

@@ -39,12 +39,13 @@ pub async fn run(
     let mut truncated = false;
     let mut failure = None;
     {
-        let result = query.load_stream::<Record>(conn).await;
+        // Each round trip bounded: a frozen server is "unavailable" (exit 3), never a hang.
+        let result = crate::db::bounded(query.load_stream::<Record>(conn)).await?;
         match result {
             Err(err) => failure = Some(err),
             Ok(stream) => {
                 let mut stream = std::pin::pin!(stream);
-                while let Some(item) = stream.next().await {
+                while let Some(item) = crate::db::bounded(stream.next()).await? {
                     let row = match item {
                         Ok(row) => row,
                         Err(err) => {

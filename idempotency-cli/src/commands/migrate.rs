@@ -47,7 +47,7 @@ pub async fn run(
         let pending = sql!(&mut conn, pending_migrations(&mut conn));
         let pending = full_names(pending);
         // The layout is only known once its migration ran; before that there is no table.
-        let layout = if admin::table_exists(&mut conn).await.unwrap_or(false) {
+        let layout = if matches!(db::bounded(admin::table_exists(&mut conn)).await?, Ok(true)) {
             Some(layout_name(
                 sql!(&mut conn, admin::partition_interval(&mut conn)).as_deref(),
             ))

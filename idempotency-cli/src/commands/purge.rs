@@ -107,14 +107,18 @@ pub async fn run(
     let mut summary = Summary::default();
     loop {
         let batch_started = Instant::now();
-        let result = admin::purge_batch(conn, &filter, args.batch_size).await;
+        let result = crate::db::bounded(admin::purge_batch(conn, &filter, args.batch_size)).await;
+        let result = match result {
+            Ok(Ok(counts)) => Ok(counts),
+            Ok(Err(err)) => Err(crate::db::classify(conn, err).await),
+            Err(frozen) => Err(frozen),
+        };
         let counts = match result {
             Ok(counts) => counts,
             Err(err) => {
                 // Batches already deleted stay deleted (each committed on its own): say how far
                 // the purge got, so the cron log shows progress even for a failed run.
                 progress.clear();
-                let err = crate::db::classify(conn, err).await;
                 return Err(err.context(&format!(
                     "purge stopped after deleting {} records in {} batches",
                     summary.total(),
@@ -202,14 +206,18 @@ async fn partition_work(
         }
     }
     loop {
-        match admin::purge_default_partition(conn, args.batch_size).await {
-            Ok(deleted) => {
+        match crate::db::bounded(admin::purge_default_partition(conn, args.batch_size)).await {
+            Err(frozen) => {
+                failed.get_or_insert(frozen.context("purging the default partition"));
+                break;
+            }
+            Ok(Ok(deleted)) => {
                 work.default_rows_deleted += deleted;
                 if deleted < u64::from(args.batch_size) {
                     break;
                 }
             }
-            Err(err) => {
+            Ok(Err(err)) => {
                 let err = crate::db::classify(conn, err).await;
                 failed.get_or_insert(err.context("purging the default partition"));
                 break;
