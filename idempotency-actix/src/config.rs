@@ -26,6 +26,7 @@
 
 use std::borrow::Cow;
 use std::fmt;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -117,9 +118,19 @@ impl Config {
         problem.type_base = self.problem_type_base.clone();
         match &self.problem_renderer {
             Some(render) => {
-                let mut response = render(&problem);
-                problem.enforce_on(&mut response);
-                response
+                // A panicking renderer is the user's bug, like a panicking hook: caught, so the
+                // client still gets the status, `Retry-After` and a problem document (the
+                // default rendering), and the request is not taken for a handler panic.
+                match catch_unwind(AssertUnwindSafe(|| render(&problem))) {
+                    Ok(mut response) => {
+                        problem.enforce_on(&mut response);
+                        response
+                    }
+                    Err(_) => {
+                        tracing::error!(target: "idempotency_actix", code = problem.code.as_str(), "the problem renderer panicked; answered with the default rendering");
+                        problem.to_response()
+                    }
+                }
             }
             None => problem.to_response(),
         }
@@ -389,7 +400,8 @@ impl<S> IdempotencyBuilder<S> {
         self
     }
 
-    /// Render problems yourself. The status and `Retry-After` are set again afterwards.
+    /// Render problems yourself. The status and `Retry-After` are set again afterwards; a
+    /// renderer that panics is caught and the default rendering is used (and an error logged).
     pub fn problem_renderer<F>(mut self, render: F) -> Self
     where
         F: Fn(&Problem) -> HttpResponse + Send + Sync + 'static,

@@ -58,6 +58,7 @@
 pub mod config;
 mod fingerprint;
 mod key;
+mod log_text;
 pub mod middleware;
 pub mod outcome;
 pub mod problem;

@@ -510,3 +510,47 @@ async fn huge_grace_and_sweep_interval_never_panic() {
         );
     }
 }
+
+/// The router decodes `%0A` and `%1B` in the path, and a quoted key may hold spaces and `=`:
+/// written as they are into a text log, they would forge lines, drive the reader's terminal
+/// or pass for another field. Every client-controlled field is quoted and escaped instead.
+#[actix_web::test]
+async fn hostile_scope_text_cannot_forge_log_lines() {
+    let logs = Captured::default();
+    let writer = logs.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_ansi(false)
+        .with_max_level(tracing::Level::INFO)
+        .with_writer(move || writer.clone())
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let app = init_service(
+        App::new()
+            .wrap(Idempotency::new(MemoryStore::new()))
+            .route("/known", web::post().to(HttpResponse::Created)),
+    )
+    .await;
+    // No route matches: 404, not stored, logged at info inside the request's span.
+    let reply = call_service(
+        &app,
+        TestRequest::post()
+            .uri("/x%0A2026-01-01T00:00:00Z%20ERROR%20forged%1B[2J")
+            .insert_header(("idempotency-key", "\"a tenant=victim\""))
+            .to_request(),
+    )
+    .await;
+    assert_eq!(reply.status(), StatusCode::NOT_FOUND);
+    let text = logs.text();
+    assert!(text.contains("not stored"), "the event was logged: {text}");
+    assert!(
+        !text
+            .lines()
+            .any(|line| line.starts_with("2026-01-01T00:00:00Z")),
+        "a forged line: {text}"
+    );
+    assert!(
+        !text.contains('\u{1b}'),
+        "an escape character reached the log: {text:?}"
+    );
+    assert!(text.contains("key=\"a tenant=victim\""), "{text}");
+}

@@ -1092,3 +1092,122 @@ async fn escapes_the_router_keeps_are_one_scope_whatever_their_case() {
     .await;
     assert_eq!(other.status, StatusCode::CREATED);
 }
+
+#[actix_web::test]
+async fn a_huge_declared_length_is_not_reserved_ahead() {
+    // With no practical body limit, a client's Content-Length near u64::MAX used to be
+    // reserved whole when a second chunk arrived: an allocation failure aborts the process,
+    // a capacity overflow panics. Only what is read may cost memory.
+    let counter = Counter::default();
+    let app = app_with(&counter, |b| b.max_body_bytes(usize::MAX)).await;
+    for declared in [u64::MAX, 1 << 62] {
+        let mut req = chunked(
+            post("/key", &format!("k-{declared}")),
+            vec![Bytes::from_static(b"a"), Bytes::from_static(b"b")],
+        );
+        req.headers_mut()
+            .remove(actix_web::http::header::TRANSFER_ENCODING);
+        req.headers_mut().insert(
+            actix_web::http::header::CONTENT_LENGTH,
+            HeaderValue::from(declared),
+        );
+        // The handler (which reads no body) runs and answers; actix's own body extractors
+        // would refuse the declared length themselves.
+        let reply = send_raw(&app, req).await;
+        assert_eq!(reply.status, StatusCode::OK);
+        assert_eq!(reply.body, format!("k-{declared}"));
+    }
+}
+
+/// Every outcome the hook sees, in order.
+type SeenOutcomes = Arc<std::sync::Mutex<Vec<(idempotency_actix::Outcome, u16)>>>;
+
+fn recording(seen: &SeenOutcomes) -> impl Fn(&idempotency_actix::outcome::OutcomeEvent<'_>) {
+    let seen = Arc::clone(seen);
+    move |event| {
+        if let Ok(mut seen) = seen.lock() {
+            seen.push((event.outcome, event.status.as_u16()));
+        }
+    }
+}
+
+#[actix_web::test]
+async fn a_panicking_problem_renderer_still_answers_the_problem_once() {
+    // A renderer bug is the user's, like a hook's: the client still gets the status, the
+    // problem document and Retry-After, and the request counts once, not as a handler panic.
+    let seen = SeenOutcomes::default();
+    let counter = Counter::default();
+    let app = init_service(
+        App::new()
+            .app_data(web::Data::new(counter.clone()))
+            .wrap(
+                Idempotency::builder(MemoryStore::new())
+                    .problem_renderer(|_| panic!("a renderer bug"))
+                    .on_outcome(recording(&seen))
+                    .build(),
+            )
+            .route("/slow", web::post().to(slow)),
+    )
+    .await;
+    // Refused before the request's task (an invalid key), and on it (a concurrent duplicate).
+    let invalid = send(&app, post("/slow", "\"unterminated")).await;
+    invalid.assert_problem(400, "INVALID_KEY");
+    let (first, second) = futures_util::future::join(
+        send(&app, post("/slow", "k")),
+        send(&app, post("/slow", "k")),
+    )
+    .await;
+    let conflict = if first.status == StatusCode::CONFLICT {
+        first
+    } else {
+        second
+    };
+    conflict.assert_problem(409, "CONFLICT");
+    assert_eq!(conflict.header("retry-after"), Some("1"));
+    let seen = seen.lock().map(|s| s.clone()).unwrap_or_default();
+    assert_eq!(seen.len(), 3, "one outcome per request: {seen:?}");
+    assert!(
+        !seen
+            .iter()
+            .any(|(o, _)| *o == idempotency_actix::Outcome::HandlerPanic),
+        "{seen:?}"
+    );
+    assert_eq!(counter.get(), 1);
+}
+
+async fn panicking_stream() -> HttpResponse {
+    let mut sent = 0;
+    let chunks = futures_util::stream::poll_fn(move |_| {
+        sent += 1;
+        if sent > 1 {
+            panic!("the body panics on its second chunk");
+        }
+        std::task::Poll::Ready(Some(Ok::<_, std::io::Error>(Bytes::from_static(b"part"))))
+    });
+    HttpResponse::Ok().streaming(chunks)
+}
+
+#[actix_web::test]
+async fn a_body_that_panics_aborts_the_response_and_is_counted() {
+    // Without the middleware actix drops the connection; through it, the client's chunked
+    // body must fail too, never end cleanly as if "part" were the whole response.
+    let seen = SeenOutcomes::default();
+    let app = init_service(
+        App::new()
+            .wrap(
+                Idempotency::builder(MemoryStore::new())
+                    .on_outcome(recording(&seen))
+                    .build(),
+            )
+            .route("/stream", web::post().to(panicking_stream)),
+    )
+    .await;
+    let response = call_service(&app, post("/stream", "p").to_request()).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    assert!(
+        to_bytes(response.into_body()).await.is_err(),
+        "a truncated body read as complete"
+    );
+    let seen = seen.lock().map(|s| s.clone()).unwrap_or_default();
+    assert_eq!(seen, vec![(idempotency_actix::Outcome::BodyError, 200)]);
+}

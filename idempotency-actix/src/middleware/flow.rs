@@ -4,9 +4,11 @@
 
 use std::error::Error as StdError;
 use std::future::Future;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::pin::Pin;
 use std::rc::Rc;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use actix_service::Service;
@@ -27,6 +29,7 @@ use super::replay::{replay, storable_headers};
 use crate::config::{saturating_deadline, Config, ResponseParts};
 use crate::fingerprint::{is_json_content_type, Fingerprint};
 use crate::key::{parse_key, IdempotencyKey, KeyError};
+use crate::log_text::LogText;
 use crate::outcome::{self, Meters, Op, Outcome, Report};
 use crate::problem::{Problem, ProblemCode};
 use crate::store::{
@@ -166,10 +169,10 @@ where
         let span = tracing::error_span!(
             target: "idempotency_actix",
             "idempotency",
-            key = %scope.key,
-            tenant = %scope.tenant,
-            method = %scope.method,
-            path = %scope.path,
+            key = %LogText(&scope.key),
+            tenant = %LogText(&scope.tenant),
+            method = %LogText(&scope.method),
+            path = %LogText(&scope.path),
         );
         let (answer, answered) = oneshot::channel();
         let work = self.settle(req, scope, fingerprint, body, report.clone(), answer);
@@ -455,7 +458,22 @@ where
         let mut read = 0usize;
         let mut body = std::pin::pin!(body);
         loop {
-            match std::future::poll_fn(|cx| body.as_mut().poll_next(cx)).await {
+            // A body that panics is caught here: the client's connection must be aborted (a
+            // chunked body that just ended would look complete) and the outcome counted.
+            let next = std::future::poll_fn(|cx| {
+                match catch_unwind(AssertUnwindSafe(|| body.as_mut().poll_next(cx))) {
+                    Ok(poll) => poll.map(Some),
+                    Err(_) => Poll::Ready(None),
+                }
+            });
+            let Some(next) = next.await else {
+                tracing::error!(target: "idempotency_actix", outcome = "body_error", "response body panicked after its head was sent; connection aborted, reservation left to its lease");
+                if let Some(sender) = client {
+                    let _ = sender.send(Err(BodyFailed)).await;
+                }
+                return Outcome::BodyError;
+            };
+            match next {
                 None => break,
                 Some(Ok(chunk)) => {
                     let mut went_over = false;
@@ -702,6 +720,10 @@ pub(super) fn unavailable_detail(error: &StoreError) -> String {
 
 /// Buffer the request body, or answer 413 (C14): checked against Content-Length first, then
 /// against the bytes actually read, so a missing or lying Content-Length changes nothing.
+/// The most [`read_body`] reserves ahead on a client's `Content-Length` (the default
+/// `max_body_bytes`).
+const RESERVE_CAP: usize = 1 << 20;
+
 async fn read_body(req: &mut ServiceRequest, max: usize) -> Result<Result<Bytes, Problem>, Error> {
     let too_large = || {
         Problem::new(
@@ -734,7 +756,11 @@ async fn read_body(req: &mut ServiceRequest, max: usize) -> Result<Result<Bytes,
             continue;
         }
         if let Some(first) = first.take() {
-            body.reserve(declared.map_or(read, |len| len as usize).max(read));
+            // Room for the declared length, up to a cap: the header is the client's word, and
+            // with a very large `max_body_bytes` reserving it whole could fail the process's
+            // allocation before a second byte arrives. Past the cap the buffer grows as read.
+            let declared = declared.map_or(read, |len| usize::try_from(len).unwrap_or(max));
+            body.reserve(declared.min(max).min(RESERVE_CAP).max(read));
             body.extend_from_slice(&first);
         }
         body.extend_from_slice(&chunk);

@@ -41,6 +41,7 @@ use super::replay::{replay, storable_headers};
 use crate::config::{saturating_deadline, ResponseParts};
 use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
+use crate::log_text::LogText;
 use crate::outcome::{Outcome, Report};
 use crate::problem::{Problem, ProblemCode};
 use crate::store::postgres::transactional::{self as sql, CommitError, TxConnection};
@@ -291,7 +292,7 @@ pub(super) async fn settle_keyed<S, Svc, B>(
                 let (response, outcome) = match replay(stored, &req, &config.deny_headers) {
                     Ok(response) => (response, Outcome::Replay),
                     Err(problem) => {
-                        tracing::info!(target: "idempotency_actix", outcome = "replay_not_acceptable", key = %scope.key, tenant = %scope.tenant, path = %scope.path, "stored response encoded in a way this retry does not accept");
+                        tracing::info!(target: "idempotency_actix", outcome = "replay_not_acceptable", key = %LogText(&scope.key), tenant = %LogText(&scope.tenant), path = %LogText(&scope.path), "stored response encoded in a way this retry does not accept");
                         (config.problem(problem), Outcome::ReplayNotAcceptable)
                     }
                 };
@@ -306,7 +307,7 @@ pub(super) async fn settle_keyed<S, Svc, B>(
                     pause = (pause * 2).min(MAX_POLL_INTERVAL);
                     continue;
                 }
-                tracing::info!(target: "idempotency_actix", outcome = "conflict", key = %scope.key, tenant = %scope.tenant, path = %scope.path, "the first request with this key is still running (its transaction is open)");
+                tracing::info!(target: "idempotency_actix", outcome = "conflict", key = %LogText(&scope.key), tenant = %LogText(&scope.tenant), path = %LogText(&scope.path), "the first request with this key is still running (its transaction is open)");
                 let problem = Problem::new(
                     ProblemCode::Conflict,
                     "the first request with this key is still being processed; retry after it finishes",
@@ -318,7 +319,7 @@ pub(super) async fn settle_keyed<S, Svc, B>(
                 return;
             }
         };
-        tracing::debug!(target: "idempotency_actix", outcome = "miss", key = %scope.key, tenant = %scope.tenant, path = %scope.path, "claimed in a transaction; running the handler");
+        tracing::debug!(target: "idempotency_actix", outcome = "miss", key = %LogText(&scope.key), tenant = %LogText(&scope.tenant), path = %LogText(&scope.path), "claimed in a transaction; running the handler");
         let _held = flow.meters.held();
         req.extensions_mut()
             .insert(IdempotencyKey(scope.key.clone()));
@@ -349,7 +350,7 @@ pub(super) async fn settle_keyed<S, Svc, B>(
                     *next.match_info_mut() = match_info.clone();
                 }));
                 if restored.is_err() {
-                    tracing::error!(target: "idempotency_actix", outcome = "commit_failed", key = %scope.key, tenant = %scope.tenant, path = %scope.path, "serialization failure, rolled back; not run again because a copy of the request is still held (a handler kept its HttpRequest)");
+                    tracing::error!(target: "idempotency_actix", outcome = "commit_failed", key = %LogText(&scope.key), tenant = %LogText(&scope.tenant), path = %LogText(&scope.path), "serialization failure, rolled back; not run again because a copy of the request is still held (a handler kept its HttpRequest)");
                     let (http_req, _) = next.into_parts();
                     let _ = answer.send(commit_failed(
                         &flow,
@@ -360,7 +361,7 @@ pub(super) async fn settle_keyed<S, Svc, B>(
                     ));
                     return;
                 }
-                tracing::info!(target: "idempotency_actix", outcome = "serialization_retry", key = %scope.key, tenant = %scope.tenant, path = %scope.path, run = runs, "serialization failure; everything rolled back, running the request again");
+                tracing::info!(target: "idempotency_actix", outcome = "serialization_retry", key = %LogText(&scope.key), tenant = %LogText(&scope.tenant), path = %LogText(&scope.path), run = runs, "serialization failure; everything rolled back, running the request again");
                 req = next;
             }
         }
@@ -457,7 +458,7 @@ async fn claim<S, Svc>(
 ) -> Claimed {
     let config = &flow.config;
     let unavailable = |error: &StoreError| {
-        tracing::error!(target: "idempotency_actix", outcome = "store_error", key = %scope.key, tenant = %scope.tenant, path = %scope.path, %error, "could not claim the key (transactional mode fails closed: fail_open does not apply)");
+        tracing::error!(target: "idempotency_actix", outcome = "store_error", key = %LogText(&scope.key), tenant = %LogText(&scope.tenant), path = %LogText(&scope.path), %error, "could not claim the key (transactional mode fails closed: fail_open does not apply)");
         let problem = Problem::new(ProblemCode::StorageUnavailable, unavailable_detail(error))
             .with_retry_after(config.retry_after);
         Claimed::Answered(config.problem(problem), Outcome::StoreUnavailable)
@@ -505,7 +506,7 @@ async fn claim<S, Svc>(
                 fingerprint: stored,
                 ..
             }) if stored != *fingerprint => {
-                tracing::info!(target: "idempotency_actix", outcome = "mismatch", key = %scope.key, tenant = %scope.tenant, path = %scope.path, "key reused for a different request");
+                tracing::info!(target: "idempotency_actix", outcome = "mismatch", key = %LogText(&scope.key), tenant = %LogText(&scope.tenant), path = %LogText(&scope.path), "key reused for a different request");
                 let problem = Problem::new(
                     ProblemCode::FingerprintMismatch,
                     "this key was already used on this endpoint for a request with another \
@@ -514,7 +515,7 @@ async fn claim<S, Svc>(
                 return Claimed::Answered(config.problem(problem), Outcome::Mismatch);
             }
             Some(ReserveOutcome::Completed { response, .. }) => {
-                tracing::debug!(target: "idempotency_actix", outcome = "replay", key = %scope.key, tenant = %scope.tenant, path = %scope.path, status = response.status, "replaying the stored response");
+                tracing::debug!(target: "idempotency_actix", outcome = "replay", key = %LogText(&scope.key), tenant = %LogText(&scope.tenant), path = %LogText(&scope.path), status = response.status, "replaying the stored response");
                 return Claimed::Replay(response);
             }
             Some(ReserveOutcome::InFlight { .. }) => return Claimed::InFlight,
@@ -587,7 +588,7 @@ where
     };
     let log_rollback = |reason: &str| match scope {
         Some(scope) => {
-            tracing::info!(target: "idempotency_actix", outcome = "rolled_back", key = %scope.key, tenant = %scope.tenant, path = %scope.path, reason, "response not storable; the transaction (the handler's writes and the reservation) was rolled back");
+            tracing::info!(target: "idempotency_actix", outcome = "rolled_back", key = %LogText(&scope.key), tenant = %LogText(&scope.tenant), path = %LogText(&scope.path), reason, "response not storable; the transaction (the handler's writes and the reservation) was rolled back");
         }
         None => {
             tracing::debug!(target: "idempotency_actix", outcome = "rolled_back", reason, "keyless transactional request rolled back");
@@ -690,7 +691,7 @@ where
             Ok(WriteOutcome::Stale) => {
                 // Our own uncommitted row: cannot be taken over. Refuse to commit anything.
                 sql::rollback(&tx.store, &mut conn).await;
-                tracing::error!(target: "idempotency_actix", outcome = "commit_failed", key = %scope.key, "the reservation of this transaction was not found at complete; rolled back");
+                tracing::error!(target: "idempotency_actix", outcome = "commit_failed", key = %LogText(&scope.key), "the reservation of this transaction was not found at complete; rolled back");
                 return After::Answer(commit_failed(
                     flow,
                     http_req,
@@ -705,7 +706,7 @@ where
                     return After::Retry(http_req);
                 }
                 // No COMMIT was sent: whatever happened, nothing was committed.
-                tracing::error!(target: "idempotency_actix", outcome = "commit_failed", key = %scope.key, tenant = %scope.tenant, path = %scope.path, %error, "storing the response in the transaction failed; rolled back");
+                tracing::error!(target: "idempotency_actix", outcome = "commit_failed", key = %LogText(&scope.key), tenant = %LogText(&scope.tenant), path = %LogText(&scope.path), %error, "storing the response in the transaction failed; rolled back");
                 return After::Answer(commit_failed(
                     flow,
                     http_req,
@@ -719,7 +720,7 @@ where
     match sql::commit(&tx.store, &mut conn).await {
         Ok(()) => {
             if let Some(scope) = scope {
-                tracing::debug!(target: "idempotency_actix", outcome = "stored", key = %scope.key, tenant = %scope.tenant, path = %scope.path, status = status.as_u16(), "committed: handler's writes and the response");
+                tracing::debug!(target: "idempotency_actix", outcome = "stored", key = %LogText(&scope.key), tenant = %LogText(&scope.tenant), path = %LogText(&scope.path), status = status.as_u16(), "committed: handler's writes and the response");
             }
             outcome(Outcome::Stored, status);
             let response = ServiceResponse::new(http_req, head.set_body(BoxBody::new(bytes)));

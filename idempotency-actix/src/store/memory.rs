@@ -15,6 +15,7 @@ use super::{
     Fingerprint, IdempotencyStore, ReservationToken, ReserveOutcome, Scope, StoreError,
     StoredResponse, WriteOutcome,
 };
+use crate::log_text::LogText;
 
 /// Default for [`MemoryStoreBuilder::max_entries`]: at about 460 bytes per small record
 /// (`docs/benchmarks.md`) it is some 45 MiB. With the middleware's default 24 h TTL it holds
@@ -399,11 +400,12 @@ impl PackedScope {
 }
 
 /// A packed part as text: the parts were `String`s, so this is never lossy in practice.
+/// Client-controlled, so written as a [`LogText`].
 struct Text<'a>(&'a [u8]);
 
 impl std::fmt::Display for Text<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&String::from_utf8_lossy(self.0))
+        LogText(&String::from_utf8_lossy(self.0)).fmt(f)
     }
 }
 

@@ -15,6 +15,7 @@ use super::schema::State;
 use super::sql::{self, Completion, ReplayRead, Reserve, ReserveRow, ScopeBinds};
 use super::{micros, PgPool, PostgresStoreBuilder, DEFAULT_PURGE_BATCH, DEFAULT_QUERY_TIMEOUT};
 use super::{DEFAULT_CONNECTION_TIMEOUT, DEFAULT_MAX_SIZE};
+use crate::log_text::LogText;
 use crate::store::{
     Fingerprint, IdempotencyStore, ReservationToken, ReserveOutcome, Scope, StoreError,
     StoredResponse, WriteOutcome,
@@ -334,7 +335,7 @@ impl IdempotencyStore for PostgresStore {
             if let Some(outcome) = once.await? {
                 return Ok(outcome);
             }
-            tracing::debug!(attempt, key = %scope.key, "idempotency reserve raced; re-running");
+            tracing::debug!(attempt, key = %LogText(&scope.key), "idempotency reserve raced; re-running");
         }
         Err(StoreError::Backend(
             format!("reserve lost {RESERVE_ATTEMPTS} races in a row for one key").into(),
