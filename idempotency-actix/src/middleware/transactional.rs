@@ -423,6 +423,13 @@ where
                 .map_into_right_body());
         }
     };
+    // With a tenant source, the setting is always set in the transaction: to `''` when this
+    // request has no tenant, never left to whatever an earlier request's handler set for the
+    // session on this pooled connection (row-level security keyed on it then shows nothing).
+    let tenant = match (&config.tenant, tenant) {
+        (Some(_), tenant) => Some(tenant.unwrap_or_default()),
+        (None, _) => None,
+    };
     if let Some(tenant) = &tenant {
         if let Err(error) = sql::set_tenant(&tx.store, &mut conn, &tx.tenant_setting, tenant).await
         {
@@ -586,6 +593,12 @@ where
         outcome(Outcome::CommitFailed, StatusCode::INTERNAL_SERVER_ERROR);
         return After::Answer(Err(opaque_500("TxConn outlived the handler")));
     };
+    // The handler may have ended the transaction itself (diesel's commit_transaction or
+    // rollback_transaction): then there is nothing left to roll back, and what it committed
+    // stays committed whatever its status (see the depth check below).
+    let ended_by_handler = AnsiTransactionManager::transaction_manager_status_mut(&mut *conn)
+        .transaction_depth()
+        .is_ok_and(|depth| depth.is_none());
     let log_rollback = |reason: &str| match scope {
         Some(scope) => {
             tracing::info!(target: "idempotency_actix", outcome = "rolled_back", key = %LogText(&scope.key), tenant = %LogText(&scope.tenant), path = %LogText(&scope.path), reason, "response not storable; the transaction (the handler's writes and the reservation) was rolled back");
@@ -605,7 +618,7 @@ where
         other => other,
     };
     let response = match result {
-        Ok(response) if (config.store_status)(response.status()) => response,
+        Ok(response) if ended_by_handler || (config.store_status)(response.status()) => response,
         Ok(response) => {
             sql::rollback(&tx.store, &mut conn).await;
             let status = response.status();
@@ -655,7 +668,7 @@ where
         headers: head.headers(),
         body: &bytes,
     };
-    if config.store_if.as_ref().is_some_and(|keep| !keep(&parts)) {
+    if !ended_by_handler && config.store_if.as_ref().is_some_and(|keep| !keep(&parts)) {
         sql::rollback(&tx.store, &mut conn).await;
         log_rollback("rejected by store_if");
         outcome(Outcome::RolledBack, status);
@@ -669,6 +682,43 @@ where
         .ok()
         .flatten()
         .map(|d| d.get());
+    if let (None, None) = (depth, record) {
+        // A keyless request whose handler ended its own transaction: nothing of ours is in
+        // it, so its response is the handler's word.
+        tracing::warn!(target: "idempotency_actix", outcome = "stored", "the handler ended the request's transaction itself; its response is sent as it is");
+        outcome(Outcome::Stored, status);
+        let response = ServiceResponse::new(http_req, head.set_body(BoxBody::new(bytes)));
+        return After::Answer(Ok(response.map_into_right_body()));
+    }
+    if let (None, Some((scope, token))) = (depth, record) {
+        // No transaction open: the handler ended it itself (diesel's commit_transaction or
+        // rollback_transaction). If it committed, its writes and our reservation are committed
+        // and nothing can undo them: store its response now, outside the transaction, so a
+        // retry replays it (whatever its status) instead of running again after the lease.
+        // If it rolled back, the reservation went with its writes: the complete finds nothing.
+        let stored = StoredResponse {
+            status: status.as_u16(),
+            headers: storable_headers(head.headers(), &config.deny_headers),
+            body: bytes.clone(),
+        };
+        let completed =
+            sql::complete(&tx.store, &mut conn, scope, &token, &stored, config.ttl).await;
+        if let Ok(WriteOutcome::Applied) = completed {
+            tracing::error!(target: "idempotency_actix", outcome = "stored", key = %LogText(&scope.key), tenant = %LogText(&scope.tenant), path = %LogText(&scope.path), status = status.as_u16(), "the handler committed the request's transaction itself; its response was stored after that commit (not atomically: use the transaction, never end it)");
+            outcome(Outcome::Stored, status);
+            let response = ServiceResponse::new(http_req, head.set_body(BoxBody::new(bytes)));
+            return After::Answer(Ok(response.map_into_right_body()));
+        }
+        tracing::error!(target: "idempotency_actix", outcome = "commit_failed", key = %LogText(&scope.key), completed = ?completed, "the handler ended the request's transaction itself and its reservation is gone (it rolled back): nothing of the transaction was committed");
+        drop(conn); // a connection whose transaction a handler ended: not lent again
+        return After::Answer(commit_failed(
+            flow,
+            http_req,
+            Some(scope),
+            report,
+            "the handler rolled back the request's transaction itself",
+        ));
+    }
     if depth != Some(1) {
         tracing::error!(target: "idempotency_actix", outcome = "commit_failed", depth, "the handler left the request's transaction at another depth (an open savepoint, or its own COMMIT/ROLLBACK): nothing is committed, the connection is discarded");
         drop(conn); // in a transaction: the pool closes it and PostgreSQL rolls back
@@ -735,7 +785,7 @@ where
         }
         Err(CommitError::RolledBack { error, .. }) => {
             sql::rollback(&tx.store, &mut conn).await;
-            tracing::error!(target: "idempotency_actix", outcome = "commit_failed", key = scope.map(|s| s.key.as_str()), %error, "COMMIT failed; the handler's writes and the reservation were rolled back");
+            tracing::error!(target: "idempotency_actix", outcome = "commit_failed", key = scope.map(|s| tracing::field::display(LogText(&s.key))), %error, "COMMIT failed; the handler's writes and the reservation were rolled back");
             After::Answer(commit_failed(
                 flow,
                 http_req,
@@ -745,15 +795,21 @@ where
             ))
         }
         Err(CommitError::Unknown(why)) => {
-            tracing::error!(target: "idempotency_actix", outcome = "commit_unknown", key = scope.map(|s| s.key.as_str()), why, "the connection was lost during COMMIT: the outcome is unknown");
-            let problem = Problem::new(
-                ProblemCode::CommitOutcomeUnknown,
+            tracing::error!(target: "idempotency_actix", outcome = "commit_unknown", key = scope.map(|s| tracing::field::display(LogText(&s.key))), why, "the connection was lost during COMMIT: the outcome is unknown");
+            // Only a keyed request can promise a safe retry: without a key, a retry of a
+            // commit that happened runs the request a second time.
+            let detail = if scope.is_some() {
                 "the connection to the database was lost while committing this request, so \
                  whether it took effect is unknown; a retry with the same Idempotency-Key is \
                  safe: it returns the original response if the commit happened, and runs the \
-                 request once if it did not",
-            )
-            .with_retry_after(config.retry_after);
+                 request once if it did not"
+            } else {
+                "the connection to the database was lost while committing this request, so \
+                 whether it took effect is unknown; check before retrying, or send an \
+                 Idempotency-Key so that a retry is safe"
+            };
+            let problem = Problem::new(ProblemCode::CommitOutcomeUnknown, detail)
+                .with_retry_after(config.retry_after);
             if let Some(report) = report {
                 report.outcome(Outcome::CommitUnknown, problem.status(), scope);
             }

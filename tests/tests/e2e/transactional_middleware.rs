@@ -43,6 +43,10 @@ struct Opts {
     stream_fail: Option<bool>,
     /// Panic after the INSERT.
     panic: Option<bool>,
+    /// End the request's transaction itself after the INSERT, through diesel: commit it.
+    self_commit: Option<bool>,
+    /// The same, rolling it back.
+    self_rollback: Option<bool>,
 }
 
 #[derive(diesel::QueryableByName)]
@@ -120,6 +124,15 @@ async fn pay(
         AnsiTransactionManager::begin_transaction(&mut *conn)
             .await
             .map_err(actix_web::error::ErrorInternalServerError)?;
+    }
+    if opts.self_commit == Some(true) || opts.self_rollback == Some(true) {
+        use diesel_async::{AnsiTransactionManager, TransactionManager};
+        let ended = if opts.self_commit == Some(true) {
+            AnsiTransactionManager::commit_transaction(&mut *conn).await
+        } else {
+            AnsiTransactionManager::rollback_transaction(&mut *conn).await
+        };
+        ended.map_err(actix_web::error::ErrorInternalServerError)?;
     }
     drop(conn);
     assert!(opts.panic != Some(true), "the handler panicked on purpose");
@@ -874,6 +887,109 @@ async fn an_open_savepoint_is_never_committed() {
     let retry = send(&app, "os1", "", 1).await;
     assert_eq!(retry.status, StatusCode::CREATED);
     assert_eq!(payments(&db), 1);
+}
+
+/// A handler that commits the request's transaction itself (diesel's `commit_transaction`)
+/// has committed its writes and the reservation: the middleware cannot undo that, so it must
+/// not say "nothing was done". It stores the handler's response outside the transaction, so a
+/// retry replays it instead of running the handler again after the lease, whatever its status.
+#[actix_web::test]
+async fn a_handler_that_commits_itself_is_replayed_never_run_twice() {
+    let (db, store) = setup().await;
+    let runs = Runs::default();
+    let middleware = Idempotency::builder(store.clone())
+        .tenant_header("x-account-id")
+        .transactional()
+        .lock_timeout(Duration::from_millis(300))
+        .build();
+    let app = app!(middleware, runs);
+    for (key, query, status) in [
+        ("sc1", "?self_commit=true", StatusCode::CREATED),
+        ("sc2", "?self_commit=true&status=409", StatusCode::CONFLICT),
+    ] {
+        let first = send(&app, key, query, 1).await;
+        assert_eq!(first.status, status, "{}", first.body);
+        let runs_before = runs.get();
+        tokio::time::sleep(Duration::from_millis(400)).await; // past the lease
+        let retry = send(&app, key, query, 1).await;
+        assert_eq!(retry.status, status, "{}", retry.body);
+        assert!(retry.replayed, "{key}: the retry ran the handler again");
+        assert_eq!(retry.body, first.body);
+        assert_eq!(runs.get(), runs_before);
+        assert_eq!(records_for_key(&db.url, key)[0].state, State::Completed);
+    }
+    assert_eq!(payments(&db), 2, "one committed payment per key");
+}
+
+/// A handler that rolls the request's transaction back itself undid its writes and the
+/// reservation: nothing was done, and a retry runs it.
+#[actix_web::test]
+async fn a_handler_that_rolls_back_itself_leaves_nothing() {
+    let (db, store) = setup().await;
+    let runs = Runs::default();
+    let app = app!(tx_middleware(&store), runs);
+    let failed = send(&app, "sr1", "?self_rollback=true", 1).await;
+    assert_eq!(failed.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(failed.body["code"], "COMMIT_FAILED", "{}", failed.body);
+    assert_nothing_kept(&db, "sr1", 0);
+    let retry = send(&app, "sr1", "", 1).await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert_eq!(payments(&db), 1);
+}
+
+#[derive(diesel::QueryableByName)]
+struct Setting {
+    #[diesel(sql_type = Nullable<Text>)]
+    value: Option<String>,
+}
+
+/// Answers the transaction's tenant setting; with `?leak=1` it first sets it for the whole
+/// session (what a handler must not do), which outlives the request on the pooled connection.
+async fn tenant_seen(
+    tx: IdempotentTx,
+    req: actix_web::HttpRequest,
+) -> actix_web::Result<HttpResponse> {
+    let mut conn = tx.conn();
+    if req.query_string() == "leak=1" {
+        diesel::sql_query("SET app.tenant_id = 'leaked'")
+            .execute(&mut *conn)
+            .await
+            .map_err(actix_web::error::ErrorInternalServerError)?;
+    }
+    let seen = diesel::sql_query("SELECT current_setting('app.tenant_id', true) AS value")
+        .get_result::<Setting>(&mut *conn)
+        .await
+        .map_err(actix_web::error::ErrorInternalServerError)?;
+    Ok(HttpResponse::Created().json(seen.value))
+}
+
+/// With a tenant source configured, a keyless request without a tenant runs with the tenant
+/// setting empty in its transaction, not with whatever an earlier request left on the pooled
+/// connection (row-level security keyed on it then shows it nothing).
+#[actix_web::test]
+async fn a_keyless_request_without_a_tenant_never_sees_a_leaked_one() {
+    let (db, _) = setup().await;
+    let store = one_connection_store(&db).await;
+    let app = test::init_service(
+        App::new().service(
+            web::scope("")
+                .wrap(tx_middleware(&store))
+                .route("/payments", web::post().to(tenant_seen)),
+        ),
+    )
+    .await;
+    let leaking = call(&app, post(Some("l1"), "?leak=1", serde_json::json!({}))).await;
+    assert_eq!(leaking.status, StatusCode::CREATED);
+    let keyless = test::TestRequest::post()
+        .uri("/payments")
+        .set_json(serde_json::json!({}));
+    let answer = call(&app, keyless).await;
+    assert_eq!(answer.status, StatusCode::CREATED, "{}", answer.body);
+    assert_eq!(
+        answer.body,
+        serde_json::json!(""),
+        "the keyless request saw a leaked tenant"
+    );
 }
 
 /// A keyless request on a covered method gets a plain transaction; when no connection can be
