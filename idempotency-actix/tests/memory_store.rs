@@ -302,6 +302,18 @@ impl Write for Captured {
     }
 }
 
+/// This thread's log events from here on (info and above, no colours), until the guard drops.
+fn capture_logs() -> (Captured, tracing::subscriber::DefaultGuard) {
+    let logs = Captured::default();
+    let writer = logs.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_ansi(false)
+        .with_max_level(tracing::Level::INFO)
+        .with_writer(move || writer.clone())
+        .finish();
+    (logs, tracing::subscriber::set_default(subscriber))
+}
+
 impl Captured {
     fn text(&self) -> String {
         String::from_utf8_lossy(&self.0.lock().unwrap_or_else(|p| p.into_inner())).into_owned()
@@ -313,14 +325,7 @@ impl Captured {
 /// never evicted. Guards that the cache-like mode works and is never silent.
 #[tokio::test]
 async fn opted_in_eviction_evicts_the_oldest_and_logs_it_at_warn() {
-    let logs = Captured::default();
-    let writer = logs.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_ansi(false)
-        .with_max_level(tracing::Level::INFO)
-        .with_writer(move || writer.clone())
-        .finish();
-    let _guard = tracing::subscriber::set_default(subscriber);
+    let (logs, _guard) = capture_logs();
 
     let store = MemoryStore::builder()
         .max_entries(2)
@@ -516,14 +521,7 @@ async fn huge_grace_and_sweep_interval_never_panic() {
 /// or pass for another field. Every client-controlled field is quoted and escaped instead.
 #[actix_web::test]
 async fn hostile_scope_text_cannot_forge_log_lines() {
-    let logs = Captured::default();
-    let writer = logs.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_ansi(false)
-        .with_max_level(tracing::Level::INFO)
-        .with_writer(move || writer.clone())
-        .finish();
-    let _guard = tracing::subscriber::set_default(subscriber);
+    let (logs, _guard) = capture_logs();
     let app = init_service(
         App::new()
             .wrap(Idempotency::new(MemoryStore::new()))

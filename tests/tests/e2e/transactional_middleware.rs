@@ -260,11 +260,15 @@ macro_rules! app {
     };
 }
 
-fn tx_middleware(store: &PostgresStore) -> Idempotency<PostgresStore> {
+/// The transactional middleware of these tests: tenant from `x-account-id`.
+fn tx_builder(store: &PostgresStore) -> idempotency_actix::IdempotencyBuilder<PostgresStore> {
     Idempotency::builder(store.clone())
         .tenant_header("x-account-id")
         .transactional()
-        .build()
+}
+
+fn tx_middleware(store: &PostgresStore) -> Idempotency<PostgresStore> {
+    tx_builder(store).build()
 }
 
 fn payments(db: &TestDb) -> i64 {
@@ -612,9 +616,7 @@ async fn exhausted_pool_answers_503_without_running_the_handler() {
 async fn serializable_conflicts_are_retried_when_enabled() {
     let (db, store) = setup().await;
     let runs = Runs::default();
-    let middleware = Idempotency::builder(store.clone())
-        .tenant_header("x-account-id")
-        .transactional()
+    let middleware = tx_builder(&store)
         .isolation_level(idempotency_actix::store::postgres::IsolationLevel::Serializable)
         .retry_serialization_failures(3);
     let app = test::init_service(
@@ -658,10 +660,7 @@ async fn serializable_conflicts_are_retried_when_enabled() {
 async fn a_serialization_failure_inside_the_handler_is_retried() {
     let (db, store) = setup().await;
     let runs = Runs::default();
-    let middleware = Idempotency::builder(store.clone())
-        .tenant_header("x-account-id")
-        .transactional()
-        .retry_serialization_failures(2);
+    let middleware = tx_builder(&store).retry_serialization_failures(2);
     let app = test::init_service(
         App::new().app_data(web::Data::new(runs.clone())).service(
             web::scope("")
@@ -712,10 +711,7 @@ async fn fails_first_run(
 async fn a_request_its_handler_kept_is_not_run_again_and_the_key_stays_free() {
     let (db, store) = setup().await;
     let runs = Runs::default();
-    let middleware = Idempotency::builder(store.clone())
-        .tenant_header("x-account-id")
-        .transactional()
-        .retry_serialization_failures(2);
+    let middleware = tx_builder(&store).retry_serialization_failures(2);
     let app = test::init_service(App::new().app_data(web::Data::new(runs.clone())).service(
         web::scope("").wrap(middleware.build()).route(
             "/payments",
@@ -763,9 +759,7 @@ async fn keeps_request_and_fails_first_run(
 async fn serializable_conflict_without_retries_is_commit_failed() {
     let (db, store) = setup().await;
     let runs = Runs::default();
-    let middleware = Idempotency::builder(store.clone())
-        .tenant_header("x-account-id")
-        .transactional()
+    let middleware = tx_builder(&store)
         .isolation_level(idempotency_actix::store::postgres::IsolationLevel::Serializable);
     let app = test::init_service(
         App::new().app_data(web::Data::new(runs.clone())).service(
@@ -834,9 +828,7 @@ async fn skew(tx: IdempotentTx, runs: web::Data<Runs>) -> actix_web::Result<Http
 async fn store_if_refusal_rolls_back_and_sends_the_response() {
     let (db, store) = setup().await;
     let runs = Runs::default();
-    let middleware = Idempotency::builder(store.clone())
-        .tenant_header("x-account-id")
-        .transactional()
+    let middleware = tx_builder(&store)
         .store_if(|parts| parts.status != StatusCode::ACCEPTED)
         .build();
     let app = app!(middleware, runs);
@@ -897,9 +889,7 @@ async fn an_open_savepoint_is_never_committed() {
 async fn a_handler_that_commits_itself_is_replayed_never_run_twice() {
     let (db, store) = setup().await;
     let runs = Runs::default();
-    let middleware = Idempotency::builder(store.clone())
-        .tenant_header("x-account-id")
-        .transactional()
+    let middleware = tx_builder(&store)
         .lock_timeout(Duration::from_millis(300))
         .build();
     let app = app!(middleware, runs);
@@ -1021,9 +1011,7 @@ async fn repeatable_read_without_a_query_timeout() {
         .await
         .unwrap();
     let runs = Runs::default();
-    let middleware = Idempotency::builder(store.clone())
-        .tenant_header("x-account-id")
-        .transactional()
+    let middleware = tx_builder(&store)
         .isolation_level(idempotency_actix::store::postgres::IsolationLevel::RepeatableRead)
         .build();
     let app = app!(middleware, runs);
