@@ -85,8 +85,12 @@ pub use error::MIGRATE_HINT;
 pub use error::{
     classify_connection_error, classify_error, classify_query_error, not_provisioned, table_exists,
 };
+/// For `idem-cli migrate`, which applies the migrations on its own connection.
+#[doc(hidden)]
+pub use migrate::{apply_pending_migrations, Harness};
 pub use migrate::{
-    pending_migrations, run_migrations, run_migrations_partitioned, PartitionInterval, MIGRATIONS,
+    pending_migrations, pending_migrations_on, run_migrations, run_migrations_partitioned,
+    PartitionInterval, MIGRATIONS,
 };
 pub use store::PostgresStore;
 pub use transactional::{IsolationLevel, TX_MIGRATE_HINT};

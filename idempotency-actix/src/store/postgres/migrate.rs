@@ -19,7 +19,9 @@
 use std::time::{Duration, Instant};
 
 use diesel::connection::SimpleConnection;
-use diesel::sql_types::{BigInt, Bool};
+use diesel::migration::MigrationSource;
+use diesel::pg::Pg;
+use diesel::sql_types::{BigInt, Bool, Text};
 use diesel::{QueryableByName, RunQueryDsl};
 use diesel_async::async_connection_wrapper::AsyncConnectionWrapper;
 use diesel_async::AsyncPgConnection;
@@ -34,7 +36,6 @@ use crate::store::StoreError;
 pub const MIGRATIONS: EmbeddedMigrations = embed_migrations!("../migrations");
 
 /// Arbitrary constant identifying this crate's migration advisory lock ("idem" + "migr").
-/// `idem-cli migrate` takes the same key.
 const MIGRATION_LOCK_KEY: i64 = 0x6964_656d_6d69_6772;
 
 /// The longest [`run_migrations`] and friends wait to open their connection.
@@ -58,12 +59,7 @@ const LOCK_POLL: Duration = Duration::from_millis(100);
 /// [`StoreError::Unavailable`] when the database cannot be reached within 30 s, or another
 /// session held the migration lock for longer than 2 minutes; [`StoreError::Backend`] when a migration fails (it is rolled back; nothing half-applied remains) or the URL is bad.
 pub async fn run_migrations(url: &str) -> Result<Vec<String>, StoreError> {
-    with_harness(url, |harness| {
-        harness
-            .run_pending_migrations(MIGRATIONS)
-            .map(|versions| versions.iter().map(|v| v.to_string()).collect())
-    })
-    .await
+    with_harness(url, None).await
 }
 
 /// The partition interval of the partitioned layout.
@@ -98,60 +94,134 @@ pub async fn run_migrations_partitioned(
     url: &str,
     interval: PartitionInterval,
 ) -> Result<Vec<String>, StoreError> {
-    let settings = format!(
-        "SET idempotency.layout = 'partitioned'; SET idempotency.partition_interval = '{}'",
-        interval.as_str()
-    );
-    with_harness(url, move |harness| {
-        harness.batch_execute(&settings)?;
-        harness
-            .run_pending_migrations(MIGRATIONS)
-            .map(|versions| versions.iter().map(|v| v.to_string()).collect())
-    })
-    .await
+    with_harness(url, Some(interval)).await
 }
 
 /// The versions of the embedded migrations not yet applied to the database at `url` (empty
-/// when the schema is current). For deploy gates such as `idem-cli migrate --check`.
+/// when the schema is current). For deploy gates such as `idem-cli migrate --check`. Reads
+/// only: see [`pending_migrations_on`].
 ///
 /// # Errors
 /// As [`run_migrations`].
 pub async fn pending_migrations(url: &str) -> Result<Vec<String>, StoreError> {
-    with_harness(url, |harness| {
-        harness.pending_migrations(MIGRATIONS).map(|pending| {
-            pending
-                .iter()
-                .map(|m| m.name().version().to_string())
-                .collect()
-        })
-    })
-    .await
+    let target = ConnectTarget::parse(url, None).map_err(|e| StoreError::Backend(Box::new(e)))?;
+    let mut conn = tokio::time::timeout(MIGRATION_CONNECT_TIMEOUT, target.connect())
+        .await
+        .map_err(|_| no_connection())?
+        .map_err(classify_connection_error)?;
+    pending_migrations_on(&mut conn).await
 }
 
-type Harness = AsyncConnectionWrapper<AsyncPgConnection>;
-type HarnessError = Box<dyn std::error::Error + Send + Sync + 'static>;
+/// The embedded migrations' versions not applied on `conn` yet, oldest first. Reads only, with
+/// a plain `SELECT`: diesel's own `pending_migrations` first runs `CREATE TABLE IF NOT EXISTS`
+/// on its bookkeeping table, which PostgreSQL refuses to a role without `CREATE` on the schema
+/// even when the table exists, and a deploy gate must work with `SELECT` alone.
+///
+/// # Errors
+/// As [`run_migrations`].
+pub async fn pending_migrations_on(
+    conn: &mut AsyncPgConnection,
+) -> Result<Vec<String>, StoreError> {
+    let present =
+        diesel::sql_query("SELECT to_regclass('__diesel_schema_migrations') IS NOT NULL AS flag");
+    let present = diesel_async::RunQueryDsl::get_result::<Flag>(present, conn)
+        .await
+        .map_err(super::error::classify_error)?;
+    let applied: Vec<String> = if present.flag {
+        let versions =
+            diesel::sql_query("SELECT version::text AS version FROM __diesel_schema_migrations");
+        diesel_async::RunQueryDsl::load::<Version>(versions, conn)
+            .await
+            .map_err(super::error::classify_error)?
+            .into_iter()
+            .map(|row| row.version)
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let mut pending: Vec<String> = MigrationSource::<Pg>::migrations(&MIGRATIONS)
+        .map_err(StoreError::Backend)?
+        .iter()
+        .map(|m| m.name().version().to_string())
+        .filter(|version| !applied.contains(version))
+        .collect();
+    pending.sort();
+    Ok(pending)
+}
 
-async fn with_harness<F>(url: &str, work: F) -> Result<Vec<String>, StoreError>
-where
-    F: FnOnce(&mut Harness) -> Result<Vec<String>, HarnessError> + Send + 'static,
-{
+/// The connection diesel's (synchronous) migration harness runs on.
+pub type Harness = AsyncConnectionWrapper<AsyncPgConnection>;
+
+/// Apply every pending migration on `harness` (for the partitioned layout when `partitioned`
+/// says so and migration 000005 is still pending), serialised with every other migrator by
+/// the migration lock, waited for at most `lock_wait`. The one implementation behind
+/// [`run_migrations`] and `idem-cli migrate` (which brings its own connection, with its
+/// timeouts and session settings). Blocking: call it where blocking is allowed, inside a
+/// tokio runtime's context (`spawn_blocking`, or a thread that entered one).
+///
+/// # Errors
+/// [`StoreError::Unavailable`] when another session held the lock for `lock_wait`;
+/// [`StoreError::Backend`] when a migration fails (rolled back, nothing half-applied).
+pub fn apply_pending_migrations(
+    harness: &mut Harness,
+    partitioned: Option<PartitionInterval>,
+    lock_wait: Duration,
+) -> Result<Vec<String>, StoreError> {
+    take_lock(harness, lock_wait)?;
+    let result = apply_locked(harness, partitioned);
+    // Closing the connection would release the lock too; the caller may use it again.
+    let _ = harness.batch_execute(&format!("SELECT pg_advisory_unlock({MIGRATION_LOCK_KEY})"));
+    result
+}
+
+fn apply_locked(
+    harness: &mut Harness,
+    partitioned: Option<PartitionInterval>,
+) -> Result<Vec<String>, StoreError> {
+    if let Some(interval) = partitioned {
+        // Read by migration 000005, which chooses the layout when it runs.
+        harness
+            .batch_execute(&format!(
+                "SET idempotency.layout = 'partitioned'; \
+                 SET idempotency.partition_interval = '{}'",
+                interval.as_str()
+            ))
+            .map_err(super::error::classify_error)?;
+    }
+    harness
+        .run_pending_migrations(MIGRATIONS)
+        .map(|versions| versions.iter().map(|v| v.to_string()).collect())
+        .map_err(StoreError::Backend)
+}
+
+fn no_connection() -> StoreError {
+    StoreError::unavailable(format!(
+        "no database connection within {}s (migrations not run)",
+        MIGRATION_CONNECT_TIMEOUT.as_secs()
+    ))
+}
+
+async fn with_harness(
+    url: &str,
+    partitioned: Option<PartitionInterval>,
+) -> Result<Vec<String>, StoreError> {
     let target = ConnectTarget::parse(url, None).map_err(|e| StoreError::Backend(Box::new(e)))?;
     let (tx, rx) = tokio::sync::oneshot::channel();
     std::thread::Builder::new()
         .name("idempotency-migrations".into())
         .spawn(move || {
             // The receiver only goes away when the caller stopped waiting; nothing to report.
-            let _ = tx.send(migrate_on_this_thread(target, work));
+            let _ = tx.send(migrate_on_this_thread(target, partitioned));
         })
         .map_err(|e| StoreError::Backend(Box::new(e)))?;
     rx.await
         .map_err(|_| StoreError::Backend("the migration thread panicked".into()))?
 }
 
-fn migrate_on_this_thread<F>(target: ConnectTarget, work: F) -> Result<Vec<String>, StoreError>
-where
-    F: FnOnce(&mut Harness) -> Result<Vec<String>, HarnessError>,
-{
+fn migrate_on_this_thread(
+    target: ConnectTarget,
+    partitioned: Option<PartitionInterval>,
+) -> Result<Vec<String>, StoreError> {
     // One worker thread drives the connection's socket while this thread blocks in the
     // harness; `AsyncConnectionWrapper` picks up this runtime's handle because we entered it.
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -161,48 +231,45 @@ where
         .map_err(|e| StoreError::Backend(Box::new(e)))?;
     let conn = runtime
         .block_on(async { tokio::time::timeout(MIGRATION_CONNECT_TIMEOUT, target.connect()).await })
-        .map_err(|_| {
-            StoreError::unavailable(format!(
-                "no database connection within {}s (migrations not run)",
-                MIGRATION_CONNECT_TIMEOUT.as_secs()
-            ))
-        })?
+        .map_err(|_| no_connection())?
         .map_err(classify_connection_error)?;
     let _entered = runtime.enter();
     let mut harness: Harness = AsyncConnectionWrapper::from(conn);
-    take_lock(&mut harness)?;
-    let result = work(&mut harness).map_err(StoreError::Backend);
-    // Closing the connection would release the lock too; unlocking explicitly keeps the
-    // session clean should the wrapper ever be pooled.
-    let _ = harness.batch_execute(&format!("SELECT pg_advisory_unlock({MIGRATION_LOCK_KEY})"));
-    drop(harness);
-    result
+    apply_pending_migrations(&mut harness, partitioned, MIGRATION_LOCK_WAIT)
 }
 
 #[derive(QueryableByName)]
-struct Locked {
+struct Flag {
     #[diesel(sql_type = Bool)]
-    locked: bool,
+    flag: bool,
 }
 
-/// `pg_try_advisory_lock` until it succeeds or [`MIGRATION_LOCK_WAIT`] passed. A blocking
-/// `pg_advisory_lock` would wait for as long as the holder lives (a hung deploy step, a
-/// forgotten psql session), hanging whoever migrates next.
-fn take_lock(harness: &mut Harness) -> Result<(), StoreError> {
-    let deadline = Instant::now() + MIGRATION_LOCK_WAIT;
+#[derive(QueryableByName)]
+struct Version {
+    #[diesel(sql_type = Text)]
+    version: String,
+}
+
+/// `pg_try_advisory_lock` until it succeeds or `wait` passed. A blocking `pg_advisory_lock`
+/// would wait for as long as the holder lives (a hung deploy step, a forgotten psql session),
+/// hanging whoever migrates next; polling also tells "someone else holds it" apart from other
+/// failures without reading the server's (localised) error text.
+fn take_lock(harness: &mut Harness, wait: Duration) -> Result<(), StoreError> {
+    let deadline = Instant::now() + wait;
     loop {
-        let row = diesel::sql_query("SELECT pg_try_advisory_lock($1) AS locked")
+        let row = diesel::sql_query("SELECT pg_try_advisory_lock($1) AS flag")
             .bind::<BigInt, _>(MIGRATION_LOCK_KEY)
-            .get_result::<Locked>(harness)
+            .get_result::<Flag>(harness)
             .map_err(super::error::classify_error)?;
-        if row.locked {
+        if row.flag {
             return Ok(());
         }
         if Instant::now() >= deadline {
             return Err(StoreError::unavailable(format!(
-                "another migration holds the lock (advisory lock {MIGRATION_LOCK_KEY}) and did \
-                 not finish within {}s; migrations not run",
-                MIGRATION_LOCK_WAIT.as_secs()
+                "another migration holds the lock (advisory lock {MIGRATION_LOCK_KEY}: an \
+                 application migrating at start-up, or another idem-cli migrate) and did not \
+                 finish within {}s; migrations not run: run it again once that one finished",
+                wait.as_secs()
             )));
         }
         std::thread::sleep(LOCK_POLL);
