@@ -489,6 +489,46 @@ async fn a_timed_out_statement_does_not_hold_up_the_next_key() {
     );
 }
 
+/// A statement whose session an administrator terminates (SQLSTATE 57P01, which diesel-async
+/// reports as an unknown error) or that a server shutdown ends is `Unavailable` (retry later),
+/// not `Backend` (a bug): the connection is gone with it.
+#[tokio::test]
+async fn a_terminated_session_is_unavailable_not_a_bug() {
+    let db = TestDb::new().await;
+    let store = PostgresStore::builder(db.url.as_str())
+        .query_timeout(None)
+        .build()
+        .await
+        .unwrap();
+    let mut blocker = blocked_takeover(&store, &db.url, "killed").await;
+    let waiting = tokio::spawn({
+        let store = store.clone();
+        async move { store.reserve(&scope("killed"), &FP, LEASE).await }
+    });
+    // Terminate the store's session once it waits for the blocker's row lock.
+    let mut terminated = 0;
+    for _ in 0..100 {
+        terminated = idempotency_e2e::records::count(
+            &db.url,
+            "SELECT count(pg_terminate_backend(pid)) AS n FROM pg_stat_activity \
+             WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        );
+        if terminated > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        terminated, 1,
+        "the waiting reserve was found and terminated"
+    );
+    match waiting.await.unwrap() {
+        Err(StoreError::Unavailable(_)) => {}
+        other => panic!("expected Unavailable, got {other:?}"),
+    }
+    blocker.batch_execute("COMMIT").await.unwrap();
+}
+
 /// `purge_batch(0)` is one row per statement, and `purge_expired` goes on until every expired
 /// record is gone.
 #[tokio::test]

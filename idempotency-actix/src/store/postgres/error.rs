@@ -11,7 +11,8 @@
 //! `SELECT to_regclass('idempotency_keys') IS NOT NULL AND to_regprocedure(...) IS NOT NULL`
 //! on the same connection (the same `search_path` the failed statement used), which also
 //! catches a database that lacks the second migration's `idempotency_reserve` function
-//! (SQLSTATE 42883). Only errors cost that extra round trip.
+//! (SQLSTATE 42883), and a connection that died with the error (a terminated session, a
+//! server shutting down: `Unavailable`). Only errors cost that extra round trip.
 
 use std::time::Duration;
 
@@ -58,8 +59,13 @@ pub async fn classify_query_error(conn: &mut AsyncPgConnection, error: DieselErr
         error,
         DieselError::DatabaseError(DatabaseErrorKind::Unknown, _)
     ) {
-        if let Ok(false) = table_exists(conn).await {
-            return not_provisioned();
+        match table_exists(conn).await {
+            Ok(false) => return not_provisioned(),
+            // The connection died with the error: an administrator terminated the session
+            // (57P01), the server is shutting down (57P02, 57P03) or crashed. Those codes are
+            // `Unknown` too, and the database is unavailable, not broken: retry later.
+            Err(StoreError::Unavailable(_)) => return StoreError::Unavailable(Box::new(error)),
+            Ok(true) | Err(_) => {}
         }
     }
     classify_error(error)
