@@ -7,6 +7,7 @@
 
 use std::io::Write;
 use std::process::ExitCode;
+use std::time::Duration;
 
 use clap::error::ErrorKind;
 use clap::Parser;
@@ -56,6 +57,8 @@ fn main() -> ExitCode {
 }
 
 async fn run(cli: Cli) -> Result<(), CliError> {
+    // Before the Redis branch: there it bounds every reply too.
+    positive(cli.connect_timeout.0, "--connect-timeout", "10s")?;
     if let Some(redis_url) = cli.redis_url.as_deref().filter(|u| !u.is_empty()) {
         if cli.database_url.as_deref().is_some_and(|u| !u.is_empty()) {
             return Err(CliError::Usage(
@@ -80,12 +83,8 @@ async fn run(cli: Cli) -> Result<(), CliError> {
         CliError::Usage("no database: pass --database-url or set DATABASE_URL (or --redis-url / REDIS_URL for a RedisStore)".into())
     })?;
     let timeout = cli.connect_timeout.0;
-    if cli.statement_timeout.0.is_zero() {
-        // PostgreSQL reads 0 as "no limit", the opposite of what a bound is for.
-        return Err(CliError::Usage(
-            "--statement-timeout must be more than 0 (e.g. 5m)".into(),
-        ));
-    }
+    // PostgreSQL only (Redis has no statements to bound).
+    positive(cli.statement_timeout.0, "--statement-timeout", "5m")?;
     db::set_statement_timeout(cli.statement_timeout.0);
     let mut out = output::Out::new();
     if let Command::Migrate(args) = &cli.command {
@@ -101,6 +100,18 @@ async fn run(cli: Cli) -> Result<(), CliError> {
         Command::Stats => commands::stats::run(conn, cli.format, &mut out).await,
         Command::Release(args) => commands::release::run(conn, args, cli.format, &mut out).await,
     }
+}
+
+/// A timeout flag of 0 is a usage error (exit 2): a zero `--connect-timeout` can never be met
+/// (every connection would fail as "unavailable"), and PostgreSQL reads a zero
+/// `statement_timeout` as "no limit", the opposite of what a bound is for.
+fn positive(timeout: Duration, flag: &str, example: &str) -> Result<(), CliError> {
+    if timeout.is_zero() {
+        return Err(CliError::Usage(format!(
+            "{flag} must be more than 0 (e.g. {example})"
+        )));
+    }
+    Ok(())
 }
 
 /// Print one line on stderr and map the error to its exit code.

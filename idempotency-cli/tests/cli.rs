@@ -983,6 +983,34 @@ async fn failures_have_one_line_and_distinct_exit_codes() {
     assert!(stderr(&out).contains("<KEY>"), "{}", stderr(&out));
 }
 
+/// A zero `--connect-timeout` can never be met: it is a usage error (exit 2, one line), as a
+/// zero `--statement-timeout` is, not "unavailable" (exit 3) against a healthy database. With
+/// `--redis-url` it bounds every reply too, so it is refused there as well.
+#[tokio::test]
+async fn zero_timeouts_are_usage_errors() {
+    let db = TestDb::new().await;
+    for flag in ["--connect-timeout", "--statement-timeout"] {
+        for command in ["stats", "migrate"] {
+            let out = idem(&db.url, &[flag, "0", command]);
+            expect_code(&out, USAGE);
+            assert!(stderr(&out).contains(flag), "{}", stderr(&out));
+        }
+    }
+    let out = Command::new(BIN)
+        .args(["--connect-timeout", "0s", "stats"])
+        .env_remove("DATABASE_URL")
+        .env("REDIS_URL", "redis://127.0.0.1:1")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run");
+    expect_code(&out, USAGE);
+    assert!(
+        stderr(&out).contains("--connect-timeout"),
+        "{}",
+        stderr(&out)
+    );
+}
+
 #[test]
 fn help_and_version_read_well() {
     let out = Command::new(BIN).arg("--version").output().expect("run");
