@@ -213,9 +213,14 @@ pub struct MigrateArgs {
     #[arg(long, conflicts_with = "check")]
     pub partitioned: bool,
 
-    /// Partition interval of the partitioned layout.
-    #[arg(long, value_enum, default_value = "daily", requires = "partitioned")]
-    pub interval: IntervalArg,
+    /// Partition interval of the partitioned layout (default: daily). Like the layout, it is
+    /// chosen once: asking for another one than the database has fails.
+    // An Option, not `default_value = "daily"`: the default only picks the interval of a
+    // database being provisioned. Re-running a plain `migrate --partitioned` (a deploy step)
+    // on an hourly database asks for no particular interval and must not fail; only an
+    // explicit --interval is compared with the database's.
+    #[arg(long, value_enum, requires = "partitioned")]
+    pub interval: Option<IntervalArg>,
 }
 
 /// `migrate --interval`.

@@ -1360,6 +1360,59 @@ async fn partitioned_layout_migrate_check_stats_show_and_purge() {
     assert!(stderr(&out).contains("plain layout"), "{}", stderr(&out));
 }
 
+/// The interval is chosen when the layout is provisioned, like the layout: `migrate
+/// --partitioned --interval hourly` on a daily database fails (exit 1, one line naming both)
+/// instead of "nothing to apply"; without `--interval` it asks for no particular one.
+#[tokio::test]
+async fn migrate_refuses_another_partition_interval() {
+    let db = TestDb::new_unmigrated().await;
+    let out = idem(
+        &db.url,
+        &["migrate", "--partitioned", "--interval", "daily"],
+    );
+    expect_code(&out, 0);
+
+    let out = idem(
+        &db.url,
+        &["migrate", "--partitioned", "--interval", "hourly"],
+    );
+    expect_code(&out, 1);
+    let err = stderr(&out);
+    assert!(
+        err.contains("daily") && err.contains("hourly"),
+        "names both intervals: {err}"
+    );
+
+    for args in [
+        &["migrate", "--partitioned", "--interval", "daily"][..],
+        &["migrate", "--partitioned"],
+        &["migrate"],
+    ] {
+        let out = idem(&db.url, args);
+        expect_code(&out, 0);
+        assert!(
+            stdout(&out).contains("layout: partitioned (daily)"),
+            "{args:?}: {}",
+            stdout(&out)
+        );
+    }
+
+    // And the other way round: no --interval on an hourly database is not a request for daily.
+    let hourly = TestDb::new_unmigrated().await;
+    let out = idem(
+        &hourly.url,
+        &["migrate", "--partitioned", "--interval", "hourly"],
+    );
+    expect_code(&out, 0);
+    let out = idem(&hourly.url, &["migrate", "--partitioned"]);
+    expect_code(&out, 0);
+    assert!(
+        stdout(&out).contains("layout: partitioned (hourly)"),
+        "{}",
+        stdout(&out)
+    );
+}
+
 /// The migration advisory lock key ("idemmigr"), as the library and the CLI take it.
 const MIGRATION_LOCK: &str = "x'6964656d6d696772'::bigint";
 

@@ -69,10 +69,13 @@ pub async fn run(
         };
     }
 
-    let partitioned = args.partitioned.then_some(match args.interval {
+    let wanted = args.interval.map(|interval| match interval {
         IntervalArg::Hourly => PartitionInterval::Hourly,
         IntervalArg::Daily => PartitionInterval::Daily,
     });
+    let partitioned = args
+        .partitioned
+        .then_some(wanted.unwrap_or(PartitionInterval::Daily));
     // diesel's migration harness is synchronous: it runs on a blocking thread, through
     // diesel-async's wrapper, while this (current-thread) runtime keeps driving the socket.
     let (mut conn, applied) = tokio::task::spawn_blocking(move || {
@@ -93,6 +96,18 @@ pub async fn run(
              provisioned); see docs/operations.md for moving a deployment to the partitioned one"
                 .into(),
         ));
+    }
+    if let (Some(wanted), Some(existing)) = (wanted, layout.as_deref()) {
+        if wanted.as_str() != existing {
+            // The layout migration ran earlier with the other interval: nothing was changed,
+            // and "nothing to apply" would read as if the requested interval were in place.
+            return Err(CliError::Other(format!(
+                "the database already has the partitioned layout with {existing} partitions, \
+                 not {} (the interval is chosen when it is provisioned); drop --interval to \
+                 keep {existing}",
+                wanted.as_str()
+            )));
+        }
     }
     let layout_name = layout_name(layout.as_deref());
     match format {
