@@ -1,15 +1,16 @@
-//! Text from the database made safe for a terminal: control characters escaped, long text cut
-//! to a display width.
+//! Text from the database made safe for a terminal: control and format characters escaped,
+//! long text cut to a display width.
 
 use unicode_width::{UnicodeWidthChar, UnicodeWidthStr};
 
-/// Text from the database made safe for a terminal: control characters (which a tenant or path
-/// could contain) are escaped so they cannot move the cursor or forge table rows, and the
-/// result is cut to `max` terminal columns with an ellipsis (0: no limit).
+/// Text from the database made safe for a terminal: control and format characters (which a
+/// tenant or path could contain) are escaped so they cannot move the cursor, reorder the line
+/// or forge table rows, and the result is cut to `max` terminal columns with an ellipsis (0: no
+/// limit).
 pub fn display(text: &str, max: usize) -> String {
     let mut out = String::new();
     for c in text.chars() {
-        if c.is_control() {
+        if c.is_control() || is_format(c) {
             out.extend(c.escape_default());
         } else {
             out.push(c);
@@ -32,6 +33,39 @@ pub fn display(text: &str, max: usize) -> String {
     out
 }
 
+/// Unicode general category Cf (format characters, Unicode 15.1 `DerivedGeneralCategory.txt`):
+/// invisible, yet they reorder what a terminal shows (bidi embeddings, overrides and isolates
+/// U+202A-U+202E, U+2066-U+2069, marks U+200E, U+200F, U+061C) or hide text (zero-width
+/// U+200B-U+200D, U+2060, U+FEFF, tag characters), so a tenant or path could pass for another
+/// row. The standard library exposes no general category and the table is short and stable, so
+/// it is listed here rather than pulled in as a dependency.
+fn is_format(c: char) -> bool {
+    matches!(
+        c,
+        '\u{00ad}'
+            | '\u{0600}'..='\u{0605}'
+            | '\u{061c}'
+            | '\u{06dd}'
+            | '\u{070f}'
+            | '\u{0890}'..='\u{0891}'
+            | '\u{08e2}'
+            | '\u{180e}'
+            | '\u{200b}'..='\u{200f}'
+            | '\u{202a}'..='\u{202e}'
+            | '\u{2060}'..='\u{2064}'
+            | '\u{2066}'..='\u{206f}'
+            | '\u{feff}'
+            | '\u{fff9}'..='\u{fffb}'
+            | '\u{110bd}'
+            | '\u{110cd}'
+            | '\u{13430}'..='\u{1343f}'
+            | '\u{1bca0}'..='\u{1bca3}'
+            | '\u{1d173}'..='\u{1d17a}'
+            | '\u{e0001}'
+            | '\u{e0020}'..='\u{e007f}'
+    )
+}
+
 /// A tenant for people: the global scope's empty string is shown as `(global)`.
 pub fn tenant_label(tenant: &str) -> String {
     if tenant.is_empty() {
@@ -49,6 +83,45 @@ mod tests {
     fn display_escapes_control_characters_and_truncates() {
         assert_eq!(display("a\nb\u{1b}[2J", 0), "a\\nb\\u{1b}[2J");
         assert_eq!(display("abcdef", 4), "abc…");
+    }
+
+    /// Format characters (Unicode general category Cf) are invisible and can reorder what a
+    /// terminal shows (bidi overrides and isolates) or hide text (zero-width ones): a tenant
+    /// `acme\u{202e}...` could display as another tenant's row. They are escaped as controls are.
+    #[test]
+    fn display_escapes_format_characters() {
+        let format_chars = [
+            '\u{00ad}',
+            '\u{061c}',
+            '\u{200b}',
+            '\u{200c}',
+            '\u{200d}',
+            '\u{200e}',
+            '\u{200f}',
+            '\u{202a}',
+            '\u{202b}',
+            '\u{202c}',
+            '\u{202d}',
+            '\u{202e}',
+            '\u{2060}',
+            '\u{2066}',
+            '\u{2067}',
+            '\u{2068}',
+            '\u{2069}',
+            '\u{feff}',
+            '\u{fff9}',
+            '\u{e0001}',
+            '\u{e007f}',
+        ];
+        for c in format_chars {
+            let shown = display(&format!("a{c}b"), 0);
+            assert_eq!(shown, format!("a\\u{{{:x}}}b", u32::from(c)), "{:?}", c);
+        }
+        assert_eq!(display("acme\u{202e}evil", 0), "acme\\u{202e}evil");
+        // Visible text, however far from ASCII, is left as it is.
+        for visible in ["café", "支払い処理", "مرحبا", "😀", "a\u{301}"] {
+            assert_eq!(display(visible, 0), visible);
+        }
     }
 
     /// A cut counts terminal columns: four wide characters fill eight of them.
