@@ -12,6 +12,7 @@
 //! the store uses for leases and TTLs. The output is the PostgreSQL commands' own (same
 //! columns, same JSON).
 
+use std::io::Write;
 use std::time::Duration;
 
 use futures_util::future::try_join_all;
@@ -381,7 +382,10 @@ async fn list(
     }
     out.flush()?;
     if truncated {
-        eprintln!(
+        // On stderr so `--format json | jq` still sees only records; best effort, as in the
+        // PostgreSQL `list`: `eprintln!` panics when stderr is a closed pipe.
+        let _ = writeln!(
+            std::io::stderr(),
             "idem-cli: showing the first {} records; raise --limit (0 = all) for more",
             args.limit
         );
@@ -596,7 +600,8 @@ async fn release(
         1 if args.keys.len() == 1 => Err(CliError::NotFoundOrRefused(refusals.remove(0))),
         n => {
             for reason in &refusals {
-                eprintln!("idem-cli: {reason}");
+                // Best effort, as in the PostgreSQL `release`: the exit code still says it.
+                let _ = writeln!(std::io::stderr(), "idem-cli: {reason}");
             }
             Err(CliError::NotFoundOrRefused(format!(
                 "{n} of {} keys not released (see above)",

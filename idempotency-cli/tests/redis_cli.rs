@@ -193,6 +193,38 @@ async fn list_show_stats_and_release_read_the_store() {
 
 /// On a Redis Cluster, whichever node the URL names: `stats` and `list` count the records of
 /// every primary, `show` and `release` reach a record on any node.
+/// Warnings on stderr are best effort: with stderr a pipe nobody reads any more (`2>&1 | head`
+/// gone), `list`'s "showing the first N records" and `release`'s refusals must not panic
+/// (`eprintln!` does, exit 101); the exit code still says what happened.
+#[tokio::test]
+async fn a_closed_stderr_does_not_panic() {
+    let redis = RedisServer::start();
+    let url = redis.url();
+    let store = RedisStore::connect(&url).await.expect("connect");
+    seed(&store).await;
+
+    for (args, code) in [
+        (&["list", "--limit", "1"][..], 0),
+        (
+            &["release", "done", "running", "--tenant", "acme"],
+            NOT_FOUND_OR_REFUSED,
+        ),
+    ] {
+        let (reader, writer) = std::io::pipe().expect("pipe");
+        drop(reader);
+        let status = Command::new(BIN)
+            .args(args)
+            .env("REDIS_URL", &url)
+            .env_remove("DATABASE_URL")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(writer)
+            .status()
+            .expect("run");
+        assert_eq!(status.code(), Some(code), "{args:?}");
+    }
+}
+
 #[tokio::test]
 async fn on_a_cluster_every_primary_is_read() {
     let cluster = RedisCluster::start();
