@@ -1262,6 +1262,17 @@ async fn partitioned_purge_creates_ahead_even_when_the_drop_fails() {
         &["purge", "--horizon", "2h", "--partitions-ahead", "2"],
     );
     expect_code(&out, USAGE);
+
+    // C19: one summary line per run, the partition work included (cron logs read a run as one
+    // line).
+    let out = idem(&db.url, &["purge"]);
+    expect_code(&out, 0);
+    let text = stdout(&out);
+    assert_eq!(text.lines().count(), 1, "{text}");
+    assert!(
+        text.starts_with("purged ") && text.contains("; partitions: dropped "),
+        "{text}"
+    );
 }
 
 /// Issue 15: `migrate --partitioned` provisions the partitioned layout, `migrate --check` and

@@ -268,25 +268,30 @@ fn report(
             summary.in_flight,
             format_elapsed(elapsed)
         ))?,
-        Format::Text => out.line(format!(
-            "purged {} records in {} ({} completed, {} in-flight; {} batches, longest {})",
-            summary.total(),
-            format_elapsed(elapsed),
-            summary.completed,
-            summary.in_flight,
-            summary.batches,
-            format_elapsed(summary.longest_batch)
-        ))?,
-    }
-    if let (Format::Text, Some(p)) = (format, &summary.partitions) {
-        out.line(format!(
-            "partitions: dropped {} [{}], created {} [{}]; default partition: {} expired rows deleted",
-            p.dropped.len(),
-            p.dropped.join(", "),
-            p.created.len(),
-            p.created.join(", "),
-            p.default_rows_deleted
-        ))?;
+        Format::Text => {
+            // One line per run (C19), the partition work of the partitioned layout included:
+            // cron logs and their alerts read a run as one line.
+            let partitions = summary.partitions.as_ref().map_or(String::new(), |p| {
+                format!(
+                    "; partitions: dropped {} [{}], created {} [{}]; default partition: {} \
+                     expired rows deleted",
+                    p.dropped.len(),
+                    p.dropped.join(", "),
+                    p.created.len(),
+                    p.created.join(", "),
+                    p.default_rows_deleted
+                )
+            });
+            out.line(format!(
+                "purged {} records in {} ({} completed, {} in-flight; {} batches, longest {}){partitions}",
+                summary.total(),
+                format_elapsed(elapsed),
+                summary.completed,
+                summary.in_flight,
+                summary.batches,
+                format_elapsed(summary.longest_batch)
+            ))?
+        }
     }
     out.flush()
 }
