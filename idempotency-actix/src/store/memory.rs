@@ -1084,9 +1084,10 @@ mod tests {
         assert!(packed.is(&a));
         assert!(!packed.is(&b));
         assert!(PackedScope::new(&b) != packed);
+        // As logged: an empty part quoted, so it shows (`LogText`).
         assert_eq!(
             packed.texts().map(|t| t.to_string()),
-            ["", "POST", "/ab", "c"]
+            ["\"\"", "POST", "/ab", "c"]
         );
 
         let store = MemoryStore::new();
