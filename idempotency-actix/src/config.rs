@@ -269,7 +269,9 @@ impl<S> IdempotencyBuilder<S> {
     }
 
     /// Largest response that is stored; larger ones are passed through unbuffered and the key is
-    /// released. Default 1 MiB.
+    /// released. Default 1 MiB. In transactional mode a storable response over the limit cannot
+    /// be sent without being stored: the transaction is rolled back and the client gets 500
+    /// `RESPONSE_TOO_LARGE` (`docs/transactional.md`).
     pub fn max_response_bytes(mut self, max: usize) -> Self {
         self.config.max_response_bytes = max;
         self
@@ -282,6 +284,10 @@ impl<S> IdempotencyBuilder<S> {
     /// A header sent more than once is no tenant either: a gateway that appends its value
     /// after one the client sent, instead of replacing it, would otherwise let the client
     /// choose the tenant (the first value is the client's) and replay another tenant's records.
+    /// Such a request gets 400 `MISSING_TENANT`, unless
+    /// [`missing_tenant_uses_global_scope`](Self::missing_tenant_uses_global_scope) is on: then
+    /// it is treated like a missing tenant (global scope), which exposes nothing new, since with
+    /// that opt-in a client can always omit the header.
     pub fn tenant_header(mut self, name: impl IntoHeaderName) -> Self {
         let Some(name) = self.header("tenant_header", name) else {
             return self;
@@ -298,11 +304,15 @@ impl<S> IdempotencyBuilder<S> {
     /// Derive the tenant of a request, e.g. from an authenticated principal in the request's
     /// extensions. Records are scoped by (tenant, method, path, key).
     ///
-    /// **Without a tenant, the scope is global**: two customers who happen to send the same key
-    /// to the same path share one record, and the second gets the first one's response (or a
-    /// 422). Random UUID keys make that unlikely, but "unlikely" is not a guarantee you want for
-    /// someone else's payment receipt. Any API with more than one customer should set this.
-    /// `None` (and the empty string) mean the global scope.
+    /// **Without a tenant source (this or `tenant_header`), the scope is global**: two
+    /// customers who happen to send the same key to the same path share one record, and the
+    /// second gets the first one's response (or a 422). Random UUID keys make that unlikely, but
+    /// "unlikely" is not a guarantee you want for someone else's payment receipt. Any API with
+    /// more than one customer should set this.
+    ///
+    /// When the source returns `None` or `""` for a keyed request, the request gets 400
+    /// `MISSING_TENANT` and the handler does not run (C23); it uses the global scope only with
+    /// [`missing_tenant_uses_global_scope(true)`](Self::missing_tenant_uses_global_scope).
     pub fn tenant<F>(mut self, tenant: F) -> Self
     where
         F: Fn(&ServiceRequest) -> Option<String> + Send + Sync + 'static,

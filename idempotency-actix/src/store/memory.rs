@@ -19,7 +19,7 @@ use crate::log_text::LogText;
 
 /// Default for [`MemoryStoreBuilder::max_entries`]: at about 460 bytes per small record
 /// (`docs/benchmarks.md`) it is some 45 MiB. With the middleware's default 24 h TTL it holds
-/// a sustained rate of about 1.1 new keys per second; above that the store fills and answers
+/// a sustained rate of about 1.2 new keys per second; above that the store fills and answers
 /// 503 (or evicts, if opted in): raise it, shorten the TTL, or use `PostgresStore`.
 pub const DEFAULT_MAX_ENTRIES: usize = 100_000;
 
@@ -41,7 +41,7 @@ pub const DEFAULT_RESERVATION_GRACE: Duration = Duration::from_secs(24 * 60 * 60
 
 /// Default for [`MemoryStoreBuilder::sweep_interval`]: 30 s. The sweep walks every record
 /// (one pass under the lock, without hashing: the slowest request of a 10 s run that met a
-/// sweep at 1.4 M records took 28 to 48 ms, `docs/benchmarks.md`), so it runs rarely; expired
+/// sweep at about 1.8 M records took 28 ms, `docs/benchmarks.md`), so it runs rarely; expired
 /// completed records in expiry order are dropped on every `reserve` anyway, and a full store
 /// sweeps as soon as something can expire.
 pub const DEFAULT_SWEEP_INTERVAL: Duration = Duration::from_secs(30);
@@ -96,7 +96,7 @@ fn scope_charge(scope: &Scope) -> usize {
 /// `warn` (target `idempotency_actix`) with its scope. Reservations are never evicted.
 ///
 /// The defaults (100,000 records, 256 MiB) fit a small server. With the middleware's 24 h
-/// TTL, 100,000 records hold a sustained rate of about 1.1 new keys per second: above that a
+/// TTL, 100,000 records hold a sustained rate of about 1.2 new keys per second: above that a
 /// store with the defaults starts answering 503. Raise `max_entries` (at about 460 bytes per
 /// small record), shorten the TTL, or use `PostgresStore`. The bound is one pool for all
 /// tenants: one tenant sending many new keys fills the store for all (it is refused, but so

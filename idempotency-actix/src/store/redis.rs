@@ -18,7 +18,8 @@
 //! record, byte-exact) are [`record`]'s business, and only its.
 //!
 //! # Round trips, atomicity, time
-//! Every call is one round trip and atomic; the rules are PostgreSQL's
+//! Every call is atomic and, but for the second round trips named below (and the `WAIT` of
+//! [`RedisStoreBuilder::wait_for_replicas`]), one round trip; the rules are PostgreSQL's
 //! (`migrations/*_reserve_function/up.sql`, `store/postgres/sql.rs`):
 //! - `reserve` sends `SET key <reservation> NX GET PX <lease + grace>` with `TIME` behind it
 //!   (pipelined). Redis's own `SET` decides the race for an absent key: it writes the
@@ -148,7 +149,7 @@ pub enum EvictionCheck {
 
 /// Configure and connect a [`RedisStore`].
 #[derive(Debug, Clone)]
-#[must_use = "a builder does nothing until `build()` is called"]
+#[must_use = "a builder does nothing until `connect`, `connect_cluster` or `with_connection` is called"]
 pub struct RedisStoreBuilder {
     prefix: String,
     in_flight_grace: Duration,
@@ -218,7 +219,11 @@ impl RedisStoreBuilder {
     /// after it was stored: the client gets its response all the same, and the middleware
     /// retries the completion until the lease ends (a retry by the same token is applied
     /// again, so it is acknowledged once a replica is back or has taken over). `WAIT` holds
-    /// the shared connection while it waits: keep `timeout` short. Off by default.
+    /// its connection while it waits, so with this on `connect` and `connect_cluster` open
+    /// [`DEFAULT_WAIT_CONNECTIONS`] connections by default, taken in turn
+    /// ([`connections`](Self::connections) chooses), and no connection per thread
+    /// ([`connection_per_thread`](Self::connection_per_thread)); keep `timeout` short. Off by
+    /// default.
     ///
     /// `timeout` may exceed `response_timeout`: the connection that `connect` and
     /// `connect_cluster` open waits for `WAIT` as long as it needs (the other calls keep
@@ -234,9 +239,10 @@ impl RedisStoreBuilder {
     /// How many connections `connect` and `connect_cluster` open (default 1, or
     /// [`DEFAULT_WAIT_CONNECTIONS`] with [`wait_for_replicas`](Self::wait_for_replicas); at
     /// least 1). Calls take them in turn. One multiplexed connection carries any load without
-    /// `WAIT`, which is why it is the default; a `WAIT` holds its connection until the replicas
-    /// answer, so more connections let more of them overlap. A store over a connection of the
-    /// app's own (`with_connection`, `from_connection`) uses that one.
+    /// `WAIT`, which is why it is the default (besides the per-thread ones of
+    /// [`connection_per_thread`](Self::connection_per_thread)); a `WAIT` holds its connection
+    /// until the replicas answer, so more connections let more of them overlap. A store over a
+    /// connection of the app's own (`with_connection`, `from_connection`) uses that one.
     pub fn connections(mut self, n: usize) -> Self {
         self.connections = Some(n.max(1));
         self
