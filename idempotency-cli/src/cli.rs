@@ -131,8 +131,11 @@ pub enum Command {
     /// Delete expired records in short batches (safe from cron).
     #[command(
         long_about = "Delete expired records in short batches, each its own statement and \
-                      transaction, so live traffic is never blocked (rows a request is touching \
-                      are skipped and left for the next run).\n\n\
+                      transaction, so live traffic is not blocked (rows a request is touching \
+                      are skipped and left for the next run). On the partitioned layout, \
+                      dropping expired partitions and attaching new ones take short exclusive \
+                      locks that replays and completes wait behind (purge itself waits at most \
+                      --lock-timeout for each); --tenant skips those steps.\n\n\
                       Deleted: completed records whose retention (TTL) has ended, and in-flight \
                       reservations whose lease ended more than --grace ago. A record is never \
                       deleted before it expires; --older-than and --tenant only narrow the set.\n\n\
