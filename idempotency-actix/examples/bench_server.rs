@@ -29,7 +29,7 @@
 //!   worker's runtime (`App::data_factory`) so its connections are driven there, as the
 //!   store's `pool_per_thread` does.
 //!
-//! - `redis`: behind `Idempotency` with the Redis store (one multiplexed connection).
+//! - `redis`: behind `Idempotency` with the Redis store (its default connections: one multiplexed connection per worker thread).
 //! - `redis-raw`: no middleware; the handler sends the least Redis commands a hand-written
 //!   idempotent endpoint needs over the same kind of connection: a replay is one `GET` of the
 //!   stored response; a miss is `SET key token NX PX lease`, the handler, then `SET key

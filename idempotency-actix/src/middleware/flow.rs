@@ -135,7 +135,7 @@ where
         let tenant = match self.tenant_of(&req) {
             Ok(tenant) => tenant,
             Err(problem) => {
-                tracing::info!(target: "idempotency_actix", outcome = "missing_tenant", path = %req.path(), "keyed request without a tenant refused");
+                tracing::info!(target: "idempotency_actix", outcome = "missing_tenant", path = %LogText(req.path()), "keyed request without a tenant refused");
                 return Ok(self.refuse(req, problem, &report, None));
             }
         };

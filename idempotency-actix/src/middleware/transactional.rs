@@ -214,7 +214,7 @@ impl FromRequest for IdempotentTx {
         match req.extensions().get::<IdempotentTx>() {
             Some(tx) => ready(Ok(tx.clone())),
             None => {
-                tracing::error!(target: "idempotency_actix", method = %req.method(), path = %req.path(), "IdempotentTx used outside a transactional scope: wrap this route in Idempotency::builder(postgres_store).transactional() and make sure it covers this method");
+                tracing::error!(target: "idempotency_actix", method = %req.method(), path = %LogText(req.path()), "IdempotentTx used outside a transactional scope: wrap this route in Idempotency::builder(postgres_store).transactional() and make sure it covers this method");
                 ready(Err(actix_web::error::InternalError::from_response(
                     "IdempotentTx outside a transactional scope",
                     HttpResponse::InternalServerError()
@@ -415,7 +415,7 @@ where
     let mut conn = match open(tx, config.lock_timeout).await {
         Ok(conn) => conn,
         Err(error) => {
-            tracing::error!(target: "idempotency_actix", outcome = "store_error", path = %req.path(), %error, "could not open the request's transaction");
+            tracing::error!(target: "idempotency_actix", outcome = "store_error", path = %LogText(req.path()), %error, "could not open the request's transaction");
             let problem = Problem::new(ProblemCode::StorageUnavailable, unavailable_detail(&error))
                 .with_retry_after(config.retry_after);
             return Ok(req
@@ -434,7 +434,7 @@ where
         if let Err(error) = sql::set_tenant(&tx.store, &mut conn, &tx.tenant_setting, tenant).await
         {
             sql::rollback(&tx.store, &mut conn).await;
-            tracing::error!(target: "idempotency_actix", outcome = "store_error", path = %req.path(), %error, "could not set the tenant on the request's transaction");
+            tracing::error!(target: "idempotency_actix", outcome = "store_error", path = %LogText(req.path()), %error, "could not set the tenant on the request's transaction");
             let problem = Problem::new(ProblemCode::StorageUnavailable, unavailable_detail(&error))
                 .with_retry_after(config.retry_after);
             return Ok(req
