@@ -61,9 +61,9 @@
 //! # Redis Cluster
 //! With the feature `redis-cluster`, `RedisStoreBuilder::connect_cluster` connects through the
 //! redis crate's cluster client. The request path needs nothing more (each call names its one
-//! key); `WAIT` is pipelined behind the record's `PTTL` so it reaches the record's primary;
-//! commands that name no key (`SCAN`, `CONFIG GET`) go to every primary (`nodes.rs`,
-//! [`KeyScan`]).
+//! key); `WAIT` is pipelined behind a `GETRANGE` of the record's head, so it reaches the
+//! record's primary and the call fails unless that node holds the write; commands that name no
+//! key (`SCAN`, `CONFIG GET`) go to every primary (`nodes.rs`, [`KeyScan`]).
 //!
 //! # Faults
 //! Redis unreachable, a timeout (default 2 s per call), `LOADING`, `BUSY`, `READONLY`, `OOM`,
@@ -598,26 +598,33 @@ where
     }
 
     /// `WAIT replicas timeout` on `conn`, the connection that wrote `key`'s record, on the node
-    /// that holds it; whether enough replicas acknowledged.
+    /// that holds it; whether enough replicas acknowledged. `Unavailable` if the node that
+    /// answers does not hold the write (`state`, by `token`).
     ///
     /// `WAIT` names no key, and a cluster connection would send it to every primary (and
-    /// answer with the least count). Pipelined behind a `PTTL` of the record, it goes where the
-    /// record's write went; on one server the `PTTL` costs nothing but its few bytes.
+    /// answer with the least count). Pipelined behind a `GETRANGE` of the record's head, it
+    /// goes where the record's write went. The `GETRANGE` is also the check: if the primary
+    /// dies while `WAIT` blocks, the cluster client resends the whole pipeline, after the
+    /// failover to the promoted replica, which may lack the write (the key absent, or still the
+    /// reservation a complete replaced); its `WAIT` then counts replicas of a node that never
+    /// saw the write, so it proves nothing. Same pipeline, so the same node answers both.
     async fn wait_replicas(
         &self,
         conn: &mut C,
         key: &str,
+        (state, token): (u8, &ReservationToken),
         replicas: u32,
         timeout: Duration,
     ) -> Result<bool, StoreError> {
         // At least 1 ms: `WAIT n 0` would block for ever.
         let timeout_ms = (micros(timeout) / 1000).max(1);
-        let (acked,): (i64,) = tokio::time::timeout(
+        let (head, acked): (Vec<u8>, i64) = tokio::time::timeout(
             timeout.saturating_add(self.inner.timeout),
             redis::pipe()
-                .cmd("PTTL")
+                .cmd("GETRANGE")
                 .arg(key)
-                .ignore()
+                .arg(0)
+                .arg(record::WRITE_HEAD_LAST)
                 .cmd("WAIT")
                 .arg(replicas)
                 .arg(timeout_ms)
@@ -626,6 +633,12 @@ where
         .await
         .map_err(|_| StoreError::unavailable("Redis did not answer WAIT in time"))?
         .map_err(classify)?;
+        if !record::holds_write(&head, state, token) {
+            return Err(StoreError::unavailable(
+                "the Redis node that answered WAIT does not hold the write (a failover \
+                 lost it, or it has not reached this node)",
+            ));
+        }
         Ok(acked >= i64::from(replicas))
     }
 }
@@ -1084,7 +1097,15 @@ where
         if let (ReserveOutcome::Reserved { .. }, Some((replicas, timeout))) =
             (&outcome, self.inner.wait)
         {
-            let acknowledged = self.wait_replicas(&mut conn, &key, replicas, timeout).await;
+            let acknowledged = self
+                .wait_replicas(
+                    &mut conn,
+                    &key,
+                    (record::IN_FLIGHT, &token),
+                    replicas,
+                    timeout,
+                )
+                .await;
             if !matches!(acknowledged, Ok(true)) {
                 // Not known to be durable enough to run the handler on: give the key back
                 // (best effort: if Redis is gone, the reservation ends with its lease).
@@ -1122,8 +1143,16 @@ where
             return Ok(WriteOutcome::Stale);
         }
         if let Some((replicas, timeout)) = self.inner.wait {
+            // `Unavailable` if the node that answered `WAIT` lacks the completion (a failover
+            // between the script and `WAIT`): the middleware retries, as below.
             if !self
-                .wait_replicas(&mut conn, &key, replicas, timeout)
+                .wait_replicas(
+                    &mut conn,
+                    &key,
+                    (record::COMPLETED, token),
+                    replicas,
+                    timeout,
+                )
                 .await?
             {
                 // Stored on the primary only: a failover now would bring back the reservation

@@ -191,6 +191,27 @@ pub fn decode(bytes: Bytes) -> Result<Record, &'static str> {
     })
 }
 
+/// The last byte (inclusive, as `GETRANGE` counts) of a record's head that
+/// [`holds_write`] judges: state, fingerprint, token.
+pub const WRITE_HEAD_LAST: usize = TOKEN.end - 1;
+
+/// Whether `head`, the reply to `GETRANGE key 0 WRITE_HEAD_LAST` on the node that is about to
+/// answer a `WAIT`, shows the write that `WAIT` is meant to cover: a record in `state`
+/// ([`IN_FLIGHT`] after a reserve, [`COMPLETED`] after a complete) made by `token`.
+///
+/// `WAIT` counts the replicas of whatever node the pipeline reaches. After a failover that is
+/// the promoted replica, which may lack the write (the key absent: an empty reply; or the
+/// reservation a complete replaced): its `WAIT` would acknowledge a write it never saw.
+pub fn holds_write(head: &[u8], state: u8, token: &ReservationToken) -> bool {
+    let mut text = [0u8; uuid::fmt::Hyphenated::LENGTH];
+    let want = token
+        .as_uuid()
+        .hyphenated()
+        .encode_lower(&mut text)
+        .as_bytes();
+    head.len() == TOKEN.end && head[0] == state && &head[TOKEN] == want
+}
+
 fn push_number(out: &mut Vec<u8>, n: u64) {
     // Writing to a Vec cannot fail.
     let _ = write!(out, "{:0width$}", n.min(MAX_FIELD), width = DIGITS);
@@ -221,6 +242,39 @@ mod tests {
         push_number(&mut out, expires_us);
         out.extend_from_slice(tail);
         out.into()
+    }
+
+    /// The check behind `WAIT` (`holds_write`): only this write's state and token pass; an
+    /// absent key (empty reply), the older state, another token, a short reply do not.
+    #[test]
+    fn holds_write_accepts_only_this_write() {
+        let (fp, tok, other) = (Fingerprint([3; 32]), token(), token());
+        let head = |bytes: &[u8]| bytes[..=WRITE_HEAD_LAST].to_vec();
+        let reservation = in_flight(&fp, &tok, 1, 30_000_000, 1_000_000);
+        let done = completed(
+            &reservation,
+            2,
+            3,
+            &response_tail(&StoredResponse {
+                status: 201,
+                headers: vec![],
+                body: Bytes::from_static(b"ok"),
+            }),
+        );
+        assert_eq!(head(&reservation).len(), 69);
+        assert!(holds_write(&head(&reservation), IN_FLIGHT, &tok));
+        assert!(holds_write(&head(&done), COMPLETED, &tok));
+        // The promoted replica lacks the write.
+        assert!(!holds_write(b"", IN_FLIGHT, &tok));
+        assert!(!holds_write(b"", COMPLETED, &tok));
+        // It still holds the reservation a complete replaced.
+        assert!(!holds_write(&head(&reservation), COMPLETED, &tok));
+        assert!(!holds_write(&head(&done), IN_FLIGHT, &tok));
+        // Another request's record.
+        let theirs = in_flight(&fp, &other, 1, 30_000_000, 1_000_000);
+        assert!(!holds_write(&head(&theirs), IN_FLIGHT, &tok));
+        // Not a whole head (a foreign value, a truncated record).
+        assert!(!holds_write(&head(&reservation)[..68], IN_FLIGHT, &tok));
     }
 
     #[test]
