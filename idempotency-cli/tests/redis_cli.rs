@@ -259,6 +259,70 @@ async fn on_a_cluster_every_primary_is_read() {
     ));
 }
 
+/// C20 on a cluster: a primary that does not answer (killed; the others told
+/// `cluster-require-full-coverage no`, so they keep serving their slots) makes every command
+/// that reads the whole store fail with one line and exit 3. The redis crate leaves such a
+/// primary out of a command sent to all primaries without an error: `stats` counted the
+/// others' records and exited 0, and `show` of a key on the dead node said "no record".
+#[tokio::test]
+async fn on_a_cluster_a_primary_that_does_not_answer_is_unavailable() {
+    use idempotency_actix::store::redis::redis;
+    let cluster = RedisCluster::start();
+    let urls = cluster.urls();
+    let store = RedisStore::builder()
+        .connect_cluster(&[&urls[0]])
+        .await
+        .expect("connect_cluster");
+    for i in 0..30 {
+        reserve(&store, &scope("bulk", &format!("k{i}")), LEASE).await;
+    }
+    let mut on_dead = None;
+    for (n, url) in urls.iter().enumerate() {
+        let client = redis::Client::open(url.as_str()).expect("test URL parses");
+        let mut conn = client
+            .get_multiplexed_async_connection()
+            .await
+            .expect("node accepts connections");
+        let keys: Vec<String> = redis::cmd("KEYS")
+            .arg("*bulk*")
+            .query_async(&mut conn)
+            .await
+            .expect("KEYS");
+        assert!(!keys.is_empty(), "every primary holds records: node {n}");
+        if n == 2 {
+            on_dead = keys[0].rsplit(':').next().map(str::to_owned);
+        }
+        let _: () = redis::cmd("CONFIG")
+            .arg("SET")
+            .arg("cluster-require-full-coverage")
+            .arg("no")
+            .query_async(&mut conn)
+            .await
+            .expect("CONFIG SET");
+        if n == 2 {
+            // Its connection drops with it: no reply to wait for.
+            let _: Result<(), _> = redis::cmd("SHUTDOWN")
+                .arg("NOSAVE")
+                .query_async(&mut conn)
+                .await;
+        }
+    }
+    let on_dead = on_dead.expect("a key on node 2");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for args in [
+        vec!["stats", "--format", "json"],
+        vec!["list", "--tenant", "bulk", "--format", "json"],
+        vec!["show", on_dead.as_str(), "--format", "json"],
+    ] {
+        let out = idem(&urls[0], &args);
+        expect_code(&out, UNAVAILABLE);
+        let err = stderr(&out);
+        assert!(err.contains("unavailable"), "{args:?}: {err}");
+        assert!(err.contains("1 of 3"), "{args:?}: {err}");
+        assert!(stdout(&out).is_empty(), "{args:?}: {}", stdout(&out));
+    }
+}
+
 /// A user that may not run `INFO` is taken for a single server's user: the commands work.
 #[tokio::test]
 async fn a_user_without_info_can_read_the_store() {

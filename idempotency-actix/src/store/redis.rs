@@ -63,7 +63,8 @@
 //! redis crate's cluster client. The request path needs nothing more (each call names its one
 //! key); `WAIT` is pipelined behind a `GETRANGE` of the record's head, so it reaches the
 //! record's primary and the call fails unless that node holds the write; commands that name no
-//! key (`SCAN`, `CONFIG GET`) go to every primary (`nodes.rs`, [`KeyScan`]).
+//! key (`SCAN`, `CONFIG GET`) go to every primary (`nodes.rs`, [`KeyScan`]), and fail unless
+//! every primary that owns slots answered.
 //!
 //! # Faults
 //! Redis unreachable, a timeout (default 2 s per call), `LOADING`, `BUSY`, `READONLY`, `OOM`,

@@ -208,7 +208,8 @@ fn as_cluster<C: 'static>(conn: &mut C) -> Option<&mut redis::cluster_async::Clu
 mod cluster {
     use redis::cluster_async::ClusterConnection;
     use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo, SingleNodeRoutingInfo};
-    use redis::{Cmd, ErrorKind, RedisResult, Value};
+    use redis::{Cmd, ErrorKind, RedisError, RedisResult, Value};
+    use std::collections::BTreeSet;
 
     pub(super) async fn on_every_primary(
         conn: &mut ClusterConnection,
@@ -219,7 +220,7 @@ mod cluster {
         let Value::Map(replies) = conn.route_command(cmd, routing).await? else {
             return Err((ErrorKind::TypeError, "expected one reply per primary").into());
         };
-        replies
+        let replies = replies
             .into_iter()
             .map(|(address, reply)| {
                 let address: String = redis::from_owned_redis_value(address)?;
@@ -227,9 +228,94 @@ mod cluster {
                     .rsplit_once(':')
                     .and_then(|(host, port)| Some((host.to_owned(), port.parse().ok()?)))
                     .ok_or((ErrorKind::TypeError, "a primary's address is not host:port"))?;
-                Ok((Some(node), reply))
+                Ok((node, reply))
+            })
+            .collect::<RedisResult<Vec<_>>>()?;
+        // The crate leaves out, without an error, a primary it has no connection to (down, or
+        // unreachable from here while the cluster still counts it: within
+        // `cluster-node-timeout`, or for good with `cluster-require-full-coverage no`). A scan
+        // would then walk part of the keyspace and a check read part of the cluster, and say
+        // nothing. So the replies are held against the primaries that own the slots, as a node
+        // that did answer sees them.
+        let Some(((host, port), _)) = replies.first() else {
+            return Err(not_connected(
+                "no Redis Cluster primary answered (down or unreachable)".to_owned(),
+            ));
+        };
+        let mut cluster_slots = redis::cmd("CLUSTER");
+        cluster_slots.arg("SLOTS");
+        let slots = on_node(conn, host, *port, &cluster_slots).await?;
+        let owners = slot_owners(slots)?;
+        let missing: Vec<&(String, u16)> = owners
+            .iter()
+            .filter(|owner| !replies.iter().any(|(node, _)| node == *owner))
+            .collect();
+        // Counted, not only matched by name: a node's address as the crate spells it could
+        // differ from `CLUSTER SLOTS`'s, and a mismatch of spelling alone must not fail.
+        if replies.len() < owners.len() {
+            let names = if missing.len() == owners.len() - replies.len() {
+                missing
+            } else {
+                Vec::new()
+            };
+            return Err(primaries_missing(owners.len(), replies.len(), &names));
+        }
+        Ok(replies
+            .into_iter()
+            .map(|(node, reply)| (Some(node), reply))
+            .collect())
+    }
+
+    /// The distinct primaries (host, port) that `CLUSTER SLOTS` names as owning slots.
+    fn slot_owners(reply: Value) -> RedisResult<BTreeSet<(String, u16)>> {
+        let ranges: Vec<Vec<Value>> = redis::from_owned_redis_value(reply)?;
+        ranges
+            .into_iter()
+            .map(|range| {
+                // [start, end, [host, port, id, ...], replicas...]
+                let primary = range.into_iter().nth(2).ok_or((
+                    ErrorKind::TypeError,
+                    "a CLUSTER SLOTS range names no primary",
+                ))?;
+                let node: Vec<Value> = redis::from_owned_redis_value(primary)?;
+                let mut node = node.into_iter();
+                match (node.next(), node.next()) {
+                    (Some(host), Some(port)) => Ok((
+                        redis::from_owned_redis_value(host)?,
+                        redis::from_owned_redis_value(port)?,
+                    )),
+                    _ => Err((
+                        ErrorKind::TypeError,
+                        "a CLUSTER SLOTS primary has no host and port",
+                    )
+                        .into()),
+                }
             })
             .collect()
+    }
+
+    /// The error for primaries that did not answer.
+    fn primaries_missing(owners: usize, answered: usize, missing: &[&(String, u16)]) -> RedisError {
+        let names = missing
+            .iter()
+            .map(|(host, port)| format!("{host}:{port}"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let mut message = format!(
+            "{} of {owners} Redis Cluster primaries did not answer (down or unreachable)",
+            owners.saturating_sub(answered)
+        );
+        if !names.is_empty() {
+            message.push_str(": ");
+            message.push_str(&names);
+        }
+        not_connected(message)
+    }
+
+    /// An I/O error, so that the store and idem-cli classify it as unavailable (503, exit 3),
+    /// as they do a single server that is down.
+    fn not_connected(message: String) -> RedisError {
+        std::io::Error::new(std::io::ErrorKind::NotConnected, message).into()
     }
 
     pub(super) async fn on_node(
