@@ -337,6 +337,81 @@ async fn a_primary_failing_over_to_its_replica_under_keyed_load_runs_each_key_on
     assert!(unavailable > 0, "the failover must have met some calls");
 }
 
+/// A reservation whose primary dies while its `WAIT` blocks: the replica is cut off first, so
+/// the reservation exists on the primary alone, and `WAIT 1` waits (10 s) for a replica that
+/// never takes it. The cluster client resends the `GETRANGE` + `WAIT` pipeline after the
+/// failover, to the promoted replica, which lacks the reservation, and whose `WAIT` is
+/// acknowledged once the killed node has rejoined as its replica. That must not count: the
+/// reserve is unavailable (503 before the handler), and a retry of the key reserves it (the
+/// key is free: no reservation anywhere). Before the `GETRANGE` was judged (a `PTTL` whose
+/// reply was ignored), the first reserve answered Reserved: a handler would run for a key
+/// that the retry then reserves again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_resent_to_the_promoted_replica_does_not_acknowledge_a_lost_reservation() {
+    let cluster = RedisCluster::start_with_replicas(&[]);
+    let urls = cluster.urls();
+    let store = match RedisStore::builder()
+        .wait_for_replicas(1, Duration::from_secs(10))
+        .connect_cluster(&[&urls[0], &urls[1]])
+        .await
+    {
+        Ok(store) => store,
+        Err(e) => panic!("connect_cluster: {e}"),
+    };
+    // A key of node 2 (the primary killed): the node answers `MOVED` for the others.
+    let mut node = node_conn(&urls[2]).await;
+    let mut key = None;
+    for i in 0..1000 {
+        let s = scope(&format!("lost-{i}"));
+        let name = idempotency_actix::store::redis::record_key("idem:", &s);
+        let owned: Result<i64, _> = redis::cmd("EXISTS").arg(&name).query_async(&mut node).await;
+        if owned.is_ok() {
+            key = Some(s);
+            break;
+        }
+    }
+    let key = key.expect("a key of node 2");
+    let failover = tokio::task::spawn_blocking(move || {
+        let mut cluster = cluster;
+        // The cut, then the primary alone for 3 s, then the kill and the failover.
+        let promoted = cluster.fail_over(2, Duration::from_secs(3));
+        (cluster, promoted)
+    });
+    // Reserve once the primary has dropped its replica's link, so the reservation exists on
+    // the primary alone (on a slow machine the cut takes a while).
+    let cut = tokio::time::Instant::now();
+    loop {
+        let info: String = redis::cmd("INFO")
+            .arg("replication")
+            .query_async(&mut node)
+            .await
+            .expect("INFO on node 2 before its kill");
+        if info.lines().any(|l| l.trim() == "connected_slaves:0") {
+            break;
+        }
+        assert!(
+            cut.elapsed() < Duration::from_secs(20),
+            "node 2 kept its replica"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    drop(node);
+    let first = store.reserve(&key, &FP, LEASE).await;
+    let (_cluster, promoted) = match failover.await {
+        Ok(done) => done,
+        Err(e) => panic!("fail_over: {e}"),
+    };
+    assert!(promoted >= 3, "a replica took over: node {promoted}");
+    let again = store.reserve(&key, &FP, LEASE).await;
+    match (&first, &again) {
+        (Err(StoreError::Unavailable(_)), Ok(ReserveOutcome::Reserved { .. })) => {}
+        _ => panic!(
+            "the reserve during the failover must be unavailable and its key free: \
+             first {first:?}, again {again:?}"
+        ),
+    }
+}
+
 /// Four clients race two by two on fresh keys (`r-0`, `r-1`, ...) with `lease`, each until it
 /// ran the handler (which takes `handler`) or saw the response, retrying what is unavailable.
 /// Once they have drawn [`LOAD_KEYS`] keys, `disturb` runs on a thread of its own (it gets
