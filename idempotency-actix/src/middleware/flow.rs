@@ -378,8 +378,9 @@ where
         }
     }
 
-    /// After the handler: store or release, and send the response on.
-    async fn finish(
+    /// After the handler: store or release, and send the response on. Also how transactional
+    /// mode finishes a request whose handler ended its transaction itself.
+    pub(super) async fn finish(
         &self,
         scope: &Scope,
         token: ReservationToken,

@@ -240,6 +240,12 @@ pub(super) struct Keyed {
 /// What the part after the handler decided.
 enum After<B> {
     Answer(FlowResult<B>),
+    /// The handler ended the request's transaction itself (diesel's `commit_transaction` or
+    /// `rollback_transaction`): what it committed stays committed, and nothing of ours is
+    /// left to commit. A keyed request then finishes as in the default mode (store or release
+    /// through the store, C16's retries included), so a retry replays a stored response
+    /// instead of running the handler again after the lease.
+    Ended(Result<ServiceResponse<B>, Error>),
     /// A serialization failure at `complete` or COMMIT: everything was rolled back, and the
     /// request may run again (the retry option): its request, to rebuild it from.
     Retry(HttpRequest),
@@ -338,6 +344,11 @@ pub(super) async fn settle_keyed<S, Svc, B>(
         match after {
             After::Answer(result) => {
                 let _ = answer.send(result);
+                return;
+            }
+            After::Ended(result) => {
+                tracing::error!(target: "idempotency_actix", key = %LogText(&scope.key), tenant = %LogText(&scope.tenant), path = %LogText(&scope.path), "the handler ended the request's transaction itself (never do: use the transaction, savepoints through conn.transaction); finishing as in the default mode, not atomically");
+                flow.finish(&scope, token, result, &report, answer).await;
                 return;
             }
             After::Retry(http_req) => {
@@ -444,6 +455,8 @@ where
     }
     match run_and_settle(flow, tx, req, conn, None, None, false).await {
         After::Answer(result) => result,
+        // No record to finish: the handler's own answer.
+        After::Ended(result) => result.map(|response| response.map_into_left_body()),
         // Not asked for (no retries for keyless requests: their body was not buffered).
         After::Retry(_) => Err(opaque_500("unexpected retry of a keyless request")),
     }
@@ -599,6 +612,10 @@ where
     let ended_by_handler = AnsiTransactionManager::transaction_manager_status_mut(&mut *conn)
         .transaction_depth()
         .is_ok_and(|depth| depth.is_none());
+    if ended_by_handler {
+        drop(conn); // no transaction left on it: back to the pool, as any finished one
+        return After::Ended(result);
+    }
     let log_rollback = |reason: &str| match scope {
         Some(scope) => {
             tracing::info!(target: "idempotency_actix", outcome = "rolled_back", key = %LogText(&scope.key), tenant = %LogText(&scope.tenant), path = %LogText(&scope.path), reason, "response not storable; the transaction (the handler's writes and the reservation) was rolled back");
@@ -618,7 +635,7 @@ where
         other => other,
     };
     let response = match result {
-        Ok(response) if ended_by_handler || (config.store_status)(response.status()) => response,
+        Ok(response) if (config.store_status)(response.status()) => response,
         Ok(response) => {
             sql::rollback(&tx.store, &mut conn).await;
             let status = response.status();
@@ -668,7 +685,7 @@ where
         headers: head.headers(),
         body: &bytes,
     };
-    if !ended_by_handler && config.store_if.as_ref().is_some_and(|keep| !keep(&parts)) {
+    if config.store_if.as_ref().is_some_and(|keep| !keep(&parts)) {
         sql::rollback(&tx.store, &mut conn).await;
         log_rollback("rejected by store_if");
         outcome(Outcome::RolledBack, status);
@@ -682,43 +699,6 @@ where
         .ok()
         .flatten()
         .map(|d| d.get());
-    if let (None, None) = (depth, record) {
-        // A keyless request whose handler ended its own transaction: nothing of ours is in
-        // it, so its response is the handler's word.
-        tracing::warn!(target: "idempotency_actix", outcome = "stored", "the handler ended the request's transaction itself; its response is sent as it is");
-        outcome(Outcome::Stored, status);
-        let response = ServiceResponse::new(http_req, head.set_body(BoxBody::new(bytes)));
-        return After::Answer(Ok(response.map_into_right_body()));
-    }
-    if let (None, Some((scope, token))) = (depth, record) {
-        // No transaction open: the handler ended it itself (diesel's commit_transaction or
-        // rollback_transaction). If it committed, its writes and our reservation are committed
-        // and nothing can undo them: store its response now, outside the transaction, so a
-        // retry replays it (whatever its status) instead of running again after the lease.
-        // If it rolled back, the reservation went with its writes: the complete finds nothing.
-        let stored = StoredResponse {
-            status: status.as_u16(),
-            headers: storable_headers(head.headers(), &config.deny_headers),
-            body: bytes.clone(),
-        };
-        let completed =
-            sql::complete(&tx.store, &mut conn, scope, &token, &stored, config.ttl).await;
-        if let Ok(WriteOutcome::Applied) = completed {
-            tracing::error!(target: "idempotency_actix", outcome = "stored", key = %LogText(&scope.key), tenant = %LogText(&scope.tenant), path = %LogText(&scope.path), status = status.as_u16(), "the handler committed the request's transaction itself; its response was stored after that commit (not atomically: use the transaction, never end it)");
-            outcome(Outcome::Stored, status);
-            let response = ServiceResponse::new(http_req, head.set_body(BoxBody::new(bytes)));
-            return After::Answer(Ok(response.map_into_right_body()));
-        }
-        tracing::error!(target: "idempotency_actix", outcome = "commit_failed", key = %LogText(&scope.key), completed = ?completed, "the handler ended the request's transaction itself and its reservation is gone (it rolled back): nothing of the transaction was committed");
-        drop(conn); // a connection whose transaction a handler ended: not lent again
-        return After::Answer(commit_failed(
-            flow,
-            http_req,
-            Some(scope),
-            report,
-            "the handler rolled back the request's transaction itself",
-        ));
-    }
     if depth != Some(1) {
         tracing::error!(target: "idempotency_actix", outcome = "commit_failed", depth, "the handler left the request's transaction at another depth (an open savepoint, or its own COMMIT/ROLLBACK): nothing is committed, the connection is discarded");
         drop(conn); // in a transaction: the pool closes it and PostgreSQL rolls back

@@ -882,48 +882,48 @@ async fn an_open_savepoint_is_never_committed() {
 }
 
 /// A handler that commits the request's transaction itself (diesel's `commit_transaction`)
-/// has committed its writes and the reservation: the middleware cannot undo that, so it must
-/// not say "nothing was done". It stores the handler's response outside the transaction, so a
-/// retry replays it instead of running the handler again after the lease, whatever its status.
+/// has committed its writes and the reservation, which nothing can undo: the request finishes
+/// as in the default mode. A storable response is stored, so a retry replays it instead of
+/// running the handler again after the lease (it was answered `COMMIT_FAILED`, "nothing was
+/// done", and re-run); a non-storable one releases the key (C10), as the default mode does.
 #[actix_web::test]
-async fn a_handler_that_commits_itself_is_replayed_never_run_twice() {
+async fn a_handler_that_commits_itself_finishes_as_the_default_mode() {
     let (db, store) = setup().await;
     let runs = Runs::default();
     let middleware = tx_builder(&store)
         .lock_timeout(Duration::from_millis(300))
         .build();
     let app = app!(middleware, runs);
-    for (key, query, status) in [
-        ("sc1", "?self_commit=true", StatusCode::CREATED),
-        ("sc2", "?self_commit=true&status=409", StatusCode::CONFLICT),
-    ] {
-        let first = send(&app, key, query, 1).await;
-        assert_eq!(first.status, status, "{}", first.body);
-        let runs_before = runs.get();
-        tokio::time::sleep(Duration::from_millis(400)).await; // past the lease
-        let retry = send(&app, key, query, 1).await;
-        assert_eq!(retry.status, status, "{}", retry.body);
-        assert!(retry.replayed, "{key}: the retry ran the handler again");
-        assert_eq!(retry.body, first.body);
-        assert_eq!(runs.get(), runs_before);
-        assert_eq!(records_for_key(&db.url, key)[0].state, State::Completed);
-    }
-    assert_eq!(payments(&db), 2, "one committed payment per key");
+    let first = send(&app, "sc1", "?self_commit=true", 1).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{}", first.body);
+    tokio::time::sleep(Duration::from_millis(400)).await; // past the lease
+    let retry = send(&app, "sc1", "?self_commit=true", 1).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.body);
+    assert!(retry.replayed, "the retry ran the handler again");
+    assert_eq!(retry.body, first.body);
+    assert_eq!(runs.get(), 1);
+    assert_eq!(records_for_key(&db.url, "sc1")[0].state, State::Completed);
+    assert_eq!(payments(&db), 1);
+
+    let refused = send(&app, "sc2", "?self_commit=true&status=409", 1).await;
+    assert_eq!(refused.status, StatusCode::CONFLICT, "{}", refused.body);
+    assert!(records_for_key(&db.url, "sc2").is_empty(), "released (C10)");
+    assert_eq!(payments(&db), 2, "its committed write stays");
 }
 
 /// A handler that rolls the request's transaction back itself undid its writes and the
-/// reservation: nothing was done, and a retry runs it.
+/// reservation: nothing is kept, its own answer goes out, and a retry runs it.
 #[actix_web::test]
 async fn a_handler_that_rolls_back_itself_leaves_nothing() {
     let (db, store) = setup().await;
     let runs = Runs::default();
     let app = app!(tx_middleware(&store), runs);
-    let failed = send(&app, "sr1", "?self_rollback=true", 1).await;
-    assert_eq!(failed.status, StatusCode::SERVICE_UNAVAILABLE);
-    assert_eq!(failed.body["code"], "COMMIT_FAILED", "{}", failed.body);
+    let first = send(&app, "sr1", "?self_rollback=true", 1).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{}", first.body);
     assert_nothing_kept(&db, "sr1", 0);
     let retry = send(&app, "sr1", "", 1).await;
     assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(!retry.replayed);
     assert_eq!(payments(&db), 1);
 }
 
