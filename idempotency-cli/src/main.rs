@@ -85,6 +85,13 @@ async fn run(cli: Cli) -> Result<(), CliError> {
     let timeout = cli.connect_timeout.0;
     // PostgreSQL only (Redis has no statements to bound).
     positive(cli.statement_timeout.0, "--statement-timeout", "5m")?;
+    // PostgreSQL takes at most i32::MAX ms (about 24.8 days); a longer value would fail every
+    // command at connect as a "database error".
+    if cli.statement_timeout.0 > MAX_STATEMENT_TIMEOUT {
+        return Err(CliError::Usage(
+            "--statement-timeout can be at most 24d (PostgreSQL's limit is about 24.8 days)".into(),
+        ));
+    }
     db::set_statement_timeout(cli.statement_timeout.0);
     let mut out = output::Out::new();
     if let Command::Migrate(args) = &cli.command {
@@ -101,6 +108,9 @@ async fn run(cli: Cli) -> Result<(), CliError> {
         Command::Release(args) => commands::release::run(conn, args, cli.format, &mut out).await,
     }
 }
+
+/// The longest `statement_timeout` PostgreSQL accepts: `i32::MAX` milliseconds.
+const MAX_STATEMENT_TIMEOUT: Duration = Duration::from_millis(i32::MAX as u64);
 
 /// A timeout flag of 0 is a usage error (exit 2): a zero `--connect-timeout` can never be met
 /// (every connection would fail as "unavailable"), and PostgreSQL reads a zero

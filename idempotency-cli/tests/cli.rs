@@ -989,9 +989,14 @@ async fn failures_have_one_line_and_distinct_exit_codes() {
 #[tokio::test]
 async fn zero_timeouts_are_usage_errors() {
     let db = TestDb::new().await;
-    for flag in ["--connect-timeout", "--statement-timeout"] {
+    for (flag, value) in [
+        ("--connect-timeout", "0"),
+        ("--statement-timeout", "0"),
+        // Past PostgreSQL's limit (i32::MAX ms): every command would fail at connect.
+        ("--statement-timeout", "30d"),
+    ] {
         for command in ["stats", "migrate"] {
-            let out = idem(&db.url, &[flag, "0", command]);
+            let out = idem(&db.url, &[flag, value, command]);
             expect_code(&out, USAGE);
             assert!(stderr(&out).contains(flag), "{}", stderr(&out));
         }

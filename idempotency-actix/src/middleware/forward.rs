@@ -80,6 +80,11 @@ impl MessageBody for Forwarded {
         loop {
             match this.chunks.poll_recv(cx) {
                 Poll::Ready(Some(Ok(chunk))) if matches!(this.size, BodySize::Sized(_)) => {
+                    if chunk.is_empty() && this.last.is_some() {
+                        // An empty chunk after the last bytes (a body that yields one before
+                        // its end) must not push them out early.
+                        continue;
+                    }
                     let len = u64::try_from(chunk.len()).unwrap_or(u64::MAX);
                     this.left = this.left.saturating_sub(len);
                     if this.left > 0 {
@@ -156,6 +161,22 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert!(matches!(next(&mut body).await, Some(None)), "then the end");
+    }
+
+    #[tokio::test]
+    async fn an_empty_chunk_after_the_last_bytes_does_not_release_them() {
+        let (sender, mut body) = channel(BodySize::Sized(3));
+        assert!(sender.send(Ok(Bytes::from_static(b"abc"))).await.is_ok());
+        assert!(sender.send(Ok(Bytes::new())).await.is_ok());
+        assert!(
+            next(&mut body).await.is_none(),
+            "still held while the record is being stored"
+        );
+        drop(sender);
+        match next(&mut body).await {
+            Some(Some(Ok(chunk))) => assert_eq!(chunk, Bytes::from_static(b"abc")),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[tokio::test]

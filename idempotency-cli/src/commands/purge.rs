@@ -198,9 +198,17 @@ async fn partition_work(
     let lock_timeout = args.lock_timeout.0;
     let mut work = PartitionWork::default();
     let mut failed = None;
-    match admin::drop_partitions(conn, args.older_than.0, lock_timeout).await {
-        Ok(dropped) => work.dropped = dropped,
-        Err(err) => {
+    // Each step bounded like every other round trip: a frozen server is "unavailable".
+    match crate::db::bounded(admin::drop_partitions(
+        conn,
+        args.older_than.0,
+        lock_timeout,
+    ))
+    .await
+    {
+        Err(frozen) => failed = Some(frozen.context("dropping past partitions")),
+        Ok(Ok(dropped)) => work.dropped = dropped,
+        Ok(Err(err)) => {
             let err = crate::db::classify(conn, err).await;
             failed = Some(err.context("dropping past partitions"));
         }
@@ -225,11 +233,16 @@ async fn partition_work(
         }
     }
     // Into `work.created` as they are made: on a failure part-way the ones made are reported.
-    if let Err(err) =
-        admin::create_partitions_into(conn, ahead, lock_timeout, &mut work.created).await
-    {
-        let err = crate::db::classify(conn, err).await;
-        failed.get_or_insert(err.context("creating partitions ahead"));
+    let created = admin::create_partitions_into(conn, ahead, lock_timeout, &mut work.created);
+    match crate::db::bounded(created).await {
+        Err(frozen) => {
+            failed.get_or_insert(frozen.context("creating partitions ahead"));
+        }
+        Ok(Ok(())) => {}
+        Ok(Err(err)) => {
+            let err = crate::db::classify(conn, err).await;
+            failed.get_or_insert(err.context("creating partitions ahead"));
+        }
     }
     (work, failed)
 }

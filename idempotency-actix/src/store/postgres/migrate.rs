@@ -191,7 +191,11 @@ fn apply_locked(
     harness
         .run_pending_migrations(MIGRATIONS)
         .map(|versions| versions.iter().map(|v| v.to_string()).collect())
-        .map_err(StoreError::Backend)
+        .map_err(|error| match error.downcast::<diesel::result::Error>() {
+            // A lost connection is "try again later", not a broken migration.
+            Ok(error) => super::error::classify_error(*error),
+            Err(error) => StoreError::Backend(error),
+        })
 }
 
 fn no_connection() -> StoreError {
