@@ -9,7 +9,8 @@
 //! | `methods` | POST, PATCH | the non-idempotent methods; GET/PUT/DELETE are idempotent by HTTP's definition |
 //! | `required` | `false` | adding the middleware must not break clients that do not send keys yet |
 //! | `ttl` | 24 h | Stripe's retention: long enough for any sane retry schedule, short enough to purge |
-//! | `lock_timeout` | 60 s | longer than any handler should run (so a live handler is never taken over), short enough that a crashed holder frees the key within a minute |
+//! | `lock_timeout` | 60 s | the lease: a crashed holder frees its key within a minute; renewed while the handler runs, so a slow handler is not taken over |
+//! | `renew_lease_up_to` | 10 min | longer than any payment provider call with its retries, so a live handler keeps its key; short enough that a hung one frees it within minutes |
 //! | `max_key_len` | 255 bytes | Stripe's limit; room for a UUID plus a prefix, small enough to index |
 //! | `max_body_bytes` | 1 MiB | the body is buffered to fingerprint it; this bounds memory per request |
 //! | `max_response_bytes` | 1 MiB | bigger responses are streamed through and not stored (released) |
@@ -61,6 +62,8 @@ pub(crate) struct Config {
     pub required: bool,
     pub ttl: Duration,
     pub lock_timeout: Duration,
+    /// How long after the reservation the lease is renewed while the handler runs; zero: never.
+    pub lease_renewal_limit: Duration,
     pub max_key_len: usize,
     pub max_body_bytes: usize,
     pub max_response_bytes: usize,
@@ -89,6 +92,7 @@ impl Default for Config {
             required: false,
             ttl: Duration::from_secs(24 * 60 * 60),
             lock_timeout: Duration::from_secs(60),
+            lease_renewal_limit: Duration::from_secs(10 * 60),
             max_key_len: 255,
             max_body_bytes: 1024 * 1024,
             max_response_bytes: 1024 * 1024,
@@ -248,11 +252,36 @@ impl<S> IdempotencyBuilder<S> {
         self
     }
 
-    /// The lease of a reservation. Default 60 s. A handler that runs longer than this can be
-    /// overtaken by a retry (and its own completion is then discarded), so set it above your
-    /// slowest handler's timeout.
+    /// The lease of a reservation. Default 60 s. When it ends without a renewal (the process
+    /// crashed, or the handler outlived [`renew_lease_up_to`](Self::renew_lease_up_to)), a
+    /// retry of the same request takes the key over and runs the handler; the first holder's
+    /// completion is then discarded (C9). While the handler runs, the lease is renewed every
+    /// third of it, so a slow handler in a live process keeps its key. A shorter lease frees a
+    /// crashed holder's key sooner and costs a renewal (one store write) per third of it for
+    /// each handler still running.
     pub fn lock_timeout(mut self, lease: Duration) -> Self {
         self.config.lock_timeout = lease;
+        self
+    }
+
+    /// How long a running handler may keep its key by renewing its lease. Default 10 minutes.
+    ///
+    /// From the reservation on, while the handler runs, the middleware renews the lease
+    /// ([`lock_timeout`](Self::lock_timeout)) every third of it, fenced by the reservation's
+    /// token, so a retry never takes over a handler that is still running (C9): without it, a
+    /// payment handler waiting longer than the lease for its provider would be run a second
+    /// time by the client's retry. A crashed process stops renewing, so its key is free one
+    /// lease later, as before. Renewal ends `limit` after the reservation (the last lease ends
+    /// exactly then), so a handler that hangs frees its key too.
+    ///
+    /// Only the handler's run is covered: the lease left when it returns (at least two thirds
+    /// of one) is what storing its response, and streaming a streamed body, may take.
+    /// Transactional mode needs none: its transaction holds the key for as long as it is
+    /// open. `Duration::ZERO` turns renewal off (a handler longer than the lease can then be
+    /// taken over); so does a store whose [`renews_leases`](crate::store::IdempotencyStore::renews_leases)
+    /// is `false`.
+    pub fn renew_lease_up_to(mut self, limit: Duration) -> Self {
+        self.config.lease_renewal_limit = limit;
         self
     }
 
@@ -639,6 +668,7 @@ mod tests {
         assert!(!config.required);
         assert_eq!(config.ttl, Duration::from_secs(24 * 3600));
         assert_eq!(config.lock_timeout, Duration::from_secs(60));
+        assert_eq!(config.lease_renewal_limit, Duration::from_secs(600));
         assert_eq!(config.max_key_len, 255);
         assert_eq!(config.max_body_bytes, 1024 * 1024);
         assert_eq!(config.max_response_bytes, 1024 * 1024);

@@ -348,10 +348,16 @@ async fn wait_mode_gives_up_with_409_after_the_wait() {
     second.assert_problem(409, "CONFLICT");
 }
 
+/// C9 without renewal (turned off): a handler still running when its lease ends is taken
+/// over by a retry, and its own completion is discarded.
 #[actix_web::test]
 async fn expired_lease_is_taken_over_and_the_stale_completion_is_discarded() {
     let counter = Counter::default();
-    let app = app_with(&counter, |b| b.lock_timeout(Duration::from_millis(200))).await;
+    let app = app_with(&counter, |b| {
+        b.lock_timeout(Duration::from_millis(200))
+            .renew_lease_up_to(Duration::ZERO)
+    })
+    .await;
     let (first, second) = tokio::join!(send(&app, post("/lease", "l").set_payload("x")), async {
         tokio::time::sleep(Duration::from_millis(400)).await;
         send(&app, post("/lease", "l").set_payload("x")).await
@@ -372,6 +378,51 @@ async fn expired_lease_is_taken_over_and_the_stale_completion_is_discarded() {
         replay.body, "execution 2",
         "C9: the stale holder's completion was rejected"
     );
+    assert_eq!(counter.get(), 2);
+}
+
+/// C9: a handler that runs past its lease in a live process keeps its key, because the
+/// middleware renews the lease while it runs: the retry gets 409, never a second run, and
+/// the first response is stored and replayed.
+#[actix_web::test]
+async fn a_running_handler_keeps_its_key_past_the_lease() {
+    let counter = Counter::default();
+    let app = app_with(&counter, |b| b.lock_timeout(Duration::from_millis(200))).await;
+    let (first, second) = tokio::join!(send(&app, post("/lease", "r").set_payload("x")), async {
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        send(&app, post("/lease", "r").set_payload("x")).await
+    });
+    second.assert_problem(409, "CONFLICT");
+    assert_eq!(first.body, "execution 1");
+    assert_eq!(counter.get(), 1, "the retry ran the handler a second time");
+    let replay = send(&app, post("/lease", "r").set_payload("x")).await;
+    assert!(
+        replay.replayed(),
+        "the renewed holder's response was not stored"
+    );
+    assert_eq!(replay.body, "execution 1");
+    assert_eq!(counter.get(), 1);
+}
+
+/// C9: renewal stops `renew_lease_up_to` after the reservation, so a handler that hangs
+/// frees its key once its last lease ends, as a crashed one does.
+#[actix_web::test]
+async fn lease_renewal_stops_at_its_limit() {
+    let counter = Counter::default();
+    let app = app_with(&counter, |b| {
+        b.lock_timeout(Duration::from_millis(200))
+            .renew_lease_up_to(Duration::from_millis(300))
+    })
+    .await;
+    let (first, second) = tokio::join!(send(&app, post("/lease", "h").set_payload("x")), async {
+        tokio::time::sleep(Duration::from_millis(550)).await;
+        send(&app, post("/lease", "h").set_payload("x")).await
+    });
+    assert_eq!(
+        second.body, "execution 2",
+        "the key was held past the limit"
+    );
+    assert_eq!(first.body, "execution 1");
     assert_eq!(counter.get(), 2);
 }
 

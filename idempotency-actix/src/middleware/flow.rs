@@ -25,6 +25,7 @@ use tracing::Instrument;
 
 use super::detach::detach;
 use super::forward::{self, BodyFailed};
+use super::renewal::{while_running, Lease};
 use super::replay::{replay, storable_headers};
 use crate::config::{saturating_deadline, Config, ResponseParts};
 use crate::fingerprint::{is_json_content_type, Fingerprint};
@@ -255,10 +256,19 @@ where
                     return;
                 }
             };
+            let reserved_at = Instant::now();
             let _held = self.meters.held();
             req.extensions_mut()
                 .insert(IdempotencyKey(scope.key.clone()));
-            let result = self.service.call(req).await;
+            let lease = Lease {
+                store: Arc::clone(&self.store),
+                scope: scope.clone(),
+                token,
+                lease: self.config.lock_timeout,
+                limit: self.config.lease_renewal_limit,
+                reserved_at,
+            };
+            let result = while_running(self.service.call(req), lease).await;
             self.finish(&scope, token, result, &report, answer).await;
         })
     }

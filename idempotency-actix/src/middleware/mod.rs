@@ -66,6 +66,7 @@ mod detach;
 mod flow;
 mod forward;
 pub(crate) mod replay;
+mod renewal;
 #[cfg(feature = "postgres")]
 mod transactional;
 

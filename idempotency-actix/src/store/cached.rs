@@ -3,9 +3,9 @@
 //! A completed record never changes until it expires: the response it holds is the one every
 //! retry must get. So a copy of it is as good as the record, in any instance, for as long as
 //! the record lives, and a replay served from the copy needs no round trip to the store. That
-//! is what this wrapper does; everything else (reservations, completions, releases, purges)
-//! goes to the wrapped store unchanged, so the atomicity and fencing rules are the wrapped
-//! store's.
+//! is what this wrapper does; everything else (reservations, completions, releases, lease
+//! renewals, purges) goes to the wrapped store unchanged, so the atomicity and fencing rules
+//! are the wrapped store's, and so is whether leases can be renewed.
 //!
 //! # What is cached, and for how long
 //! - A completed record, the first time the wrapped store returns it from `reserve` (the
@@ -317,6 +317,21 @@ impl<S: IdempotencyStore> IdempotencyStore for CachedStore<S> {
         self.inner.release(scope, token).await
     }
 
+    // Reservations are never cached, so a renewal has no entry to touch.
+    async fn renew_lease(
+        &self,
+        scope: &Scope,
+        token: &ReservationToken,
+        lease: Duration,
+    ) -> Result<WriteOutcome, StoreError> {
+        self.inner.renew_lease(scope, token, lease).await
+    }
+
+    // The wrapped store's answer: a wrapper around a store that cannot renew cannot either.
+    fn renews_leases(&self) -> bool {
+        self.inner.renews_leases()
+    }
+
     async fn purge_expired(&self, grace: Duration) -> Result<u64, StoreError> {
         self.cache.run_pending_tasks();
         self.inner.purge_expired(grace).await
@@ -414,6 +429,36 @@ mod tests {
     async fn cached_store_conforms() {
         let store = CachedStore::new(MemoryStore::new());
         crate::store::conformance::run_all(&store).await;
+    }
+
+    /// Renewal is the wrapped store's: the wrapper claims it only when its store has it, so the
+    /// middleware never counts on renewals that answer `Stale` without looking.
+    #[tokio::test]
+    async fn renewal_is_the_wrapped_stores() {
+        let renewing = CachedStore::new(MemoryStore::new());
+        assert!(renewing.renews_leases());
+        let ReserveOutcome::Reserved { token } = replay(&renewing, "a", &FP).await else {
+            panic!("expected a reservation");
+        };
+        let renewed = renewing
+            .renew_lease(&scope("a"), &token, Duration::from_secs(3600))
+            .await;
+        assert_eq!(renewed.ok(), Some(WriteOutcome::Applied));
+        match replay(&renewing, "a", &FP).await {
+            ReserveOutcome::InFlight {
+                lease_remaining, ..
+            } => assert!(lease_remaining > LEASE, "{lease_remaining:?}: not renewed"),
+            other => panic!("{other:?}"),
+        }
+
+        // `Counting` keeps the trait's defaults: no renewal.
+        let plain = CachedStore::new(Counting::default());
+        assert!(!plain.renews_leases());
+        let ReserveOutcome::Reserved { token } = replay(&plain, "a", &FP).await else {
+            panic!("expected a reservation");
+        };
+        let renewed = plain.renew_lease(&scope("a"), &token, LEASE).await;
+        assert_eq!(renewed.ok(), Some(WriteOutcome::Stale));
     }
 
     #[tokio::test]

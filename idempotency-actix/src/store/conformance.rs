@@ -42,6 +42,11 @@ pub async fn run_all<S: IdempotencyStore>(store: &S) {
     scopes_are_isolated_without_delimiter_collisions(store).await;
     purge_deletes_only_expired_records(store).await;
     purge_keeps_ended_reservations_within_grace(store).await;
+    if store.renews_leases() {
+        renewed_lease_is_not_taken_over(store).await;
+        renewal_is_fenced_by_the_token(store).await;
+        renewal_after_the_lease_applies_until_a_takeover(store).await;
+    }
 }
 
 fn scope_in(tenant: &str, key: &str) -> Scope {
@@ -117,6 +122,18 @@ async fn complete<S: IdempotencyStore>(
     match store.complete(scope, token, response, ttl).await {
         Ok(outcome) => outcome,
         Err(e) => panic!("complete failed for {scope:?}: {e}"),
+    }
+}
+
+async fn renew<S: IdempotencyStore>(
+    store: &S,
+    scope: &Scope,
+    token: &ReservationToken,
+    lease: Duration,
+) -> WriteOutcome {
+    match store.renew_lease(scope, token, lease).await {
+        Ok(outcome) => outcome,
+        Err(e) => panic!("renew_lease failed for {scope:?}: {e}"),
     }
 }
 
@@ -424,6 +441,120 @@ pub async fn purge_keeps_ended_reservations_within_grace<S: IdempotencyStore>(st
     match reserve(store, &scope, &FP_A, LEASE).await {
         ReserveOutcome::Completed { response, .. } => assert_eq!(response, late),
         other => panic!("the late response must be replayed, got {other:?}"),
+    }
+}
+
+/// C9: a holder that renews its lease keeps the key past the lease it reserved with: a retry
+/// of the same request is not let in, and the lease left is the renewed one.
+pub async fn renewed_lease_is_not_taken_over<S: IdempotencyStore>(store: &S) {
+    let scope = fresh_scope();
+    let token = reserved(store, &scope, &FP_A, SHORT).await;
+    assert_eq!(
+        renew(store, &scope, &token, LEASE).await,
+        WriteOutcome::Applied,
+        "C9: the holder renews its own lease"
+    );
+    tokio::time::sleep(SHORT * 2).await; // past the first lease
+    match reserve(store, &scope, &FP_A, LEASE).await {
+        ReserveOutcome::InFlight {
+            fingerprint,
+            lease_remaining,
+        } => {
+            assert_eq!(fingerprint, FP_A);
+            assert!(
+                lease_remaining > LEASE - SHORT * 4 && lease_remaining <= LEASE,
+                "lease_remaining {lease_remaining:?} is not the renewed lease"
+            );
+        }
+        other => panic!("C9: a renewed reservation must not be taken over, got {other:?}"),
+    }
+    let done = response(b"slow but once");
+    assert_eq!(
+        complete(store, &scope, &token, &done, TTL).await,
+        WriteOutcome::Applied,
+        "the renewed holder completes"
+    );
+    match reserve(store, &scope, &FP_A, LEASE).await {
+        ReserveOutcome::Completed { response, .. } => assert_eq!(response, done),
+        other => panic!("expected the renewed holder's response, got {other:?}"),
+    }
+}
+
+/// C9: only the current token renews. A foreign token, a released or completed record, and a
+/// holder whose key was taken over all get `Stale`, and change nothing: the new holder's
+/// lease is not extended (a retry after it ends takes over) and no record is revived.
+pub async fn renewal_is_fenced_by_the_token<S: IdempotencyStore>(store: &S) {
+    // A foreign token on a live reservation.
+    let scope = fresh_scope();
+    let token = reserved(store, &scope, &FP_A, SHORT).await;
+    let foreign = ReservationToken::random();
+    assert_eq!(
+        renew(store, &scope, &foreign, LEASE).await,
+        WriteOutcome::Stale,
+        "C9: a foreign token must not renew"
+    );
+    tokio::time::sleep(SHORT * 2).await;
+    let new = reserved(store, &scope, &FP_A, SHORT).await;
+    assert_ne!(new, token, "the foreign renewal extended the lease");
+
+    // The old holder after the takeover: stale, and the new holder's lease is not extended.
+    assert_eq!(
+        renew(store, &scope, &token, LEASE).await,
+        WriteOutcome::Stale,
+        "C9: a holder whose key was taken over must not renew"
+    );
+    tokio::time::sleep(SHORT * 2).await;
+    let third = reserved(store, &scope, &FP_A, LEASE).await;
+    assert!(
+        third != new && third != token,
+        "a stale renewal extended the lease"
+    );
+
+    // A completed record: stale, and it stays completed with its response.
+    let done = response(b"done");
+    assert_eq!(
+        complete(store, &scope, &third, &done, TTL).await,
+        WriteOutcome::Applied
+    );
+    assert_eq!(
+        renew(store, &scope, &third, LEASE).await,
+        WriteOutcome::Stale,
+        "a completed record has no lease to renew"
+    );
+    match reserve(store, &scope, &FP_A, LEASE).await {
+        ReserveOutcome::Completed { response, .. } => assert_eq!(response, done),
+        other => panic!("a renewal changed a completed record: {other:?}"),
+    }
+
+    // A released record: stale, and not revived.
+    let released = fresh_scope();
+    let token = reserved(store, &released, &FP_A, LEASE).await;
+    assert_eq!(
+        release(store, &released, &token).await,
+        WriteOutcome::Applied
+    );
+    assert_eq!(
+        renew(store, &released, &token, LEASE).await,
+        WriteOutcome::Stale,
+        "a released reservation must not be revived"
+    );
+    reserved(store, &released, &FP_B, LEASE).await;
+}
+
+/// C9: like a late `complete`, a renewal after the lease ended applies while nobody took the
+/// key over, and from then on the key is held again.
+pub async fn renewal_after_the_lease_applies_until_a_takeover<S: IdempotencyStore>(store: &S) {
+    let scope = fresh_scope();
+    let token = reserved(store, &scope, &FP_A, SHORT).await;
+    tokio::time::sleep(SHORT * 2).await;
+    assert_eq!(
+        renew(store, &scope, &token, LEASE).await,
+        WriteOutcome::Applied,
+        "C9: the holder's late renewal applies while nobody took the key over"
+    );
+    match reserve(store, &scope, &FP_A, LEASE).await {
+        ReserveOutcome::InFlight { fingerprint, .. } => assert_eq!(fingerprint, FP_A),
+        other => panic!("a renewed reservation must not be taken over, got {other:?}"),
     }
 }
 

@@ -127,6 +127,13 @@ fn scope_charge(scope: &Scope) -> usize {
 /// reservations cannot starve the byte bound; a late `complete` then needs room for its
 /// response like any other growth.
 ///
+/// [`renew_lease`](IdempotencyStore::renew_lease) by the holder moves the lease's end (and so
+/// its grace) to `lease` from the renewal, even after the lease ended, as long as nobody took
+/// the key over and its grace has not run out. A renewed reservation whose allowance was
+/// already given back takes it again if there is room (made as for a new reservation); if
+/// there is none, the renewal still applies, without it: a retry that runs the handler a
+/// second time is worse than a `complete` that may have to wait for room.
+///
 /// # Sweeping and time
 ///
 /// Expired records are swept as a side effect of `reserve` (the oldest completed records on
@@ -1040,6 +1047,76 @@ impl IdempotencyStore for MemoryStore {
         }
     }
 
+    // No queue orders reservations by their lease: the completion queue holds completed
+    // records only (a reservation's generation matches none of its entries), and `next_event`
+    // is a lower bound that a later lease end keeps valid. So a renewal that keeps its
+    // allowance only moves the lease's end; one that takes its allowance back lowers
+    // `next_event` to the new end, where a full sweep gives it back again (without that, a
+    // full store would skip the sweep until the old grace ran out).
+    async fn renew_lease(
+        &self,
+        scope: &Scope,
+        token: &ReservationToken,
+        lease: Duration,
+    ) -> Result<WriteOutcome, StoreError> {
+        let probe = self.probe(scope);
+        let now = Instant::now();
+        let until = later(now, lease);
+        let mut evicted = Vec::new();
+        let mut guard = self.lock();
+        // Split borrows: the record is a field of the guarded data, the limits another.
+        let inner = &mut *guard;
+        let grace = inner.limits.reservation_grace;
+        let Some(record) = inner.records.get_mut(probe) else {
+            return Ok(WriteOutcome::Stale);
+        };
+        if record.is_dead(now, grace) {
+            // Past its grace a reservation is gone even if no sweep deleted it yet, as for
+            // `complete`: renewing it would revive a record the store has given up.
+            let removed = inner.remove(probe);
+            drop(guard);
+            drop(removed);
+            return Ok(WriteOutcome::Stale);
+        }
+        let State::InFlight {
+            token: held,
+            lease_until,
+            allowance,
+        } = &mut record.state
+        else {
+            return Ok(WriteOutcome::Stale);
+        };
+        if held != token {
+            return Ok(WriteOutcome::Stale);
+        }
+        *lease_until = until;
+        // An allowance given back when the lease ended (`end_allowance`) is taken again only
+        // for a lease that runs: a zero lease would give it back at once.
+        let wanted = inner.limits.response_allowance;
+        let regain = *allowance == 0 && wanted > 0 && until > now;
+        let mut event = record.next_event(grace);
+        if regain && inner.make_room(now, false, wanted, &mut evicted).is_ok() {
+            // `make_room` evicts completed records only and sweeps dead ones; this record's
+            // lease runs, so it is still here.
+            if let Some(record) = inner.records.get_mut(probe) {
+                if let State::InFlight { allowance, .. } = &mut record.state {
+                    *allowance = wanted;
+                    record.charge = record.charge.saturating_add(wanted);
+                    inner.bytes = inner.bytes.saturating_add(wanted);
+                }
+                event = record.next_event(grace);
+            }
+        }
+        inner.note_event(event);
+        drop(guard);
+        log_evictions(&evicted, now);
+        Ok(WriteOutcome::Applied)
+    }
+
+    fn renews_leases(&self) -> bool {
+        true
+    }
+
     async fn purge_expired(&self, grace: Duration) -> Result<u64, StoreError> {
         Ok(self.lock().sweep_all(Instant::now(), grace))
     }
@@ -1351,6 +1428,180 @@ mod tests {
             queued <= 2 * store.len() + 1,
             "{queued} queue entries for 2 records"
         );
+    }
+
+    /// Reserve `key` for the fingerprint `[1; 32]`, expecting a reservation.
+    async fn reserved(store: &MemoryStore, key: &str, lease: Duration) -> ReservationToken {
+        let fp = Fingerprint([1; 32]);
+        match store.reserve(&scope(key), &fp, lease).await {
+            Ok(ReserveOutcome::Reserved { token }) => token,
+            other => panic!("expected a reservation for {key}, got {other:?}"),
+        }
+    }
+
+    async fn renew(
+        store: &MemoryStore,
+        key: &str,
+        token: &ReservationToken,
+        lease: Duration,
+    ) -> WriteOutcome {
+        match store.renew_lease(&scope(key), token, lease).await {
+            Ok(outcome) => outcome,
+            Err(e) => panic!("renew_lease of {key} failed: {e}"),
+        }
+    }
+
+    /// A renewed reservation is kept to its new lease end, not its first one: neither a purge
+    /// with no grace nor a full store (whose `reserve` sweeps everything that ended) drops it
+    /// once the lease it was reserved with has ended, and its holder still completes.
+    #[tokio::test]
+    async fn a_renewed_reservation_is_not_dropped_at_its_first_lease_end() {
+        let store = MemoryStore::builder()
+            .max_entries(1)
+            .reservation_grace(Duration::ZERO)
+            .build();
+        let fp = Fingerprint([1; 32]);
+        // Long enough that the renewal surely comes first: with no grace, a renewal after
+        // this lease would find the reservation gone.
+        let first = Duration::from_millis(150);
+        let token = reserved(&store, "a", first).await;
+        let bytes = store.bytes_used();
+        let minute = Duration::from_secs(60);
+        assert_eq!(
+            renew(&store, "a", &token, minute).await,
+            WriteOutcome::Applied
+        );
+        assert_eq!(
+            store.bytes_used(),
+            bytes,
+            "a running lease keeps its charge"
+        );
+        tokio::time::sleep(first + Duration::from_millis(50)).await;
+
+        assert_eq!(store.purge_expired(Duration::ZERO).await.ok(), Some(0));
+        assert!(matches!(
+            store.reserve(&scope("b"), &fp, minute).await,
+            Err(StoreError::Capacity(1))
+        ));
+        assert_eq!(store.len(), 1);
+        match store.reserve(&scope("a"), &fp, minute).await {
+            Ok(ReserveOutcome::InFlight {
+                lease_remaining, ..
+            }) => assert!(
+                lease_remaining > Duration::from_secs(50),
+                "{lease_remaining:?}"
+            ),
+            other => panic!("the renewed reservation was dropped or taken over: {other:?}"),
+        }
+        let done = store
+            .complete(&scope("a"), &token, &response(), minute)
+            .await;
+        assert_eq!(done.ok(), Some(WriteOutcome::Applied));
+    }
+
+    /// A reservation whose lease ended gave its response allowance back; renewed, it takes it
+    /// back, and the next full sweep after the new lease end gives it back again: a full
+    /// store then makes room for a new key instead of waiting for the old grace to run out.
+    #[tokio::test]
+    async fn a_late_renewal_takes_its_allowance_back_until_the_new_lease_ends() {
+        let base = scope_charge(&scope("a"));
+        let store = MemoryStore::builder()
+            .response_allowance(1000)
+            .max_bytes(2 * base + 1500)
+            .build();
+        let short = Duration::from_millis(20);
+        let token = reserved(&store, "a", short).await;
+        tokio::time::sleep(short * 2).await;
+        // A sweep that deletes nothing but gives the ended lease's allowance back.
+        assert_eq!(store.purge_expired(Duration::MAX).await.ok(), Some(0));
+        assert_eq!(store.bytes_used(), base);
+
+        assert_eq!(
+            renew(&store, "a", &token, short).await,
+            WriteOutcome::Applied
+        );
+        assert_eq!(store.bytes_used(), base + 1000, "the allowance is back");
+        tokio::time::sleep(short * 2).await;
+        // "b" fits only once the renewed lease's allowance is given back again.
+        reserved(&store, "b", Duration::from_secs(60)).await;
+        assert_eq!(store.bytes_used(), 2 * base + 1000);
+    }
+
+    /// Without room for its allowance a late renewal still applies: the key stays held.
+    #[tokio::test]
+    async fn a_late_renewal_without_room_for_its_allowance_still_applies() {
+        let base = scope_charge(&scope("a"));
+        let store = MemoryStore::builder()
+            .response_allowance(1000)
+            .max_bytes(2 * base + 1500)
+            .build();
+        let short = Duration::from_millis(20);
+        let minute = Duration::from_secs(60);
+        let token = reserved(&store, "a", short).await;
+        tokio::time::sleep(short * 2).await;
+        reserved(&store, "b", minute).await; // fits once "a" gave its allowance back
+        assert_eq!(store.bytes_used(), 2 * base + 1000);
+        assert_eq!(
+            renew(&store, "a", &token, minute).await,
+            WriteOutcome::Applied
+        );
+        assert_eq!(store.bytes_used(), 2 * base + 1000, "no room, no allowance");
+        let fp = Fingerprint([1; 32]);
+        assert!(matches!(
+            store.reserve(&scope("a"), &fp, minute).await,
+            Ok(ReserveOutcome::InFlight { .. })
+        ));
+    }
+
+    /// `Duration::MAX` is "never", as for `reserve`: no overflow, and the lease runs.
+    #[tokio::test]
+    async fn renewing_for_duration_max_does_not_panic() {
+        let store = MemoryStore::new();
+        let token = reserved(&store, "a", Duration::from_secs(60)).await;
+        assert_eq!(
+            renew(&store, "a", &token, Duration::MAX).await,
+            WriteOutcome::Applied
+        );
+        let fp = Fingerprint([1; 32]);
+        match store.reserve(&scope("a"), &fp, Duration::MAX).await {
+            Ok(ReserveOutcome::InFlight {
+                lease_remaining, ..
+            }) => assert!(
+                lease_remaining > Duration::from_secs(365 * 24 * 60 * 60),
+                "{lease_remaining:?}"
+            ),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(store.purge_expired(Duration::MAX).await.ok(), Some(0));
+        assert_eq!(
+            renew(&store, "a", &token, Duration::MAX).await,
+            WriteOutcome::Applied,
+            "renewed again from a far-future end"
+        );
+    }
+
+    /// A reservation past its grace is gone even before a sweep deletes it: its holder's
+    /// renewal is stale and does not revive it.
+    #[tokio::test]
+    async fn a_renewal_past_the_grace_is_stale() {
+        let store = MemoryStore::builder()
+            .reservation_grace(Duration::from_millis(10))
+            .sweep_interval(Duration::MAX)
+            .build();
+        let token = reserved(&store, "a", Duration::from_millis(10)).await;
+        tokio::time::sleep(Duration::from_millis(40)).await;
+        let minute = Duration::from_secs(60);
+        assert_eq!(
+            renew(&store, "a", &token, minute).await,
+            WriteOutcome::Stale
+        );
+        assert_eq!(store.len(), 0);
+        assert_eq!(store.bytes_used(), 0);
+        let other = Fingerprint([2; 32]);
+        assert!(matches!(
+            store.reserve(&scope("a"), &other, minute).await,
+            Ok(ReserveOutcome::Reserved { .. })
+        ));
     }
 
     /// Mixed TTLs: records that expire behind a longer-lived one are deleted by the full sweep

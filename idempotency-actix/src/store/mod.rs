@@ -21,6 +21,10 @@
 //! 3. [`release`](IdempotencyStore::release): drop the reservation (the response is not to be
 //!    stored, e.g. a 5xx), fenced by the token in the same way.
 //!
+//! A fourth, [`renew_lease`](IdempotencyStore::renew_lease), keeps a slow handler's
+//! reservation from being taken over while it runs; it is fenced like `complete`. It has a
+//! default (no renewal), so a store without it still works, with the lease it was given.
+//!
 //! [`purge_expired`](IdempotencyStore::purge_expired) deletes what no request can use any more.
 //!
 //! Time is the store's business: leases and TTLs are passed as durations and the store measures
@@ -333,6 +337,38 @@ pub trait IdempotencyStore: Send + Sync + 'static {
         scope: &Scope,
         token: &ReservationToken,
     ) -> impl Future<Output = Result<WriteOutcome, StoreError>> + Send;
+
+    /// Renew the lease of `scope`'s reservation: if `token` still holds it (the record is a
+    /// reservation with this token), its lease now ends `lease` from now, by the store's clock,
+    /// and the answer is [`WriteOutcome::Applied`]. Otherwise (completed, released, purged or
+    /// taken over) nothing changes and the answer is [`WriteOutcome::Stale`].
+    ///
+    /// The middleware calls it while a handler runs longer than a third of its lease (C9), so
+    /// a slow handler is not taken over by a retry while its process is alive, and a crashed
+    /// one still frees its key within one lease. Like a late `complete`, a renewal applies
+    /// after the lease ended as long as nobody took the key over; afterwards the key is held
+    /// again, and an ended reservation's grace (see `purge_expired`) counts from the new end.
+    /// It must be fenced exactly like `complete`: a renewal by a stale holder must never
+    /// extend the new holder's lease or revive a record.
+    ///
+    /// The default answers `Stale` and [`renews_leases`](Self::renews_leases) `false`, so a
+    /// store written before renewal existed keeps working: the middleware then leaves every
+    /// reservation to the lease it was given, as before.
+    fn renew_lease(
+        &self,
+        scope: &Scope,
+        token: &ReservationToken,
+        lease: Duration,
+    ) -> impl Future<Output = Result<WriteOutcome, StoreError>> + Send {
+        let _ = (scope, token, lease);
+        std::future::ready(Ok(WriteOutcome::Stale))
+    }
+
+    /// Whether [`renew_lease`](Self::renew_lease) is implemented. Defaults to `false`; every
+    /// store in this crate answers `true`.
+    fn renews_leases(&self) -> bool {
+        false
+    }
 
     /// A short, fixed name for metrics labels (`store="memory"`). Defaults to `"custom"`.
     fn name(&self) -> &'static str {

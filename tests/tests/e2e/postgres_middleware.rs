@@ -55,15 +55,41 @@ async fn pay(req: HttpRequest, body: web::Bytes, instance: web::Data<Instance>) 
     }))
 }
 
+/// [`pay`] after a wait far longer than the lease the slow-handler test gives it.
+async fn slow_pay(
+    req: HttpRequest,
+    body: web::Bytes,
+    instance: web::Data<Instance>,
+) -> HttpResponse {
+    actix_web::rt::time::sleep(SLOW_HANDLER).await;
+    pay(req, body, instance).await
+}
+
+/// How long [`slow_pay`] waits: five leases of [`SHORT_LEASE`].
+const SLOW_HANDLER: Duration = Duration::from_millis(1500);
+const SHORT_LEASE: Duration = Duration::from_millis(300);
+
 /// Start one app instance with its own store (its own pool) on a free port.
 fn start_instance(instance: Instance) -> (SocketAddr, ServerHandle) {
+    start_instance_with(instance, None)
+}
+
+/// [`start_instance`], with `lease` as `lock_timeout` if given; `/slow-payments` is
+/// [`slow_pay`].
+fn start_instance_with(instance: Instance, lease: Option<Duration>) -> (SocketAddr, ServerHandle) {
     let store = instance.store.clone();
     let data = web::Data::new(instance);
     let server = HttpServer::new(move || {
+        let builder = Idempotency::builder(store.clone());
+        let middleware = match lease {
+            Some(lease) => builder.lock_timeout(lease).build(),
+            None => builder.build(),
+        };
         App::new()
             .app_data(data.clone())
-            .wrap(Idempotency::new(store.clone()))
+            .wrap(middleware)
             .route("/payments", web::post().to(pay))
+            .route("/slow-payments", web::post().to(slow_pay))
     })
     .workers(2)
     .disable_signals()
@@ -194,6 +220,61 @@ async fn exactly_once_across_two_instances_sharing_one_database() {
     );
     assert_eq!(AtomicUsize::load(&runs, Ordering::SeqCst), KEYS);
 
+    for handle in handles {
+        handle.stop(false).await;
+    }
+}
+
+/// C9 across instances: a handler that runs five leases long keeps its key, because its
+/// instance renews the lease in the database while it runs. A retry sent to the other
+/// instance after the first lease ended gets 409 instead of a second execution, and the retry
+/// after the handler finished replays its response.
+#[actix_web::test]
+async fn a_slow_handler_keeps_its_key_across_instances() {
+    let db = TestDb::new().await;
+    create_executions_table(&db.url).await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let mut addrs = Vec::new();
+    let mut handles = Vec::new();
+    for name in ["instance-a", "instance-b"] {
+        let store = PostgresStore::connect(&db.url).await.unwrap();
+        let instance = Instance {
+            name,
+            store,
+            runs: Arc::clone(&runs),
+        };
+        let (addr, handle) = start_instance_with(instance, Some(SHORT_LEASE));
+        addrs.push(addr);
+        handles.push(handle);
+    }
+    let body = r#"{"amount": 500, "currency": "EUR"}"#;
+    let first = post_json(addrs[0], "/slow-payments", "slow-1", body);
+    let retries = async {
+        let mut answers = Vec::new();
+        // Retries through the other instance, each past the reservation's first lease.
+        for _ in 0..3 {
+            actix_web::rt::time::sleep(SHORT_LEASE).await;
+            answers.push(post_json(addrs[1], "/slow-payments", "slow-1", body).await);
+        }
+        answers
+    };
+    let (first, retries) = tokio::join!(first, retries);
+    let first = first.unwrap();
+    assert_eq!(first.status, 201, "{first:?}");
+    for retry in retries {
+        let retry = retry.unwrap();
+        assert_eq!(
+            retry.status, 409,
+            "a retry while the handler ran was not refused: {retry:?}"
+        );
+    }
+    let replay = post_json(addrs[1], "/slow-payments", "slow-1", body)
+        .await
+        .unwrap();
+    assert!(replay.is_replay(), "{replay:?}");
+    assert_eq!(replay.body, first.body);
+    assert_eq!(executions(&db.url).await.get("slow-1"), Some(&1));
+    assert_eq!(AtomicUsize::load(&runs, Ordering::SeqCst), 1);
     for handle in handles {
         handle.stop(false).await;
     }

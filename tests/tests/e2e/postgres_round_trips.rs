@@ -92,6 +92,10 @@ async fn every_operation_is_one_round_trip_once_prepared() {
     let ReserveOutcome::Reserved { token } = reserve(&store, "warm2", &FP).await else {
         panic!("warm-up reserve");
     };
+    store
+        .renew_lease(&scope("warm2"), &token, LEASE)
+        .await
+        .unwrap();
     store.release(&scope("warm2"), &token).await.unwrap();
 
     let mut token = None;
@@ -146,6 +150,12 @@ async fn every_operation_is_one_round_trip_once_prepared() {
     let ReserveOutcome::Reserved { token } = reserve(&store, "r", &FP).await else {
         panic!("reserve r");
     };
+    let renew = measured(&proxy, async {
+        let outcome = store.renew_lease(&scope("r"), &token, LEASE).await.unwrap();
+        assert_eq!(outcome, WriteOutcome::Applied);
+    })
+    .await;
+    assert_one_round_trip("renew_lease", &renew);
     let release = measured(&proxy, async {
         let outcome = store.release(&scope("r"), &token).await.unwrap();
         assert_eq!(outcome, WriteOutcome::Applied);

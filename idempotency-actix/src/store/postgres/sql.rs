@@ -22,6 +22,8 @@ use diesel::dsl::count;
 use diesel::expression::ValidGrouping;
 use diesel::expression::{is_aggregate, AppearsOnTable, Expression, SelectableExpression};
 use diesel::expression_methods::AggregateExpressionMethods;
+use std::marker::PhantomData;
+
 use diesel::pg::Pg;
 use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
 use diesel::sql_types::{BigInt, Bool, Bytea, Nullable, SmallInt, Text, Timestamptz, Untyped};
@@ -58,6 +60,16 @@ impl DbNow {
         NowShifted {
             micros,
             later: false,
+        }
+    }
+}
+
+impl DbNow {
+    /// `now()` plus `micros`.
+    pub(crate) fn plus(micros: i64) -> NowShifted {
+        NowShifted {
+            micros,
+            later: true,
         }
     }
 }
@@ -420,6 +432,58 @@ pub(crate) async fn release(
     )
     .execute(conn)
     .await
+}
+
+/// Renew the lease of an in-flight reservation, fenced by the token: one primary-key UPDATE
+/// of the claim row (`idempotency_keys` in both layouts), setting its lease end and expiry
+/// (equal for a reservation) to `now() + lease`. Matches nothing once the record was
+/// completed, released, purged or taken over (a takeover writes a new token under the row
+/// lock), so a stale holder never extends the new holder's lease.
+pub(crate) async fn renew_lease(
+    conn: &mut AsyncPgConnection,
+    scope: &ScopeBinds<'_>,
+    token: uuid::Uuid,
+    lease_us: i64,
+) -> QueryResult<usize> {
+    let until = DbNow::plus(lease_us);
+    let update = diesel::update(
+        k::table
+            .find(scope.key())
+            .filter(k::state.eq(State::InFlight))
+            .filter(k::token.eq(token)),
+    )
+    .set((
+        k::locked_until.eq(until.nullable()),
+        k::expires_at.eq(until),
+    ));
+    Prepared::<_, RenewLeaseId>(update, PhantomData)
+        .execute(conn)
+        .await
+}
+
+/// Static query id for [`renew_lease`]'s UPDATE.
+pub(crate) struct RenewLeaseId;
+
+/// A query-builder statement whose SQL text never varies, given the static query id `Id` and
+/// marked safe to cache. diesel gives an `UPDATE` neither (its text can depend on the values
+/// set), so diesel-async would prepare it again on every call: a Parse round trip each time. The statements wrapped
+/// here set fixed columns to binds, so one prepared statement per connection serves them all.
+struct Prepared<Q, Id>(Q, PhantomData<Id>);
+
+impl<Q: QueryFragment<Pg>, Id> QueryFragment<Pg> for Prepared<Q, Id> {
+    fn walk_ast<'b>(&'b self, out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        self.0.walk_ast(out)
+    }
+
+    /// diesel marks every `UPDATE` unsafe to cache, for the same reason it gives it no id.
+    fn is_safe_to_cache_prepared(&self, _backend: &Pg) -> QueryResult<bool> {
+        Ok(true)
+    }
+}
+
+impl<Q, Id: 'static> QueryId for Prepared<Q, Id> {
+    type QueryId = Id;
+    const HAS_STATIC_QUERY_ID: bool = true;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -394,6 +394,29 @@ impl IdempotencyStore for PostgresStore {
         .await
     }
 
+    async fn renew_lease(
+        &self,
+        scope: &Scope,
+        token: &ReservationToken,
+        lease: Duration,
+    ) -> Result<WriteOutcome, StoreError> {
+        let scope = scope_binds(scope);
+        let lease_us = micros(lease).max(1);
+        let mut conn = self.conn().await?;
+        self.timed(&mut conn, async |conn| {
+            match sql::renew_lease(conn, &scope, token.as_uuid(), lease_us).await {
+                Ok(0) => Ok(WriteOutcome::Stale),
+                Ok(_) => Ok(WriteOutcome::Applied),
+                Err(e) => Err(classify_query_error(conn, e).await),
+            }
+        })
+        .await
+    }
+
+    fn renews_leases(&self) -> bool {
+        true
+    }
+
     /// Deletes expired records in batches of the builder's `purge_batch` size.
     ///
     /// **Partitioned layout: the claims only.** It never drops or creates the partitions of

@@ -1,0 +1,122 @@
+//! Keeping a running handler's key (C9): lease renewal while the handler runs.
+//!
+//! A reservation's lease (`lock_timeout`) is what lets a retry take over the key of a holder
+//! that crashed. Alone it cannot tell a crashed holder from a slow one: a payment handler
+//! waiting longer than the lease for its provider would be run a second time by the client's
+//! retry. So while the handler runs, a heartbeat renews the lease every third of it through
+//! [`IdempotencyStore::renew_lease`], fenced by the token. A process that dies stops renewing,
+//! and its key is free one lease later, as before. Renewal ends `renew_lease_up_to` after the
+//! reservation, its last lease ending exactly then, so a hung handler frees its key too.
+//!
+//! The heartbeat is a task of its own, started only when the handler does not finish on its
+//! first poll: a handler that answers at once (most replays never get here; a quick miss on
+//! `MemoryStore`) costs no task and no timer. It stops when the handler returns, before the
+//! response is stored: a renewal still on its way may then land after the record was
+//! completed, and its `Stale` answer is not reported as a lost lease. A renewal in flight is
+//! never cut short (a store call dropped halfway can leave a pooled connection behind a
+//! statement nobody reads); the task just ends after it.
+
+use std::future::{poll_fn, Future};
+use std::pin::pin;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::oneshot;
+use tracing::Instrument;
+
+use crate::config::saturating_deadline;
+use crate::store::{IdempotencyStore, ReservationToken, Scope, WriteOutcome};
+
+/// The shortest pause between two renewals, whatever the lease: a lease of a few
+/// milliseconds must not turn the heartbeat into a busy loop against the store.
+const MIN_INTERVAL: Duration = Duration::from_millis(10);
+
+/// What the heartbeat needs to renew one reservation.
+pub(super) struct Lease<S> {
+    pub(super) store: Arc<S>,
+    pub(super) scope: Scope,
+    pub(super) token: ReservationToken,
+    /// The lease each renewal grants (`lock_timeout`).
+    pub(super) lease: Duration,
+    /// How long after the reservation renewal goes on (`renew_lease_up_to`).
+    pub(super) limit: Duration,
+    /// When the key was reserved.
+    pub(super) reserved_at: Instant,
+}
+
+/// Run `handler` to its end, renewing the lease meanwhile if it does not finish on its first
+/// poll. The heartbeat stops when the handler's output is ready.
+pub(super) async fn while_running<S, F>(handler: F, lease: Lease<S>) -> F::Output
+where
+    S: IdempotencyStore,
+    F: Future,
+{
+    let mut handler = pin!(handler);
+    let mut lease = Some(lease);
+    let mut running: Option<oneshot::Sender<()>> = None;
+    let output = poll_fn(|cx| {
+        let poll = handler.as_mut().poll(cx);
+        if poll.is_pending() {
+            if let Some(lease) = lease.take() {
+                running = heartbeat(lease);
+            }
+        }
+        poll
+    })
+    .await;
+    // The heartbeat sees its receiver closed and ends (so it does if this future is dropped).
+    drop(running);
+    output
+}
+
+/// Start the heartbeat of `lease`, or nothing when renewal is off, the store cannot renew, or
+/// the first lease already reaches the limit.
+fn heartbeat<S: IdempotencyStore>(lease: Lease<S>) -> Option<oneshot::Sender<()>> {
+    if lease.limit <= lease.lease || lease.lease.is_zero() || !lease.store.renews_leases() {
+        return None;
+    }
+    let (running, mut stopped) = oneshot::channel::<()>();
+    let interval = (lease.lease / 3).max(MIN_INTERVAL);
+    let hold_until = saturating_deadline(lease.reserved_at, lease.limit);
+    let beat = async move {
+        loop {
+            let next =
+                tokio::time::Instant::from_std(saturating_deadline(Instant::now(), interval));
+            tokio::select! {
+                _ = &mut stopped => return,
+                () = tokio::time::sleep_until(next) => {}
+            }
+            // The last renewal ends the lease at the limit, not past it.
+            let left = hold_until.saturating_duration_since(Instant::now());
+            let grant = lease.lease.min(left);
+            if grant.is_zero() {
+                return;
+            }
+            let renewed = lease
+                .store
+                .renew_lease(&lease.scope, &lease.token, grant)
+                .await;
+            let handler_done =
+                !matches!(stopped.try_recv(), Err(oneshot::error::TryRecvError::Empty));
+            match renewed {
+                Ok(WriteOutcome::Applied) => {
+                    tracing::debug!(target: "idempotency_actix", lease_ms = grant.as_millis(), "lease renewed");
+                }
+                // Completed or released by the request itself a moment ago: nothing was lost.
+                Ok(WriteOutcome::Stale) if handler_done => return,
+                Ok(WriteOutcome::Stale) => {
+                    tracing::warn!(target: "idempotency_actix", outcome = "lease_lost", "the handler is still running but its reservation was taken over or released (its lease ended while renewals failed, or an operator released it); its response will not be stored");
+                    return;
+                }
+                Err(error) => {
+                    tracing::warn!(target: "idempotency_actix", outcome = "store_error", %error, "could not renew the lease; trying again at the next renewal");
+                }
+            }
+            if handler_done || grant < lease.lease {
+                return;
+            }
+        }
+    };
+    actix_rt::spawn(beat.in_current_span());
+    Some(running)
+}
