@@ -402,7 +402,8 @@ impl<S> IdempotencyBuilder<S> {
 
     /// Instead of answering 409 at once, wait up to `wait` for the first request to finish and
     /// replay its response (or, if it was released, run this one). Default: off.
-    /// `Duration::MAX` waits as long as the first request holds the key (its lease bounds it).
+    /// `Duration::MAX` waits as long as the first request holds the key (its lease, renewed
+    /// up to [`renew_lease_up_to`](Self::renew_lease_up_to), bounds it).
     pub fn wait_for_in_flight(mut self, wait: Duration) -> Self {
         self.config.wait_for_in_flight = Some(wait).filter(|w| !w.is_zero());
         self
