@@ -2,7 +2,8 @@
 //! test by `redis-cli --cluster create`, killed on drop): the conformance suite through the
 //! redis crate's cluster connection, records spread over every primary, the operator's work
 //! that names no key (purge's `SCAN`, the eviction check) reaching every primary, `WAIT`
-//! going to the record's node, and `connect` refusing a cluster node.
+//! going to the record's node, lease renewals reaching the record's node, and `connect`
+//! refusing a cluster node.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -113,6 +114,65 @@ async fn purge_reaches_every_primary() {
         store.reserve(&scope("running"), &FP, LEASE).await,
         Ok(ReserveOutcome::InFlight { .. })
     ));
+}
+
+/// A lease renewal names its one key, so it goes to the record's primary, whichever that is:
+/// reservations with a short lease on every primary, each renewed, are all still held after
+/// that lease (none is taken over), and each node ran the `PEXPIRE`s of its own records.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn renewals_reach_each_records_primary() {
+    let cluster = RedisCluster::start();
+    let store = cluster_store(&cluster).await;
+    let short = Duration::from_millis(300);
+    const KEYS: usize = 15;
+    let mut tokens = Vec::new();
+    for i in 0..KEYS {
+        match store
+            .reserve(&scope(&format!("renew-{i}")), &FP, short)
+            .await
+        {
+            Ok(ReserveOutcome::Reserved { token }) => tokens.push(token),
+            other => panic!("reserve renew-{i}: {other:?}"),
+        }
+    }
+    let mut nodes = Vec::new();
+    for url in cluster.urls() {
+        let mut conn = node_conn(&url).await;
+        let _: () = redis::cmd("CONFIG")
+            .arg("RESETSTAT")
+            .query_async(&mut conn)
+            .await
+            .expect("RESETSTAT");
+        nodes.push(conn);
+    }
+    for (i, token) in tokens.iter().enumerate() {
+        assert_eq!(
+            store
+                .renew_lease(&scope(&format!("renew-{i}")), token, LEASE)
+                .await
+                .ok(),
+            Some(WriteOutcome::Applied),
+            "renew-{i}"
+        );
+    }
+    tokio::time::sleep(short * 2).await;
+    for i in 0..KEYS {
+        match store
+            .reserve(&scope(&format!("renew-{i}")), &FP, LEASE)
+            .await
+        {
+            Ok(ReserveOutcome::InFlight { .. }) => {}
+            other => panic!("renew-{i} was renewed and must still be held: {other:?}"),
+        }
+    }
+    let mut renewals = Vec::new();
+    for conn in &mut nodes {
+        let calls = command_calls(conn, "pexpire").await;
+        renewals.push(usize::try_from(calls).unwrap_or(usize::MAX));
+    }
+    let keys = keys_per_node(&cluster).await;
+    assert!(keys.iter().all(|n| *n > 0), "spread: {keys:?}");
+    assert_eq!(renewals, keys, "each renewal on its record's own node");
 }
 
 /// `KeyScan` over a cluster connection returns every matching key of every primary once.

@@ -35,6 +35,10 @@
 //!   takeover; a second `complete` by the token that completed the record answers applied and
 //!   changes nothing (so a retried completion, after a lost reply or an unacknowledged
 //!   `WAIT`, is not taken for a takeover).
+//! - `renew_lease` is one `EVALSHA` too, fenced the same way: it moves the key's expiry
+//!   (`PEXPIRE`) to the new lease plus the grace, so the lease ends where `PTTL` less grace
+//!   says, and leaves the record's bytes as they are. It never waits for replicas (why: at
+//!   `renew_lease` below).
 //!
 //! Time is the Redis server's, so app instances with skewed clocks agree: a reservation's
 //! lease ends where its key's remaining life (`PTTL`) falls to its grace, and a completed
@@ -213,18 +217,18 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// After a reservation and after a completion, send `WAIT replicas timeout` (a second
-    /// round trip) so the write is on `replicas` replicas before the handler runs and before
-    /// the middleware moves on. A reservation not acknowledged in time is released and the
-    /// call fails (503, the handler does not run). A completion not acknowledged fails too,
-    /// after it was stored: the client gets its response all the same, and the middleware
-    /// retries the completion until the lease ends (a retry by the same token is applied
-    /// again, so it is acknowledged once a replica is back or has taken over). `WAIT` holds
-    /// its connection while it waits, so with this on `connect` and `connect_cluster` open
-    /// [`DEFAULT_WAIT_CONNECTIONS`] connections by default, taken in turn
-    /// ([`connections`](Self::connections) chooses), and no connection per thread
-    /// ([`connection_per_thread`](Self::connection_per_thread)); keep `timeout` short. Off by
-    /// default.
+    /// After a reservation and after a completion, send `WAIT replicas timeout` (a second round
+    /// trip) so the write is on `replicas` replicas before the handler runs and before the
+    /// middleware moves on. (Not after a lease renewal: losing one in a failover only brings back
+    /// the lease as it was, see `renew_lease`.) A reservation not acknowledged in time is released
+    /// and the call fails (503, the handler does not run). A completion not acknowledged fails too,
+    /// after it was stored: the client gets its response all the same, and the middleware retries
+    /// the completion until the lease ends (a retry by the same token is applied again, so it is
+    /// acknowledged once a replica is back or has taken over). `WAIT` holds its connection while it
+    /// waits, so with this on `connect` and `connect_cluster` open [`DEFAULT_WAIT_CONNECTIONS`]
+    /// connections by default, taken in turn ([`connections`](Self::connections) chooses), and no
+    /// connection per thread ([`connection_per_thread`](Self::connection_per_thread)); keep
+    /// `timeout` short. Off by default.
     ///
     /// `timeout` may exceed `response_timeout`: the connection that `connect` and
     /// `connect_cluster` open waits for `WAIT` as long as it needs (the other calls keep
@@ -403,6 +407,7 @@ impl RedisStoreBuilder {
                 reserve: Script::new(include_str!("redis/reserve.lua")),
                 complete: Script::new(include_str!("redis/complete.lua")),
                 release: Script::new(include_str!("redis/release.lua")),
+                renew: Script::new(include_str!("redis/renew.lua")),
                 purge: Script::new(include_str!("redis/purge.lua")),
             }),
         }
@@ -433,6 +438,7 @@ struct Inner {
     reserve: Script,
     complete: Script,
     release: Script,
+    renew: Script,
     purge: Script,
 }
 
@@ -591,11 +597,7 @@ where
                     .invoke_async(conn),
             )
             .await?;
-        Ok(if released == 1 {
-            WriteOutcome::Applied
-        } else {
-            WriteOutcome::Stale
-        })
+        Ok(fenced(released))
     }
 
     /// `WAIT replicas timeout` on `conn`, the connection that wrote `key`'s record, on the node
@@ -848,6 +850,15 @@ fn classify(err: RedisError) -> StoreError {
     }
 }
 
+/// A fenced script's answer (`release.lua`, `renew.lua`): 1 applied, anything else stale.
+fn fenced(applied: i64) -> WriteOutcome {
+    if applied == 1 {
+        WriteOutcome::Applied
+    } else {
+        WriteOutcome::Stale
+    }
+}
+
 fn corrupt(what: &str) -> StoreError {
     StoreError::Backend(format!("corrupt Redis idempotency record: {what}").into())
 }
@@ -1038,6 +1049,14 @@ fn unix_micros_here() -> u64 {
         .map_or(0, micros)
 }
 
+/// A lease in microseconds as `reserve` and `renew_lease` write it: bounded like every
+/// duration sent to Redis ([`micros`]: a `Duration::MAX` lease is about 100 years, exact in a
+/// Lua number and far from overflowing `PX`), and never zero (a reservation whose lease ended
+/// the moment it was made would be taken over at once).
+fn lease_micros(lease: Duration) -> u64 {
+    micros(lease).max(1)
+}
+
 /// How long Redis keeps a reservation's key: its lease plus the grace, in whole milliseconds
 /// rounded up (so the lease, which ends `grace` before the key does, is never cut short).
 fn key_life_ms(lease_us: u64, grace_us: u64) -> u64 {
@@ -1056,7 +1075,7 @@ where
     ) -> Result<ReserveOutcome, StoreError> {
         let key = self.key_of(scope);
         let token = ReservationToken::random();
-        let lease_us = micros(lease).max(1);
+        let lease_us = lease_micros(lease);
         let grace_us = self.inner.grace_us;
         let reservation =
             record::in_flight(fingerprint, &token, unix_micros_here(), lease_us, grace_us);
@@ -1177,6 +1196,47 @@ where
         token: &ReservationToken,
     ) -> Result<WriteOutcome, StoreError> {
         self.release_on(&mut self.pick(), scope, token).await
+    }
+
+    /// One `EVALSHA` (`renew.lua`): if `token` holds `scope`'s reservation (in flight with
+    /// this token, its lease ended or not, as long as nobody took the key over), its key now
+    /// lives `lease` plus the store's [grace](RedisStoreBuilder::in_flight_grace) from Redis's
+    /// now, so the lease ends `lease` from now by Redis's clock; the record's bytes are left as
+    /// they are. Otherwise nothing changes and the answer is `Stale`. A lease beyond about
+    /// 100 years (`Duration::MAX`) is taken as 100 years, as by `reserve`.
+    ///
+    /// Never followed by `WAIT`, even with [`RedisStoreBuilder::wait_for_replicas`]: a renewal
+    /// lost in a failover leaves the promoted replica with the lease as it was before it (the
+    /// reservation itself was acknowledged before the handler ran), so at worst a retry takes
+    /// the key over after that earlier lease, as it could without renewals.
+    async fn renew_lease(
+        &self,
+        scope: &Scope,
+        token: &ReservationToken,
+        lease: Duration,
+    ) -> Result<WriteOutcome, StoreError> {
+        let key = self.key_of(scope);
+        // Bounded and rounded as `reserve` does. The grace is this store's, which is also the
+        // record's grace field (the token is one this store's reserve wrote, with its grace),
+        // so the lease end read back (`PTTL` less that field) is exactly the renewed one.
+        // No `WAIT` (see above): it would hold a connection on every renewal to guard only
+        // against a lease falling back to what it was.
+        let life_ms = key_life_ms(lease_micros(lease), self.inner.grace_us);
+        let renewed: i64 = self
+            .timed(
+                self.inner
+                    .renew
+                    .key(&key)
+                    .arg(record::token_text(token))
+                    .arg(life_ms)
+                    .invoke_async(&mut self.pick()),
+            )
+            .await?;
+        Ok(fenced(renewed))
+    }
+
+    fn renews_leases(&self) -> bool {
+        true
     }
 
     /// Redis expires records itself (`PEXPIRE`): completed records at the end of their TTL,

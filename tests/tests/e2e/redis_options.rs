@@ -1,6 +1,7 @@
 //! `RedisStore`'s builder options against real `redis-server` processes (one per test, plus a
 //! real replica where `WAIT` needs one): `wait_for_replicas` with and without a replica that
-//! acknowledges, a custom prefix, connect failures that name no password, and the timeouts.
+//! acknowledges, lease renewals that wait for none, a custom prefix, connect failures that
+//! name no password, and the timeouts.
 
 use std::time::{Duration, Instant};
 
@@ -11,7 +12,7 @@ use idempotency_actix::store::{
     IdempotencyStore, ReserveOutcome, Scope, StoreError, StoredResponse, WriteOutcome,
 };
 use idempotency_actix::Fingerprint;
-use idempotency_e2e::redis_server::RedisServer;
+use idempotency_e2e::redis_server::{command_calls, RedisServer};
 
 const FP: Fingerprint = Fingerprint([0xAA; 32]);
 const LEASE: Duration = Duration::from_secs(60);
@@ -144,6 +145,42 @@ async fn wait_for_replicas_without_a_replica_refuses_the_reservation() {
         plain.reserve(&s, &FP, LEASE).await,
         Ok(ReserveOutcome::Reserved { .. })
     ));
+}
+
+/// A lease renewal sends no `WAIT`, even with `wait_for_replicas`: losing one in a failover
+/// only brings back the lease as it was before it. So with no replica up it still applies at
+/// once, where a reservation or a completion would wait out the timeout and fail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_renewal_waits_for_no_replica() {
+    let primary = RedisServer::start();
+    let plain = RedisStore::connect(&primary.url()).await.expect("connect");
+    let waiting = RedisStore::builder()
+        .wait_for_replicas(1, Duration::from_secs(5))
+        .connect(&primary.url())
+        .await
+        .expect("connect");
+    let s = scope("renew-no-wait");
+    let token = match plain.reserve(&s, &FP, LEASE).await {
+        Ok(ReserveOutcome::Reserved { token }) => token,
+        other => panic!("expected Reserved, got {other:?}"),
+    };
+    let mut stats = conn(&primary.url()).await;
+    let _: () = redis::cmd("CONFIG")
+        .arg("RESETSTAT")
+        .query_async(&mut stats)
+        .await
+        .expect("RESETSTAT");
+    let started = Instant::now();
+    assert_eq!(
+        waiting.renew_lease(&s, &token, LEASE).await.ok(),
+        Some(WriteOutcome::Applied)
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "the renewal waited {:?}",
+        started.elapsed()
+    );
+    assert_eq!(command_calls(&mut stats, "wait").await, 0, "no WAIT");
 }
 
 /// A `WAIT` longer than the response timeout runs to its end: the connection's own timeout

@@ -220,6 +220,103 @@ async fn ended_reservation_refuses_other_body_and_accepts_late_complete() {
     }
 }
 
+/// The key's remaining life in milliseconds.
+async fn pttl(conn: &mut redis::aio::MultiplexedConnection, key: &str) -> i64 {
+    redis::cmd("PTTL")
+        .arg(key)
+        .query_async(conn)
+        .await
+        .expect("PTTL")
+}
+
+/// The record's bytes.
+async fn raw_record(conn: &mut redis::aio::MultiplexedConnection, key: &str) -> Vec<u8> {
+    redis::cmd("GET")
+        .arg(key)
+        .query_async(conn)
+        .await
+        .expect("GET")
+}
+
+/// C9 on Redis: a renewal moves the key's expiry and nothing else. The key lives the new lease
+/// plus the grace from Redis's now (so the lease left, `PTTL` less grace, is the renewed one),
+/// the record's bytes are untouched, a stale token's renewal leaves the expiry as it was, and
+/// a `Duration::MAX` lease is bounded as reserve bounds it (about 100 years) instead of
+/// failing or overflowing in the script.
+#[tokio::test]
+async fn a_renewal_moves_the_keys_expiry_and_nothing_else() {
+    let redis = RedisServer::start();
+    let grace = Duration::from_secs(3600);
+    let store = RedisStore::builder()
+        .in_flight_grace(grace)
+        .connect(&redis.url())
+        .await
+        .expect("connect");
+    let mut conn = redis_conn(&redis).await;
+    let s = scope("t", "renewed");
+    let key = store.key_of(&s);
+    let ms = |d: Duration| i64::try_from(d.as_millis()).unwrap_or(i64::MAX);
+    let token = reserved(&store, &s, &FP_A, Duration::from_secs(1)).await;
+    let before = raw_record(&mut conn, &key).await;
+    assert!(pttl(&mut conn, &key).await <= ms(Duration::from_secs(1) + grace));
+
+    assert_eq!(
+        store.renew_lease(&s, &token, LEASE).await.ok(),
+        Some(WriteOutcome::Applied)
+    );
+    let life = pttl(&mut conn, &key).await;
+    assert!(
+        life <= ms(LEASE + grace) && life > ms(LEASE + grace - Duration::from_secs(5)),
+        "the key lives lease + grace from now: {life} ms"
+    );
+    assert_eq!(raw_record(&mut conn, &key).await, before, "bytes untouched");
+    match store.reserve(&s, &FP_A, LEASE).await {
+        Ok(ReserveOutcome::InFlight {
+            lease_remaining, ..
+        }) => assert!(
+            lease_remaining <= LEASE && lease_remaining > LEASE - Duration::from_secs(5),
+            "{lease_remaining:?}"
+        ),
+        other => panic!("expected the renewed reservation, got {other:?}"),
+    }
+
+    // A foreign token: stale, and the expiry is not moved (a longer lease would show).
+    assert_eq!(
+        store
+            .renew_lease(&s, &ReservationToken::random(), 10 * LEASE)
+            .await
+            .ok(),
+        Some(WriteOutcome::Stale)
+    );
+    assert!(pttl(&mut conn, &key).await <= ms(LEASE + grace));
+
+    // "For ever": about 100 years, like a reserve with `Duration::MAX`.
+    let century = Duration::from_secs(100 * 365 * 24 * 3600);
+    assert_eq!(
+        store.renew_lease(&s, &token, Duration::MAX).await.ok(),
+        Some(WriteOutcome::Applied)
+    );
+    assert!(pttl(&mut conn, &key).await > ms(century));
+    match store.reserve(&s, &FP_A, LEASE).await {
+        Ok(ReserveOutcome::InFlight {
+            lease_remaining, ..
+        }) => assert!(
+            lease_remaining <= century && lease_remaining > century - Duration::from_secs(60),
+            "{lease_remaining:?}"
+        ),
+        other => panic!("expected the renewed reservation, got {other:?}"),
+    }
+    assert_eq!(raw_record(&mut conn, &key).await, before, "bytes untouched");
+    // And it still completes.
+    assert_eq!(
+        store
+            .complete(&s, &token, &response(b"at last"), TTL)
+            .await
+            .ok(),
+        Some(WriteOutcome::Applied)
+    );
+}
+
 /// A second `complete` by the token that completed the record answers `Applied` and changes
 /// nothing (a retry after a lost reply or an unacknowledged `WAIT` is not a takeover); after a
 /// takeover the old token stays stale.
@@ -380,19 +477,20 @@ async fn stores_under_nested_prefixes_keep_to_their_own_records() {
     );
 }
 
-/// C26: reserve and a replay are one native `SET` each, complete and release one EVALSHA each
-/// (the scripts are loaded once), and a flushed script cache is reloaded transparently
-/// (NOSCRIPT).
+/// C26: reserve and a replay are one native `SET` each, complete, release and a lease renewal
+/// one EVALSHA each (the scripts are loaded once), and a flushed script cache is reloaded
+/// transparently (NOSCRIPT).
 #[tokio::test]
 async fn each_operation_is_one_command_and_noscript_reloads() {
     let redis = RedisServer::start();
     let store = store(&redis).await;
     let mut conn = redis_conn(&redis).await;
-    // Warm up: load the three scripts.
+    // Warm up: load the four scripts.
     let warm = scope("warm", "k");
     let t = reserved(&store, &warm, &FP_A, LEASE).await;
     store.release(&warm, &t).await.expect("release");
     let t = reserved(&store, &warm, &FP_A, LEASE).await;
+    store.renew_lease(&warm, &t, LEASE).await.expect("renew");
     store
         .complete(&warm, &t, &response(b"w"), TTL)
         .await
@@ -407,6 +505,10 @@ async fn each_operation_is_one_command_and_noscript_reloads() {
     );
     let token = reserved(&store, &s, &FP_A, LEASE).await;
     assert_eq!(
+        store.renew_lease(&s, &token, LEASE).await.ok(),
+        Some(WriteOutcome::Applied)
+    );
+    assert_eq!(
         store.complete(&s, &token, &response(b"c"), TTL).await.ok(),
         Some(WriteOutcome::Applied)
     );
@@ -416,8 +518,13 @@ async fn each_operation_is_one_command_and_noscript_reloads() {
     ));
     assert_eq!(
         command_calls(&mut conn, "evalsha").await,
-        2,
-        "a complete and a release"
+        3,
+        "a release, a renewal and a complete"
+    );
+    assert_eq!(
+        command_calls(&mut conn, "pexpire").await,
+        1,
+        "the renewal's, inside its script"
     );
     // Two reserves and a replay; the scripts' own SETs count too (one, the complete's).
     assert_eq!(command_calls(&mut conn, "set").await, 4);
@@ -434,9 +541,13 @@ async fn each_operation_is_one_command_and_noscript_reloads() {
         .query_async(&mut conn)
         .await
         .expect("SCRIPT FLUSH");
-    // The complete script is reloaded on NOSCRIPT.
+    // The renew and complete scripts are reloaded on NOSCRIPT.
     let after = scope("t", "after-flush");
     let token = reserved(&store, &after, &FP_A, LEASE).await;
+    assert_eq!(
+        store.renew_lease(&after, &token, LEASE).await.ok(),
+        Some(WriteOutcome::Applied)
+    );
     assert_eq!(
         store
             .complete(&after, &token, &response(b"f"), TTL)
@@ -627,6 +738,13 @@ async fn a_full_redis_refuses_new_keys_and_still_answers_existing_ones() {
         "a new key must fail closed: {refused:?}"
     );
     assert!(!key_exists(&mut conn, &store.key_of(&fresh)).await);
+    // A lease renewal grows nothing (a `PEXPIRE`, not `denyoom`): it still applies, so a slow
+    // handler keeps its key while Redis is full.
+    assert_eq!(
+        store.renew_lease(&busy, &busy_token, LEASE).await.ok(),
+        Some(WriteOutcome::Applied),
+        "a full Redis still renews"
+    );
     // A completion is a write too: refused, the middleware retries it until the lease ends.
     let completing = store.complete(&busy, &busy_token, &stored, TTL).await;
     assert!(

@@ -21,7 +21,7 @@
 //! | 1..33 | fingerprint, 32 raw bytes | the same |
 //! | 33..69 | reservation token, hyphenated UUID | the same (kept: a retried `complete` by it is applied) |
 //! | 69..85 | reserved at, µs, the reserving instance's clock (shown by `idem-cli`, never decided on) | the same |
-//! | 85..101 | lease, µs | completed at, µs, Redis's clock |
+//! | 85..101 | lease, µs, as reserved (a renewal leaves it: shown, never decided on) | completed at, µs, Redis's clock |
 //! | 101..117 | grace, µs (the key lives lease + grace) | expires at, µs, Redis's clock |
 //! | 117..120 | | status, 3 digits |
 //! | 120..130 | | length of the encoded headers, 10 digits |
@@ -29,7 +29,8 @@
 //!
 //! A reservation's lease end is its key's expiry less its grace (`PTTL` less grace), so every
 //! decision about time uses Redis's clock although the reservation is written by a plain `SET`
-//! from the app.
+//! from the app; and a lease renewal (`renew.lua`) is a `PEXPIRE` of the key alone, the bytes
+//! left as they are.
 
 use std::io::Write;
 
@@ -78,7 +79,7 @@ pub struct Record {
 pub enum State {
     /// A reservation.
     InFlight {
-        /// Its lease, microseconds.
+        /// Its lease as reserved, microseconds (a renewal moves the key's expiry, not this).
         lease_us: u64,
         /// How long its key outlives the lease, microseconds.
         grace_us: u64,
