@@ -65,8 +65,8 @@
 mod detach;
 mod flow;
 mod forward;
-pub(crate) mod replay;
 mod renewal;
+pub(crate) mod replay;
 #[cfg(feature = "postgres")]
 mod transactional;
 
