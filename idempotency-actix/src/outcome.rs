@@ -15,6 +15,7 @@
 //! | [`STORE_CALL_SECONDS`] | histogram | `op` (`reserve`, `complete`, `release`), `store` | duration of each store call, failed ones included |
 //! | [`RESERVATIONS_HELD`] | gauge | `store` | requests holding a reservation right now (a drop guard keeps it right when a request's task is cut) |
 //! | [`COMPLETE_RETRIES_TOTAL`] | counter | `result` (`started`, `succeeded`, `stale`, `given_up`), `store` | the after-handler retries of a failed `complete` (C16) |
+//! | [`LEASE_RENEWALS_TOTAL`] | counter | `result` (`renewed`, `failed`, `lost`), `store` | lease renewals while a handler runs (C9); `lost`: the reservation was taken over or released under a running handler |
 //!
 //! # Hook
 //! [`IdempotencyBuilder::on_outcome`](crate::IdempotencyBuilder::on_outcome) takes a callback
@@ -45,6 +46,8 @@ pub const STORE_CALL_SECONDS: &str = "idempotency_store_call_seconds";
 pub const RESERVATIONS_HELD: &str = "idempotency_reservations_held";
 /// Counter of the after-handler `complete` retries.
 pub const COMPLETE_RETRIES_TOTAL: &str = "idempotency_complete_retries_total";
+/// Counter of lease renewals while handlers run.
+pub const LEASE_RENEWALS_TOTAL: &str = "idempotency_lease_renewals_total";
 
 /// What happened to one keyed request. The handler ran for exactly the outcomes whose
 /// [`ran_handler`](Self::ran_handler) is true.
@@ -362,6 +365,11 @@ impl Drop for Held {
 /// Count one step of the after-handler `complete` retry.
 pub(crate) fn complete_retry(result: &'static str, store: &'static str) {
     metrics::counter!(COMPLETE_RETRIES_TOTAL, "result" => result, "store" => store).increment(1);
+}
+
+/// Count one lease renewal by its result.
+pub(crate) fn lease_renewal(result: &'static str, store: &'static str) {
+    metrics::counter!(LEASE_RENEWALS_TOTAL, "result" => result, "store" => store).increment(1);
 }
 
 /// The method as a label (a bounded set: other methods are `other`).
@@ -699,6 +707,9 @@ mod tests {
             complete_retry("started", "postgres");
             complete_retry("given_up", "postgres");
             complete_retry("given_up", "postgres");
+            lease_renewal("renewed", "postgres");
+            lease_renewal("lost", "postgres");
+            lease_renewal("renewed", "postgres");
             (meters.held(), meters.held())
         });
         let answer = timed(meters.histogram(Op::Reserve), async {
@@ -755,6 +766,19 @@ mod tests {
         assert_eq!(retries("started"), 1);
         assert_eq!(retries("given_up"), 2);
         assert_eq!(retries("succeeded"), 0);
+        let renewals = |result: &str| match value(
+            &metrics,
+            MetricKind::Counter,
+            LEASE_RENEWALS_TOTAL,
+            &[("result", result), ("store", "postgres")],
+        ) {
+            Some(DebugValue::Counter(n)) => *n,
+            None => 0,
+            Some(other) => panic!("not a counter: {other:?}"),
+        };
+        assert_eq!(renewals("renewed"), 2);
+        assert_eq!(renewals("lost"), 1);
+        assert_eq!(renewals("failed"), 0);
 
         // The debugging recorder zeroes a gauge when it is read, so the next read is the
         // change since: dropping the last guard takes exactly one off.

@@ -54,6 +54,16 @@ async fn lease_outliving(counter: web::Data<Counter>) -> HttpResponse {
     HttpResponse::Ok().body(format!("execution {n}"))
 }
 
+/// The first execution runs 1.5 s, far past the short leases of the renewal tests, so that a
+/// loaded machine delaying a renewal or a retry by a few hundred milliseconds changes nothing.
+async fn long_first_run(counter: web::Data<Counter>) -> HttpResponse {
+    let n = counter.0.fetch_add(1, Ordering::SeqCst) + 1;
+    if n == 1 {
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+    }
+    HttpResponse::Ok().body(format!("execution {n}"))
+}
+
 async fn status_from_query(counter: web::Data<Counter>, req: HttpRequest) -> HttpResponse {
     counter.0.fetch_add(1, Ordering::SeqCst);
     let status = req.query_string().parse::<u16>().unwrap_or(200);
@@ -98,6 +108,7 @@ async fn app_with(
             .route("/echo", web::get().to(echo))
             .route("/slow", web::post().to(slow))
             .route("/lease", web::post().to(lease_outliving))
+            .route("/long", web::post().to(long_first_run))
             .route("/status", web::post().to(status_from_query))
             .route("/json-status", web::post().to(json_status))
             .route("/big", web::post().to(big_stream))
@@ -387,15 +398,16 @@ async fn expired_lease_is_taken_over_and_the_stale_completion_is_discarded() {
 #[actix_web::test]
 async fn a_running_handler_keeps_its_key_past_the_lease() {
     let counter = Counter::default();
-    let app = app_with(&counter, |b| b.lock_timeout(Duration::from_millis(200))).await;
-    let (first, second) = tokio::join!(send(&app, post("/lease", "r").set_payload("x")), async {
-        tokio::time::sleep(Duration::from_millis(400)).await;
-        send(&app, post("/lease", "r").set_payload("x")).await
+    // Renewals every 200 ms; the retry comes after the first lease ended.
+    let app = app_with(&counter, |b| b.lock_timeout(Duration::from_millis(600))).await;
+    let (first, second) = tokio::join!(send(&app, post("/long", "r").set_payload("x")), async {
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        send(&app, post("/long", "r").set_payload("x")).await
     });
     second.assert_problem(409, "CONFLICT");
     assert_eq!(first.body, "execution 1");
     assert_eq!(counter.get(), 1, "the retry ran the handler a second time");
-    let replay = send(&app, post("/lease", "r").set_payload("x")).await;
+    let replay = send(&app, post("/long", "r").set_payload("x")).await;
     assert!(
         replay.replayed(),
         "the renewed holder's response was not stored"
@@ -414,9 +426,10 @@ async fn lease_renewal_stops_at_its_limit() {
             .renew_lease_up_to(Duration::from_millis(300))
     })
     .await;
-    let (first, second) = tokio::join!(send(&app, post("/lease", "h").set_payload("x")), async {
-        tokio::time::sleep(Duration::from_millis(550)).await;
-        send(&app, post("/lease", "h").set_payload("x")).await
+    // The last lease ends 300 ms after the reservation; the first run lasts 1.5 s.
+    let (first, second) = tokio::join!(send(&app, post("/long", "h").set_payload("x")), async {
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        send(&app, post("/long", "h").set_payload("x")).await
     });
     assert_eq!(
         second.body, "execution 2",

@@ -25,6 +25,7 @@ use tokio::sync::oneshot;
 use tracing::Instrument;
 
 use crate::config::saturating_deadline;
+use crate::outcome;
 use crate::store::{IdempotencyStore, ReservationToken, Scope, WriteOutcome};
 
 /// The shortest pause between two renewals, whatever the lease: a lease of a few
@@ -78,6 +79,7 @@ fn heartbeat<S: IdempotencyStore>(lease: Lease<S>) -> Option<oneshot::Sender<()>
     let (running, mut stopped) = oneshot::channel::<()>();
     let interval = (lease.lease / 3).max(MIN_INTERVAL);
     let hold_until = saturating_deadline(lease.reserved_at, lease.limit);
+    let name = lease.store.name();
     let beat = async move {
         loop {
             let next =
@@ -100,15 +102,18 @@ fn heartbeat<S: IdempotencyStore>(lease: Lease<S>) -> Option<oneshot::Sender<()>
                 !matches!(stopped.try_recv(), Err(oneshot::error::TryRecvError::Empty));
             match renewed {
                 Ok(WriteOutcome::Applied) => {
+                    outcome::lease_renewal("renewed", name);
                     tracing::debug!(target: "idempotency_actix", lease_ms = grant.as_millis(), "lease renewed");
                 }
                 // Completed or released by the request itself a moment ago: nothing was lost.
                 Ok(WriteOutcome::Stale) if handler_done => return,
                 Ok(WriteOutcome::Stale) => {
+                    outcome::lease_renewal("lost", name);
                     tracing::warn!(target: "idempotency_actix", outcome = "lease_lost", "the handler is still running but its reservation was taken over or released (its lease ended while renewals failed, or an operator released it); its response will not be stored");
                     return;
                 }
                 Err(error) => {
+                    outcome::lease_renewal("failed", name);
                     tracing::warn!(target: "idempotency_actix", outcome = "store_error", %error, "could not renew the lease; trying again at the next renewal");
                 }
             }

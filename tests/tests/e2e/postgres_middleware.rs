@@ -65,9 +65,11 @@ async fn slow_pay(
     pay(req, body, instance).await
 }
 
-/// How long [`slow_pay`] waits: five leases of [`SHORT_LEASE`].
-const SLOW_HANDLER: Duration = Duration::from_millis(1500);
-const SHORT_LEASE: Duration = Duration::from_millis(300);
+/// How long [`slow_pay`] waits: four leases of [`SHORT_LEASE`].
+const SLOW_HANDLER: Duration = Duration::from_secs(4);
+/// Renewed every third of it; long enough that a renewal delayed by a busy machine (a test
+/// beside this one filling the database) is still in time: it may come up to 2/3 s late.
+const SHORT_LEASE: Duration = Duration::from_secs(1);
 
 /// Start one app instance with its own store (its own pool) on a free port.
 fn start_instance(instance: Instance) -> (SocketAddr, ServerHandle) {
@@ -225,7 +227,7 @@ async fn exactly_once_across_two_instances_sharing_one_database() {
     }
 }
 
-/// C9 across instances: a handler that runs five leases long keeps its key, because its
+/// C9 across instances: a handler that runs four leases long keeps its key, because its
 /// instance renews the lease in the database while it runs. A retry sent to the other
 /// instance after the first lease ended gets 409 instead of a second execution, and the retry
 /// after the handler finished replays its response.
@@ -251,9 +253,10 @@ async fn a_slow_handler_keeps_its_key_across_instances() {
     let first = post_json(addrs[0], "/slow-payments", "slow-1", body);
     let retries = async {
         let mut answers = Vec::new();
-        // Retries through the other instance, each past the reservation's first lease.
+        // Retries through the other instance at 1.2, 2.4 and 3.6 s: past the first lease,
+        // before the handler ends.
         for _ in 0..3 {
-            actix_web::rt::time::sleep(SHORT_LEASE).await;
+            actix_web::rt::time::sleep(SHORT_LEASE + Duration::from_millis(200)).await;
             answers.push(post_json(addrs[1], "/slow-payments", "slow-1", body).await);
         }
         answers
