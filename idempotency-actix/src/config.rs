@@ -270,16 +270,22 @@ impl<S> IdempotencyBuilder<S> {
     /// ([`lock_timeout`](Self::lock_timeout)) every third of it, fenced by the reservation's
     /// token, so a retry never takes over a handler that is still running (C9): without it, a
     /// payment handler waiting longer than the lease for its provider would be run a second
-    /// time by the client's retry. A crashed process stops renewing, so its key is free one
-    /// lease later, as before. Renewal ends `limit` after the reservation (the last lease ends
-    /// exactly then), so a handler that hangs frees its key too.
+    /// time by the client's retry. A renewal that fails is tried again after a tenth of that
+    /// interval. A crashed process stops renewing, so its key is free one lease later, as
+    /// before. Renewal ends `limit` after the reservation (the last lease ends then), so a
+    /// handler that hangs frees its key too; a `limit` no longer than `lock_timeout` means no
+    /// renewal at all, and `Duration::MAX` lets a hung handler keep its key for as long as its
+    /// process lives.
     ///
-    /// Only the handler's run is covered: the lease left when it returns (at least two thirds
-    /// of one) is what storing its response, and streaming a streamed body, may take.
-    /// Transactional mode needs none: its transaction holds the key for as long as it is
-    /// open. `Duration::ZERO` turns renewal off (a handler longer than the lease can then be
-    /// taken over); so does a store whose [`renews_leases`](crate::store::IdempotencyStore::renews_leases)
-    /// is `false`.
+    /// Only the handler's run is covered: what storing its response, and streaming a streamed
+    /// body, may take is the lease left when it returns (about two thirds of one, less the
+    /// last renewal's own time). The store must answer the renewals: one that is down for a
+    /// whole lease lets a retry take over, as without renewal (C16's window). In transactional
+    /// mode the open transaction holds the key and needs no renewal; its idle limit
+    /// (`idle_in_transaction_session_timeout`) is this `limit`, or `lock_timeout` if longer.
+    /// `Duration::ZERO` turns renewal off (a handler longer than the lease can then be taken
+    /// over); so does a store whose
+    /// [`renews_leases`](crate::store::IdempotencyStore::renews_leases) is `false`.
     pub fn renew_lease_up_to(mut self, limit: Duration) -> Self {
         self.config.lease_renewal_limit = limit;
         self

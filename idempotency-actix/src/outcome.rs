@@ -15,7 +15,7 @@
 //! | [`STORE_CALL_SECONDS`] | histogram | `op` (`reserve`, `complete`, `release`), `store` | duration of each store call, failed ones included |
 //! | [`RESERVATIONS_HELD`] | gauge | `store` | requests holding a reservation right now (a drop guard keeps it right when a request's task is cut) |
 //! | [`COMPLETE_RETRIES_TOTAL`] | counter | `result` (`started`, `succeeded`, `stale`, `given_up`), `store` | the after-handler retries of a failed `complete` (C16) |
-//! | [`LEASE_RENEWALS_TOTAL`] | counter | `result` (`renewed`, `failed`, `lost`), `store` | lease renewals while a handler runs (C9); `lost`: the reservation was taken over or released under a running handler |
+//! | [`LEASE_RENEWALS_TOTAL`] | counter | `result` (`renewed`, `failed`, `lost`, `limit`), `store` | lease renewals while a handler runs (C9); `lost`: the reservation was taken over or released under a running handler; `limit`: the handler outlived `renew_lease_up_to` |
 //!
 //! # Hook
 //! [`IdempotencyBuilder::on_outcome`](crate::IdempotencyBuilder::on_outcome) takes a callback

@@ -416,27 +416,120 @@ async fn a_running_handler_keeps_its_key_past_the_lease() {
     assert_eq!(counter.get(), 1);
 }
 
-/// C9: renewal stops `renew_lease_up_to` after the reservation, so a handler that hangs
-/// frees its key once its last lease ends, as a crashed one does.
+/// C9: renewal goes on until `renew_lease_up_to` after the reservation and stops there, so a
+/// handler that hangs frees its key once its last lease ends, as a crashed one does.
 #[actix_web::test]
 async fn lease_renewal_stops_at_its_limit() {
     let counter = Counter::default();
     let app = app_with(&counter, |b| {
         b.lock_timeout(Duration::from_millis(200))
-            .renew_lease_up_to(Duration::from_millis(300))
+            .renew_lease_up_to(Duration::from_millis(600))
     })
     .await;
-    // The last lease ends 300 ms after the reservation; the first run lasts 1.5 s.
-    let (first, second) = tokio::join!(send(&app, post("/long", "h").set_payload("x")), async {
-        tokio::time::sleep(Duration::from_millis(800)).await;
-        send(&app, post("/long", "h").set_payload("x")).await
-    });
-    assert_eq!(
-        second.body, "execution 2",
-        "the key was held past the limit"
-    );
+    // The first run lasts 1.5 s; its last lease ends 600 ms after the reservation.
+    let (first, (before, after)) =
+        tokio::join!(send(&app, post("/long", "h").set_payload("x")), async {
+            tokio::time::sleep(Duration::from_millis(450)).await;
+            let before = send(&app, post("/long", "h").set_payload("x")).await;
+            tokio::time::sleep(Duration::from_millis(600)).await;
+            let after = send(&app, post("/long", "h").set_payload("x")).await;
+            (before, after)
+        });
+    before.assert_problem(409, "CONFLICT");
+    assert_eq!(after.body, "execution 2", "the key was held past the limit");
     assert_eq!(first.body, "execution 1");
     assert_eq!(counter.get(), 2);
+}
+
+/// A memory store whose first lease renewal is slow and fails (a store blip).
+#[derive(Clone, Default)]
+struct FirstRenewalFails {
+    inner: MemoryStore,
+    renewals: Arc<AtomicUsize>,
+}
+
+impl IdempotencyStore for FirstRenewalFails {
+    async fn reserve(
+        &self,
+        scope: &Scope,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+    ) -> Result<ReserveOutcome, StoreError> {
+        self.inner.reserve(scope, fingerprint, lease).await
+    }
+    async fn complete(
+        &self,
+        scope: &Scope,
+        token: &ReservationToken,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> Result<WriteOutcome, StoreError> {
+        self.inner.complete(scope, token, response, ttl).await
+    }
+    async fn release(
+        &self,
+        scope: &Scope,
+        token: &ReservationToken,
+    ) -> Result<WriteOutcome, StoreError> {
+        self.inner.release(scope, token).await
+    }
+    async fn renew_lease(
+        &self,
+        scope: &Scope,
+        token: &ReservationToken,
+        lease: Duration,
+    ) -> Result<WriteOutcome, StoreError> {
+        if self.renewals.fetch_add(1, Ordering::SeqCst) == 0 {
+            tokio::time::sleep(Duration::from_millis(800)).await;
+            return Err(StoreError::unavailable("timed out"));
+        }
+        self.inner.renew_lease(scope, token, lease).await
+    }
+    fn renews_leases(&self) -> bool {
+        true
+    }
+    async fn purge_expired(&self, grace: Duration) -> Result<u64, StoreError> {
+        self.inner.purge_expired(grace).await
+    }
+}
+
+/// C9: a failed renewal is tried again soon, not a whole interval later. Lease 1.5 s, so a
+/// renewal every 0.5 s; the first one (at 0.5 s) fails after 0.8 s, at 1.3 s. Paced from its
+/// end, the next came at 1.8 s, after the lease had ended at 1.5 s, and the retry sent at
+/// 1.65 s took the key over while the handler still ran.
+#[actix_web::test]
+async fn a_failed_renewal_is_retried_before_the_lease_ends() {
+    let counter = Counter::default();
+    let store = FirstRenewalFails::default();
+    let app = init_service(
+        App::new()
+            .app_data(web::Data::new(counter.clone()))
+            .wrap(
+                Idempotency::builder(store.clone())
+                    .lock_timeout(Duration::from_millis(1500))
+                    .build(),
+            )
+            .route(
+                "/slow-run",
+                web::post().to(|counter: web::Data<Counter>| async move {
+                    let n = counter.0.fetch_add(1, Ordering::SeqCst) + 1;
+                    if n == 1 {
+                        tokio::time::sleep(Duration::from_millis(3000)).await;
+                    }
+                    HttpResponse::Ok().body(format!("execution {n}"))
+                }),
+            ),
+    )
+    .await;
+    let (first, second) =
+        tokio::join!(send(&app, post("/slow-run", "f").set_payload("x")), async {
+            tokio::time::sleep(Duration::from_millis(1650)).await;
+            send(&app, post("/slow-run", "f").set_payload("x")).await
+        });
+    second.assert_problem(409, "CONFLICT");
+    assert_eq!(first.body, "execution 1");
+    assert_eq!(counter.get(), 1, "the retry ran the handler a second time");
+    assert!(store.renewals.load(Ordering::SeqCst) >= 3);
 }
 
 #[actix_web::test]

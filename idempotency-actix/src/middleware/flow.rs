@@ -260,7 +260,8 @@ where
             let _held = self.meters.held();
             req.extensions_mut()
                 .insert(IdempotencyKey(scope.key.clone()));
-            let lease = Lease {
+            // Built only if the handler does not answer on its first poll.
+            let lease = || Lease {
                 store: Arc::clone(&self.store),
                 scope: scope.clone(),
                 token,

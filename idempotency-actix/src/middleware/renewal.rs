@@ -10,11 +10,18 @@
 //!
 //! The heartbeat is a task of its own, started only when the handler does not finish on its
 //! first poll: a handler that answers at once (most replays never get here; a quick miss on
-//! `MemoryStore`) costs no task and no timer. It stops when the handler returns, before the
-//! response is stored: a renewal still on its way may then land after the record was
-//! completed, and its `Stale` answer is not reported as a lost lease. A renewal in flight is
-//! never cut short (a store call dropped halfway can leave a pooled connection behind a
-//! statement nobody reads); the task just ends after it.
+//! `MemoryStore`) costs no task, no timer and no copy of the scope. It stops when the handler
+//! returns, before the response is stored: a renewal still on its way may then land after the
+//! record was completed, and its `Stale` answer is not reported as a lost lease. A renewal in
+//! flight is never cut short (a store call dropped halfway can leave a pooled connection
+//! behind a statement nobody reads); the task just ends after it.
+//!
+//! Renewals are paced from the start of the last one that succeeded. One that fails is tried
+//! again soon (a tenth of the interval), not a whole interval later: with the default 60 s
+//! lease, two failures a full interval apart would already lose the key to a store blip of
+//! half a minute. It runs on the worker's thread, beside the handler: a handler that blocks
+//! that thread (synchronous I/O without `web::block`) starves it like every other request on
+//! the worker.
 
 use std::future::{poll_fn, Future};
 use std::pin::pin;
@@ -32,6 +39,10 @@ use crate::store::{IdempotencyStore, ReservationToken, Scope, WriteOutcome};
 /// milliseconds must not turn the heartbeat into a busy loop against the store.
 const MIN_INTERVAL: Duration = Duration::from_millis(10);
 
+/// A lease shorter than this is not renewed: with renewals at least [`MIN_INTERVAL`] apart it
+/// would end between two of them anyway.
+const MIN_RENEWED_LEASE: Duration = Duration::from_millis(30);
+
 /// What the heartbeat needs to renew one reservation.
 pub(super) struct Lease<S> {
     pub(super) store: Arc<S>,
@@ -46,8 +57,9 @@ pub(super) struct Lease<S> {
 }
 
 /// Run `handler` to its end, renewing the lease meanwhile if it does not finish on its first
-/// poll. The heartbeat stops when the handler's output is ready.
-pub(super) async fn while_running<S, F>(handler: F, lease: Lease<S>) -> F::Output
+/// poll; `lease` is called then, and only then. The heartbeat stops when the handler's output
+/// is ready.
+pub(super) async fn while_running<S, F>(handler: F, lease: impl FnOnce() -> Lease<S>) -> F::Output
 where
     S: IdempotencyStore,
     F: Future,
@@ -59,7 +71,7 @@ where
         let poll = handler.as_mut().poll(cx);
         if poll.is_pending() {
             if let Some(lease) = lease.take() {
-                running = heartbeat(lease);
+                running = heartbeat(lease());
             }
         }
         poll
@@ -70,58 +82,66 @@ where
     output
 }
 
-/// Start the heartbeat of `lease`, or nothing when renewal is off, the store cannot renew, or
-/// the first lease already reaches the limit.
+/// Start the heartbeat of `lease`, or nothing when renewal is off, the store cannot renew, the
+/// lease is too short to renew, or the first lease already reaches the limit.
 fn heartbeat<S: IdempotencyStore>(lease: Lease<S>) -> Option<oneshot::Sender<()>> {
-    if lease.limit <= lease.lease || lease.lease.is_zero() || !lease.store.renews_leases() {
+    if lease.limit <= lease.lease || lease.lease < MIN_RENEWED_LEASE || !lease.store.renews_leases()
+    {
         return None;
     }
-    let (running, mut stopped) = oneshot::channel::<()>();
+    let (running, stopped) = oneshot::channel::<()>();
+    actix_rt::spawn(beat(lease, stopped).in_current_span());
+    Some(running)
+}
+
+/// Renew `lease` until `stopped` closes, the limit is reached, or the reservation is lost.
+async fn beat<S: IdempotencyStore>(lease: Lease<S>, mut stopped: oneshot::Receiver<()>) {
     let interval = (lease.lease / 3).max(MIN_INTERVAL);
+    let retry = (interval / 10).max(MIN_INTERVAL);
     let hold_until = saturating_deadline(lease.reserved_at, lease.limit);
     let name = lease.store.name();
-    let beat = async move {
-        loop {
-            let next =
-                tokio::time::Instant::from_std(saturating_deadline(Instant::now(), interval));
-            tokio::select! {
-                _ = &mut stopped => return,
-                () = tokio::time::sleep_until(next) => {}
+    let mut next = saturating_deadline(lease.reserved_at, interval);
+    loop {
+        tokio::select! {
+            _ = &mut stopped => return,
+            () = tokio::time::sleep_until(tokio::time::Instant::from_std(next)) => {}
+        }
+        let started = Instant::now();
+        // The last renewal ends the lease at the limit, not past it.
+        let grant = lease
+            .lease
+            .min(hold_until.saturating_duration_since(started));
+        if grant.is_zero() {
+            outcome::lease_renewal("limit", name);
+            tracing::info!(target: "idempotency_actix", outcome = "lease_limit", "the handler is still running at renew_lease_up_to; its lease is no longer renewed, and once it ends a retry may take the key over");
+            return;
+        }
+        let renewed = lease
+            .store
+            .renew_lease(&lease.scope, &lease.token, grant)
+            .await;
+        let handler_done = !matches!(stopped.try_recv(), Err(oneshot::error::TryRecvError::Empty));
+        match renewed {
+            Ok(WriteOutcome::Applied) => {
+                outcome::lease_renewal("renewed", name);
+                tracing::debug!(target: "idempotency_actix", lease_ms = grant.as_millis(), "lease renewed");
+                next = saturating_deadline(started, interval);
             }
-            // The last renewal ends the lease at the limit, not past it.
-            let left = hold_until.saturating_duration_since(Instant::now());
-            let grant = lease.lease.min(left);
-            if grant.is_zero() {
+            // Completed or released by the request itself a moment ago: nothing was lost.
+            Ok(WriteOutcome::Stale) if handler_done => return,
+            Ok(WriteOutcome::Stale) => {
+                outcome::lease_renewal("lost", name);
+                tracing::warn!(target: "idempotency_actix", outcome = "lease_lost", "the handler is still running but its reservation was taken over or released (its lease ended while renewals failed, or an operator released it); its response will not be stored");
                 return;
             }
-            let renewed = lease
-                .store
-                .renew_lease(&lease.scope, &lease.token, grant)
-                .await;
-            let handler_done =
-                !matches!(stopped.try_recv(), Err(oneshot::error::TryRecvError::Empty));
-            match renewed {
-                Ok(WriteOutcome::Applied) => {
-                    outcome::lease_renewal("renewed", name);
-                    tracing::debug!(target: "idempotency_actix", lease_ms = grant.as_millis(), "lease renewed");
-                }
-                // Completed or released by the request itself a moment ago: nothing was lost.
-                Ok(WriteOutcome::Stale) if handler_done => return,
-                Ok(WriteOutcome::Stale) => {
-                    outcome::lease_renewal("lost", name);
-                    tracing::warn!(target: "idempotency_actix", outcome = "lease_lost", "the handler is still running but its reservation was taken over or released (its lease ended while renewals failed, or an operator released it); its response will not be stored");
-                    return;
-                }
-                Err(error) => {
-                    outcome::lease_renewal("failed", name);
-                    tracing::warn!(target: "idempotency_actix", outcome = "store_error", %error, "could not renew the lease; trying again at the next renewal");
-                }
-            }
-            if handler_done || grant < lease.lease {
-                return;
+            Err(error) => {
+                outcome::lease_renewal("failed", name);
+                tracing::warn!(target: "idempotency_actix", outcome = "store_error", %error, "could not renew the lease; trying again shortly");
+                next = saturating_deadline(Instant::now(), retry);
             }
         }
-    };
-    actix_rt::spawn(beat.in_current_span());
-    Some(running)
+        if handler_done || grant < lease.lease {
+            return;
+        }
+    }
 }

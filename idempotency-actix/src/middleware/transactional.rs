@@ -38,7 +38,7 @@ use diesel_async::{AnsiTransactionManager, AsyncPgConnection, TransactionManager
 use super::detach::detach;
 use super::flow::{opaque_500, unavailable_detail, Flow, FlowResult, MAX_POLL_INTERVAL};
 use super::replay::{replay, storable_headers};
-use crate::config::{saturating_deadline, ResponseParts};
+use crate::config::{saturating_deadline, Config, ResponseParts};
 use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
 use crate::log_text::LogText;
@@ -423,7 +423,7 @@ where
         .as_ref()
         .and_then(|source| source(&req))
         .filter(|tenant| !tenant.is_empty());
-    let mut conn = match open(tx, config.lock_timeout).await {
+    let mut conn = match open(tx, idle_limit(config)).await {
         Ok(conn) => conn,
         Err(error) => {
             tracing::error!(target: "idempotency_actix", outcome = "store_error", path = %LogText(req.path()), %error, "could not open the request's transaction");
@@ -463,6 +463,18 @@ where
 }
 
 /// Checkout and BEGIN.
+/// How long the request's transaction may sit idle (`idle_in_transaction_session_timeout`):
+/// a handler waiting on its payment provider between two statements is idle. Default mode
+/// renews a running handler's lease up to `renew_lease_up_to`; here the open transaction is
+/// what holds the key, so it may stay idle as long (or `lock_timeout`, when longer, or when
+/// renewal is off). Past it PostgreSQL ends the session and everything rolls back. A process
+/// that dies closes its connections and frees its claims at once; only a host that vanishes
+/// without closing them holds them this long (the server's `tcp_keepalives_*` settings can
+/// shorten that).
+fn idle_limit(config: &Config) -> Duration {
+    config.lock_timeout.max(config.lease_renewal_limit)
+}
+
 async fn open(tx: &TxConfig, idle_limit: Duration) -> Result<TxConnection, StoreError> {
     let mut conn = sql::checkout(&tx.store).await?;
     sql::begin(&tx.store, &mut conn, tx.isolation, idle_limit).await?;
@@ -488,7 +500,7 @@ async fn claim<S, Svc>(
         .is_some()
         .then_some((tx.tenant_setting.as_str(), scope.tenant.as_str()));
     for _ in 0..CLAIM_ATTEMPTS {
-        let mut conn = match open(tx, config.lock_timeout).await {
+        let mut conn = match open(tx, idle_limit(config)).await {
             Ok(conn) => conn,
             Err(error) => return unavailable(&error),
         };

@@ -130,9 +130,10 @@ fn scope_charge(scope: &Scope) -> usize {
 /// [`renew_lease`](IdempotencyStore::renew_lease) by the holder moves the lease's end (and so
 /// its grace) to `lease` from the renewal, even after the lease ended, as long as nobody took
 /// the key over and its grace has not run out. A renewed reservation whose allowance was
-/// already given back takes it again if there is room (made as for a new reservation); if
-/// there is none, the renewal still applies, without it: a retry that runs the handler a
-/// second time is worse than a `complete` that may have to wait for room.
+/// already given back takes it again if there is free room (after a sweep; a renewal never
+/// evicts a live record); if there is none, the renewal still applies, without it: a retry
+/// that runs the handler a second time is worse than a `complete` that may have to wait for
+/// room.
 ///
 /// # Sweeping and time
 ///
@@ -799,6 +800,21 @@ impl Inner {
         }
     }
 
+    /// Whether `need` more bytes (and a record, if `new_record`) fit now, after sweeping what
+    /// ended, without evicting any live record.
+    fn room_without_evicting(&mut self, now: Instant, new_record: bool, need: usize) -> bool {
+        if self.fits(new_record, need, 0, 0) {
+            return true;
+        }
+        // The full sweep is O(records); skip it while it provably has nothing to free, so a
+        // full store does not pay it on every new record.
+        if self.next_event.is_some_and(|at| at <= now) {
+            self.sweep_all(now, self.limits.reservation_grace);
+            return self.fits(new_record, need, 0, 0);
+        }
+        false
+    }
+
     /// Make room for `need` more bytes (and one more record, if `new_record`): drop dead
     /// records, then, only if the user opted in, evict live completed records closest to
     /// expiry. Fails, having evicted nothing, when that cannot make enough room. Evicted
@@ -810,19 +826,11 @@ impl Inner {
         need: usize,
         evicted: &mut Vec<(PackedScope, Record)>,
     ) -> Result<(), StoreError> {
-        if self.fits(new_record, need, 0, 0) {
-            return Ok(());
-        }
         if need > self.limits.max_bytes {
             return Err(StoreError::ByteCapacity(self.limits.max_bytes));
         }
-        // The full sweep is O(records); skip it while it provably has nothing to free, so a
-        // full store does not pay it on every new record.
-        if self.next_event.is_some_and(|at| at <= now) {
-            self.sweep_all(now, self.limits.reservation_grace);
-            if self.fits(new_record, need, 0, 0) {
-                return Ok(());
-            }
+        if self.room_without_evicting(now, new_record, need) {
+            return Ok(());
         }
         if !self.limits.evict_live_completed {
             return Err(self.full(new_record));
@@ -1062,7 +1070,6 @@ impl IdempotencyStore for MemoryStore {
         let probe = self.probe(scope);
         let now = Instant::now();
         let until = later(now, lease);
-        let mut evicted = Vec::new();
         let mut guard = self.lock();
         // Split borrows: the record is a field of the guarded data, the limits another.
         let inner = &mut *guard;
@@ -1095,9 +1102,10 @@ impl IdempotencyStore for MemoryStore {
         let wanted = inner.limits.response_allowance;
         let regain = *allowance == 0 && wanted > 0 && until > now;
         let mut event = record.next_event(grace);
-        if regain && inner.make_room(now, false, wanted, &mut evicted).is_ok() {
-            // `make_room` evicts completed records only and sweeps dead ones; this record's
-            // lease runs, so it is still here.
+        // From free room only: a renewal never evicts a live record, not even with
+        // `evict_live_completed_when_full` (a late `complete` needs only its response's size).
+        if regain && inner.room_without_evicting(now, false, wanted) {
+            // The sweep drops dead records only; this record's lease runs, so it is still here.
             if let Some(record) = inner.records.get_mut(probe) {
                 if let State::InFlight { allowance, .. } = &mut record.state {
                     *allowance = wanted;
@@ -1108,8 +1116,6 @@ impl IdempotencyStore for MemoryStore {
             }
         }
         inner.note_event(event);
-        drop(guard);
-        log_evictions(&evicted, now);
         Ok(WriteOutcome::Applied)
     }
 

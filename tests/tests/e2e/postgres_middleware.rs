@@ -65,8 +65,8 @@ async fn slow_pay(
     pay(req, body, instance).await
 }
 
-/// How long [`slow_pay`] waits: four leases of [`SHORT_LEASE`].
-const SLOW_HANDLER: Duration = Duration::from_secs(4);
+/// How long [`slow_pay`] waits: five leases of [`SHORT_LEASE`].
+const SLOW_HANDLER: Duration = Duration::from_secs(5);
 /// Renewed every third of it; long enough that a renewal delayed by a busy machine (a test
 /// beside this one filling the database) is still in time: it may come up to 2/3 s late.
 const SHORT_LEASE: Duration = Duration::from_secs(1);
@@ -227,7 +227,7 @@ async fn exactly_once_across_two_instances_sharing_one_database() {
     }
 }
 
-/// C9 across instances: a handler that runs four leases long keeps its key, because its
+/// C9 across instances: a handler that runs five leases long keeps its key, because its
 /// instance renews the lease in the database while it runs. A retry sent to the other
 /// instance after the first lease ended gets 409 instead of a second execution, and the retry
 /// after the handler finished replays its response.
@@ -251,12 +251,14 @@ async fn a_slow_handler_keeps_its_key_across_instances() {
     }
     let body = r#"{"amount": 500, "currency": "EUR"}"#;
     let first = post_json(addrs[0], "/slow-payments", "slow-1", body);
+    let start = tokio::time::Instant::now();
     let retries = async {
         let mut answers = Vec::new();
         // Retries through the other instance at 1.2, 2.4 and 3.6 s: past the first lease,
-        // before the handler ends.
-        for _ in 0..3 {
-            actix_web::rt::time::sleep(SHORT_LEASE + Duration::from_millis(200)).await;
+        // well before the handler ends.
+        for n in 1..=3 {
+            let at = start + (SHORT_LEASE + Duration::from_millis(200)) * n;
+            tokio::time::sleep_until(at).await;
             answers.push(post_json(addrs[1], "/slow-payments", "slow-1", body).await);
         }
         answers

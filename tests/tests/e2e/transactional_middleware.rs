@@ -447,6 +447,33 @@ async fn wait_mode_replays_after_the_first_commits() {
     assert_eq!(payments(&db), 1);
 }
 
+/// C9 in transactional mode: a handler that waits (on its payment provider, say) longer than
+/// `lock_timeout` between two statements keeps its transaction, and so its key: the retry
+/// gets 409, never a second run. The session's idle limit used to be `lock_timeout`, so
+/// PostgreSQL ended the session, everything rolled back, and the retry ran the handler again.
+#[actix_web::test]
+async fn a_handler_idle_past_the_lease_keeps_its_transaction() {
+    let (db, store) = setup().await;
+    let runs = Runs::default();
+    let middleware = tx_builder(&store)
+        .lock_timeout(Duration::from_millis(500))
+        .build();
+    let app = app!(middleware, runs);
+    let first = send(&app, "idle1", "?sleep_ms=1500", 3);
+    let retry = async {
+        tokio::time::sleep(Duration::from_millis(1000)).await;
+        send(&app, "idle1", "?sleep_ms=1500", 3).await
+    };
+    let (first, retry) = futures_util::future::join(first, retry).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{}", first.body);
+    assert_eq!(retry.status, StatusCode::CONFLICT, "{}", retry.body);
+    let replay = send(&app, "idle1", "?sleep_ms=1500", 3).await;
+    assert!(replay.replayed, "{}", replay.body);
+    assert_eq!(replay.body, first.body);
+    assert_eq!(runs.get(), 1);
+    assert_eq!(payments(&db), 1);
+}
+
 /// COMMIT fails on a deferred foreign key: the client gets COMMIT_FAILED (never the
 /// handler's 201), no payment and no record remain, and the retry runs the handler.
 #[actix_web::test]
