@@ -136,30 +136,41 @@ async fn executions(url: &str) -> HashMap<String, i64> {
     .collect()
 }
 
-#[actix_web::test]
-async fn exactly_once_across_two_instances_sharing_one_database() {
-    let db = TestDb::new().await;
-    create_executions_table(&db.url).await;
-    let runs = Arc::new(AtomicUsize::new(0));
+/// Two app instances on `db`, with separate pools, as two app processes would have:
+/// instance-a with a pool per worker thread (`pool_per_thread`), instance-b with one shared
+/// pool, so both ways of holding connections race for the same keys. `lease` as in
+/// [`start_instance_with`].
+async fn two_instances(
+    db: &TestDb,
+    runs: &Arc<AtomicUsize>,
+    lease: Option<Duration>,
+) -> (Vec<SocketAddr>, Vec<ServerHandle>) {
     let mut addrs = Vec::new();
     let mut handles = Vec::new();
     for name in ["instance-a", "instance-b"] {
-        // Separate pools, as two app processes would have: instance-a with a pool per worker
-        // thread (`pool_per_thread`), instance-b with one shared pool, so both ways of holding
-        // connections race for the same keys.
         let store = PostgresStore::builder(db.url.as_str())
             .pool_per_thread((name == "instance-a").then_some(2))
             .build()
             .await
             .unwrap();
-        let (addr, handle) = start_instance(Instance {
+        let instance = Instance {
             name,
             store,
-            runs: Arc::clone(&runs),
-        });
+            runs: Arc::clone(runs),
+        };
+        let (addr, handle) = start_instance_with(instance, lease);
         addrs.push(addr);
         handles.push(handle);
     }
+    (addrs, handles)
+}
+
+#[actix_web::test]
+async fn exactly_once_across_two_instances_sharing_one_database() {
+    let db = TestDb::new().await;
+    create_executions_table(&db.url).await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let (addrs, handles) = two_instances(&db, &runs, None).await;
 
     const KEYS: usize = 20;
     const DUPLICATES: usize = 16;
@@ -236,19 +247,7 @@ async fn a_slow_handler_keeps_its_key_across_instances() {
     let db = TestDb::new().await;
     create_executions_table(&db.url).await;
     let runs = Arc::new(AtomicUsize::new(0));
-    let mut addrs = Vec::new();
-    let mut handles = Vec::new();
-    for name in ["instance-a", "instance-b"] {
-        let store = PostgresStore::connect(&db.url).await.unwrap();
-        let instance = Instance {
-            name,
-            store,
-            runs: Arc::clone(&runs),
-        };
-        let (addr, handle) = start_instance_with(instance, Some(SHORT_LEASE));
-        addrs.push(addr);
-        handles.push(handle);
-    }
+    let (addrs, handles) = two_instances(&db, &runs, Some(SHORT_LEASE)).await;
     let body = r#"{"amount": 500, "currency": "EUR"}"#;
     let first = post_json(addrs[0], "/slow-payments", "slow-1", body);
     let start = tokio::time::Instant::now();
