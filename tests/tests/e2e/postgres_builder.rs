@@ -489,6 +489,48 @@ async fn a_timed_out_statement_does_not_hold_up_the_next_key() {
     );
 }
 
+/// A statement abandoned at the query timeout is cancelled on the server too, so it cannot
+/// take effect later: here a takeover that waited for a row lock. Before, the connection was
+/// only closed, which the server does not notice while a statement waits for a lock; once the
+/// lock was released the abandoned takeover went through, and the key was held by a
+/// reservation nobody had (409s for a whole lease after a 503 that said "not processed").
+#[tokio::test]
+async fn a_timed_out_statement_is_cancelled_on_the_server() {
+    let db = TestDb::new().await;
+    let store = PostgresStore::builder(db.url.as_str())
+        .query_timeout(Some(Duration::from_millis(200)))
+        .build()
+        .await
+        .unwrap();
+    let mut blocker = blocked_takeover(&store, &db.url, "cancelled").await;
+    match store.reserve(&scope("cancelled"), &FP, LEASE).await {
+        Err(StoreError::Unavailable(_)) => {}
+        other => panic!("expected Unavailable, got {other:?}"),
+    }
+    let waiting = "SELECT count(*) AS n FROM pg_stat_activity \
+                   WHERE datname = current_database() AND wait_event_type = 'Lock'";
+    let mut still_waiting = idempotency_e2e::records::count(&db.url, waiting);
+    for _ in 0..100 {
+        if still_waiting == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        still_waiting = idempotency_e2e::records::count(&db.url, waiting);
+    }
+    blocker.batch_execute("COMMIT").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        still_waiting, 0,
+        "the abandoned statement still waited on the server 2 s after the timeout"
+    );
+    let held = idempotency_e2e::records::count(
+        &db.url,
+        "SELECT count(*) AS n FROM idempotency_keys \
+         WHERE idempotency_key = 'cancelled' AND locked_until > now()",
+    );
+    assert_eq!(held, 0, "the abandoned takeover took effect after the 503");
+}
+
 /// A statement whose session an administrator terminates (SQLSTATE 57P01, which diesel-async
 /// reports as an unknown error) or that a server shutdown ends is `Unavailable` (retry later),
 /// not `Backend` (a bug): the connection is gone with it.

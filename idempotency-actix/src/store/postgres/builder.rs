@@ -89,10 +89,12 @@ impl PostgresStoreBuilder {
     ///
     /// This bounds the case the connection timeout cannot see: a database that accepts
     /// connections but does not answer (overloaded, stuck on a lock, a half-dead network
-    /// path). The statement may still finish on the server after we gave up; for `reserve`
-    /// that leaves a reservation whose lease has to run out before a retry can take it over
-    /// (a retry meanwhile gets 409, never a second execution). The connection it ran on is
-    /// closed rather than lent to another request, which would otherwise wait behind it.
+    /// path). The connection it ran on is closed rather than lent to another request, which
+    /// would otherwise wait behind it, and the server is sent a cancel request for the
+    /// statement (over a new connection, TLS as configured). If the statement finishes before
+    /// the cancel arrives (or the server cannot be reached), it takes effect after we gave up:
+    /// for `reserve` that leaves a reservation whose lease has to run out before a retry can
+    /// take it over (a retry meanwhile gets 409, never a second execution).
     pub fn query_timeout(mut self, timeout: Option<Duration>) -> Self {
         self.query_timeout = timeout;
         self
@@ -240,6 +242,7 @@ impl PostgresStoreBuilder {
         // With a pool per thread the shared one serves only calls made off such a thread
         // (admin calls, a multi-threaded runtime): it keeps no idle connections open.
         let min_idle = self.min_idle.filter(|_| pool_per_thread.is_none());
+        let cancel_with = Some(Arc::new(target.clone()));
         let pool = self
             .pool_builder(self.max_size, min_idle, &last_connect_error)
             .build_unchecked(manager_for(target, &self.url, Some(self.lifetime())));
@@ -251,6 +254,7 @@ impl PostgresStoreBuilder {
             last_connect_error,
             purge_batch: self.purge_batch,
             replay_fast_path: self.replay_fast_path,
+            cancel_with,
         })
     }
 }

@@ -13,6 +13,7 @@ use super::per_thread::PoolPerThread;
 use super::pool::Checkout;
 use super::schema::State;
 use super::sql::{self, Completion, ReplayRead, Reserve, ReserveRow, ScopeBinds};
+use super::tls::ConnectTarget;
 use super::{micros, PgPool, PostgresStoreBuilder, DEFAULT_PURGE_BATCH, DEFAULT_QUERY_TIMEOUT};
 use super::{DEFAULT_CONNECTION_TIMEOUT, DEFAULT_MAX_SIZE};
 use crate::log_text::LogText;
@@ -42,6 +43,9 @@ pub struct PostgresStore {
     pub(super) last_connect_error: Arc<Mutex<Option<String>>>,
     pub(super) purge_batch: u32,
     pub(super) replay_fast_path: bool,
+    /// How to reach the server for a cancel request (`None` for a store over an app's own
+    /// pool, whose TLS settings the store does not know).
+    pub(super) cancel_with: Option<Arc<ConnectTarget>>,
 }
 
 impl std::fmt::Debug for PostgresStore {
@@ -60,6 +64,12 @@ impl PostgresStore {
     /// [`PostgresStoreBuilder::connection_timeout`] for why a short connection timeout
     /// matters). Build the pool's manager with [`connection_manager`](super::connection_manager) to get TLS per the URL's
     /// `sslmode`; diesel-async's plain `AsyncDieselConnectionManager::new` never uses TLS.
+    ///
+    /// Such a store cannot ask the server to cancel a statement that hit the query timeout
+    /// (it does not know how the pool's connections reach the server, TLS included): the
+    /// statement may still take effect later (see
+    /// [`PostgresStoreBuilder::query_timeout`]). Set `statement_timeout` on the pool's
+    /// connections so the server gives up too.
     pub fn new(pool: PgPool) -> Self {
         Self {
             connection_timeout: pool.config().connection_timeout,
@@ -69,6 +79,7 @@ impl PostgresStore {
             last_connect_error: Arc::new(Mutex::new(None)),
             purge_batch: DEFAULT_PURGE_BATCH,
             replay_fast_path: false,
+            cancel_with: None,
         }
     }
 
@@ -171,7 +182,10 @@ impl PostgresStore {
     /// next request to check the connection out would wait behind it, time out too, and have
     /// its own statement run later (for a reserve, a reservation nobody holds: 409s for a whole
     /// lease after a 503 that said "not processed"). So a connection whose statement timed
-    /// out is marked broken, and the pool closes it instead of lending it again.
+    /// out is marked broken, and the pool closes it instead of lending it again. Closing it
+    /// does not stop the statement (the server notices a closed connection only when it next
+    /// talks to it, which a statement waiting for a lock never does), so the server is also
+    /// asked to cancel it ([`Self::cancel`]).
     pub(super) async fn timed<T>(
         &self,
         conn: &mut AsyncPgConnection,
@@ -182,12 +196,37 @@ impl PostgresStore {
         };
         let answered = tokio::time::timeout(limit, statement(&mut *conn)).await;
         answered.unwrap_or_else(|_| {
+            self.cancel(conn);
             abandon(conn);
             Err(StoreError::unavailable(format!(
                 "the database did not answer within {} ms",
                 limit.as_millis()
             )))
         })
+    }
+
+    /// Ask the server to cancel what `conn` still runs: a cancel request on a task of its
+    /// own (the caller answers at once), bounded by the connection timeout, best effort. Safe
+    /// however late it arrives: the connection is never lent again, so the only statement a
+    /// cancel can reach is the abandoned one, and a server finds nothing to cancel on an idle
+    /// session.
+    fn cancel(&self, conn: &AsyncPgConnection) {
+        let Some(target) = self.cancel_with.clone() else {
+            return;
+        };
+        let token = conn.cancel_token();
+        let limit = self.connection_timeout;
+        tokio::spawn(async move {
+            match tokio::time::timeout(limit, target.cancel(token)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(error)) => {
+                    tracing::warn!(%error, "could not ask the database to cancel a timed-out statement; it may still take effect");
+                }
+                Err(_) => {
+                    tracing::warn!("the database did not take the cancel request of a timed-out statement in time; it may still take effect");
+                }
+            }
+        });
     }
 
     async fn reserve_once(

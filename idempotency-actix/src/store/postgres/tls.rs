@@ -38,7 +38,7 @@ use rustls::{
     CertificateError, ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme,
 };
 use tokio_postgres::config::SslMode;
-use tokio_postgres::NoTls;
+use tokio_postgres::{CancelToken, NoTls};
 use tokio_postgres_rustls::MakeRustlsConnect;
 
 /// What `sslmode` asked for, after libpq's rules.
@@ -148,6 +148,20 @@ impl ConnectTarget {
     #[cfg(test)]
     fn mode(&self) -> Mode {
         self.mode
+    }
+
+    /// Ask the server to cancel the statement `token`'s connection is running: a cancel
+    /// request over a new connection to the same server, encrypted as the connections are
+    /// (`sslmode`), since the request carries the session's secret cancel key.
+    pub(crate) async fn cancel(&self, token: CancelToken) -> Result<(), tokio_postgres::Error> {
+        match &self.tls {
+            None => token.cancel_query(NoTls).await,
+            Some(tls) => {
+                token
+                    .cancel_query(MakeRustlsConnect::new(ClientConfig::clone(tls)))
+                    .await
+            }
+        }
     }
 
     /// Open one connection and hand it to diesel-async, which drives it on the current runtime.
