@@ -5,7 +5,7 @@
 //! summary line, JSON output that parses, exact purge counts, and that a released key can be
 //! reserved again through the store the middleware uses.
 
-use std::process::{Command, Output, Stdio};
+use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -1280,6 +1280,132 @@ async fn partitioned_purge_creates_ahead_even_when_the_drop_fails() {
     );
 }
 
+/// The partitioned layout's drop and create steps are bounded by `--statement-timeout`, like
+/// every other round trip, even with a `--lock-timeout` longer than any test: a session holding
+/// what a step needs makes that step fail within the statement timeout (exit 1, one line
+/// naming the step and the timeout, never the password), the other steps still run, and once
+/// the lock is gone the next purge does the work.
+#[tokio::test]
+async fn partitioned_purge_steps_are_bounded_by_the_statement_timeout() {
+    let db = TestDb::new_unmigrated().await;
+    let out = idem(
+        &db.url,
+        &["migrate", "--partitioned", "--interval", "hourly"],
+    );
+    expect_code(&out, 0);
+    let mut conn = connect(&db).await;
+    conn.batch_execute(
+        "CREATE TABLE idempotency_responses_past PARTITION OF idempotency_responses \
+         FOR VALUES FROM (date_trunc('hour', now()) - interval '5 hours') \
+         TO (date_trunc('hour', now()) - interval '4 hours')",
+    )
+    .await
+    .unwrap();
+    // Trust authentication: the password is not checked; it must just never be shown.
+    let [a, b] = SECRET_HALVES;
+    let url = with_user(&db.url, "postgres", Some(&format!("{a}?{b}")));
+    let bounded = ["--statement-timeout", "1s", "purge", "--lock-timeout", "1h"];
+    let covering = "SELECT count(*) AS n FROM idempotency_partitions() \
+                    WHERE NOT is_default AND lower_bound <= now() + interval '36 hours' \
+                    AND upper_bound > now() + interval '36 hours'";
+    assert_eq!(records::count(&db.url, covering), 0);
+    let mut holder = connect(&db).await;
+
+    // 1. The whole table (LOCK TABLE takes every partition too): each partition step waits,
+    // and the statement timeout ends each one.
+    holder
+        .batch_execute("BEGIN; LOCK TABLE idempotency_responses IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let started = Instant::now();
+    let out = idem_within(&url, &bounded, Duration::from_secs(60))
+        .expect("purge waited for the table lock past 60s");
+    let took = started.elapsed();
+    expect_code(&out, 1);
+    assert_no_secret(&out, "purge behind a table lock");
+    let err = stderr(&out);
+    assert!(err.contains("dropping past partitions"), "{err}");
+    assert!(err.contains("statement timeout"), "{err}");
+    assert!(took < Duration::from_secs(15), "purge took {took:?}");
+    // Three statements, each cancelled after 1s (the server cannot cancel sooner): the drop,
+    // the default partition's purge and the create step. The failed drop skipped nothing.
+    assert!(
+        took >= Duration::from_secs(3),
+        "a step was skipped: {took:?}"
+    );
+    holder.batch_execute("ROLLBACK").await.unwrap();
+    assert_eq!(
+        records::count(&db.url, covering),
+        0,
+        "created under the lock"
+    );
+
+    // 2. The past partition only: the drop times out, the create step still runs.
+    holder
+        .batch_execute("BEGIN; LOCK TABLE idempotency_responses_past IN ACCESS SHARE MODE")
+        .await
+        .unwrap();
+    let out = idem_within(&url, &bounded, Duration::from_secs(60))
+        .expect("purge waited for the partition lock past 60s");
+    expect_code(&out, 1);
+    assert_no_secret(&out, "purge behind a partition lock");
+    let err = stderr(&out);
+    assert!(
+        err.contains("dropping past partitions") && err.contains("statement timeout"),
+        "{err}"
+    );
+    assert!(
+        err.contains("idempotency_responses_p"),
+        "the created partitions are reported: {err}"
+    );
+    assert_eq!(records::count(&db.url, covering), 1, "create step skipped");
+    holder.batch_execute("ROLLBACK").await.unwrap();
+
+    // Released: the next purge drops the past partition.
+    let out = idem(&url, &["--format", "json", "purge"]);
+    expect_code(&out, 0);
+    assert_eq!(
+        json_one(&out)["partitions_dropped"],
+        serde_json::json!(["idempotency_responses_past"])
+    );
+
+    // 3. The default partition, which ATTACH takes ACCESS EXCLUSIVE on: the create step times
+    // out (more partitions ahead than the horizon made, so there is one to attach).
+    holder
+        .batch_execute("BEGIN; LOCK TABLE idempotency_responses_default IN ACCESS SHARE MODE")
+        .await
+        .unwrap();
+    let ahead = [&bounded[..], &["--partitions-ahead", "40"]].concat();
+    let started = Instant::now();
+    let out = idem_within(&url, &ahead, Duration::from_secs(60))
+        .expect("purge waited for the default partition past 60s");
+    let took = started.elapsed();
+    expect_code(&out, 1);
+    assert_no_secret(&out, "purge behind the default partition's lock");
+    let err = stderr(&out);
+    assert!(
+        err.contains("creating partitions ahead") && err.contains("statement timeout"),
+        "{err}"
+    );
+    assert!(
+        !err.contains("dropping past partitions"),
+        "the drop step had nothing to wait for: {err}"
+    );
+    assert!(took < Duration::from_secs(15), "purge took {took:?}");
+    holder.batch_execute("ROLLBACK").await.unwrap();
+
+    let out = idem(
+        &url,
+        &["--format", "json", "purge", "--partitions-ahead", "40"],
+    );
+    expect_code(&out, 0);
+    let created = json_one(&out)["partitions_created"].clone();
+    assert!(
+        created.as_array().is_some_and(|c| !c.is_empty()),
+        "{created}"
+    );
+}
+
 /// Issue 15: `migrate --partitioned` provisions the partitioned layout, `migrate --check` and
 /// `stats` report it, `show` reads a response from its partition, `purge` drops a past
 /// partition and creates the ones ahead without touching a live record, and `--partitioned`
@@ -1435,11 +1561,22 @@ const MIGRATION_LOCK: &str = "x'6964656d6d696772'::bigint";
 /// Run `idem-cli args...` against `url`, killing it if it is still running after `limit`
 /// (`None` then), so a hang fails the test instead of stalling the suite.
 fn idem_within(url: &str, args: &[&str], limit: Duration) -> Option<Output> {
-    let mut child = command(url, args)
+    wait_within(spawn_idem(url, args), limit)
+}
+
+/// Start `idem-cli args...` against `url` with its output captured, for a test that acts on
+/// the database while it runs.
+fn spawn_idem(url: &str, args: &[&str]) -> Child {
+    command(url, args)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .unwrap_or_else(|e| panic!("running {BIN}: {e}"));
+        .unwrap_or_else(|e| panic!("running {BIN}: {e}"))
+}
+
+/// The output of `child` once it exited, or `None` (and the child killed) if it still runs
+/// after `limit`.
+fn wait_within(mut child: Child, limit: Duration) -> Option<Output> {
     let started = Instant::now();
     loop {
         match child.try_wait() {
@@ -1500,6 +1637,146 @@ async fn migrate_never_waits_long_for_the_migration_lock() {
     let out = idem(&db.url, &["migrate"]);
     expect_code(&out, 0);
     assert!(stdout(&out).contains("layout: plain"), "{}", stdout(&out));
+}
+
+/// Terminate the backend of the `idem-cli` connected to `conn`'s database that matches
+/// `condition` (SQL over `pg_stat_activity`), polling until it shows up (at most 20 s).
+async fn terminate_cli_backend(conn: &mut AsyncPgConnection, condition: &str) {
+    let terminate = format!(
+        "SELECT count(pg_terminate_backend(pid)) AS n FROM pg_stat_activity \
+         WHERE datname = current_database() AND application_name = 'idem-cli' AND {condition}"
+    );
+    let started = Instant::now();
+    loop {
+        let terminated: Count = diesel::sql_query(&terminate)
+            .get_result(conn)
+            .await
+            .expect("terminate idem-cli's backend");
+        if terminated.n > 0 {
+            assert_eq!(terminated.n, 1, "one idem-cli backend with {condition}");
+            return;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "no idem-cli backend with {condition} within 20s"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// `migrate` whose connection is lost mid-migration (an administrator or a failover ended the
+/// session) exits 3, "unavailable" (retry later), with one line, not 1 as if a migration were
+/// broken: while it waits for the migration lock, while diesel's harness reads which
+/// migrations ran (outside any migration's transaction: this exited 1, "database error:
+/// terminating connection due to administrator command", before the CLI asked the connection
+/// whether it was still there), and while a migration's statement waits for a lock inside
+/// the migration's transaction. The migration it was in is rolled back (still pending,
+/// nothing half-applied) and the next `migrate` applies it.
+#[tokio::test]
+async fn migrate_that_loses_its_connection_is_unavailable() {
+    let db = TestDb::new_unmigrated().await;
+    let mut admin = connect(&db).await;
+    let mut holder = connect(&db).await;
+
+    // 1. Waiting for the migration lock another session holds (`migrate` polls it and gives up
+    // after 5s; the termination comes well before).
+    holder
+        .batch_execute(&format!("SELECT pg_advisory_lock({MIGRATION_LOCK})"))
+        .await
+        .expect("take the migration lock");
+    let child = spawn_idem(&db.url, &["migrate"]);
+    terminate_cli_backend(&mut admin, "query LIKE '%pg_try_advisory_lock%'").await;
+    let out = wait_within(child, Duration::from_secs(30)).expect("migrate hung");
+    expect_code(&out, UNAVAILABLE);
+    assert!(
+        stderr(&out).starts_with("idem-cli: database unavailable: "),
+        "{}",
+        stderr(&out)
+    );
+    holder
+        .batch_execute(&format!("SELECT pg_advisory_unlock({MIGRATION_LOCK})"))
+        .await
+        .expect("release the migration lock");
+    let out = idem(&db.url, &["migrate"]);
+    expect_code(&out, 0);
+    assert!(stdout(&out).contains("layout: plain"), "{}", stdout(&out));
+
+    // Make 000005 and the later ones pending again (on the plain layout they changed nothing,
+    // and each can run again): `migrate --partitioned` then has work to do.
+    admin
+        .batch_execute("DELETE FROM __diesel_schema_migrations WHERE version >= '20261201000005'")
+        .await
+        .expect("forget migrations 000005 and later");
+
+    // 2. Reading the applied versions: another session holds diesel's bookkeeping table. Each
+    // wait for a lock is bounded by the CLI's lock_timeout (5s): terminate well before.
+    holder
+        .batch_execute("BEGIN; LOCK TABLE __diesel_schema_migrations IN ACCESS EXCLUSIVE MODE")
+        .await
+        .expect("lock the bookkeeping table");
+    let child = spawn_idem(
+        &db.url,
+        &["migrate", "--partitioned", "--interval", "hourly"],
+    );
+    terminate_cli_backend(&mut admin, "wait_event_type = 'Lock'").await;
+    let out = wait_within(child, Duration::from_secs(30)).expect("migrate hung");
+    expect_code(&out, UNAVAILABLE);
+    assert!(
+        stderr(&out).starts_with("idem-cli: database unavailable: "),
+        "{}",
+        stderr(&out)
+    );
+    holder.batch_execute("ROLLBACK").await.expect("unlock");
+
+    // 3. Inside a migration: 000005, asked for the partitioned layout, reads and alters
+    // idempotency_keys, which another session holds.
+    holder
+        .batch_execute("BEGIN; LOCK TABLE idempotency_keys IN ACCESS EXCLUSIVE MODE")
+        .await
+        .expect("lock idempotency_keys");
+    let child = spawn_idem(
+        &db.url,
+        &["migrate", "--partitioned", "--interval", "hourly"],
+    );
+    terminate_cli_backend(
+        &mut admin,
+        "wait_event_type = 'Lock' AND query LIKE '%idempotency_keys%'",
+    )
+    .await;
+    let out = wait_within(child, Duration::from_secs(30)).expect("migrate hung");
+    expect_code(&out, UNAVAILABLE);
+    assert!(
+        stderr(&out).starts_with("idem-cli: database unavailable: "),
+        "{}",
+        stderr(&out)
+    );
+    holder.batch_execute("ROLLBACK").await.expect("unlock");
+
+    // Rolled back: 000005 is still pending and the layout still plain.
+    let out = idem(&db.url, &["migrate", "--check"]);
+    expect_code(&out, PENDING);
+    assert!(
+        stdout(&out).contains("pending 2026-12-01-000005_partitioned_layout"),
+        "{}",
+        stdout(&out)
+    );
+    let responses = "SELECT count(*) AS n FROM pg_class WHERE relname = 'idempotency_responses'";
+    assert_eq!(records::count(&db.url, responses), 0, "000005 half-applied");
+    let out = idem(
+        &db.url,
+        &["migrate", "--partitioned", "--interval", "hourly"],
+    );
+    expect_code(&out, 0);
+    assert!(
+        stdout(&out).contains("applied 2026-12-01-000005_partitioned_layout"),
+        "{}",
+        stdout(&out)
+    );
+    assert!(
+        stdout(&out).contains("layout: partitioned (hourly)"),
+        "{}",
+        stdout(&out)
+    );
 }
 
 /// Review item 2: after the first `migrate`, `SELECT` is enough for `migrate --check` (docs/
@@ -1664,6 +1941,60 @@ async fn a_server_silent_after_login_is_unavailable() {
         "{:?}",
         started.elapsed()
     );
+}
+
+/// The partitioned layout's drop and create steps are bounded by the CLI itself, not only by
+/// the server's timeouts: a server that goes silent during a step (where `statement_timeout`
+/// and `lock_timeout` cannot help) ends the purge with exit 3 and one line naming the step,
+/// once `--statement-timeout` plus 5s passed. Once: a silent drop step used to be followed
+/// by the default partition's purge and the create step on the same silent connection, each
+/// waiting as long again (18s here, 15 minutes with the default 5m).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_silent_during_a_partition_step_is_unavailable() {
+    let db = TestDb::new_unmigrated().await;
+    let out = idem(
+        &db.url,
+        &["migrate", "--partitioned", "--interval", "hourly"],
+    );
+    expect_code(&out, 0);
+    let mut admin = connect(&db).await;
+    let upstream = idempotency_e2e::proxy::host_port(&db.url);
+    for (marker, step) in [
+        (
+            &b"idempotency_partitions_create"[..],
+            "creating partitions ahead",
+        ),
+        (
+            &b"idempotency_partitions_drop"[..],
+            "dropping past partitions",
+        ),
+    ] {
+        let port = freezing_proxy(upstream.clone(), marker).await;
+        let url = with_port(&db.url, port);
+        let started = Instant::now();
+        let out = tokio::task::spawn_blocking(move || {
+            idem_within(
+                &url,
+                &["--statement-timeout", "1s", "purge"],
+                Duration::from_secs(60),
+            )
+        })
+        .await
+        .expect("runner")
+        .unwrap_or_else(|| panic!("purge hung on a server silent while {step}"));
+        let took = started.elapsed();
+        expect_code(&out, UNAVAILABLE);
+        let err = stderr(&out);
+        assert!(err.contains(step), "{err}");
+        assert!(err.contains("no answer within 6s"), "{err}");
+        assert!(
+            took >= Duration::from_secs(6) && took < Duration::from_secs(11),
+            "{step}: gave up after {took:?}"
+        );
+        // The server still sees the frozen run's session, idle and holding the purge lock
+        // (a frozen peer never closes): end it, or the next run skips.
+        terminate_cli_backend(&mut admin, "state = 'idle'").await;
+    }
 }
 
 /// `url` (a `postgres://` URL) pointed at 127.0.0.1:`port`.

@@ -23,8 +23,11 @@
 //!   queued behind the waiting lock waits as long); on a timeout the step fails, changes
 //!   nothing, and the next run tries again. The steps are independent: one failing does not
 //!   skip the others (a failed drop must not leave the partitions ahead to run out), and the
-//!   run then exits with the first failure. With `--tenant` the partition steps are skipped (a
-//!   partition holds every tenant's responses).
+//!   run then exits with the first failure. The exception is a step that got no answer within
+//!   `--statement-timeout` plus 5 s (a frozen server or network): that ends the run (exit 3)
+//!   at once, as in the claims loop, since every later step would wait as long for nothing.
+//!   With `--tenant` the partition steps are skipped (a partition holds every tenant's
+//!   responses).
 
 use std::io::{IsTerminal, Write};
 use std::time::{Duration, Instant};
@@ -189,7 +192,8 @@ fn partitions_ahead(args: &PurgeArgs, interval: &str) -> Result<u32, CliError> {
 const MAX_AHEAD: u32 = 1000;
 
 /// The partitioned layout's steps, under the purge lock (see the module docs). Every step runs
-/// even when an earlier one failed; the first failure is returned with what was done.
+/// even when an earlier one failed, unless the database stopped answering; the first failure
+/// is returned with what was done.
 async fn partition_work(
     conn: &mut AsyncPgConnection,
     args: &PurgeArgs,
@@ -198,7 +202,9 @@ async fn partition_work(
     let lock_timeout = args.lock_timeout.0;
     let mut work = PartitionWork::default();
     let mut failed = None;
-    // Each step bounded like every other round trip: a frozen server is "unavailable".
+    // Each step bounded like every other round trip: a frozen server is "unavailable". A
+    // round trip that got no answer ends the partition work: the connection is unusable, and
+    // each later step would only wait as long again (three times the bound for one freeze).
     match crate::db::bounded(admin::drop_partitions(
         conn,
         args.older_than.0,
@@ -206,7 +212,7 @@ async fn partition_work(
     ))
     .await
     {
-        Err(frozen) => failed = Some(frozen.context("dropping past partitions")),
+        Err(frozen) => return (work, Some(frozen.context("dropping past partitions"))),
         Ok(Ok(dropped)) => work.dropped = dropped,
         Ok(Err(err)) => {
             let err = crate::db::classify(conn, err).await;
@@ -217,7 +223,7 @@ async fn partition_work(
         match crate::db::bounded(admin::purge_default_partition(conn, args.batch_size)).await {
             Err(frozen) => {
                 failed.get_or_insert(frozen.context("purging the default partition"));
-                break;
+                return (work, failed);
             }
             Ok(Ok(deleted)) => {
                 work.default_rows_deleted += deleted;

@@ -160,18 +160,36 @@ pub type Harness = AsyncConnectionWrapper<AsyncPgConnection>;
 /// tokio runtime's context (`spawn_blocking`, or a thread that entered one).
 ///
 /// # Errors
-/// [`StoreError::Unavailable`] when another session held the lock for `lock_wait`;
-/// [`StoreError::Backend`] when a migration fails (rolled back, nothing half-applied).
+/// [`StoreError::Unavailable`] when another session held the lock for `lock_wait`, or the
+/// session was lost (terminated, the server shutting down: the running migration was rolled
+/// back with it); [`StoreError::Backend`] when a migration fails (rolled back, nothing
+/// half-applied).
 pub fn apply_pending_migrations(
     harness: &mut Harness,
     partitioned: Option<PartitionInterval>,
     lock_wait: Duration,
 ) -> Result<Vec<String>, StoreError> {
-    take_lock(harness, lock_wait)?;
-    let result = apply_locked(harness, partitioned);
-    // Closing the connection would release the lock too; the caller may use it again.
-    let _ = harness.batch_execute(&format!("SELECT pg_advisory_unlock({MIGRATION_LOCK_KEY})"));
-    result
+    let result = take_lock(harness, lock_wait).and_then(|()| {
+        let result = apply_locked(harness, partitioned);
+        // Closing the connection would release the lock too; the caller may use it again.
+        let _ = harness.batch_execute(&format!("SELECT pg_advisory_unlock({MIGRATION_LOCK_KEY})"));
+        result
+    });
+    result.map_err(|error| unavailable_if_gone(harness, error))
+}
+
+/// A failure whose session is gone is "try again later", not a broken migration. An
+/// administrator's `pg_terminate_backend` or a server shutting down (SQLSTATE 57P01-57P03)
+/// reaches diesel-async as an unknown error, which the classification by error alone takes
+/// for a bug; so, as the store does after an unknown error, the connection is asked with one
+/// trivial statement. The server just answered (with the error), so it does not hang here.
+fn unavailable_if_gone(harness: &mut Harness, error: StoreError) -> StoreError {
+    match error {
+        StoreError::Backend(source) if harness.batch_execute("SELECT 1").is_err() => {
+            StoreError::Unavailable(source)
+        }
+        other => other,
+    }
 }
 
 fn apply_locked(
