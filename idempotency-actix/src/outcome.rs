@@ -385,7 +385,7 @@ fn method_label(method: &Method) -> &'static str {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use std::sync::Mutex;
 
     use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
@@ -443,19 +443,19 @@ mod tests {
     }
 
     /// Every metric recorded so far (one read: the recorder resets counters it reports).
-    type Metrics = Vec<(
+    pub(crate) type Metrics = Vec<(
         metrics_util::CompositeKey,
         Option<metrics::Unit>,
         Option<SharedString>,
         DebugValue,
     )>;
 
-    fn read(snapshotter: &Snapshotter) -> Metrics {
+    pub(crate) fn read(snapshotter: &Snapshotter) -> Metrics {
         snapshotter.snapshot().into_vec()
     }
 
     /// The value of metric `name` of `kind` whose labels are exactly `labels`.
-    fn value<'m>(
+    pub(crate) fn value<'m>(
         metrics: &'m Metrics,
         kind: MetricKind,
         name: &str,

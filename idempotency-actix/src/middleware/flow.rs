@@ -225,8 +225,8 @@ where
                 return;
             }
             let _ = body;
-            let token = match self.reserve(&scope, &fingerprint).await {
-                Ok(token) => token,
+            let (token, reserved_at) = match self.reserve(&scope, &fingerprint).await {
+                Ok(reserved) => reserved,
                 Err(Decision::Refuse(problem)) => {
                     let _ = answer.send(Ok(self.refuse(req, problem, &report, Some(&scope))));
                     return;
@@ -256,7 +256,6 @@ where
                     return;
                 }
             };
-            let reserved_at = Instant::now();
             let _held = self.meters.held();
             req.extensions_mut()
                 .insert(IdempotencyKey(scope.key.clone()));
@@ -318,18 +317,21 @@ where
         }
     }
 
-    /// Reserve the key, or decide the response without running the handler.
+    /// Reserve the key, or decide the response without running the handler. With the token
+    /// comes the instant the successful call was made, no later than the store started the
+    /// lease (the first renewal is due a third of a lease after it).
     async fn reserve(
         &self,
         scope: &Scope,
         fingerprint: &Fingerprint,
-    ) -> Result<ReservationToken, Decision> {
+    ) -> Result<(ReservationToken, Instant), Decision> {
         let config = &self.config;
         let wait_until = config
             .wait_for_in_flight
             .map(|wait| saturating_deadline(Instant::now(), wait));
         let mut pause = Duration::from_millis(10);
         loop {
+            let called = Instant::now();
             let outcome = outcome::timed(
                 self.meters.histogram(Op::Reserve),
                 self.store.reserve(scope, fingerprint, config.lock_timeout),
@@ -338,7 +340,7 @@ where
             match outcome {
                 Ok(ReserveOutcome::Reserved { token }) => {
                     tracing::debug!(target: "idempotency_actix", outcome = "miss", "reserved; running the handler");
-                    return Ok(token);
+                    return Ok((token, called));
                 }
                 Ok(ReserveOutcome::Completed {
                     fingerprint: stored,

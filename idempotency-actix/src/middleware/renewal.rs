@@ -107,7 +107,8 @@ async fn beat<S: IdempotencyStore>(lease: Lease<S>, mut stopped: oneshot::Receiv
             () = tokio::time::sleep_until(tokio::time::Instant::from_std(next)) => {}
         }
         let started = Instant::now();
-        // The last renewal ends the lease at the limit, not past it.
+        // The last renewal ends the lease at the limit, not past it; at the limit itself the
+        // handler is still running (else `stopped` would have ended this): say so.
         let grant = lease
             .lease
             .min(hold_until.saturating_duration_since(started));
@@ -125,7 +126,12 @@ async fn beat<S: IdempotencyStore>(lease: Lease<S>, mut stopped: oneshot::Receiv
             Ok(WriteOutcome::Applied) => {
                 outcome::lease_renewal("renewed", name);
                 tracing::debug!(target: "idempotency_actix", lease_ms = grant.as_millis(), "lease renewed");
-                next = saturating_deadline(started, interval);
+                // After the last renewal (cut to end at the limit), wake at the limit.
+                next = if grant < lease.lease {
+                    hold_until
+                } else {
+                    saturating_deadline(started, interval)
+                };
             }
             // Completed or released by the request itself a moment ago: nothing was lost.
             Ok(WriteOutcome::Stale) if handler_done => return,
@@ -140,8 +146,74 @@ async fn beat<S: IdempotencyStore>(lease: Lease<S>, mut stopped: oneshot::Receiv
                 next = saturating_deadline(Instant::now(), retry);
             }
         }
-        if handler_done || grant < lease.lease {
+        if handler_done {
             return;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+    use metrics_util::MetricKind;
+
+    use super::*;
+    use crate::outcome::tests::{read, value};
+    use crate::outcome::LEASE_RENEWALS_TOTAL;
+    use crate::store::{Fingerprint, MemoryStore, ReserveOutcome};
+
+    /// A handler still running at `renew_lease_up_to` is counted (`limit`) when its last lease
+    /// ends, after renewals up to the limit, and its key is then free for a retry. The last
+    /// renewal (its lease cut to end at the limit) used to end the heartbeat, so the limit was
+    /// never reported.
+    #[tokio::test]
+    async fn a_handler_still_running_at_the_limit_is_reported() {
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        let _local = metrics::set_default_local_recorder(&recorder);
+        let store = Arc::new(MemoryStore::new());
+        let scope = Scope {
+            tenant: "t".into(),
+            method: "POST".into(),
+            path: "/p".into(),
+            key: "k".into(),
+        };
+        let fingerprint = Fingerprint([7; 32]);
+        let lease = Duration::from_millis(200);
+        let reserved_at = Instant::now();
+        let Ok(ReserveOutcome::Reserved { token }) =
+            store.reserve(&scope, &fingerprint, lease).await
+        else {
+            panic!("not reserved");
+        };
+        let (running, stopped) = oneshot::channel();
+        let renewal = Lease {
+            store: Arc::clone(&store),
+            scope: scope.clone(),
+            token,
+            lease,
+            limit: Duration::from_millis(600),
+            reserved_at,
+        };
+        beat(renewal, stopped).await; // the handler (`running`) has not finished
+        assert!(reserved_at.elapsed() >= Duration::from_millis(600));
+        let metrics = read(&snapshotter);
+        let count = |result: &str| match value(
+            &metrics,
+            MetricKind::Counter,
+            LEASE_RENEWALS_TOTAL,
+            &[("result", result), ("store", "memory")],
+        ) {
+            Some(DebugValue::Counter(n)) => *n,
+            _ => 0,
+        };
+        assert_eq!(count("limit"), 1);
+        assert!(count("renewed") >= 3, "renewed {}", count("renewed"));
+        assert_eq!(count("lost") + count("failed"), 0);
+        match store.reserve(&scope, &fingerprint, lease).await {
+            Ok(ReserveOutcome::Reserved { .. }) => {}
+            other => panic!("the key was held past the limit: {other:?}"),
+        }
+        drop(running);
     }
 }

@@ -287,6 +287,9 @@ pub(super) async fn settle_keyed<S, Svc, B>(
     let match_info = req.match_info().clone();
     let mut runs = 0u32;
     loop {
+        // No later than the transaction's start, which the stored response's expiry counts
+        // from (see `run_and_settle`).
+        let opened = Instant::now();
         let (conn, token) = match claim(&flow, &tx, &scope, &fingerprint).await {
             Claimed::Reserved(conn, token) => (*conn, token),
             Claimed::Answered(response, outcome) => {
@@ -336,7 +339,7 @@ pub(super) async fn settle_keyed<S, Svc, B>(
             &tx,
             req,
             conn,
-            Some((&scope, token)),
+            Some((&scope, token, opened)),
             Some(&report),
             retries_left,
         )
@@ -574,7 +577,7 @@ async fn run_and_settle<S, Svc, B>(
     tx: &TxConfig,
     req: ServiceRequest,
     conn: TxConnection,
-    record: Option<(&Scope, ReservationToken)>,
+    record: Option<(&Scope, ReservationToken, Instant)>,
     report: Option<&Report>,
     may_retry: bool,
 ) -> After<B>
@@ -584,7 +587,7 @@ where
     B: MessageBody + 'static,
 {
     let config = &flow.config;
-    let scope = record.as_ref().map(|(scope, _)| *scope);
+    let scope = record.as_ref().map(|(scope, _, _)| *scope);
     let outcome = |outcome: Outcome, status: StatusCode| {
         if let Some(report) = report {
             report.outcome(outcome, status, scope);
@@ -722,13 +725,19 @@ where
             "the handler's transaction was left in an unexpected state",
         ));
     }
-    if let Some((scope, token)) = record {
+    if let Some((scope, token, opened)) = record {
         let stored = StoredResponse {
             status: status.as_u16(),
             headers: storable_headers(head.headers(), &config.deny_headers),
             body: bytes.clone(),
         };
-        match sql::complete(&tx.store, &mut conn, scope, &token, &stored, config.ttl).await {
+        // `idempotency_complete` counts the TTL from `now()`, which in a transaction is its
+        // start: a handler that ran longer than the TTL (its transaction may stay idle for
+        // `renew_lease_up_to`) would commit a record already expired, and the retry would run
+        // it again. The time since the transaction opened is added, so the record lives its
+        // TTL from about now (a little longer, never shorter).
+        let ttl = config.ttl.saturating_add(opened.elapsed());
+        match sql::complete(&tx.store, &mut conn, scope, &token, &stored, ttl).await {
             Ok(WriteOutcome::Applied) => {}
             Ok(WriteOutcome::Stale) => {
                 // Our own uncommitted row: cannot be taken over. Refuse to commit anything.

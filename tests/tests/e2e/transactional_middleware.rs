@@ -474,6 +474,29 @@ async fn a_handler_idle_past_the_lease_keeps_its_transaction() {
     assert_eq!(payments(&db), 1);
 }
 
+/// C12 in transactional mode: the stored response lives its TTL from its commit, not from the
+/// transaction's start. `now()` in the complete function is the transaction's start, so a
+/// handler that ran longer than the TTL committed a record that had already expired, and the
+/// retry right after ran the handler again.
+#[actix_web::test]
+async fn a_stored_response_lives_its_ttl_from_the_commit() {
+    let (db, store) = setup().await;
+    let runs = Runs::default();
+    let middleware = tx_builder(&store).ttl(Duration::from_secs(1)).build();
+    let app = app!(middleware, runs);
+    let first = send(&app, "ttl1", "?sleep_ms=1500", 4).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{}", first.body);
+    let retry = send(&app, "ttl1", "?sleep_ms=1500", 4).await;
+    assert!(
+        retry.replayed,
+        "the record had expired at its commit: {}",
+        retry.body
+    );
+    assert_eq!(retry.body, first.body);
+    assert_eq!(runs.get(), 1);
+    assert_eq!(payments(&db), 1);
+}
+
 /// COMMIT fails on a deferred foreign key: the client gets COMMIT_FAILED (never the
 /// handler's 201), no payment and no record remain, and the retry runs the handler.
 #[actix_web::test]

@@ -94,7 +94,10 @@ impl PostgresStoreBuilder {
     /// statement (over a new connection, TLS as configured). If the statement finishes before
     /// the cancel arrives (or the server cannot be reached), it takes effect after we gave up:
     /// for `reserve` that leaves a reservation whose lease has to run out before a retry can
-    /// take it over (a retry meanwhile gets 409, never a second execution).
+    /// take it over (a retry meanwhile gets 409, never a second execution). Behind a
+    /// transaction-pooling proxy that forwards a cancel to whatever server connection the
+    /// session last used (PgBouncer before 1.18), a late cancel may instead end another
+    /// client's statement: an error there, never a second run here.
     pub fn query_timeout(mut self, timeout: Option<Duration>) -> Self {
         self.query_timeout = timeout;
         self
