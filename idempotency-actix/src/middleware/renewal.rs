@@ -114,7 +114,7 @@ async fn beat<S: IdempotencyStore>(lease: Lease<S>, mut stopped: oneshot::Receiv
             .min(hold_until.saturating_duration_since(started));
         if grant.is_zero() {
             outcome::lease_renewal("limit", name);
-            tracing::info!(target: "idempotency_actix", outcome = "lease_limit", "the handler is still running at renew_lease_up_to; its lease is no longer renewed, and once it ends a retry may take the key over");
+            tracing::info!(target: "idempotency_actix", outcome = "lease_limit", "the handler is still running at renew_lease_up_to: its last lease has ended and is not renewed, so a retry may now take the key over");
             return;
         }
         let renewed = lease
@@ -215,5 +215,40 @@ mod tests {
             other => panic!("the key was held past the limit: {other:?}"),
         }
         drop(running);
+    }
+
+    /// Leases and limits at the clock's edge neither panic nor spin: a lease of 400 days
+    /// renewed up to `Duration::MAX` sleeps (its first renewal is months away) and ends when
+    /// the handler does.
+    #[tokio::test]
+    async fn extreme_leases_neither_panic_nor_spin() {
+        let store = Arc::new(MemoryStore::new());
+        let scope = Scope {
+            tenant: String::new(),
+            method: "POST".into(),
+            path: "/p".into(),
+            key: "far".into(),
+        };
+        let lease = Duration::from_secs(400 * 24 * 3600);
+        let Ok(ReserveOutcome::Reserved { token }) =
+            store.reserve(&scope, &Fingerprint([1; 32]), lease).await
+        else {
+            panic!("not reserved");
+        };
+        let (running, stopped) = oneshot::channel();
+        let renewal = Lease {
+            store,
+            scope,
+            token,
+            lease,
+            limit: Duration::MAX,
+            reserved_at: Instant::now(),
+        };
+        let beating = tokio::spawn(beat(renewal, stopped));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!beating.is_finished(), "the heartbeat ended on its own");
+        drop(running);
+        let ended = tokio::time::timeout(Duration::from_secs(5), beating).await;
+        assert!(matches!(ended, Ok(Ok(()))), "{ended:?}");
     }
 }
