@@ -97,6 +97,37 @@ async fn connect(db: &TestDb) -> AsyncPgConnection {
         .expect("connect to test db")
 }
 
+/// Counts the partitions that hold the instant now + 36 h (the default `--horizon`): exactly
+/// one once purge created it.
+const COVERING_THE_HORIZON: &str = "SELECT count(*) AS n FROM idempotency_partitions() \
+     WHERE NOT is_default AND lower_bound <= now() + interval '36 hours' \
+     AND upper_bound > now() + interval '36 hours'";
+
+/// A database migrated to the hourly partitioned layout, with [`add_past_partition`].
+async fn hourly_partitioned_with_a_past_partition() -> (TestDb, AsyncPgConnection) {
+    let db = TestDb::new_unmigrated().await;
+    let out = idem(
+        &db.url,
+        &["migrate", "--partitioned", "--interval", "hourly"],
+    );
+    expect_code(&out, 0);
+    let mut conn = connect(&db).await;
+    add_past_partition(&mut conn).await;
+    (db, conn)
+}
+
+/// A partition of the responses table for an hour 5 hours ago: only expired rows fit in it,
+/// so purge may drop it.
+async fn add_past_partition(conn: &mut AsyncPgConnection) {
+    conn.batch_execute(
+        "CREATE TABLE idempotency_responses_past PARTITION OF idempotency_responses \
+         FOR VALUES FROM (date_trunc('hour', now()) - interval '5 hours') \
+         TO (date_trunc('hour', now()) - interval '4 hours')",
+    )
+    .await
+    .unwrap();
+}
+
 const MINUTE: i64 = 60;
 const HOUR: i64 = 60 * MINUTE;
 const DAY: i64 = 24 * HOUR;
@@ -1213,25 +1244,8 @@ fn sslmode_require_with_a_question_mark_in_the_password_never_falls_back() {
 /// partition.
 #[tokio::test]
 async fn partitioned_purge_creates_ahead_even_when_the_drop_fails() {
-    let db = TestDb::new_unmigrated().await;
-    let out = idem(
-        &db.url,
-        &["migrate", "--partitioned", "--interval", "hourly"],
-    );
-    expect_code(&out, 0);
-    let mut conn = connect(&db).await;
-    conn.batch_execute(
-        "CREATE TABLE idempotency_responses_past PARTITION OF idempotency_responses \
-         FOR VALUES FROM (date_trunc('hour', now()) - interval '5 hours') \
-         TO (date_trunc('hour', now()) - interval '4 hours')",
-    )
-    .await
-    .unwrap();
-    // The partition that holds the instant now + 36 h (exactly one once it is created).
-    let covering = "SELECT count(*) AS n FROM idempotency_partitions() \
-                    WHERE NOT is_default AND lower_bound <= now() + interval '36 hours' \
-                    AND upper_bound > now() + interval '36 hours'";
-    assert_eq!(records::count(&db.url, covering), 0);
+    let (db, _setup) = hourly_partitioned_with_a_past_partition().await;
+    assert_eq!(records::count(&db.url, COVERING_THE_HORIZON), 0);
 
     // A reader of the past partition, in an open transaction: DROP TABLE waits for it.
     let mut reader = connect(&db).await;
@@ -1251,7 +1265,11 @@ async fn partitioned_purge_creates_ahead_even_when_the_drop_fails() {
         "the created partitions are reported: {}",
         stderr(&out)
     );
-    assert_eq!(records::count(&db.url, covering), 1, "create step skipped");
+    assert_eq!(
+        records::count(&db.url, COVERING_THE_HORIZON),
+        1,
+        "create step skipped"
+    );
 
     reader.batch_execute("ROLLBACK").await.unwrap();
     let out = idem(&db.url, &["--format", "json", "purge"]);
@@ -1287,28 +1305,12 @@ async fn partitioned_purge_creates_ahead_even_when_the_drop_fails() {
 /// the lock is gone the next purge does the work.
 #[tokio::test]
 async fn partitioned_purge_steps_are_bounded_by_the_statement_timeout() {
-    let db = TestDb::new_unmigrated().await;
-    let out = idem(
-        &db.url,
-        &["migrate", "--partitioned", "--interval", "hourly"],
-    );
-    expect_code(&out, 0);
-    let mut conn = connect(&db).await;
-    conn.batch_execute(
-        "CREATE TABLE idempotency_responses_past PARTITION OF idempotency_responses \
-         FOR VALUES FROM (date_trunc('hour', now()) - interval '5 hours') \
-         TO (date_trunc('hour', now()) - interval '4 hours')",
-    )
-    .await
-    .unwrap();
+    let (db, _setup) = hourly_partitioned_with_a_past_partition().await;
     // Trust authentication: the password is not checked; it must just never be shown.
     let [a, b] = SECRET_HALVES;
     let url = with_user(&db.url, "postgres", Some(&format!("{a}?{b}")));
     let bounded = ["--statement-timeout", "1s", "purge", "--lock-timeout", "1h"];
-    let covering = "SELECT count(*) AS n FROM idempotency_partitions() \
-                    WHERE NOT is_default AND lower_bound <= now() + interval '36 hours' \
-                    AND upper_bound > now() + interval '36 hours'";
-    assert_eq!(records::count(&db.url, covering), 0);
+    assert_eq!(records::count(&db.url, COVERING_THE_HORIZON), 0);
     let mut holder = connect(&db).await;
 
     // 1. The whole table (LOCK TABLE takes every partition too): each partition step waits,
@@ -1335,7 +1337,7 @@ async fn partitioned_purge_steps_are_bounded_by_the_statement_timeout() {
     );
     holder.batch_execute("ROLLBACK").await.unwrap();
     assert_eq!(
-        records::count(&db.url, covering),
+        records::count(&db.url, COVERING_THE_HORIZON),
         0,
         "created under the lock"
     );
@@ -1358,7 +1360,11 @@ async fn partitioned_purge_steps_are_bounded_by_the_statement_timeout() {
         err.contains("idempotency_responses_p"),
         "the created partitions are reported: {err}"
     );
-    assert_eq!(records::count(&db.url, covering), 1, "create step skipped");
+    assert_eq!(
+        records::count(&db.url, COVERING_THE_HORIZON),
+        1,
+        "create step skipped"
+    );
     holder.batch_execute("ROLLBACK").await.unwrap();
 
     // Released: the next purge drops the past partition.
@@ -1449,13 +1455,7 @@ async fn partitioned_layout_migrate_check_stats_show_and_purge() {
         WriteOutcome::Applied
     );
     let mut conn = connect(&db).await;
-    conn.batch_execute(
-        "CREATE TABLE idempotency_responses_past PARTITION OF idempotency_responses \
-         FOR VALUES FROM (date_trunc('hour', now()) - interval '5 hours') \
-         TO (date_trunc('hour', now()) - interval '4 hours')",
-    )
-    .await
-    .unwrap();
+    add_past_partition(&mut conn).await;
 
     let out = idem(&db.url, &["--format", "json", "stats"]);
     expect_code(&out, 0);
