@@ -1828,6 +1828,23 @@ async fn migrate_check_needs_only_select() {
     );
 }
 
+/// Run idem-cli with `args` on `db` through a [`freezing_proxy`] that goes silent once the
+/// CLI sends `marker`: its output (`None` if it still ran after `limit`) and how long it ran.
+async fn idem_frozen_at(
+    db: &TestDb,
+    marker: &'static [u8],
+    args: &'static [&'static str],
+    limit: Duration,
+) -> (Option<Output>, Duration) {
+    let upstream = idempotency_e2e::proxy::host_port(&db.url);
+    let url = with_port(&db.url, freezing_proxy(upstream, marker).await);
+    let started = Instant::now();
+    let out = tokio::task::spawn_blocking(move || idem_within(&url, args, limit))
+        .await
+        .expect("runner");
+    (out, started.elapsed())
+}
+
 /// A TCP proxy to `upstream` that forwards both ways until the client sends bytes containing
 /// `marker`; from then on it swallows what the client sends and keeps every socket open: a
 /// server (or network) gone silent mid-session, which neither side's TCP stack notices.
@@ -1886,28 +1903,18 @@ async fn freezing_proxy(upstream: String, marker: &'static [u8]) -> u16 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_silent_after_login_is_unavailable() {
     let db = TestDb::new().await;
-    let upstream = idempotency_e2e::proxy::host_port(&db.url);
 
     // Silent from the CLI's session settings on (the first statement after login).
-    let port = freezing_proxy(upstream.clone(), b"application_name").await;
-    let url = with_port(&db.url, port);
-    let started = Instant::now();
-    let out = tokio::task::spawn_blocking(move || {
-        idem_within(
-            &url,
-            &["--connect-timeout", "2s", "stats"],
-            Duration::from_secs(40),
-        )
-    })
-    .await
-    .expect("runner")
-    .expect("stats hung on a server silent after login");
+    let (out, took) = idem_frozen_at(
+        &db,
+        b"application_name",
+        &["--connect-timeout", "2s", "stats"],
+        Duration::from_secs(40),
+    )
+    .await;
+    let out = out.expect("stats hung on a server silent after login");
     expect_code(&out, UNAVAILABLE);
-    assert!(
-        started.elapsed() < Duration::from_secs(15),
-        "{:?}",
-        started.elapsed()
-    );
+    assert!(took < Duration::from_secs(15), "{took:?}");
     assert!(
         stderr(&out).contains("no answer within 2s"),
         "{}",
@@ -1915,32 +1922,23 @@ async fn a_server_silent_after_login_is_unavailable() {
     );
 
     // Silent from the first query on the table on.
-    let port = freezing_proxy(upstream, b"idempotency_keys").await;
-    let url = with_port(&db.url, port);
-    let started = Instant::now();
-    let out = tokio::task::spawn_blocking(move || {
-        idem_within(
-            &url,
-            &[
-                "--connect-timeout",
-                "2s",
-                "--statement-timeout",
-                "1s",
-                "stats",
-            ],
-            Duration::from_secs(40),
-        )
-    })
-    .await
-    .expect("runner")
-    .expect("stats hung on a server silent mid-session");
+    let (out, took) = idem_frozen_at(
+        &db,
+        b"idempotency_keys",
+        &[
+            "--connect-timeout",
+            "2s",
+            "--statement-timeout",
+            "1s",
+            "stats",
+        ],
+        Duration::from_secs(40),
+    )
+    .await;
+    let out = out.expect("stats hung on a server silent mid-session");
     expect_code(&out, UNAVAILABLE);
     assert!(stderr(&out).contains("no answer"), "{}", stderr(&out));
-    assert!(
-        started.elapsed() < Duration::from_secs(20),
-        "{:?}",
-        started.elapsed()
-    );
+    assert!(took < Duration::from_secs(20), "{took:?}");
 }
 
 /// The partitioned layout's drop and create steps are bounded by the CLI itself, not only by
@@ -1958,7 +1956,6 @@ async fn a_server_silent_during_a_partition_step_is_unavailable() {
     );
     expect_code(&out, 0);
     let mut admin = connect(&db).await;
-    let upstream = idempotency_e2e::proxy::host_port(&db.url);
     for (marker, step) in [
         (
             &b"idempotency_partitions_create"[..],
@@ -1969,20 +1966,14 @@ async fn a_server_silent_during_a_partition_step_is_unavailable() {
             "dropping past partitions",
         ),
     ] {
-        let port = freezing_proxy(upstream.clone(), marker).await;
-        let url = with_port(&db.url, port);
-        let started = Instant::now();
-        let out = tokio::task::spawn_blocking(move || {
-            idem_within(
-                &url,
-                &["--statement-timeout", "1s", "purge"],
-                Duration::from_secs(60),
-            )
-        })
-        .await
-        .expect("runner")
-        .unwrap_or_else(|| panic!("purge hung on a server silent while {step}"));
-        let took = started.elapsed();
+        let (out, took) = idem_frozen_at(
+            &db,
+            marker,
+            &["--statement-timeout", "1s", "purge"],
+            Duration::from_secs(60),
+        )
+        .await;
+        let out = out.unwrap_or_else(|| panic!("purge hung on a server silent while {step}"));
         expect_code(&out, UNAVAILABLE);
         let err = stderr(&out);
         assert!(err.contains(step), "{err}");
