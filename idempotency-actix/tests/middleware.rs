@@ -12,6 +12,7 @@ use actix_web::test::{call_service, init_service, TestRequest};
 use actix_web::{web, App, HttpRequest, HttpResponse};
 use bytes::Bytes;
 use futures_util::future::join_all;
+use futures_util::StreamExt;
 use idempotency_actix::store::{
     Fingerprint, IdempotencyStore, MemoryStore, ReservationToken, ReserveOutcome, Scope,
     StoreError, StoredResponse, WriteOutcome,
@@ -64,6 +65,18 @@ async fn long_first_run(counter: web::Data<Counter>) -> HttpResponse {
     HttpResponse::Ok().body(format!("execution {n}"))
 }
 
+/// The first execution answers at once with a streamed body that takes 1.5 s to produce
+/// (a report generated as it is sent); later ones stream it at once.
+async fn long_first_stream(counter: web::Data<Counter>) -> HttpResponse {
+    let n = counter.0.fetch_add(1, Ordering::SeqCst) + 1;
+    let pause = if n == 1 { 1500 } else { 0 };
+    let chunks = futures_util::stream::iter([0u64, pause]).then(move |wait| async move {
+        tokio::time::sleep(Duration::from_millis(wait)).await;
+        Ok::<_, std::io::Error>(Bytes::from(format!("execution {n};")))
+    });
+    HttpResponse::Ok().streaming(chunks)
+}
+
 async fn status_from_query(counter: web::Data<Counter>, req: HttpRequest) -> HttpResponse {
     counter.0.fetch_add(1, Ordering::SeqCst);
     let status = req.query_string().parse::<u16>().unwrap_or(200);
@@ -109,6 +122,7 @@ async fn app_with(
             .route("/slow", web::post().to(slow))
             .route("/lease", web::post().to(lease_outliving))
             .route("/long", web::post().to(long_first_run))
+            .route("/long-stream", web::post().to(long_first_stream))
             .route("/status", web::post().to(status_from_query))
             .route("/json-status", web::post().to(json_status))
             .route("/big", web::post().to(big_stream))
@@ -413,6 +427,30 @@ async fn a_running_handler_keeps_its_key_past_the_lease() {
         "the renewed holder's response was not stored"
     );
     assert_eq!(replay.body, "execution 1");
+    assert_eq!(counter.get(), 1);
+}
+
+/// C9, C24: a handler that returns at once with a body it produces for longer than the lease
+/// keeps its key until the body has ended and the response is stored. The heartbeat used to
+/// stop when the handler returned, so the retry took the key over mid-stream and ran the
+/// handler a second time.
+#[actix_web::test]
+async fn a_streamed_body_keeps_its_key_past_the_lease() {
+    let counter = Counter::default();
+    let app = app_with(&counter, |b| b.lock_timeout(Duration::from_millis(600))).await;
+    let (first, second) = tokio::join!(
+        send(&app, post("/long-stream", "s").set_payload("x")),
+        async {
+            tokio::time::sleep(Duration::from_millis(800)).await;
+            send(&app, post("/long-stream", "s").set_payload("x")).await
+        }
+    );
+    second.assert_problem(409, "CONFLICT");
+    assert_eq!(first.body, "execution 1;execution 1;");
+    assert_eq!(counter.get(), 1, "the retry ran the handler a second time");
+    let replay = send(&app, post("/long-stream", "s").set_payload("x")).await;
+    assert!(replay.replayed(), "the streamed response was not stored");
+    assert_eq!(replay.body, "execution 1;execution 1;");
     assert_eq!(counter.get(), 1);
 }
 

@@ -25,7 +25,7 @@ use tracing::Instrument;
 
 use super::detach::detach;
 use super::forward::{self, BodyFailed};
-use super::renewal::{while_running, Lease};
+use super::renewal::{Renewal, Reservation};
 use super::replay::{replay, storable_headers};
 use crate::config::{saturating_deadline, Config, ResponseParts};
 use crate::fingerprint::{is_json_content_type, Fingerprint};
@@ -259,17 +259,17 @@ where
             let _held = self.meters.held();
             req.extensions_mut()
                 .insert(IdempotencyKey(scope.key.clone()));
-            // Built only if the handler does not answer on its first poll.
-            let lease = || Lease {
-                store: Arc::clone(&self.store),
-                scope: scope.clone(),
+            let mut renewal = Renewal::new(Reservation {
+                store: &self.store,
+                scope: &scope,
                 token,
                 lease: self.config.lock_timeout,
                 limit: self.config.lease_renewal_limit,
                 reserved_at,
-            };
-            let result = while_running(self.service.call(req), lease).await;
-            self.finish(&scope, token, result, &report, answer).await;
+            });
+            let result = renewal.during(self.service.call(req)).await;
+            self.finish(&scope, token, result, &report, answer, renewal)
+                .await;
         })
     }
 
@@ -391,8 +391,9 @@ where
         }
     }
 
-    /// After the handler: store or release, and send the response on. Also how transactional
-    /// mode finishes a request whose handler ended its transaction itself.
+    /// After the handler: store or release, and send the response on; `renewal` keeps the
+    /// lease while a streamed body is produced. Also how transactional mode finishes a request
+    /// whose handler ended its transaction itself.
     pub(super) async fn finish(
         &self,
         scope: &Scope,
@@ -400,10 +401,12 @@ where
         result: Result<ServiceResponse<B>, Error>,
         report: &Report,
         answer: Answer<B>,
+        mut renewal: Renewal<'_, S>,
     ) {
         let response = match result {
             Ok(response) if (self.config.store_status)(response.status()) => response,
             Ok(response) => {
+                renewal.stop();
                 let status = response.status();
                 self.release(scope, &token, status.as_str()).await;
                 report.outcome(Outcome::NotStored, status, Some(scope));
@@ -411,6 +414,7 @@ where
                 return;
             }
             Err(error) => {
+                renewal.stop();
                 self.release(scope, &token, "handler error").await;
                 let status = error.as_response_error().status_code();
                 report.outcome(Outcome::NotStored, status, Some(scope));
@@ -423,6 +427,7 @@ where
         let (head, body) = response.into_parts();
         let status = head.status();
         if matches!(body.size(), BodySize::Sized(len) if len > max as u64) {
+            renewal.stop();
             self.release(scope, &token, "response too large").await;
             report.outcome(Outcome::NotStored, status, Some(scope));
             let response = ServiceResponse::new(request, head.set_body(body));
@@ -432,6 +437,7 @@ where
         match body.try_into_bytes() {
             // One buffer (most handlers): store it, then send it.
             Ok(bytes) => {
+                renewal.stop();
                 let outcome = self
                     .store_or_release(scope, &token, head.head(), &bytes)
                     .await;
@@ -441,7 +447,8 @@ where
             }
             Err(body) => {
                 // Boxed: a streamed body is rare; its state need not size every request's.
-                let stream = Box::pin(self.stream(scope, token, request, head, body, answer));
+                let stream = self.stream(scope, token, request, head, body, answer, renewal);
+                let stream = Box::pin(stream);
                 let outcome = stream.await;
                 report.outcome(outcome, status, Some(scope));
             }
@@ -451,6 +458,8 @@ where
     /// A streamed body (C24): send the head now, forward every chunk as it comes while keeping
     /// a copy up to the limit, store the copy when the stream ends, and only then end the
     /// client's body. See the module docs of [`super`] for backpressure and a vanished client.
+    /// The lease is renewed while the body is produced and forwarded.
+    #[allow(clippy::too_many_arguments)] // one request's parts, each used once
     async fn stream(
         &self,
         scope: &Scope,
@@ -459,6 +468,7 @@ where
         head: HttpResponse<()>,
         body: B,
         answer: Answer<B>,
+        mut renewal: Renewal<'_, S>,
     ) -> Outcome {
         let max = self.config.max_response_bytes;
         let stored_head = StoredHead::of(head.head());
@@ -480,7 +490,8 @@ where
                     Err(_) => Poll::Ready(None),
                 }
             });
-            let Some(next) = next.await else {
+            let Some(next) = renewal.during(next).await else {
+                renewal.stop();
                 tracing::error!(target: "idempotency_actix", outcome = "body_error", "response body panicked after its head was sent; connection aborted, reservation left to its lease");
                 if let Some(sender) = client {
                     let _ = sender.send(Err(BodyFailed)).await;
@@ -501,11 +512,12 @@ where
                         }
                     }
                     if let Some(sender) = &client {
-                        if sender.send(Ok(chunk)).await.is_err() {
+                        if renewal.during(sender.send(Ok(chunk))).await.is_err() {
                             client = None; // the client is gone: keep reading, stop forwarding
                         }
                     }
                     if went_over {
+                        renewal.stop();
                         tracing::warn!(target: "idempotency_actix", outcome = "not_stored", max_response_bytes = max, "streamed response too large to store; key released");
                         self.release_quietly(scope, &token).await;
                     }
@@ -518,6 +530,7 @@ where
                     // The handler ran, so its effects may exist: keep the reservation until its
                     // lease ends rather than invite a second execution (C16). The detail stays
                     // in the log; the client's connection is aborted.
+                    renewal.stop();
                     tracing::error!(target: "idempotency_actix", outcome = "body_error", %error, "response body failed after its head was sent; connection aborted, reservation left to its lease");
                     if let Some(sender) = client {
                         let _ = sender.send(Err(BodyFailed)).await;
@@ -526,6 +539,7 @@ where
                 }
             }
         }
+        renewal.stop();
         let outcome = match copy {
             Some(chunks) => {
                 let body = concat(chunks, read);

@@ -10,9 +10,12 @@
 //!
 //! The heartbeat is a task of its own, started only when the handler does not finish on its
 //! first poll: a handler that answers at once (most replays never get here; a quick miss on
-//! `MemoryStore`) costs no task, no timer and no copy of the scope. It stops when the handler
-//! returns, before the response is stored: a renewal still on its way may then land after the
-//! record was completed, and its `Stale` answer is not reported as a lost lease. A renewal in
+//! `MemoryStore`) costs no task, no timer and no copy of the scope. A handler that answers at
+//! once with a streamed body it produces slowly (C24) starts it the first time a chunk is not
+//! ready, or the client is slow to take one: the key is held until the body has ended. It
+//! stops just before the response is stored (or the key released, or left to its lease): a
+//! renewal still on its way may then land after the record was completed, and its `Stale`
+//! answer is not reported as a lost lease. A renewal in
 //! flight is never cut short (a store call dropped halfway can leave a pooled connection
 //! behind a statement nobody reads); the task just ends after it.
 //!
@@ -43,10 +46,23 @@ const MIN_INTERVAL: Duration = Duration::from_millis(10);
 /// would end between two of them anyway.
 const MIN_RENEWED_LEASE: Duration = Duration::from_millis(30);
 
-/// What the heartbeat needs to renew one reservation.
-pub(super) struct Lease<S> {
-    pub(super) store: Arc<S>,
-    pub(super) scope: Scope,
+/// What the heartbeat needs to renew one reservation: its own copy of a [`Reservation`].
+struct Lease<S> {
+    store: Arc<S>,
+    scope: Scope,
+    token: ReservationToken,
+    /// The lease each renewal grants (`lock_timeout`).
+    lease: Duration,
+    /// How long after the reservation renewal goes on (`renew_lease_up_to`).
+    limit: Duration,
+    /// When the key was reserved.
+    reserved_at: Instant,
+}
+
+/// The reservation a request holds, borrowed from it until a heartbeat needs its own copy.
+pub(super) struct Reservation<'a, S> {
+    pub(super) store: &'a Arc<S>,
+    pub(super) scope: &'a Scope,
     pub(super) token: ReservationToken,
     /// The lease each renewal grants (`lock_timeout`).
     pub(super) lease: Duration,
@@ -56,30 +72,62 @@ pub(super) struct Lease<S> {
     pub(super) reserved_at: Instant,
 }
 
-/// Run `handler` to its end, renewing the lease meanwhile if it does not finish on its first
-/// poll; `lease` is called then, and only then. The heartbeat stops when the handler's output
-/// is ready.
-pub(super) async fn while_running<S, F>(handler: F, lease: impl FnOnce() -> Lease<S>) -> F::Output
-where
-    S: IdempotencyStore,
-    F: Future,
-{
-    let mut handler = pin!(handler);
-    let mut lease = Some(lease);
-    let mut running: Option<oneshot::Sender<()>> = None;
-    let output = poll_fn(|cx| {
-        let poll = handler.as_mut().poll(cx);
-        if poll.is_pending() {
-            if let Some(lease) = lease.take() {
-                running = heartbeat(lease());
-            }
+/// The renewal of one request's lease, from the reservation until its response is about to
+/// be stored (or its key released, or left to its lease). The heartbeat starts the first time
+/// the work it watches does not finish on its first poll: the handler, and for a streamed
+/// body each chunk read from it and each handed to the client. Dropping this stops it.
+pub(super) struct Renewal<'a, S> {
+    /// What to renew, until the heartbeat starts.
+    due: Option<Reservation<'a, S>>,
+    /// The running heartbeat ends when this is dropped (its receiver sees it closed).
+    running: Option<oneshot::Sender<()>>,
+}
+
+impl<'a, S: IdempotencyStore> Renewal<'a, S> {
+    /// Renewal of `reservation`, not started yet.
+    pub(super) fn new(reservation: Reservation<'a, S>) -> Self {
+        Renewal {
+            due: Some(reservation),
+            running: None,
         }
-        poll
-    })
-    .await;
-    // The heartbeat sees its receiver closed and ends (so it does if this future is dropped).
-    drop(running);
-    output
+    }
+
+    /// No renewal (a transactional claim is held by its open transaction, not by a lease).
+    pub(super) fn off() -> Self {
+        Renewal {
+            due: None,
+            running: None,
+        }
+    }
+
+    /// Run `work` to its end, starting the heartbeat if it does not finish on its first poll.
+    pub(super) async fn during<F: Future>(&mut self, work: F) -> F::Output {
+        let mut work = pin!(work);
+        poll_fn(|cx| {
+            let poll = work.as_mut().poll(cx);
+            if poll.is_pending() {
+                if let Some(due) = self.due.take() {
+                    self.running = heartbeat(Lease {
+                        store: Arc::clone(due.store),
+                        scope: due.scope.clone(),
+                        token: due.token,
+                        lease: due.lease,
+                        limit: due.limit,
+                        reserved_at: due.reserved_at,
+                    });
+                }
+            }
+            poll
+        })
+        .await
+    }
+
+    /// Stop renewing: the response is about to be stored, or the key released or left to its
+    /// lease. A renewal still on its way then answers `Stale` without a false alarm.
+    pub(super) fn stop(&mut self) {
+        self.due = None;
+        self.running = None;
+    }
 }
 
 /// Start the heartbeat of `lease`, or nothing when renewal is off, the store cannot renew, the

@@ -37,6 +37,7 @@ use diesel_async::{AnsiTransactionManager, AsyncPgConnection, TransactionManager
 
 use super::detach::detach;
 use super::flow::{opaque_500, unavailable_detail, Flow, FlowResult, MAX_POLL_INTERVAL};
+use super::renewal::Renewal;
 use super::replay::{replay, storable_headers};
 use crate::config::{saturating_deadline, Config, ResponseParts};
 use crate::fingerprint::Fingerprint;
@@ -351,7 +352,8 @@ pub(super) async fn settle_keyed<S, Svc, B>(
             }
             After::Ended(result) => {
                 tracing::error!(target: "idempotency_actix", key = %LogText(&scope.key), tenant = %LogText(&scope.tenant), path = %LogText(&scope.path), "the handler ended the request's transaction itself (never do: use the transaction, savepoints through conn.transaction); finishing as in the default mode, not atomically");
-                flow.finish(&scope, token, result, &report, answer).await;
+                flow.finish(&scope, token, result, &report, answer, Renewal::off())
+                    .await;
                 return;
             }
             After::Retry(http_req) => {
