@@ -12,7 +12,7 @@
 //! | name | kind | labels | what |
 //! |---|---|---|---|
 //! | [`REQUESTS_TOTAL`] | counter | `outcome`, `method`, `route`, `store` | keyed requests (and refused keyless ones when a key is required), one outcome each: [`Outcome::as_str`] |
-//! | [`STORE_CALL_SECONDS`] | histogram | `op` (`reserve`, `complete`, `release`), `store` | duration of each store call, failed ones included |
+//! | [`STORE_CALL_SECONDS`] | histogram | `op` (`reserve`, `complete`, `release`, `renew_lease`), `store` | duration of each store call, failed ones included |
 //! | [`RESERVATIONS_HELD`] | gauge | `store` | requests holding a reservation right now (a drop guard keeps it right when a request's task is cut) |
 //! | [`COMPLETE_RETRIES_TOTAL`] | counter | `result` (`started`, `succeeded`, `stale`, `given_up`), `store` | the after-handler retries of a failed `complete` (C16) |
 //! | [`LEASE_RENEWALS_TOTAL`] | counter | `result` (`renewed`, `failed`, `lost`, `limit`), `store` | lease renewals while a handler runs (C9); `lost`: the reservation was taken over or released under a running handler; `limit`: the handler outlived `renew_lease_up_to` |
@@ -206,6 +206,7 @@ struct StoreMeters {
     reserve: Histogram,
     complete: Histogram,
     release: Histogram,
+    renew_lease: Histogram,
     held: Gauge,
 }
 
@@ -223,6 +224,7 @@ pub(crate) enum Op {
     Reserve,
     Complete,
     Release,
+    RenewLease,
 }
 
 impl Meters {
@@ -242,6 +244,7 @@ impl Meters {
                 reserve: op("reserve"),
                 complete: op("complete"),
                 release: op("release"),
+                renew_lease: op("renew_lease"),
                 held: metrics::gauge!(RESERVATIONS_HELD, "store" => store),
             }
         })
@@ -254,6 +257,7 @@ impl Meters {
             Op::Reserve => &calls.reserve,
             Op::Complete => &calls.complete,
             Op::Release => &calls.release,
+            Op::RenewLease => &calls.renew_lease,
         }
     }
 

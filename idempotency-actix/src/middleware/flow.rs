@@ -261,6 +261,7 @@ where
                 .insert(IdempotencyKey(scope.key.clone()));
             let mut renewal = Renewal::new(Reservation {
                 store: &self.store,
+                meters: &self.meters,
                 scope: &scope,
                 token,
                 lease: self.config.lock_timeout,

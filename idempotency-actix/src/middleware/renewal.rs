@@ -31,11 +31,12 @@ use std::pin::pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use metrics::Histogram;
 use tokio::sync::oneshot;
 use tracing::Instrument;
 
 use crate::config::saturating_deadline;
-use crate::outcome;
+use crate::outcome::{self, Meters, Op};
 use crate::store::{IdempotencyStore, ReservationToken, Scope, WriteOutcome};
 
 /// The shortest pause between two renewals, whatever the lease: a lease of a few
@@ -49,6 +50,8 @@ const MIN_RENEWED_LEASE: Duration = Duration::from_millis(30);
 /// What the heartbeat needs to renew one reservation: its own copy of a [`Reservation`].
 struct Lease<S> {
     store: Arc<S>,
+    /// `idempotency_store_call_seconds{op="renew_lease"}`.
+    timer: Histogram,
     scope: Scope,
     token: ReservationToken,
     /// The lease each renewal grants (`lock_timeout`).
@@ -62,6 +65,8 @@ struct Lease<S> {
 /// The reservation a request holds, borrowed from it until a heartbeat needs its own copy.
 pub(super) struct Reservation<'a, S> {
     pub(super) store: &'a Arc<S>,
+    /// This worker's metric handles (renewals are timed like every store call).
+    pub(super) meters: &'a Meters,
     pub(super) scope: &'a Scope,
     pub(super) token: ReservationToken,
     /// The lease each renewal grants (`lock_timeout`).
@@ -109,6 +114,7 @@ impl<'a, S: IdempotencyStore> Renewal<'a, S> {
                 if let Some(due) = self.due.take() {
                     self.running = heartbeat(Lease {
                         store: Arc::clone(due.store),
+                        timer: due.meters.histogram(Op::RenewLease).clone(),
                         scope: due.scope.clone(),
                         token: due.token,
                         lease: due.lease,
@@ -165,10 +171,8 @@ async fn beat<S: IdempotencyStore>(lease: Lease<S>, mut stopped: oneshot::Receiv
             tracing::info!(target: "idempotency_actix", outcome = "lease_limit", "the handler is still running at renew_lease_up_to: its last lease has ended and is not renewed, so a retry may now take the key over");
             return;
         }
-        let renewed = lease
-            .store
-            .renew_lease(&lease.scope, &lease.token, grant)
-            .await;
+        let call = lease.store.renew_lease(&lease.scope, &lease.token, grant);
+        let renewed = outcome::timed(&lease.timer, call).await;
         let handler_done = !matches!(stopped.try_recv(), Err(oneshot::error::TryRecvError::Empty));
         match renewed {
             Ok(WriteOutcome::Applied) => {
@@ -237,6 +241,7 @@ mod tests {
         let (running, stopped) = oneshot::channel();
         let renewal = Lease {
             store: Arc::clone(&store),
+            timer: Histogram::noop(),
             scope: scope.clone(),
             token,
             lease,
@@ -265,6 +270,67 @@ mod tests {
         drop(running);
     }
 
+    /// A handler that does not finish on its first poll starts the heartbeat, whose renewals
+    /// are timed in `idempotency_store_call_seconds{op="renew_lease"}` like every store call,
+    /// and keep the key past its first lease; one that finishes at once starts nothing.
+    #[actix_rt::test]
+    async fn renewals_run_while_the_work_waits_and_are_timed() {
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        let _local = metrics::set_default_local_recorder(&recorder);
+        let store = Arc::new(MemoryStore::new());
+        let meters = Meters::new("memory");
+        let scope = Scope {
+            tenant: String::new(),
+            method: "POST".into(),
+            path: "/p".into(),
+            key: "timed".into(),
+        };
+        let fingerprint = Fingerprint([3; 32]);
+        let lease = Duration::from_millis(90);
+        let Ok(ReserveOutcome::Reserved { token }) =
+            store.reserve(&scope, &fingerprint, lease).await
+        else {
+            panic!("not reserved");
+        };
+        let mut renewal = Renewal::new(Reservation {
+            store: &store,
+            meters: &meters,
+            scope: &scope,
+            token,
+            lease,
+            limit: Duration::from_secs(60),
+            reserved_at: Instant::now(),
+        });
+        renewal.during(async {}).await;
+        assert!(
+            renewal.running.is_none(),
+            "a finished handler started a heartbeat"
+        );
+        renewal
+            .during(tokio::time::sleep(Duration::from_millis(400)))
+            .await;
+        assert!(
+            matches!(
+                store.reserve(&scope, &fingerprint, lease).await,
+                Ok(ReserveOutcome::InFlight { .. })
+            ),
+            "the key was not kept past its first lease"
+        );
+        renewal.stop();
+        let metrics = read(&snapshotter);
+        let timed = match value(
+            &metrics,
+            MetricKind::Histogram,
+            crate::outcome::STORE_CALL_SECONDS,
+            &[("op", "renew_lease"), ("store", "memory")],
+        ) {
+            Some(DebugValue::Histogram(samples)) => samples.len(),
+            _ => 0,
+        };
+        assert!(timed >= 3, "{timed} renewals timed");
+    }
+
     /// Leases and limits at the clock's edge neither panic nor spin: a lease of 400 days
     /// renewed up to `Duration::MAX` sleeps (its first renewal is months away) and ends when
     /// the handler does.
@@ -286,6 +352,7 @@ mod tests {
         let (running, stopped) = oneshot::channel();
         let renewal = Lease {
             store,
+            timer: Histogram::noop(),
             scope,
             token,
             lease,
