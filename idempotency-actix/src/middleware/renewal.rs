@@ -98,6 +98,7 @@ impl<'a, S: IdempotencyStore> Renewal<'a, S> {
     }
 
     /// No renewal (a transactional claim is held by its open transaction, not by a lease).
+    #[cfg(feature = "postgres")]
     pub(super) fn off() -> Self {
         Renewal {
             due: None,
