@@ -1,0 +1,4 @@
+-- Insert-first on a stored key: the INSERT finds the key, then the function reads it (two round trips).
+\set k random(1, 1000)
+INSERT INTO idempotency_keys AS k (tenant, method, path, idempotency_key, fingerprint, state, token, locked_until, created_at, expires_at) VALUES ('', 'POST', '/payments', 'r-' || (:k)::text, '\x4242424242424242424242424242424242424242424242424242424242424242'::bytea, 'in_flight', 'a81bc81b-dead-4e5d-abff-90865d1e13b1'::uuid, now() + 60000000::bigint * interval '1 microsecond', now(), now() + 60000000::bigint * interval '1 microsecond') ON CONFLICT DO NOTHING RETURNING 1;
+SELECT * FROM idempotency_reserve('', 'POST', '/payments', 'r-' || (:k)::text, '\x4242424242424242424242424242424242424242424242424242424242424242'::bytea, 'a81bc81b-dead-4e5d-abff-90865d1e13b1'::uuid, 60000000::bigint);
