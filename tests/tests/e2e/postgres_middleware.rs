@@ -12,6 +12,7 @@ use actix_web::{web, App, HttpRequest, HttpResponse, HttpServer};
 use diesel::sql_types::{BigInt, Text};
 use diesel_async::RunQueryDsl;
 use futures_util::future::join_all;
+use futures_util::StreamExt;
 use idempotency_actix::store::postgres::{self, PostgresStore};
 use idempotency_actix::Idempotency;
 use idempotency_e2e::proxy::PgProxy;
@@ -65,6 +66,30 @@ async fn slow_pay(
     pay(req, body, instance).await
 }
 
+/// [`pay`], answered at once with a streamed body whose last chunk comes [`SLOW_HANDLER`]
+/// later (a receipt rendered as it is sent).
+async fn streamed_pay(
+    req: HttpRequest,
+    body: web::Bytes,
+    instance: web::Data<Instance>,
+) -> HttpResponse {
+    let paid = pay(req, body, instance).await;
+    let status = paid.status();
+    let first = actix_web::body::to_bytes(paid.into_body())
+        .await
+        .unwrap_or_default();
+    let last = web::Bytes::from_static(b"\n");
+    let chunks = futures_util::stream::iter([(first, Duration::ZERO), (last, SLOW_HANDLER)]).then(
+        |(chunk, wait)| async move {
+            actix_web::rt::time::sleep(wait).await;
+            Ok::<_, std::io::Error>(chunk)
+        },
+    );
+    HttpResponse::build(status)
+        .content_type("application/json")
+        .streaming(chunks)
+}
+
 /// How long [`slow_pay`] waits: five leases of [`SHORT_LEASE`].
 const SLOW_HANDLER: Duration = Duration::from_secs(5);
 /// Renewed every third of it; long enough that a renewal delayed by a busy machine (a test
@@ -77,7 +102,7 @@ fn start_instance(instance: Instance) -> (SocketAddr, ServerHandle) {
 }
 
 /// [`start_instance`], with `lease` as `lock_timeout` if given; `/slow-payments` is
-/// [`slow_pay`].
+/// [`slow_pay`], `/streamed-payments` [`streamed_pay`].
 fn start_instance_with(instance: Instance, lease: Option<Duration>) -> (SocketAddr, ServerHandle) {
     let store = instance.store.clone();
     let data = web::Data::new(instance);
@@ -92,6 +117,7 @@ fn start_instance_with(instance: Instance, lease: Option<Duration>) -> (SocketAd
             .wrap(middleware)
             .route("/payments", web::post().to(pay))
             .route("/slow-payments", web::post().to(slow_pay))
+            .route("/streamed-payments", web::post().to(streamed_pay))
     })
     .workers(2)
     .disable_signals()
@@ -244,12 +270,26 @@ async fn exactly_once_across_two_instances_sharing_one_database() {
 /// after the handler finished replays its response.
 #[actix_web::test]
 async fn a_slow_handler_keeps_its_key_across_instances() {
+    keeps_its_key_across_instances("/slow-payments").await;
+}
+
+/// C9, C24 across instances: a handler that pays at once and streams its body for five leases
+/// keeps its key until the body has ended and is stored (renewal used to stop when the
+/// handler returned, so the retries ran it again).
+#[actix_web::test]
+async fn a_streamed_body_keeps_its_key_across_instances() {
+    keeps_its_key_across_instances("/streamed-payments").await;
+}
+
+/// One request to `path` (on the first instance) that takes five leases, retries through the
+/// other instance while it runs, and one after it.
+async fn keeps_its_key_across_instances(path: &str) {
     let db = TestDb::new().await;
     create_executions_table(&db.url).await;
     let runs = Arc::new(AtomicUsize::new(0));
     let (addrs, handles) = two_instances(&db, &runs, Some(SHORT_LEASE)).await;
     let body = r#"{"amount": 500, "currency": "EUR"}"#;
-    let first = post_json(addrs[0], "/slow-payments", "slow-1", body);
+    let first = post_json(addrs[0], path, "slow-1", body);
     let start = tokio::time::Instant::now();
     let retries = async {
         let mut answers = Vec::new();
@@ -258,7 +298,7 @@ async fn a_slow_handler_keeps_its_key_across_instances() {
         for n in 1..=3 {
             let at = start + (SHORT_LEASE + Duration::from_millis(200)) * n;
             tokio::time::sleep_until(at).await;
-            answers.push(post_json(addrs[1], "/slow-payments", "slow-1", body).await);
+            answers.push(post_json(addrs[1], path, "slow-1", body).await);
         }
         answers
     };
@@ -272,9 +312,7 @@ async fn a_slow_handler_keeps_its_key_across_instances() {
             "a retry while the handler ran was not refused: {retry:?}"
         );
     }
-    let replay = post_json(addrs[1], "/slow-payments", "slow-1", body)
-        .await
-        .unwrap();
+    let replay = post_json(addrs[1], path, "slow-1", body).await.unwrap();
     assert!(replay.is_replay(), "{replay:?}");
     assert_eq!(replay.body, first.body);
     assert_eq!(executions(&db.url).await.get("slow-1"), Some(&1));
