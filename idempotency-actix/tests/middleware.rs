@@ -77,6 +77,15 @@ async fn long_first_stream(counter: web::Data<Counter>) -> HttpResponse {
     HttpResponse::Ok().streaming(chunks)
 }
 
+/// Answers at once with a 40 KiB body streamed in 1 KiB chunks, all ready (a receipt): more
+/// chunks than a slow client's channel holds.
+async fn receipt_stream(counter: web::Data<Counter>) -> HttpResponse {
+    let n = counter.0.fetch_add(1, Ordering::SeqCst) + 1;
+    let digit = b'0' + u8::try_from(n % 10).unwrap_or(0);
+    let chunks = (0..40).map(move |_| Ok::<_, std::io::Error>(Bytes::from(vec![digit; 1024])));
+    HttpResponse::Ok().streaming(futures_util::stream::iter(chunks))
+}
+
 async fn status_from_query(counter: web::Data<Counter>, req: HttpRequest) -> HttpResponse {
     counter.0.fetch_add(1, Ordering::SeqCst);
     let status = req.query_string().parse::<u16>().unwrap_or(200);
@@ -123,6 +132,7 @@ async fn app_with(
             .route("/lease", web::post().to(lease_outliving))
             .route("/long", web::post().to(long_first_run))
             .route("/long-stream", web::post().to(long_first_stream))
+            .route("/receipt", web::post().to(receipt_stream))
             .route("/status", web::post().to(status_from_query))
             .route("/json-status", web::post().to(json_status))
             .route("/big", web::post().to(big_stream))
@@ -452,6 +462,81 @@ async fn a_streamed_body_keeps_its_key_past_the_lease() {
     assert!(replay.replayed(), "the streamed response was not stored");
     assert_eq!(replay.body, "execution 1;execution 1;");
     assert_eq!(counter.get(), 1);
+}
+
+/// C9, C24: a client that stops reading a streamed response does not hold up its record. The
+/// body used to reach the record only as fast as the client read it, so a stalled client kept
+/// the key until renewal gave up, and then the retry ran the handler a second time.
+#[actix_web::test]
+async fn a_client_that_stops_reading_does_not_hold_up_the_record() {
+    let counter = Counter::default();
+    let app = app_with(&counter, |b| {
+        b.lock_timeout(Duration::from_millis(200))
+            .renew_lease_up_to(Duration::from_millis(600))
+    })
+    .await;
+    // The first client gets the head and reads nothing of the body.
+    let stalled = call_service(&app, post("/receipt", "c").set_payload("x").to_request()).await;
+    assert_eq!(stalled.status(), StatusCode::OK);
+    // Past the last lease renewal would give the key.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let retry = send(&app, post("/receipt", "c").set_payload("x")).await;
+    assert_eq!(counter.get(), 1, "the retry ran the handler a second time");
+    assert!(retry.replayed(), "not a replay: {:?}", retry.status);
+    assert_eq!(retry.body, Bytes::from(vec![b'1'; 40 * 1024]));
+    // The stalled client still gets its whole body, the same bytes.
+    let body = to_bytes(stalled.into_body()).await.ok();
+    assert_eq!(body, Some(retry.body));
+}
+
+/// A handler body polled until it is dropped, counting its polls.
+#[derive(Clone, Default)]
+struct Polls(Arc<AtomicUsize>);
+
+/// An endless stream (server-sent events): a tick every 20 ms.
+async fn endless(polls: web::Data<Polls>) -> HttpResponse {
+    let polls = Arc::clone(&polls.0);
+    let ticks = futures_util::stream::unfold(polls, |polls| async move {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        polls.fetch_add(1, Ordering::SeqCst);
+        Some((
+            Ok::<_, std::io::Error>(Bytes::from_static(b"data: tick\n\n")),
+            polls,
+        ))
+    });
+    HttpResponse::Ok().streaming(ticks)
+}
+
+/// C24: an endless stream whose client left is read for the record no longer than its key is
+/// held (`renew_lease_up_to`), then dropped. It used to be read until the copy passed
+/// `max_response_bytes`, days for a slow stream: a task and up to a megabyte per abandoned
+/// request.
+#[actix_web::test]
+async fn an_endless_stream_whose_client_left_is_dropped_with_its_key() {
+    let polls = Polls::default();
+    let app = init_service(
+        App::new()
+            .app_data(web::Data::new(polls.clone()))
+            .wrap(
+                Idempotency::builder(MemoryStore::new())
+                    .lock_timeout(Duration::from_millis(200))
+                    .renew_lease_up_to(Duration::from_millis(600))
+                    .build(),
+            )
+            .route("/events", web::post().to(endless)),
+    )
+    .await;
+    let gone = call_service(&app, post("/events", "e").set_payload("x").to_request()).await;
+    drop(gone); // the client hangs up
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let read = polls.0.load(Ordering::SeqCst);
+    assert!(read > 0, "the stream was never read for the record");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        polls.0.load(Ordering::SeqCst),
+        read,
+        "the stream is still being read after its key's last lease"
+    );
 }
 
 /// C9: renewal goes on until `renew_lease_up_to` after the reservation and stops there, so a

@@ -491,11 +491,26 @@ where
                     Err(_) => Poll::Ready(None),
                 }
             });
-            let Some(next) = renewal.during(next).await else {
+            // Read for nobody but the record, a body is read no longer than its key is held: an
+            // endless stream (server-sent events) whose client left must not be pulled for days.
+            let hold_until = client.is_none().then(|| renewal.hold_until()).flatten();
+            let next = renewal.during(next);
+            let next = match hold_until {
+                Some(until) => match tokio::time::timeout_at(until.into(), next).await {
+                    Ok(next) => next,
+                    Err(_) => {
+                        renewal.stop();
+                        tracing::warn!(target: "idempotency_actix", outcome = "not_stored", "the client is gone and the streamed response did not end before its key's last lease (renew_lease_up_to): stopped reading it; reservation left to its lease");
+                        return Outcome::NotStored;
+                    }
+                },
+                None => next.await,
+            };
+            let Some(next) = next else {
                 renewal.stop();
                 tracing::error!(target: "idempotency_actix", outcome = "body_error", "response body panicked after its head was sent; connection aborted, reservation left to its lease");
                 if let Some(sender) = client {
-                    let _ = sender.send(Err(BodyFailed)).await;
+                    let _ = sender.push(Err(BodyFailed));
                 }
                 return Outcome::BodyError;
             };
@@ -506,21 +521,27 @@ where
                     if let Some(chunks) = copy.as_mut() {
                         read = read.saturating_add(chunk.len());
                         if read > max {
-                            copy = None;
                             went_over = true;
                         } else {
                             chunks.push(chunk.clone());
                         }
                     }
-                    if let Some(sender) = &client {
-                        if renewal.during(sender.send(Ok(chunk))).await.is_err() {
-                            client = None; // the client is gone: keep reading, stop forwarding
-                        }
-                    }
                     if went_over {
+                        copy = None;
                         renewal.stop();
                         tracing::warn!(target: "idempotency_actix", outcome = "not_stored", max_response_bytes = max, "streamed response too large to store; key released");
                         self.release_quietly(scope, &token).await;
+                    }
+                    if let Some(sender) = &client {
+                        // While the response may be stored, the client's pace must not hold
+                        // up the record (`forward`); after that, the client sets the pace.
+                        let sent = match copy {
+                            Some(_) => sender.push(Ok(chunk)),
+                            None => sender.send(Ok(chunk)).await,
+                        };
+                        if sent.is_err() {
+                            client = None; // the client is gone: keep reading, stop forwarding
+                        }
                     }
                     if client.is_none() && copy.is_none() {
                         return Outcome::NotStored; // nobody listens, nothing left to store
@@ -534,7 +555,7 @@ where
                     renewal.stop();
                     tracing::error!(target: "idempotency_actix", outcome = "body_error", %error, "response body failed after its head was sent; connection aborted, reservation left to its lease");
                     if let Some(sender) = client {
-                        let _ = sender.send(Err(BodyFailed)).await;
+                        let _ = sender.push(Err(BodyFailed));
                     }
                     return Outcome::BodyError;
                 }

@@ -1,20 +1,34 @@
 //! The client's side of a streamed response (C24): a body fed, chunk by chunk, by the task that
 //! drives the handler's own body (see the module docs of [`super`]).
 //!
-//! Home-made because it is a dozen lines over Tokio's bounded channel: actix's `BodyStream`
-//! would need `tokio-stream` for the same adapter, and its error type would carry the
-//! handler's error text to the connection.
+//! Two ways to hand a chunk over. While the response may still be stored, [`Sender::push`]
+//! never waits for the client: the record must not depend on how fast the client reads (a
+//! client that stops reading would otherwise hold the handler's body, and with it the key,
+//! until renewal gave up and a retry ran the handler again). The chunks it queues are the
+//! ones the copy for the record holds anyway, so a slow client costs no more memory than the
+//! copy (`max_response_bytes`). Once the response cannot be stored (over the limit),
+//! [`Sender::send`] waits until the client has room (backpressure on the handler's stream).
+//!
+//! Home-made because it is a few lines over Tokio's channel and semaphore: actix's
+//! `BodyStream` would need `tokio-stream` for the same adapter, its error type would carry the
+//! handler's error text to the connection, and no channel crate offers "bounded for some
+//! sends, not for others".
 
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use actix_web::body::{BodySize, MessageBody};
 use bytes::Bytes;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 
-/// How many chunks may wait between the task and a slow client. Small: it bounds the memory a
-/// slow client costs, and the task simply waits for room (backpressure on the handler's stream).
+/// How many chunks [`Sender::send`] lets wait between the task and a slow client. Small: it
+/// bounds the memory a slow client costs once nothing is kept for the record.
 pub(super) const CHANNEL_CHUNKS: usize = 16;
+
+/// The client is gone: its body was dropped.
+#[derive(Debug)]
+pub(super) struct Gone;
 
 /// Why the forwarded body ended early. Its text is all the connection ever sees: the handler's
 /// error went to the log.
@@ -32,6 +46,36 @@ impl std::error::Error for BodyFailed {}
 /// One item the task sends: a chunk, or the news that the handler's body failed.
 pub(super) type Item = Result<Bytes, BodyFailed>;
 
+/// An item on its way, with the room it takes (none for one [`Sender::push`] queued past the
+/// bound): the room is freed when the client takes the item.
+type Queued = (Item, Option<OwnedSemaphorePermit>);
+
+/// The task's end of the channel.
+pub(super) struct Sender {
+    chunks: mpsc::UnboundedSender<Queued>,
+    /// [`CHANNEL_CHUNKS`] permits, one per item waiting for the client.
+    room: Arc<Semaphore>,
+}
+
+impl Sender {
+    /// Queue `item` at once, whatever the client's pace.
+    pub(super) fn push(&self, item: Item) -> Result<(), Gone> {
+        let room = Arc::clone(&self.room).try_acquire_owned().ok();
+        self.chunks.send((item, room)).map_err(|_| Gone)
+    }
+
+    /// Queue `item` once the client has room for it.
+    pub(super) async fn send(&self, item: Item) -> Result<(), Gone> {
+        if self.chunks.is_closed() {
+            return Err(Gone);
+        }
+        // The semaphore is never closed. A client that goes away while this waits drops its
+        // queue, and with it the permits, so the wait ends and the send reports it.
+        let room = Arc::clone(&self.room).acquire_owned().await.ok();
+        self.chunks.send((item, room)).map_err(|_| Gone)
+    }
+}
+
 /// The body the client reads: the chunks the task forwards, ending when the task drops its
 /// sender (after the record is stored) or sends [`BodyFailed`] (the connection is aborted).
 ///
@@ -40,7 +84,7 @@ pub(super) type Item = Result<Bytes, BodyFailed>;
 /// the chunk that completes it is held until the sender is dropped: either way a client that
 /// has the whole response can retry at once and get the replay, not a 409.
 pub(super) struct Forwarded {
-    chunks: mpsc::Receiver<Item>,
+    chunks: mpsc::UnboundedReceiver<Queued>,
     /// The handler body's own size, so a sized stream keeps its `Content-Length`.
     size: BodySize,
     /// Bytes of a sized body not yet passed on.
@@ -50,8 +94,12 @@ pub(super) struct Forwarded {
 }
 
 /// A fresh channel: the sender for the task, the body for the response.
-pub(super) fn channel(size: BodySize) -> (mpsc::Sender<Item>, Forwarded) {
-    let (sender, chunks) = mpsc::channel(CHANNEL_CHUNKS);
+pub(super) fn channel(size: BodySize) -> (Sender, Forwarded) {
+    let (chunks_in, chunks) = mpsc::unbounded_channel();
+    let sender = Sender {
+        chunks: chunks_in,
+        room: Arc::new(Semaphore::new(CHANNEL_CHUNKS)),
+    };
     let left = match size {
         BodySize::Sized(n) => n,
         BodySize::None | BodySize::Stream => 0,
@@ -78,7 +126,12 @@ impl MessageBody for Forwarded {
     ) -> Poll<Option<Result<Bytes, Self::Error>>> {
         let this = self.get_mut();
         loop {
-            match this.chunks.poll_recv(cx) {
+            // The item's room (if it took any) is freed here, as the client takes it.
+            match this
+                .chunks
+                .poll_recv(cx)
+                .map(|queued| queued.map(|(item, _room)| item))
+            {
                 Poll::Ready(Some(Ok(chunk))) if matches!(this.size, BodySize::Sized(_)) => {
                     if chunk.is_empty() && this.last.is_some() {
                         // An empty chunk after the last bytes (a body that yields one before
@@ -229,26 +282,39 @@ mod tests {
         assert_eq!(format!("{BodyFailed:?}"), "BodyFailed");
     }
 
+    /// Whether `send` of one more chunk waits (the client has no room for it).
+    async fn send_waits(sender: &Sender) -> bool {
+        let send = sender.send(Ok(Bytes::from_static(b"y")));
+        tokio::time::timeout(Duration::from_millis(50), send)
+            .await
+            .is_err()
+    }
+
     #[tokio::test]
-    async fn the_channel_holds_a_bounded_number_of_chunks() {
+    async fn send_waits_for_the_client_and_push_does_not() {
         let (sender, mut body) = channel(BodySize::Stream);
         for i in 0..CHANNEL_CHUNKS {
             assert!(
-                sender.try_send(Ok(Bytes::from_static(b"x"))).is_ok(),
+                sender.send(Ok(Bytes::from_static(b"x"))).await.is_ok(),
                 "chunk {i} fits"
             );
         }
-        assert!(
-            matches!(
-                sender.try_send(Ok(Bytes::from_static(b"y"))),
-                Err(mpsc::error::TrySendError::Full(_))
-            ),
-            "a slow client makes the task wait"
-        );
-        // Reading one chunk makes room for one more.
+        assert!(send_waits(&sender).await, "a slow client makes send wait");
+        // push queues whatever the client's pace (the response is being kept for the record).
+        for _ in 0..3 * CHANNEL_CHUNKS {
+            assert!(sender.push(Ok(Bytes::from_static(b"p"))).is_ok());
+        }
+        // Reading one of the bounded chunks makes room for one more send.
         assert!(matches!(next(&mut body).await, Some(Some(Ok(_)))));
-        assert!(sender.try_send(Ok(Bytes::from_static(b"y"))).is_ok());
-        assert!(sender.try_send(Ok(Bytes::from_static(b"z"))).is_err());
+        assert!(!send_waits(&sender).await, "room after one chunk was read");
+        assert!(send_waits(&sender).await, "and for one only");
+        // The client reads everything in order: 16 sent, 48 pushed, the one sent after.
+        let mut read = Vec::new();
+        while let Some(Some(Ok(chunk))) = next(&mut body).await {
+            read.push(chunk);
+        }
+        assert_eq!(read.len(), CHANNEL_CHUNKS - 1 + 3 * CHANNEL_CHUNKS + 1);
+        assert_eq!(read.last(), Some(&Bytes::from_static(b"y")));
     }
 
     #[tokio::test]
@@ -256,6 +322,6 @@ mod tests {
         let (sender, body) = channel(BodySize::Sized(1));
         drop(body);
         assert!(sender.send(Ok(Bytes::from_static(b"x"))).await.is_err());
-        assert!(sender.is_closed());
+        assert!(sender.push(Ok(Bytes::from_static(b"x"))).is_err());
     }
 }

@@ -35,14 +35,18 @@
 //!
 //! ## Streamed responses (C24)
 //! A response whose body is not a single buffer (a stream, server-sent events) is never held
-//! back: its head is sent at once and each chunk is forwarded as it comes, through a bounded
-//! channel of 16 chunks, while the task keeps a copy up to
-//! `max_response_bytes`. Backpressure: when the client reads slowly the channel fills and the
-//! task stops pulling from the handler's stream until the client catches up, so a slow client
-//! slows its own stream and costs at most that many chunks of memory. When the client is gone
-//! the task keeps pulling (without forwarding) until the stream ends, so the record is stored
-//! and the retry replays; once the stream is over the limit (and so will not be stored) and
-//! nobody listens, the task stops and drops it. The end of the body reaches the client only
+//! back: its head is sent at once and each chunk is forwarded as it comes, while the task keeps
+//! a copy up to `max_response_bytes`. While the response may still be stored, the task reads
+//! the handler's stream at the handler's pace, not the client's: the chunks a slow client has
+//! not taken yet wait for it (they are the copy's own bytes, so they cost no more memory than
+//! the copy), and a client that stops reading cannot hold up the record, nor keep the key
+//! until renewal gives up and a retry runs the handler again. Once the stream is over the
+//! limit (the key is released), a channel of 16 chunks applies backpressure: the task stops
+//! pulling from the handler's stream until the client catches up. When the client is gone the
+//! task keeps pulling (without forwarding) until the stream ends, so the record is stored and
+//! the retry replays, but no longer than the key is held (`renew_lease_up_to`, or the lease if
+//! longer): an endless stream whose client left is then dropped, its reservation left to its
+//! lease. Once the stream is over the limit and nobody listens, the task stops and drops it. The end of the body reaches the client only
 //! after the record is stored (with a `Content-Length`, the chunk that completes the body), so
 //! a client that read the whole response and retries at once gets the replay, never a 409. If the stream fails after its head was sent, the connection
 //! is aborted (the error text goes to the log only) and the reservation is left to its lease:

@@ -12,7 +12,8 @@
 //! first poll: a handler that answers at once (most replays never get here; a quick miss on
 //! `MemoryStore`) costs no task, no timer and no copy of the scope. A handler that answers at
 //! once with a streamed body it produces slowly (C24) starts it the first time a chunk is not
-//! ready, or the client is slow to take one: the key is held until the body has ended. It
+//! ready: the key is held until the body has ended (a slow client does not hold the body up:
+//! see `forward`). It
 //! stops just before the response is stored (or the key released, or left to its lease): a
 //! renewal still on its way may then land after the record was completed, and its `Stale`
 //! answer is not reported as a lost lease. A renewal in
@@ -80,18 +81,23 @@ pub(super) struct Reservation<'a, S> {
 /// The renewal of one request's lease, from the reservation until its response is about to
 /// be stored (or its key released, or left to its lease). The heartbeat starts the first time
 /// the work it watches does not finish on its first poll: the handler, and for a streamed
-/// body each chunk read from it and each handed to the client. Dropping this stops it.
+/// body each chunk read from it. Dropping this stops it.
 pub(super) struct Renewal<'a, S> {
     /// What to renew, until the heartbeat starts.
     due: Option<Reservation<'a, S>>,
     /// The running heartbeat ends when this is dropped (its receiver sees it closed).
     running: Option<oneshot::Sender<()>>,
+    /// When the last lease ends: `renew_lease_up_to` (or the first lease, if longer) after
+    /// the reservation.
+    hold_until: Option<Instant>,
 }
 
 impl<'a, S: IdempotencyStore> Renewal<'a, S> {
     /// Renewal of `reservation`, not started yet.
     pub(super) fn new(reservation: Reservation<'a, S>) -> Self {
+        let held = reservation.limit.max(reservation.lease);
         Renewal {
+            hold_until: Some(saturating_deadline(reservation.reserved_at, held)),
             due: Some(reservation),
             running: None,
         }
@@ -103,6 +109,7 @@ impl<'a, S: IdempotencyStore> Renewal<'a, S> {
         Renewal {
             due: None,
             running: None,
+            hold_until: None,
         }
     }
 
@@ -127,6 +134,11 @@ impl<'a, S: IdempotencyStore> Renewal<'a, S> {
             poll
         })
         .await
+    }
+
+    /// When the key's last lease ends, renewed or not; `None` when it is not held by a lease.
+    pub(super) fn hold_until(&self) -> Option<Instant> {
+        self.hold_until
     }
 
     /// Stop renewing: the response is about to be stored, or the key released or left to its
