@@ -539,6 +539,80 @@ async fn an_endless_stream_whose_client_left_is_dropped_with_its_key() {
     );
 }
 
+/// C24: a streamed response whose task ends before it finished the body (here a `store_if`
+/// that panics; a worker stopping does the same) fails the client's body. It used to end
+/// cleanly, so the client took a cut response, never stored, for a whole one.
+#[actix_web::test]
+async fn a_stream_cut_before_its_record_is_stored_never_looks_whole() {
+    let counter = Counter::default();
+    let app = app_with(&counter, |b| {
+        b.store_if(|_| panic!("store_if panicked (this test's own panic)"))
+    })
+    .await;
+    let response = call_service(&app, post("/receipt", "cut").set_payload("x").to_request()).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    let body = to_bytes(response.into_body()).await;
+    assert!(
+        body.is_err(),
+        "a cut body read as whole: {:?}",
+        body.ok().map(|b| b.len())
+    );
+}
+
+/// Set when the stream that holds it is dropped.
+#[derive(Clone, Default)]
+struct Dropped(Arc<std::sync::atomic::AtomicBool>);
+
+impl Drop for DropFlag {
+    fn drop(&mut self) {
+        self.0 .0.store(true, Ordering::SeqCst);
+    }
+}
+
+/// Held by a stream: sets its [`Dropped`] when the stream goes.
+struct DropFlag(Dropped);
+
+/// One event, then nothing for ever (a quiet event stream).
+async fn one_event_then_quiet(dropped: web::Data<Dropped>) -> HttpResponse {
+    let flag = DropFlag(dropped.get_ref().clone());
+    let first = futures_util::stream::once(async {
+        Ok::<_, std::io::Error>(Bytes::from_static(b"data: hello\n\n"))
+    });
+    let quiet = futures_util::stream::pending::<Result<Bytes, std::io::Error>>();
+    let events = first.chain(quiet).map(move |event| {
+        let _held = &flag;
+        event
+    });
+    HttpResponse::Ok().streaming(events)
+}
+
+/// C24: a client that leaves while its stream is quiet is noticed then, not at the next chunk
+/// (which may never come), so the stream is dropped once its key's last lease ends. It was
+/// kept (with its task and its copy) until the next chunk, or for ever.
+#[actix_web::test]
+async fn a_quiet_stream_whose_client_left_is_dropped_with_its_key() {
+    let dropped = Dropped::default();
+    let app = init_service(
+        App::new()
+            .app_data(web::Data::new(dropped.clone()))
+            .wrap(
+                Idempotency::builder(MemoryStore::new())
+                    .lock_timeout(Duration::from_millis(200))
+                    .renew_lease_up_to(Duration::from_millis(600))
+                    .build(),
+            )
+            .route("/events", web::post().to(one_event_then_quiet)),
+    )
+    .await;
+    let gone = call_service(&app, post("/events", "q").set_payload("x").to_request()).await;
+    drop(gone); // the client hangs up
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(
+        dropped.0.load(Ordering::SeqCst),
+        "the quiet stream outlived its key's last lease"
+    );
+}
+
 /// C9: renewal goes on until `renew_lease_up_to` after the reservation and stops there, so a
 /// handler that hangs frees its key once its last lease ends, as a crashed one does.
 #[actix_web::test]

@@ -24,7 +24,7 @@ use tokio::sync::oneshot;
 use tracing::Instrument;
 
 use super::detach::detach;
-use super::forward::{self, BodyFailed};
+use super::forward;
 use super::renewal::{Renewal, Reservation};
 use super::replay::{replay, storable_headers};
 use crate::config::{saturating_deadline, Config, ResponseParts};
@@ -43,6 +43,17 @@ pub(super) const MAX_POLL_INTERVAL: Duration = Duration::from_millis(200);
 
 /// What the middleware answers with, on either side of the task boundary.
 pub(super) type FlowResult<B> = Result<ServiceResponse<EitherBody<B, BoxBody>>, Error>;
+
+/// How a streamed body's wait for its next chunk ended.
+enum Waited<T> {
+    Next(T),
+    /// The client made room, and what waited for it moved.
+    ClientMoved,
+    /// The client hung up meanwhile.
+    ClientGone,
+    /// The key's last lease ended, and nobody but the record was waiting for the body.
+    KeyGone,
+}
 
 /// Where the task sends the answer; dropped unread when the client is gone.
 pub(super) type Answer<B> = oneshot::Sender<FlowResult<B>>;
@@ -478,39 +489,56 @@ where
         let mut client = answer
             .send(Ok(response.map_into_right_body()))
             .ok()
-            .map(|()| sender);
+            .map(|()| forward::Client::new(sender));
         let mut copy: Option<Vec<Bytes>> = Some(Vec::new());
         let mut read = 0usize;
         let mut body = std::pin::pin!(body);
+        let hold_until = renewal.hold_until();
         loop {
-            // A body that panics is caught here: the client's connection must be aborted (a
-            // chunked body that just ended would look complete) and the outcome counted.
-            let next = std::future::poll_fn(|cx| {
-                match catch_unwind(AssertUnwindSafe(|| body.as_mut().poll_next(cx))) {
-                    Ok(poll) => poll.map(Some),
-                    Err(_) => Poll::Ready(None),
-                }
-            });
-            // Read for nobody but the record, a body is read no longer than its key is held: an
-            // endless stream (server-sent events) whose client left must not be pulled for days.
-            let hold_until = client.is_none().then(|| renewal.hold_until()).flatten();
-            let next = renewal.during(next);
-            let next = match hold_until {
-                Some(until) => match tokio::time::timeout_at(until.into(), next).await {
-                    Ok(next) => next,
-                    Err(_) => {
+            let next = loop {
+                // A body that panics is caught here: the client's connection must be aborted (a
+                // chunked body that just ended would look complete) and the outcome counted.
+                let reading = renewal.during(std::future::poll_fn(|cx| {
+                    match catch_unwind(AssertUnwindSafe(|| body.as_mut().poll_next(cx))) {
+                        Ok(poll) => poll.map(Some),
+                        Err(_) => Poll::Ready(None),
+                    }
+                }));
+                let waited = match &mut client {
+                    // Meanwhile the client's backlog moves as it makes room, and a client that
+                    // leaves while the stream is quiet is noticed now, not when the next chunk
+                    // comes (which may be never).
+                    Some(client) => tokio::select! {
+                        biased;
+                        next = reading => Waited::Next(next),
+                        progress = client.progress() => match progress {
+                            Ok(()) => Waited::ClientMoved,
+                            Err(_) => Waited::ClientGone,
+                        },
+                    },
+                    // Read for nobody but the record, a body is read no longer than its key is
+                    // held: an endless stream whose client left is not pulled for days.
+                    None => match tokio::time::timeout_at(hold_until.into(), reading).await {
+                        Ok(next) => Waited::Next(next),
+                        Err(_) => Waited::KeyGone,
+                    },
+                };
+                match waited {
+                    Waited::Next(next) => break next,
+                    Waited::ClientMoved => {}
+                    Waited::ClientGone => client = None,
+                    Waited::KeyGone => {
                         renewal.stop();
                         tracing::warn!(target: "idempotency_actix", outcome = "not_stored", "the client is gone and the streamed response did not end before its key's last lease (renew_lease_up_to): stopped reading it; reservation left to its lease");
                         return Outcome::NotStored;
                     }
-                },
-                None => next.await,
+                }
             };
             let Some(next) = next else {
                 renewal.stop();
                 tracing::error!(target: "idempotency_actix", outcome = "body_error", "response body panicked after its head was sent; connection aborted, reservation left to its lease");
-                if let Some(sender) = client {
-                    let _ = sender.push(Err(BodyFailed));
+                if let Some(client) = client {
+                    client.fail();
                 }
                 return Outcome::BodyError;
             };
@@ -532,12 +560,12 @@ where
                         tracing::warn!(target: "idempotency_actix", outcome = "not_stored", max_response_bytes = max, "streamed response too large to store; key released");
                         self.release_quietly(scope, &token).await;
                     }
-                    if let Some(sender) = &client {
+                    if let Some(to) = &mut client {
                         // While the response may be stored, the client's pace must not hold
                         // up the record (`forward`); after that, the client sets the pace.
                         let sent = match copy {
-                            Some(_) => sender.push(Ok(chunk)),
-                            None => sender.send(Ok(chunk)).await,
+                            Some(_) => to.offer(chunk),
+                            None => to.send(chunk).await,
                         };
                         if sent.is_err() {
                             client = None; // the client is gone: keep reading, stop forwarding
@@ -554,8 +582,8 @@ where
                     // in the log; the client's connection is aborted.
                     renewal.stop();
                     tracing::error!(target: "idempotency_actix", outcome = "body_error", %error, "response body failed after its head was sent; connection aborted, reservation left to its lease");
-                    if let Some(sender) = client {
-                        let _ = sender.push(Err(BodyFailed));
+                    if let Some(client) = client {
+                        client.fail();
                     }
                     return Outcome::BodyError;
                 }
@@ -570,7 +598,10 @@ where
             }
             None => Outcome::NotStored,
         };
-        drop(client); // the end of the body reaches the client after the record is stored
+        if let Some(client) = client {
+            // The end of the body reaches the client after the record is stored.
+            client.finish().await;
+        }
         outcome
     }
 

@@ -1,29 +1,30 @@
 //! The client's side of a streamed response (C24): a body fed, chunk by chunk, by the task that
 //! drives the handler's own body (see the module docs of [`super`]).
 //!
-//! Two ways to hand a chunk over. While the response may still be stored, [`Sender::push`]
-//! never waits for the client: the record must not depend on how fast the client reads (a
-//! client that stops reading would otherwise hold the handler's body, and with it the key,
-//! until renewal gave up and a retry ran the handler again). The chunks it queues are the
-//! ones the copy for the record holds anyway, so a slow client costs no more memory than the
-//! copy (`max_response_bytes`). Once the response cannot be stored (over the limit),
-//! [`Sender::send`] waits until the client has room (backpressure on the handler's stream).
+//! At most [`CHANNEL_CHUNKS`] chunks wait in the channel for the client. Two ways to hand one
+//! over ([`Client`]): while the response may still be stored, [`Client::offer`] never waits,
+//! because the record must not depend on how fast the client reads (a client that stops
+//! reading would otherwise hold the handler's body, and with it the key, until renewal gave up
+//! and a retry ran the handler again); what the client has no room for yet is appended to one
+//! backlog buffer (bounded by `max_response_bytes`, the copy's own limit; one buffer, so tiny
+//! chunks cost no per-chunk overhead) and handed over as the client makes room. Once the
+//! response cannot be stored (over the limit), [`Client::send`] waits for room (backpressure on
+//! the handler's stream).
 //!
 //! Home-made because it is a few lines over Tokio's channel and semaphore: actix's
-//! `BodyStream` would need `tokio-stream` for the same adapter, its error type would carry the
-//! handler's error text to the connection, and no channel crate offers "bounded for some
-//! sends, not for others".
+//! `BodyStream` would need `tokio-stream` for the same adapter, and its error type would carry
+//! the handler's error text to the connection.
 
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use actix_web::body::{BodySize, MessageBody};
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 
-/// How many chunks [`Sender::send`] lets wait between the task and a slow client. Small: it
-/// bounds the memory a slow client costs once nothing is kept for the record.
+/// How many chunks may wait in the channel between the task and a slow client. Small: it
+/// bounds the memory and the per-chunk overhead a slow client costs.
 pub(super) const CHANNEL_CHUNKS: usize = 16;
 
 /// The client is gone: its body was dropped.
@@ -46,9 +47,15 @@ impl std::error::Error for BodyFailed {}
 /// One item the task sends: a chunk, or the news that the handler's body failed.
 pub(super) type Item = Result<Bytes, BodyFailed>;
 
-/// An item on its way, with the room it takes (none for one [`Sender::push`] queued past the
-/// bound): the room is freed when the client takes the item.
-type Queued = (Item, Option<OwnedSemaphorePermit>);
+/// What the channel carries: an item, or the task's word that the body is complete.
+enum Message {
+    Item(Item),
+    End,
+}
+
+/// A message on its way, with the room it takes (an item takes one of [`CHANNEL_CHUNKS`]; the
+/// end or a failure none): the room is freed when the client takes it.
+type Queued = (Message, Option<OwnedSemaphorePermit>);
 
 /// The task's end of the channel.
 pub(super) struct Sender {
@@ -58,31 +65,133 @@ pub(super) struct Sender {
 }
 
 impl Sender {
-    /// Queue `item` at once, whatever the client's pace.
-    pub(super) fn push(&self, item: Item) -> Result<(), Gone> {
-        let room = Arc::clone(&self.room).try_acquire_owned().ok();
-        self.chunks.send((item, room)).map_err(|_| Gone)
-    }
-
     /// Queue `item` once the client has room for it.
     pub(super) async fn send(&self, item: Item) -> Result<(), Gone> {
+        let room = self.room().await?;
+        self.put(room, item)
+    }
+
+    /// Room for one item, once the client has taken enough; `Gone` when it is gone.
+    async fn room(&self) -> Result<OwnedSemaphorePermit, Gone> {
         if self.chunks.is_closed() {
             return Err(Gone);
         }
         // The semaphore is never closed. A client that goes away while this waits drops its
-        // queue, and with it the permits, so the wait ends and the send reports it.
-        let room = Arc::clone(&self.room).acquire_owned().await.ok();
-        self.chunks.send((item, room)).map_err(|_| Gone)
+        // queue, and with it the permits, so the wait ends and the `put` reports it.
+        Arc::clone(&self.room)
+            .acquire_owned()
+            .await
+            .map_err(|_| Gone)
+    }
+
+    /// Room for one item now, if the client has any.
+    fn room_now(&self) -> Option<OwnedSemaphorePermit> {
+        Arc::clone(&self.room).try_acquire_owned().ok()
+    }
+
+    fn put(&self, room: OwnedSemaphorePermit, item: Item) -> Result<(), Gone> {
+        self.chunks
+            .send((Message::Item(item), Some(room)))
+            .map_err(|_| Gone)
+    }
+
+    /// Fail the client's body (the connection is aborted once it gets there).
+    pub(super) fn fail(self) {
+        let _ = self.chunks.send((Message::Item(Err(BodyFailed)), None));
+    }
+
+    /// The body is complete (the record is stored, or will not be): the client gets its end.
+    /// A sender dropped without this (the task cut by a worker's stop, or a panic) fails the
+    /// client's body instead, so a cut response never looks whole.
+    pub(super) fn finish(self) {
+        let _ = self.chunks.send((Message::End, None));
+    }
+
+    /// Wait until the client is gone (its body dropped).
+    pub(super) async fn gone(&self) {
+        self.chunks.closed().await;
     }
 }
 
-/// The body the client reads: the chunks the task forwards, ending when the task drops its
-/// sender (after the record is stored) or sends [`BodyFailed`] (the connection is aborted).
+/// The task's side of a client's body: the channel, and the backlog of bytes the client had
+/// no room for while the response was being kept for the record.
+pub(super) struct Client {
+    sender: Sender,
+    backlog: BytesMut,
+}
+
+impl Client {
+    /// The client behind `sender`.
+    pub(super) fn new(sender: Sender) -> Self {
+        Client {
+            sender,
+            backlog: BytesMut::new(),
+        }
+    }
+
+    /// Hand `chunk` over without waiting: into the channel if the client has room and no
+    /// backlog waits before it, else onto the backlog.
+    pub(super) fn offer(&mut self, chunk: Bytes) -> Result<(), Gone> {
+        if self.backlog.is_empty() {
+            if let Some(room) = self.sender.room_now() {
+                return self.sender.put(room, Ok(chunk));
+            }
+        }
+        if self.sender.chunks.is_closed() {
+            return Err(Gone);
+        }
+        self.backlog.extend_from_slice(&chunk);
+        Ok(())
+    }
+
+    /// Hand `chunk` over once the client has room for it, the backlog first.
+    pub(super) async fn send(&mut self, chunk: Bytes) -> Result<(), Gone> {
+        self.send_backlog().await?;
+        self.sender.send(Ok(chunk)).await
+    }
+
+    /// Wait until the backlog moves into room the client made (`Ok`), or the client is gone
+    /// (`Err`); with no backlog, only for the client to go. Cancel-safe: the backlog moves
+    /// only in the poll that gets the room.
+    pub(super) async fn progress(&mut self) -> Result<(), Gone> {
+        if self.backlog.is_empty() {
+            self.sender.gone().await;
+            return Err(Gone);
+        }
+        let room = self.sender.room().await?;
+        let backlog = self.backlog.split().freeze();
+        self.sender.put(room, Ok(backlog))
+    }
+
+    /// The body failed: abort the client's connection (its backlog is moot).
+    pub(super) fn fail(self) {
+        self.sender.fail();
+    }
+
+    /// The body is complete: the backlog (waiting for the client's room), then its end.
+    pub(super) async fn finish(mut self) {
+        if self.send_backlog().await.is_ok() {
+            self.sender.finish();
+        }
+    }
+
+    async fn send_backlog(&mut self) -> Result<(), Gone> {
+        if self.backlog.is_empty() {
+            return Ok(());
+        }
+        let backlog = self.backlog.split().freeze();
+        self.sender.send(Ok(backlog)).await
+    }
+}
+
+/// The body the client reads: the chunks the task forwards, ending when the task says it is
+/// complete ([`Sender::finish`], after the record is stored) or failing (the connection is
+/// aborted) when the task sends [`BodyFailed`] or goes away without finishing.
 ///
-/// A body of unknown length ends for the client with its end marker, which comes when the
-/// sender is dropped. A sized body (`Content-Length`) ends for the client at its last byte, so
-/// the chunk that completes it is held until the sender is dropped: either way a client that
-/// has the whole response can retry at once and get the replay, not a 409.
+/// A body of unknown length ends for the client with its end marker, which comes with
+/// [`Sender::finish`]. A sized body (`Content-Length`) ends for the client at its last byte, so
+/// the chunk that completes it is held until then: either way a client that has the whole
+/// response can retry at once and get the replay, not a 409.
 pub(super) struct Forwarded {
     chunks: mpsc::UnboundedReceiver<Queued>,
     /// The handler body's own size, so a sized stream keeps its `Content-Length`.
@@ -91,6 +200,8 @@ pub(super) struct Forwarded {
     left: u64,
     /// The chunk that completes a sized body, until the task is done.
     last: Option<Bytes>,
+    /// Ended: finished by the task, or failed.
+    ended: bool,
 }
 
 /// A fresh channel: the sender for the task, the body for the response.
@@ -109,6 +220,7 @@ pub(super) fn channel(size: BodySize) -> (Sender, Forwarded) {
         size,
         left,
         last: None,
+        ended: false,
     };
     (sender, body)
 }
@@ -126,36 +238,48 @@ impl MessageBody for Forwarded {
     ) -> Poll<Option<Result<Bytes, Self::Error>>> {
         let this = self.get_mut();
         loop {
-            // The item's room (if it took any) is freed here, as the client takes it.
-            match this
-                .chunks
-                .poll_recv(cx)
-                .map(|queued| queued.map(|(item, _room)| item))
-            {
-                Poll::Ready(Some(Ok(chunk))) if matches!(this.size, BodySize::Sized(_)) => {
-                    if chunk.is_empty() && this.last.is_some() {
-                        // An empty chunk after the last bytes (a body that yields one before
-                        // its end) must not push them out early.
-                        continue;
-                    }
-                    let len = u64::try_from(chunk.len()).unwrap_or(u64::MAX);
-                    this.left = this.left.saturating_sub(len);
-                    if this.left > 0 {
-                        return Poll::Ready(Some(Ok(chunk)));
-                    }
-                    // The body's last bytes: held until the task is done (see above). A
-                    // handler that sends more than its size is cut by actix anyway.
-                    match this.last.take() {
-                        Some(held) => {
-                            this.last = Some(chunk);
-                            return Poll::Ready(Some(Ok(held)));
-                        }
-                        None => this.last = Some(chunk),
-                    }
-                }
-                Poll::Ready(Some(item)) => return Poll::Ready(Some(item)),
-                Poll::Ready(None) => return Poll::Ready(this.last.take().map(Ok)),
+            // The message's room (if it took any) is freed here, as the client takes it.
+            let message = match this.chunks.poll_recv(cx) {
                 Poll::Pending => return Poll::Pending,
+                Poll::Ready(Some((message, _room))) => message,
+                Poll::Ready(None) if this.ended => return Poll::Ready(None),
+                // The task went away without finishing the body: never let that look whole.
+                Poll::Ready(None) => {
+                    this.ended = true;
+                    this.last = None;
+                    return Poll::Ready(Some(Err(BodyFailed)));
+                }
+            };
+            let chunk = match message {
+                Message::End => {
+                    this.ended = true;
+                    return Poll::Ready(this.last.take().map(Ok));
+                }
+                Message::Item(Ok(chunk)) if matches!(this.size, BodySize::Sized(_)) => chunk,
+                Message::Item(Ok(chunk)) => return Poll::Ready(Some(Ok(chunk))),
+                Message::Item(Err(failed)) => {
+                    this.ended = true;
+                    return Poll::Ready(Some(Err(failed)));
+                }
+            };
+            if chunk.is_empty() && this.last.is_some() {
+                // An empty chunk after the last bytes (a body that yields one before its end)
+                // must not push them out early.
+                continue;
+            }
+            let len = u64::try_from(chunk.len()).unwrap_or(u64::MAX);
+            this.left = this.left.saturating_sub(len);
+            if this.left > 0 {
+                return Poll::Ready(Some(Ok(chunk)));
+            }
+            // The body's last bytes: held until the task is done (see above). A handler that
+            // sends more than its size is cut by actix anyway.
+            match this.last.take() {
+                Some(held) => {
+                    this.last = Some(chunk);
+                    return Poll::Ready(Some(Ok(held)));
+                }
+                None => this.last = Some(chunk),
             }
         }
     }
@@ -188,7 +312,7 @@ mod tests {
         for chunk in ["hello", " ", "world"] {
             assert!(sender.send(Ok(Bytes::from(chunk))).await.is_ok());
         }
-        drop(sender);
+        sender.finish();
         match to_bytes(body).await {
             Ok(bytes) => assert_eq!(bytes, Bytes::from_static(b"hello world")),
             Err(e) => panic!("{e}"),
@@ -208,7 +332,7 @@ mod tests {
             next(&mut body).await.is_none(),
             "the chunk that completes the body waits while the record is being stored"
         );
-        drop(sender);
+        sender.finish();
         match next(&mut body).await {
             Some(Some(Ok(chunk))) => assert_eq!(chunk, Bytes::from_static(b"def")),
             other => panic!("{other:?}"),
@@ -225,7 +349,7 @@ mod tests {
             next(&mut body).await.is_none(),
             "still held while the record is being stored"
         );
-        drop(sender);
+        sender.finish();
         match next(&mut body).await {
             Some(Some(Ok(chunk))) => assert_eq!(chunk, Bytes::from_static(b"abc")),
             other => panic!("{other:?}"),
@@ -255,7 +379,7 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert!(next(&mut body).await.is_none(), "pending again");
-        drop(sender);
+        sender.finish();
         assert!(
             matches!(next(&mut body).await, Some(None)),
             "the end of the body once the task is done"
@@ -291,7 +415,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn send_waits_for_the_client_and_push_does_not() {
+    async fn send_waits_for_the_client() {
         let (sender, mut body) = channel(BodySize::Stream);
         for i in 0..CHANNEL_CHUNKS {
             assert!(
@@ -300,21 +424,87 @@ mod tests {
             );
         }
         assert!(send_waits(&sender).await, "a slow client makes send wait");
-        // push queues whatever the client's pace (the response is being kept for the record).
-        for _ in 0..3 * CHANNEL_CHUNKS {
-            assert!(sender.push(Ok(Bytes::from_static(b"p"))).is_ok());
-        }
-        // Reading one of the bounded chunks makes room for one more send.
+        // Reading one chunk makes room for one more send.
         assert!(matches!(next(&mut body).await, Some(Some(Ok(_)))));
         assert!(!send_waits(&sender).await, "room after one chunk was read");
         assert!(send_waits(&sender).await, "and for one only");
-        // The client reads everything in order: 16 sent, 48 pushed, the one sent after.
-        let mut read = Vec::new();
-        while let Some(Some(Ok(chunk))) = next(&mut body).await {
-            read.push(chunk);
+    }
+
+    /// What a client has no room for waits in one buffer, without waiting for the client, and
+    /// moves as one chunk when it makes room; everything arrives in order, then the end.
+    #[tokio::test]
+    async fn offer_never_waits_and_the_backlog_moves_as_room_frees() {
+        let (sender, mut body) = channel(BodySize::Stream);
+        let mut client = Client::new(sender);
+        for _ in 0..CHANNEL_CHUNKS {
+            assert!(client.offer(Bytes::from_static(b"x")).is_ok());
         }
-        assert_eq!(read.len(), CHANNEL_CHUNKS - 1 + 3 * CHANNEL_CHUNKS + 1);
-        assert_eq!(read.last(), Some(&Bytes::from_static(b"y")));
+        for _ in 0..1000 {
+            assert!(client.offer(Bytes::from_static(b"p")).is_ok());
+        }
+        assert_eq!(
+            client.backlog.len(),
+            1000,
+            "one buffer, not 1000 queued chunks"
+        );
+        let waits = tokio::time::timeout(Duration::from_millis(50), client.progress()).await;
+        assert!(
+            waits.is_err(),
+            "the backlog moved while the client had no room"
+        );
+        assert!(matches!(next(&mut body).await, Some(Some(Ok(_)))));
+        let moved = tokio::time::timeout(Duration::from_secs(1), client.progress()).await;
+        assert!(matches!(moved, Ok(Ok(()))), "{moved:?}");
+        assert!(client.backlog.is_empty());
+        assert!(client.offer(Bytes::from_static(b"z")).is_ok());
+        let reading = async {
+            let mut read = Vec::new();
+            while let Some(Some(Ok(chunk))) = next(&mut body).await {
+                read.push(chunk);
+            }
+            (read, next(&mut body).await)
+        };
+        let ((read, after), ()) = tokio::join!(reading, client.finish());
+        let mut expected = vec![Bytes::from_static(b"x"); CHANNEL_CHUNKS - 1];
+        expected.push(Bytes::from(vec![b'p'; 1000]));
+        expected.push(Bytes::from_static(b"z"));
+        assert_eq!(read, expected);
+        assert!(
+            matches!(after, Some(None)),
+            "the end after everything: {after:?}"
+        );
+    }
+
+    /// A task cut before it finished the body (its worker stopped, or it panicked) fails the
+    /// client's body: a chunked body would otherwise end with a valid terminator, and a sized
+    /// one would give its held last bytes, as if the response were whole and stored.
+    #[tokio::test]
+    async fn a_body_whose_task_went_away_unfinished_fails() {
+        for size in [BodySize::Sized(6), BodySize::Stream] {
+            let (sender, mut body) = channel(size);
+            assert!(sender.send(Ok(Bytes::from_static(b"abc"))).await.is_ok());
+            assert!(sender.send(Ok(Bytes::from_static(b"def"))).await.is_ok());
+            drop(sender);
+            let mut read = Vec::new();
+            let end = loop {
+                match next(&mut body).await {
+                    Some(Some(Ok(chunk))) => read.push(chunk),
+                    other => break other,
+                }
+            };
+            assert!(
+                matches!(end, Some(Some(Err(BodyFailed)))),
+                "{size:?}: {end:?}"
+            );
+            if size == BodySize::Sized(6) {
+                assert_eq!(
+                    read,
+                    [Bytes::from_static(b"abc")],
+                    "the last bytes were given"
+                );
+            }
+            assert!(matches!(next(&mut body).await, Some(None)), "then nothing");
+        }
     }
 
     #[tokio::test]
@@ -322,6 +512,11 @@ mod tests {
         let (sender, body) = channel(BodySize::Sized(1));
         drop(body);
         assert!(sender.send(Ok(Bytes::from_static(b"x"))).await.is_err());
-        assert!(sender.push(Ok(Bytes::from_static(b"x"))).is_err());
+        let gone = tokio::time::timeout(Duration::from_secs(1), sender.gone()).await;
+        assert!(gone.is_ok(), "gone() did not see the client leave");
+        let mut client = Client::new(sender);
+        assert!(client.offer(Bytes::from_static(b"x")).is_err());
+        let progress = tokio::time::timeout(Duration::from_secs(1), client.progress()).await;
+        assert!(matches!(progress, Ok(Err(Gone))), "{progress:?}");
     }
 }

@@ -37,10 +37,11 @@
 //! A response whose body is not a single buffer (a stream, server-sent events) is never held
 //! back: its head is sent at once and each chunk is forwarded as it comes, while the task keeps
 //! a copy up to `max_response_bytes`. While the response may still be stored, the task reads
-//! the handler's stream at the handler's pace, not the client's: the chunks a slow client has
-//! not taken yet wait for it (they are the copy's own bytes, so they cost no more memory than
-//! the copy), and a client that stops reading cannot hold up the record, nor keep the key
-//! until renewal gives up and a retry runs the handler again. Once the stream is over the
+//! the handler's stream at the handler's pace, not the client's: what a slow client has no room
+//! for yet waits for it in one buffer (at most `max_response_bytes`, the copy's own limit, with
+//! no per-chunk overhead) and moves as it makes room, so a client that stops reading cannot
+//! hold up the record, nor keep the key until renewal gives up and a retry runs the handler
+//! again. Once the stream is over the
 //! limit (the key is released), a channel of 16 chunks applies backpressure: the task stops
 //! pulling from the handler's stream until the client catches up. When the client is gone the
 //! task keeps pulling (without forwarding) until the stream ends, so the record is stored and

@@ -89,7 +89,7 @@ pub(super) struct Renewal<'a, S> {
     running: Option<oneshot::Sender<()>>,
     /// When the last lease ends: `renew_lease_up_to` (or the first lease, if longer) after
     /// the reservation.
-    hold_until: Option<Instant>,
+    hold_until: Instant,
 }
 
 impl<'a, S: IdempotencyStore> Renewal<'a, S> {
@@ -97,19 +97,9 @@ impl<'a, S: IdempotencyStore> Renewal<'a, S> {
     pub(super) fn new(reservation: Reservation<'a, S>) -> Self {
         let held = reservation.limit.max(reservation.lease);
         Renewal {
-            hold_until: Some(saturating_deadline(reservation.reserved_at, held)),
+            hold_until: saturating_deadline(reservation.reserved_at, held),
             due: Some(reservation),
             running: None,
-        }
-    }
-
-    /// No renewal (a transactional claim is held by its open transaction, not by a lease).
-    #[cfg(feature = "postgres")]
-    pub(super) fn off() -> Self {
-        Renewal {
-            due: None,
-            running: None,
-            hold_until: None,
         }
     }
 
@@ -136,8 +126,8 @@ impl<'a, S: IdempotencyStore> Renewal<'a, S> {
         .await
     }
 
-    /// When the key's last lease ends, renewed or not; `None` when it is not held by a lease.
-    pub(super) fn hold_until(&self) -> Option<Instant> {
+    /// When the key's last lease ends, renewed or not.
+    pub(super) fn hold_until(&self) -> Instant {
         self.hold_until
     }
 

@@ -37,7 +37,7 @@ use diesel_async::{AnsiTransactionManager, AsyncPgConnection, TransactionManager
 
 use super::detach::detach;
 use super::flow::{opaque_500, unavailable_detail, Flow, FlowResult, MAX_POLL_INTERVAL};
-use super::renewal::Renewal;
+use super::renewal::{Renewal, Reservation};
 use super::replay::{replay, storable_headers};
 use crate::config::{saturating_deadline, Config, ResponseParts};
 use crate::fingerprint::Fingerprint;
@@ -352,7 +352,19 @@ pub(super) async fn settle_keyed<S, Svc, B>(
             }
             After::Ended(result) => {
                 tracing::error!(target: "idempotency_actix", key = %LogText(&scope.key), tenant = %LogText(&scope.tenant), path = %LogText(&scope.path), "the handler ended the request's transaction itself (never do: use the transaction, savepoints through conn.transaction); finishing as in the default mode, not atomically");
-                flow.finish(&scope, token, result, &report, answer, Renewal::off())
+                // Its claim is a committed reservation now, held by the lease that began with
+                // the transaction; nothing renews it (`renew_lease_up_to` zero), but a
+                // streamed body whose client left is read no longer than that lease.
+                let renewal = Renewal::new(Reservation {
+                    store: &flow.store,
+                    meters: &flow.meters,
+                    scope: &scope,
+                    token,
+                    lease: flow.config.lock_timeout,
+                    limit: Duration::ZERO,
+                    reserved_at: opened,
+                });
+                flow.finish(&scope, token, result, &report, answer, renewal)
                     .await;
                 return;
             }
