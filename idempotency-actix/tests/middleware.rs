@@ -559,6 +559,60 @@ async fn a_stream_cut_before_its_record_is_stored_never_looks_whole() {
     );
 }
 
+/// A handler body of its own making (not `HttpResponse::streaming`, whose `BodyStream` skips
+/// empty chunks): "a", an empty chunk, "b".
+struct WithAnEmptyChunk(std::collections::VecDeque<Bytes>);
+
+impl MessageBody for WithAnEmptyChunk {
+    type Error = std::io::Error;
+
+    fn size(&self) -> actix_web::body::BodySize {
+        actix_web::body::BodySize::Stream
+    }
+
+    fn poll_next(
+        self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<Bytes, Self::Error>>> {
+        std::task::Poll::Ready(self.get_mut().0.pop_front().map(Ok))
+    }
+}
+
+async fn empty_chunk_inside() -> HttpResponse {
+    let chunks = [&b"a"[..], b"", b"b"].map(Bytes::from_static);
+    HttpResponse::Ok().body(WithAnEmptyChunk(chunks.into_iter().collect()))
+}
+
+/// C24: an empty chunk in a handler's body is not forwarded: actix-http's HTTP/1 encoder
+/// writes a chunked body's terminator for one, so the client would see the end of its body
+/// before the rest, and before the record is stored.
+#[actix_web::test]
+async fn an_empty_chunk_is_never_forwarded() {
+    let app = init_service(
+        App::new()
+            .wrap(Idempotency::new(MemoryStore::new()))
+            .route("/empty", web::post().to(empty_chunk_inside)),
+    )
+    .await;
+    let response = call_service(&app, post("/empty", "e").set_payload("x").to_request()).await;
+    let mut body = std::pin::pin!(response.into_body());
+    let mut chunks = Vec::new();
+    while let Some(chunk) = std::future::poll_fn(|cx| body.as_mut().poll_next(cx)).await {
+        chunks.push(chunk.ok());
+    }
+    assert!(
+        chunks
+            .iter()
+            .all(|c| c.as_ref().is_some_and(|c| !c.is_empty())),
+        "{chunks:?}"
+    );
+    let all: Vec<u8> = chunks.into_iter().flatten().flatten().collect();
+    assert_eq!(all, b"ab");
+    let replay = send(&app, post("/empty", "e").set_payload("x")).await;
+    assert!(replay.replayed());
+    assert_eq!(replay.body, "ab");
+}
+
 /// Set when the stream that holds it is dropped.
 #[derive(Clone, Default)]
 struct Dropped(Arc<std::sync::atomic::AtomicBool>);
@@ -610,6 +664,32 @@ async fn a_quiet_stream_whose_client_left_is_dropped_with_its_key() {
     assert!(
         dropped.0.load(Ordering::SeqCst),
         "the quiet stream outlived its key's last lease"
+    );
+}
+
+/// C24: a stream over `max_response_bytes` (its key released, nothing kept for the record)
+/// whose client leaves while it is quiet is dropped at once: nobody is left to read it for.
+/// It was kept until its next chunk or its key's last lease (10 minutes by default).
+#[actix_web::test]
+async fn a_stream_over_the_limit_whose_client_left_is_dropped_at_once() {
+    let dropped = Dropped::default();
+    let app = init_service(
+        App::new()
+            .app_data(web::Data::new(dropped.clone()))
+            .wrap(
+                Idempotency::builder(MemoryStore::new())
+                    .max_response_bytes(5)
+                    .build(),
+            )
+            .route("/events", web::post().to(one_event_then_quiet)),
+    )
+    .await;
+    let gone = call_service(&app, post("/events", "o").set_payload("x").to_request()).await;
+    drop(gone); // the client hangs up
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        dropped.0.load(Ordering::SeqCst),
+        "a stream nobody reads, kept for nothing"
     );
 }
 

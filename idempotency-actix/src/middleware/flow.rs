@@ -526,6 +526,8 @@ where
                 match waited {
                     Waited::Next(next) => break next,
                     Waited::ClientMoved => {}
+                    // Nobody listens, and nothing is kept for the record (over the limit).
+                    Waited::ClientGone if copy.is_none() => return Outcome::NotStored,
                     Waited::ClientGone => client = None,
                     Waited::KeyGone => {
                         renewal.stop();
@@ -544,6 +546,9 @@ where
             };
             match next {
                 None => break,
+                // Nothing to keep or forward; and an empty chunk would end a chunked body for
+                // the client (actix-http's HTTP/1 encoder writes its terminator for one).
+                Some(Ok(chunk)) if chunk.is_empty() => {}
                 Some(Ok(chunk)) => {
                     let mut went_over = false;
                     if let Some(chunks) = copy.as_mut() {
