@@ -640,29 +640,34 @@ async fn one_event_then_quiet(dropped: web::Data<Dropped>) -> HttpResponse {
     HttpResponse::Ok().streaming(events)
 }
 
-/// C24: a client that leaves while its stream is quiet is noticed then, not at the next chunk
-/// (which may never come), so the stream is dropped once its key's last lease ends. It was
-/// kept (with its task and its copy) until the next chunk, or for ever.
-#[actix_web::test]
-async fn a_quiet_stream_whose_client_left_is_dropped_with_its_key() {
+/// Whether a quiet event stream (one event, then nothing) whose client hangs up at once is
+/// dropped within `within`, with the middleware as `configure` makes it.
+async fn quiet_stream_dropped_within(configure: Configure, within: Duration) -> bool {
     let dropped = Dropped::default();
     let app = init_service(
         App::new()
             .app_data(web::Data::new(dropped.clone()))
-            .wrap(
-                Idempotency::builder(MemoryStore::new())
-                    .lock_timeout(Duration::from_millis(200))
-                    .renew_lease_up_to(Duration::from_millis(600))
-                    .build(),
-            )
+            .wrap(configure(Idempotency::builder(MemoryStore::new())).build())
             .route("/events", web::post().to(one_event_then_quiet)),
     )
     .await;
     let gone = call_service(&app, post("/events", "q").set_payload("x").to_request()).await;
     drop(gone); // the client hangs up
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    tokio::time::sleep(within).await;
+    dropped.0.load(Ordering::SeqCst)
+}
+
+/// C24: a client that leaves while its stream is quiet is noticed then, not at the next chunk
+/// (which may never come), so the stream is dropped once its key's last lease ends. It was
+/// kept (with its task and its copy) until the next chunk, or for ever.
+#[actix_web::test]
+async fn a_quiet_stream_whose_client_left_is_dropped_with_its_key() {
+    let short_lease = |b: IdempotencyBuilder<MemoryStore>| {
+        b.lock_timeout(Duration::from_millis(200))
+            .renew_lease_up_to(Duration::from_millis(600))
+    };
     assert!(
-        dropped.0.load(Ordering::SeqCst),
+        quiet_stream_dropped_within(short_lease, Duration::from_millis(1500)).await,
         "the quiet stream outlived its key's last lease"
     );
 }
@@ -672,23 +677,9 @@ async fn a_quiet_stream_whose_client_left_is_dropped_with_its_key() {
 /// It was kept until its next chunk or its key's last lease (10 minutes by default).
 #[actix_web::test]
 async fn a_stream_over_the_limit_whose_client_left_is_dropped_at_once() {
-    let dropped = Dropped::default();
-    let app = init_service(
-        App::new()
-            .app_data(web::Data::new(dropped.clone()))
-            .wrap(
-                Idempotency::builder(MemoryStore::new())
-                    .max_response_bytes(5)
-                    .build(),
-            )
-            .route("/events", web::post().to(one_event_then_quiet)),
-    )
-    .await;
-    let gone = call_service(&app, post("/events", "o").set_payload("x").to_request()).await;
-    drop(gone); // the client hangs up
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    let tiny_limit = |b: IdempotencyBuilder<MemoryStore>| b.max_response_bytes(5);
     assert!(
-        dropped.0.load(Ordering::SeqCst),
+        quiet_stream_dropped_within(tiny_limit, Duration::from_millis(500)).await,
         "a stream nobody reads, kept for nothing"
     );
 }
