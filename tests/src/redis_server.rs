@@ -34,6 +34,9 @@ impl std::fmt::Debug for RedisServer {
     }
 }
 
+/// How many ports a test server is tried on before its test fails.
+const START_ATTEMPTS: usize = 5;
+
 impl RedisServer {
     /// A server with the defaults (and `maxmemory-policy noeviction`, Redis's own default).
     pub fn start() -> RedisServer {
@@ -42,6 +45,20 @@ impl RedisServer {
 
     /// A server with extra command-line options, e.g. `["--maxmemory-policy", "allkeys-lru"]`.
     pub fn start_with(extra: &[&str]) -> RedisServer {
+        let mut failed = String::new();
+        for _ in 0..START_ATTEMPTS {
+            match Self::try_start_with(extra) {
+                Ok(server) => return server,
+                Err(why) => failed = why,
+            }
+        }
+        panic!("{failed} ({START_ATTEMPTS} attempts)");
+    }
+
+    /// As [`RedisServer::start_with`], once: `Err` when the server exits at once, which is
+    /// how a port taken between [`free_port`] and the server's bind shows (another test's
+    /// server or connection got it first), so the caller can try another.
+    pub fn try_start_with(extra: &[&str]) -> Result<RedisServer, String> {
         let port = free_port();
         let dir = std::env::temp_dir().join(format!("idem-redis-{}-{port}", std::process::id()));
         if let Err(e) = std::fs::create_dir_all(&dir) {
@@ -53,8 +70,8 @@ impl RedisServer {
             extra: extra.iter().map(|s| (*s).to_owned()).collect(),
             dir,
         };
-        server.spawn();
-        server
+        server.try_spawn()?;
+        Ok(server)
     }
 
     /// `redis://127.0.0.1:<port>/`.
@@ -116,6 +133,12 @@ impl RedisServer {
     }
 
     fn spawn(&mut self) {
+        if let Err(why) = self.try_spawn() {
+            panic!("{why}");
+        }
+    }
+
+    fn try_spawn(&mut self) -> Result<(), String> {
         let started = Instant::now();
         let spawned = Command::new("redis-server")
             .args(["--port", &self.port.to_string()])
@@ -140,11 +163,14 @@ impl RedisServer {
         self.child = Some(child);
         loop {
             if TcpStream::connect(("127.0.0.1", self.port)).is_ok() {
-                return;
+                return Ok(());
             }
             if let Some(child) = self.child.as_mut() {
                 if let Ok(Some(status)) = child.try_wait() {
-                    panic!("redis-server on port {} exited: {status}", self.port);
+                    return Err(format!(
+                        "redis-server on port {} exited: {status}",
+                        self.port
+                    ));
                 }
             }
             assert!(
@@ -207,26 +233,37 @@ impl RedisCluster {
         Self::create(1, FAILOVER_NODE_TIMEOUT_MS, extra)
     }
 
+    /// One cluster node on a free port with a free bus port; both are chosen again when the
+    /// node exits at once (a port taken meanwhile, or the two drawn equal).
+    fn node(node_timeout_ms: &str, extra: &[&str]) -> RedisServer {
+        let mut failed = String::new();
+        for _ in 0..START_ATTEMPTS {
+            let bus = free_port().to_string();
+            let mut args = vec![
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                "nodes.conf",
+                "--cluster-node-timeout",
+                node_timeout_ms,
+                "--cluster-port",
+                &bus,
+                // A replica's sync starts at once (Redis would wait 5 s for others).
+                "--repl-diskless-sync-delay",
+                "0",
+            ];
+            args.extend_from_slice(extra);
+            match RedisServer::try_start_with(&args) {
+                Ok(node) => return node,
+                Err(why) => failed = why,
+            }
+        }
+        panic!("{failed} ({START_ATTEMPTS} attempts)");
+    }
+
     fn create(replicas: usize, node_timeout_ms: &str, extra: &[&str]) -> RedisCluster {
         let nodes: Vec<RedisServer> = (0..3 * (1 + replicas))
-            .map(|_| {
-                let bus = free_port().to_string();
-                let mut args = vec![
-                    "--cluster-enabled",
-                    "yes",
-                    "--cluster-config-file",
-                    "nodes.conf",
-                    "--cluster-node-timeout",
-                    node_timeout_ms,
-                    "--cluster-port",
-                    &bus,
-                    // A replica's sync starts at once (Redis would wait 5 s for others).
-                    "--repl-diskless-sync-delay",
-                    "0",
-                ];
-                args.extend_from_slice(extra);
-                RedisServer::start_with(&args)
-            })
+            .map(|_| Self::node(node_timeout_ms, extra))
             .collect();
         let addresses: Vec<String> = nodes
             .iter()
