@@ -470,7 +470,8 @@ where
     /// A streamed body (C24): send the head now, forward every chunk as it comes while keeping
     /// a copy up to the limit, store the copy when the stream ends, and only then end the
     /// client's body. See the module docs of [`super`] for backpressure and a vanished client.
-    /// The lease is renewed while the body is produced and forwarded.
+    /// The lease is renewed while the body is produced; the client's pace holds it up only
+    /// once nothing is kept for the record (`forward`).
     #[allow(clippy::too_many_arguments)] // one request's parts, each used once
     async fn stream(
         &self,
