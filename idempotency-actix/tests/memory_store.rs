@@ -552,3 +552,133 @@ async fn hostile_scope_text_cannot_forge_log_lines() {
     );
     assert!(text.contains("key=\"a tenant=victim\""), "{text}");
 }
+
+/// The response allowance secures room for any response the middleware may store. The
+/// middleware bounds the body (`max_response_bytes`), the store charges the encoded headers
+/// too: a body of exactly the allowance on a full store used to fail `complete`, and after the
+/// lease a retry ran the handler a second time (found by review, 2026-12-04).
+#[actix_rt::test]
+async fn a_body_of_exactly_max_response_bytes_is_stored_on_a_full_store() {
+    // Room for exactly one reservation of a two-letter key (allowance at its default, 1 MiB,
+    // the middleware's default max_response_bytes).
+    let probe = MemoryStore::new();
+    reserved(&probe, "p1", &FP_A, MINUTE).await;
+    let one_reservation = probe.bytes_used();
+    let store = MemoryStore::builder().max_bytes(one_reservation).build();
+
+    let counter = Counter::default();
+    let middleware = Idempotency::builder(store.clone())
+        .tenant_header("x-tenant")
+        .lock_timeout(Duration::from_millis(300))
+        .build();
+    let app = init_service(
+        App::new()
+            .app_data(web::Data::new(counter.clone()))
+            .wrap(middleware)
+            .route("/pay", web::post().to(create)),
+    )
+    .await;
+    let size = 1024 * 1024; // == max_response_bytes (default): storable
+    let first = send(&app, "t", "k1", size).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    assert_eq!(counter.get(), 1);
+    // The lease ends; the middleware's complete retries have given up by then.
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    let retry = send(&app, "t", "k1", size).await;
+    assert_eq!(
+        counter.get(),
+        1,
+        "the handler ran twice for one key: retry got {} replayed={} body starts {:?}",
+        retry.status,
+        retry.replayed,
+        String::from_utf8_lossy(&retry.body[..12])
+    );
+    assert!(retry.replayed, "{:?}", retry.status);
+}
+
+/// The same at the store API: a response whose body is within the allowance is stored on a
+/// store with no free room, its headers taking the bound past `max_bytes` rather than failing.
+#[tokio::test]
+async fn a_response_within_the_allowance_fits_at_complete_on_a_full_store() {
+    let allowance = 1_000;
+    let probe = MemoryStore::builder().response_allowance(allowance).build();
+    reserved(&probe, "p1", &FP_A, MINUTE).await;
+    let store = MemoryStore::builder()
+        .response_allowance(allowance)
+        .max_bytes(probe.bytes_used())
+        .build();
+    let token = reserved(&store, "k1", &FP_A, MINUTE).await;
+    let header = ("content-type".to_owned(), Bytes::from_static(b"text/plain"));
+    let body = Bytes::from(vec![b'x'; allowance - header.0.len() - header.1.len()]);
+    let response = StoredResponse {
+        status: 201,
+        headers: vec![header],
+        body,
+    };
+    assert_eq!(response.size_bytes(), allowance, "exactly the allowance");
+    let outcome = store
+        .complete(&scope("k1"), &token, &response, MINUTE)
+        .await;
+    assert!(
+        matches!(outcome, Ok(WriteOutcome::Applied)),
+        "a response within the allowance must fit at complete: {outcome:?}"
+    );
+}
+
+/// The byte bound bounds what records keep alive: a handler that answers with a small slice of
+/// a buffer it read (a proxied upstream chunk, a cached blob) used to have the whole buffer
+/// kept by the record while only the slice was charged (found by review, 2026-12-04).
+#[actix_rt::test]
+async fn the_byte_bound_holds_for_sliced_handler_bodies() {
+    struct Tracked(Vec<u8>, Arc<AtomicUsize>);
+    impl AsRef<[u8]> for Tracked {
+        fn as_ref(&self) -> &[u8] {
+            &self.0
+        }
+    }
+    impl Drop for Tracked {
+        fn drop(&mut self) {
+            self.1.fetch_sub(self.0.len(), Ordering::SeqCst);
+        }
+    }
+    let retained = Arc::new(AtomicUsize::new(0));
+    let max_bytes = 4 * 1024 * 1024;
+    let store = MemoryStore::builder()
+        .max_bytes(max_bytes)
+        .response_allowance(64 * 1024)
+        .build();
+    let counter = retained.clone();
+    let app = init_service(
+        App::new()
+            .wrap(
+                Idempotency::builder(store.clone())
+                    .tenant_header("x-tenant")
+                    .max_response_bytes(64 * 1024)
+                    .build(),
+            )
+            .route(
+                "/pay",
+                web::post().to(move || {
+                    let counter = counter.clone();
+                    async move {
+                        let upstream = vec![b'x'; 1024 * 1024];
+                        counter.fetch_add(upstream.len(), Ordering::SeqCst);
+                        let read = Bytes::from_owner(Tracked(upstream, counter));
+                        HttpResponse::Created().body(read.slice(..16))
+                    }
+                }),
+            ),
+    )
+    .await;
+    for i in 0..32 {
+        let reply = send(&app, "t", &format!("p{i}"), 0).await;
+        assert_eq!(reply.status, StatusCode::CREATED, "{reply:?}");
+    }
+    let kept = retained.load(Ordering::SeqCst);
+    assert!(
+        kept <= max_bytes,
+        "32 stored 16-byte responses keep {kept} bytes alive under a {max_bytes}-byte bound \
+         (charged {})",
+        store.bytes_used()
+    );
+}

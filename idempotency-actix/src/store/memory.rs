@@ -110,8 +110,10 @@ fn scope_charge(scope: &Scope) -> usize {
 /// is secured *before* the handler runs, when refusing is harmless (503, nothing happened), and
 /// `complete` of any response within the allowance always fits: it cannot fail after the
 /// handler's side effects happened, which would leave the key reserved and invite a second
-/// execution once the lease ends. The price is that each running request holds its allowance
-/// of the byte bound. A response larger than the allowance (only when the middleware's
+/// execution once the lease ends. (The allowance is for the body, as the middleware's
+/// `max_response_bytes` is; a response's headers come on top of it, and when the store is full
+/// they may take the bound past `max_bytes` by their size rather than fail the write.) The
+/// price is that each running request holds its allowance of the byte bound. A response larger than the allowance (only when the middleware's
 /// `max_response_bytes` is set above it) needs the difference from free space; without it,
 /// `complete` fails with [`StoreError::ByteCapacity`], the reservation stays, and the
 /// middleware keeps retrying until the lease ends (C16). Keep the allowance at least the
@@ -567,8 +569,9 @@ struct Inner {
 }
 
 /// A stored response as kept in memory: its headers encoded with
-/// [`StoredResponse::encode_headers`], so a record costs two allocations instead of one per
-/// header name and value.
+/// [`StoredResponse::encode_headers`] and followed by the body in the same buffer, so a
+/// record's response is one allocation, not one per header name and value, and the record
+/// owns exactly the bytes it is charged for.
 struct Compact {
     status: u16,
     /// Shared, so that a replay's header values are slices of it, not copies.
@@ -577,11 +580,20 @@ struct Compact {
 }
 
 impl Compact {
+    /// The encoded headers and a copy of the body in one allocation. A copy, not a reference
+    /// to the handler's body: that may be a slice of a larger buffer (a chunk of a read
+    /// buffer, a `Vec` with spare capacity), which a shared `Bytes` would keep alive whole
+    /// while only its length is charged against the bound.
     fn new(response: &StoredResponse) -> Self {
+        let headers_len = response.encoded_headers_len();
+        let mut buf = Vec::with_capacity(headers_len.saturating_add(response.body.len()));
+        response.encode_headers_into(&mut buf);
+        buf.extend_from_slice(&response.body);
+        let buf = bytes::Bytes::from(buf);
         Self {
             status: response.status,
-            headers: response.encode_headers().into(),
-            body: response.body.clone(),
+            headers: buf.slice(..headers_len),
+            body: buf.slice(headers_len..),
         }
     }
 
@@ -668,6 +680,15 @@ impl Record {
                 freed
             }
             _ => 0,
+        }
+    }
+
+    /// The bytes this reservation holds for its response: zero once its lease ended, and for
+    /// a completed record.
+    fn allowance_held(&self) -> usize {
+        match self.state {
+            State::InFlight { allowance, .. } => allowance,
+            State::Completed { .. } => 0,
         }
     }
 
@@ -1005,15 +1026,23 @@ impl IdempotencyStore for MemoryStore {
         let mut inner = self.lock();
         // A reservation past its grace is gone even if no sweep deleted it yet.
         inner.settle(probe, now);
-        let old = match inner.records.get(probe) {
-            Some(record) if record.holds(token) => record.charge,
+        let (old, allowance) = match inner.records.get(probe) {
+            Some(record) if record.holds(token) => (record.charge, record.allowance_held()),
             _ => return Ok(WriteOutcome::Stale),
         };
         if charge > old {
             // Only a response larger than the allowance, or a late one (the lease ended and
             // the allowance with it), needs more room. Failing leaves the reservation as it
             // is; the middleware retries (C16).
-            inner.make_room(now, false, charge - old, &mut evicted)?;
+            match inner.make_room(now, false, charge - old, &mut evicted) {
+                Ok(()) => {}
+                // The room for this body was secured before its handler ran. Its headers are
+                // outside the allowance (the middleware's `max_response_bytes` counts the
+                // body), so they may take the bound a little past it: refusing here, after the
+                // handler's effects, would leave the key to a second run once the lease ends.
+                Err(_) if response.body.len() <= allowance => {}
+                Err(error) => return Err(error),
+            }
         }
         let generation = inner.generation();
         let expires_at = later(now, ttl);

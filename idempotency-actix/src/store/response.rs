@@ -37,13 +37,22 @@ impl StoredResponse {
     /// a u32 name length, the name, a u32 value length and the value (big-endian lengths).
     /// Length prefixes instead of separators, so any byte may appear in a value.
     pub fn encode_headers(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(
-            5 + self
-                .headers
-                .iter()
-                .map(|(n, v)| 8 + n.len() + v.len())
-                .sum::<usize>(),
-        );
+        let mut out = Vec::with_capacity(self.encoded_headers_len());
+        self.encode_headers_into(&mut out);
+        out
+    }
+
+    /// The length of [`encode_headers`](Self::encode_headers)' output.
+    pub fn encoded_headers_len(&self) -> usize {
+        5 + self
+            .headers
+            .iter()
+            .map(|(n, v)| 8 + n.len() + v.len())
+            .sum::<usize>()
+    }
+
+    /// [`encode_headers`](Self::encode_headers), appended to `out`.
+    pub fn encode_headers_into(&self, out: &mut Vec<u8>) {
         out.push(FORMAT_V1);
         out.extend_from_slice(&len_u32(self.headers.len()).to_be_bytes());
         for (name, value) in &self.headers {
@@ -52,7 +61,6 @@ impl StoredResponse {
             out.extend_from_slice(&len_u32(value.len()).to_be_bytes());
             out.extend_from_slice(value);
         }
-        out
     }
 
     /// Decode what [`encode_headers`](Self::encode_headers) wrote. Never panics on arbitrary
