@@ -114,6 +114,15 @@ impl Default for Config {
 }
 
 impl Config {
+    /// What a request whose handler panicked leaves in the store, for the log line.
+    pub(crate) fn what_a_panic_leaves(&self) -> &'static str {
+        #[cfg(feature = "postgres")]
+        if self.transactional.is_some() {
+            return "its transaction (the handler's writes and the reservation) was rolled back";
+        }
+        "its reservation is left to its lease (the handler's effects may exist)"
+    }
+
     pub(crate) fn covers(&self, method: &Method) -> bool {
         self.methods.contains(method)
     }

@@ -186,16 +186,18 @@ where
             method = %LogText(&scope.method),
             path = %LogText(&scope.path),
         );
+        let on_panic = self.config.what_a_panic_leaves();
         let (answer, answered) = oneshot::channel();
         let work = self.settle(req, scope, fingerprint, body, report.clone(), answer);
         detach(work.instrument(span.clone())).await;
         match answered.await {
             Ok(result) => result,
             // The task ended without an answer: the handler panicked. Its reservation stays
-            // until the lease ends (its effects may exist); the client gets an opaque 500.
+            // until the lease ends (its effects may exist), or in transactional mode is rolled
+            // back with them; the client gets an opaque 500.
             Err(_) => {
                 let _in_span = span.enter();
-                tracing::error!(target: "idempotency_actix", outcome = "handler_panic", "the request's task ended without a response; reservation left to its lease");
+                tracing::error!(target: "idempotency_actix", outcome = "handler_panic", left = on_panic, "the request's task ended without a response");
                 report.outcome(
                     Outcome::HandlerPanic,
                     StatusCode::INTERNAL_SERVER_ERROR,

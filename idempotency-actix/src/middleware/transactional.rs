@@ -34,6 +34,7 @@ use actix_web::http::StatusCode;
 use actix_web::{Error, FromRequest, HttpMessage, HttpRequest, HttpResponse};
 use bytes::Bytes;
 use diesel_async::{AnsiTransactionManager, AsyncPgConnection, TransactionManager};
+use futures_util::StreamExt;
 
 use super::detach::detach;
 use super::flow::{opaque_500, unavailable_detail, Flow, FlowResult, MAX_POLL_INTERVAL};
@@ -95,6 +96,18 @@ impl fmt::Debug for TxConfig {
 /// middleware before COMMIT.
 struct TxSlot {
     conn: RefCell<Option<TxConnection>>,
+}
+
+/// Takes the connection out of its slot when dropped (unless a `TxConn` borrows it): see
+/// `run_and_settle`.
+struct EmptyOnDrop(Rc<TxSlot>);
+
+impl Drop for EmptyOnDrop {
+    fn drop(&mut self) {
+        if let Ok(mut conn) = self.0.conn.try_borrow_mut() {
+            drop(conn.take());
+        }
+    }
 }
 
 /// The transaction of this request, for handlers behind a transactional
@@ -401,13 +414,14 @@ pub(super) async fn settle_keyed<S, Svc, B>(
 pub(super) async fn run_keyless<S, Svc, B>(
     flow: Flow<S, Svc>,
     tx: Arc<TxConfig>,
-    req: ServiceRequest,
+    mut req: ServiceRequest,
 ) -> FlowResult<B>
 where
     S: IdempotencyStore,
     Svc: Service<ServiceRequest, Response = ServiceResponse<B>, Error = Error> + 'static,
     B: MessageBody + 'static,
 {
+    buffer_before_the_transaction(&mut req, flow.config.max_body_bytes).await?;
     let (answer, answered) = tokio::sync::oneshot::channel();
     // Boxed in its own statement, so that the work's state takes no room in this future.
     let work = Box::pin(async move {
@@ -422,6 +436,36 @@ where
             Err(opaque_500("the request's task ended without a response"))
         }
     }
+}
+
+/// Read a keyless request's body, up to `max`, before its transaction opens: a client that
+/// uploads slowly must not hold a pooled connection (in an open transaction) while it does, or
+/// a few of them take the pool from everyone (a keyed request reads its body first too). A
+/// body over `max` is not refused, as it would not be in default mode: what was read is put
+/// back in front of the rest, which then streams to the handler inside the transaction.
+async fn buffer_before_the_transaction(req: &mut ServiceRequest, max: usize) -> Result<(), Error> {
+    let mut payload = req.take_payload();
+    let mut chunks = Vec::new();
+    let mut read = 0usize;
+    while let Some(chunk) = payload.next().await {
+        let chunk = chunk?;
+        read = read.saturating_add(chunk.len());
+        chunks.push(chunk);
+        if read > max {
+            let head = futures_util::stream::iter(chunks.into_iter().map(Ok));
+            req.set_payload(Payload::Stream {
+                payload: Box::pin(head.chain(payload)),
+            });
+            return Ok(());
+        }
+    }
+    let body = match chunks.len() {
+        0 => Bytes::new(),
+        1 => chunks.swap_remove(0),
+        _ => chunks.concat().into(),
+    };
+    req.set_payload(Payload::from(body));
+    Ok(())
 }
 
 async fn keyless<S, Svc, B>(
@@ -535,6 +579,13 @@ async fn claim<S, Svc>(
                 return Claimed::Reserved(Box::new(conn), token);
             }
             Ok(outcome) => outcome,
+            // Under REPEATABLE READ or SERIALIZABLE the claim's snapshot may predate a row
+            // another transaction committed (or deleted) meanwhile. Nothing has run yet: claim
+            // again in a new transaction, whose snapshot sees it.
+            Err(error) if sql::is_serialization_store_error(&error) => {
+                sql::rollback(&tx.store, &mut conn).await;
+                continue;
+            }
             Err(error) => {
                 sql::rollback(&tx.store, &mut conn).await;
                 let error = sql::classify_claim_error(&mut conn, error).await;
@@ -624,6 +675,12 @@ where
     req.extensions_mut().insert(IdempotentTx {
         slot: Rc::clone(&slot),
     });
+    // If the handler panics (or the task is dropped) the connection must not stay in the slot:
+    // a copy of the request kept by the handler (on a task, in a log buffer) holds the
+    // extensions, and with them the open transaction, its claim and its locks, for as long as
+    // it lives. Emptied on unwind, the connection is dropped inside its transaction, which the
+    // pool discards and PostgreSQL rolls back.
+    let _empty_on_unwind = EmptyOnDrop(Rc::clone(&slot));
     let result = flow.service.call(req).await;
     // The handler is done: take the connection back. Still borrowed means a TxConn outlived
     // the handler (held by a response body): we cannot commit; dropping the slot's last

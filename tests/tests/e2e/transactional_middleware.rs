@@ -1128,3 +1128,300 @@ async fn a_database_without_the_claim_function_is_not_provisioned() {
     assert_eq!(runs.get(), 0);
     assert_nothing_kept(&db, "np1", 0);
 }
+
+/// Takes the request's transaction and runs no statement in it; sleeps, answers 201.
+async fn no_statement(tx: IdempotentTx) -> HttpResponse {
+    drop(tx);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    HttpResponse::Created().json(serde_json::json!({ "ok": true }))
+}
+
+/// A keyless request whose client sends its body slowly (1.5 s here) used to hold the pool's
+/// connection, in an open transaction, for the whole upload: a keyed request for another key
+/// meanwhile got 503 STORAGE_UNAVAILABLE. Its body is now read before the transaction opens,
+/// as a keyed request's is (found by review, 2026-12-04).
+#[actix_web::test]
+async fn a_slow_keyless_upload_does_not_hold_a_connection() {
+    let (db, _) = setup().await;
+    let store = one_connection_store(&db).await;
+    let runs = Runs::default();
+    let app = app!(tx_middleware(&store), runs);
+    let slow_body = futures_util::stream::unfold(0u8, |sent| async move {
+        match sent {
+            0 => Some((Ok(bytes::Bytes::from_static(b"{\"amount\"")), 1)),
+            1 => {
+                tokio::time::sleep(Duration::from_millis(1500)).await;
+                Some((Ok(bytes::Bytes::from_static(b": 5}")), 2))
+            }
+            _ => None,
+        }
+    });
+    let slow_body: std::pin::Pin<
+        Box<dyn futures_util::Stream<Item = Result<bytes::Bytes, actix_web::error::PayloadError>>>,
+    > = Box::pin(slow_body);
+    let keyless = test::TestRequest::post()
+        .uri("/payments")
+        .insert_header(("x-account-id", "acct_1"))
+        .insert_header(("content-type", "application/json"))
+        .to_request();
+    let (keyless, _) = keyless.replace_payload(actix_http::Payload::from(slow_body));
+    let first = async {
+        let response = app.call(keyless).await.unwrap();
+        response.status()
+    };
+    let second = async {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        send(&app, "other-key", "", 1).await
+    };
+    let (first, second) = futures_util::future::join(first, second).await;
+    assert_eq!(first, StatusCode::CREATED);
+    assert_eq!(
+        second.status,
+        StatusCode::CREATED,
+        "a keyed request waited for a keyless client's upload: {}",
+        second.body
+    );
+}
+
+/// Under REPEATABLE READ a claim that meets a concurrent change of the row raises a
+/// serialization failure (here a purge deleting the expired record the claim takes over, held
+/// open for 300 ms by an outside transaction). Nothing has run yet, so the claim is made again
+/// in a new transaction, retries of the handler configured or not; it used to answer 503
+/// (found by review, 2026-12-04).
+#[actix_web::test]
+async fn a_claim_serialization_failure_is_claimed_again() {
+    let (db, store) = setup().await;
+    execute(
+        &db.url,
+        "INSERT INTO idempotency_keys (tenant, method, path, idempotency_key, fingerprint, state,
+             response_status, response_headers, response_body, completed_at, created_at, expires_at)
+         VALUES ('acct_1', 'POST', '/payments', 'rrp', decode(repeat('00', 32), 'hex'), 'completed',
+             201, ''::bytea, ''::bytea, now() - interval '2 days', now() - interval '2 days',
+             now() - interval '1 day')",
+    );
+    let runs = Runs::default();
+    let middleware = tx_builder(&store)
+        .isolation_level(idempotency_actix::store::postgres::IsolationLevel::RepeatableRead)
+        .build();
+    let app = app!(middleware, runs);
+    let mut purge = idempotency_actix::store::postgres::establish(&db.url)
+        .await
+        .unwrap();
+    purge
+        .batch_execute("BEGIN; DELETE FROM idempotency_keys WHERE idempotency_key = 'rrp'")
+        .await
+        .unwrap();
+    let request = send(&app, "rrp", "", 1);
+    let commit_purge = async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        purge.batch_execute("COMMIT").await.unwrap();
+    };
+    let (answer, ()) = futures_util::future::join(request, commit_purge).await;
+    assert_eq!(answer.status, StatusCode::CREATED, "{}", answer.body);
+    assert_eq!(payments(&db), 1);
+}
+
+/// The client leaves (actix drops the request's future) while the handler runs: the
+/// transaction still commits (detached), and the retry replays.
+#[actix_web::test]
+async fn a_client_that_leaves_mid_handler_still_gets_one_commit() {
+    let (db, store) = setup().await;
+    let runs = Runs::default();
+    let app = app!(tx_middleware(&store), runs);
+    let cut = tokio::time::timeout(
+        Duration::from_millis(150),
+        send(&app, "gone1", "?sleep_ms=600", 1),
+    )
+    .await;
+    assert!(cut.is_err(), "the request should have been cut");
+    // Keyless too.
+    let cut = tokio::time::timeout(
+        Duration::from_millis(150),
+        call(
+            &app,
+            post(None, "?sleep_ms=600", serde_json::json!({"amount": 2})),
+        ),
+    )
+    .await;
+    assert!(cut.is_err());
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    assert_eq!(payments(&db), 2, "both detached runs committed");
+    let retry = send(&app, "gone1", "?sleep_ms=600", 1).await;
+    assert!(retry.replayed, "{} {}", retry.status, retry.body);
+    assert_eq!(runs.get(), 2);
+}
+
+/// A handler that keeps its IdempotentTx on a spawned task that still holds the
+/// connection when the handler returns: 500, nothing committed, and the key free once the
+/// task is done.
+async fn spawns_a_holder(tx: IdempotentTx) -> HttpResponse {
+    actix_web::rt::spawn(async move {
+        let mut conn = tx.conn();
+        let _ = diesel::sql_query("INSERT INTO payments (amount) VALUES (7)")
+            .execute(&mut *conn)
+            .await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let _ = diesel::sql_query("INSERT INTO payments (amount) VALUES (8)")
+            .execute(&mut *conn)
+            .await;
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    HttpResponse::Created().finish()
+}
+
+#[actix_web::test]
+async fn a_txconn_held_by_a_spawned_task_is_rolled_back_and_frees_the_key() {
+    let (db, store) = setup().await;
+    let app = test::init_service(
+        App::new().service(
+            web::scope("")
+                .wrap(tx_middleware(&store))
+                .route("/payments", web::post().to(spawns_a_holder)),
+        ),
+    )
+    .await;
+    let first = send(&app, "held1", "", 1).await;
+    assert_eq!(
+        first.status,
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "{}",
+        first.body
+    );
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(payments(&db), 0);
+    assert!(records_for_key(&db.url, "held1").is_empty());
+    let pg_idle_in_tx = count(
+        &db.url,
+        "SELECT count(*) AS n FROM pg_stat_activity WHERE datname = current_database() AND state LIKE 'idle in transaction%'",
+    );
+    assert_eq!(
+        pg_idle_in_tx, 0,
+        "a session is still in the request's transaction"
+    );
+}
+
+/// The default isolation is READ COMMITTED whatever the database's default: the middleware
+/// used to send a plain `BEGIN`, so a database whose `default_transaction_isolation` is
+/// `serializable` (a common hardening) ran every request SERIALIZABLE, and two requests with
+/// different keys whose handlers run no statement failed each other through the middleware's
+/// own rows (found by review, 2026-12-04).
+#[actix_web::test]
+async fn the_default_isolation_is_read_committed_whatever_the_database_default() {
+    let db = TestDb::new().await;
+    execute(
+        &db.url,
+        &format!(
+            "ALTER DATABASE {} SET default_transaction_isolation = 'serializable'",
+            db.name
+        ),
+    );
+    let store = PostgresStore::connect(&db.url).await.unwrap();
+    let app = test::init_service(
+        App::new().service(
+            web::scope("")
+                .wrap(tx_middleware(&store))
+                .route("/payments", web::post().to(no_statement)),
+        ),
+    )
+    .await;
+    let a = send(&app, "di-a", "", 1);
+    let b = async {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        send(&app, "di-b", "", 2).await
+    };
+    let (a, b) = futures_util::future::join(a, b).await;
+    assert_eq!(a.status, StatusCode::CREATED, "a: {}", a.body);
+    assert_eq!(b.status, StatusCode::CREATED, "b: {}", b.body);
+}
+
+/// Keeps a copy of its request on a task for 5 s (an audit log, say), inserts, then panics.
+async fn keeps_request_then_panics(req: actix_web::HttpRequest, tx: IdempotentTx) -> HttpResponse {
+    actix_web::rt::spawn(async move {
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        drop(req);
+    });
+    {
+        let mut conn = tx.conn();
+        let _ = diesel::sql_query("INSERT INTO payments (amount) VALUES (1)")
+            .execute(&mut *conn)
+            .await;
+    }
+    panic!("the handler panicked on purpose");
+}
+
+/// A keyed handler panics while a copy of its HttpRequest lives on (on a task): the request's
+/// extensions hold the IdempotentTx, whose slot used to keep the connection, the open
+/// transaction and its claim until that copy was dropped (the retry got 409 meanwhile). Now
+/// the slot is emptied on unwind (found by review, 2026-12-04).
+#[actix_web::test]
+async fn a_panicking_handler_that_kept_its_request_does_not_hold_the_key() {
+    let (db, store) = setup().await;
+    let app = test::init_service(
+        App::new().service(
+            web::scope("")
+                .wrap(tx_middleware(&store))
+                .route("/payments", web::post().to(keeps_request_then_panics)),
+        ),
+    )
+    .await;
+    let first = send(&app, "kp1", "", 1).await;
+    assert_eq!(first.status, StatusCode::INTERNAL_SERVER_ERROR);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let open = count(
+        &db.url,
+        "SELECT count(*) AS n FROM pg_stat_activity WHERE datname = current_database() AND state LIKE 'idle in transaction%'",
+    );
+    let retry = send(&app, "kp1", "", 1).await;
+    assert_ne!(
+        retry.status,
+        StatusCode::CONFLICT,
+        "the key is held by the panicked request's open transaction ({open} session(s) idle in transaction): {}",
+        retry.body
+    );
+}
+
+/// Echoes the body it was given, in its transaction.
+async fn echo_body(tx: IdempotentTx, body: web::Bytes) -> HttpResponse {
+    drop(tx);
+    HttpResponse::Created().json(serde_json::json!({ "body": String::from_utf8_lossy(&body) }))
+}
+
+/// A keyless body over `max_body_bytes` is not refused (as in default mode): what was read
+/// before the transaction opened is put back in front of the rest, and the handler gets it
+/// whole, in order.
+#[actix_web::test]
+async fn a_keyless_body_over_the_buffer_limit_reaches_the_handler_whole() {
+    let (_db, store) = setup().await;
+    let app = test::init_service(
+        App::new().service(
+            web::scope("")
+                .wrap(tx_builder(&store).max_body_bytes(16).build())
+                .route("/payments", web::post().to(echo_body)),
+        ),
+    )
+    .await;
+    let chunks = futures_util::stream::iter(
+        [
+            b"0123456789".as_slice(),
+            b"abcdefghij",
+            b"klmnopqrst",
+            b"uvwxyz",
+        ]
+        .map(|chunk| Ok::<_, actix_web::error::PayloadError>(bytes::Bytes::from_static(chunk))),
+    );
+    let chunks: std::pin::Pin<
+        Box<dyn futures_util::Stream<Item = Result<bytes::Bytes, actix_web::error::PayloadError>>>,
+    > = Box::pin(chunks);
+    let request = test::TestRequest::post()
+        .uri("/payments")
+        .insert_header(("x-account-id", "acct_1"))
+        .to_request();
+    let (request, _) = request.replace_payload(actix_http::Payload::from(chunks));
+    let response = app.call(request).await.expect("response");
+    assert_eq!(response.status(), StatusCode::CREATED);
+    let body: serde_json::Value = test::read_body_json(response).await;
+    assert_eq!(
+        body["body"], "0123456789abcdefghijklmnopqrstuvwxyz",
+        "{body}"
+    );
+}

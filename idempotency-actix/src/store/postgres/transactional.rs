@@ -61,7 +61,9 @@ pub enum IsolationLevel {
 impl IsolationLevel {
     fn begin_sql(self) -> &'static str {
         match self {
-            Self::ReadCommitted => "BEGIN",
+            // Named, not a plain BEGIN: a database or role whose `default_transaction_isolation`
+            // is stricter (a common hardening) would otherwise run every request under it.
+            Self::ReadCommitted => "BEGIN ISOLATION LEVEL READ COMMITTED",
             Self::RepeatableRead => "BEGIN ISOLATION LEVEL REPEATABLE READ",
             Self::Serializable => "BEGIN ISOLATION LEVEL SERIALIZABLE",
         }
@@ -267,6 +269,17 @@ pub(crate) fn is_serialization_failure(error: &DieselError) -> bool {
         error,
         DieselError::DatabaseError(DatabaseErrorKind::SerializationFailure, _)
     )
+}
+
+/// Whether a claim failed with a serialization failure (40001): under REPEATABLE READ or
+/// SERIALIZABLE its snapshot predates a row committed meanwhile.
+pub(crate) fn is_serialization_store_error(error: &StoreError) -> bool {
+    match error {
+        StoreError::Backend(error) => error
+            .downcast_ref::<DieselError>()
+            .is_some_and(is_serialization_failure),
+        _ => false,
+    }
 }
 
 /// Whether an error means the connection is gone (the outcome of a COMMIT is then unknown).
