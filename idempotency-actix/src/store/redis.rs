@@ -73,9 +73,9 @@
 //! # Faults
 //! Redis unreachable, a timeout (default 2 s per call), `LOADING`, `BUSY`, `READONLY`, `OOM`,
 //! `MASTERDOWN`, `CLUSTERDOWN`, `TRYAGAIN`: [`StoreError::Unavailable`] (503 before the
-//! handler; `complete` is retried by the middleware until the lease ends). A command that timed
-//! out may still have run on the server: a reservation made that way is held by nobody and
-//! ends with its lease, like a crashed holder's.
+//! handler; `complete` is retried by the middleware until the lease ends). A reserve that timed
+//! out may still have run on the server: a release fenced by its token follows it on the same
+//! connection (`give_back_later`), so its key is not held by nobody for a lease.
 //!
 //! A full Redis (`OOM` under `noeviction`) refuses new keys only, like a full memory store
 //! (C22). It refuses a reserve's `SET` before running it, even for a key it holds, so on `OOM`
@@ -581,6 +581,74 @@ where
 
     /// The release script on `conn`: after a reservation's `WAIT` failed, on the connection
     /// that waited (free again at that moment, where another might still be held by a `WAIT`).
+    /// One reserve's decision: the native `SET ... NX GET`, then the reserve script when it
+    /// found a record that is not a completed one.
+    async fn decide(
+        &self,
+        conn: &mut C,
+        key: &str,
+        fingerprint: &Fingerprint,
+        reservation: &[u8],
+        life_ms: u64,
+        token: ReservationToken,
+    ) -> Result<ReserveOutcome, StoreError> {
+        let outcome = match self.set_or_get(conn, key, reservation, life_ms).await? {
+            SetOrGet::Reserved => ReserveOutcome::Reserved { token },
+            SetOrGet::Found(bytes, now_us) if bytes.first() == Some(&record::COMPLETED) => {
+                completed(record::decode(bytes).map_err(corrupt)?, |expires_us| {
+                    Duration::from_micros(expires_us.saturating_sub(now_us))
+                })?
+            }
+            // Our own reservation: the cluster client sent the `SET` again after an I/O error
+            // that came after Redis had applied it. It is ours (the token is this call's).
+            SetOrGet::Found(bytes, _)
+                if bytes
+                    .get(..=record::WRITE_HEAD_LAST)
+                    .is_some_and(|head| record::holds_write(head, record::IN_FLIGHT, &token)) =>
+            {
+                ReserveOutcome::Reserved { token }
+            }
+            // A reservation: whether it may be taken over is the script's to decide, on
+            // Redis's clock and in the same step as the write.
+            //
+            // Redis full (`OOM`, `noeviction`): the `SET` was refused unread, but a key that
+            // is there must still answer (a replay, 409, 422), as a full memory store's does
+            // (C22: a full store refuses new keys only). The script answers: a script without
+            // flags runs under `OOM` and fails only at a write (Redis 7.0), and it writes only
+            // for an absent key or a takeover, which then fail with `OOM`, i.e. 503, closed.
+            SetOrGet::Found(..) | SetOrGet::OutOfMemory => {
+                let reply: Value = self
+                    .timed(
+                        self.inner
+                            .reserve
+                            .key(key)
+                            .arg(fingerprint.as_bytes())
+                            .arg(reservation)
+                            .arg(life_ms)
+                            .invoke_async(conn),
+                    )
+                    .await?;
+                decode_reserve(reply, token)?
+            }
+        };
+        Ok(outcome)
+    }
+
+    /// After a failed reserve, give back the reservation it may have made anyway, in the
+    /// background. A reply that timed out (Redis slow or frozen, a network pause) or a
+    /// connection lost after sending leaves the `SET` (or the script) sent and perhaps applied
+    /// later: the caller answers 503 and runs nothing, and without this the key would be held
+    /// by nobody for a whole lease, the client's retry of the same request told 409. The
+    /// release is fenced by this call's token (a no-op if the write never happened or someone
+    /// else holds the key now) and goes on the same connection, behind the write it undoes.
+    fn give_back_later(&self, mut conn: C, scope: &Scope, token: ReservationToken) {
+        let store = self.clone();
+        let scope = scope.clone();
+        tokio::spawn(async move {
+            let _ = store.release_on(&mut conn, &scope, &token).await;
+        });
+    }
+
     async fn release_on(
         &self,
         conn: &mut C,
@@ -1081,37 +1149,14 @@ where
             record::in_flight(fingerprint, &token, unix_micros_here(), lease_us, grace_us);
         let life_ms = key_life_ms(lease_us, grace_us);
         let mut conn = self.pick();
-        let outcome = match self
-            .set_or_get(&mut conn, &key, &reservation, life_ms)
-            .await?
-        {
-            SetOrGet::Reserved => ReserveOutcome::Reserved { token },
-            SetOrGet::Found(bytes, now_us) if bytes.first() == Some(&record::COMPLETED) => {
-                completed(record::decode(bytes).map_err(corrupt)?, |expires_us| {
-                    Duration::from_micros(expires_us.saturating_sub(now_us))
-                })?
-            }
-            // A reservation: whether it may be taken over is the script's to decide, on
-            // Redis's clock and in the same step as the write.
-            //
-            // Redis full (`OOM`, `noeviction`): the `SET` was refused unread, but a key that
-            // is there must still answer (a replay, 409, 422), as a full memory store's does
-            // (C22: a full store refuses new keys only). The script answers: a script without
-            // flags runs under `OOM` and fails only at a write (Redis 7.0), and it writes only
-            // for an absent key or a takeover, which then fail with `OOM`, i.e. 503, closed.
-            SetOrGet::Found(..) | SetOrGet::OutOfMemory => {
-                let reply: Value = self
-                    .timed(
-                        self.inner
-                            .reserve
-                            .key(&key)
-                            .arg(fingerprint.as_bytes())
-                            .arg(reservation.as_slice())
-                            .arg(life_ms)
-                            .invoke_async(&mut conn),
-                    )
-                    .await?;
-                decode_reserve(reply, token)?
+        let decided = self
+            .decide(&mut conn, &key, fingerprint, &reservation, life_ms, token)
+            .await;
+        let outcome = match decided {
+            Ok(outcome) => outcome,
+            Err(error) => {
+                self.give_back_later(conn, scope, token);
+                return Err(error);
             }
         };
         if let (ReserveOutcome::Reserved { .. }, Some((replicas, timeout))) =

@@ -987,3 +987,34 @@ fn a_threads_connection_closes_when_the_thread_exits() {
     // The store still works, over the shared connection.
     home.block_on(reserved(&store, &scope("after", "k"), &FP_A, LEASE));
 }
+
+/// A reserve whose reply times out (C15: 503, the handler does not run) but whose `SET` Redis
+/// runs afterwards used to leave a reservation nobody holds: the client's retry of the very
+/// same request was told 409 for a whole lease, though no handler ever ran. The store now
+/// gives it back, fenced by its token, on the same connection (found by review, 2026-12-04).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timed_out_reserve_does_not_leave_the_key_held_by_nobody() {
+    let redis = RedisServer::start();
+    let store = RedisStore::builder()
+        .response_timeout(Duration::from_millis(300))
+        .connection_per_thread(false)
+        .connect(&redis.url())
+        .await
+        .expect("connect");
+    let s = scope("t", "timed-out");
+    // Redis frozen: the SET is sent and queued, its reply never comes in time.
+    redis.signal("STOP");
+    let first = store.reserve(&s, &FP_A, LEASE).await;
+    redis.signal("CONT");
+    assert!(
+        matches!(first, Err(StoreError::Unavailable(_))),
+        "got {first:?}"
+    );
+    // Redis has now run the queued SET. The client retries its request after the 503.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let retry = store.reserve(&s, &FP_A, LEASE).await;
+    assert!(
+        matches!(retry, Ok(ReserveOutcome::Reserved { .. })),
+        "the retry of a request that never ran is refused for a whole lease: {retry:?}"
+    );
+}

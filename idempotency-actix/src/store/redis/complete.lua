@@ -25,5 +25,5 @@ local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local ttl = tonumber(ARGV[2])
 redis.call('SET', KEYS[1],
   'C' .. string.sub(v, 2, 85) .. string.format('%016.0f%016.0f', now, now + ttl) .. ARGV[3],
-  'PX', string.format('%.0f', math.max(math.ceil(ttl / 1000), 1)))
+  'PX', string.format('%.0f', math.max(math.floor(ttl / 1000), 1)))
 return 1

@@ -11,7 +11,7 @@
 -- ARGV[2] the new reservation (record.rs, in_flight)
 -- ARGV[3] its key's life in milliseconds (lease + grace, rounded up)
 --
--- Returns {'r'} (reserved: ARGV[2] is stored),
+-- Returns {'r'} (reserved: ARGV[2] is stored, now or by an earlier send of this same call),
 --         {'f', fingerprint, lease_remaining_us} (in flight, not taken over), or
 --         {'c', record, remaining_us} (a live completed record).
 local v = redis.call('GET', KEYS[1])
@@ -24,6 +24,11 @@ if v then
   end
   if st ~= 'F' then
     return redis.error_reply('ERR not an idempotency record')
+  end
+  -- Our own reservation (this call's token): the cluster client sent the script again after
+  -- an I/O error that came after Redis had run it.
+  if string.sub(v, 34, 69) == string.sub(ARGV[2], 34, 69) then
+    return {'r'}
   end
   -- The lease ends where the key's life less the grace does: Redis's clock, to the ms.
   local fp = string.sub(v, 2, 33)
