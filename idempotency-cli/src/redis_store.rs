@@ -207,12 +207,18 @@ impl<C: Conn> Redis<'_, C> {
         )
     }
 
-    /// Every key matching `pattern`, by `SCAN` on every primary.
+    /// Every key matching `pattern`, by `SCAN` on every primary, each once. `SCAN` returns a key
+    /// at least once, and twice when Redis shrinks its table during the walk (a wave of
+    /// expiries) or a resharding moves a key to a node not yet walked: without this a record
+    /// was counted or listed twice, and `release KEY` refused it as "matches 2 records".
     async fn scan(&mut self, pattern: &str) -> Result<Vec<Vec<u8>>, CliError> {
-        KeyScan::new(pattern)
+        let mut keys = KeyScan::new(pattern)
             .collect(&mut self.conn)
             .await
-            .map_err(failed)
+            .map_err(failed)?;
+        keys.sort_unstable();
+        keys.dedup();
+        Ok(keys)
     }
 
     /// Read the records at `keys` (one pipeline); keys that vanished or are not records are

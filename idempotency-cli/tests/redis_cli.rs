@@ -372,3 +372,95 @@ fn redis_down_is_unavailable_and_the_password_stays_secret() {
     expect_code(&out, USAGE);
     assert!(!stderr(&out).contains("hunter2secret"), "{}", stderr(&out));
 }
+
+/// `SCAN` returns a key at least once, and twice when Redis shrinks its table during the walk:
+/// `idem-cli stats` while most of the keyspace goes away (a wave of expiries, here deletes)
+/// used to count some records twice (and `release KEY` could refuse one record as two). Redis
+/// shrinks its table in its cron (`--hz 500`: within 2 ms) once less than a tenth of it is
+/// used. Timing-dependent: with 30 rounds it failed in 5 of 6 runs before the fix (found by
+/// review, 2026-12-04); 10 here, to keep it under 20 s once it passes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stats_counts_each_record_once_while_the_keyspace_shrinks() {
+    use idempotency_actix::store::redis::redis;
+    use idempotency_actix::store::redis::{record, record_key};
+    use idempotency_actix::store::ReservationToken;
+    const RECORDS: usize = 50_000;
+    let server = RedisServer::start_with(&["--hz", "500"]);
+    let url = server.url();
+    let client = redis::Client::open(url.as_str()).expect("url");
+    let mut conn = client
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connect");
+    // Live reservations, written as the store writes them.
+    for chunk in 0..RECORDS / 10_000 {
+        let mut pipe = redis::pipe();
+        for i in chunk * 10_000..(chunk + 1) * 10_000 {
+            let bytes = record::in_flight(&FP, &ReservationToken::random(), 1, 3_600_000_000, 1);
+            pipe.cmd("SET")
+                .arg(record_key("idem:", &scope("t", &i.to_string())))
+                .arg(bytes)
+                .arg("PX")
+                .arg(3_600_000)
+                .ignore();
+        }
+        pipe.query_async::<()>(&mut conn).await.expect("seed");
+    }
+    let unlink = |from: usize, to: usize| {
+        let mut pipe = redis::pipe();
+        for i in from..to {
+            pipe.cmd("UNLINK").arg(format!("other:{i}")).ignore();
+        }
+        pipe
+    };
+    async fn scans(conn: &mut redis::aio::MultiplexedConnection) -> u64 {
+        let info: String = redis::cmd("INFO")
+            .arg("commandstats")
+            .query_async(conn)
+            .await
+            .expect("INFO");
+        info.lines()
+            .find_map(|l| l.strip_prefix("cmdstat_scan:calls="))
+            .and_then(|l| l.split(',').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0)
+    }
+    let mut counts = Vec::new();
+    for _round in 0..10 {
+        // Grow the table (470,000 keys: 524,288 buckets), then delete down to just over a
+        // tenth of it (60,000 keys): no shrink yet.
+        for chunk in 0..42 {
+            let mut pipe = redis::pipe();
+            for i in chunk * 10_000..(chunk + 1) * 10_000 {
+                pipe.cmd("SET").arg(format!("other:{i}")).arg("x").ignore();
+            }
+            pipe.query_async::<()>(&mut conn).await.expect("seed");
+        }
+        for chunk in 1..42 {
+            unlink(chunk * 10_000, (chunk + 1) * 10_000)
+                .query_async::<()>(&mut conn)
+                .await
+                .expect("unlink");
+        }
+        let before = scans(&mut conn).await;
+        let url2 = url.clone();
+        let cli = std::thread::spawn(move || idem(&url2, &["stats", "--format", "json"]));
+        // idem-cli is walking: the last 10,000 others go, and Redis shrinks the table.
+        while scans(&mut conn).await < before + 5 {}
+        unlink(0, 10_000)
+            .query_async::<()>(&mut conn)
+            .await
+            .expect("unlink");
+        let out = cli.join().expect("idem-cli");
+        expect_code(&out, 0);
+        let total = json_lines(&out)[0]["total"].as_u64().unwrap_or_default();
+        counts.push(total);
+        if total != RECORDS as u64 {
+            break;
+        }
+    }
+    assert!(
+        counts.iter().all(|n| *n == RECORDS as u64),
+        "idem-cli stats counted {counts:?} records; there are {RECORDS}"
+    );
+}
