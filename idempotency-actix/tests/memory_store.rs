@@ -682,3 +682,64 @@ async fn the_byte_bound_holds_for_sliced_handler_bodies() {
         store.bytes_used()
     );
 }
+
+fn with_header(value_len: usize, body: &'static [u8]) -> StoredResponse {
+    StoredResponse {
+        status: 201,
+        headers: vec![("x-echo".to_owned(), Bytes::from(vec![b'h'; value_len]))],
+        body: Bytes::from_static(body),
+    }
+}
+
+/// The headers a full store lets past its bound are bounded too: at most one more allowance
+/// (found by review of the fix above, 2026-12-04: a 1.4 MB header block was stored under a
+/// 1,395-byte bound).
+#[tokio::test]
+async fn a_header_block_larger_than_the_allowance_is_not_stored_past_the_bound() {
+    let allowance = 1_000;
+    let probe = MemoryStore::builder().response_allowance(allowance).build();
+    reserved(&probe, "p1", &FP_A, MINUTE).await;
+    let max_bytes = probe.bytes_used();
+    let store = MemoryStore::builder()
+        .response_allowance(allowance)
+        .max_bytes(max_bytes)
+        .build();
+    let token = reserved(&store, "k1", &FP_A, MINUTE).await;
+    let response = with_header(max_bytes * 1000, b"ok");
+    let outcome = store
+        .complete(&scope("k1"), &token, &response, MINUTE)
+        .await;
+    let used = store.bytes_used();
+    assert!(
+        matches!(outcome, Err(StoreError::ByteCapacity(_))),
+        "complete answered {outcome:?}, {used} bytes charged under a max_bytes of {max_bytes}"
+    );
+    assert!(used <= max_bytes, "{used} bytes charged under {max_bytes}");
+}
+
+/// A late complete (its lease ended and its allowance went, here to another request) gets no
+/// room past the bound (found by review, 2026-12-04).
+#[tokio::test]
+async fn a_late_complete_does_not_overshoot_the_bound() {
+    let allowance = 1_000;
+    let probe = MemoryStore::builder().response_allowance(allowance).build();
+    reserved(&probe, "p1", &FP_A, MINUTE).await;
+    let base = probe.bytes_used() - allowance;
+    let max_bytes = 2 * base + allowance + 100;
+    let store = MemoryStore::builder()
+        .response_allowance(allowance)
+        .max_bytes(max_bytes)
+        .build();
+    let token = reserved(&store, "k1", &FP_A, Duration::from_millis(50)).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    reserved(&store, "k2", &FP_A, MINUTE).await; // takes k1's given-back allowance
+    let response = with_header(64 * 1024, b"");
+    let outcome = store
+        .complete(&scope("k1"), &token, &response, MINUTE)
+        .await;
+    let used = store.bytes_used();
+    assert!(
+        used <= max_bytes && matches!(outcome, Err(StoreError::ByteCapacity(_))),
+        "late complete answered {outcome:?}; {used} bytes charged under max_bytes {max_bytes}"
+    );
+}

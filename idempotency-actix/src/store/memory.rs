@@ -112,7 +112,8 @@ fn scope_charge(scope: &Scope) -> usize {
 /// handler's side effects happened, which would leave the key reserved and invite a second
 /// execution once the lease ends. (The allowance is for the body, as the middleware's
 /// `max_response_bytes` is; a response's headers come on top of it, and when the store is full
-/// they may take the bound past `max_bytes` by their size rather than fail the write.) The
+/// they may take the bound past `max_bytes` by their size, up to one more allowance, rather
+/// than fail the write; new keys are refused until records expire.) The
 /// price is that each running request holds its allowance of the byte bound. A response larger than the allowance (only when the middleware's
 /// `max_response_bytes` is set above it) needs the difference from free space; without it,
 /// `complete` fails with [`StoreError::ByteCapacity`], the reservation stays, and the
@@ -557,7 +558,9 @@ struct Inner {
     /// Entries whose record changed since (generation differs) are skipped.
     completion_order: VecDeque<(Instant, Key, u64)>,
     limits: Limits,
-    /// The sum of the records' charges, never more than `limits.max_bytes`.
+    /// The sum of the records' charges: at most `limits.max_bytes`, except for the headers of
+    /// responses completed while the store was full (at most one allowance per reservation,
+    /// see `complete`), which new reservations then wait for.
     bytes: usize,
     next_generation: u64,
     last_full_sweep: Instant,
@@ -1038,9 +1041,14 @@ impl IdempotencyStore for MemoryStore {
                 Ok(()) => {}
                 // The room for this body was secured before its handler ran. Its headers are
                 // outside the allowance (the middleware's `max_response_bytes` counts the
-                // body), so they may take the bound a little past it: refusing here, after the
-                // handler's effects, would leave the key to a second run once the lease ends.
-                Err(_) if response.body.len() <= allowance => {}
+                // body), so they may take the bound past it, by at most one more allowance:
+                // refusing here, after the handler's effects, would leave the key to a second
+                // run once the lease ends. Not for a late complete (its allowance is gone,
+                // perhaps to another request), nor for headers larger than that.
+                Err(_)
+                    if allowance > 0
+                        && response.body.len() <= allowance
+                        && charge - old <= allowance => {}
                 Err(error) => return Err(error),
             }
         }
