@@ -127,6 +127,31 @@ impl Config {
         self.methods.contains(method)
     }
 
+    /// Whether a response with `status` is stored (`store_statuses`).
+    pub(crate) fn stores_status(&self, status: StatusCode) -> bool {
+        self.keeps("store_statuses", || (self.store_status)(status))
+    }
+
+    /// Whether `store_if` (if set) keeps this response.
+    pub(crate) fn store_if_keeps(&self, parts: &ResponseParts<'_>) -> bool {
+        match &self.store_if {
+            Some(keep) => self.keeps("store_if", || keep(parts)),
+            None => true,
+        }
+    }
+
+    /// A user predicate on a finished handler's response. One that panics is the user's bug,
+    /// caught like a panicking hook: the handler has run (a payment may have been made), so the
+    /// response is kept, stored and replayed. Not storing it would release the key (or, in
+    /// transactional mode, roll the handler's writes back while the client is told of a 500)
+    /// and invite a second run.
+    fn keeps(&self, setting: &'static str, predicate: impl FnOnce() -> bool) -> bool {
+        catch_unwind(AssertUnwindSafe(predicate)).unwrap_or_else(|_| {
+            tracing::error!(target: "idempotency_actix", setting, "a response predicate panicked after the handler ran; the response is stored");
+            true
+        })
+    }
+
     pub(crate) fn problem(&self, mut problem: Problem) -> HttpResponse {
         problem.type_base = self.problem_type_base.clone();
         match &self.problem_renderer {

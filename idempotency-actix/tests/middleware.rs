@@ -539,15 +539,54 @@ async fn an_endless_stream_whose_client_left_is_dropped_with_its_key() {
     );
 }
 
-/// C24: a streamed response whose task ends before it finished the body (here a `store_if`
-/// that panics; a worker stopping does the same) fails the client's body. It used to end
-/// cleanly, so the client took a cut response, never stored, for a whole one.
+/// A memory store whose `complete` panics: the request's task ends there, as when its worker
+/// stops.
+#[derive(Clone, Default)]
+struct PanicsOnComplete(MemoryStore);
+
+impl IdempotencyStore for PanicsOnComplete {
+    async fn reserve(
+        &self,
+        scope: &Scope,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+    ) -> Result<ReserveOutcome, StoreError> {
+        self.0.reserve(scope, fingerprint, lease).await
+    }
+    async fn complete(
+        &self,
+        _: &Scope,
+        _: &ReservationToken,
+        _: &StoredResponse,
+        _: Duration,
+    ) -> Result<WriteOutcome, StoreError> {
+        panic!("complete panicked (this test's own panic)")
+    }
+    async fn release(
+        &self,
+        scope: &Scope,
+        token: &ReservationToken,
+    ) -> Result<WriteOutcome, StoreError> {
+        self.0.release(scope, token).await
+    }
+    async fn purge_expired(&self, grace: Duration) -> Result<u64, StoreError> {
+        self.0.purge_expired(grace).await
+    }
+}
+
+/// C24: a streamed response whose task ends before it finished the body (here a store whose
+/// `complete` panics; a worker stopping does the same) fails the client's body. It used to end
+/// cleanly, so the client took a cut response, never stored, for a whole one. (This test used
+/// a panicking `store_if`, which is now caught.)
 #[actix_web::test]
 async fn a_stream_cut_before_its_record_is_stored_never_looks_whole() {
     let counter = Counter::default();
-    let app = app_with(&counter, |b| {
-        b.store_if(|_| panic!("store_if panicked (this test's own panic)"))
-    })
+    let app = init_service(
+        App::new()
+            .app_data(web::Data::new(counter.clone()))
+            .wrap(Idempotency::new(PanicsOnComplete::default()))
+            .route("/receipt", web::post().to(receipt_stream)),
+    )
     .await;
     let response = call_service(&app, post("/receipt", "cut").set_payload("x").to_request()).await;
     assert_eq!(response.status(), StatusCode::OK);
@@ -1635,4 +1674,304 @@ async fn a_body_that_panics_aborts_the_response_and_is_counted() {
     );
     let seen = seen.lock().map(|s| s.clone()).unwrap_or_default();
     assert_eq!(seen, vec![(idempotency_actix::Outcome::BodyError, 200)]);
+}
+
+/// Found by a review of the request flow (2026-12-04); each test failed before its fix.
+mod request_flow {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use actix_web::body::{to_bytes, MessageBody};
+    use actix_web::dev::{Service, ServiceResponse};
+    use actix_web::http::StatusCode;
+    use actix_web::test::{call_service, init_service, TestRequest};
+
+    use actix_web::{web, App, HttpResponse};
+    use idempotency_actix::store::{
+        Fingerprint, IdempotencyStore, MemoryStore, ReservationToken, ReserveOutcome, Scope,
+        StoreError, StoredResponse, WriteOutcome,
+    };
+    use idempotency_actix::Idempotency;
+
+    #[derive(Clone, Default)]
+    struct Counter(Arc<AtomicUsize>);
+
+    impl Counter {
+        fn get(&self) -> usize {
+            self.0.load(Ordering::SeqCst)
+        }
+        fn bump(&self) -> usize {
+            self.0.fetch_add(1, Ordering::SeqCst) + 1
+        }
+    }
+
+    /// The status and body the client gets, errors included (as actix renders them).
+    async fn send<S, B>(app: &S, req: TestRequest) -> (StatusCode, bytes::Bytes)
+    where
+        S: Service<actix_http::Request, Response = ServiceResponse<B>, Error = actix_web::Error>,
+        B: MessageBody,
+    {
+        match app.call(req.to_request()).await {
+            Ok(response) => {
+                let status = response.status();
+                let body = to_bytes(response.into_body()).await.unwrap_or_default();
+                (status, body)
+            }
+            Err(error) => (error.as_response_error().status_code(), bytes::Bytes::new()),
+        }
+    }
+
+    fn post(path: &str, key: &str) -> TestRequest {
+        TestRequest::post()
+            .uri(path)
+            .insert_header(("idempotency-key", key))
+    }
+
+    // Found by review (2026-12-04), failed before the fix: a lone `%` and `%25` reach the handler as the same path parameter, but get two
+    // scopes: the same key runs the handler twice (C3: "two spellings of one route and parameters
+    // are one record").
+
+    #[actix_web::test]
+    async fn a_lone_percent_and_its_escape_are_one_scope() {
+        let counter = Counter::default();
+        let seen = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+        let app = init_service(
+            App::new()
+                .app_data(web::Data::new(counter.clone()))
+                .app_data(web::Data::new(seen.clone()))
+                .wrap(Idempotency::new(MemoryStore::new()))
+                .route(
+                    "/items/{name}",
+                    web::post().to(
+                        |counter: web::Data<Counter>,
+                         seen: web::Data<Arc<std::sync::Mutex<Vec<String>>>>,
+                         name: web::Path<String>| async move {
+                            let n = counter.bump();
+                            seen.lock().unwrap().push(name.clone());
+                            HttpResponse::Created().body(format!("charged {} (run {n})", *name))
+                        },
+                    ),
+                ),
+        )
+        .await;
+        let (first, _) = send(&app, post("/items/100%", "k").set_payload("x")).await;
+        let (second, body) = send(&app, post("/items/100%25", "k").set_payload("x")).await;
+        assert_eq!(first, StatusCode::CREATED);
+        let seen = seen.lock().unwrap().clone();
+        assert_eq!(
+            counter.get(),
+            1,
+            "the same key and the same handler value ({seen:?}) ran twice; second answer {second} {body:?}"
+        );
+    }
+
+    // Found by review (2026-12-04), failed before the fix: fail_open + wait_for_in_flight. The store has said "in flight, same fingerprint";
+    // one failed poll during the wait then lets the duplicate run while the first still runs.
+
+    #[derive(Clone, Default)]
+    struct BlipsOnThirdReserve {
+        inner: MemoryStore,
+        reserves: Arc<AtomicUsize>,
+    }
+
+    impl IdempotencyStore for BlipsOnThirdReserve {
+        async fn reserve(
+            &self,
+            scope: &Scope,
+            fingerprint: &Fingerprint,
+            lease: Duration,
+        ) -> Result<ReserveOutcome, StoreError> {
+            if self.reserves.fetch_add(1, Ordering::SeqCst) == 2 {
+                return Err(StoreError::unavailable("one blip"));
+            }
+            self.inner.reserve(scope, fingerprint, lease).await
+        }
+        async fn complete(
+            &self,
+            scope: &Scope,
+            token: &ReservationToken,
+            response: &StoredResponse,
+            ttl: Duration,
+        ) -> Result<WriteOutcome, StoreError> {
+            self.inner.complete(scope, token, response, ttl).await
+        }
+        async fn release(
+            &self,
+            scope: &Scope,
+            token: &ReservationToken,
+        ) -> Result<WriteOutcome, StoreError> {
+            self.inner.release(scope, token).await
+        }
+        async fn purge_expired(&self, grace: Duration) -> Result<u64, StoreError> {
+            self.inner.purge_expired(grace).await
+        }
+    }
+
+    #[actix_web::test]
+    async fn a_store_blip_while_waiting_does_not_run_a_known_in_flight_duplicate() {
+        let counter = Counter::default();
+        let app = init_service(
+            App::new()
+                .app_data(web::Data::new(counter.clone()))
+                .wrap(
+                    Idempotency::builder(BlipsOnThirdReserve::default())
+                        .fail_open(true)
+                        .wait_for_in_flight(Duration::from_secs(2))
+                        .build(),
+                )
+                .route(
+                    "/pay",
+                    web::post().to(|counter: web::Data<Counter>| async move {
+                        let n = counter.bump();
+                        tokio::time::sleep(Duration::from_millis(400)).await;
+                        HttpResponse::Created().body(format!("charge {n}"))
+                    }),
+                ),
+        )
+        .await;
+        let (first, second) = tokio::join!(send(&app, post("/pay", "k").set_payload("x")), async {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            send(&app, post("/pay", "k").set_payload("x")).await
+        });
+        assert_eq!(first.1, "charge 1");
+        assert_eq!(
+            counter.get(),
+            1,
+            "a duplicate the store reported in flight ran concurrently: {second:?}"
+        );
+    }
+
+    // Found by review (2026-12-04), failed before the fix: a waiter whose client left keeps polling, and later runs the handler for nobody.
+
+    #[derive(Clone, Default)]
+    struct CountingStore {
+        inner: MemoryStore,
+        reserves: Arc<AtomicUsize>,
+    }
+
+    impl IdempotencyStore for CountingStore {
+        async fn reserve(
+            &self,
+            scope: &Scope,
+            fingerprint: &Fingerprint,
+            lease: Duration,
+        ) -> Result<ReserveOutcome, StoreError> {
+            self.reserves.fetch_add(1, Ordering::SeqCst);
+            self.inner.reserve(scope, fingerprint, lease).await
+        }
+        async fn complete(
+            &self,
+            scope: &Scope,
+            token: &ReservationToken,
+            response: &StoredResponse,
+            ttl: Duration,
+        ) -> Result<WriteOutcome, StoreError> {
+            self.inner.complete(scope, token, response, ttl).await
+        }
+        async fn release(
+            &self,
+            scope: &Scope,
+            token: &ReservationToken,
+        ) -> Result<WriteOutcome, StoreError> {
+            self.inner.release(scope, token).await
+        }
+        async fn purge_expired(&self, grace: Duration) -> Result<u64, StoreError> {
+            self.inner.purge_expired(grace).await
+        }
+    }
+
+    #[actix_web::test]
+    async fn a_waiter_whose_client_left_stops_waiting() {
+        let counter = Counter::default();
+        let store = CountingStore::default();
+        let app = init_service(
+            App::new()
+                .app_data(web::Data::new(counter.clone()))
+                .wrap(
+                    Idempotency::builder(store.clone())
+                        .wait_for_in_flight(Duration::from_secs(30))
+                        .build(),
+                )
+                .route(
+                    "/pay",
+                    web::post().to(|counter: web::Data<Counter>| async move {
+                        let n = counter.bump();
+                        if n == 1 {
+                            // The provider fails after a while: not stored, key released.
+                            tokio::time::sleep(Duration::from_millis(600)).await;
+                            return HttpResponse::BadGateway().body("provider down");
+                        }
+                        HttpResponse::Created().body(format!("charge {n}"))
+                    }),
+                ),
+        )
+        .await;
+        let first = send(&app, post("/pay", "k").set_payload("x"));
+        let abandoned = async {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            // The client gives up after 100 ms (its own timeout): the request's future is dropped.
+            let gave_up = tokio::time::timeout(
+                Duration::from_millis(100),
+                call_service(&app, post("/pay", "k").set_payload("x").to_request()),
+            )
+            .await;
+            assert!(gave_up.is_err(), "the waiter answered early");
+            store.reserves.load(Ordering::SeqCst)
+        };
+        let (first, polls_at_drop) = tokio::join!(first, abandoned);
+        assert_eq!(first.0, StatusCode::BAD_GATEWAY);
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        let polls_later = store.reserves.load(Ordering::SeqCst);
+        assert_eq!(
+            (counter.get(), polls_later),
+            (1, polls_at_drop),
+            "after its client left, the waiter polled the store {} more times and ran the handler \
+             {} time(s) for nobody",
+            polls_later - polls_at_drop,
+            counter.get() - 1
+        );
+    }
+
+    // Found by review (2026-12-04), failed before the fix: a panicking `store_if` (user predicate) after the handler succeeded: the client gets
+    // an opaque 500 for a payment that was made, the key is stuck for a lease, and the retry after
+    // the lease runs the payment again. Renderer and hook panics are caught; this one is not.
+
+    #[actix_web::test]
+    async fn a_panicking_store_if_neither_hides_nor_repeats_a_completed_payment() {
+        let counter = Counter::default();
+        let app = init_service(
+            App::new()
+                .app_data(web::Data::new(counter.clone()))
+                .wrap(
+                    Idempotency::builder(MemoryStore::new())
+                        .lock_timeout(Duration::from_millis(300))
+                        .store_if(|response| {
+                            let json: serde_json::Value = serde_json::from_slice(response.body)
+                                .expect("handlers answer JSON");
+                            json["status"] != "partial"
+                        })
+                        .build(),
+                )
+                .route(
+                    "/pay",
+                    web::post().to(|counter: web::Data<Counter>| async move {
+                        let n = counter.bump();
+                        HttpResponse::Created().body(format!("receipt {n} (not JSON)"))
+                    }),
+                ),
+        )
+        .await;
+        let (first_status, _) = send(&app, post("/pay", "k").set_payload("x")).await;
+        let (retry, _) = send(&app, post("/pay", "k").set_payload("x")).await;
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        let (after_lease, body) = send(&app, post("/pay", "k").set_payload("x")).await;
+        assert_eq!(
+            (first_status, counter.get()),
+            (StatusCode::CREATED, 1),
+            "first {first_status}, retry {retry}, after the lease {after_lease} {body:?}: the payment \
+             ran {} times",
+            counter.get()
+        );
+    }
 }

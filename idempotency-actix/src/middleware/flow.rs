@@ -63,22 +63,31 @@ pub(super) type Answer<B> = oneshot::Sender<FlowResult<B>>;
 ///
 /// `matched` is the path as actix's router sees it: percent-encoded characters decoded except
 /// `%2F`, `%2B` and `%25`, which it keeps as sent (decoding `/` would change which route
-/// matches). The path extractor decodes those three too, so `a%2Fb` and `a%2fb` (the same URI,
-/// RFC 3986 6.2.2.1), and `a+b` and `a%2Bb`, reach a handler as the same value. Here the
-/// escapes' hex digits are upper-cased and `%2B` becomes `+`. `%2F` stays escaped: decoded,
-/// `/items/a%2Fb` (one segment) would share its record with the route `/items/a/b`. Erring
-/// towards one record is the safe side: two spellings of one key then get a replay or a 422
-/// (the fingerprint takes the path as sent), never a second run.
+/// matches), and a `%` that starts no escape kept as it is. The path extractor decodes all of
+/// them, so `a%2Fb` and `a%2fb` (the same URI, RFC 3986 6.2.2.1), `a+b` and `a%2Bb`, and `100%`
+/// and `100%25` reach a handler as the same value. Here the escapes' hex digits are upper-cased,
+/// `%2B` becomes `+`, and a lone `%` is written `%25`. `%2F` stays escaped: decoded,
+/// `/items/a%2Fb` (one segment) would share its record with the route `/items/a/b`. Control
+/// characters the router decoded (`%00` becomes a NUL, which PostgreSQL's `text` refuses) are
+/// escaped again, `%00`: every `%` in the result then starts an escape, so no two values share
+/// a spelling. Erring towards one record is the safe side: two spellings of one key then get a
+/// replay or a 422 (the fingerprint takes the path as sent), never a second run.
 fn scope_path(matched: &str) -> String {
-    if !matched.contains('%') {
+    if !matched.bytes().any(|b| b == b'%' || b.is_ascii_control()) {
         return matched.to_owned();
     }
-    let mut path = String::with_capacity(matched.len());
+    let mut path = String::with_capacity(matched.len() + 8);
     let mut rest = matched;
-    while let Some(at) = rest.find('%') {
+    while let Some(at) = rest.find(|c: char| c == '%' || c.is_ascii_control()) {
         path.push_str(&rest[..at]);
-        let escape = rest.as_bytes().get(at + 1..at + 3);
-        match escape {
+        let bytes = rest.as_bytes();
+        if bytes[at] != b'%' {
+            // A control character: one byte, ASCII.
+            path.push_str(&format!("%{:02X}", bytes[at]));
+            rest = &rest[at + 1..];
+            continue;
+        }
+        match bytes.get(at + 1..at + 3) {
             Some([hi, lo]) if hi.is_ascii_hexdigit() && lo.is_ascii_hexdigit() => {
                 if hi.eq_ignore_ascii_case(&b'2') && lo.eq_ignore_ascii_case(&b'b') {
                     path.push('+');
@@ -89,9 +98,9 @@ fn scope_path(matched: &str) -> String {
                 }
                 rest = &rest[at + 3..];
             }
-            // Not an escape (the router keeps a lone `%` as sent): keep it.
+            // Not an escape (the router keeps a lone `%` as sent, and the handler sees `%`).
             _ => {
-                path.push('%');
+                path.push_str("%25");
                 rest = &rest[at + 1..];
             }
         }
@@ -238,7 +247,8 @@ where
                 return;
             }
             let _ = body;
-            let (token, reserved_at) = match self.reserve(&scope, &fingerprint).await {
+            let mut answer = answer;
+            let (token, reserved_at) = match self.reserve(&scope, &fingerprint, &mut answer).await {
                 Ok(reserved) => reserved,
                 Err(Decision::Refuse(problem)) => {
                     let _ = answer.send(Ok(self.refuse(req, problem, &report, Some(&scope))));
@@ -256,6 +266,10 @@ where
                         }
                     };
                     let _ = answer.send(Ok(response));
+                    return;
+                }
+                Err(Decision::Abandoned) => {
+                    tracing::info!(target: "idempotency_actix", outcome = "abandoned", "the client left while waiting for the first request with this key; nothing was run");
                     return;
                 }
                 Err(Decision::PassThrough) => {
@@ -334,17 +348,27 @@ where
     /// Reserve the key, or decide the response without running the handler. With the token
     /// comes the instant the successful call was made, no later than the store started the
     /// lease (the first renewal is due a third of a lease after it).
+    ///
+    /// In wait mode (`wait_for_in_flight`) a request whose client leaves while it waits stops
+    /// waiting (`Abandoned`): run later, for nobody, it would be a second charge when the client
+    /// retried with a new key meanwhile. And once the store said the key is in flight, a store
+    /// error is never failed open: the first request may still be running.
     async fn reserve(
         &self,
         scope: &Scope,
         fingerprint: &Fingerprint,
+        answer: &mut Answer<B>,
     ) -> Result<(ReservationToken, Instant), Decision> {
         let config = &self.config;
         let wait_until = config
             .wait_for_in_flight
             .map(|wait| saturating_deadline(Instant::now(), wait));
         let mut pause = Duration::from_millis(10);
+        let mut seen_in_flight = false;
         loop {
+            if seen_in_flight && answer.is_closed() {
+                return Err(Decision::Abandoned);
+            }
             let called = Instant::now();
             let outcome = outcome::timed(
                 self.meters.histogram(Op::Reserve),
@@ -376,9 +400,13 @@ where
                     return Err(Decision::Replay(response));
                 }
                 Ok(ReserveOutcome::InFlight { .. }) => {
+                    seen_in_flight = true;
                     let now = Instant::now();
                     if let Some(until) = wait_until.filter(|until| *until > now) {
-                        tokio::time::sleep(pause.min(until - now)).await;
+                        tokio::select! {
+                            () = tokio::time::sleep(pause.min(until - now)) => {}
+                            () = answer.closed() => return Err(Decision::Abandoned),
+                        }
                         pause = (pause * 2).min(MAX_POLL_INTERVAL);
                         continue;
                     }
@@ -393,7 +421,12 @@ where
                 }
                 Err(error) => {
                     tracing::error!(target: "idempotency_actix", outcome = "store_error", fail_open = config.fail_open, %error, "could not reserve the key");
-                    if config.fail_open {
+                    // Fail open only when the store could not answer about this key: not once
+                    // it said the key is in flight, nor for an error about this request itself
+                    // (`Backend`: a scope PostgreSQL cannot index), which a client could choose
+                    // to make to go unprotected.
+                    let store_is_down = !matches!(error, StoreError::Backend(_));
+                    if config.fail_open && store_is_down && !seen_in_flight {
                         return Err(Decision::PassThrough);
                     }
                     return Err(Decision::Refuse(
@@ -418,7 +451,7 @@ where
         mut renewal: Renewal<'_, S>,
     ) {
         let response = match result {
-            Ok(response) if (self.config.store_status)(response.status()) => response,
+            Ok(response) if self.config.stores_status(response.status()) => response,
             Ok(response) => {
                 renewal.stop();
                 let status = response.status();
@@ -631,7 +664,7 @@ where
             headers: &head.headers,
             body,
         };
-        if config.store_if.as_ref().is_some_and(|keep| !keep(&parts)) {
+        if !config.store_if_keeps(&parts) {
             self.release(scope, token, "rejected by store_if").await;
             return Outcome::NotStored;
         }
@@ -743,6 +776,8 @@ enum Decision {
     Refuse(Problem),
     Replay(StoredResponse),
     PassThrough,
+    /// The client left while waiting for the first request (wait mode): nobody to answer.
+    Abandoned,
 }
 
 /// The status and headers of a streamed response, kept for its record after its head was sent.
@@ -807,30 +842,58 @@ pub(super) fn unavailable_detail(error: &StoreError) -> String {
     }
 }
 
-/// Buffer the request body, or answer 413 (C14): checked against Content-Length first, then
-/// against the bytes actually read, so a missing or lying Content-Length changes nothing.
-/// The most [`read_body`] reserves ahead on a client's `Content-Length` (the default
+/// The most [`buffer_body`] reserves ahead on a client's `Content-Length` (the default
 /// `max_body_bytes`).
 const RESERVE_CAP: usize = 1 << 20;
 
+/// Buffer the request body, or answer 413 (C14): checked against Content-Length first, then
+/// against the bytes actually read, so a missing or lying Content-Length changes nothing.
 async fn read_body(req: &mut ServiceRequest, max: usize) -> Result<Result<Bytes, Problem>, Error> {
-    let too_large = || {
-        Problem::new(
-            ProblemCode::PayloadTooLarge,
-            format!("the body is larger than {max} bytes"),
-        )
-    };
-    let declared = req
-        .headers()
+    let declared = declared_length(req);
+    if declared.is_some_and(|len| len > max as u64) {
+        return Ok(Err(too_large(max)));
+    }
+    match buffer_body(req, max).await? {
+        Buffered::Whole(body) => Ok(Ok(body)),
+        Buffered::Over { .. } => Ok(Err(too_large(max))),
+    }
+}
+
+fn too_large(max: usize) -> Problem {
+    Problem::new(
+        ProblemCode::PayloadTooLarge,
+        format!("the body is larger than {max} bytes"),
+    )
+}
+
+/// The request's `Content-Length`, if it has a valid one.
+fn declared_length(req: &ServiceRequest) -> Option<u64> {
+    req.headers()
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|len| len > max as u64) {
-        return Ok(Err(too_large()));
-    }
+        .and_then(|v| v.parse::<u64>().ok())
+}
+
+/// A request body read up to a limit by [`buffer_body`].
+pub(super) enum Buffered {
+    /// The whole body, at most the limit.
+    Whole(Bytes),
+    /// More than the limit: what was read before the chunk that crossed it, that chunk, and the
+    /// rest of the body still to come.
+    Over {
+        head: Bytes,
+        chunk: Bytes,
+        rest: Payload,
+    },
+}
+
+/// Take `req`'s body and read it up to `max` bytes. A body that arrives in one chunk (most
+/// small bodies: actix splits it off its read buffer) is kept as that chunk, without a copy;
+/// only a second chunk starts a buffer, so many tiny chunks cost their bytes, not an entry
+/// each. The one place a body is buffered (keyed requests; transactional mode's keyless ones).
+pub(super) async fn buffer_body(req: &mut ServiceRequest, max: usize) -> Result<Buffered, Error> {
+    let declared = declared_length(req);
     let mut payload = req.take_payload();
-    // A body that arrives in one chunk (most small bodies: actix splits it off its read buffer)
-    // is kept as that chunk, without a copy; only a second chunk starts a buffer.
     let mut first: Option<Bytes> = None;
     let mut body = BytesMut::new();
     let mut read = 0usize;
@@ -838,7 +901,12 @@ async fn read_body(req: &mut ServiceRequest, max: usize) -> Result<Result<Bytes,
         let chunk = chunk?;
         read = read.saturating_add(chunk.len());
         if read > max {
-            return Ok(Err(too_large()));
+            let head = first.take().unwrap_or_else(|| body.split().freeze());
+            return Ok(Buffered::Over {
+                head,
+                chunk,
+                rest: payload,
+            });
         }
         if first.is_none() && body.is_empty() {
             first = Some(chunk);
@@ -854,7 +922,7 @@ async fn read_body(req: &mut ServiceRequest, max: usize) -> Result<Result<Bytes,
         }
         body.extend_from_slice(&chunk);
     }
-    Ok(Ok(first.unwrap_or_else(|| body.freeze())))
+    Ok(Buffered::Whole(first.unwrap_or_else(|| body.freeze())))
 }
 
 #[cfg(test)]
@@ -871,11 +939,16 @@ mod tests {
             ("/items/a%2Bb", "/items/a+b"),
             ("/items/a+b", "/items/a+b"),
             ("/items/%25", "/items/%25"),
-            // Not escapes: kept as they are, and never a panic.
-            ("/items/%", "/items/%"),
-            ("/items/%2", "/items/%2"),
-            ("/items/%zz%", "/items/%zz%"),
-            ("/items/%%2f", "/items/%%2F"),
+            // Not escapes: a lone `%` is `%25`, as `%25` itself is kept; never a panic.
+            ("/items/%", "/items/%25"),
+            ("/items/100%", "/items/100%25"),
+            ("/items/100%25", "/items/100%25"),
+            ("/items/%2", "/items/%252"),
+            ("/items/%zz%", "/items/%25zz%25"),
+            ("/items/%%2f", "/items/%25%2F"),
+            // Control characters the router decoded are escaped again.
+            ("/items/a\u{0}b", "/items/a%00b"),
+            ("/items/\u{1f}\u{7f}", "/items/%1F%7F"),
             ("/\u{e9}%2f\u{e9}", "/\u{e9}%2F\u{e9}"),
         ] {
             assert_eq!(scope_path(matched), scope, "{matched}");

@@ -37,7 +37,9 @@ use diesel_async::{AnsiTransactionManager, AsyncPgConnection, TransactionManager
 use futures_util::StreamExt;
 
 use super::detach::detach;
-use super::flow::{opaque_500, unavailable_detail, Flow, FlowResult, MAX_POLL_INTERVAL};
+use super::flow::{
+    buffer_body, opaque_500, unavailable_detail, Buffered, Flow, FlowResult, MAX_POLL_INTERVAL,
+};
 use super::renewal::{Renewal, Reservation};
 use super::replay::{replay, storable_headers};
 use crate::config::{saturating_deadline, Config, ResponseParts};
@@ -300,7 +302,14 @@ pub(super) async fn settle_keyed<S, Svc, B>(
     // The router advances the match info as it matches; a re-run starts from here again.
     let match_info = req.match_info().clone();
     let mut runs = 0u32;
+    let mut answer = answer;
+    let mut waited = false;
     loop {
+        // A client that left while waiting (wait mode) is not run for: see `Flow::reserve`.
+        if waited && answer.is_closed() {
+            tracing::info!(target: "idempotency_actix", outcome = "abandoned", key = %LogText(&scope.key), tenant = %LogText(&scope.tenant), path = %LogText(&scope.path), "the client left while waiting for the first request with this key; nothing was run");
+            return;
+        }
         // No later than the transaction's start, which the stored response's expiry counts
         // from (see `run_and_settle`).
         let opened = Instant::now();
@@ -326,8 +335,12 @@ pub(super) async fn settle_keyed<S, Svc, B>(
             Claimed::InFlight => {
                 let now = Instant::now();
                 if let Some(until) = wait_until.filter(|until| *until > now) {
-                    tokio::time::sleep(pause.min(until - now)).await;
+                    tokio::select! {
+                        () = tokio::time::sleep(pause.min(until - now)) => {}
+                        () = answer.closed() => {}
+                    }
                     pause = (pause * 2).min(MAX_POLL_INTERVAL);
+                    waited = true;
                     continue;
                 }
                 tracing::info!(target: "idempotency_actix", outcome = "conflict", key = %LogText(&scope.key), tenant = %LogText(&scope.tenant), path = %LogText(&scope.path), "the first request with this key is still running (its transaction is open)");
@@ -444,27 +457,17 @@ where
 /// body over `max` is not refused, as it would not be in default mode: what was read is put
 /// back in front of the rest, which then streams to the handler inside the transaction.
 async fn buffer_before_the_transaction(req: &mut ServiceRequest, max: usize) -> Result<(), Error> {
-    let mut payload = req.take_payload();
-    let mut chunks = Vec::new();
-    let mut read = 0usize;
-    while let Some(chunk) = payload.next().await {
-        let chunk = chunk?;
-        read = read.saturating_add(chunk.len());
-        chunks.push(chunk);
-        if read > max {
-            let head = futures_util::stream::iter(chunks.into_iter().map(Ok));
+    match buffer_body(req, max).await? {
+        Buffered::Whole(body) => req.set_payload(Payload::from(body)),
+        Buffered::Over { head, chunk, rest } => {
+            let read = futures_util::stream::iter([head, chunk])
+                .filter(|part| std::future::ready(!part.is_empty()))
+                .map(Ok);
             req.set_payload(Payload::Stream {
-                payload: Box::pin(head.chain(payload)),
+                payload: Box::pin(read.chain(rest)),
             });
-            return Ok(());
         }
     }
-    let body = match chunks.len() {
-        0 => Bytes::new(),
-        1 => chunks.swap_remove(0),
-        _ => chunks.concat().into(),
-    };
-    req.set_payload(Payload::from(body));
     Ok(())
 }
 
@@ -721,7 +724,7 @@ where
         other => other,
     };
     let response = match result {
-        Ok(response) if (config.store_status)(response.status()) => response,
+        Ok(response) if config.stores_status(response.status()) => response,
         Ok(response) => {
             sql::rollback(&tx.store, &mut conn).await;
             let status = response.status();
@@ -771,7 +774,7 @@ where
         headers: head.headers(),
         body: &bytes,
     };
-    if config.store_if.as_ref().is_some_and(|keep| !keep(&parts)) {
+    if !config.store_if_keeps(&parts) {
         sql::rollback(&tx.store, &mut conn).await;
         log_rollback("rejected by store_if");
         outcome(Outcome::RolledBack, status);

@@ -426,3 +426,72 @@ async fn unreachable_database_answers_503_quickly_and_recovers_with(pool_per_thr
     assert_eq!(response.status, 201, "{response:?}");
     handle.stop(false).await;
 }
+
+/// A scope PostgreSQL cannot hold, chosen by the client: a `%00` in a path parameter (the
+/// router decodes it to a NUL, which `text` refuses) used to get 503 every time, and with
+/// `fail_open` ran the handler unprotected on every retry; a path too long for the index does
+/// the second still without the fix. Now the NUL is escaped in the scope (one record, then a
+/// replay), and an error about the request itself is never failed open (found by review,
+/// 2026-12-04).
+#[actix_web::test]
+async fn a_scope_the_client_chose_is_never_run_twice() {
+    use actix_web::test::{call_service, init_service, TestRequest};
+    let db = TestDb::new().await;
+    // 6000 pseudo-random hex digits: too long for the primary-key index even compressed.
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    let long_path: String = (0..6000)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            char::from(b"0123456789abcdef"[(x & 15) as usize])
+        })
+        .collect();
+    let long_path = format!("/items/{long_path}");
+    let mut seen = Vec::new();
+    for fail_open in [false, true] {
+        let runs = Arc::new(AtomicUsize::new(0));
+        let store = PostgresStore::connect(&db.url).await.expect("store");
+        let counted = Arc::clone(&runs);
+        let app = init_service(
+            App::new()
+                .wrap(Idempotency::builder(store).fail_open(fail_open).build())
+                .route(
+                    "/items/{name}",
+                    web::post().to(move || {
+                        let runs = Arc::clone(&counted);
+                        async move {
+                            let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
+                            HttpResponse::Created().body(format!("charge {n}"))
+                        }
+                    }),
+                ),
+        )
+        .await;
+        for path in ["/items/a%00b".to_owned(), long_path.clone()] {
+            runs.store(0, Ordering::SeqCst);
+            let mut statuses = Vec::new();
+            for _ in 0..2 {
+                let request = TestRequest::post()
+                    .uri(&path)
+                    .insert_header(("idempotency-key", format!("k-{fail_open}")))
+                    .set_payload("x")
+                    .to_request();
+                statuses.push(call_service(&app, request).await.status().as_u16());
+            }
+            let ran = AtomicUsize::load(&runs, Ordering::SeqCst);
+            seen.push((fail_open, path.len(), statuses, ran));
+        }
+    }
+    // (fail_open, path length, statuses, handler runs)
+    let expected = |fail_open: bool, len: usize| {
+        if len < 100 {
+            (fail_open, len, vec![201, 201], 1)
+        } else {
+            (fail_open, len, vec![503, 503], 0)
+        }
+    };
+    for got in &seen {
+        assert_eq!(*got, expected(got.0, got.1), "{seen:?}");
+    }
+}
