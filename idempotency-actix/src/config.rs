@@ -597,7 +597,9 @@ impl IdempotencyBuilder<crate::store::PostgresStore> {
         self
     }
 
-    /// The isolation level of the request's transaction. Default `READ COMMITTED`.
+    /// The isolation level of the request's transaction. Default
+    /// [`IsolationLevel::DatabaseDefault`](crate::store::postgres::IsolationLevel::DatabaseDefault):
+    /// the database's `default_transaction_isolation` (`READ COMMITTED` unless changed).
     pub fn isolation_level(mut self, level: crate::store::postgres::IsolationLevel) -> Self {
         if let Some(tx) = self.tx_setting("isolation_level") {
             tx.isolation = level;
@@ -1188,7 +1190,11 @@ mod tests {
             });
             assert_eq!(
                 tx,
-                Some(("app.tenant_id".to_owned(), IsolationLevel::ReadCommitted, 0))
+                Some((
+                    "app.tenant_id".to_owned(),
+                    IsolationLevel::DatabaseDefault,
+                    0
+                ))
             );
             assert!(Idempotency::builder(store().await).tx.is_none());
         }

@@ -1300,13 +1300,13 @@ async fn a_txconn_held_by_a_spawned_task_is_rolled_back_and_frees_the_key() {
     );
 }
 
-/// The default isolation is READ COMMITTED whatever the database's default: the middleware
-/// used to send a plain `BEGIN`, so a database whose `default_transaction_isolation` is
-/// `serializable` (a common hardening) ran every request SERIALIZABLE, and two requests with
-/// different keys whose handlers run no statement failed each other through the middleware's
-/// own rows (found by review, 2026-12-04).
+/// `IsolationLevel::ReadCommitted`, named, is READ COMMITTED whatever the database's default:
+/// it used to send a plain `BEGIN`, so a database whose `default_transaction_isolation` is
+/// `serializable` ran every request SERIALIZABLE, and two requests with different keys whose
+/// handlers run no statement failed each other through the middleware's own rows (found by
+/// review, 2026-12-04).
 #[actix_web::test]
-async fn the_default_isolation_is_read_committed_whatever_the_database_default() {
+async fn a_named_read_committed_overrides_a_stricter_database_default() {
     let db = TestDb::new().await;
     execute(
         &db.url,
@@ -1316,10 +1316,13 @@ async fn the_default_isolation_is_read_committed_whatever_the_database_default()
         ),
     );
     let store = PostgresStore::connect(&db.url).await.unwrap();
+    let middleware = tx_builder(&store)
+        .isolation_level(idempotency_actix::store::postgres::IsolationLevel::ReadCommitted)
+        .build();
     let app = test::init_service(
         App::new().service(
             web::scope("")
-                .wrap(tx_middleware(&store))
+                .wrap(middleware)
                 .route("/payments", web::post().to(no_statement)),
         ),
     )
@@ -1332,6 +1335,75 @@ async fn the_default_isolation_is_read_committed_whatever_the_database_default()
     let (a, b) = futures_util::future::join(a, b).await;
     assert_eq!(a.status, StatusCode::CREATED, "a: {}", a.body);
     assert_eq!(b.status, StatusCode::CREATED, "b: {}", b.body);
+}
+
+#[derive(diesel::QueryableByName)]
+struct Total {
+    #[diesel(sql_type = BigInt)]
+    n: i64,
+}
+
+/// Pays only if no payment exists yet: an invariant SERIALIZABLE protects against write skew.
+async fn at_most_one_payment(tx: IdempotentTx) -> HttpResponse {
+    let total = {
+        let mut conn = tx.conn();
+        diesel::sql_query("SELECT count(*) AS n FROM payments")
+            .get_result::<Total>(&mut *conn)
+            .await
+    };
+    let Ok(total) = total else {
+        return HttpResponse::InternalServerError().finish();
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    if total.n == 0 {
+        let mut conn = tx.conn();
+        if diesel::sql_query("INSERT INTO payments (amount) VALUES (1)")
+            .execute(&mut *conn)
+            .await
+            .is_err()
+        {
+            return HttpResponse::InternalServerError().finish();
+        }
+    }
+    HttpResponse::Created().finish()
+}
+
+/// By default the database's own `default_transaction_isolation` applies: an operator who made
+/// it SERIALIZABLE to guard an invariant keeps it (a review of the fix above found two
+/// check-then-insert payments committed when READ COMMITTED was forced, 2026-12-04).
+#[actix_web::test]
+async fn the_database_default_isolation_applies_unless_one_is_named() {
+    let db = TestDb::new().await;
+    execute(&db.url, PAYMENTS);
+    execute(
+        &db.url,
+        &format!(
+            "ALTER DATABASE {} SET default_transaction_isolation = 'serializable'",
+            db.name
+        ),
+    );
+    let store = PostgresStore::connect(&db.url).await.unwrap();
+    let app = test::init_service(
+        App::new().service(
+            web::scope("")
+                .wrap(tx_middleware(&store))
+                .route("/payments", web::post().to(at_most_one_payment)),
+        ),
+    )
+    .await;
+    let a = send(&app, "iso-a", "", 1);
+    let b = async {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        send(&app, "iso-b", "", 2).await
+    };
+    let (a, b) = futures_util::future::join(a, b).await;
+    assert!(
+        payments(&db) <= 1,
+        "the database's SERIALIZABLE default was overridden: {} payments committed (a: {}, b: {})",
+        payments(&db),
+        a.status,
+        b.status
+    );
 }
 
 /// Keeps a copy of its request on a task for 5 s (an audit log, say), inserts, then panics.

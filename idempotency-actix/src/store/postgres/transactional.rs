@@ -40,17 +40,23 @@ use crate::store::{
 /// a thread's pool when it came from one.
 pub(crate) type TxConnection = super::pool::Checkout;
 
-/// The isolation level of transactional requests. Default [`IsolationLevel::ReadCommitted`]
-/// (PostgreSQL's default).
+/// The isolation level of transactional requests. Default [`IsolationLevel::DatabaseDefault`]:
+/// a plain `BEGIN`, so the database's (or role's) `default_transaction_isolation` applies
+/// (`READ COMMITTED` unless an operator changed it; an operator who made it stricter to guard
+/// invariants keeps that). Name a level to override it.
 ///
 /// Under `RepeatableRead` and `Serializable`, PostgreSQL may abort a transaction with a
 /// serialization failure (SQLSTATE 40001), at a statement or at COMMIT; see
 /// [`IdempotencyBuilder::retry_serialization_failures`](crate::IdempotencyBuilder::retry_serialization_failures).
+/// Under `Serializable`, requests with different keys can fail each other through the index
+/// of `idempotency_keys` (`docs/transactional.md`, "Serialization failures").
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum IsolationLevel {
-    /// `READ COMMITTED`.
+    /// The database's `default_transaction_isolation` (a plain `BEGIN`).
     #[default]
+    DatabaseDefault,
+    /// `READ COMMITTED`, whatever the database's default.
     ReadCommitted,
     /// `REPEATABLE READ`.
     RepeatableRead,
@@ -61,8 +67,7 @@ pub enum IsolationLevel {
 impl IsolationLevel {
     fn begin_sql(self) -> &'static str {
         match self {
-            // Named, not a plain BEGIN: a database or role whose `default_transaction_isolation`
-            // is stricter (a common hardening) would otherwise run every request under it.
+            Self::DatabaseDefault => "BEGIN",
             Self::ReadCommitted => "BEGIN ISOLATION LEVEL READ COMMITTED",
             Self::RepeatableRead => "BEGIN ISOLATION LEVEL REPEATABLE READ",
             Self::Serializable => "BEGIN ISOLATION LEVEL SERIALIZABLE",
