@@ -1998,3 +1998,37 @@ fn with_port(url: &str, port: u16) -> String {
     let end = after.find(['/', '?']).unwrap_or(after.len());
     format!("{scheme}://{userinfo}127.0.0.1:{port}{}", &after[end..])
 }
+
+/// `purge --partitions-ahead 1000` stops at the partition budget and says so in its one line:
+/// each replay locks every response partition, and 1,001 of them made concurrent replays fail
+/// with "out of shared memory" (found by review, 2026-12-04).
+#[tokio::test]
+async fn purge_stops_creating_partitions_at_the_lock_budget() {
+    let db = TestDb::new_unmigrated().await;
+    let out = idem(
+        &db.url,
+        &["migrate", "--partitioned", "--interval", "hourly"],
+    );
+    expect_code(&out, 0);
+    let out = idem(
+        &db.url,
+        &["--format", "json", "purge", "--partitions-ahead", "1000"],
+    );
+    expect_code(&out, 0);
+    let summary = json_one(&out);
+    let capped = summary["partitions_capped_at"].as_u64();
+    assert!(capped.is_some_and(|n| n < 1000), "{summary}");
+    let leaves = records::count(
+        &db.url,
+        "SELECT count(*) AS n FROM pg_inherits \
+         WHERE inhparent = 'idempotency_responses'::regclass",
+    );
+    assert_eq!(Some(leaves as u64), capped, "{summary}");
+    let out = idem(&db.url, &["purge", "--partitions-ahead", "1000"]);
+    expect_code(&out, 0);
+    assert!(
+        stdout(&out).contains("max_locks_per_transaction"),
+        "{}",
+        stdout(&out)
+    );
+}

@@ -58,6 +58,8 @@ struct PartitionWork {
     dropped: Vec<String>,
     created: Vec<String>,
     default_rows_deleted: u64,
+    /// Set when partitions ahead stopped at the budget (`admin::max_partitions`).
+    capped: Option<admin::PartitionBudget>,
 }
 
 impl Summary {
@@ -244,7 +246,7 @@ async fn partition_work(
         Err(frozen) => {
             failed.get_or_insert(frozen.context("creating partitions ahead"));
         }
-        Ok(Ok(())) => {}
+        Ok(Ok(capped)) => work.capped = capped,
         Ok(Err(err)) => {
             let err = crate::db::classify(conn, err).await;
             failed.get_or_insert(err.context("creating partitions ahead"));
@@ -279,6 +281,8 @@ fn report(
             "partitions_created": summary.partitions.as_ref().map(|p| &p.created),
             "default_partition_rows_deleted":
                 summary.partitions.as_ref().map(|p| p.default_rows_deleted),
+            "partitions_capped_at": summary.partitions.as_ref()
+                .and_then(|p| p.capped).map(|c| c.leaves),
         }))?,
         Format::Text if dry_run => out.line(format!(
             "dry run: would purge {} records ({} completed, {} in-flight) [counted in {}]",
@@ -299,7 +303,14 @@ fn report(
                     p.created.len(),
                     p.created.join(", "),
                     p.default_rows_deleted
-                )
+                ) + &p.capped.map_or(String::new(), |c| {
+                    format!(
+                        "; no more partitions ahead: {} is the most max_locks_per_transaction = {} \
+                         allows (every replay locks each one), later responses go to the default \
+                         partition; raise it, or use a longer interval",
+                        c.leaves, c.max_locks_per_transaction
+                    )
+                })
             });
             out.line(format!(
                 "purged {} records in {} ({} completed, {} in-flight; {} batches, longest {}){partitions}",

@@ -1073,6 +1073,26 @@ pub(crate) async fn create_partitions(
     Ok(rows.into_iter().map(|r| r.name).collect())
 }
 
+/// The partitioned layout's response partitions (range partitions and the default) and the
+/// server's `max_locks_per_transaction`, for the partition budget (`admin::max_partitions`).
+pub(crate) async fn partition_lock_budget(conn: &mut AsyncPgConnection) -> QueryResult<(i64, i32)> {
+    #[derive(QueryableByName)]
+    struct Row {
+        #[diesel(sql_type = BigInt)]
+        leaves: i64,
+        #[diesel(sql_type = diesel::sql_types::Integer)]
+        max_locks: i32,
+    }
+    let row: Row = diesel::sql_query(
+        "SELECT (SELECT count(*) FROM pg_inherits \
+                  WHERE inhparent = 'idempotency_responses'::regclass) AS leaves, \
+                current_setting('max_locks_per_transaction')::int AS max_locks",
+    )
+    .get_result(conn)
+    .await?;
+    Ok((row.leaves, row.max_locks))
+}
+
 /// Drop the range partitions whose upper bound is `grace_us` or more in the past.
 pub(crate) async fn drop_partitions(
     conn: &mut AsyncPgConnection,
