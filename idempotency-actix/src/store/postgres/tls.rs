@@ -330,6 +330,7 @@ fn decode(s: &str) -> Option<String> {
 }
 
 fn split_url(url: &str) -> Result<Split, UrlError> {
+    refuse_a_second_at(url)?;
     let mut ssl = SslParams::default();
     let Some(q) = url_query_start(url) else {
         check_against_standard_parser(url, &ssl)?;
@@ -372,6 +373,33 @@ fn split_url(url: &str) -> Result<Split, UrlError> {
         format!("{base}?{}", kept.join("&"))
     };
     Ok(Split { rest, ssl })
+}
+
+/// Refuse a URL with a raw `@` after its credentials and before its query. The driver ends
+/// the credentials at the first `@`, so in `postgres://app:pa@ss/x@db/pay` (a password with an
+/// `@` and a `/` left unencoded) it reads `ss` as the host and `x@db/pay` as the database:
+/// it would connect to a host named after part of the password, send it to DNS, and show it
+/// in every message. The standard parser agrees with that reading, so only this check sees
+/// it. A database name that really holds an `@` is written `%40`.
+fn refuse_a_second_at(url: &str) -> Result<(), UrlError> {
+    let Some(prefix) = url_prefix_len(url) else {
+        return Ok(());
+    };
+    let body = &url[prefix..];
+    let Some(first) = body.find('@') else {
+        return Ok(());
+    };
+    let after = &body[first + 1..];
+    let before_query = after.find('?').map_or(after, |q| &after[..q]);
+    if before_query.contains('@') {
+        return Err(UrlError(
+            "ambiguous database URL: it has an `@` after the credentials (part of the password?); \
+             percent-encode `@`, `/`, `?` and `#` in the user name, the password and the \
+             database name (`%40`, `%2F`, `%3F`, `%23`)"
+                .into(),
+        ));
+    }
+    Ok(())
 }
 
 /// Refuse a URL whose query, read by a standard URL parser, asks for an SSL option the
@@ -814,6 +842,19 @@ fn connect_error(error: tokio_postgres::Error) -> ConnectionError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Review, 2026-12-04: an `@` and a `/` left raw in a password made the driver read part
+    /// of the password as the host; redaction showed it. Now the URL is refused as ambiguous.
+    #[test]
+    fn a_raw_at_after_the_credentials_is_refused_and_never_shown() {
+        let url = "postgres://app:hunter@SECRETPART/x@db.internal:5432/pay?sslmode=require";
+        assert!(split_ssl_params(url).is_err());
+        let shown = redact(url);
+        assert!(!shown.contains("SECRETPART"), "{shown}");
+        // A database name with an `@`, percent-encoded, and an `@` in a query value still work.
+        assert!(split_ssl_params("postgres://u:p@db/a%40b").is_ok());
+        assert!(split_ssl_params("postgres://u:p@db/app?application_name=a@b").is_ok());
+    }
 
     #[test]
     fn ssl_params_are_taken_out_of_urls() {
