@@ -221,6 +221,7 @@ async fn migrate_twice_and_check_gates_deploys() {
          applied 2026-12-02-000006_inlinable_lock_key\n\
          applied 2026-12-02-000007_partitioned_generic_plans\n\
          applied 2026-12-03-000008_partition_create_without_moving\n\
+         applied 2026-12-04-000009_default_partition_older_than\n\
          layout: plain\n"
     );
 
@@ -1825,7 +1826,7 @@ async fn migrate_check_needs_only_select() {
     assert!(up_to_date_out.contains("up to date"), "{up_to_date_out}");
     expect_code(&pending, PENDING);
     assert!(
-        stdout(&pending).contains("pending 2026-12-03-000008_partition_create_without_moving"),
+        stdout(&pending).contains("pending 2026-12-04-000009_default_partition_older_than"),
         "{}",
         stdout(&pending)
     );
@@ -2034,4 +2035,38 @@ async fn purge_stops_creating_partitions_at_the_lock_budget() {
         "{}",
         stdout(&out)
     );
+}
+
+/// `purge --older-than` keeps the default partition's responses as it keeps the range
+/// partitions: a record purge kept (created less than 7 days ago, expired an hour ago) kept
+/// its response too; it used to lose it, and `show` printed a completed record with no stored
+/// response (found by review, 2026-12-04; migration 000009).
+#[tokio::test]
+async fn older_than_keeps_the_response_of_a_kept_record() {
+    let db = TestDb::new_unmigrated().await;
+    let out = idem(
+        &db.url,
+        &["migrate", "--partitioned", "--interval", "hourly"],
+    );
+    expect_code(&out, 0);
+    records::seed_partitioned_completed(&db.url, "kept-", 1, "now() - interval '1 hour'");
+    let in_default = "SELECT count(*) AS n FROM idempotency_responses_default";
+    assert_eq!(records::count(&db.url, in_default), 1);
+    let out = idem(&db.url, &["purge", "--older-than", "7d"]);
+    expect_code(&out, 0);
+    assert_eq!(
+        records::count(&db.url, "SELECT count(*) AS n FROM idempotency_keys"),
+        1,
+        "the claim is kept: created less than 7d ago"
+    );
+    assert_eq!(
+        records::count(&db.url, in_default),
+        1,
+        "its response was deleted anyway: {}",
+        stdout(&out)
+    );
+    // Without --older-than both go.
+    let out = idem(&db.url, &["purge"]);
+    expect_code(&out, 0);
+    assert_eq!(records::count(&db.url, in_default), 0, "{}", stdout(&out));
 }

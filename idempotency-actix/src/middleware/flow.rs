@@ -875,6 +875,8 @@ fn declared_length(req: &ServiceRequest) -> Option<u64> {
 }
 
 /// A request body read up to a limit by [`buffer_body`].
+// What was read past the limit is used by transactional mode only.
+#[cfg_attr(not(feature = "postgres"), allow(dead_code))]
 pub(super) enum Buffered {
     /// The whole body, at most the limit.
     Whole(Bytes),

@@ -222,7 +222,13 @@ async fn partition_work(
         }
     }
     loop {
-        match crate::db::bounded(admin::purge_default_partition(conn, args.batch_size)).await {
+        match crate::db::bounded(admin::purge_default_partition(
+            conn,
+            args.batch_size,
+            args.older_than.0,
+        ))
+        .await
+        {
             Err(frozen) => {
                 failed.get_or_insert(frozen.context("purging the default partition"));
                 return (work, failed);

@@ -437,9 +437,15 @@ pub async fn drop_partitions(
     sql::drop_partitions(conn, super::micros(grace), lock_timeout_ms(lock_timeout)).await
 }
 
-/// One batch of the default partition's expired rows (long TTLs), at most `limit`.
-pub async fn purge_default_partition(conn: &mut AsyncPgConnection, limit: u32) -> QueryResult<u64> {
-    sql::purge_default_partition(conn, i32::try_from(limit).unwrap_or(i32::MAX)).await
+/// One batch of the default partition's rows (long TTLs) that expired `older_than` or more
+/// ago, at most `limit`: the same age [`drop_partitions`] gives the range partitions.
+pub async fn purge_default_partition(
+    conn: &mut AsyncPgConnection,
+    limit: u32,
+    older_than: Duration,
+) -> QueryResult<u64> {
+    let limit = i32::try_from(limit).unwrap_or(i32::MAX);
+    sql::purge_default_partition(conn, limit, super::micros(older_than)).await
 }
 
 fn lock_timeout_ms(timeout: Duration) -> i32 {

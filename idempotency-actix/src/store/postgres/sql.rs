@@ -1115,13 +1115,16 @@ struct DeletedRow {
     deleted: i64,
 }
 
-/// Delete up to `limit` expired rows of the default partition.
+/// Delete up to `limit` rows of the default partition that expired `older_than_us` or more
+/// ago.
 pub(crate) async fn purge_default_partition(
     conn: &mut AsyncPgConnection,
     limit: i32,
+    older_than_us: i64,
 ) -> QueryResult<u64> {
-    let row: DeletedRow = diesel::sql_query("SELECT idempotency_purge_default($1) AS deleted")
+    let row: DeletedRow = diesel::sql_query("SELECT idempotency_purge_default($1, $2) AS deleted")
         .bind::<diesel::sql_types::Integer, _>(limit)
+        .bind::<BigInt, _>(older_than_us)
         .get_result(conn)
         .await?;
     Ok(non_negative(row.deleted))
