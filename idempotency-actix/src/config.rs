@@ -417,6 +417,8 @@ impl<S> IdempotencyBuilder<S> {
     }
 
     /// A further condition over the whole response; both it and the status filter must agree.
+    /// A predicate (this one or the status filter) that panics is caught: the handler has run,
+    /// so the response is stored, and an error is logged.
     ///
     /// Example: a 200 whose JSON body reports `"status": "partial"` or `"failed"` is not a
     /// final answer, so it is not stored and the client may retry with the same key.
@@ -443,7 +445,8 @@ impl<S> IdempotencyBuilder<S> {
     /// Instead of answering 409 at once, wait up to `wait` for the first request to finish and
     /// replay its response (or, if it was released, run this one). Default: off.
     /// `Duration::MAX` waits as long as the first request holds the key (its lease, renewed
-    /// up to [`renew_lease_up_to`](Self::renew_lease_up_to), bounds it).
+    /// up to [`renew_lease_up_to`](Self::renew_lease_up_to), bounds it). A waiting request
+    /// whose client disconnects stops waiting and runs nothing.
     pub fn wait_for_in_flight(mut self, wait: Duration) -> Self {
         self.config.wait_for_in_flight = Some(wait).filter(|w| !w.is_zero());
         self
@@ -451,6 +454,9 @@ impl<S> IdempotencyBuilder<S> {
 
     /// When the store is unavailable before the handler runs, run the request anyway (without
     /// idempotency) instead of answering 503. Default `false`: for payments, refusing is safer.
+    /// Never for a request the store already said is in flight (a waiting duplicate), nor for
+    /// a [`StoreError::Backend`](crate::store::StoreError::Backend) error, which may be about
+    /// the request itself (a scope too long to index) and so chosen by a client.
     pub fn fail_open(mut self, fail_open: bool) -> Self {
         self.config.fail_open = fail_open;
         self
