@@ -539,38 +539,51 @@ async fn an_endless_stream_whose_client_left_is_dropped_with_its_key() {
     );
 }
 
-/// A memory store whose `complete` panics: the request's task ends there, as when its worker
-/// stops.
+/// A memory store with the faults the flow must survive: it counts its reserves, fails the
+/// `fail_reserve`-th one (from 0) as unavailable, and with `panic_on_complete` panics in
+/// `complete` (the request's task ends there, as when its worker stops).
 #[derive(Clone, Default)]
-struct PanicsOnComplete(MemoryStore);
+struct Faulty {
+    inner: MemoryStore,
+    reserves: Arc<AtomicUsize>,
+    fail_reserve: Option<usize>,
+    panic_on_complete: bool,
+}
 
-impl IdempotencyStore for PanicsOnComplete {
+impl IdempotencyStore for Faulty {
     async fn reserve(
         &self,
         scope: &Scope,
         fingerprint: &Fingerprint,
         lease: Duration,
     ) -> Result<ReserveOutcome, StoreError> {
-        self.0.reserve(scope, fingerprint, lease).await
+        let n = self.reserves.fetch_add(1, Ordering::SeqCst);
+        if self.fail_reserve == Some(n) {
+            return Err(StoreError::unavailable("one blip"));
+        }
+        self.inner.reserve(scope, fingerprint, lease).await
     }
     async fn complete(
         &self,
-        _: &Scope,
-        _: &ReservationToken,
-        _: &StoredResponse,
-        _: Duration,
+        scope: &Scope,
+        token: &ReservationToken,
+        response: &StoredResponse,
+        ttl: Duration,
     ) -> Result<WriteOutcome, StoreError> {
-        panic!("complete panicked (this test's own panic)")
+        if self.panic_on_complete {
+            panic!("complete panicked (this test's own panic)");
+        }
+        self.inner.complete(scope, token, response, ttl).await
     }
     async fn release(
         &self,
         scope: &Scope,
         token: &ReservationToken,
     ) -> Result<WriteOutcome, StoreError> {
-        self.0.release(scope, token).await
+        self.inner.release(scope, token).await
     }
     async fn purge_expired(&self, grace: Duration) -> Result<u64, StoreError> {
-        self.0.purge_expired(grace).await
+        self.inner.purge_expired(grace).await
     }
 }
 
@@ -584,7 +597,10 @@ async fn a_stream_cut_before_its_record_is_stored_never_looks_whole() {
     let app = init_service(
         App::new()
             .app_data(web::Data::new(counter.clone()))
-            .wrap(Idempotency::new(PanicsOnComplete::default()))
+            .wrap(Idempotency::new(Faulty {
+                panic_on_complete: true,
+                ..Faulty::default()
+            }))
             .route("/receipt", web::post().to(receipt_stream)),
     )
     .await;
@@ -1686,13 +1702,11 @@ mod request_flow {
     use actix_web::dev::{Service, ServiceResponse};
     use actix_web::http::StatusCode;
     use actix_web::test::{call_service, init_service, TestRequest};
-
     use actix_web::{web, App, HttpResponse};
-    use idempotency_actix::store::{
-        Fingerprint, IdempotencyStore, MemoryStore, ReservationToken, ReserveOutcome, Scope,
-        StoreError, StoredResponse, WriteOutcome,
-    };
+    use idempotency_actix::store::MemoryStore;
     use idempotency_actix::Idempotency;
+
+    use super::Faulty;
 
     #[derive(Clone, Default)]
     struct Counter(Arc<AtomicUsize>);
@@ -1728,10 +1742,8 @@ mod request_flow {
             .insert_header(("idempotency-key", key))
     }
 
-    // Found by review (2026-12-04), failed before the fix: a lone `%` and `%25` reach the handler as the same path parameter, but get two
-    // scopes: the same key runs the handler twice (C3: "two spellings of one route and parameters
-    // are one record").
-
+    /// A lone `%` and `%25` reach the handler as the same path parameter, but were two scopes:
+    /// the same key ran the handler twice (C3).
     #[actix_web::test]
     async fn a_lone_percent_and_its_escape_are_one_scope() {
         let counter = Counter::default();
@@ -1766,48 +1778,8 @@ mod request_flow {
         );
     }
 
-    // Found by review (2026-12-04), failed before the fix: fail_open + wait_for_in_flight. The store has said "in flight, same fingerprint";
-    // one failed poll during the wait then lets the duplicate run while the first still runs.
-
-    #[derive(Clone, Default)]
-    struct BlipsOnThirdReserve {
-        inner: MemoryStore,
-        reserves: Arc<AtomicUsize>,
-    }
-
-    impl IdempotencyStore for BlipsOnThirdReserve {
-        async fn reserve(
-            &self,
-            scope: &Scope,
-            fingerprint: &Fingerprint,
-            lease: Duration,
-        ) -> Result<ReserveOutcome, StoreError> {
-            if self.reserves.fetch_add(1, Ordering::SeqCst) == 2 {
-                return Err(StoreError::unavailable("one blip"));
-            }
-            self.inner.reserve(scope, fingerprint, lease).await
-        }
-        async fn complete(
-            &self,
-            scope: &Scope,
-            token: &ReservationToken,
-            response: &StoredResponse,
-            ttl: Duration,
-        ) -> Result<WriteOutcome, StoreError> {
-            self.inner.complete(scope, token, response, ttl).await
-        }
-        async fn release(
-            &self,
-            scope: &Scope,
-            token: &ReservationToken,
-        ) -> Result<WriteOutcome, StoreError> {
-            self.inner.release(scope, token).await
-        }
-        async fn purge_expired(&self, grace: Duration) -> Result<u64, StoreError> {
-            self.inner.purge_expired(grace).await
-        }
-    }
-
+    /// With `fail_open` and wait mode, the store said "in flight, same fingerprint"; one failed
+    /// poll during the wait then let the duplicate run while the first still ran.
     #[actix_web::test]
     async fn a_store_blip_while_waiting_does_not_run_a_known_in_flight_duplicate() {
         let counter = Counter::default();
@@ -1815,10 +1787,13 @@ mod request_flow {
             App::new()
                 .app_data(web::Data::new(counter.clone()))
                 .wrap(
-                    Idempotency::builder(BlipsOnThirdReserve::default())
-                        .fail_open(true)
-                        .wait_for_in_flight(Duration::from_secs(2))
-                        .build(),
+                    Idempotency::builder(Faulty {
+                        fail_reserve: Some(2),
+                        ..Faulty::default()
+                    })
+                    .fail_open(true)
+                    .wait_for_in_flight(Duration::from_secs(2))
+                    .build(),
                 )
                 .route(
                     "/pay",
@@ -1842,49 +1817,11 @@ mod request_flow {
         );
     }
 
-    // Found by review (2026-12-04), failed before the fix: a waiter whose client left keeps polling, and later runs the handler for nobody.
-
-    #[derive(Clone, Default)]
-    struct CountingStore {
-        inner: MemoryStore,
-        reserves: Arc<AtomicUsize>,
-    }
-
-    impl IdempotencyStore for CountingStore {
-        async fn reserve(
-            &self,
-            scope: &Scope,
-            fingerprint: &Fingerprint,
-            lease: Duration,
-        ) -> Result<ReserveOutcome, StoreError> {
-            self.reserves.fetch_add(1, Ordering::SeqCst);
-            self.inner.reserve(scope, fingerprint, lease).await
-        }
-        async fn complete(
-            &self,
-            scope: &Scope,
-            token: &ReservationToken,
-            response: &StoredResponse,
-            ttl: Duration,
-        ) -> Result<WriteOutcome, StoreError> {
-            self.inner.complete(scope, token, response, ttl).await
-        }
-        async fn release(
-            &self,
-            scope: &Scope,
-            token: &ReservationToken,
-        ) -> Result<WriteOutcome, StoreError> {
-            self.inner.release(scope, token).await
-        }
-        async fn purge_expired(&self, grace: Duration) -> Result<u64, StoreError> {
-            self.inner.purge_expired(grace).await
-        }
-    }
-
+    /// A waiter whose client left kept polling, and later ran the handler for nobody.
     #[actix_web::test]
     async fn a_waiter_whose_client_left_stops_waiting() {
         let counter = Counter::default();
-        let store = CountingStore::default();
+        let store = Faulty::default();
         let app = init_service(
             App::new()
                 .app_data(web::Data::new(counter.clone()))
@@ -1933,10 +1870,9 @@ mod request_flow {
         );
     }
 
-    // Found by review (2026-12-04), failed before the fix: a panicking `store_if` (user predicate) after the handler succeeded: the client gets
-    // an opaque 500 for a payment that was made, the key is stuck for a lease, and the retry after
-    // the lease runs the payment again. Renderer and hook panics are caught; this one is not.
-
+    /// A panicking `store_if` after the handler succeeded: the client got an opaque 500 for a
+    /// payment that was made, the key was stuck for a lease, and the retry after the lease ran
+    /// the payment again. Caught now, like renderer and hook panics.
     #[actix_web::test]
     async fn a_panicking_store_if_neither_hides_nor_repeats_a_completed_payment() {
         let counter = Counter::default();
