@@ -97,6 +97,9 @@ pub enum Outcome {
     /// Transactional mode: the connection was lost during COMMIT; the client got
     /// `COMMIT_OUTCOME_UNKNOWN`.
     CommitUnknown,
+    /// Wait mode: the client left while its request waited for the first one with its key;
+    /// nothing ran, nothing was sent (reported with status 499, "client closed request").
+    Abandoned,
 }
 
 impl Outcome {
@@ -122,6 +125,7 @@ impl Outcome {
             Self::RolledBack => "rolled_back",
             Self::CommitFailed => "commit_failed",
             Self::CommitUnknown => "commit_unknown",
+            Self::Abandoned => "abandoned",
         }
     }
 
@@ -179,8 +183,14 @@ pub struct OutcomeEvent<'a> {
 
 pub(crate) type Hook = dyn Fn(&OutcomeEvent<'_>) + Send + Sync;
 
+/// The status reported for [`Outcome::Abandoned`]: 499, "client closed request" (nginx's),
+/// for a request that got no response.
+pub(crate) fn client_closed() -> StatusCode {
+    StatusCode::from_u16(499).unwrap_or(StatusCode::REQUEST_TIMEOUT)
+}
+
 /// The number of [`Outcome`] variants (one counter handle each per route).
-const OUTCOMES: usize = Outcome::CommitUnknown as usize + 1;
+const OUTCOMES: usize = Outcome::Abandoned as usize + 1;
 
 /// The metric handles of one worker, resolved once and reused.
 ///
@@ -419,6 +429,7 @@ pub(crate) mod tests {
         Outcome::RolledBack,
         Outcome::CommitFailed,
         Outcome::CommitUnknown,
+        Outcome::Abandoned,
     ];
 
     /// The documented label of each outcome and whether its handler ran.
@@ -443,6 +454,7 @@ pub(crate) mod tests {
             Outcome::RolledBack => ("rolled_back", true),
             Outcome::CommitFailed => ("commit_failed", true),
             Outcome::CommitUnknown => ("commit_unknown", true),
+            Outcome::Abandoned => ("abandoned", false),
         }
     }
 

@@ -1910,4 +1910,108 @@ mod request_flow {
             counter.get()
         );
     }
+
+    /// Escapes the router left behind are decoded by the path extractor: `/items/%%34%31`
+    /// reaches the handler as `A`, like `/items/A`, and a tail parameter gets `a/b` from both
+    /// `/files/a/b` and `/files/a%2Fb`. They were separate scopes, and one key ran twice
+    /// (found by review of the fix above, 2026-12-04).
+    #[actix_web::test]
+    async fn an_escape_the_router_left_behind_is_one_scope_with_its_decoded_value() {
+        for (route, plain, crafted) in [
+            ("/items/{name}", "/items/A", "/items/%%34%31"),
+            ("/items/{name}", "/items/%C3%A9", "/items/%%43%33%%41%39"),
+            ("/items/{name}", "/items/%FF", "/items/%%46%46"),
+            ("/files/{path:.*}", "/files/a/b", "/files/a%2Fb"),
+        ] {
+            let counter = Counter::default();
+            let seen = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+            let app = init_service(
+                App::new()
+                    .app_data(web::Data::new(counter.clone()))
+                    .app_data(web::Data::new(seen.clone()))
+                    .wrap(Idempotency::new(MemoryStore::new()))
+                    .route(
+                        route,
+                        web::post().to(
+                            |counter: web::Data<Counter>,
+                             seen: web::Data<Arc<std::sync::Mutex<Vec<String>>>>,
+                             value: web::Path<String>| async move {
+                                counter.bump();
+                                if let Ok(mut seen) = seen.lock() {
+                                    seen.push(value.clone());
+                                }
+                                HttpResponse::Created().body(value.into_inner())
+                            },
+                        ),
+                    ),
+            )
+            .await;
+            let mut statuses = Vec::new();
+            for path in [plain, crafted] {
+                statuses.push(send(&app, post(path, "k").set_payload("x")).await.0);
+            }
+            let seen = seen.lock().map(|s| s.clone()).unwrap_or_default();
+            if let [a, b] = seen.as_slice() {
+                assert_eq!(a, b, "premise: one value for the handler");
+            }
+            assert_eq!(
+                counter.get(),
+                1,
+                "{plain} and {crafted}: one value ({seen:?}), one key, two runs ({statuses:?})"
+            );
+        }
+    }
+
+    /// A waiter whose client left reports its outcome (`abandoned`, 499) like every other
+    /// keyed request (found by review, 2026-12-04: the hook heard nothing).
+    #[actix_web::test]
+    async fn an_abandoned_waiter_reports_an_outcome() {
+        type Seen = Arc<std::sync::Mutex<Vec<(idempotency_actix::Outcome, u16)>>>;
+        let seen: Seen = Arc::default();
+        let hook = {
+            let seen = Arc::clone(&seen);
+            move |event: &idempotency_actix::outcome::OutcomeEvent<'_>| {
+                if let Ok(mut seen) = seen.lock() {
+                    seen.push((event.outcome, event.status.as_u16()));
+                }
+            }
+        };
+        let app = init_service(
+            App::new()
+                .wrap(
+                    Idempotency::builder(MemoryStore::new())
+                        .wait_for_in_flight(Duration::from_secs(30))
+                        .on_outcome(hook)
+                        .build(),
+                )
+                .route(
+                    "/pay",
+                    web::post().to(|| async {
+                        tokio::time::sleep(Duration::from_millis(400)).await;
+                        HttpResponse::Created().body("charged")
+                    }),
+                ),
+        )
+        .await;
+        let first = send(&app, post("/pay", "k").set_payload("x"));
+        let abandoned = async {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            let request = post("/pay", "k").set_payload("x").to_request();
+            let gave_up =
+                tokio::time::timeout(Duration::from_millis(100), call_service(&app, request)).await;
+            assert!(gave_up.is_err(), "the waiter answered early");
+        };
+        let (first, ()) = tokio::join!(first, abandoned);
+        assert_eq!(first.0, StatusCode::CREATED);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let seen = seen.lock().map(|s| s.clone()).unwrap_or_default();
+        assert_eq!(
+            seen,
+            vec![
+                (idempotency_actix::Outcome::Abandoned, 499),
+                (idempotency_actix::Outcome::Stored, 201)
+            ],
+            "two keyed requests, two outcomes"
+        );
+    }
 }

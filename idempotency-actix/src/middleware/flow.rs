@@ -58,55 +58,62 @@ enum Waited<T> {
 /// Where the task sends the answer; dropped unread when the client is gone.
 pub(super) type Answer<B> = oneshot::Sender<FlowResult<B>>;
 
-/// The path of a request's scope (C3): one string for every spelling that reaches the
-/// handler as the same request, so one key never runs once per spelling.
+/// The path of a request's scope (C3): the value the handler sees, in one spelling, so one key
+/// never runs once per spelling of the same request.
 ///
-/// `matched` is the path as actix's router sees it: percent-encoded characters decoded except
+/// `matched` is the path as actix's router sees it: percent-escapes decoded once, except
 /// `%2F`, `%2B` and `%25`, which it keeps as sent (decoding `/` would change which route
-/// matches), and a `%` that starts no escape kept as it is. The path extractor decodes all of
-/// them, so `a%2Fb` and `a%2fb` (the same URI, RFC 3986 6.2.2.1), `a+b` and `a%2Bb`, and `100%`
-/// and `100%25` reach a handler as the same value. Here the escapes' hex digits are upper-cased,
-/// `%2B` becomes `+`, and a lone `%` is written `%25`. `%2F` stays escaped: decoded,
-/// `/items/a%2Fb` (one segment) would share its record with the route `/items/a/b`. Control
-/// characters the router decoded (`%00` becomes a NUL, which PostgreSQL's `text` refuses) are
-/// escaped again, `%00`: every `%` in the result then starts an escape, so no two values share
-/// a spelling. Erring towards one record is the safe side: two spellings of one key then get a
-/// replay or a 422 (the fingerprint takes the path as sent), never a second run.
+/// matches), and a `%` that starts no escape, kept as it is. The path extractor then decodes
+/// whatever escapes are left, so `a%2Fb` and `a%2fb`, `a+b` and `a%2Bb`, `100%` and `100%25`,
+/// and even `%%34%31` (the router leaves `%41`) and `A` reach a handler as the same value.
+/// So the scope decodes what the router left, as the extractor does (invalid UTF-8 as U+FFFD,
+/// as the extractor gives it), and then escapes only `%` and the control characters (a NUL,
+/// which PostgreSQL's `text` refuses): every `%` in the result starts an escape, so no two
+/// values share a spelling. `%2F` is decoded too: `/items/a%2Fb` then shares its record with
+/// the route `/items/a/b` (and a tail parameter `{path:.*}` gets `a/b` either way). Erring
+/// towards one record is the safe side: two requests on one record with one key get a replay
+/// or a 422 (the fingerprint takes the path as sent), never a second run.
 fn scope_path(matched: &str) -> String {
     if !matched.bytes().any(|b| b == b'%' || b.is_ascii_control()) {
         return matched.to_owned();
     }
-    let mut path = String::with_capacity(matched.len() + 8);
-    let mut rest = matched;
-    while let Some(at) = rest.find(|c: char| c == '%' || c.is_ascii_control()) {
-        path.push_str(&rest[..at]);
-        let bytes = rest.as_bytes();
-        if bytes[at] != b'%' {
-            // A control character: one byte, ASCII.
-            path.push_str(&format!("%{:02X}", bytes[at]));
-            rest = &rest[at + 1..];
-            continue;
-        }
-        match bytes.get(at + 1..at + 3) {
-            Some([hi, lo]) if hi.is_ascii_hexdigit() && lo.is_ascii_hexdigit() => {
-                if hi.eq_ignore_ascii_case(&b'2') && lo.eq_ignore_ascii_case(&b'b') {
-                    path.push('+');
-                } else {
-                    path.push('%');
-                    path.push(char::from(hi.to_ascii_uppercase()));
-                    path.push(char::from(lo.to_ascii_uppercase()));
-                }
-                rest = &rest[at + 3..];
+    let bytes = matched.as_bytes();
+    let mut path = Vec::with_capacity(bytes.len() + 8);
+    let mut i = 0;
+    while i < bytes.len() {
+        let escaped = match bytes[i] {
+            // Two hex digits, nothing else (`from_str_radix` would take `+1`).
+            b'%' => match bytes.get(i + 1..i + 3) {
+                Some(&[hi, lo]) => hex_digit(hi).zip(hex_digit(lo)).map(|(h, l)| h << 4 | l),
+                _ => None,
+            },
+            _ => None,
+        };
+        let byte = match escaped {
+            Some(decoded) => {
+                i += 3;
+                decoded
             }
-            // Not an escape (the router keeps a lone `%` as sent, and the handler sees `%`).
-            _ => {
-                path.push_str("%25");
-                rest = &rest[at + 1..];
+            // Not an escape (a lone `%` the router kept): the handler sees `%`.
+            None => {
+                i += 1;
+                bytes[i - 1]
             }
+        };
+        if byte == b'%' || byte.is_ascii_control() {
+            path.extend_from_slice(format!("%{byte:02X}").as_bytes());
+        } else {
+            path.push(byte);
         }
     }
-    path.push_str(rest);
-    path
+    String::from_utf8_lossy(&path).into_owned()
+}
+
+/// The value of one hex digit.
+fn hex_digit(c: u8) -> Option<u8> {
+    char::from(c)
+        .to_digit(16)
+        .and_then(|d| u8::try_from(d).ok())
 }
 
 /// Hand the request to the next service untouched.
@@ -270,6 +277,7 @@ where
                 }
                 Err(Decision::Abandoned) => {
                     tracing::info!(target: "idempotency_actix", outcome = "abandoned", "the client left while waiting for the first request with this key; nothing was run");
+                    report.outcome(Outcome::Abandoned, outcome::client_closed(), Some(&scope));
                     return;
                 }
                 Err(Decision::PassThrough) => {
@@ -935,23 +943,30 @@ mod tests {
     fn a_scope_path_has_one_spelling_per_value_the_handler_sees() {
         for (matched, scope) in [
             ("/payments", "/payments"),
-            ("/items/a%2fb", "/items/a%2Fb"),
-            ("/items/a%2Fb", "/items/a%2Fb"),
+            // The escapes the router keeps: decoded as the extractor decodes them.
+            ("/items/a%2fb", "/items/a/b"),
+            ("/items/a%2Fb", "/items/a/b"),
             ("/items/a%2bb", "/items/a+b"),
             ("/items/a%2Bb", "/items/a+b"),
             ("/items/a+b", "/items/a+b"),
             ("/items/%25", "/items/%25"),
-            // Not escapes: a lone `%` is `%25`, as `%25` itself is kept; never a panic.
+            // Escapes the router left behind (`%%34%31` reaches it as `%41`): decoded too.
+            ("/items/%41", "/items/A"),
+            ("/items/%C3%A9", "/items/\u{e9}"),
+            ("/items/%FF", "/items/\u{fffd}"),
+            // Not escapes: a lone `%` is `%25`, as `%25` itself is; never a panic.
             ("/items/%", "/items/%25"),
             ("/items/100%", "/items/100%25"),
             ("/items/100%25", "/items/100%25"),
             ("/items/%2", "/items/%252"),
             ("/items/%zz%", "/items/%25zz%25"),
-            ("/items/%%2f", "/items/%25%2F"),
-            // Control characters the router decoded are escaped again.
+            ("/items/%%2f", "/items/%25/"),
+            ("/items/%+1", "/items/%25+1"),
+            // Control characters, decoded by the router or by us, are escaped.
             ("/items/a\u{0}b", "/items/a%00b"),
+            ("/items/%00", "/items/%00"),
             ("/items/\u{1f}\u{7f}", "/items/%1F%7F"),
-            ("/\u{e9}%2f\u{e9}", "/\u{e9}%2F\u{e9}"),
+            ("/\u{e9}%2f\u{e9}", "/\u{e9}/\u{e9}"),
         ] {
             assert_eq!(scope_path(matched), scope, "{matched}");
         }

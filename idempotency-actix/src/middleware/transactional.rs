@@ -308,6 +308,11 @@ pub(super) async fn settle_keyed<S, Svc, B>(
         // A client that left while waiting (wait mode) is not run for: see `Flow::reserve`.
         if waited && answer.is_closed() {
             tracing::info!(target: "idempotency_actix", outcome = "abandoned", key = %LogText(&scope.key), tenant = %LogText(&scope.tenant), path = %LogText(&scope.path), "the client left while waiting for the first request with this key; nothing was run");
+            report.outcome(
+                Outcome::Abandoned,
+                crate::outcome::client_closed(),
+                Some(&scope),
+            );
             return;
         }
         // No later than the transaction's start, which the stored response's expiry counts
