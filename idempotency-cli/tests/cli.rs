@@ -1169,6 +1169,8 @@ fn passwords_never_appear_in_any_output() {
         // An `@` and a `/` left raw in the password: the driver reads `{b}` as the host (review,
         // 2026-12-04: it was shown, and looked up in DNS). Now refused as ambiguous.
         format!("postgres://postgres:{a}@{b}/x@{host}/db"),
+        format!("postgres://{host}/db?user=postgres&password={a}@{b}"),
+        format!("postgres://{host}/db?password={a}@{b}&user=postgres"),
         format!("postgres://postgres@{host}/db?password={a}%3F{b}"),
         format!("postgres://postgres@{host}/db?password={a}?{b}"),
         format!("host=127.0.0.1 port={port} user=postgres password='{a} {b}' dbname=db"),

@@ -389,6 +389,20 @@ fn refuse_a_second_at(url: &str) -> Result<(), UrlError> {
     let Some(first) = body.find('@') else {
         return Ok(());
     };
+    // `postgres://host/db?user=app&password=pa@ss`: no credentials before the host, and the
+    // driver reads everything up to the `@` in the query as the user name, `ss` as the host.
+    let credentials = &body[..first];
+    if credentials
+        .split(['?', '&'])
+        .skip(1)
+        .any(|pair| pair.starts_with("password="))
+    {
+        return Err(UrlError(
+            "ambiguous database URL: a `password` query value holds a raw `@`, which the \
+             driver reads as the end of the credentials; percent-encode it (`%40`)"
+                .into(),
+        ));
+    }
     let after = &body[first + 1..];
     let before_query = after.find('?').map_or(after, |q| &after[..q]);
     if before_query.contains('@') {
@@ -579,6 +593,11 @@ pub(crate) fn redact(conninfo: &str) -> String {
                 if name.contains(':') && !name.contains('@') =>
             {
                 format!("[{name}]")
+            }
+            // A host name never holds these: it is query text the driver misread as the host
+            // (a raw `@` in a query value), perhaps password text.
+            tokio_postgres::config::Host::Tcp(name) if name.contains(['=', '&', '?', '/']) => {
+                HIDDEN.to_owned()
             }
             tokio_postgres::config::Host::Tcp(name) => part(name),
             #[cfg(unix)]
@@ -851,6 +870,19 @@ mod tests {
         assert!(split_ssl_params(url).is_err());
         let shown = redact(url);
         assert!(!shown.contains("SECRETPART"), "{shown}");
+        // A password in the query with a raw `@`, or a user name whose raw `@` makes the
+        // driver read query text as the host: refused, or never shown.
+        for url in [
+            "postgres://db.internal/pay?user=app&password=hunter@SECRETPART",
+            "postgres://db.internal:5432/pay?password=hunter@SECRETPART&user=app",
+            "postgres://db.internal/pay?user=app@corp&password=hunterSECRETPART",
+        ] {
+            let shown = redact(url);
+            assert!(
+                !shown.contains("hunter") && !shown.contains("SECRETPART"),
+                "{url} is shown as {shown}"
+            );
+        }
         // A database name with an `@`, percent-encoded, and an `@` in a query value still work.
         assert!(split_ssl_params("postgres://u:p@db/a%40b").is_ok());
         assert!(split_ssl_params("postgres://u:p@db/app?application_name=a@b").is_ok());
