@@ -375,12 +375,19 @@ fn split_url(url: &str) -> Result<Split, UrlError> {
     Ok(Split { rest, ssl })
 }
 
-/// Refuse a URL with a raw `@` after its credentials and before its query. The driver ends
-/// the credentials at the first `@`, so in `postgres://app:pa@ss/x@db/pay` (a password with an
-/// `@` and a `/` left unencoded) it reads `ss` as the host and `x@db/pay` as the database:
-/// it would connect to a host named after part of the password, send it to DNS, and show it
-/// in every message. The standard parser agrees with that reading, so only this check sees
-/// it. A database name that really holds an `@` is written `%40`.
+/// Refuse a URL whose `@` signs leave its credentials ambiguous. The driver ends the
+/// credentials at the first `@` of the whole string (so a password may hold a raw `/`, `?` or
+/// `#`), which misreads password text as a host or database name, connects to it (a DNS
+/// lookup of part of a password), and shows it in every message, when:
+/// - another `@` follows: in `postgres://app:pa@ss/x@db/pay` (a password with a raw `@` and
+///   `/`) the host is `ss`; in `postgres://app:pw@x?application_name=y@db` the host is `x`.
+///   A database name or option value that holds an `@` is written `%40`;
+/// - the standard parser finds the password in the query and no credentials where the driver
+///   finds some: in `postgres://db/pay?password=pa@ss` (or
+///   `?application_name=me@corp&password=...`) the driver reads query text, password
+///   included, as the user name and the rest as the host.
+///
+/// Passwords with a raw `/`, `?` or `#` make the standard parser fail, and stay the driver's.
 fn refuse_a_second_at(url: &str) -> Result<(), UrlError> {
     let Some(prefix) = url_prefix_len(url) else {
         return Ok(());
@@ -389,29 +396,27 @@ fn refuse_a_second_at(url: &str) -> Result<(), UrlError> {
     let Some(first) = body.find('@') else {
         return Ok(());
     };
-    // `postgres://host/db?user=app&password=pa@ss`: no credentials before the host, and the
-    // driver reads everything up to the `@` in the query as the user name, `ss` as the host.
-    let credentials = &body[..first];
-    if credentials
-        .split(['?', '&'])
-        .skip(1)
-        .any(|pair| pair.starts_with("password="))
-    {
-        return Err(UrlError(
-            "ambiguous database URL: a `password` query value holds a raw `@`, which the \
-             driver reads as the end of the credentials; percent-encode it (`%40`)"
+    let ambiguous = || {
+        UrlError(
+            "ambiguous database URL: it has an `@` the driver would read as the end of the \
+             credentials (part of the password?); percent-encode `@`, `/`, `?` and `#` in the \
+             user name, the password, the database name and option values (`%40`, `%2F`, \
+             `%3F`, `%23`)"
                 .into(),
-        ));
+        )
+    };
+    if body[first + 1..].contains('@') {
+        return Err(ambiguous());
     }
-    let after = &body[first + 1..];
-    let before_query = after.find('?').map_or(after, |q| &after[..q]);
-    if before_query.contains('@') {
-        return Err(UrlError(
-            "ambiguous database URL: it has an `@` after the credentials (part of the password?); \
-             percent-encode `@`, `/`, `?` and `#` in the user name, the password and the \
-             database name (`%40`, `%2F`, `%3F`, `%23`)"
-                .into(),
-        ));
+    // The standard reading puts the password in the query, and has no credentials before the
+    // host: the driver's credentials are query text, the password's included. (Without the
+    // `password` key the two readings may differ harmlessly: `u:12?34@db` is a password to
+    // the driver and a port to the standard parser.)
+    if let Ok(parsed) = url::Url::parse(url) {
+        let password_in_query = parsed.query_pairs().any(|(key, _)| key == "password");
+        if parsed.username().is_empty() && parsed.password().is_none() && password_in_query {
+            return Err(ambiguous());
+        }
     }
     Ok(())
 }
@@ -870,22 +875,39 @@ mod tests {
         assert!(split_ssl_params(url).is_err());
         let shown = redact(url);
         assert!(!shown.contains("SECRETPART"), "{shown}");
-        // A password in the query with a raw `@`, or a user name whose raw `@` makes the
-        // driver read query text as the host: refused, or never shown.
+        // A raw `@` in the query (reviews, 2026-12-04): the driver reads query text, password
+        // included, as credentials, or password text as the host. Refused, never shown.
         for url in [
             "postgres://db.internal/pay?user=app&password=hunter@SECRETPART",
             "postgres://db.internal:5432/pay?password=hunter@SECRETPART&user=app",
             "postgres://db.internal/pay?user=app@corp&password=hunterSECRETPART",
+            "postgres://db.internal/pay?pass%77ord=hunterSECRETPART&application_name=me@corp",
+            "postgres://db/pay?application_name=me@corp&password=hunterSECRETPART",
+            "postgres://app:hunter@SECRETPART/x?application_name=z@db/pay",
         ] {
+            assert!(split_ssl_params(url).is_err(), "{url} is accepted");
             let shown = redact(url);
             assert!(
                 !shown.contains("hunter") && !shown.contains("SECRETPART"),
                 "{url} is shown as {shown}"
             );
         }
-        // A database name with an `@`, percent-encoded, and an `@` in a query value still work.
-        assert!(split_ssl_params("postgres://u:p@db/a%40b").is_ok());
-        assert!(split_ssl_params("postgres://u:p@db/app?application_name=a@b").is_ok());
+        // Still accepted: an `@` percent-encoded in a database name or an option value, and
+        // the raw `/`, `?`, `#`, `&`, `:` the driver takes in a password.
+        for url in [
+            "postgres://u:p@db/a%40b",
+            "postgres://u:p@db/app?application_name=a%40b",
+            "postgres://u:a%2Fb?c/d#e&sslmode=disable:f@db/app?sslmode=require",
+            "postgres://u:pa?ss@db/app",
+            "postgres://u:se/cret@db/app",
+            "postgres://me%40corp:pw@db/pay",
+            "postgresql://app@h1,h2:5433/pay",
+            "postgres://app:s3cr%40t@[::1]:5432/pay",
+            "postgres://app@%2Fvar%2Frun%2Fpostgresql/pay",
+            "postgres://db/pay?user=app&password=secret",
+        ] {
+            assert!(split_ssl_params(url).is_ok(), "{url} is refused");
+        }
     }
 
     #[test]
