@@ -158,13 +158,20 @@ fn trim_ows(mut raw: &[u8]) -> &[u8] {
 /// (255 bytes by default, Stripe's limit), control characters, non-ASCII bytes, a malformed
 /// sf-string, or the header sent twice.
 ///
+/// Passing it on to a payment provider as the provider's own idempotency key makes the
+/// downstream call idempotent too (the defence when a handler runs again after a store outage
+/// longer than the lease, C16). **Scope it as the record is**: the same key from two tenants is
+/// two requests here, but one provider account serving several tenants would take it for one,
+/// and replay the first tenant's payment to the second (or refuse it). Forward the tenant with
+/// the key, e.g. `format!("{tenant}:{key}")`.
+///
 /// ```
 /// use actix_web::{post, HttpResponse};
 /// use idempotency_actix::IdempotencyKey;
 ///
 /// #[post("/payments")]
 /// async fn create(key: IdempotencyKey) -> HttpResponse {
-///     // e.g. pass it on to the payment provider as its own idempotency key
+///     // e.g. pass it on to the payment provider, prefixed with the tenant
 ///     HttpResponse::Created().body(format!("created under {}", key.as_str()))
 /// }
 /// ```

@@ -49,7 +49,8 @@
 //! 409) while the middleware keeps trying to store the response until the lease
 //! (`lock_timeout`, 60 s) ends. If the store is back by then, retries get the replay; if it is
 //! still down, a retry after the lease runs the handler again. Handlers that move money should
-//! therefore also be idempotent downstream (pass the key on to the payment provider). See
+//! therefore also be idempotent downstream (pass the key on to the payment provider, with the
+//! tenant: see [`IdempotencyKey`]). See
 //! `docs/design.md` and `docs/reliability.md`.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![forbid(unsafe_code)]
