@@ -28,6 +28,11 @@ impl Counter {
     fn get(&self) -> usize {
         self.0.load(Ordering::SeqCst)
     }
+
+    /// Count one more run; its number.
+    fn bump(&self) -> usize {
+        self.0.fetch_add(1, Ordering::SeqCst) + 1
+    }
 }
 
 async fn echo(counter: web::Data<Counter>, body: Bytes) -> HttpResponse {
@@ -147,6 +152,7 @@ fn post(path: &str, key: &str) -> TestRequest {
         .insert_header(("idempotency-key", key))
 }
 
+#[derive(Debug)]
 struct Reply {
     status: StatusCode,
     headers: actix_web::http::header::HeaderMap,
@@ -1694,53 +1700,17 @@ async fn a_body_that_panics_aborts_the_response_and_is_counted() {
 
 /// Found by a review of the request flow (2026-12-04); each test failed before its fix.
 mod request_flow {
-    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::atomic::Ordering;
     use std::sync::Arc;
     use std::time::Duration;
 
-    use actix_web::body::{to_bytes, MessageBody};
-    use actix_web::dev::{Service, ServiceResponse};
     use actix_web::http::StatusCode;
-    use actix_web::test::{call_service, init_service, TestRequest};
+    use actix_web::test::{call_service, init_service};
     use actix_web::{web, App, HttpResponse};
     use idempotency_actix::store::MemoryStore;
     use idempotency_actix::Idempotency;
 
-    use super::Faulty;
-
-    #[derive(Clone, Default)]
-    struct Counter(Arc<AtomicUsize>);
-
-    impl Counter {
-        fn get(&self) -> usize {
-            self.0.load(Ordering::SeqCst)
-        }
-        fn bump(&self) -> usize {
-            self.0.fetch_add(1, Ordering::SeqCst) + 1
-        }
-    }
-
-    /// The status and body the client gets, errors included (as actix renders them).
-    async fn send<S, B>(app: &S, req: TestRequest) -> (StatusCode, bytes::Bytes)
-    where
-        S: Service<actix_http::Request, Response = ServiceResponse<B>, Error = actix_web::Error>,
-        B: MessageBody,
-    {
-        match app.call(req.to_request()).await {
-            Ok(response) => {
-                let status = response.status();
-                let body = to_bytes(response.into_body()).await.unwrap_or_default();
-                (status, body)
-            }
-            Err(error) => (error.as_response_error().status_code(), bytes::Bytes::new()),
-        }
-    }
-
-    fn post(path: &str, key: &str) -> TestRequest {
-        TestRequest::post()
-            .uri(path)
-            .insert_header(("idempotency-key", key))
-    }
+    use super::{post, send, Counter, Faulty};
 
     /// A lone `%` and `%25` reach the handler as the same path parameter, but were two scopes:
     /// the same key ran the handler twice (C3).
@@ -1767,14 +1737,18 @@ mod request_flow {
                 ),
         )
         .await;
-        let (first, _) = send(&app, post("/items/100%", "k").set_payload("x")).await;
-        let (second, body) = send(&app, post("/items/100%25", "k").set_payload("x")).await;
+        let first = send(&app, post("/items/100%", "k").set_payload("x"))
+            .await
+            .status;
+        let second = send(&app, post("/items/100%25", "k").set_payload("x")).await;
         assert_eq!(first, StatusCode::CREATED);
         let seen = seen.lock().unwrap().clone();
         assert_eq!(
             counter.get(),
             1,
-            "the same key and the same handler value ({seen:?}) ran twice; second answer {second} {body:?}"
+            "the same key and the same handler value ({seen:?}) ran twice; second answer {} {:?}",
+            second.status,
+            second.body
         );
     }
 
@@ -1809,7 +1783,7 @@ mod request_flow {
             tokio::time::sleep(Duration::from_millis(50)).await;
             send(&app, post("/pay", "k").set_payload("x")).await
         });
-        assert_eq!(first.1, "charge 1");
+        assert_eq!(first.body, "charge 1");
         assert_eq!(
             counter.get(),
             1,
@@ -1857,7 +1831,7 @@ mod request_flow {
             store.reserves.load(Ordering::SeqCst)
         };
         let (first, polls_at_drop) = tokio::join!(first, abandoned);
-        assert_eq!(first.0, StatusCode::BAD_GATEWAY);
+        assert_eq!(first.status, StatusCode::BAD_GATEWAY);
         tokio::time::sleep(Duration::from_millis(800)).await;
         let polls_later = store.reserves.load(Ordering::SeqCst);
         assert_eq!(
@@ -1898,15 +1872,17 @@ mod request_flow {
                 ),
         )
         .await;
-        let (first_status, _) = send(&app, post("/pay", "k").set_payload("x")).await;
-        let (retry, _) = send(&app, post("/pay", "k").set_payload("x")).await;
+        let first_status = send(&app, post("/pay", "k").set_payload("x")).await.status;
+        let retry = send(&app, post("/pay", "k").set_payload("x")).await.status;
         tokio::time::sleep(Duration::from_millis(400)).await;
-        let (after_lease, body) = send(&app, post("/pay", "k").set_payload("x")).await;
+        let after_lease = send(&app, post("/pay", "k").set_payload("x")).await;
         assert_eq!(
             (first_status, counter.get()),
             (StatusCode::CREATED, 1),
-            "first {first_status}, retry {retry}, after the lease {after_lease} {body:?}: the payment \
+            "first {first_status}, retry {retry}, after the lease {} {:?}: the payment \
              ran {} times",
+            after_lease.status,
+            after_lease.body,
             counter.get()
         );
     }
@@ -1948,7 +1924,7 @@ mod request_flow {
             .await;
             let mut statuses = Vec::new();
             for path in [plain, crafted] {
-                statuses.push(send(&app, post(path, "k").set_payload("x")).await.0);
+                statuses.push(send(&app, post(path, "k").set_payload("x")).await.status);
             }
             let seen = seen.lock().map(|s| s.clone()).unwrap_or_default();
             if let [a, b] = seen.as_slice() {
@@ -2002,7 +1978,7 @@ mod request_flow {
             assert!(gave_up.is_err(), "the waiter answered early");
         };
         let (first, ()) = tokio::join!(first, abandoned);
-        assert_eq!(first.0, StatusCode::CREATED);
+        assert_eq!(first.status, StatusCode::CREATED);
         tokio::time::sleep(Duration::from_millis(300)).await;
         let seen = seen.lock().map(|s| s.clone()).unwrap_or_default();
         assert_eq!(
