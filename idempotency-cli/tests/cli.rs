@@ -222,6 +222,7 @@ async fn migrate_twice_and_check_gates_deploys() {
          applied 2026-12-02-000007_partitioned_generic_plans\n\
          applied 2026-12-03-000008_partition_create_without_moving\n\
          applied 2026-12-04-000009_default_partition_older_than\n\
+         applied 2026-12-04-000010_serializable_claim_inserts_first\n\
          layout: plain\n"
     );
 
@@ -1828,7 +1829,7 @@ async fn migrate_check_needs_only_select() {
     assert!(up_to_date_out.contains("up to date"), "{up_to_date_out}");
     expect_code(&pending, PENDING);
     assert!(
-        stdout(&pending).contains("pending 2026-12-04-000009_default_partition_older_than"),
+        stdout(&pending).contains("pending 2026-12-04-000010_serializable_claim_inserts_first"),
         "{}",
         stdout(&pending)
     );

@@ -1337,6 +1337,51 @@ async fn a_named_read_committed_overrides_a_stricter_database_default() {
     assert_eq!(b.status, StatusCode::CREATED, "b: {}", b.body);
 }
 
+/// Under `Serializable`, requests with different keys whose handlers only insert commit side
+/// by side: the middleware's own rows never make them fail each other. The claim read the
+/// primary-key index before inserting, and serializable snapshot isolation tracks a read that
+/// finds nothing by index page, so every open request whose key sorted onto the same page
+/// formed a read/write cycle with the others (7 of 8 failed at COMMIT before the fix).
+#[actix_web::test]
+async fn serializable_requests_with_different_keys_do_not_fail_each_other() {
+    let (db, store) = setup().await;
+    let runs = Runs::default();
+    let middleware = tx_builder(&store)
+        .isolation_level(idempotency_actix::store::postgres::IsolationLevel::Serializable)
+        .build();
+    let app = test::init_service(
+        App::new().app_data(web::Data::new(runs.clone())).service(
+            web::scope("")
+                .wrap(middleware)
+                .route("/payments", web::post().to(pay)),
+        ),
+    )
+    .await;
+    // All eight transactions are open at once: each handler sleeps after its insert.
+    let keys: Vec<String> = (0..8).map(|i| format!("ser-{i}")).collect();
+    let answers = futures_util::future::join_all(
+        (0..8).map(|i| send(&app, &keys[i], "?sleep_ms=300", i as i64)),
+    )
+    .await;
+    for (i, answer) in answers.iter().enumerate() {
+        assert_eq!(
+            answer.status,
+            StatusCode::CREATED,
+            "request {i}: {}",
+            answer.body
+        );
+    }
+    assert_eq!(runs.get(), 8, "each handler ran once");
+    assert_eq!(payments(&db), 8);
+    assert_eq!(
+        count(
+            &db.url,
+            "SELECT count(*) AS n FROM idempotency_keys WHERE state = 'completed'"
+        ),
+        8
+    );
+}
+
 #[derive(diesel::QueryableByName)]
 struct Total {
     #[diesel(sql_type = BigInt)]

@@ -48,8 +48,9 @@ pub(crate) type TxConnection = super::pool::Checkout;
 /// Under `RepeatableRead` and `Serializable`, PostgreSQL may abort a transaction with a
 /// serialization failure (SQLSTATE 40001), at a statement or at COMMIT; see
 /// [`IdempotencyBuilder::retry_serialization_failures`](crate::IdempotencyBuilder::retry_serialization_failures).
-/// Under `Serializable`, requests with different keys can fail each other through the index
-/// of `idempotency_keys` (`docs/transactional.md`, "Serialization failures").
+/// Under `Serializable`, the middleware's own statements insert first and update by address, so
+/// requests with different keys do not fail each other through `idempotency_keys` (migration
+/// `2026-12-04-000010`; `docs/transactional.md`, "Serialization failures").
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum IsolationLevel {
