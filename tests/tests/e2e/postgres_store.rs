@@ -424,11 +424,13 @@ async fn missing_table_is_not_provisioned_with_the_migrate_hint() {
 }
 
 /// A database migrated only to the first migration (the table, no `idempotency_reserve`):
-/// reserve answers the migrate hint, not an opaque "function does not exist".
+/// reserve answers the migrate hint, not an opaque "function does not exist". The plain layout
+/// whatever `IDEM_TEST_LAYOUT` says: the test puts back that layout's function.
 #[tokio::test]
 async fn missing_reserve_function_is_not_provisioned_with_the_migrate_hint() {
     use diesel_async::SimpleAsyncConnection;
-    let db = TestDb::new().await;
+    let db = TestDb::new_unmigrated().await;
+    postgres::run_migrations(&db.url).await.unwrap();
     let mut conn = postgres::establish(&db.url).await.unwrap();
     conn.batch_execute(include_str!(
         "../../../migrations/2026-11-30-000002_reserve_function/down.sql"
