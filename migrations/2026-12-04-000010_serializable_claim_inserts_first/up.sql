@@ -13,9 +13,13 @@
 --
 -- What changes, under SERIALIZABLE only (other levels keep today's statements: without
 -- serializable snapshot isolation a read takes no lock, and a replay then writes nothing):
--- - The claim inserts first, under the scope's advisory lock taken with the try-variant as
---   before (an INSERT is tracked as a write, not a read); only when the row already exists does
---   it read it, through idempotency_reserve (a replay, a record in flight, an ended one).
+-- - A claim that takes the scope's advisory lock (try-variant, as before) inserts first: an
+--   INSERT is tracked as a write, not a read. When the row already exists, or the lock is held
+--   elsewhere (another claim, replay, 409 or 422 of this scope is open), it reads through
+--   idempotency_reserve as at every other level: a replay, a record in flight, a mismatch, an
+--   ended record to take over. (Answering "in flight" on a held lock, as a first version of
+--   this migration did, turned retries of a completed request into 409s whenever another
+--   retry of it was open.)
 -- - The claim keeps the new row's physical address in a transaction-local setting, and
 --   idempotency_complete updates that row by address (a TID scan, no index read), fenced by
 --   the token as before; it falls back to the primary-key lookup when the setting is absent
@@ -23,8 +27,9 @@
 --
 -- Why it is race-free (docs/sql.md's argument for the reserve function, unchanged):
 -- - Every writer of a new row or a takeover holds the scope's advisory lock, taken without
---   waiting; a request that cannot take it answers "in flight" (409) before any write, so the
---   INSERT below never waits on another request's uncommitted row of this scope.
+--   waiting; a request that cannot take it writes nothing (idempotency_reserve reads, and its
+--   own try-lock fails before any write), so the INSERT below never waits on another request's
+--   uncommitted row of this scope.
 -- - The lock is re-entrant: idempotency_reserve's own try-lock in this transaction succeeds.
 -- - A row committed after this transaction's snapshot makes the INSERT's conflict check fail
 --   with a serialization failure (40001) rather than do nothing: the middleware claims again in
@@ -53,31 +58,31 @@ BEGIN
         -- connection never carries one request's tenant into the next.
         PERFORM set_config(p_setting, p_setting_value, true);
     END IF;
+    -- Under SERIALIZABLE, a claim that takes the scope's lock inserts first. One that cannot
+    -- take it is contended (a claim, a replay, a 409 or a 422 of this scope is open elsewhere)
+    -- and reads, as at every other level: the row may be committed, and a retry of a completed
+    -- request is a replay, never a 409.
+    -- Nested, not `AND`: SQL does not promise to evaluate the isolation test first, and the
+    -- lock must never be taken at another level.
     IF current_setting('transaction_isolation') = 'serializable' THEN
-        IF NOT pg_try_advisory_xact_lock(
-                idempotency_lock_key(p_tenant, p_method, p_path, p_key)) THEN
-            -- Held by another transaction: this scope is being claimed or written.
-            outcome := 'existing'; state := 'in_flight'; fingerprint := p_fingerprint;
-            lease_remaining_us := p_lease_us; live := true; eligible := true;
-            RETURN NEXT;
-            RETURN;
+        IF pg_try_advisory_xact_lock(idempotency_lock_key(p_tenant, p_method, p_path, p_key)) THEN
+            INSERT INTO idempotency_keys AS k
+                (tenant, method, path, idempotency_key, fingerprint, state, token,
+                 locked_until, created_at, expires_at)
+            VALUES (p_tenant, p_method, p_path, p_key, p_fingerprint, 'in_flight', p_token,
+                    now() + p_lease_us * interval '1 microsecond', now(),
+                    now() + p_lease_us * interval '1 microsecond')
+            ON CONFLICT DO NOTHING
+            RETURNING k.ctid INTO v_claimed;
+            IF FOUND THEN
+                -- For idempotency_complete: the row to update, found without an index read.
+                PERFORM set_config('idempotency.claimed_row', v_claimed::text, true);
+                outcome := 'reserved';
+                RETURN NEXT;
+                RETURN;
+            END IF;
+            -- The row exists: a replay, a record in flight, or an ended one to take over.
         END IF;
-        INSERT INTO idempotency_keys AS k
-            (tenant, method, path, idempotency_key, fingerprint, state, token,
-             locked_until, created_at, expires_at)
-        VALUES (p_tenant, p_method, p_path, p_key, p_fingerprint, 'in_flight', p_token,
-                now() + p_lease_us * interval '1 microsecond', now(),
-                now() + p_lease_us * interval '1 microsecond')
-        ON CONFLICT DO NOTHING
-        RETURNING k.ctid INTO v_claimed;
-        IF FOUND THEN
-            -- For idempotency_complete: the row to update, found without an index read.
-            PERFORM set_config('idempotency.claimed_row', v_claimed::text, true);
-            outcome := 'reserved';
-            RETURN NEXT;
-            RETURN;
-        END IF;
-        -- The row exists: a replay, a record in flight, or an ended one to take over.
     END IF;
     RETURN QUERY SELECT * FROM idempotency_reserve(p_tenant, p_method, p_path, p_key,
                                                    p_fingerprint, p_token, p_lease_us);

@@ -1395,6 +1395,131 @@ async fn serializable_requests_with_different_keys_do_not_fail_each_other() {
     );
 }
 
+/// Under `Serializable`, a retry of a completed key is a replay (C6) and another body a 422
+/// (C7), even while another retry of the same key is between its claim and its ROLLBACK (a
+/// replay on another instance, or on another connection of this one). Migration 000010's first
+/// claim took the scope's advisory lock before it knew the row existed and answered "in flight"
+/// when it could not: the retry got 409, and so did the other body (found by review,
+/// 2026-12-04).
+#[actix_web::test]
+async fn a_serializable_replay_is_not_a_409_while_another_replay_of_the_key_runs() {
+    let (db, store) = setup().await;
+    let runs = Runs::default();
+    let middleware = tx_builder(&store)
+        .isolation_level(idempotency_actix::store::postgres::IsolationLevel::Serializable)
+        .build();
+    let app = app!(middleware, runs);
+    let first = send(&app, "held-replay", "", 10).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{}", first.body);
+    // Another replay of the same request, exactly as the middleware sends it: BEGIN, the
+    // claim (which answers the completed record), and its ROLLBACK still to come.
+    let mut other = idempotency_actix::store::postgres::establish(&db.url)
+        .await
+        .unwrap();
+    other
+        .batch_execute(
+            "BEGIN ISOLATION LEVEL SERIALIZABLE;
+             SELECT * FROM idempotency_tx_claim('app.tenant_id', 'acct_1', 'acct_1', 'POST',
+                 '/payments', 'held-replay',
+                 (SELECT fingerprint FROM idempotency_keys WHERE idempotency_key = 'held-replay'),
+                 gen_random_uuid(), 60000000)",
+        )
+        .await
+        .unwrap();
+    let retry = send(&app, "held-replay", "", 10).await;
+    let other_body = send(&app, "held-replay", "", 11).await;
+    other.batch_execute("ROLLBACK").await.unwrap();
+    let seen = (
+        (retry.status.as_u16(), retry.replayed),
+        other_body.status.as_u16(),
+    );
+    assert_eq!(
+        seen,
+        ((201, true), 422),
+        "(retry of the completed payment, same key with another body): {} / {}",
+        retry.body,
+        other_body.body
+    );
+    assert_eq!(retry.body, first.body);
+    assert_eq!(runs.get(), 1);
+}
+
+/// The same without a helper connection: bursts of concurrent retries of a completed key (a
+/// client that timed out and retries from several places) under `Serializable` are all
+/// replays (26 to 30 of 40 got 409 with migration 000010's first claim).
+#[actix_web::test]
+async fn serializable_concurrent_replays_all_replay() {
+    let (db, store) = setup().await;
+    let runs = Runs::default();
+    let middleware = tx_builder(&store)
+        .isolation_level(idempotency_actix::store::postgres::IsolationLevel::Serializable)
+        .build();
+    let app = app!(middleware, runs);
+    let first = send(&app, "burst", "", 10).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{}", first.body);
+    let mut conflicts = 0;
+    let mut statuses = Vec::new();
+    for _round in 0..5 {
+        let answers =
+            futures_util::future::join_all((0..8).map(|_| send(&app, "burst", "", 10))).await;
+        for answer in answers {
+            statuses.push(answer.status.as_u16());
+            if answer.status != StatusCode::CREATED || !answer.replayed {
+                conflicts += 1;
+            }
+        }
+    }
+    assert_eq!(runs.get(), 1);
+    assert_eq!(payments(&db), 1);
+    assert_eq!(
+        conflicts, 0,
+        "40 concurrent retries of a completed key, not all replays: {statuses:?}"
+    );
+}
+
+/// Under `Serializable`, misses open at once mixed with replays of other (completed) keys, a
+/// mismatch and 409 duplicates of the open misses: every miss commits once, nothing fails at
+/// COMMIT, and each of the others gets its own answer.
+#[actix_web::test]
+async fn serializable_mixed_flows_do_not_fail_each_other() {
+    let (db, store) = setup().await;
+    let runs = Runs::default();
+    let middleware = tx_builder(&store)
+        .isolation_level(idempotency_actix::store::postgres::IsolationLevel::Serializable)
+        .build();
+    let app = app!(middleware, runs);
+    let done: Vec<String> = (0..4).map(|i| format!("mix-done-{i}")).collect();
+    for key in &done {
+        assert_eq!(send(&app, key, "", 5).await.status, StatusCode::CREATED);
+    }
+    let misses: Vec<String> = (0..6).map(|i| format!("mix-miss-{i}")).collect();
+    let miss_requests =
+        futures_util::future::join_all(misses.iter().map(|k| send(&app, k, "?sleep_ms=400", 7)));
+    let others = async {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let replays = futures_util::future::join_all(done.iter().map(|k| send(&app, k, "", 5)));
+        let duplicates =
+            futures_util::future::join_all(misses.iter().map(|k| send(&app, k, "", 7)));
+        let mismatch = send(&app, &done[0], "", 6);
+        futures_util::future::join3(replays, duplicates, mismatch).await
+    };
+    let (miss_answers, (replays, duplicates, mismatch)) =
+        futures_util::future::join(miss_requests, others).await;
+    let statuses = |v: &[Answer]| v.iter().map(|a| a.status.as_u16()).collect::<Vec<_>>();
+    assert_eq!(
+        statuses(&miss_answers),
+        vec![201; 6],
+        "{:?}",
+        miss_answers.iter().map(|a| &a.body).collect::<Vec<_>>()
+    );
+    assert_eq!(statuses(&replays), vec![201; 4]);
+    assert!(replays.iter().all(|a| a.replayed));
+    assert_eq!(statuses(&duplicates), vec![409; 6]);
+    assert_eq!(mismatch.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(runs.get(), 10);
+    assert_eq!(payments(&db), 10);
+}
+
 #[derive(diesel::QueryableByName)]
 struct Total {
     #[diesel(sql_type = BigInt)]
