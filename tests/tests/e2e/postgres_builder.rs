@@ -1132,3 +1132,104 @@ async fn connections_opened_together_are_not_closed_together() {
          birth: {offsets:?})"
     );
 }
+
+/// A TCP proxy to PostgreSQL that, once armed, holds back the first server-to-client chunk
+/// carrying `needle` for `delay` (a slow network or a stalled runtime, as the client sees it:
+/// the server has answered, the answer arrives late).
+async fn delaying_proxy(
+    upstream: String,
+    needle: &'static [u8],
+    delay: Duration,
+) -> (u16, std::sync::Arc<std::sync::atomic::AtomicBool>) {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let armed = Arc::new(AtomicBool::new(false));
+    let armed_for_task = Arc::clone(&armed);
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let Ok(server) = tokio::net::TcpStream::connect(&upstream).await else {
+                continue;
+            };
+            let armed = Arc::clone(&armed_for_task);
+            let (mut client_read, mut client_write) = client.into_split();
+            let (mut server_read, mut server_write) = server.into_split();
+            tokio::spawn(async move {
+                let _ = tokio::io::copy(&mut client_read, &mut server_write).await;
+            });
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 64 * 1024];
+                loop {
+                    let n = match server_read.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => n,
+                    };
+                    let chunk = &buf[..n];
+                    if AtomicBool::load(&armed, Ordering::SeqCst)
+                        && chunk.windows(needle.len()).any(|w| w == needle)
+                    {
+                        AtomicBool::store(&armed, false, Ordering::SeqCst);
+                        tokio::time::sleep(delay).await;
+                    }
+                    if client_write.write_all(chunk).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (port, armed)
+}
+
+/// `url` (a `postgres://` URL) pointed at 127.0.0.1:`port`.
+fn through_port(url: &str, port: u16) -> String {
+    let (scheme, rest) = url.split_once("://").unwrap_or(("postgres", url));
+    let (userinfo, after) = match rest.split_once('@') {
+        Some((user, after)) => (format!("{user}@"), after),
+        None => (String::new(), rest),
+    };
+    let end = after.find(['/', '?']).unwrap_or(after.len());
+    format!("{scheme}://{userinfo}127.0.0.1:{port}{}", &after[end..])
+}
+
+/// Review (rev-b, 2026-12-04): a reserve whose reply arrives after `query_timeout` has run on
+/// the server. The store answers `Unavailable` (the middleware: 503 "the request was not
+/// processed, retry later") and sends a cancel, which finds nothing left to cancel: the
+/// reservation is committed with a token nobody holds, so every retry gets 409 "still being
+/// processed" for a whole lease, for a key whose handler never ran. The Redis store releases
+/// such a reservation by its token (`give_back_later`, fixed in review 6); PostgreSQL does not.
+#[tokio::test]
+async fn a_reserve_answered_after_the_timeout_does_not_leave_the_key_held_by_nobody() {
+    let db = TestDb::new().await;
+    let upstream = idempotency_e2e::proxy::host_port(&db.url);
+    let (port, armed) = delaying_proxy(upstream, b"reserved", Duration::from_millis(700)).await;
+    let url = through_port(&db.url, port);
+    let store = PostgresStore::builder(url.as_str())
+        .max_size(1)
+        .query_timeout(Some(Duration::from_millis(200)))
+        .build()
+        .await
+        .unwrap();
+    // Warm the connection (prepared statements), then hold back the next reserve's answer.
+    store.reserve(&scope("warm"), &FP, LEASE).await.unwrap();
+    std::sync::atomic::AtomicBool::store(&armed, true, std::sync::atomic::Ordering::SeqCst);
+    match store.reserve(&scope("late"), &FP, LEASE).await {
+        Err(StoreError::Unavailable(_)) => {}
+        other => panic!("expected Unavailable (the answer came too late), got {other:?}"),
+    }
+    // The late answer and the cancel have long arrived.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let retry = store.reserve(&scope("late"), &FP, LEASE).await;
+    let held = idempotency_e2e::records::count(
+        &db.url,
+        "SELECT count(*) AS n FROM idempotency_keys \
+         WHERE idempotency_key = 'late' AND state = 'in_flight' AND locked_until > now()",
+    );
+    assert!(
+        matches!(retry, Ok(ReserveOutcome::Reserved { .. })),
+        "the retry of a reserve that failed with Unavailable found the key held by nobody \
+         ({held} in-flight row(s) with a live lease, no holder): {retry:?}"
+    );
+}
