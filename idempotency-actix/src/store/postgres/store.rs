@@ -229,6 +229,29 @@ impl PostgresStore {
         });
     }
 
+    /// Release, in the background, a reservation a failed reserve may have made anyway (see
+    /// `reserve`): tried until it applies or the lease it would hold has ended, since a late
+    /// statement can still commit after the first tries.
+    fn release_later(&self, scope: &Scope, token: ReservationToken, lease: Duration) {
+        let store = self.clone();
+        let scope = scope.clone();
+        tokio::spawn(async move {
+            let until = std::time::Instant::now() + lease;
+            let mut pause = Duration::from_millis(100);
+            loop {
+                tokio::time::sleep(pause).await;
+                if let Ok(WriteOutcome::Applied) = store.release(&scope, &token).await {
+                    tracing::info!(key = %LogText(&scope.key), "released a reservation made by a reserve that had failed (its answer came too late)");
+                    return;
+                }
+                if std::time::Instant::now() + pause >= until {
+                    return;
+                }
+                pause = (pause * 2).min(Duration::from_secs(2));
+            }
+        });
+    }
+
     async fn reserve_once(
         &self,
         conn: &mut AsyncPgConnection,
@@ -371,7 +394,20 @@ impl IdempotencyStore for PostgresStore {
         }
         for attempt in 1..=RESERVE_ATTEMPTS {
             let once = self.timed(&mut conn, async |c| self.reserve_once(c, &query).await);
-            if let Some(outcome) = once.await? {
+            let once = match once.await {
+                Ok(once) => once,
+                Err(error) => {
+                    // The statement may still have run on the server (its answer lost or late,
+                    // the cancel too late to stop it): the caller answers "not processed", so
+                    // such a reservation would be held by nobody for a whole lease. Released
+                    // by its token, which nobody else can hold.
+                    if matches!(error, StoreError::Unavailable(_)) {
+                        self.release_later(scope, ReservationToken::from_uuid(query.token), lease);
+                    }
+                    return Err(error);
+                }
+            };
+            if let Some(outcome) = once {
                 return Ok(outcome);
             }
             tracing::debug!(attempt, key = %LogText(&scope.key), "idempotency reserve raced; re-running");
