@@ -2,7 +2,7 @@
 //! [`IdempotencyStore`] implementation. Every statement it runs is in the `sql` module.
 
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use diesel_async::{AnsiTransactionManager, AsyncPgConnection, TransactionManager};
@@ -16,6 +16,7 @@ use super::sql::{self, Completion, ReplayRead, Reserve, ReserveRow, ScopeBinds};
 use super::tls::ConnectTarget;
 use super::{micros, PgPool, PostgresStoreBuilder, DEFAULT_PURGE_BATCH, DEFAULT_QUERY_TIMEOUT};
 use super::{DEFAULT_CONNECTION_TIMEOUT, DEFAULT_MAX_SIZE};
+use crate::config::saturating_deadline;
 use crate::log_text::LogText;
 use crate::store::{
     Fingerprint, IdempotencyStore, ReservationToken, ReserveOutcome, Scope, StoreError,
@@ -230,13 +231,16 @@ impl PostgresStore {
     }
 
     /// Release, in the background, a reservation a failed reserve may have made anyway (see
-    /// `reserve`): tried until it applies or the lease it would hold has ended, since a late
-    /// statement can still commit after the first tries.
+    /// `reserve`). A late statement can still commit after the first tries (one that waited on
+    /// a lock runs on until it gets it, and commits before it finds its client gone), so it is
+    /// tried until it applies or the lease the reservation would hold has ended; the pause
+    /// doubles each time (about ten tries in a 60 s lease), so a slow database that timed out
+    /// many reserves at once gets a few more statements from each, not one every second.
     fn release_later(&self, scope: &Scope, token: ReservationToken, lease: Duration) {
         let store = self.clone();
         let scope = scope.clone();
+        let until = saturating_deadline(Instant::now(), lease);
         tokio::spawn(async move {
-            let until = std::time::Instant::now() + lease;
             let mut pause = Duration::from_millis(100);
             loop {
                 tokio::time::sleep(pause).await;
@@ -244,10 +248,10 @@ impl PostgresStore {
                     tracing::info!(key = %LogText(&scope.key), "released a reservation made by a reserve that had failed (its answer came too late)");
                     return;
                 }
-                if std::time::Instant::now() + pause >= until {
+                if saturating_deadline(Instant::now(), pause) >= until {
                     return;
                 }
-                pause = (pause * 2).min(Duration::from_secs(2));
+                pause = pause.saturating_mul(2);
             }
         });
     }
