@@ -850,59 +850,25 @@ pub(super) fn unavailable_detail(error: &StoreError) -> String {
     }
 }
 
-/// The most [`buffer_body`] reserves ahead on a client's `Content-Length` (the default
+/// The most [`read_body`] reserves ahead on a client's `Content-Length` (the default
 /// `max_body_bytes`).
 const RESERVE_CAP: usize = 1 << 20;
 
 /// Buffer the request body, or answer 413 (C14): checked against Content-Length first, then
-/// against the bytes actually read, so a missing or lying Content-Length changes nothing.
-async fn read_body(req: &mut ServiceRequest, max: usize) -> Result<Result<Bytes, Problem>, Error> {
+/// against the bytes actually read, so a missing or lying Content-Length changes nothing. The
+/// one place a body is buffered (keyed requests; transactional mode's keyless ones).
+///
+/// A body that arrives in one chunk (most small bodies: actix splits it off its read buffer)
+/// is kept as that chunk, without a copy; only a second chunk starts a buffer, so many tiny
+/// chunks cost their bytes, not an entry each.
+pub(super) async fn read_body(
+    req: &mut ServiceRequest,
+    max: usize,
+) -> Result<Result<Bytes, Problem>, Error> {
     let declared = declared_length(req);
     if declared.is_some_and(|len| len > max as u64) {
         return Ok(Err(too_large(max)));
     }
-    match buffer_body(req, max).await? {
-        Buffered::Whole(body) => Ok(Ok(body)),
-        Buffered::Over { .. } => Ok(Err(too_large(max))),
-    }
-}
-
-fn too_large(max: usize) -> Problem {
-    Problem::new(
-        ProblemCode::PayloadTooLarge,
-        format!("the body is larger than {max} bytes"),
-    )
-}
-
-/// The request's `Content-Length`, if it has a valid one.
-fn declared_length(req: &ServiceRequest) -> Option<u64> {
-    req.headers()
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok())
-}
-
-/// A request body read up to a limit by [`buffer_body`].
-// What was read past the limit is used by transactional mode only.
-#[cfg_attr(not(feature = "postgres"), allow(dead_code))]
-pub(super) enum Buffered {
-    /// The whole body, at most the limit.
-    Whole(Bytes),
-    /// More than the limit: what was read before the chunk that crossed it, that chunk, and the
-    /// rest of the body still to come.
-    Over {
-        head: Bytes,
-        chunk: Bytes,
-        rest: Payload,
-    },
-}
-
-/// Take `req`'s body and read it up to `max` bytes. A body that arrives in one chunk (most
-/// small bodies: actix splits it off its read buffer) is kept as that chunk, without a copy;
-/// only a second chunk starts a buffer, so many tiny chunks cost their bytes, not an entry
-/// each. The one place a body is buffered (keyed requests; transactional mode's keyless ones).
-pub(super) async fn buffer_body(req: &mut ServiceRequest, max: usize) -> Result<Buffered, Error> {
-    let declared = declared_length(req);
     let mut payload = req.take_payload();
     let mut first: Option<Bytes> = None;
     let mut body = BytesMut::new();
@@ -911,12 +877,7 @@ pub(super) async fn buffer_body(req: &mut ServiceRequest, max: usize) -> Result<
         let chunk = chunk?;
         read = read.saturating_add(chunk.len());
         if read > max {
-            let head = first.take().unwrap_or_else(|| body.split().freeze());
-            return Ok(Buffered::Over {
-                head,
-                chunk,
-                rest: payload,
-            });
+            return Ok(Err(too_large(max)));
         }
         if first.is_none() && body.is_empty() {
             first = Some(chunk);
@@ -932,7 +893,22 @@ pub(super) async fn buffer_body(req: &mut ServiceRequest, max: usize) -> Result<
         }
         body.extend_from_slice(&chunk);
     }
-    Ok(Buffered::Whole(first.unwrap_or_else(|| body.freeze())))
+    Ok(Ok(first.unwrap_or_else(|| body.freeze())))
+}
+
+fn too_large(max: usize) -> Problem {
+    Problem::new(
+        ProblemCode::PayloadTooLarge,
+        format!("the body is larger than {max} bytes"),
+    )
+}
+
+/// The request's `Content-Length`, if it has a valid one.
+fn declared_length(req: &ServiceRequest) -> Option<u64> {
+    req.headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
 }
 
 #[cfg(test)]

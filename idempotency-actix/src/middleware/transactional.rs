@@ -34,12 +34,9 @@ use actix_web::http::StatusCode;
 use actix_web::{Error, FromRequest, HttpMessage, HttpRequest, HttpResponse};
 use bytes::Bytes;
 use diesel_async::{AnsiTransactionManager, AsyncPgConnection, TransactionManager};
-use futures_util::StreamExt;
 
 use super::detach::detach;
-use super::flow::{
-    buffer_body, opaque_500, unavailable_detail, Buffered, Flow, FlowResult, MAX_POLL_INTERVAL,
-};
+use super::flow::{opaque_500, read_body, unavailable_detail, Flow, FlowResult, MAX_POLL_INTERVAL};
 use super::renewal::{Renewal, Reservation};
 use super::replay::{replay, storable_headers};
 use crate::config::{saturating_deadline, Config, ResponseParts};
@@ -439,7 +436,20 @@ where
     Svc: Service<ServiceRequest, Response = ServiceResponse<B>, Error = Error> + 'static,
     B: MessageBody + 'static,
 {
-    buffer_before_the_transaction(&mut req, flow.config.max_body_bytes).await?;
+    // The body first, before the transaction opens: a client that uploads slowly must not hold
+    // a pooled connection (in an open transaction) while it does, or a few of them take the
+    // pool from everyone. So a keyless body, like a keyed one, is at most `max_body_bytes`
+    // (413 past it): read inside the transaction, the rest of a larger body would hold the
+    // connection for as long as its client liked.
+    match read_body(&mut req, flow.config.max_body_bytes).await? {
+        Ok(body) => req.set_payload(Payload::from(body)),
+        Err(problem) => {
+            tracing::info!(target: "idempotency_actix", outcome = "payload_too_large", "keyless request refused: its body is over max_body_bytes, and in transactional mode a body is read whole before the transaction opens");
+            return Ok(req
+                .into_response(flow.config.problem(problem))
+                .map_into_right_body());
+        }
+    }
     let (answer, answered) = tokio::sync::oneshot::channel();
     // Boxed in its own statement, so that the work's state takes no room in this future.
     let work = Box::pin(async move {
@@ -454,26 +464,6 @@ where
             Err(opaque_500("the request's task ended without a response"))
         }
     }
-}
-
-/// Read a keyless request's body, up to `max`, before its transaction opens: a client that
-/// uploads slowly must not hold a pooled connection (in an open transaction) while it does, or
-/// a few of them take the pool from everyone (a keyed request reads its body first too). A
-/// body over `max` is not refused, as it would not be in default mode: what was read is put
-/// back in front of the rest, which then streams to the handler inside the transaction.
-async fn buffer_before_the_transaction(req: &mut ServiceRequest, max: usize) -> Result<(), Error> {
-    match buffer_body(req, max).await? {
-        Buffered::Whole(body) => req.set_payload(Payload::from(body)),
-        Buffered::Over { head, chunk, rest } => {
-            let read = futures_util::stream::iter([head, chunk])
-                .filter(|part| std::future::ready(!part.is_empty()))
-                .map(Ok);
-            req.set_payload(Payload::Stream {
-                payload: Box::pin(read.chain(rest)),
-            });
-        }
-    }
-    Ok(())
 }
 
 async fn keyless<S, Svc, B>(
@@ -526,7 +516,7 @@ where
         After::Answer(result) => result,
         // No record to finish: the handler's own answer.
         After::Ended(result) => result.map(|response| response.map_into_left_body()),
-        // Not asked for (no retries for keyless requests: their body was not buffered).
+        // Not asked for (no retries for keyless requests).
         After::Retry(_) => Err(opaque_500("unexpected retry of a keyless request")),
     }
 }

@@ -1641,29 +1641,9 @@ async fn echo_body(tx: IdempotentTx, body: web::Bytes) -> HttpResponse {
     HttpResponse::Created().json(serde_json::json!({ "body": String::from_utf8_lossy(&body) }))
 }
 
-/// A keyless body over `max_body_bytes` is not refused (as in default mode): what was read
-/// before the transaction opened is put back in front of the rest, and the handler gets it
-/// whole, in order.
-#[actix_web::test]
-async fn a_keyless_body_over_the_buffer_limit_reaches_the_handler_whole() {
-    let (_db, store) = setup().await;
-    let app = test::init_service(
-        App::new().service(
-            web::scope("")
-                .wrap(tx_builder(&store).max_body_bytes(16).build())
-                .route("/payments", web::post().to(echo_body)),
-        ),
-    )
-    .await;
-    let chunks = futures_util::stream::iter(
-        [
-            b"0123456789".as_slice(),
-            b"abcdefghij",
-            b"klmnopqrst",
-            b"uvwxyz",
-        ]
-        .map(|chunk| Ok::<_, actix_web::error::PayloadError>(bytes::Bytes::from_static(chunk))),
-    );
+/// A keyless request's body in chunks, as a client sends it.
+fn chunked_keyless(chunks: Vec<bytes::Bytes>) -> actix_http::Request {
+    let chunks = futures_util::stream::iter(chunks.into_iter().map(Ok));
     let chunks: std::pin::Pin<
         Box<dyn futures_util::Stream<Item = Result<bytes::Bytes, actix_web::error::PayloadError>>>,
     > = Box::pin(chunks);
@@ -1671,12 +1651,92 @@ async fn a_keyless_body_over_the_buffer_limit_reaches_the_handler_whole() {
         .uri("/payments")
         .insert_header(("x-account-id", "acct_1"))
         .to_request();
-    let (request, _) = request.replace_payload(actix_http::Payload::from(chunks));
-    let response = app.call(request).await.expect("response");
+    request.replace_payload(actix_http::Payload::from(chunks)).0
+}
+
+/// A keyless body within `max_body_bytes` reaches the handler whole and in order, read before
+/// its transaction opens; one over it is refused with 413, like a keyed one, without running
+/// the handler (read inside the transaction, the rest of it could hold the connection for as
+/// long as its client liked: `a_slow_keyless_upload_over_the_limit_does_not_hold_a_connection`).
+#[actix_web::test]
+async fn a_keyless_body_is_read_whole_before_its_transaction_or_refused() {
+    let (_db, store) = setup().await;
+    let app = test::init_service(
+        App::new().service(
+            web::scope("")
+                .wrap(tx_builder(&store).max_body_bytes(36).build())
+                .route("/payments", web::post().to(echo_body)),
+        ),
+    )
+    .await;
+    let alphabet = ["0123456789", "abcdefghij", "klmnopqrst", "uvwxyz"]
+        .map(|chunk| bytes::Bytes::from_static(chunk.as_bytes()));
+    let response = app
+        .call(chunked_keyless(alphabet.to_vec()))
+        .await
+        .expect("response");
     assert_eq!(response.status(), StatusCode::CREATED);
     let body: serde_json::Value = test::read_body_json(response).await;
     assert_eq!(
         body["body"], "0123456789abcdefghijklmnopqrstuvwxyz",
         "{body}"
     );
+
+    let mut over = alphabet.to_vec();
+    over.push(bytes::Bytes::from_static(b"!"));
+    let response = app.call(chunked_keyless(over)).await.expect("response");
+    assert_eq!(response.status(), StatusCode::PAYLOAD_TOO_LARGE);
+    let body: serde_json::Value = test::read_body_json(response).await;
+    assert_eq!(body["code"], "PAYLOAD_TOO_LARGE", "{body}");
+}
+
+/// A client whose keyless body is over `max_body_bytes` and arrives slowly (or never ends)
+/// holds no pooled connection: a keyed request meanwhile is served. It used to get its
+/// transaction at once, the rest of its body read inside it, so any anonymous client could take
+/// the pool (found by review, 2026-12-04; the slow upload within the limit was fixed the same
+/// morning, `a_slow_keyless_upload_does_not_hold_a_connection`).
+#[actix_web::test]
+async fn a_slow_keyless_upload_over_the_limit_does_not_hold_a_connection() {
+    let (db, _) = setup().await;
+    let store = one_connection_store(&db).await;
+    let runs = Runs::default();
+    let app = app!(tx_builder(&store).max_body_bytes(16).build(), runs);
+    let slow_body = futures_util::stream::unfold(0u8, |sent| async move {
+        match sent {
+            // 20 bytes: over the 16-byte limit.
+            0 => Some((
+                Ok(bytes::Bytes::from_static(b"{\"amount\": 5, \"pad\":")),
+                1,
+            )),
+            1 => {
+                tokio::time::sleep(Duration::from_millis(1500)).await;
+                Some((Ok(bytes::Bytes::from_static(b" \"x\"}")), 2))
+            }
+            _ => None,
+        }
+    });
+    let slow_body: std::pin::Pin<
+        Box<dyn futures_util::Stream<Item = Result<bytes::Bytes, actix_web::error::PayloadError>>>,
+    > = Box::pin(slow_body);
+    let keyless = test::TestRequest::post()
+        .uri("/payments")
+        .insert_header(("x-account-id", "acct_1"))
+        .insert_header(("content-type", "application/json"))
+        .to_request();
+    let (keyless, _) = keyless.replace_payload(actix_http::Payload::from(slow_body));
+    let first = async { app.call(keyless).await.unwrap().status() };
+    let second = async {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        // A small keyed body, within the limit.
+        send(&app, "k", "", 1).await
+    };
+    let (first, second) = futures_util::future::join(first, second).await;
+    assert_eq!(first, StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(
+        second.status,
+        StatusCode::CREATED,
+        "a keyed request waited for a keyless client's upload over max_body_bytes: {}",
+        second.body
+    );
+    assert_eq!(runs.get(), 1, "only the keyed request ran");
 }
