@@ -332,8 +332,8 @@ impl<S> IdempotencyBuilder<S> {
     }
 
     /// Largest request body buffered for the fingerprint; larger bodies get 413. Default 1 MiB.
-    /// In transactional mode (`transactional()`, PostgreSQL) it bounds keyless bodies too: every body
-    /// is read whole before its transaction takes a pooled connection.
+    /// In transactional mode (`transactional()`, PostgreSQL) it bounds keyless bodies too:
+    /// every body is read whole before its transaction takes a pooled connection.
     pub fn max_body_bytes(mut self, max: usize) -> Self {
         self.config.max_body_bytes = max;
         self
