@@ -44,6 +44,7 @@
 //! # let _ = middleware; }
 //! ```
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -74,6 +75,9 @@ pub struct CachedStore<S> {
     inner: S,
     cache: Cache<Scope, Arc<Entry>>,
     limits: Limits,
+    /// Bumped by [`CachedStore::clear`]: a record read from the store before a `clear` is
+    /// not cached after it (it may be one the operator just released by hand).
+    epoch: Arc<AtomicU64>,
 }
 
 impl<S: Clone> Clone for CachedStore<S> {
@@ -82,6 +86,7 @@ impl<S: Clone> Clone for CachedStore<S> {
             inner: self.inner.clone(),
             cache: self.cache.clone(),
             limits: self.limits,
+            epoch: Arc::clone(&self.epoch),
         }
     }
 }
@@ -148,6 +153,7 @@ impl<S: IdempotencyStore> CachedStoreBuilder<S> {
             inner: self.inner,
             cache,
             limits: self.limits,
+            epoch: Arc::new(AtomicU64::new(0)),
         }
     }
 }
@@ -196,6 +202,9 @@ impl<S> CachedStore<S> {
 
     /// Drop every cached entry (e.g. after releasing completed records by hand).
     pub fn clear(&self) {
+        // First the epoch, then the entries: an insert that read its record before this call
+        // either sees the new epoch and drops its entry, or was made before `invalidate_all`.
+        self.epoch.fetch_add(1, Ordering::SeqCst);
         self.cache.invalidate_all();
         self.cache.run_pending_tasks();
     }
@@ -219,6 +228,7 @@ impl<S> CachedStore<S> {
         response: &StoredResponse,
         start: Instant,
         remaining: Duration,
+        epoch: u64,
     ) {
         let limits = self.limits;
         let size = response.size_bytes();
@@ -237,7 +247,14 @@ impl<S> CachedStore<S> {
             until,
             bytes: size + ENTRY_OVERHEAD_BYTES,
         };
+        if self.epoch.load(Ordering::SeqCst) != epoch {
+            return;
+        }
         self.cache.insert(scope.clone(), Arc::new(entry));
+        if self.epoch.load(Ordering::SeqCst) != epoch {
+            // Cleared meanwhile: the record read before `clear` must not outlive it.
+            self.cache.invalidate(scope);
+        }
     }
 }
 
@@ -281,6 +298,7 @@ impl<S: IdempotencyStore> IdempotencyStore for CachedStore<S> {
         lease: Duration,
     ) -> Result<ReserveOutcome, StoreError> {
         let start = Instant::now();
+        let epoch = self.epoch.load(Ordering::SeqCst);
         if let Some(outcome) = self.lookup(scope, start) {
             // The entry ends before the record, so the record is live: the same answer the
             // wrapped store would give (including a fingerprint mismatch, which the middleware
@@ -294,7 +312,7 @@ impl<S: IdempotencyStore> IdempotencyStore for CachedStore<S> {
             expires_in: Some(remaining),
         } = &outcome
         {
-            self.insert(scope, *stored, response, start, *remaining);
+            self.insert(scope, *stored, response, start, *remaining, epoch);
         }
         Ok(outcome)
     }
