@@ -733,6 +733,43 @@ async fn a_quiet_stream_whose_client_left_is_dropped_with_its_key() {
     );
 }
 
+/// C24 with a store that cannot renew leases (the default of a user-written store, and of
+/// any store when `lock_timeout` is under 30 ms): the key is held for one lease only, yet an
+/// endless stream whose client left was read until `renew_lease_up_to` (10 minutes by
+/// default), for a record its key no longer guards (review rev-a, 2026-12-04).
+#[actix_web::test]
+async fn an_endless_stream_is_dropped_with_its_key_when_the_store_cannot_renew() {
+    let polls = Polls::default();
+    let store = Faulty::default(); // no `renew_lease`: `renews_leases()` is false
+    assert!(!store.renews_leases());
+    let app = init_service(
+        App::new()
+            .app_data(web::Data::new(polls.clone()))
+            .wrap(
+                Idempotency::builder(store)
+                    .lock_timeout(Duration::from_millis(200))
+                    .renew_lease_up_to(Duration::from_secs(4))
+                    .build(),
+            )
+            .route("/events", web::post().to(endless)),
+    )
+    .await;
+    let gone = call_service(&app, post("/events", "nr").set_payload("x").to_request()).await;
+    drop(gone); // the client hangs up
+    // The key's only lease ended 200 ms after the reservation.
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let read = polls.0.load(Ordering::SeqCst);
+    assert!(read > 0, "the stream was never read for the record");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let later = polls.0.load(Ordering::SeqCst);
+    assert_eq!(
+        later,
+        read,
+        "the stream is still being read {} polls later, long after its key's only lease ended",
+        later - read
+    );
+}
+
 /// C24: a stream over `max_response_bytes` (its key released, nothing kept for the record)
 /// whose client leaves while it is quiet is dropped at once: nobody is left to read it for.
 /// It was kept until its next chunk or its key's last lease (10 minutes by default).
