@@ -756,7 +756,7 @@ async fn an_endless_stream_is_dropped_with_its_key_when_the_store_cannot_renew()
     .await;
     let gone = call_service(&app, post("/events", "nr").set_payload("x").to_request()).await;
     drop(gone); // the client hangs up
-    // The key's only lease ended 200 ms after the reservation.
+                // The key's only lease ended 200 ms after the reservation.
     tokio::time::sleep(Duration::from_millis(1000)).await;
     let read = polls.0.load(Ordering::SeqCst);
     assert!(read > 0, "the stream was never read for the record");

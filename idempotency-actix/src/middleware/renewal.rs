@@ -95,7 +95,14 @@ pub(super) struct Renewal<'a, S> {
 impl<'a, S: IdempotencyStore> Renewal<'a, S> {
     /// Renewal of `reservation`, not started yet.
     pub(super) fn new(reservation: Reservation<'a, S>) -> Self {
-        let held = reservation.limit.max(reservation.lease);
+        // Without a heartbeat (a store that cannot renew, a lease too short to renew) the
+        // key is held for its first lease only.
+        let renewable = reservation.lease >= MIN_RENEWED_LEASE && reservation.store.renews_leases();
+        let held = if renewable {
+            reservation.limit.max(reservation.lease)
+        } else {
+            reservation.lease
+        };
         Renewal {
             hold_until: saturating_deadline(reservation.reserved_at, held),
             due: Some(reservation),
