@@ -31,14 +31,16 @@ fn response() -> StoredResponse {
     }
 }
 
+/// Two signals: the store has answered; let the answer through.
+type Hold = Option<(Arc<Notify>, Arc<Notify>)>;
+
 /// A store whose records an operator can delete behind the app's back (what
 /// `idem-cli release --force` does to a completed PostgreSQL row), and whose next `reserve`
 /// answer can be held on its way back to the caller (a slow network, a busy worker).
 #[derive(Clone, Default)]
 struct Operated {
     records: Arc<Mutex<MemoryStore>>,
-    /// (the store has answered, let the answer through)
-    hold: Arc<Mutex<Option<(Arc<Notify>, Arc<Notify>)>>>,
+    hold: Arc<Mutex<Hold>>,
 }
 
 impl Operated {
