@@ -200,7 +200,9 @@ impl<S> CachedStore<S> {
         self.cache.weighted_size()
     }
 
-    /// Drop every cached entry (e.g. after releasing completed records by hand).
+    /// Drop every cached entry (e.g. after releasing completed records by hand). A record
+    /// read from the wrapped store before this call is not cached after it, even when that
+    /// read answers later. Other processes' caches are their own: clear each instance.
     pub fn clear(&self) {
         // First the epoch, then the entries: an insert that read its record before this call
         // either sees the new epoch and drops its entry, or was made before `invalidate_all`.

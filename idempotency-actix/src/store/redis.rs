@@ -72,7 +72,7 @@
 //!
 //! # Faults
 //! Redis unreachable, a timeout (default 2 s per call), `LOADING`, `BUSY`, `READONLY`, `OOM`,
-//! `MASTERDOWN`, `CLUSTERDOWN`, `TRYAGAIN`: [`StoreError::Unavailable`] (503 before the
+//! `MISCONF`, `NOREPLICAS`, `MASTERDOWN`, `CLUSTERDOWN`, `TRYAGAIN`: [`StoreError::Unavailable`] (503 before the
 //! handler; `complete` is retried by the middleware until the lease ends). A reserve that timed
 //! out may still have run on the server: a release fenced by its token follows it on the same
 //! connection (`give_back_later`), so its key is not held by nobody for a lease.
@@ -82,8 +82,14 @@
 //! the reserve asks the reserve script instead (a second round trip, only while Redis is
 //! full): a script without flags runs under `OOM` and fails only when it writes. A completed
 //! record still replays (or carries its fingerprint, for the 422), a reservation is still in
-//! flight (409); a new key or a takeover needs a write and fails with `OOM` (503), as does
-//! `complete`.
+//! flight (409); a new key or a takeover needs a write and fails with `OOM` (503). The same
+//! holds while Redis refuses writes for another reason: `MISCONF` (it cannot persist) and
+//! `NOREPLICAS` (`min-replicas-to-write` not met). `complete` is flagged `allow-oom`: the
+//! response of a request Redis admitted is stored even when Redis filled up while its handler
+//! ran (memory may then pass `maxmemory` by the responses of the requests in flight), because
+//! a refused completion leaves the reservation to end, and the retry after it would run the
+//! handler a second time. Under `MISCONF` and `NOREPLICAS` no flag lets it write: such an
+//! outage longer than the lease is C16's known window (`docs/reliability.md`).
 //!
 //! # Eviction
 //! A `maxmemory-policy` that may evict keys with a TTL (every `volatile-*` and `allkeys-*`
@@ -572,9 +578,14 @@ where
                 Bytes::from(record),
                 secs.saturating_mul(1_000_000).saturating_add(micros),
             )),
-            // Redis refuses a `SET` under `OOM` before running it (it is flagged as a command
-            // that may grow memory), even when the key exists and `NX` would write nothing.
-            Err(e) if e.code() == Some("OOM") => Ok(SetOrGet::OutOfMemory),
+            // Redis refuses a `SET` before running it while it refuses writes: under `OOM` (it
+            // is flagged as a command that may grow memory), `MISCONF` (it cannot persist: a
+            // failed `BGSAVE` under `stop-writes-on-bgsave-error`, an AOF write error) and
+            // `NOREPLICAS` (`min-replicas-to-write` not met), even when the key exists and `NX`
+            // would write nothing.
+            Err(e) if matches!(e.code(), Some("OOM" | "MISCONF" | "NOREPLICAS")) => {
+                Ok(SetOrGet::WritesRefused)
+            }
             Err(e) => Err(classify(e)),
         }
     }
@@ -616,7 +627,7 @@ where
             // (C22: a full store refuses new keys only). The script answers: a script without
             // flags runs under `OOM` and fails only at a write (Redis 7.0), and it writes only
             // for an absent key or a takeover, which then fail with `OOM`, i.e. 503, closed.
-            SetOrGet::Found(..) | SetOrGet::OutOfMemory => {
+            SetOrGet::Found(..) | SetOrGet::WritesRefused => {
                 let reply: Value = self
                     .timed(
                         self.inner
@@ -720,8 +731,9 @@ enum SetOrGet {
     Reserved,
     /// The record that was there, untouched, and Redis's clock in microseconds.
     Found(Bytes, u64),
-    /// Redis is out of memory and refused the `SET` without looking at the key.
-    OutOfMemory,
+    /// Redis refuses writes (`OOM`, `MISCONF`, `NOREPLICAS`) and refused the `SET` without
+    /// looking at the key.
+    WritesRefused,
 }
 
 /// The Redis key of `scope`'s record under `prefix`: `<prefix><tenant>:<method>:<path>:<key>`,
@@ -903,6 +915,7 @@ fn classify(err: RedisError) -> StoreError {
         "CLUSTERDOWN",
         "TRYAGAIN",
         "NOREPLICAS",
+        "MISCONF",
         "MOVED",
         "ASK",
     ];

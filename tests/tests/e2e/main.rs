@@ -18,6 +18,7 @@ mod postgres_middleware;
 mod postgres_round_trips;
 mod postgres_store;
 mod postgres_tls;
+mod redis_degraded;
 mod redis_options;
 mod redis_store;
 mod transactional_middleware;

@@ -1,4 +1,8 @@
--- Store the response, fenced by the reservation token (one EVALSHA, atomic). As in
+#!lua flags=allow-oom
+-- Store the response, fenced by the reservation token (one EVALSHA, atomic). `allow-oom` (the
+-- first line; Redis 7.0+): the request was admitted, its handler ran, so its response is stored
+-- even if Redis filled up meanwhile; refused, the reservation would end and the client's retry
+-- run the handler again (redis.rs, "Faults"). As in
 -- PostgreSQL, the holder's late `complete` (after its lease) still applies until a takeover
 -- or until Redis dropped the reservation (lease + grace). Idempotent for its token: a record
 -- this token already completed answers 1 again and is left as it is, so a retry after an

@@ -1,0 +1,466 @@
+//! The Redis store when Redis is degraded: full (`OOM`), unable to persist (`MISCONF`), short of
+//! replicas (`NOREPLICAS`), a replica lagging behind `WAIT`; and concurrent duplicates on two
+//! workers with a connection each. From a review (2026-12-04): the first three failed on the
+//! code before it (a full Redis ran a handler twice; the other two answered 503 to replays).
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use idempotency_actix::store::redis::redis;
+use idempotency_actix::store::redis::{record, RedisStore};
+use idempotency_actix::store::{
+    IdempotencyStore, ReserveOutcome, Scope, StoreError, StoredResponse, WriteOutcome,
+};
+use idempotency_actix::Fingerprint;
+use idempotency_e2e::redis_server::RedisServer;
+
+const FP: Fingerprint = Fingerprint([0xAA; 32]);
+const TTL: Duration = Duration::from_secs(3600);
+
+fn scope(key: &str) -> Scope {
+    Scope {
+        tenant: "acct_1".into(),
+        method: "POST".into(),
+        path: "/payments".into(),
+        key: key.into(),
+    }
+}
+
+fn response() -> StoredResponse {
+    StoredResponse {
+        status: 201,
+        headers: vec![("content-type".into(), Bytes::from_static(b"text/plain"))],
+        body: Bytes::from_static(b"paid"),
+    }
+}
+
+async fn conn(url: &str) -> redis::aio::MultiplexedConnection {
+    let client = redis::Client::open(url).expect("test URL parses");
+    client
+        .get_multiplexed_async_connection()
+        .await
+        .expect("test redis-server accepts connections")
+}
+
+/// Start a replica of `primary` and wait until the primary counts it as connected and in sync.
+async fn replica_of(primary: &RedisServer) -> RedisServer {
+    let port = primary.port().to_string();
+    let replica = RedisServer::start_with(&["--replicaof", "127.0.0.1", &port]);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut primary_conn = conn(&primary.url()).await;
+    loop {
+        let info: String = redis::cmd("INFO")
+            .arg("replication")
+            .query_async(&mut primary_conn)
+            .await
+            .expect("INFO replication");
+        if info.contains("connected_slaves:1") && info.contains("state=online") {
+            return replica;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the replica did not come online:\n{info}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The state byte of `key`'s record on the server at `url` (None: absent).
+async fn state_on(url: &str, key: &str) -> Option<u8> {
+    let mut c = conn(url).await;
+    let value: Option<Vec<u8>> = redis::cmd("GET")
+        .arg(key)
+        .query_async(&mut c)
+        .await
+        .expect("GET");
+    value.and_then(|v| v.first().copied())
+}
+
+/// `wait_for_replicas`: a completion whose `WAIT` was not acknowledged fails, and the
+/// middleware retries it (C16) "until a replica has it". The retry finds the record completed
+/// by its token and answers applied *without writing*, then sends `WAIT` on whichever of the
+/// store's connections `pick` hands out. `WAIT` waits for the offset of that connection's own
+/// last write: on another connection (round robin over 8 by default) that is an older write or
+/// none, which the lagging replica acknowledged long ago, so `WAIT` returns at once and the
+/// completion counts as replicated while no replica has it. A failover then brings the
+/// reservation back and, after its lease, the retry runs the handler a second time.
+///
+/// Here the replica is frozen (SIGSTOP) after it acknowledged the reservation: the first
+/// `complete` correctly fails; the retry answered `Applied`; the primary dies, the replica is
+/// promoted and still holds the reservation, and a retry after the lease reserves the key again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_completion_is_not_acknowledged_by_a_wait_on_another_connection() {
+    let mut primary = RedisServer::start();
+    let replica = replica_of(&primary).await;
+    let store = RedisStore::builder()
+        .wait_for_replicas(1, Duration::from_millis(1000))
+        .connect(&primary.url())
+        .await
+        .expect("connect");
+    let s = scope("false-ack");
+    let key = store.key_of(&s);
+    let lease = Duration::from_secs(1);
+    let token = match store.reserve(&s, &FP, lease).await {
+        Ok(ReserveOutcome::Reserved { token }) => token,
+        other => panic!("expected Reserved, got {other:?}"),
+    };
+    assert_eq!(
+        state_on(&replica.url(), &key).await,
+        Some(record::IN_FLIGHT),
+        "the reservation was acknowledged by the replica"
+    );
+
+    // The replica stops acknowledging (frozen; a slow disk, a long fork, a network stall).
+    replica.signal("STOP");
+    let first = store.complete(&s, &token, &response(), TTL).await;
+    assert!(
+        matches!(first, Err(StoreError::Unavailable(_))),
+        "no replica has the completion: {first:?}"
+    );
+    // The middleware's retry (`retry_complete`), as many times as it would try in a lease.
+    let mut retried = Vec::new();
+    for _ in 0..3 {
+        let r = store.complete(&s, &token, &response(), TTL).await;
+        retried.push(r.ok());
+    }
+
+    // Failover: the primary dies, the (only) replica is promoted.
+    primary.kill();
+    replica.signal("CONT");
+    let mut promoted = conn(&replica.url()).await;
+    let _: () = redis::cmd("REPLICAOF")
+        .arg("NO")
+        .arg("ONE")
+        .query_async(&mut promoted)
+        .await
+        .expect("REPLICAOF NO ONE");
+    let on_replica = state_on(&replica.url(), &key).await;
+
+    // A client retry after the lease, on the promoted replica.
+    tokio::time::sleep(lease + Duration::from_millis(200)).await;
+    let after = RedisStore::builder()
+        .connect(&replica.url())
+        .await
+        .expect("connect to the promoted replica");
+    let second_run = matches!(
+        after.reserve(&s, &FP, lease).await,
+        Ok(ReserveOutcome::Reserved { .. })
+    );
+
+    assert!(
+        !retried.contains(&Some(WriteOutcome::Applied)) || on_replica == Some(record::COMPLETED),
+        "a retried complete answered {retried:?} (acknowledged by WAIT) while the replica \
+         held state {:?} (F = still the reservation); after the failover a retry of the key \
+         reserved it again: second run = {second_run}",
+        on_replica.map(char::from)
+    );
+}
+
+/// `CONFIG SET maxmemory <value>` on the server at `url`.
+async fn set_maxmemory(url: &str, value: &str) {
+    let mut c = conn(url).await;
+    for (name, v) in [("maxmemory-policy", "noeviction"), ("maxmemory", value)] {
+        let _: () = redis::cmd("CONFIG")
+            .arg("SET")
+            .arg(name)
+            .arg(v)
+            .query_async(&mut c)
+            .await
+            .expect("CONFIG SET");
+    }
+}
+
+/// C22 and C5/C6 with `noeviction`: Redis reaches `maxmemory` while a payment handler runs
+/// (other keys' records, a burst of large responses). The handler charged and the client got
+/// its 201, but the completion is a `SET` inside `complete.lua`, a script without the
+/// `allow-oom` flag, so Redis refuses it with `OOM`; the middleware retries it until the lease
+/// ends, all refused while Redis stays full. The reservation stays in flight for its grace;
+/// once memory is freed (the operator raises `maxmemory`, old records expire), the client's
+/// retry of the same request takes the ended reservation over and the handler runs a second
+/// time: a double charge for every request that was in flight when Redis filled up. The
+/// memory store reserves room for the response at reserve time for exactly this reason
+/// (reliability.md, bug 6, "A full memory store ran a handler twice"); the module docs say a
+/// full Redis "refuses new keys only, like a full memory store".
+#[actix_web::test]
+async fn a_redis_that_fills_up_while_the_handler_runs_does_not_run_it_twice() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    use actix_web::test::{call_service, init_service, read_body, TestRequest};
+    use actix_web::{web, App, HttpResponse};
+    use idempotency_actix::Idempotency;
+
+    let redis = RedisServer::start();
+    let url = redis.url();
+    let store = RedisStore::connect(&url).await.expect("connect");
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counted = Arc::clone(&runs);
+    let handler_url = url.clone();
+    let lease = Duration::from_secs(1);
+    let app = init_service(
+        App::new()
+            .wrap(Idempotency::builder(store).lock_timeout(lease).build())
+            .route(
+                "/payments",
+                web::post().to(move || {
+                    let runs = Arc::clone(&counted);
+                    let url = handler_url.clone();
+                    async move {
+                        let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
+                        // While the payment is being made, Redis fills up.
+                        if n == 1 {
+                            set_maxmemory(&url, "1").await;
+                        }
+                        HttpResponse::Created().body(format!("charge {n}"))
+                    }
+                }),
+            ),
+    )
+    .await;
+    let pay = || {
+        TestRequest::post()
+            .uri("/payments")
+            .insert_header(("idempotency-key", "pay-1"))
+            .set_payload("{\"amount\":100}")
+            .to_request()
+    };
+    let first = call_service(&app, pay()).await;
+    assert_eq!(first.status().as_u16(), 201);
+    let first_body = read_body(first).await;
+    // The middleware retries the completion until the lease ends; Redis stays full meanwhile.
+    tokio::time::sleep(lease + Duration::from_millis(500)).await;
+    // The operator frees memory.
+    set_maxmemory(&url, "0").await;
+    let retry = call_service(&app, pay()).await;
+    let status = retry.status().as_u16();
+    let body = read_body(retry).await;
+    assert_eq!(
+        (runs.load(Ordering::SeqCst), status, body.clone()),
+        (1, 201, first_body.clone()),
+        "the retry of a payment that was charged and answered 201 ({first_body:?}) must replay \
+         it; handler runs, retry status and body: {} {status} {body:?}",
+        runs.load(Ordering::SeqCst)
+    );
+}
+
+/// A Redis that cannot persist (its disk full or gone: a failed `BGSAVE` with
+/// `stop-writes-on-bgsave-error yes`, Redis's default, or an AOF write error) refuses every
+/// command that may write with `MISCONF`, and, as under `OOM`, refuses the reserve's
+/// `SET ... NX GET` before running it, even for a key it holds. Reads still work (a script
+/// that only reads runs). So while the disk is full every retry of a completed payment gets
+/// 503 instead of its replay, and a request in flight gets 503 instead of 409: the class of
+/// bug fixed for `OOM` on 2026-12-03 (reliability.md, bug 4, "A full Redis answered 503 to
+/// replays"), left for `MISCONF`, which is also classified as `Backend` rather than
+/// `Unavailable`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_that_cannot_persist_still_replays_completed_records() {
+    let dir = std::env::temp_dir().join(format!("idem-review-d-misconf-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    let redis = RedisServer::start_with(&["--dir", dir.to_str().expect("utf-8 temp dir")]);
+    let store = RedisStore::connect(&redis.url()).await.expect("connect");
+    let (done, busy) = (scope("misconf-done"), scope("misconf-busy"));
+    let token = match store.reserve(&done, &FP, TTL).await {
+        Ok(ReserveOutcome::Reserved { token }) => token,
+        other => panic!("expected Reserved, got {other:?}"),
+    };
+    assert_eq!(
+        store.complete(&done, &token, &response(), TTL).await.ok(),
+        Some(WriteOutcome::Applied)
+    );
+    assert!(matches!(
+        store.reserve(&busy, &FP, TTL).await,
+        Ok(ReserveOutcome::Reserved { .. })
+    ));
+
+    // The disk goes away: the next snapshot fails and Redis stops taking writes.
+    let mut c = conn(&redis.url()).await;
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("save")
+        .arg("3600 1")
+        .query_async(&mut c)
+        .await
+        .expect("CONFIG SET save");
+    std::fs::remove_dir_all(&dir).expect("rm the data dir");
+    let _: String = redis::cmd("BGSAVE")
+        .query_async(&mut c)
+        .await
+        .expect("BGSAVE");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let probe = redis::cmd("SET")
+            .arg("probe")
+            .arg("x")
+            .query_async::<()>(&mut c)
+            .await;
+        if probe.as_ref().is_err_and(|e| e.code() == Some("MISCONF")) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "Redis never refused writes: {probe:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    let replay = store.reserve(&done, &FP, TTL).await;
+    let in_flight = store.reserve(&busy, &FP, TTL).await;
+    assert!(
+        matches!(&replay, Ok(ReserveOutcome::Completed { response: r, .. }) if r.body == response().body)
+            && matches!(in_flight, Ok(ReserveOutcome::InFlight { .. })),
+        "Redis still holds both records and answers reads; a retry of the completed payment \
+         got {replay:?}, a duplicate of the running one got {in_flight:?}"
+    );
+}
+
+/// The same with `min-replicas-to-write` (a setting a payments team turns on to bound what a
+/// failover can lose): while fewer replicas are connected, Redis refuses every write with
+/// `NOREPLICAS`, the reserve's `SET ... NX GET` included, even for a key it holds, so every
+/// retry of a completed payment gets 503 instead of its replay, and a duplicate of a running
+/// one 503 instead of 409. A script that only reads still runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_short_of_replicas_still_replays_completed_records() {
+    let redis = RedisServer::start();
+    let store = RedisStore::connect(&redis.url()).await.expect("connect");
+    let (done, busy) = (scope("noreplicas-done"), scope("noreplicas-busy"));
+    let token = match store.reserve(&done, &FP, TTL).await {
+        Ok(ReserveOutcome::Reserved { token }) => token,
+        other => panic!("expected Reserved, got {other:?}"),
+    };
+    assert_eq!(
+        store.complete(&done, &token, &response(), TTL).await.ok(),
+        Some(WriteOutcome::Applied)
+    );
+    assert!(matches!(
+        store.reserve(&busy, &FP, TTL).await,
+        Ok(ReserveOutcome::Reserved { .. })
+    ));
+    // The replica goes away (here: there is none, and one is now required).
+    let mut c = conn(&redis.url()).await;
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("min-replicas-to-write")
+        .arg("1")
+        .query_async(&mut c)
+        .await
+        .expect("CONFIG SET");
+    let probe = redis::cmd("SET")
+        .arg("probe")
+        .arg("x")
+        .query_async::<()>(&mut c)
+        .await;
+    assert!(
+        probe
+            .as_ref()
+            .is_err_and(|e| e.code() == Some("NOREPLICAS")),
+        "Redis must refuse writes for this test: {probe:?}"
+    );
+
+    let replay = store.reserve(&done, &FP, TTL).await;
+    let in_flight = store.reserve(&busy, &FP, TTL).await;
+    assert!(
+        matches!(&replay, Ok(ReserveOutcome::Completed { response: r, .. }) if r.body == response().body)
+            && matches!(in_flight, Ok(ReserveOutcome::InFlight { .. })),
+        "Redis still holds both records and answers reads; a retry of the completed payment \
+         got {replay:?}, a duplicate of the running one got {in_flight:?}"
+    );
+}
+
+/// Concurrent duplicates through the middleware on two workers, each with its own Redis
+/// connection (`connection_per_thread`, on by default) besides the shared one: 40 keys, six
+/// identical requests per key sent at once, then a retry of each. Every key runs once, every
+/// answer is its key's own response (201 or its replay) or a 409, and every retry replays.
+/// (Held: it passed on 9b6c2a7; kept as a guard.)
+#[actix_web::test]
+async fn concurrent_duplicates_on_two_workers_run_each_key_once() {
+    use std::collections::HashMap;
+    use std::sync::{Arc, Mutex};
+
+    use actix_web::{web, App, HttpRequest, HttpResponse, HttpServer};
+    use idempotency_actix::Idempotency;
+    use idempotency_e2e::raw_http::{Conn, Request};
+
+    const KEYS: usize = 40;
+    const DUPLICATES: usize = 6;
+    let redis = RedisServer::start();
+    let store = RedisStore::connect(&redis.url()).await.expect("connect");
+    let runs: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
+    let data = web::Data::new(Arc::clone(&runs));
+    let server = HttpServer::new(move || {
+        App::new()
+            .app_data(data.clone())
+            .wrap(Idempotency::new(store.clone()))
+            .route(
+                "/payments",
+                web::post().to(
+                    |req: HttpRequest, runs: web::Data<Arc<Mutex<HashMap<String, usize>>>>| async move {
+                        let key = req
+                            .headers()
+                            .get("idempotency-key")
+                            .and_then(|v| v.to_str().ok())
+                            .unwrap_or_default()
+                            .to_owned();
+                        let n = {
+                            let mut runs = runs.lock().expect("lock");
+                            let n = runs.entry(key.clone()).or_default();
+                            *n += 1;
+                            *n
+                        };
+                        actix_web::rt::time::sleep(Duration::from_millis(20)).await;
+                        HttpResponse::Created().body(format!("{key} run {n}"))
+                    },
+                ),
+            )
+    })
+    .workers(2)
+    .disable_signals()
+    .bind(("127.0.0.1", 0))
+    .expect("bind");
+    let addr = server.addrs()[0];
+    let server = server.run();
+    let handle = server.handle();
+    actix_web::rt::spawn(server);
+
+    let answers = tokio::task::spawn_blocking(move || {
+        let send = move |key: String| {
+            let mut conn = Conn::connect(addr, Duration::from_secs(10)).expect("connect");
+            let response = conn
+                .send(&Request::post("/payments").key(&key).json("{\"amount\":1}"))
+                .expect("response");
+            (key, response.status, response.body)
+        };
+        let mut answers = Vec::new();
+        for round in 0..2 {
+            let threads: Vec<_> = (0..KEYS)
+                .flat_map(|k| {
+                    let copies = if round == 0 { DUPLICATES } else { 1 };
+                    (0..copies).map(move |_| format!("k{k}"))
+                })
+                .map(|key| std::thread::spawn(move || send(key)))
+                .collect();
+            for t in threads {
+                answers.push((round, t.join().expect("client")));
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        answers
+    })
+    .await
+    .expect("clients");
+    handle.stop(true).await;
+
+    let runs = runs.lock().expect("lock").clone();
+    let twice: Vec<_> = runs.iter().filter(|(_, n)| **n != 1).collect();
+    let wrong: Vec<_> = answers
+        .iter()
+        .filter(|(round, (key, status, body))| match status {
+            201 => body != format!("{key} run 1").as_bytes(),
+            409 => *round == 1,
+            _ => true,
+        })
+        .collect();
+    assert!(
+        twice.is_empty() && wrong.is_empty() && runs.len() == KEYS,
+        "keys run other than once: {twice:?}; wrong answers: {wrong:?}"
+    );
+}
