@@ -46,7 +46,7 @@
 //! pulling from the handler's stream until the client catches up. When the client is gone the
 //! task keeps pulling (without forwarding) until the stream ends, so the record is stored and
 //! the retry replays, but no longer than the key is held (`renew_lease_up_to`, or the lease if
-//! longer): an endless stream whose client left is then dropped, its reservation left to its
+//! longer; one lease when the store cannot renew leases): an endless stream whose client left is then dropped, its reservation left to its
 //! lease. Once the stream is over the limit and nobody listens, the task stops and drops it. The end of the body reaches the client only
 //! after the record is stored (with a `Content-Length`, the chunk that completes the body), so
 //! a client that read the whole response and retries at once gets the replay, never a 409. If the stream fails after its head was sent, the connection
