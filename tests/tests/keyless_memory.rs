@@ -1,5 +1,5 @@
 //! A keyless request in transactional mode reads its body before its transaction opens: within
-//! about `max_body_bytes` of memory, however the client splits it. A binary of its own, because
+//! about `max_body_bytes` of memory, however the client splits it (a larger body is refused). A binary of its own, because
 //! it counts the heap with dhat's global allocator.
 
 use actix_web::dev::Service;
@@ -60,14 +60,20 @@ async fn a_keyless_body_is_buffered_within_max_body_bytes_of_memory() {
         let (request, _) = request.replace_payload(actix_http::Payload::from(chunks));
         let before = dhat::HeapStats::get();
         let response = app.call(request).await.expect("response");
-        assert_eq!(response.status(), StatusCode::CREATED);
         let after = dhat::HeapStats::get();
-        let body = test::read_body(response).await;
-        assert_eq!(
-            body,
-            size.to_string().as_bytes(),
-            "the handler got every byte"
-        );
+        if size <= max {
+            assert_eq!(response.status(), StatusCode::CREATED);
+            let body = test::read_body(response).await;
+            assert_eq!(
+                body,
+                size.to_string().as_bytes(),
+                "the handler got every byte"
+            );
+        } else {
+            // Over the limit: refused before any connection is taken (transactional mode
+            // reads a keyless body whole first).
+            assert_eq!(response.status(), StatusCode::PAYLOAD_TOO_LARGE);
+        }
         let peak = after.max_bytes.saturating_sub(before.curr_bytes);
         assert!(
             after.max_bytes <= before.max_bytes || peak <= 4 * max,
