@@ -1233,3 +1233,105 @@ async fn a_reserve_answered_after_the_timeout_does_not_leave_the_key_held_by_nob
          ({held} in-flight row(s) with a live lease, no holder): {retry:?}"
     );
 }
+
+/// A TCP proxy to PostgreSQL that, once armed, holds back the first client-to-server chunk
+/// carrying `needle` for `delay` (a slow network or a stalled runtime on the way in: the
+/// statement reaches the server after the client gave up on it and after its cancel, which
+/// then finds an idle session and nothing to cancel).
+async fn delaying_proxy_inbound(
+    upstream: String,
+    needle: &'static [u8],
+    delay: Duration,
+) -> (u16, std::sync::Arc<std::sync::atomic::AtomicBool>) {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let armed = Arc::new(AtomicBool::new(false));
+    let armed_for_task = Arc::clone(&armed);
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let Ok(server) = tokio::net::TcpStream::connect(&upstream).await else {
+                continue;
+            };
+            let armed = Arc::clone(&armed_for_task);
+            let (mut client_read, mut client_write) = client.into_split();
+            let (mut server_read, mut server_write) = server.into_split();
+            tokio::spawn(async move {
+                let _ = tokio::io::copy(&mut server_read, &mut client_write).await;
+            });
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 64 * 1024];
+                loop {
+                    let n = match client_read.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => n,
+                    };
+                    let chunk = &buf[..n];
+                    if AtomicBool::load(&armed, Ordering::SeqCst)
+                        && chunk.windows(needle.len()).any(|w| w == needle)
+                    {
+                        AtomicBool::store(&armed, false, Ordering::SeqCst);
+                        tokio::time::sleep(delay).await;
+                    }
+                    if server_write.write_all(chunk).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (port, armed)
+}
+
+/// Review (rev-e, 2026-12-04): `release_later` (the fix of the test above) promises to try
+/// "until it applies or the lease the reservation would hold has ended", but its doubling
+/// pauses stop well before that: with a 2 s lease the tries come 0.1, 0.3, 0.7 and 1.5 s after
+/// the failure and the next would be at 3.1 s, so none is made after 1.5 s (with the default
+/// 60 s lease: none after 51.1 s, and none in the 25.5-51.1 s gap either). A reserve whose
+/// statement reaches the server late (held up on the way in, so the cancel found an idle
+/// session) and commits after the last try is never released: the key is held by nobody for a
+/// whole lease, and the client's retry after the 503 ("not processed") gets 409 "in flight".
+#[tokio::test]
+async fn a_reserve_that_commits_after_the_last_background_release_try_leaves_the_key_held_by_nobody(
+) {
+    const SHORT_LEASE: Duration = Duration::from_secs(2);
+    let db = TestDb::new().await;
+    let upstream = idempotency_e2e::proxy::host_port(&db.url);
+    // The statement reaches the server 1.95 s after it was sent: 1.75 s after the 200 ms
+    // timeout, i.e. after the last background try (1.5 s after the failure) and before the
+    // lease the store meant to cover (2 s after the failure) has ended.
+    let (port, armed) =
+        delaying_proxy_inbound(upstream, b"late-inbound", Duration::from_millis(1950)).await;
+    let url = through_port(&db.url, port);
+    let store = PostgresStore::builder(url.as_str())
+        .max_size(1)
+        .query_timeout(Some(Duration::from_millis(200)))
+        .build()
+        .await
+        .unwrap();
+    // Warm the connection (prepared statements), then hold back the next reserve's statement.
+    store.reserve(&scope("warm"), &FP, SHORT_LEASE).await.unwrap();
+    std::sync::atomic::AtomicBool::store(&armed, true, std::sync::atomic::Ordering::SeqCst);
+    let sent = Instant::now();
+    match store.reserve(&scope("late-inbound"), &FP, SHORT_LEASE).await {
+        Err(StoreError::Unavailable(_)) => {}
+        other => panic!("expected Unavailable (no answer within the timeout), got {other:?}"),
+    }
+    // The statement has reached the server and committed, the background release has given up
+    // (its lease window ended 2.2 s after `sent`); the reservation it made runs to about 3.95 s.
+    tokio::time::sleep_until((sent + Duration::from_millis(2600)).into()).await;
+    let held = idempotency_e2e::records::count(
+        &db.url,
+        "SELECT count(*) AS n FROM idempotency_keys \
+         WHERE idempotency_key = 'late-inbound' AND state = 'in_flight' AND locked_until > now()",
+    );
+    let retry = store.reserve(&scope("late-inbound"), &FP, SHORT_LEASE).await;
+    assert!(
+        matches!(retry, Ok(ReserveOutcome::Reserved { .. })),
+        "the retry of a reserve that failed with Unavailable found the key held by nobody \
+         ({held} in-flight row(s) with a live lease, no holder, nothing left to release it): \
+         {retry:?}"
+    );
+}
