@@ -1312,10 +1312,16 @@ async fn a_reserve_that_commits_after_the_last_background_release_try_leaves_the
         .await
         .unwrap();
     // Warm the connection (prepared statements), then hold back the next reserve's statement.
-    store.reserve(&scope("warm"), &FP, SHORT_LEASE).await.unwrap();
+    store
+        .reserve(&scope("warm"), &FP, SHORT_LEASE)
+        .await
+        .unwrap();
     std::sync::atomic::AtomicBool::store(&armed, true, std::sync::atomic::Ordering::SeqCst);
     let sent = Instant::now();
-    match store.reserve(&scope("late-inbound"), &FP, SHORT_LEASE).await {
+    match store
+        .reserve(&scope("late-inbound"), &FP, SHORT_LEASE)
+        .await
+    {
         Err(StoreError::Unavailable(_)) => {}
         other => panic!("expected Unavailable (no answer within the timeout), got {other:?}"),
     }
@@ -1327,11 +1333,114 @@ async fn a_reserve_that_commits_after_the_last_background_release_try_leaves_the
         "SELECT count(*) AS n FROM idempotency_keys \
          WHERE idempotency_key = 'late-inbound' AND state = 'in_flight' AND locked_until > now()",
     );
-    let retry = store.reserve(&scope("late-inbound"), &FP, SHORT_LEASE).await;
+    let retry = store
+        .reserve(&scope("late-inbound"), &FP, SHORT_LEASE)
+        .await;
     assert!(
         matches!(retry, Ok(ReserveOutcome::Reserved { .. })),
         "the retry of a reserve that failed with Unavailable found the key held by nobody \
          ({held} in-flight row(s) with a live lease, no holder, nothing left to release it): \
          {retry:?}"
+    );
+}
+
+/// A TCP proxy to PostgreSQL that counts the client-to-server chunks (statements, as the
+/// store sends each in one write) it forwards while `counting` is on.
+async fn counting_proxy(
+    upstream: String,
+) -> (
+    u16,
+    std::sync::Arc<std::sync::atomic::AtomicBool>,
+    std::sync::Arc<std::sync::atomic::AtomicUsize>,
+) {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let counting = Arc::new(AtomicBool::new(false));
+    let count = Arc::new(AtomicUsize::new(0));
+    let (counting_for_task, count_for_task) = (Arc::clone(&counting), Arc::clone(&count));
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let Ok(server) = tokio::net::TcpStream::connect(&upstream).await else {
+                continue;
+            };
+            let (counting, count) = (Arc::clone(&counting_for_task), Arc::clone(&count_for_task));
+            let (mut client_read, mut client_write) = client.into_split();
+            let (mut server_read, mut server_write) = server.into_split();
+            tokio::spawn(async move {
+                let _ = tokio::io::copy(&mut server_read, &mut client_write).await;
+            });
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 64 * 1024];
+                loop {
+                    let n = match client_read.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => n,
+                    };
+                    if AtomicBool::load(&counting, Ordering::SeqCst) {
+                        count.fetch_add(1, Ordering::SeqCst);
+                    }
+                    if server_write.write_all(&buf[..n]).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (port, counting, count)
+}
+
+/// Review (rev-e, 2026-12-04): `reserve` starts `release_later` for every `Unavailable`, not
+/// only for a statement whose answer never came. A reserve the server answered with an error
+/// (here `cannot execute ... in a read-only transaction`, a failover onto a standby or a
+/// database set read-only: classified `Unavailable`) certainly wrote nothing, yet each such
+/// request leaves a task that keeps sending `DELETE`s for a whole lease (about ten of them in
+/// the default 60 s): during an outage of a busy service, every request multiplies into ten
+/// more statements and pool checkouts against the database that is already failing, and they
+/// go on for a lease after it is back.
+#[tokio::test]
+async fn a_reserve_the_server_refused_starts_no_background_statements() {
+    let db = TestDb::new().await;
+    let mut admin = postgres::establish(&db.url).await.expect("connect");
+    admin
+        .batch_execute(&format!(
+            "ALTER DATABASE \"{}\" SET default_transaction_read_only = on",
+            db.name
+        ))
+        .await
+        .unwrap();
+    let upstream = idempotency_e2e::proxy::host_port(&db.url);
+    let (port, counting, count) = counting_proxy(upstream).await;
+    let url = through_port(&db.url, port);
+    let store = PostgresStore::builder(url.as_str())
+        .max_size(2)
+        .build()
+        .await
+        .unwrap();
+    const REQUESTS: usize = 20;
+    for i in 0..REQUESTS {
+        match store.reserve(&scope(&format!("ro-{i}")), &FP, LEASE).await {
+            Err(StoreError::Unavailable(_)) => {}
+            other => panic!("expected Unavailable (a read-only database), got {other:?}"),
+        }
+    }
+    // Nothing runs on the store's behalf any more: the requests were answered.
+    std::sync::atomic::AtomicBool::store(&counting, true, std::sync::atomic::Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_millis(2000)).await;
+    let background =
+        std::sync::atomic::AtomicUsize::load(&count, std::sync::atomic::Ordering::SeqCst);
+    admin
+        .batch_execute(&format!(
+            "ALTER DATABASE \"{}\" RESET default_transaction_read_only",
+            db.name
+        ))
+        .await
+        .unwrap();
+    assert_eq!(
+        background, 0,
+        "{REQUESTS} reserves the server refused (nothing written) sent {background} more \
+         statements to the read-only database in the next 2 s, and go on for the lease ({LEASE:?})"
     );
 }
