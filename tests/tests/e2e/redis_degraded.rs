@@ -464,3 +464,44 @@ async fn concurrent_duplicates_on_two_workers_run_each_key_once() {
         "keys run other than once: {twice:?}; wrong answers: {wrong:?}"
     );
 }
+
+/// Review (rev-e, 2026-12-04): `complete.lua` now starts with `#!lua flags=allow-oom`. A script
+/// with flags and without `no-writes` is a write command to Redis 7.0, checked before it runs:
+/// under `MISCONF` or `NOREPLICAS` it is refused without running, even when it would only
+/// read. Before, it ran, found the record completed by this very token and answered 1 without
+/// writing, which is what the store's contract says the Redis store does ("a second `complete`
+/// by the token that completed it may answer `Applied` (the PostgreSQL and Redis stores do,
+/// so a retry after a reply lost in transit, or after an unacknowledged `WAIT`, is not
+/// mistaken...)"). Now that retry (the middleware's `retry_complete` after a lost reply) gets
+/// `Unavailable` for as long as Redis refuses writes, and, past the lease, the middleware
+/// reports `complete_retry{given_up}` and logs "gave up storing the response ... a retry will
+/// run the handler again" for a response that is stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_completion_of_a_stored_response_is_applied_while_redis_refuses_writes() {
+    let redis = RedisServer::start();
+    let store = RedisStore::connect(&redis.url()).await.expect("connect");
+    let done = scope("retried-complete-noreplicas");
+    let token = match store.reserve(&done, &FP, TTL).await {
+        Ok(ReserveOutcome::Reserved { token }) => token,
+        other => panic!("expected Reserved, got {other:?}"),
+    };
+    // Applied; imagine its reply lost (a response timeout), so the middleware retries it.
+    assert_eq!(
+        store.complete(&done, &token, &response(), TTL).await.ok(),
+        Some(WriteOutcome::Applied)
+    );
+    let mut c = conn(&redis.url()).await;
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("min-replicas-to-write")
+        .arg("1")
+        .query_async(&mut c)
+        .await
+        .expect("CONFIG SET");
+    let retried = store.complete(&done, &token, &response(), TTL).await;
+    assert!(
+        matches!(retried, Ok(WriteOutcome::Applied)),
+        "the record is completed by this token (a replay still works), but the retried \
+         complete got {retried:?}"
+    );
+}
