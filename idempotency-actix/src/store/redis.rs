@@ -679,6 +679,26 @@ where
         Ok(fenced(released))
     }
 
+    /// Whether `key` holds a record completed by `token` (one `GETRANGE` of its head, a read
+    /// Redis answers while it refuses writes).
+    async fn completed_by(
+        &self,
+        conn: &mut C,
+        key: &str,
+        token: &ReservationToken,
+    ) -> Result<bool, StoreError> {
+        let head: Vec<u8> = self
+            .timed(
+                redis::cmd("GETRANGE")
+                    .arg(key)
+                    .arg(0)
+                    .arg(record::WRITE_HEAD_LAST)
+                    .query_async(conn),
+            )
+            .await?;
+        Ok(record::holds_write(&head, record::COMPLETED, token))
+    }
+
     /// `WAIT replicas timeout` on `conn`, the connection that wrote `key`'s record, on the node
     /// that holds it; whether enough replicas acknowledged. `Unavailable` if the node that
     /// answers does not hold the write (`state`, by `token`).
@@ -1206,8 +1226,8 @@ where
     ) -> Result<WriteOutcome, StoreError> {
         let key = self.key_of(scope);
         let mut conn = self.pick();
-        let applied: i64 = self
-            .timed(
+        let answer = self
+            .answer(
                 self.inner
                     .complete
                     .key(&key)
@@ -1217,6 +1237,20 @@ where
                     .invoke_async(&mut conn),
             )
             .await?;
+        let applied: i64 = match answer {
+            Ok(applied) => applied,
+            // While Redis refuses writes it refuses the script before running it (a script
+            // with flags is a write), even when it would only find the record completed by
+            // this token: a retry after a lost reply. That one is answered by reading it.
+            Err(e) if matches!(e.code(), Some("MISCONF" | "NOREPLICAS" | "READONLY")) => {
+                if self.completed_by(&mut conn, &key, token).await? {
+                    1
+                } else {
+                    return Err(classify(e));
+                }
+            }
+            Err(e) => return Err(classify(e)),
+        };
         if applied != 1 {
             return Ok(WriteOutcome::Stale);
         }

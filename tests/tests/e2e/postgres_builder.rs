@@ -1285,17 +1285,14 @@ async fn delaying_proxy_inbound(
     (port, armed)
 }
 
-/// Review (rev-e, 2026-12-04): `release_later` (the fix of the test above) promises to try
-/// "until it applies or the lease the reservation would hold has ended", but its doubling
-/// pauses stop well before that: with a 2 s lease the tries come 0.1, 0.3, 0.7 and 1.5 s after
-/// the failure and the next would be at 3.1 s, so none is made after 1.5 s (with the default
-/// 60 s lease: none after 51.1 s, and none in the 25.5-51.1 s gap either). A reserve whose
-/// statement reaches the server late (held up on the way in, so the cancel found an idle
-/// session) and commits after the last try is never released: the key is held by nobody for a
-/// whole lease, and the client's retry after the 503 ("not processed") gets 409 "in flight".
+/// A reserve whose statement reaches the server late (held up on its way, so the cancel
+/// found an idle session) and commits after the store gave up on it is still released in the
+/// background, before the lease it made ends. The first version of that release (the test
+/// above) stopped a quarter lease early, doubling its pauses: with a 2 s lease it tried at 0.1,
+/// 0.3, 0.7 and 1.5 s and never again, and this reservation was held by nobody, the client's
+/// retry after the 503 told 409 (found by review, 2026-12-04).
 #[tokio::test]
-async fn a_reserve_that_commits_after_the_last_background_release_try_leaves_the_key_held_by_nobody(
-) {
+async fn a_reserve_that_commits_late_is_released_in_the_background() {
     const SHORT_LEASE: Duration = Duration::from_secs(2);
     let db = TestDb::new().await;
     let upstream = idempotency_e2e::proxy::host_port(&db.url);
