@@ -1,4 +1,4 @@
-//! CachedStore against records that change behind its back (review rev-a, 2026-12-04).
+//! CachedStore against records that change behind its back (found by review, 2026-12-04).
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

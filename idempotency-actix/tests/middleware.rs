@@ -736,7 +736,7 @@ async fn a_quiet_stream_whose_client_left_is_dropped_with_its_key() {
 /// C24 with a store that cannot renew leases (the default of a user-written store, and of
 /// any store when `lock_timeout` is under 30 ms): the key is held for one lease only, yet an
 /// endless stream whose client left was read until `renew_lease_up_to` (10 minutes by
-/// default), for a record its key no longer guards (review rev-a, 2026-12-04).
+/// default), for a record its key no longer guards (found by review, 2026-12-04).
 #[actix_web::test]
 async fn an_endless_stream_is_dropped_with_its_key_when_the_store_cannot_renew() {
     let polls = Polls::default();

@@ -8,9 +8,14 @@
 //!   `Query` (`Q`), and a `Parse` (`P`) means a statement was (re)prepared.
 //!
 //! Only plain connections can be parsed (TLS is opaque); forwarding works either way.
+//!
+//! [`delaying_proxy`] is a second, simpler proxy: it holds back one chunk carrying a marker (a
+//! late answer, or a statement that reaches the server late).
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -102,17 +107,7 @@ impl PgProxy {
 
     /// `url` (a `postgres://` URL) pointed at the proxy instead of the server.
     pub fn url_through(&self, url: &str) -> String {
-        let (scheme, rest) = url.split_once("://").unwrap_or(("postgres", url));
-        let (userinfo, after) = match rest.split_once('@') {
-            Some((user, after)) => (format!("{user}@"), after),
-            None => (String::new(), rest),
-        };
-        let end = after.find(['/', '?']).unwrap_or(after.len());
-        format!(
-            "{scheme}://{userinfo}127.0.0.1:{}{}",
-            self.port,
-            &after[end..]
-        )
+        at_local_port(url, self.port)
     }
 
     fn serve(&self, listener: TcpListener) {
@@ -183,6 +178,84 @@ impl Drop for PgProxy {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// `url` (a `postgres://` URL) pointed at 127.0.0.1:`port`.
+pub fn at_local_port(url: &str, port: u16) -> String {
+    let (scheme, rest) = url.split_once("://").unwrap_or(("postgres", url));
+    let (userinfo, after) = match rest.split_once('@') {
+        Some((user, after)) => (format!("{user}@"), after),
+        None => (String::new(), rest),
+    };
+    let end = after.find(['/', '?']).unwrap_or(after.len());
+    format!("{scheme}://{userinfo}127.0.0.1:{port}{}", &after[end..])
+}
+
+/// Which way a [`delaying_proxy`] holds a chunk back.
+#[derive(Clone, Copy, Debug)]
+pub enum Hold {
+    /// A server-to-client chunk: the server has answered, the answer arrives late (a slow
+    /// network, a stalled runtime).
+    Answer,
+    /// A client-to-server chunk: the statement reaches the server late, after the client gave
+    /// up on it (and after its cancel, which then finds nothing to cancel).
+    Statement,
+}
+
+/// A TCP proxy to `upstream` (`host:port`) that, once armed (the flag returned with its port),
+/// holds back the first chunk going the `hold` way that carries `needle` for `delay`, then
+/// disarms. Everything else is forwarded as it comes.
+pub async fn delaying_proxy(
+    upstream: String,
+    hold: Hold,
+    needle: &'static [u8],
+    delay: Duration,
+) -> (u16, Arc<AtomicBool>) {
+    let listener = TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind a proxy port");
+    let port = listener.local_addr().expect("proxy address").port();
+    let armed = Arc::new(AtomicBool::new(false));
+    let armed_for_task = Arc::clone(&armed);
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let Ok(server) = TcpStream::connect(&upstream).await else {
+                continue;
+            };
+            let armed = Arc::clone(&armed_for_task);
+            let (client_read, client_write) = client.into_split();
+            let (server_read, server_write) = server.into_split();
+            let (held, held_to, plain, plain_to) = match hold {
+                Hold::Answer => (server_read, client_write, client_read, server_write),
+                Hold::Statement => (client_read, server_write, server_read, client_write),
+            };
+            tokio::spawn(async move {
+                let (mut plain, mut plain_to) = (plain, plain_to);
+                let _ = tokio::io::copy(&mut plain, &mut plain_to).await;
+            });
+            tokio::spawn(async move {
+                let (mut held, mut held_to) = (held, held_to);
+                let mut buf = vec![0u8; 64 * 1024];
+                loop {
+                    let n = match held.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => n,
+                    };
+                    let chunk = &buf[..n];
+                    if armed.load(Ordering::SeqCst)
+                        && chunk.windows(needle.len()).any(|w| w == needle)
+                    {
+                        armed.store(false, Ordering::SeqCst);
+                        tokio::time::sleep(delay).await;
+                    }
+                    if held_to.write_all(chunk).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (port, armed)
 }
 
 /// `host:port` of a `postgres://` URL (port 5432 when absent).

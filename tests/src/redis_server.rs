@@ -13,6 +13,8 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use idempotency_actix::store::redis::redis;
+
 use crate::raw_http::free_port;
 
 /// How long a fresh server may take to accept connections.
@@ -480,4 +482,36 @@ pub async fn command_calls(
         .and_then(|rest| rest.split(',').next())
         .and_then(|n| n.parse().ok())
         .unwrap_or(0)
+}
+
+/// A multiplexed connection to the test server at `url`.
+pub async fn connection(url: &str) -> redis::aio::MultiplexedConnection {
+    let client = redis::Client::open(url).expect("test URL parses");
+    client
+        .get_multiplexed_async_connection()
+        .await
+        .expect("test redis-server accepts connections")
+}
+
+/// Start a replica of `primary` and wait until the primary counts it as connected and in sync.
+pub async fn replica_of(primary: &RedisServer) -> RedisServer {
+    let port = primary.port().to_string();
+    let replica = RedisServer::start_with(&["--replicaof", "127.0.0.1", &port]);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut primary_conn = connection(&primary.url()).await;
+    loop {
+        let info: String = redis::cmd("INFO")
+            .arg("replication")
+            .query_async(&mut primary_conn)
+            .await
+            .expect("INFO replication");
+        if info.contains("connected_slaves:1") && info.contains("state=online") {
+            return replica;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the replica did not come online:\n{info}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }

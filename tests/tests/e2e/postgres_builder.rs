@@ -14,6 +14,7 @@ use idempotency_actix::store::{
     Fingerprint, IdempotencyStore, ReservationToken, ReserveOutcome, Scope, StoreError,
     StoredResponse, WriteOutcome,
 };
+use idempotency_e2e::proxy::{at_local_port, delaying_proxy, Hold, PgProxy};
 use idempotency_e2e::{eventually, TestDb};
 
 const FP: Fingerprint = Fingerprint([9; 32]);
@@ -1133,68 +1134,7 @@ async fn connections_opened_together_are_not_closed_together() {
     );
 }
 
-/// A TCP proxy to PostgreSQL that, once armed, holds back the first server-to-client chunk
-/// carrying `needle` for `delay` (a slow network or a stalled runtime, as the client sees it:
-/// the server has answered, the answer arrives late).
-async fn delaying_proxy(
-    upstream: String,
-    needle: &'static [u8],
-    delay: Duration,
-) -> (u16, std::sync::Arc<std::sync::atomic::AtomicBool>) {
-    use std::sync::atomic::{AtomicBool, Ordering};
-    use std::sync::Arc;
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let armed = Arc::new(AtomicBool::new(false));
-    let armed_for_task = Arc::clone(&armed);
-    tokio::spawn(async move {
-        while let Ok((client, _)) = listener.accept().await {
-            let Ok(server) = tokio::net::TcpStream::connect(&upstream).await else {
-                continue;
-            };
-            let armed = Arc::clone(&armed_for_task);
-            let (mut client_read, mut client_write) = client.into_split();
-            let (mut server_read, mut server_write) = server.into_split();
-            tokio::spawn(async move {
-                let _ = tokio::io::copy(&mut client_read, &mut server_write).await;
-            });
-            tokio::spawn(async move {
-                let mut buf = vec![0u8; 64 * 1024];
-                loop {
-                    let n = match server_read.read(&mut buf).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => n,
-                    };
-                    let chunk = &buf[..n];
-                    if AtomicBool::load(&armed, Ordering::SeqCst)
-                        && chunk.windows(needle.len()).any(|w| w == needle)
-                    {
-                        AtomicBool::store(&armed, false, Ordering::SeqCst);
-                        tokio::time::sleep(delay).await;
-                    }
-                    if client_write.write_all(chunk).await.is_err() {
-                        return;
-                    }
-                }
-            });
-        }
-    });
-    (port, armed)
-}
-
-/// `url` (a `postgres://` URL) pointed at 127.0.0.1:`port`.
-fn through_port(url: &str, port: u16) -> String {
-    let (scheme, rest) = url.split_once("://").unwrap_or(("postgres", url));
-    let (userinfo, after) = match rest.split_once('@') {
-        Some((user, after)) => (format!("{user}@"), after),
-        None => (String::new(), rest),
-    };
-    let end = after.find(['/', '?']).unwrap_or(after.len());
-    format!("{scheme}://{userinfo}127.0.0.1:{port}{}", &after[end..])
-}
-
-/// Review (rev-b, 2026-12-04): a reserve whose reply arrives after `query_timeout` has run on
+/// Found by review (2026-12-04): a reserve whose reply arrives after `query_timeout` has run on
 /// the server. The store answers `Unavailable` (the middleware: 503 "the request was not
 /// processed, retry later") and sends a cancel, which finds nothing left to cancel: the
 /// reservation is committed with a token nobody holds, so every retry gets 409 "still being
@@ -1204,8 +1144,14 @@ fn through_port(url: &str, port: u16) -> String {
 async fn a_reserve_answered_after_the_timeout_does_not_leave_the_key_held_by_nobody() {
     let db = TestDb::new().await;
     let upstream = idempotency_e2e::proxy::host_port(&db.url);
-    let (port, armed) = delaying_proxy(upstream, b"reserved", Duration::from_millis(700)).await;
-    let url = through_port(&db.url, port);
+    let (port, armed) = delaying_proxy(
+        upstream,
+        Hold::Answer,
+        b"reserved",
+        Duration::from_millis(700),
+    )
+    .await;
+    let url = at_local_port(&db.url, port);
     let store = PostgresStore::builder(url.as_str())
         .max_size(1)
         .query_timeout(Some(Duration::from_millis(200)))
@@ -1234,57 +1180,6 @@ async fn a_reserve_answered_after_the_timeout_does_not_leave_the_key_held_by_nob
     );
 }
 
-/// A TCP proxy to PostgreSQL that, once armed, holds back the first client-to-server chunk
-/// carrying `needle` for `delay` (a slow network or a stalled runtime on the way in: the
-/// statement reaches the server after the client gave up on it and after its cancel, which
-/// then finds an idle session and nothing to cancel).
-async fn delaying_proxy_inbound(
-    upstream: String,
-    needle: &'static [u8],
-    delay: Duration,
-) -> (u16, std::sync::Arc<std::sync::atomic::AtomicBool>) {
-    use std::sync::atomic::{AtomicBool, Ordering};
-    use std::sync::Arc;
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let armed = Arc::new(AtomicBool::new(false));
-    let armed_for_task = Arc::clone(&armed);
-    tokio::spawn(async move {
-        while let Ok((client, _)) = listener.accept().await {
-            let Ok(server) = tokio::net::TcpStream::connect(&upstream).await else {
-                continue;
-            };
-            let armed = Arc::clone(&armed_for_task);
-            let (mut client_read, mut client_write) = client.into_split();
-            let (mut server_read, mut server_write) = server.into_split();
-            tokio::spawn(async move {
-                let _ = tokio::io::copy(&mut server_read, &mut client_write).await;
-            });
-            tokio::spawn(async move {
-                let mut buf = vec![0u8; 64 * 1024];
-                loop {
-                    let n = match client_read.read(&mut buf).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => n,
-                    };
-                    let chunk = &buf[..n];
-                    if AtomicBool::load(&armed, Ordering::SeqCst)
-                        && chunk.windows(needle.len()).any(|w| w == needle)
-                    {
-                        AtomicBool::store(&armed, false, Ordering::SeqCst);
-                        tokio::time::sleep(delay).await;
-                    }
-                    if server_write.write_all(chunk).await.is_err() {
-                        return;
-                    }
-                }
-            });
-        }
-    });
-    (port, armed)
-}
-
 /// A reserve whose statement reaches the server late (held up on its way, so the cancel
 /// found an idle session) and commits after the store gave up on it is still released in the
 /// background, before the lease it made ends. The first version of that release (the test
@@ -1299,9 +1194,14 @@ async fn a_reserve_that_commits_late_is_released_in_the_background() {
     // The statement reaches the server 1.95 s after it was sent: 1.75 s after the 200 ms
     // timeout, i.e. after the last background try (1.5 s after the failure) and before the
     // lease the store meant to cover (2 s after the failure) has ended.
-    let (port, armed) =
-        delaying_proxy_inbound(upstream, b"late-inbound", Duration::from_millis(1950)).await;
-    let url = through_port(&db.url, port);
+    let (port, armed) = delaying_proxy(
+        upstream,
+        Hold::Statement,
+        b"late-inbound",
+        Duration::from_millis(1950),
+    )
+    .await;
+    let url = at_local_port(&db.url, port);
     let store = PostgresStore::builder(url.as_str())
         .max_size(1)
         .query_timeout(Some(Duration::from_millis(200)))
@@ -1341,55 +1241,7 @@ async fn a_reserve_that_commits_late_is_released_in_the_background() {
     );
 }
 
-/// A TCP proxy to PostgreSQL that counts the client-to-server chunks (statements, as the
-/// store sends each in one write) it forwards while `counting` is on.
-async fn counting_proxy(
-    upstream: String,
-) -> (
-    u16,
-    std::sync::Arc<std::sync::atomic::AtomicBool>,
-    std::sync::Arc<std::sync::atomic::AtomicUsize>,
-) {
-    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-    use std::sync::Arc;
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let counting = Arc::new(AtomicBool::new(false));
-    let count = Arc::new(AtomicUsize::new(0));
-    let (counting_for_task, count_for_task) = (Arc::clone(&counting), Arc::clone(&count));
-    tokio::spawn(async move {
-        while let Ok((client, _)) = listener.accept().await {
-            let Ok(server) = tokio::net::TcpStream::connect(&upstream).await else {
-                continue;
-            };
-            let (counting, count) = (Arc::clone(&counting_for_task), Arc::clone(&count_for_task));
-            let (mut client_read, mut client_write) = client.into_split();
-            let (mut server_read, mut server_write) = server.into_split();
-            tokio::spawn(async move {
-                let _ = tokio::io::copy(&mut server_read, &mut client_write).await;
-            });
-            tokio::spawn(async move {
-                let mut buf = vec![0u8; 64 * 1024];
-                loop {
-                    let n = match client_read.read(&mut buf).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => n,
-                    };
-                    if AtomicBool::load(&counting, Ordering::SeqCst) {
-                        count.fetch_add(1, Ordering::SeqCst);
-                    }
-                    if server_write.write_all(&buf[..n]).await.is_err() {
-                        return;
-                    }
-                }
-            });
-        }
-    });
-    (port, counting, count)
-}
-
-/// Review (rev-e, 2026-12-04): `reserve` starts `release_later` for every `Unavailable`, not
+/// Found by review (2026-12-04): `reserve` starts `release_later` for every `Unavailable`, not
 /// only for a statement whose answer never came. A reserve the server answered with an error
 /// (here `cannot execute ... in a read-only transaction`, a failover onto a standby or a
 /// database set read-only: classified `Unavailable`) certainly wrote nothing, yet each such
@@ -1408,9 +1260,8 @@ async fn a_reserve_the_server_refused_starts_no_background_statements() {
         ))
         .await
         .unwrap();
-    let upstream = idempotency_e2e::proxy::host_port(&db.url);
-    let (port, counting, count) = counting_proxy(upstream).await;
-    let url = through_port(&db.url, port);
+    let proxy = PgProxy::for_url(&db.url).await.expect("proxy");
+    let url = proxy.url_through(&db.url);
     let store = PostgresStore::builder(url.as_str())
         .max_size(2)
         .build()
@@ -1424,10 +1275,9 @@ async fn a_reserve_the_server_refused_starts_no_background_statements() {
         }
     }
     // Nothing runs on the store's behalf any more: the requests were answered.
-    std::sync::atomic::AtomicBool::store(&counting, true, std::sync::atomic::Ordering::SeqCst);
+    let answered = proxy.counts();
     tokio::time::sleep(Duration::from_millis(2000)).await;
-    let background =
-        std::sync::atomic::AtomicUsize::load(&count, std::sync::atomic::Ordering::SeqCst);
+    let background = proxy.counts().since(&answered).round_trips();
     admin
         .batch_execute(&format!(
             "ALTER DATABASE \"{}\" RESET default_transaction_read_only",
@@ -1437,7 +1287,7 @@ async fn a_reserve_the_server_refused_starts_no_background_statements() {
         .unwrap();
     assert_eq!(
         background, 0,
-        "{REQUESTS} reserves the server refused (nothing written) sent {background} more \
-         statements to the read-only database in the next 2 s, and go on for the lease ({LEASE:?})"
+        "{REQUESTS} reserves the server refused (nothing written) made {background} more \
+         round trips to the read-only database in the next 2 s, and go on for the lease ({LEASE:?})"
     );
 }

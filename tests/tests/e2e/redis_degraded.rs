@@ -9,10 +9,11 @@ use bytes::Bytes;
 use idempotency_actix::store::redis::redis;
 use idempotency_actix::store::redis::{record, RedisStore};
 use idempotency_actix::store::{
-    IdempotencyStore, ReserveOutcome, Scope, StoreError, StoredResponse, WriteOutcome,
+    IdempotencyStore, ReservationToken, ReserveOutcome, Scope, StoreError, StoredResponse,
+    WriteOutcome,
 };
 use idempotency_actix::Fingerprint;
-use idempotency_e2e::redis_server::RedisServer;
+use idempotency_e2e::redis_server::{connection as conn, replica_of, RedisServer};
 
 const FP: Fingerprint = Fingerprint([0xAA; 32]);
 const TTL: Duration = Duration::from_secs(3600);
@@ -31,37 +32,6 @@ fn response() -> StoredResponse {
         status: 201,
         headers: vec![("content-type".into(), Bytes::from_static(b"text/plain"))],
         body: Bytes::from_static(b"paid"),
-    }
-}
-
-async fn conn(url: &str) -> redis::aio::MultiplexedConnection {
-    let client = redis::Client::open(url).expect("test URL parses");
-    client
-        .get_multiplexed_async_connection()
-        .await
-        .expect("test redis-server accepts connections")
-}
-
-/// Start a replica of `primary` and wait until the primary counts it as connected and in sync.
-async fn replica_of(primary: &RedisServer) -> RedisServer {
-    let port = primary.port().to_string();
-    let replica = RedisServer::start_with(&["--replicaof", "127.0.0.1", &port]);
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let mut primary_conn = conn(&primary.url()).await;
-    loop {
-        let info: String = redis::cmd("INFO")
-            .arg("replication")
-            .query_async(&mut primary_conn)
-            .await
-            .expect("INFO replication");
-        if info.contains("connected_slaves:1") && info.contains("state=online") {
-            return replica;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the replica did not come online:\n{info}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 
@@ -243,6 +213,68 @@ async fn a_redis_that_fills_up_while_the_handler_runs_does_not_run_it_twice() {
     );
 }
 
+/// A completed record (`done`, with the token that completed it) and a live reservation
+/// (`busy`) under keys starting with `prefix`.
+async fn a_completed_and_a_running_record(
+    store: &RedisStore,
+    prefix: &str,
+) -> (Scope, ReservationToken, Scope) {
+    let (done, busy) = (
+        scope(&format!("{prefix}-done")),
+        scope(&format!("{prefix}-busy")),
+    );
+    let token = match store.reserve(&done, &FP, TTL).await {
+        Ok(ReserveOutcome::Reserved { token }) => token,
+        other => panic!("expected Reserved, got {other:?}"),
+    };
+    assert_eq!(
+        store.complete(&done, &token, &response(), TTL).await.ok(),
+        Some(WriteOutcome::Applied)
+    );
+    assert!(matches!(
+        store.reserve(&busy, &FP, TTL).await,
+        Ok(ReserveOutcome::Reserved { .. })
+    ));
+    (done, token, busy)
+}
+
+/// `min-replicas-to-write 1` on a Redis without replicas: it refuses every write with
+/// `NOREPLICAS` from now on.
+async fn require_a_replica(url: &str) {
+    let mut c = conn(url).await;
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("min-replicas-to-write")
+        .arg("1")
+        .query_async(&mut c)
+        .await
+        .expect("CONFIG SET");
+    let probe = redis::cmd("SET")
+        .arg("probe")
+        .arg("x")
+        .query_async::<()>(&mut c)
+        .await;
+    assert!(
+        probe
+            .as_ref()
+            .is_err_and(|e| e.code() == Some("NOREPLICAS")),
+        "Redis must refuse writes for this test: {probe:?}"
+    );
+}
+
+/// While Redis refuses writes but answers reads, a retry of `done` replays and a duplicate of
+/// `busy` is in flight (409), never a 503.
+async fn assert_still_answered(store: &RedisStore, done: &Scope, busy: &Scope) {
+    let replay = store.reserve(done, &FP, TTL).await;
+    let in_flight = store.reserve(busy, &FP, TTL).await;
+    assert!(
+        matches!(&replay, Ok(ReserveOutcome::Completed { response: r, .. }) if r.body == response().body)
+            && matches!(in_flight, Ok(ReserveOutcome::InFlight { .. })),
+        "Redis still holds both records and answers reads; a retry of the completed payment \
+         got {replay:?}, a duplicate of the running one got {in_flight:?}"
+    );
+}
+
 /// A Redis that cannot persist (its disk full or gone: a failed `BGSAVE` with
 /// `stop-writes-on-bgsave-error yes`, Redis's default, or an AOF write error) refuses every
 /// command that may write with `MISCONF`, and, as under `OOM`, refuses the reserve's
@@ -258,19 +290,7 @@ async fn a_redis_that_cannot_persist_still_replays_completed_records() {
     std::fs::create_dir_all(&dir).expect("mkdir");
     let redis = RedisServer::start_with(&["--dir", dir.to_str().expect("utf-8 temp dir")]);
     let store = RedisStore::connect(&redis.url()).await.expect("connect");
-    let (done, busy) = (scope("misconf-done"), scope("misconf-busy"));
-    let token = match store.reserve(&done, &FP, TTL).await {
-        Ok(ReserveOutcome::Reserved { token }) => token,
-        other => panic!("expected Reserved, got {other:?}"),
-    };
-    assert_eq!(
-        store.complete(&done, &token, &response(), TTL).await.ok(),
-        Some(WriteOutcome::Applied)
-    );
-    assert!(matches!(
-        store.reserve(&busy, &FP, TTL).await,
-        Ok(ReserveOutcome::Reserved { .. })
-    ));
+    let (done, _, busy) = a_completed_and_a_running_record(&store, "misconf").await;
 
     // The disk goes away: the next snapshot fails and Redis stops taking writes.
     let mut c = conn(&redis.url()).await;
@@ -302,15 +322,7 @@ async fn a_redis_that_cannot_persist_still_replays_completed_records() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-
-    let replay = store.reserve(&done, &FP, TTL).await;
-    let in_flight = store.reserve(&busy, &FP, TTL).await;
-    assert!(
-        matches!(&replay, Ok(ReserveOutcome::Completed { response: r, .. }) if r.body == response().body)
-            && matches!(in_flight, Ok(ReserveOutcome::InFlight { .. })),
-        "Redis still holds both records and answers reads; a retry of the completed payment \
-         got {replay:?}, a duplicate of the running one got {in_flight:?}"
-    );
+    assert_still_answered(&store, &done, &busy).await;
 }
 
 /// The same with `min-replicas-to-write` (a setting a payments team turns on to bound what a
@@ -322,55 +334,17 @@ async fn a_redis_that_cannot_persist_still_replays_completed_records() {
 async fn a_redis_short_of_replicas_still_replays_completed_records() {
     let redis = RedisServer::start();
     let store = RedisStore::connect(&redis.url()).await.expect("connect");
-    let (done, busy) = (scope("noreplicas-done"), scope("noreplicas-busy"));
-    let token = match store.reserve(&done, &FP, TTL).await {
-        Ok(ReserveOutcome::Reserved { token }) => token,
-        other => panic!("expected Reserved, got {other:?}"),
-    };
-    assert_eq!(
-        store.complete(&done, &token, &response(), TTL).await.ok(),
-        Some(WriteOutcome::Applied)
-    );
-    assert!(matches!(
-        store.reserve(&busy, &FP, TTL).await,
-        Ok(ReserveOutcome::Reserved { .. })
-    ));
+    let (done, _, busy) = a_completed_and_a_running_record(&store, "noreplicas").await;
     // The replica goes away (here: there is none, and one is now required).
-    let mut c = conn(&redis.url()).await;
-    let _: () = redis::cmd("CONFIG")
-        .arg("SET")
-        .arg("min-replicas-to-write")
-        .arg("1")
-        .query_async(&mut c)
-        .await
-        .expect("CONFIG SET");
-    let probe = redis::cmd("SET")
-        .arg("probe")
-        .arg("x")
-        .query_async::<()>(&mut c)
-        .await;
-    assert!(
-        probe
-            .as_ref()
-            .is_err_and(|e| e.code() == Some("NOREPLICAS")),
-        "Redis must refuse writes for this test: {probe:?}"
-    );
-
-    let replay = store.reserve(&done, &FP, TTL).await;
-    let in_flight = store.reserve(&busy, &FP, TTL).await;
-    assert!(
-        matches!(&replay, Ok(ReserveOutcome::Completed { response: r, .. }) if r.body == response().body)
-            && matches!(in_flight, Ok(ReserveOutcome::InFlight { .. })),
-        "Redis still holds both records and answers reads; a retry of the completed payment \
-         got {replay:?}, a duplicate of the running one got {in_flight:?}"
-    );
+    require_a_replica(&redis.url()).await;
+    assert_still_answered(&store, &done, &busy).await;
 }
 
 /// Concurrent duplicates through the middleware on two workers, each with its own Redis
 /// connection (`connection_per_thread`, on by default) besides the shared one: 40 keys, six
 /// identical requests per key sent at once, then a retry of each. Every key runs once, every
 /// answer is its key's own response (201 or its replay) or a 409, and every retry replays.
-/// (Held: it passed on 9b6c2a7; kept as a guard.)
+/// (A guard: it held when it was written.)
 #[actix_web::test]
 async fn concurrent_duplicates_on_two_workers_run_each_key_once() {
     use std::collections::HashMap;
@@ -465,7 +439,7 @@ async fn concurrent_duplicates_on_two_workers_run_each_key_once() {
     );
 }
 
-/// Review (rev-e, 2026-12-04): `complete.lua` now starts with `#!lua flags=allow-oom`. A script
+/// Found by review (2026-12-04): `complete.lua` now starts with `#!lua flags=allow-oom`. A script
 /// with flags and without `no-writes` is a write command to Redis 7.0, checked before it runs:
 /// under `MISCONF` or `NOREPLICAS` it is refused without running, even when it would only
 /// read. Before, it ran, found the record completed by this very token and answered 1 without
@@ -480,24 +454,9 @@ async fn concurrent_duplicates_on_two_workers_run_each_key_once() {
 async fn a_retried_completion_of_a_stored_response_is_applied_while_redis_refuses_writes() {
     let redis = RedisServer::start();
     let store = RedisStore::connect(&redis.url()).await.expect("connect");
-    let done = scope("retried-complete-noreplicas");
-    let token = match store.reserve(&done, &FP, TTL).await {
-        Ok(ReserveOutcome::Reserved { token }) => token,
-        other => panic!("expected Reserved, got {other:?}"),
-    };
-    // Applied; imagine its reply lost (a response timeout), so the middleware retries it.
-    assert_eq!(
-        store.complete(&done, &token, &response(), TTL).await.ok(),
-        Some(WriteOutcome::Applied)
-    );
-    let mut c = conn(&redis.url()).await;
-    let _: () = redis::cmd("CONFIG")
-        .arg("SET")
-        .arg("min-replicas-to-write")
-        .arg("1")
-        .query_async(&mut c)
-        .await
-        .expect("CONFIG SET");
+    // Completed, and imagine its reply lost (a response timeout): the middleware retries it.
+    let (done, token, _) = a_completed_and_a_running_record(&store, "retried-complete").await;
+    require_a_replica(&redis.url()).await;
     let retried = store.complete(&done, &token, &response(), TTL).await;
     assert!(
         matches!(retried, Ok(WriteOutcome::Applied)),

@@ -12,7 +12,7 @@ use idempotency_actix::store::{
     IdempotencyStore, ReserveOutcome, Scope, StoreError, StoredResponse, WriteOutcome,
 };
 use idempotency_actix::Fingerprint;
-use idempotency_e2e::redis_server::{command_calls, RedisServer};
+use idempotency_e2e::redis_server::{command_calls, connection as conn, replica_of, RedisServer};
 
 const FP: Fingerprint = Fingerprint([0xAA; 32]);
 const LEASE: Duration = Duration::from_secs(60);
@@ -35,14 +35,6 @@ fn response() -> StoredResponse {
     }
 }
 
-async fn conn(url: &str) -> redis::aio::MultiplexedConnection {
-    let client = redis::Client::open(url).expect("test URL parses");
-    client
-        .get_multiplexed_async_connection()
-        .await
-        .expect("test redis-server accepts connections")
-}
-
 async fn exists(url: &str, key: &str) -> bool {
     let mut conn = conn(url).await;
     let n: i64 = redis::cmd("EXISTS")
@@ -51,29 +43,6 @@ async fn exists(url: &str, key: &str) -> bool {
         .await
         .expect("EXISTS");
     n == 1
-}
-
-/// Start a replica of `primary` and wait until the primary counts it as connected and in sync.
-async fn replica_of(primary: &RedisServer) -> RedisServer {
-    let port = primary.port().to_string();
-    let replica = RedisServer::start_with(&["--replicaof", "127.0.0.1", &port]);
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let mut primary_conn = conn(&primary.url()).await;
-    loop {
-        let info: String = redis::cmd("INFO")
-            .arg("replication")
-            .query_async(&mut primary_conn)
-            .await
-            .expect("INFO replication");
-        if info.contains("connected_slaves:1") && info.contains("state=online") {
-            return replica;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the replica did not come online:\n{info}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 /// With a replica that acknowledges, `WAIT` succeeds after the reservation and the completion:
