@@ -656,17 +656,13 @@ where
             report.outcome(outcome, status, scope);
         }
     };
-    // With retries on: watch for a serialization failure on any statement (the handler's
-    // too). A handler's error comes back as a response holding the request (actix converts
-    // it), from which the request is run again; the request cannot be cloned beforehand (the
-    // router needs it unshared).
+    // Watch every statement (the handler's too): a failed one may have aborted the
+    // transaction (checked before COMMIT), and with retries on a serialization failure re-runs
+    // the request. A handler's error comes back as a response holding the request (actix
+    // converts it), from which the request is run again; the request cannot be cloned
+    // beforehand (the router needs it unshared).
     let mut conn = conn;
-    let watch = may_retry.then(|| sql::watch_serialization_failures(&mut conn));
-    let serialization_failed = |watch: &Option<Arc<std::sync::atomic::AtomicBool>>| {
-        watch
-            .as_ref()
-            .is_some_and(|w| w.load(std::sync::atomic::Ordering::Relaxed))
-    };
+    let watch = sql::watch_statements(&mut conn);
     let slot = Rc::new(TxSlot {
         conn: RefCell::new(Some(conn)),
     });
@@ -709,7 +705,7 @@ where
         }
     };
     let result = match result {
-        Ok(response) if serialization_failed(&watch) => {
+        Ok(response) if may_retry && watch.serialization_failed() => {
             // The transaction was aborted by a serialization failure (whatever the handler
             // answered): nothing of it can commit; run it again.
             sql::rollback(&tx.store, &mut conn).await;
@@ -793,6 +789,22 @@ where
             report,
             "the handler's transaction was left in an unexpected state",
         ));
+    }
+    // A statement failed and the handler carried on: unless it was rolled back to a savepoint,
+    // the transaction is aborted, and PostgreSQL would answer COMMIT with a rollback (no
+    // error), so the handler's response would go out for writes that never happened.
+    if watch.any_failed() {
+        if let Err(why) = sql::check_not_aborted(&tx.store, &mut conn).await {
+            sql::rollback(&tx.store, &mut conn).await;
+            tracing::error!(target: "idempotency_actix", outcome = "commit_failed", key = scope.map(|s| tracing::field::display(LogText(&s.key))), why, "a statement of this request failed and the handler carried on: the transaction was aborted, so nothing was committed; roll back to a savepoint (diesel's nested transaction) to recover from a failed statement");
+            return After::Answer(commit_failed(
+                flow,
+                http_req,
+                scope,
+                report,
+                "a statement of the request failed and aborted its transaction",
+            ));
+        }
     }
     if let Some((scope, token, opened)) = record {
         let stored = StoredResponse {

@@ -47,6 +47,12 @@ struct Opts {
     self_commit: Option<bool>,
     /// The same, rolling it back.
     self_rollback: Option<bool>,
+    /// After the INSERT, run a statement that fails and carry on as if it had not (the
+    /// transaction is then aborted: PostgreSQL answers its COMMIT with a ROLLBACK).
+    swallow_error: Option<bool>,
+    /// The same failing statement inside diesel's nested transaction (a savepoint, rolled
+    /// back on the error): the request's transaction goes on.
+    savepoint_error: Option<bool>,
 }
 
 #[derive(diesel::QueryableByName)]
@@ -118,6 +124,18 @@ async fn pay(
             .execute(&mut *conn)
             .await
             .map_err(actix_web::error::ErrorInternalServerError)?;
+    }
+    if opts.savepoint_error == Some(true) {
+        let failed = conn
+            .transaction::<usize, diesel::result::Error, _>(async |c| {
+                diesel::sql_query("SELECT 1 / 0").execute(c).await
+            })
+            .await;
+        assert!(failed.is_err(), "division by zero fails");
+    }
+    if opts.swallow_error == Some(true) {
+        let failed = diesel::sql_query("SELECT 1 / 0").execute(&mut *conn).await;
+        assert!(failed.is_err(), "division by zero fails");
     }
     if opts.open_savepoint == Some(true) {
         use diesel_async::{AnsiTransactionManager, TransactionManager};
@@ -975,6 +993,64 @@ async fn a_handler_that_rolls_back_itself_leaves_nothing() {
     assert_eq!(retry.status, StatusCode::CREATED);
     assert!(!retry.replayed);
     assert_eq!(payments(&db), 1);
+}
+
+/// A handler that ignores a failed statement of the request's transaction leaves it aborted:
+/// PostgreSQL answers the COMMIT with a rollback, not an error. The handler's 201 must not go
+/// out (nothing was done), with or without a key, and a retry runs it once. A failure rolled
+/// back to a savepoint (diesel's nested transaction) leaves the transaction usable: committed.
+#[actix_web::test]
+async fn a_transaction_aborted_by_an_ignored_error_is_never_answered_as_done() {
+    let (db, store) = setup().await;
+    let runs = Runs::default();
+    let app = app!(tx_middleware(&store), runs);
+    let keyless = call(
+        &app,
+        post(
+            None,
+            "?swallow_error=true",
+            serde_json::json!({"amount": 1}),
+        ),
+    )
+    .await;
+    assert_eq!(
+        keyless.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{}",
+        keyless.body
+    );
+    assert_eq!(keyless.body["code"], "COMMIT_FAILED", "{}", keyless.body);
+    assert_eq!(payments(&db), 0);
+
+    let keyed = send(&app, "ab1", "?swallow_error=true", 1).await;
+    assert_eq!(
+        keyed.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{}",
+        keyed.body
+    );
+    assert_eq!(keyed.body["code"], "COMMIT_FAILED", "{}", keyed.body);
+    assert_nothing_kept(&db, "ab1", 0);
+    let retry = send(&app, "ab1", "", 1).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.body);
+    assert!(!retry.replayed);
+    assert_eq!(payments(&db), 1);
+    assert_eq!(runs.get(), 3);
+
+    for key in [None, Some("ab2")] {
+        let recovered = call(
+            &app,
+            post(
+                key,
+                "?savepoint_error=true",
+                serde_json::json!({"amount": 1}),
+            ),
+        )
+        .await;
+        assert_eq!(recovered.status, StatusCode::CREATED, "{}", recovered.body);
+    }
+    assert_eq!(payments(&db), 3);
+    assert_eq!(records_for_key(&db.url, "ab2")[0].state, State::Completed);
 }
 
 #[derive(diesel::QueryableByName)]

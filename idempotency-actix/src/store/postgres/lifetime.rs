@@ -27,14 +27,13 @@
 
 use std::hash::BuildHasher;
 use std::panic::AssertUnwindSafe;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use diesel::connection::{get_default_instrumentation, Instrumentation, InstrumentationEvent};
 use diesel_async::{AsyncConnection, AsyncPgConnection};
 
-use super::transactional::is_serialization_failure;
+use super::transactional::StatementWatch;
 
 /// The part of `max_lifetime` over which connections' deadlines are spread.
 const SPREAD: f64 = 0.1;
@@ -42,29 +41,20 @@ const SPREAD: f64 = 0.1;
 /// A connection's deadline, riding on its instrumentation slot; forwards every event to
 /// diesel's default instrumentation (a new instance of what it replaced).
 ///
-/// It also holds transactional mode's serialization-failure watch while a request that may be
-/// re-run holds the connection: a connection has one instrumentation slot, and the watch used
-/// to take it for the rest of the connection's life, which ended its own deadline (and the
-/// forwarding) for good.
+/// It also holds transactional mode's statement watch while a request holds the connection: a
+/// connection has one instrumentation slot, and the watch used to take it for the rest of the
+/// connection's life, which ended its own deadline (and the forwarding) for good.
 struct Lifetime {
     deadline: Instant,
     forward: Option<Box<dyn Instrumentation>>,
-    /// Set when a statement fails with a serialization failure (SQLSTATE 40001).
-    serialization_watch: Option<Arc<AtomicBool>>,
+    /// The failed statements of the transactional request that holds the connection.
+    statement_watch: Option<Arc<StatementWatch>>,
 }
 
 impl Instrumentation for Lifetime {
     fn on_connection_event(&mut self, event: InstrumentationEvent<'_>) {
-        if let (
-            Some(flag),
-            InstrumentationEvent::FinishQuery {
-                error: Some(error), ..
-            },
-        ) = (&self.serialization_watch, &event)
-        {
-            if is_serialization_failure(error) {
-                flag.store(true, Ordering::Relaxed);
-            }
+        if let Some(watch) = &self.statement_watch {
+            watch.on_event(&event);
         }
         if let Some(forward) = &mut self.forward {
             forward.on_connection_event(event);
@@ -83,22 +73,19 @@ pub(super) fn give(conn: &mut AsyncPgConnection, max_lifetime: Duration) {
     conn.set_instrumentation(Lifetime {
         deadline,
         forward: get_default_instrumentation(),
-        serialization_watch: None,
+        statement_watch: None,
     });
 }
 
-/// Point the serialization-failure watch of `conn` at `flag` (the previous request's watch, if
-/// any, is dropped). `false` when the connection has no [`Lifetime`] (a pool this module did
+/// Point the statement watch of `conn` at `watch` (the previous request's watch, if any, is
+/// dropped). `false` when the connection has no [`Lifetime`] (a pool this module did
 /// not configure): the caller then installs a watch of its own in the slot.
-pub(super) fn watch_serialization_failures(
-    conn: &mut AsyncPgConnection,
-    flag: Arc<AtomicBool>,
-) -> bool {
+pub(super) fn watch_statements(conn: &mut AsyncPgConnection, watch: Arc<StatementWatch>) -> bool {
     // As in `is_over`: no query future of this connection is alive here.
     std::panic::catch_unwind(AssertUnwindSafe(|| {
         match conn.instrumentation().downcast_mut::<Lifetime>() {
             Some(lifetime) => {
-                lifetime.serialization_watch = Some(flag);
+                lifetime.statement_watch = Some(watch);
                 true
             }
             None => false,
@@ -159,29 +146,34 @@ mod tests {
     }
 
     #[test]
-    fn the_serialization_watch_shares_the_slot_with_the_deadline() {
+    fn the_statement_watch_shares_the_slot_with_the_deadline() {
         use diesel::pg::Pg;
         use diesel::result::{DatabaseErrorKind, Error};
 
-        let flag = Arc::new(AtomicBool::new(false));
+        let watch = Arc::new(StatementWatch::default());
         let mut lifetime = Lifetime {
             deadline: Instant::now(),
             forward: None,
-            serialization_watch: Some(Arc::clone(&flag)),
+            statement_watch: Some(Arc::clone(&watch)),
         };
         let query = diesel::select(diesel::dsl::sql::<diesel::sql_types::Integer>("1"));
         let shown = diesel::debug_query::<Pg, _>(&query);
         let other =
             Error::DatabaseError(DatabaseErrorKind::UniqueViolation, Box::new(String::new()));
-        lifetime.on_connection_event(InstrumentationEvent::finish_query(&shown, Some(&other)));
         lifetime.on_connection_event(InstrumentationEvent::finish_query(&shown, None));
-        assert!(!flag.load(Ordering::Relaxed), "only 40001 counts");
+        assert!(
+            !watch.any_failed(),
+            "a statement that succeeded is no failure"
+        );
+        lifetime.on_connection_event(InstrumentationEvent::finish_query(&shown, Some(&other)));
+        assert!(watch.any_failed());
+        assert!(!watch.serialization_failed(), "only 40001 counts");
         let failure = Error::DatabaseError(
             DatabaseErrorKind::SerializationFailure,
             Box::new(String::new()),
         );
         lifetime.on_connection_event(InstrumentationEvent::finish_query(&shown, Some(&failure)));
-        assert!(flag.load(Ordering::Relaxed));
+        assert!(watch.serialization_failed());
     }
 
     #[test]

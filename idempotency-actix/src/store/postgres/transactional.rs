@@ -24,7 +24,8 @@ use std::time::Duration;
 use diesel::connection::{Instrumentation, InstrumentationEvent};
 use diesel::result::{DatabaseErrorKind, Error as DieselError};
 use diesel_async::{
-    AnsiTransactionManager, AsyncConnection, AsyncPgConnection, TransactionManager,
+    AnsiTransactionManager, AsyncConnection, AsyncPgConnection, SimpleAsyncConnection,
+    TransactionManager,
 };
 
 use super::error::classify_error;
@@ -240,32 +241,86 @@ pub(crate) async fn commit(
     }
 }
 
-/// Watch the connection for a serialization failure (SQLSTATE 40001) on any statement, the
-/// handler's included, through diesel instrumentation (only when serialization retries are
-/// on). The flag is set when one happened since this call. The store's own connections carry
-/// the watch in their [`lifetime`] instrumentation, which keeps their deadline and diesel's
-/// default instrumentation; a connection from a pool the app built gets its instrumentation
-/// replaced by the watch.
-pub(crate) fn watch_serialization_failures(conn: &mut AsyncPgConnection) -> Arc<AtomicBool> {
-    let flag = Arc::new(AtomicBool::new(false));
-    if !lifetime::watch_serialization_failures(conn, Arc::clone(&flag)) {
-        conn.set_instrumentation(SerializationWatch(Arc::clone(&flag)));
-    }
-    flag
+/// What the statements of one transactional request ran into, seen through the connection's
+/// diesel instrumentation: any failed statement, and serialization failures (SQLSTATE 40001).
+///
+/// A failed statement outside a savepoint aborts the transaction, and PostgreSQL then answers
+/// COMMIT with a rollback, not an error: a handler that carried on after one would have its
+/// response sent as if its writes were committed. Any failure is noted, so the request is
+/// checked ([`check_not_aborted`]) before it commits; a failure rolled back to a savepoint
+/// (diesel's nested `transaction`) leaves the transaction usable, and the check says so.
+#[derive(Debug, Default)]
+pub(crate) struct StatementWatch {
+    failed: AtomicBool,
+    serialization: AtomicBool,
 }
 
-struct SerializationWatch(Arc<AtomicBool>);
+impl StatementWatch {
+    fn saw(&self, error: &DieselError) {
+        self.failed.store(true, Ordering::Relaxed);
+        if is_serialization_failure(error) {
+            self.serialization.store(true, Ordering::Relaxed);
+        }
+    }
 
-impl Instrumentation for SerializationWatch {
-    fn on_connection_event(&mut self, event: InstrumentationEvent<'_>) {
+    /// Record a finished statement's error, if it failed.
+    pub(super) fn on_event(&self, event: &InstrumentationEvent<'_>) {
         if let InstrumentationEvent::FinishQuery {
             error: Some(error), ..
         } = event
         {
-            if is_serialization_failure(error) {
-                self.0.store(true, Ordering::Relaxed);
-            }
+            self.saw(error);
         }
+    }
+
+    /// Whether any statement failed since the watch was set.
+    pub(crate) fn any_failed(&self) -> bool {
+        self.failed.load(Ordering::Relaxed)
+    }
+
+    /// Whether a statement failed with a serialization failure since the watch was set.
+    pub(crate) fn serialization_failed(&self) -> bool {
+        self.serialization.load(Ordering::Relaxed)
+    }
+}
+
+/// Watch the statements of the request that now holds `conn` (the handler's included). The
+/// store's own connections carry the watch in their [`lifetime`] instrumentation, which keeps
+/// their deadline and diesel's default instrumentation; a connection from a pool the app built
+/// gets its instrumentation replaced by the watch.
+pub(crate) fn watch_statements(conn: &mut AsyncPgConnection) -> Arc<StatementWatch> {
+    let watch = Arc::new(StatementWatch::default());
+    if !lifetime::watch_statements(conn, Arc::clone(&watch)) {
+        conn.set_instrumentation(WatchOnly(Arc::clone(&watch)));
+    }
+    watch
+}
+
+struct WatchOnly(Arc<StatementWatch>);
+
+impl Instrumentation for WatchOnly {
+    fn on_connection_event(&mut self, event: InstrumentationEvent<'_>) {
+        self.0.on_event(&event);
+    }
+}
+
+/// Before COMMIT, after a statement of the request failed: whether the transaction can still
+/// commit. One `SELECT 1`: PostgreSQL refuses it (25P02) in an aborted transaction. Any error
+/// (the refusal, a lost connection, no answer in time) means nothing can be committed: no
+/// COMMIT has been sent.
+pub(crate) async fn check_not_aborted(
+    store: &PostgresStore,
+    conn: &mut AsyncPgConnection,
+) -> Result<(), String> {
+    let check = conn.batch_execute("SELECT 1");
+    let checked = match store.query_timeout {
+        None => Ok(check.await),
+        Some(limit) => tokio::time::timeout(limit, check).await,
+    };
+    match checked {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(error)) => Err(error.to_string()),
+        Err(_) => Err("the check before COMMIT was not answered in time".to_owned()),
     }
 }
 
