@@ -794,7 +794,7 @@ where
     // the transaction is aborted, and PostgreSQL would answer COMMIT with a rollback (no
     // error), so the handler's response would go out for writes that never happened.
     if watch.any_failed() {
-        if let Err(why) = sql::check_not_aborted(&tx.store, &mut conn).await {
+        if let Err(why) = sql::select_one(&tx.store, &mut conn).await {
             sql::rollback(&tx.store, &mut conn).await;
             tracing::error!(target: "idempotency_actix", outcome = "commit_failed", key = scope.map(|s| tracing::field::display(LogText(&s.key))), why, "a statement of this request failed and the handler carried on: the transaction was aborted, so nothing was committed; roll back to a savepoint (diesel's nested transaction) to recover from a failed statement");
             return After::Answer(commit_failed(

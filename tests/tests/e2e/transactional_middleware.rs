@@ -558,6 +558,61 @@ async fn failed_commit_answers_a_problem_and_leaves_nothing() {
     assert_eq!(records_for_key(&db.url, "c1")[0].state, State::Completed);
 }
 
+/// A session that dies during COMMIT (a FATAL such as a terminated backend or a server
+/// shutting down, which can come after the commit point with the commit's own answer still
+/// unsent) leaves the outcome unknown: `COMMIT_OUTCOME_UNKNOWN`, never "nothing was done".
+/// An ERROR at COMMIT (here a deferred trigger's exception) leaves the session alive and the
+/// transaction rolled back: `COMMIT_FAILED`.
+#[actix_web::test]
+async fn a_session_that_dies_during_commit_is_an_unknown_outcome() {
+    let (db, store) = setup().await;
+    execute(
+        &db.url,
+        "CREATE FUNCTION at_commit() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             IF NEW.amount = 666 THEN
+                 PERFORM pg_terminate_backend(pg_backend_pid());
+                 PERFORM pg_sleep(5);
+             ELSIF NEW.amount = 667 THEN
+                 RAISE EXCEPTION 'refused at commit';
+             END IF;
+             RETURN NULL;
+         END $$;
+         CREATE CONSTRAINT TRIGGER at_commit AFTER INSERT ON payments
+             DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION at_commit()",
+    );
+    let runs = Runs::default();
+    let app = app!(tx_middleware(&store), runs);
+    for key in [Some("d1"), None] {
+        let died = call(&app, post(key, "", serde_json::json!({"amount": 666}))).await;
+        assert_eq!(
+            died.status,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "{}",
+            died.body
+        );
+        assert_eq!(died.body["code"], "COMMIT_OUTCOME_UNKNOWN", "{}", died.body);
+        let refused = call(&app, post(key, "", serde_json::json!({"amount": 667}))).await;
+        assert_eq!(
+            refused.status,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "{}",
+            refused.body
+        );
+        // (keyed: the first request's record went with its transaction, so this one ran)
+        assert_eq!(refused.body["code"], "COMMIT_FAILED", "{}", refused.body);
+    }
+    assert_nothing_kept(&db, "d1", 0);
+    let ok = call(&app, post(None, "", serde_json::json!({"amount": 1}))).await;
+    assert_eq!(
+        ok.status,
+        StatusCode::CREATED,
+        "the dead connection was not reused: {}",
+        ok.body
+    );
+    assert_eq!(payments(&db), 1);
+}
+
 /// A storable response over `max_response_bytes` cannot be sent without being stored: rolled
 /// back, answered with RESPONSE_TOO_LARGE.
 #[actix_web::test]

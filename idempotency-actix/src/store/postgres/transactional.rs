@@ -86,8 +86,8 @@ pub(crate) enum CommitError {
         serialization: bool,
         error: DieselError,
     },
-    /// The connection was lost (or did not answer in time) during COMMIT: the transaction may
-    /// or may not have committed.
+    /// The connection was lost (or did not answer in time, or the server ended the session)
+    /// during COMMIT: the transaction may or may not have committed.
     Unknown(String),
 }
 
@@ -233,7 +233,7 @@ pub(crate) async fn commit(
     };
     match committed {
         Ok(Ok(())) => Ok(()),
-        Ok(Err(error)) => Err(commit_error(error)),
+        Ok(Err(error)) => Err(commit_error(store, conn, error).await),
         Err(_) => Err(CommitError::Unknown(format!(
             "COMMIT not answered within {} ms",
             store.query_timeout.map_or(0, |l| l.as_millis())
@@ -247,7 +247,7 @@ pub(crate) async fn commit(
 /// A failed statement outside a savepoint aborts the transaction, and PostgreSQL then answers
 /// COMMIT with a rollback, not an error: a handler that carried on after one would have its
 /// response sent as if its writes were committed. Any failure is noted, so the request is
-/// checked ([`check_not_aborted`]) before it commits; a failure rolled back to a savepoint
+/// checked ([`select_one`]) before it commits; a failure rolled back to a savepoint
 /// (diesel's nested `transaction`) leaves the transaction usable, and the check says so.
 #[derive(Debug, Default)]
 pub(crate) struct StatementWatch {
@@ -304,11 +304,12 @@ impl Instrumentation for WatchOnly {
     }
 }
 
-/// Before COMMIT, after a statement of the request failed: whether the transaction can still
-/// commit. One `SELECT 1`: PostgreSQL refuses it (25P02) in an aborted transaction. Any error
-/// (the refusal, a lost connection, no answer in time) means nothing can be committed: no
-/// COMMIT has been sent.
-pub(crate) async fn check_not_aborted(
+/// Whether the session answers a `SELECT 1`, within the store's query timeout. Two uses:
+/// before COMMIT, after a statement of the request failed, it says whether the transaction can
+/// still commit (PostgreSQL refuses it, 25P02, in an aborted transaction; any error means
+/// nothing can be committed, since no COMMIT has been sent); after a COMMIT the server refused,
+/// it says whether the session survived the refusal.
+pub(crate) async fn select_one(
     store: &PostgresStore,
     conn: &mut AsyncPgConnection,
 ) -> Result<(), String> {
@@ -320,7 +321,7 @@ pub(crate) async fn check_not_aborted(
     match checked {
         Ok(Ok(())) => Ok(()),
         Ok(Err(error)) => Err(error.to_string()),
-        Err(_) => Err("the check before COMMIT was not answered in time".to_owned()),
+        Err(_) => Err("SELECT 1 was not answered in time".to_owned()),
     }
 }
 
@@ -354,13 +355,37 @@ pub(crate) fn is_connection_lost(error: &DieselError) -> bool {
     )
 }
 
-fn commit_error(error: DieselError) -> CommitError {
-    if is_connection_lost(&error) {
+/// What a COMMIT's error says about the transaction. A lost connection: unknown. An ERROR
+/// (a deferred constraint, a serialization failure, a deferred trigger's exception): rolled
+/// back, and the session lives on. But diesel-async does not say an error's severity, and a
+/// FATAL (a terminated backend, a server shutting down) can be sent after the commit point,
+/// with the COMMIT's own answer queued and never flushed: an error diesel cannot name (its
+/// `Unknown` kind, where every FATAL lands) counts as rolled back only if the session still
+/// answers afterwards.
+async fn commit_error(
+    store: &PostgresStore,
+    conn: &mut AsyncPgConnection,
+    error: DieselError,
+) -> CommitError {
+    let (commit_error, rollback_error) = match &error {
+        DieselError::RollbackErrorOnCommit {
+            commit_error,
+            rollback_error,
+        } => (&**commit_error, Some(&**rollback_error)),
+        other => (other, None),
+    };
+    if is_connection_lost(commit_error) || rollback_error.is_some_and(is_connection_lost) {
         return CommitError::Unknown(error.to_string());
     }
-    if let DieselError::RollbackErrorOnCommit { commit_error, .. } = &error {
-        if is_connection_lost(commit_error) {
-            return CommitError::Unknown(error.to_string());
+    let unnamed = matches!(
+        commit_error,
+        DieselError::DatabaseError(DatabaseErrorKind::Unknown, _)
+    );
+    if unnamed {
+        if let Err(why) = select_one(store, conn).await {
+            return CommitError::Unknown(format!(
+                "{error}; the session did not survive it ({why})"
+            ));
         }
     }
     CommitError::RolledBack {
