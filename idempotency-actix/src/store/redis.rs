@@ -153,6 +153,7 @@ pub enum EvictionCheck {
     #[default]
     Warn,
     /// Fail with [`StoreError::Backend`]. Where `CONFIG GET` is refused, warn instead.
+    /// [`RedisStore::check`] asks again, so a readiness probe built on it fails too.
     Refuse,
     /// Do not ask.
     Skip,
@@ -376,8 +377,17 @@ impl RedisStoreBuilder {
         };
         let mut probe = first.clone();
         check_version(&mut probe, self.response_timeout).await?;
-        check_eviction(&mut probe, self.eviction_check, self.response_timeout).await?;
-        Ok(self.build_unchecked(conns))
+        let readable =
+            check_eviction(&mut probe, self.eviction_check, self.response_timeout).await?;
+        // Asked again by `check` only where the policy could be read: on a managed Redis that
+        // refuses `CONFIG`, every readiness probe would log the same warning.
+        let recheck =
+            (readable && self.eviction_check != EvictionCheck::Skip).then_some(self.eviction_check);
+        let mut store = self.build_unchecked(conns);
+        if let Some(inner) = Arc::get_mut(&mut store.inner) {
+            inner.eviction_recheck = recheck;
+        }
+        Ok(store)
     }
 
     /// How many connections `connect` opens (see [`connections`](Self::connections)).
@@ -410,6 +420,7 @@ impl RedisStoreBuilder {
                 timeout: self.response_timeout,
                 wait: self.wait,
                 per_thread: None,
+                eviction_recheck: None,
                 reserve: Script::new(include_str!("redis/reserve.lua")),
                 complete: Script::new(include_str!("redis/complete.lua")),
                 release: Script::new(include_str!("redis/release.lua")),
@@ -441,6 +452,8 @@ struct Inner {
     /// Each thread's own connection ([`RedisStoreBuilder::connection_per_thread`]); only in
     /// stores whose connection type is `ConnectionManager`.
     per_thread: Option<per_thread::PerThread>,
+    /// What [`RedisStore::check`] does about the eviction policy (`None`: not asked).
+    eviction_recheck: Option<EvictionCheck>,
     reserve: Script,
     complete: Script,
     release: Script,
@@ -516,11 +529,19 @@ where
         record_key(&self.inner.prefix, scope)
     }
 
-    /// A readiness probe: `PING` within the response timeout.
+    /// A readiness probe: `PING` within the response timeout, then the eviction policy
+    /// again, as the builder's [`EvictionCheck`] says (on every primary of a Cluster): a policy
+    /// changed while the app runs (by an operator, or a failover to a replica configured
+    /// otherwise) fails the probe under [`EvictionCheck::Refuse`] and logs a warning under
+    /// `Warn`. Not asked where `CONFIG GET` was refused at connect, nor with `Skip`.
     pub async fn check(&self) -> Result<(), StoreError> {
         let mut conn = self.pick();
         self.timed(redis::cmd("PING").query_async::<()>(&mut conn))
-            .await
+            .await?;
+        if let Some(check) = self.inner.eviction_recheck {
+            check_eviction(&mut conn, check, self.inner.timeout).await?;
+        }
+        Ok(())
     }
 
     async fn timed<T>(
@@ -1010,13 +1031,15 @@ fn policy_evicts(policy: &str) -> bool {
     policy.starts_with("volatile-") || policy.starts_with("allkeys-")
 }
 
+/// Ask for the eviction policy and act on it as `check` says. `Ok(false)` when it was not
+/// read (`Skip`, or `CONFIG GET` refused: warned about).
 async fn check_eviction<C: ConnectionLike + Send + 'static>(
     conn: &mut C,
     check: EvictionCheck,
     timeout: Duration,
-) -> Result<(), StoreError> {
+) -> Result<bool, StoreError> {
     if check == EvictionCheck::Skip {
-        return Ok(());
+        return Ok(false);
     }
     let Some(replies) = start_check(
         timeout,
@@ -1030,7 +1053,7 @@ async fn check_eviction<C: ConnectionLike + Send + 'static>(
     )
     .await?
     else {
-        return Ok(());
+        return Ok(false);
     };
     // One reply per primary (one on a single server): the first policy that may evict decides.
     let policies = replies.into_iter().map(|(_, reply)| {
@@ -1054,7 +1077,7 @@ async fn check_eviction<C: ConnectionLike + Send + 'static>(
         }
     }
     let Some(policy) = policy else {
-        return Ok(());
+        return Ok(true);
     };
     let message = format!(
         "Redis maxmemory-policy is {policy:?}: when memory is full Redis may evict live \
@@ -1064,7 +1087,7 @@ async fn check_eviction<C: ConnectionLike + Send + 'static>(
         EvictionCheck::Refuse => Err(StoreError::Backend(message.into())),
         _ => {
             tracing::warn!("{message}");
-            Ok(())
+            Ok(true)
         }
     }
 }

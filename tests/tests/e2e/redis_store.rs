@@ -623,6 +623,42 @@ async fn evicting_policy_is_detected() {
         .is_ok());
 }
 
+/// C22 after start: `check()` (the readiness probe) asks for the policy again, so a policy
+/// changed while the app runs (by an operator, or a failover to a replica configured
+/// otherwise) takes an instance that refuses evicting policies out of rotation.
+#[tokio::test]
+async fn a_policy_changed_after_connect_fails_the_readiness_check() {
+    let server = RedisServer::start();
+    let refusing = RedisStore::builder()
+        .eviction_check(EvictionCheck::Refuse)
+        .connect(&server.url())
+        .await
+        .expect("noeviction connects");
+    let warning = RedisStore::connect(&server.url()).await.expect("connects");
+    assert!(refusing.check().await.is_ok());
+    let mut admin = idempotency_e2e::redis_server::connection(&server.url()).await;
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory-policy")
+        .arg("allkeys-lru")
+        .query_async(&mut admin)
+        .await
+        .expect("CONFIG SET");
+    match refusing.check().await {
+        Err(StoreError::Backend(e)) => assert!(e.to_string().contains("allkeys-lru"), "{e}"),
+        other => panic!("expected the readiness check to fail, got {other:?}"),
+    }
+    assert!(warning.check().await.is_ok(), "Warn only warns");
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory-policy")
+        .arg("noeviction")
+        .query_async(&mut admin)
+        .await
+        .expect("CONFIG SET");
+    assert!(refusing.check().await.is_ok(), "ready again once fixed");
+}
+
 /// Fill Redis (`noeviction`, `maxmemory 1`): from now on it refuses every command that may
 /// grow memory with `OOM`, as a Redis that ran out of memory does. Checked with a plain `SET`,
 /// so a test that relies on it proves something.
