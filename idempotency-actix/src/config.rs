@@ -618,9 +618,10 @@ impl IdempotencyBuilder<crate::store::PostgresStore> {
     /// Run a request again, up to `retries` more times, when its transaction fails with a
     /// serialization failure (SQLSTATE 40001, under `REPEATABLE READ` and `SERIALIZABLE`): at
     /// COMMIT, at the response's write, or at one of the handler's own statements (seen through
-    /// diesel instrumentation on the connection: the store's own connections carry it next to
-    /// diesel's default instrumentation; on a connection from a pool the app built it replaces
-    /// that connection's instrumentation). Default 0: the client gets `COMMIT_FAILED` (or the
+    /// diesel instrumentation on the connection, which every transactional request has: the
+    /// store's own connections carry it next to diesel's default instrumentation; a connection
+    /// from a pool the app built gets it in place of that connection's own instrumentation,
+    /// forwarding to diesel's default one). Default 0: the client gets `COMMIT_FAILED` (or the
     /// handler's own error) and retries itself, which is safe.
     ///
     /// **This re-runs the handler**, inside the middleware, with the same request: its

@@ -790,10 +790,11 @@ where
             "the handler's transaction was left in an unexpected state",
         ));
     }
-    // A statement failed and the handler carried on: unless it was rolled back to a savepoint,
-    // the transaction is aborted, and PostgreSQL would answer COMMIT with a rollback (no
-    // error), so the handler's response would go out for writes that never happened.
-    if watch.any_failed() {
+    // A statement failed and the handler carried on (or one was started and never seen to
+    // finish): unless rolled back to a savepoint, the transaction is aborted, and PostgreSQL
+    // would answer COMMIT with a rollback (no error), so the handler's response would go out
+    // for writes that never happened.
+    if watch.may_be_aborted() {
         if let Err(why) = sql::select_one(&tx.store, &mut conn).await {
             sql::rollback(&tx.store, &mut conn).await;
             tracing::error!(target: "idempotency_actix", outcome = "commit_failed", key = scope.map(|s| tracing::field::display(LogText(&s.key))), why, "a statement of this request failed and the handler carried on: the transaction was aborted, so nothing was committed; roll back to a savepoint (diesel's nested transaction) to recover from a failed statement");

@@ -53,6 +53,10 @@ struct Opts {
     /// The same failing statement inside diesel's nested transaction (a savepoint, rolled
     /// back on the error): the request's transaction goes on.
     savepoint_error: Option<bool>,
+    /// After the INSERT, start a statement that fails after 300 ms and give up waiting for it
+    /// after 20 ms (its future dropped): it still runs, and aborts the transaction, with no
+    /// answer the handler or the connection's instrumentation ever sees.
+    abandon_failing: Option<bool>,
 }
 
 #[derive(diesel::QueryableByName)]
@@ -132,6 +136,15 @@ async fn pay(
             })
             .await;
         assert!(failed.is_err(), "division by zero fails");
+    }
+    if opts.abandon_failing == Some(true) {
+        use diesel_async::SimpleAsyncConnection;
+        let abandoned = tokio::time::timeout(
+            Duration::from_millis(20),
+            (*conn).batch_execute("SELECT pg_sleep(0.3); SELECT 1 / 0"),
+        )
+        .await;
+        assert!(abandoned.is_err(), "given up before its answer");
     }
     if opts.swallow_error == Some(true) {
         let failed = diesel::sql_query("SELECT 1 / 0").execute(&mut *conn).await;
@@ -1106,6 +1119,60 @@ async fn a_transaction_aborted_by_an_ignored_error_is_never_answered_as_done() {
     }
     assert_eq!(payments(&db), 3);
     assert_eq!(records_for_key(&db.url, "ab2")[0].state, State::Completed);
+
+    // A failing statement whose future the handler dropped: no error was ever seen.
+    let abandoned = call(
+        &app,
+        post(
+            None,
+            "?abandon_failing=true",
+            serde_json::json!({"amount": 1}),
+        ),
+    )
+    .await;
+    assert_eq!(
+        abandoned.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{}",
+        abandoned.body
+    );
+    assert_eq!(
+        abandoned.body["code"], "COMMIT_FAILED",
+        "{}",
+        abandoned.body
+    );
+    assert_eq!(payments(&db), 3);
+}
+
+/// The same on a pool the app built (`PostgresStore::new`: its connections have no
+/// instrumentation of the store's): the watch is installed on the first request and pointed
+/// at each later request's own, so the second request's ignored failure on the same (only)
+/// connection is still seen.
+#[actix_web::test]
+async fn an_ignored_error_is_seen_on_a_pool_the_app_built() {
+    let (db, _) = setup().await;
+    let manager = idempotency_actix::store::postgres::connection_manager(&db.url).unwrap();
+    let pool = idempotency_actix::store::postgres::PgPool::builder()
+        .max_size(1)
+        .build(manager)
+        .await
+        .unwrap();
+    let store = PostgresStore::new(pool);
+    let runs = Runs::default();
+    let app = app!(tx_middleware(&store), runs);
+    let first = call(&app, post(None, "", serde_json::json!({"amount": 1}))).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{}", first.body);
+    for query in ["?swallow_error=true", "?abandon_failing=true"] {
+        let aborted = call(&app, post(None, query, serde_json::json!({"amount": 1}))).await;
+        assert_eq!(
+            aborted.status,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "{query}: {}",
+            aborted.body
+        );
+        assert_eq!(aborted.body["code"], "COMMIT_FAILED", "{}", aborted.body);
+    }
+    assert_eq!(payments(&db), 1);
 }
 
 #[derive(diesel::QueryableByName)]

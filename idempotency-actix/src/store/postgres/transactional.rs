@@ -17,11 +17,11 @@
 //! advisory lock that keeps it non-blocking are in the third migration; `docs/sql.md`
 //! ("Transactional claim") has the race-freedom argument.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use diesel::connection::{Instrumentation, InstrumentationEvent};
+use diesel::connection::{get_default_instrumentation, Instrumentation, InstrumentationEvent};
 use diesel::result::{DatabaseErrorKind, Error as DieselError};
 use diesel_async::{
     AnsiTransactionManager, AsyncConnection, AsyncPgConnection, SimpleAsyncConnection,
@@ -242,17 +242,22 @@ pub(crate) async fn commit(
 }
 
 /// What the statements of one transactional request ran into, seen through the connection's
-/// diesel instrumentation: any failed statement, and serialization failures (SQLSTATE 40001).
+/// diesel instrumentation: failed statements, serialization failures (SQLSTATE 40001), and
+/// statements started but never seen to finish.
 ///
 /// A failed statement outside a savepoint aborts the transaction, and PostgreSQL then answers
 /// COMMIT with a rollback, not an error: a handler that carried on after one would have its
-/// response sent as if its writes were committed. Any failure is noted, so the request is
-/// checked ([`select_one`]) before it commits; a failure rolled back to a savepoint
-/// (diesel's nested `transaction`) leaves the transaction usable, and the check says so.
+/// response sent as if its writes were committed. So the request is checked ([`select_one`])
+/// before it commits when a statement failed, or when one started and never finished (its
+/// future dropped, say by a timeout around it: the server still runs it, and may fail it
+/// unseen); a failure rolled back to a savepoint (diesel's nested `transaction`) leaves the
+/// transaction usable, and the check says so.
 #[derive(Debug, Default)]
 pub(crate) struct StatementWatch {
     failed: AtomicBool,
     serialization: AtomicBool,
+    started: AtomicU64,
+    finished: AtomicU64,
 }
 
 impl StatementWatch {
@@ -263,19 +268,27 @@ impl StatementWatch {
         }
     }
 
-    /// Record a finished statement's error, if it failed.
+    /// Count a statement's start and finish, and note its error, if it failed.
     pub(super) fn on_event(&self, event: &InstrumentationEvent<'_>) {
-        if let InstrumentationEvent::FinishQuery {
-            error: Some(error), ..
-        } = event
-        {
-            self.saw(error);
+        match event {
+            InstrumentationEvent::StartQuery { .. } => {
+                self.started.fetch_add(1, Ordering::Relaxed);
+            }
+            InstrumentationEvent::FinishQuery { error, .. } => {
+                self.finished.fetch_add(1, Ordering::Relaxed);
+                if let Some(error) = error {
+                    self.saw(error);
+                }
+            }
+            _ => {}
         }
     }
 
-    /// Whether any statement failed since the watch was set.
-    pub(crate) fn any_failed(&self) -> bool {
+    /// Whether the transaction may have been aborted unnoticed since the watch was set: a
+    /// statement failed, or one started and was never seen to finish.
+    pub(crate) fn may_be_aborted(&self) -> bool {
         self.failed.load(Ordering::Relaxed)
+            || self.started.load(Ordering::Relaxed) != self.finished.load(Ordering::Relaxed)
     }
 
     /// Whether a statement failed with a serialization failure since the watch was set.
@@ -286,21 +299,47 @@ impl StatementWatch {
 
 /// Watch the statements of the request that now holds `conn` (the handler's included). The
 /// store's own connections carry the watch in their [`lifetime`] instrumentation, which keeps
-/// their deadline and diesel's default instrumentation; a connection from a pool the app built
-/// gets its instrumentation replaced by the watch.
+/// their deadline and diesel's default instrumentation. A connection from a pool the app built
+/// gets a [`WatchOnly`] the first time (it forwards to a new instance of diesel's default
+/// instrumentation, as [`lifetime`] does; an instrumentation the app set on that connection
+/// itself is replaced), which later requests point at their own watch.
 pub(crate) fn watch_statements(conn: &mut AsyncPgConnection) -> Arc<StatementWatch> {
     let watch = Arc::new(StatementWatch::default());
-    if !lifetime::watch_statements(conn, Arc::clone(&watch)) {
-        conn.set_instrumentation(WatchOnly(Arc::clone(&watch)));
+    if lifetime::watch_statements(conn, Arc::clone(&watch)) {
+        return watch;
+    }
+    // As in `lifetime`: no query future of this connection is alive here.
+    let repointed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        match conn.instrumentation().downcast_mut::<WatchOnly>() {
+            Some(only) => {
+                only.watch = Arc::clone(&watch);
+                true
+            }
+            None => false,
+        }
+    }))
+    .unwrap_or(false);
+    if !repointed {
+        conn.set_instrumentation(WatchOnly {
+            watch: Arc::clone(&watch),
+            forward: get_default_instrumentation(),
+        });
     }
     watch
 }
 
-struct WatchOnly(Arc<StatementWatch>);
+/// The statement watch on a connection without a [`lifetime`] instrumentation.
+struct WatchOnly {
+    watch: Arc<StatementWatch>,
+    forward: Option<Box<dyn Instrumentation>>,
+}
 
 impl Instrumentation for WatchOnly {
     fn on_connection_event(&mut self, event: InstrumentationEvent<'_>) {
-        self.0.on_event(&event);
+        self.watch.on_event(&event);
+        if let Some(forward) = &mut self.forward {
+            forward.on_connection_event(event);
+        }
     }
 }
 
