@@ -617,7 +617,9 @@ impl IdempotencyBuilder<crate::store::PostgresStore> {
 
     /// Run a request again, up to `retries` more times, when its transaction fails with a
     /// serialization failure (SQLSTATE 40001, under `REPEATABLE READ` and `SERIALIZABLE`): at
-    /// COMMIT, at the response's write, or at one of the handler's own statements (seen through
+    /// COMMIT, at the response's write, or at one of the handler's own statements that
+    /// diesel-async reports on the connection (`execute`, `batch_execute`; not a row-returning
+    /// statement's failure, which comes in its row stream and stays the handler's error; seen through
     /// diesel instrumentation on the connection, which every transactional request has: the
     /// store's own connections carry it next to diesel's default instrumentation; a connection
     /// from a pool the app built gets it in place of that connection's own instrumentation,

@@ -790,11 +790,16 @@ where
             "the handler's transaction was left in an unexpected state",
         ));
     }
-    // A statement failed and the handler carried on (or one was started and never seen to
-    // finish): unless rolled back to a savepoint, the transaction is aborted, and PostgreSQL
-    // would answer COMMIT with a rollback (no error), so the handler's response would go out
-    // for writes that never happened.
-    if watch.may_be_aborted() {
+    // A statement that failed while the handler carried on aborts the transaction (unless
+    // rolled back to a savepoint), and PostgreSQL would answer COMMIT with a rollback, without
+    // an error: the handler's response would go out for writes that never happened. Not every
+    // failure reaches the watch (see `StatementWatch`), so a keyless request is checked
+    // whenever it ran a statement; a keyed one's `complete` below is its check.
+    let check = match record {
+        None => watch.ran_statements(),
+        Some(_) => watch.may_be_aborted(),
+    };
+    if check {
         if let Err(why) = sql::select_one(&tx.store, &mut conn).await {
             sql::rollback(&tx.store, &mut conn).await;
             tracing::error!(target: "idempotency_actix", outcome = "commit_failed", key = scope.map(|s| tracing::field::display(LogText(&s.key))), why, "a statement of this request failed and the handler carried on: the transaction was aborted, so nothing was committed; roll back to a savepoint (diesel's nested transaction) to recover from a failed statement");

@@ -57,6 +57,10 @@ struct Opts {
     /// after 20 ms (its future dropped): it still runs, and aborts the transaction, with no
     /// answer the handler or the connection's instrumentation ever sees.
     abandon_failing: Option<bool>,
+    /// After the INSERT, a row-returning statement (`get_result`) that fails while it runs (a
+    /// duplicate primary key), ignored: diesel-async reports that error in the row stream,
+    /// after the statement was recorded as finished without one.
+    swallow_row_error: Option<bool>,
 }
 
 #[derive(diesel::QueryableByName)]
@@ -145,6 +149,14 @@ async fn pay(
         )
         .await;
         assert!(abandoned.is_err(), "given up before its answer");
+    }
+    if opts.swallow_row_error == Some(true) {
+        let failed =
+            diesel::sql_query("INSERT INTO payments (id, amount) VALUES ($1, 0) RETURNING id")
+                .bind::<BigInt, _>(id)
+                .get_result::<Id>(&mut *conn)
+                .await;
+        assert!(failed.is_err(), "a duplicate primary key fails");
     }
     if opts.swallow_error == Some(true) {
         let failed = diesel::sql_query("SELECT 1 / 0").execute(&mut *conn).await;
@@ -1120,27 +1132,18 @@ async fn a_transaction_aborted_by_an_ignored_error_is_never_answered_as_done() {
     assert_eq!(payments(&db), 3);
     assert_eq!(records_for_key(&db.url, "ab2")[0].state, State::Completed);
 
-    // A failing statement whose future the handler dropped: no error was ever seen.
-    let abandoned = call(
-        &app,
-        post(
-            None,
-            "?abandon_failing=true",
-            serde_json::json!({"amount": 1}),
-        ),
-    )
-    .await;
-    assert_eq!(
-        abandoned.status,
-        StatusCode::SERVICE_UNAVAILABLE,
-        "{}",
-        abandoned.body
-    );
-    assert_eq!(
-        abandoned.body["code"], "COMMIT_FAILED",
-        "{}",
-        abandoned.body
-    );
+    // Failures no instrumentation event reports: a failing statement whose future the handler
+    // dropped, and the error of a row-returning statement (it comes in the row stream).
+    for query in ["?abandon_failing=true", "?swallow_row_error=true"] {
+        let unseen = call(&app, post(None, query, serde_json::json!({"amount": 1}))).await;
+        assert_eq!(
+            unseen.status,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "{query}: {}",
+            unseen.body
+        );
+        assert_eq!(unseen.body["code"], "COMMIT_FAILED", "{}", unseen.body);
+    }
     assert_eq!(payments(&db), 3);
 }
 

@@ -242,16 +242,20 @@ pub(crate) async fn commit(
 }
 
 /// What the statements of one transactional request ran into, seen through the connection's
-/// diesel instrumentation: failed statements, serialization failures (SQLSTATE 40001), and
-/// statements started but never seen to finish.
+/// diesel instrumentation: statements started, finished, failed, and serialization failures
+/// (SQLSTATE 40001).
 ///
 /// A failed statement outside a savepoint aborts the transaction, and PostgreSQL then answers
 /// COMMIT with a rollback, not an error: a handler that carried on after one would have its
-/// response sent as if its writes were committed. So the request is checked ([`select_one`])
-/// before it commits when a statement failed, or when one started and never finished (its
-/// future dropped, say by a timeout around it: the server still runs it, and may fail it
-/// unseen); a failure rolled back to a savepoint (diesel's nested `transaction`) leaves the
-/// transaction usable, and the check says so.
+/// response sent as if its writes were committed. The instrumentation does not see every
+/// failure: a row-returning statement (diesel-async's `load`, `get_result`) is recorded as
+/// finished once the server accepted it, and an error while it runs comes later, in its row
+/// stream; a statement whose future was dropped (a timeout around it) is never recorded as
+/// finished, and the server still runs it. So a keyless request is checked ([`select_one`])
+/// before its COMMIT whenever it ran a statement; a keyed one has its `complete` statement,
+/// which fails in an aborted transaction, and is checked first only when the watch saw
+/// something (for a clearer log). A failure rolled back to a savepoint (diesel's nested
+/// `transaction`) leaves the transaction usable, and the check says so.
 #[derive(Debug, Default)]
 pub(crate) struct StatementWatch {
     failed: AtomicBool,
@@ -284,8 +288,14 @@ impl StatementWatch {
         }
     }
 
-    /// Whether the transaction may have been aborted unnoticed since the watch was set: a
-    /// statement failed, or one started and was never seen to finish.
+    /// Whether any statement was started since the watch was set.
+    pub(crate) fn ran_statements(&self) -> bool {
+        self.started.load(Ordering::Relaxed) > 0
+    }
+
+    /// Whether the watch saw a sign of an aborted transaction since it was set: a statement
+    /// failed, or one started and was never seen to finish. (Not every abort shows: see the
+    /// type's docs.)
     pub(crate) fn may_be_aborted(&self) -> bool {
         self.failed.load(Ordering::Relaxed)
             || self.started.load(Ordering::Relaxed) != self.finished.load(Ordering::Relaxed)
