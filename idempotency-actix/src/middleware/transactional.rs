@@ -10,8 +10,10 @@
 //! 3. the handler, with the connection lent through [`IdempotentTx`];
 //! 4. a storable response (status filter, `store_if`, within `max_response_bytes`) is
 //!    buffered whole (nothing reaches the client before COMMIT: C24's streaming does not apply),
-//!    stored with `complete` (keyed), and committed; anything else rolls back, and with it the
-//!    handler's writes.
+//!    stored with `complete` (keyed; refused in a transaction a failed statement aborted) or
+//!    checked with a `SELECT 1` (keyless, when the handler ran a statement: PostgreSQL answers
+//!    COMMIT of an aborted transaction with a rollback, not an error), and committed; anything
+//!    else rolls back, and with it the handler's writes.
 //!
 //! A failed COMMIT never answers the handler's response: the client gets `COMMIT_FAILED`
 //! (nothing was done, a retry with the same key is safe) or `COMMIT_OUTCOME_UNKNOWN` (the
