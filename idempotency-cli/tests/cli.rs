@@ -223,6 +223,7 @@ async fn migrate_twice_and_check_gates_deploys() {
          applied 2026-12-03-000008_partition_create_without_moving\n\
          applied 2026-12-04-000009_default_partition_older_than\n\
          applied 2026-12-04-000010_serializable_claim_inserts_first\n\
+         applied 2026-12-04-000011_complete_after_a_partition_attach\n\
          layout: plain\n"
     );
 
@@ -1829,7 +1830,7 @@ async fn migrate_check_needs_only_select() {
     assert!(up_to_date_out.contains("up to date"), "{up_to_date_out}");
     expect_code(&pending, PENDING);
     assert!(
-        stdout(&pending).contains("pending 2026-12-04-000010_serializable_claim_inserts_first"),
+        stdout(&pending).contains("pending 2026-12-04-000011_complete_after_a_partition_attach"),
         "{}",
         stdout(&pending)
     );

@@ -32,6 +32,11 @@ BEGIN
     IF v_interval NOT IN ('hourly', 'daily') THEN
         RAISE EXCEPTION 'idempotency.partition_interval must be hourly or daily, not %', v_interval;
     END IF;
+    -- Locked before it is found empty: a claim not committed yet (a transactional request
+    -- whose handler is running) is invisible to the test, and its complete would write the
+    -- response into the columns dropped below, after the test passed. The lock waits for it
+    -- (bounded by the session's lock_timeout), and the test then sees its row.
+    LOCK TABLE idempotency_keys IN ACCESS EXCLUSIVE MODE;
     IF EXISTS (SELECT 1 FROM idempotency_keys) THEN
         RAISE EXCEPTION 'idempotency_keys is not empty: the partitioned layout is chosen when a database is provisioned (see docs/operations.md for moving a deployment)';
     END IF;
