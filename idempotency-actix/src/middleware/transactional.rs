@@ -11,8 +11,8 @@
 //! 4. a storable response (status filter, `store_if`, within `max_response_bytes`) is
 //!    buffered whole (nothing reaches the client before COMMIT: C24's streaming does not apply),
 //!    stored with `complete` (keyed; refused in a transaction a failed statement aborted) or
-//!    checked with a `SELECT 1` (keyless, when the handler ran a statement: PostgreSQL answers
-//!    COMMIT of an aborted transaction with a rollback, not an error), and committed; anything
+//!    checked with a `SELECT 1` (keyless: PostgreSQL answers COMMIT of an aborted transaction
+//!    with a rollback, not an error), and committed; anything
 //!    else rolls back, and with it the handler's writes.
 //!
 //! A failed COMMIT never answers the handler's response: the client gets `COMMIT_FAILED`
@@ -795,12 +795,10 @@ where
     // A statement that failed while the handler carried on aborts the transaction (unless
     // rolled back to a savepoint), and PostgreSQL would answer COMMIT with a rollback, without
     // an error: the handler's response would go out for writes that never happened. Not every
-    // failure reaches the watch (see `StatementWatch`), so a keyless request is checked
-    // whenever it ran a statement; a keyed one's `complete` below is its check.
-    let check = match record {
-        None => watch.ran_statements(),
-        Some(_) => watch.may_be_aborted(),
-    };
+    // failure reaches the watch (see `StatementWatch`), and a handler may even replace the
+    // connection's instrumentation, watch and all: so a keyless request is always checked; a
+    // keyed one's `complete` below is its check.
+    let check = record.is_none() || watch.may_be_aborted();
     if check {
         if let Err(why) = sql::select_one(&tx.store, &mut conn).await {
             sql::rollback(&tx.store, &mut conn).await;

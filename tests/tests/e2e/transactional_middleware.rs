@@ -1178,6 +1178,61 @@ async fn an_ignored_error_is_seen_on_a_pool_the_app_built() {
     assert_eq!(payments(&db), 1);
 }
 
+/// An app's own per-request query log: counts the statements it sees.
+#[derive(Default)]
+struct RequestQueryLog(Arc<AtomicUsize>);
+
+impl diesel::connection::Instrumentation for RequestQueryLog {
+    fn on_connection_event(&mut self, event: diesel::connection::InstrumentationEvent<'_>) {
+        if let diesel::connection::InstrumentationEvent::StartQuery { .. } = event {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+}
+
+/// A handler that attaches its own diesel instrumentation to the lent connection (a
+/// per-request query log), inserts a payment, then runs a statement that fails and answers 201
+/// anyway.
+async fn pay_with_own_query_log(tx: IdempotentTx) -> actix_web::Result<HttpResponse> {
+    let mut conn = tx.conn();
+    conn.set_instrumentation(RequestQueryLog::default());
+    diesel::sql_query("INSERT INTO payments (amount) VALUES (1)")
+        .execute(&mut *conn)
+        .await
+        .map_err(actix_web::error::ErrorInternalServerError)?;
+    let failed = diesel::sql_query("SELECT 1 / 0").execute(&mut *conn).await;
+    assert!(failed.is_err(), "division by zero fails");
+    Ok(HttpResponse::Created().json(serde_json::json!({ "paid": true })))
+}
+
+/// The check before a keyless COMMIT does not depend on the connection's instrumentation (a
+/// review found it did: a handler that set its own replaced the statement watch, which then
+/// counted nothing, and the 201 went out for a rolled-back payment). With a key, `complete`
+/// is the check.
+#[actix_web::test]
+async fn a_handler_with_its_own_instrumentation_is_still_checked() {
+    let (db, store) = setup().await;
+    let app = test::init_service(
+        App::new().service(
+            web::scope("")
+                .wrap(tx_middleware(&store))
+                .route("/payments", web::post().to(pay_with_own_query_log)),
+        ),
+    )
+    .await;
+    for key in [None, Some("oi1")] {
+        let answer = call(&app, post(key, "", serde_json::json!({}))).await;
+        assert_eq!(
+            answer.status,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "{key:?}: {}",
+            answer.body
+        );
+        assert_eq!(answer.body["code"], "COMMIT_FAILED", "{}", answer.body);
+    }
+    assert_eq!(payments(&db), 0);
+}
+
 #[derive(diesel::QueryableByName)]
 struct Setting {
     #[diesel(sql_type = Nullable<Text>)]

@@ -251,10 +251,10 @@ pub(crate) async fn commit(
 /// failure: a row-returning statement (diesel-async's `load`, `get_result`) is recorded as
 /// finished once the server accepted it, and an error while it runs comes later, in its row
 /// stream; a statement whose future was dropped (a timeout around it) is never recorded as
-/// finished, and the server still runs it. So a keyless request is checked ([`select_one`])
-/// before its COMMIT whenever it ran a statement; a keyed one has its `complete` statement,
-/// which fails in an aborted transaction, and is checked first only when the watch saw
-/// something (for a clearer log). A failure rolled back to a savepoint (diesel's nested
+/// finished, and the server still runs it; and a handler may replace the connection's
+/// instrumentation, watch and all. So a keyless request is always checked ([`select_one`])
+/// before its COMMIT; a keyed one has its `complete` statement, which fails in an aborted
+/// transaction, and is checked first only when the watch saw something (for a clearer log). A failure rolled back to a savepoint (diesel's nested
 /// `transaction`) leaves the transaction usable, and the check says so.
 #[derive(Debug, Default)]
 pub(crate) struct StatementWatch {
@@ -286,11 +286,6 @@ impl StatementWatch {
             }
             _ => {}
         }
-    }
-
-    /// Whether any statement was started since the watch was set.
-    pub(crate) fn ran_statements(&self) -> bool {
-        self.started.load(Ordering::Relaxed) > 0
     }
 
     /// Whether the watch saw a sign of an aborted transaction since it was set: a statement
