@@ -10,9 +10,10 @@
 //! 3. the handler, with the connection lent through [`IdempotentTx`];
 //! 4. a storable response (status filter, `store_if`, within `max_response_bytes`) is
 //!    buffered whole (nothing reaches the client before COMMIT: C24's streaming does not apply),
-//!    stored with `complete` (keyed; refused in a transaction a failed statement aborted) or
-//!    checked with a `SELECT 1` (keyless: PostgreSQL answers COMMIT of an aborted transaction
-//!    with a rollback, not an error), and committed; anything
+//!    stored with `complete` (keyed; refused in a transaction a failed statement aborted) and
+//!    committed, or (keyless) committed as `SELECT 1; COMMIT`, whose `SELECT 1` is refused in
+//!    an aborted transaction (PostgreSQL answers COMMIT of one with a rollback, not an error);
+//!    anything
 //!    else rolls back, and with it the handler's writes.
 //!
 //! A failed COMMIT never answers the handler's response: the client gets `COMMIT_FAILED`
@@ -796,10 +797,10 @@ where
     // rolled back to a savepoint), and PostgreSQL would answer COMMIT with a rollback, without
     // an error: the handler's response would go out for writes that never happened. Not every
     // failure reaches the watch (see `StatementWatch`), and a handler may even replace the
-    // connection's instrumentation, watch and all: so a keyless request is always checked; a
-    // keyed one's `complete` below is its check.
-    let check = record.is_none() || watch.may_be_aborted();
-    if check {
+    // connection's instrumentation, watch and all: so a keyless request is always checked, in
+    // the COMMIT's own round trip (`check_and_commit`); a keyed one's `complete` below is its
+    // check, preceded by one more only when the watch saw something (a clearer log).
+    if record.is_some() && watch.may_be_aborted() {
         if let Err(why) = sql::select_one(&tx.store, &mut conn).await {
             sql::rollback(&tx.store, &mut conn).await;
             tracing::error!(target: "idempotency_actix", outcome = "commit_failed", key = scope.map(|s| tracing::field::display(LogText(&s.key))), why, "a statement of this request failed and the handler carried on: the transaction was aborted, so nothing was committed; roll back to a savepoint (diesel's nested transaction) to recover from a failed statement");
@@ -855,7 +856,12 @@ where
             }
         }
     }
-    match sql::commit(&tx.store, &mut conn).await {
+    let committed = if record.is_some() {
+        sql::commit(&tx.store, &mut conn).await
+    } else {
+        sql::check_and_commit(&tx.store, &mut conn).await
+    };
+    match committed {
         Ok(()) => {
             if let Some(scope) = scope {
                 tracing::debug!(target: "idempotency_actix", outcome = "stored", key = %LogText(&scope.key), tenant = %LogText(&scope.tenant), path = %LogText(&scope.path), status = status.as_u16(), "committed: handler's writes and the response");

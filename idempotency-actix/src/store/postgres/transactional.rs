@@ -21,7 +21,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use diesel::connection::{get_default_instrumentation, Instrumentation, InstrumentationEvent};
+use diesel::connection::{
+    get_default_instrumentation, Instrumentation, InstrumentationEvent, TransactionDepthChange,
+    TransactionManagerStatus,
+};
 use diesel::result::{DatabaseErrorKind, Error as DieselError};
 use diesel_async::{
     AnsiTransactionManager, AsyncConnection, AsyncPgConnection, SimpleAsyncConnection,
@@ -234,6 +237,58 @@ pub(crate) async fn commit(
     match committed {
         Ok(Ok(())) => Ok(()),
         Ok(Err(error)) => Err(commit_error(store, conn, error).await),
+        Err(_) => Err(CommitError::Unknown(format!(
+            "COMMIT not answered within {} ms",
+            store.query_timeout.map_or(0, |l| l.as_millis())
+        ))),
+    }
+}
+
+/// A keyless request's check and COMMIT in one round trip: `SELECT 1; COMMIT` as one simple
+/// query. In a transaction an ignored failure aborted, the `SELECT 1` is refused (25P02) and
+/// PostgreSQL skips the rest of the query string, so the COMMIT, which it would have turned
+/// into a silent rollback, never runs; the transaction stays open, aborted, for the caller's
+/// ROLLBACK. (A keyed request's `complete` is its check.)
+///
+/// The COMMIT bypasses diesel-async's transaction manager, so its depth is lowered here, with
+/// the `ValidTransactionManagerStatus` API diesel exposes under the
+/// `i-implement-a-third-party-backend-and-opt-into-breaking-changes` feature, which
+/// diesel-async enables for its own transaction manager (so the two move together). A batch
+/// dropped on timeout leaves the depth at 1: the pool sees a connection still in a transaction
+/// and discards it, as diesel-async's own COMMIT marks a dropped one broken.
+pub(crate) async fn check_and_commit(
+    store: &PostgresStore,
+    conn: &mut AsyncPgConnection,
+) -> Result<(), CommitError> {
+    if let Ok(Some(depth)) =
+        AnsiTransactionManager::transaction_manager_status_mut(conn).transaction_depth()
+    {
+        conn.instrumentation()
+            .on_connection_event(InstrumentationEvent::commit_transaction(depth));
+    }
+    let batch = conn.batch_execute("SELECT 1; COMMIT");
+    let committed = match store.query_timeout {
+        None => Ok(batch.await),
+        Some(limit) => tokio::time::timeout(limit, batch).await,
+    };
+    match committed {
+        Ok(Ok(())) => {
+            if let TransactionManagerStatus::Valid(status) =
+                AnsiTransactionManager::transaction_manager_status_mut(conn)
+            {
+                // Depth 1 (checked by the caller), so this ends the transaction.
+                let _ = status.change_transaction_depth(TransactionDepthChange::DecreaseDepth);
+            }
+            Ok(())
+        }
+        // Either statement's error: the `SELECT 1` in an aborted transaction (still open), or
+        // the COMMIT's (ended). A ROLLBACK ends the first and is a no-op after the second, and
+        // must come before `commit_error`'s probe, which an aborted transaction would refuse
+        // (a false "the session did not survive").
+        Ok(Err(error)) => {
+            rollback(store, conn).await;
+            Err(commit_error(store, conn, error).await)
+        }
         Err(_) => Err(CommitError::Unknown(format!(
             "COMMIT not answered within {} ms",
             store.query_timeout.map_or(0, |l| l.as_millis())
