@@ -615,7 +615,7 @@ impl IdempotencyBuilder<crate::store::PostgresStore> {
         self
     }
 
-    /// Run a request again, up to `retries` more times, when its transaction fails with a
+    /// Run a keyed request again, up to `retries` more times, when its transaction fails with a
     /// serialization failure (SQLSTATE 40001, under `REPEATABLE READ` and `SERIALIZABLE`): at
     /// COMMIT, at the response's write, or at one of the handler's own statements that
     /// diesel-async reports on the connection (`execute`, `batch_execute`; not a row-returning
@@ -624,7 +624,8 @@ impl IdempotencyBuilder<crate::store::PostgresStore> {
     /// store's own connections carry it next to diesel's default instrumentation; a connection
     /// from a pool the app built gets it in place of that connection's own instrumentation,
     /// forwarding to diesel's default one). Default 0: the client gets `COMMIT_FAILED` (or the
-    /// handler's own error) and retries itself, which is safe.
+    /// handler's own error) and retries itself, which is safe. A keyless request is not run
+    /// again: it gets `COMMIT_FAILED` (nothing was done) and its client retries.
     ///
     /// **This re-runs the handler**, inside the middleware, with the same request: its
     /// database writes were rolled back, but any effect outside the database (an HTTP call, an

@@ -1996,3 +1996,102 @@ async fn a_slow_keyless_upload_over_the_limit_does_not_hold_a_connection() {
     );
     assert_eq!(runs.get(), 1, "only the keyed request ran");
 }
+
+/// A session that PostgreSQL ended while the handler was idle (here its
+/// `idle_in_transaction_session_timeout`, which the middleware sets itself; the same for a
+/// terminated idle backend) is dead before the middleware sends anything: no COMMIT can have
+/// reached it, nothing was committed. A keyed request says so (`COMMIT_FAILED`, from its
+/// `complete`); a keyless one must too, not `COMMIT_OUTCOME_UNKNOWN` ("check before
+/// retrying"). (Found by a review of the `SELECT 1; COMMIT` batch, which answered
+/// `COMMIT_OUTCOME_UNKNOWN` here until the batch's first poll told "never sent" apart.)
+#[actix_web::test]
+async fn a_session_ended_while_idle_is_a_known_rollback_for_a_keyless_request() {
+    let (db, store) = setup().await;
+    let runs = Runs::default();
+    // The idle limit is the larger of lock_timeout and renew_lease_up_to: 300 ms.
+    let middleware = tx_builder(&store)
+        .lock_timeout(Duration::from_millis(300))
+        .renew_lease_up_to(Duration::ZERO)
+        .build();
+    let app = app!(middleware, runs);
+
+    let keyed = send(&app, "idle-keyed", "?sleep_ms=1200", 1).await;
+    assert_eq!(
+        keyed.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{}",
+        keyed.body
+    );
+    assert_eq!(keyed.body["code"], "COMMIT_FAILED", "{}", keyed.body);
+
+    let keyless = call(
+        &app,
+        post(None, "?sleep_ms=1200", serde_json::json!({"amount": 1})),
+    )
+    .await;
+    assert_eq!(payments(&db), 0, "nothing was committed");
+    assert_eq!(
+        keyless.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{}",
+        keyless.body
+    );
+    assert_eq!(
+        keyless.body["code"], "COMMIT_FAILED",
+        "the session was gone before COMMIT was sent: {}",
+        keyless.body
+    );
+}
+
+/// Every outcome of `check_and_commit` leaves the pool's
+/// only connection usable and outside a transaction for the next request (depth lowered by
+/// hand, ROLLBACK after a refused SELECT 1 or a refused COMMIT, `requires_rollback` set by a
+/// 40001 at the bypassed COMMIT), and what each request answers matches what committed.
+#[actix_web::test]
+async fn check_and_commit_leaves_the_only_connection_clean() {
+    let (db, _) = setup().await;
+    execute(
+        &db.url,
+        "CREATE TABLE accounts (id bigint PRIMARY KEY);
+         CREATE TABLE payment_accounts (
+             payment_id bigint NOT NULL,
+             account_id bigint NOT NULL REFERENCES accounts (id) DEFERRABLE INITIALLY DEFERRED
+         )",
+    );
+    let store = one_connection_store(&db).await;
+    let runs = Runs::default();
+    let app = app!(tx_middleware(&store), runs);
+    let cases = [
+        ("", "201"),
+        ("?swallow_error=true", "COMMIT_FAILED"),
+        ("?account=42", "COMMIT_FAILED"),
+        ("?savepoint_error=true", "201"),
+        ("?abandon_failing=true", "COMMIT_FAILED"),
+        ("?swallow_row_error=true", "COMMIT_FAILED"),
+        ("?open_savepoint=true", "COMMIT_FAILED"),
+        ("?status=400", "400"),
+        ("", "201"),
+    ];
+    let mut committed = 0;
+    for (query, expected) in cases {
+        let answer = call(&app, post(None, query, serde_json::json!({"amount": 1}))).await;
+        let got = match answer.body.get("code") {
+            Some(code) => code.as_str().unwrap().to_owned(),
+            None => answer.status.as_u16().to_string(),
+        };
+        assert_eq!(got, expected, "{query}: {}", answer.body);
+        if expected == "201" {
+            committed += 1;
+        }
+        assert_eq!(payments(&db), committed, "{query}");
+    }
+    // The one connection is still idle, outside a transaction, in the server's view.
+    assert_eq!(
+        count(
+            &db.url,
+            "SELECT count(*) AS n FROM pg_stat_activity WHERE datname = current_database() \
+             AND state <> 'idle' AND pid <> pg_backend_pid()"
+        ),
+        0
+    );
+}

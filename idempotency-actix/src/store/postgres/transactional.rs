@@ -17,8 +17,10 @@
 //! advisory lock that keeps it non-blocking are in the third migration; `docs/sql.md`
 //! ("Transactional claim") has the race-freedom argument.
 
+use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Duration;
 
 use diesel::connection::{
@@ -270,10 +272,30 @@ pub(crate) async fn check_and_commit(
                 .on_connection_event(InstrumentationEvent::commit_transaction(depth));
         }));
     }
-    let batch = conn.batch_execute("SELECT 1; COMMIT");
-    let committed = match store.query_timeout {
-        None => Ok(batch.await),
-        Some(limit) => tokio::time::timeout(limit, batch).await,
+    let committed = {
+        let mut batch = std::pin::pin!(conn.batch_execute("SELECT 1; COMMIT"));
+        // The first poll hands the query to the connection's task. An error then means it
+        // never left: the session was already gone (PostgreSQL ended it while the handler was
+        // idle, say at `idle_in_transaction_session_timeout`), and nothing can have committed.
+        let first = std::future::poll_fn(|cx| Poll::Ready(batch.as_mut().poll(cx))).await;
+        match first {
+            Poll::Ready(Err(error)) => Err(error),
+            Poll::Ready(Ok(())) => Ok(Ok(Ok(()))),
+            Poll::Pending => Ok(match store.query_timeout {
+                None => Ok(batch.await),
+                Some(limit) => tokio::time::timeout(limit, batch).await,
+            }),
+        }
+    };
+    let committed = match committed {
+        Ok(answered) => answered,
+        Err(never_sent) => {
+            rollback(store, conn).await;
+            return Err(CommitError::RolledBack {
+                serialization: false,
+                error: never_sent,
+            });
+        }
     };
     match committed {
         Ok(Ok(())) => {
