@@ -73,6 +73,26 @@ fn waiting_on_default(mode: &str) -> String {
     )
 }
 
+/// A scope of key `key` on `POST /payments` of tenant `t`.
+fn payment(key: &str) -> Scope {
+    Scope {
+        tenant: "t".into(),
+        method: "POST".into(),
+        path: "/payments".into(),
+        key: key.into(),
+    }
+}
+
+/// A retry of `scope` replays the stored "charged once".
+async fn assert_replays(store: &PostgresStore, scope: &Scope, fp: &Fingerprint) {
+    match store.reserve(scope, fp, Duration::from_secs(60)).await {
+        Ok(ReserveOutcome::Completed { response, .. }) => {
+            assert_eq!(&response.body[..], b"charged once")
+        }
+        other => panic!("the retry of a completed request is not replayed: {other:?}"),
+    }
+}
+
 /// docs/operations.md: "A missing partition never fails a request: the row goes to the default
 /// partition"; docs/sql.md: "a DEFAULT partition takes every row no range partition covers ...
 /// so an insert never fails for want of a partition".
@@ -97,12 +117,7 @@ async fn a_complete_racing_the_attach_of_its_range_is_not_failed() {
     // The migration made today's partition and three ahead: a response expiring in 4 days
     // (day D+4) has no partition yet.
     let store = PostgresStore::connect(&db.url).await.unwrap();
-    let scope = Scope {
-        tenant: "t".into(),
-        method: "POST".into(),
-        path: "/payments".into(),
-        key: "attach-race".into(),
-    };
+    let scope = payment("attach-race");
     let fp = Fingerprint::of_request("POST", "/payments", "", true, b"{}");
     let ReserveOutcome::Reserved { token } = store
         .reserve(&scope, &fp, Duration::from_secs(60))
@@ -175,16 +190,7 @@ async fn a_complete_racing_the_attach_of_its_range_is_not_failed() {
         matches!(completed, Ok(WriteOutcome::Applied)),
         "a complete failed for want of a partition: {completed:?}"
     );
-    match store
-        .reserve(&scope, &fp, Duration::from_secs(60))
-        .await
-        .unwrap()
-    {
-        ReserveOutcome::Completed { response, .. } => {
-            assert_eq!(&response.body[..], b"charged once")
-        }
-        other => panic!("the response was not stored: {other:?}"),
-    }
+    assert_replays(&store, &scope, &fp).await;
 }
 
 /// The first four migrations, as a release from before the partitioned layout applied them
@@ -293,21 +299,8 @@ async fn migrating_to_the_partitioned_layout_never_drops_a_stored_response() {
         text(&migrated)
     );
     let store = PostgresStore::connect(&db.url).await.unwrap();
-    let scope = Scope {
-        tenant: "t".into(),
-        method: "POST".into(),
-        path: "/payments".into(),
-        key: "pay-1".into(),
-    };
-    let retry = store
-        .reserve(&scope, &Fingerprint([7; 32]), Duration::from_secs(60))
-        .await;
-    match retry {
-        Ok(ReserveOutcome::Completed { response, .. }) => {
-            assert_eq!(&response.body[..], b"charged once")
-        }
-        other => panic!("the retry of a completed request is not replayed: {other:?}"),
-    }
+    let scope = payment("pay-1");
+    assert_replays(&store, &scope, &Fingerprint([7; 32])).await;
 }
 
 /// Every migration from 000005 on, newest first, with its diesel version: what
@@ -386,12 +379,7 @@ async fn reverting_the_partitioned_layout_is_refused_and_leaves_it_working() {
     );
 
     let store = PostgresStore::connect(&db.url).await.unwrap();
-    let scope = Scope {
-        tenant: "t".into(),
-        method: "POST".into(),
-        path: "/payments".into(),
-        key: "after-redo".into(),
-    };
+    let scope = payment("after-redo");
     let fp = Fingerprint([7; 32]);
     let ReserveOutcome::Reserved { token } = store
         .reserve(&scope, &fp, Duration::from_secs(60))
@@ -412,10 +400,5 @@ async fn reverting_the_partitioned_layout_is_refused_and_leaves_it_working() {
         matches!(completed, Ok(WriteOutcome::Applied)),
         "{completed:?}"
     );
-    match store.reserve(&scope, &fp, Duration::from_secs(60)).await {
-        Ok(ReserveOutcome::Completed { response, .. }) => {
-            assert_eq!(&response.body[..], b"charged once")
-        }
-        other => panic!("the retry of a completed request is not replayed: {other:?}"),
-    }
+    assert_replays(&store, &scope, &fp).await;
 }

@@ -276,6 +276,17 @@ where
     .await
 }
 
+/// A problem answer of `code` (503 for both commit codes): never the handler's response.
+fn assert_problem(answer: &Answer, code: &str, what: &str) {
+    assert_eq!(
+        answer.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{what}: {}",
+        answer.body
+    );
+    assert_eq!(answer.body["code"], code, "{what}: {}", answer.body);
+}
+
 /// Nothing of a rolled-back request is left: `payments_left` rows in all, no record of `key`.
 fn assert_nothing_kept(db: &TestDb, key: &str, payments_left: i64) {
     assert_eq!(
@@ -610,13 +621,7 @@ async fn a_session_that_dies_during_commit_is_an_unknown_outcome() {
     let app = app!(tx_middleware(&store), runs);
     for key in [Some("d1"), None] {
         let died = call(&app, post(key, "", serde_json::json!({"amount": 666}))).await;
-        assert_eq!(
-            died.status,
-            StatusCode::SERVICE_UNAVAILABLE,
-            "{}",
-            died.body
-        );
-        assert_eq!(died.body["code"], "COMMIT_OUTCOME_UNKNOWN", "{}", died.body);
+        assert_problem(&died, "COMMIT_OUTCOME_UNKNOWN", &format!("{key:?}"));
         let refused = call(&app, post(key, "", serde_json::json!({"amount": 667}))).await;
         assert_eq!(
             refused.status,
@@ -869,13 +874,7 @@ async fn a_request_its_handler_kept_is_not_run_again_and_the_key_stays_free() {
     .await;
     let body = serde_json::json!({"amount": 1});
     let answer = call(&app, post(Some("h1"), "", body.clone())).await;
-    assert_eq!(
-        answer.status,
-        StatusCode::SERVICE_UNAVAILABLE,
-        "{}",
-        answer.body
-    );
-    assert_eq!(answer.body["code"], "COMMIT_FAILED", "{}", answer.body);
+    assert_problem(&answer, "COMMIT_FAILED", "answer");
     assert!(answer.retry_after);
     assert_eq!(runs.get(), 1, "not run again");
     assert_eq!(payments(&db), 0, "nothing committed");
@@ -1093,23 +1092,11 @@ async fn a_transaction_aborted_by_an_ignored_error_is_never_answered_as_done() {
         ),
     )
     .await;
-    assert_eq!(
-        keyless.status,
-        StatusCode::SERVICE_UNAVAILABLE,
-        "{}",
-        keyless.body
-    );
-    assert_eq!(keyless.body["code"], "COMMIT_FAILED", "{}", keyless.body);
+    assert_problem(&keyless, "COMMIT_FAILED", "keyless");
     assert_eq!(payments(&db), 0);
 
     let keyed = send(&app, "ab1", "?swallow_error=true", 1).await;
-    assert_eq!(
-        keyed.status,
-        StatusCode::SERVICE_UNAVAILABLE,
-        "{}",
-        keyed.body
-    );
-    assert_eq!(keyed.body["code"], "COMMIT_FAILED", "{}", keyed.body);
+    assert_problem(&keyed, "COMMIT_FAILED", "keyed");
     assert_nothing_kept(&db, "ab1", 0);
     let retry = send(&app, "ab1", "", 1).await;
     assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.body);
@@ -1136,13 +1123,7 @@ async fn a_transaction_aborted_by_an_ignored_error_is_never_answered_as_done() {
     // dropped, and the error of a row-returning statement (it comes in the row stream).
     for query in ["?abandon_failing=true", "?swallow_row_error=true"] {
         let unseen = call(&app, post(None, query, serde_json::json!({"amount": 1}))).await;
-        assert_eq!(
-            unseen.status,
-            StatusCode::SERVICE_UNAVAILABLE,
-            "{query}: {}",
-            unseen.body
-        );
-        assert_eq!(unseen.body["code"], "COMMIT_FAILED", "{}", unseen.body);
+        assert_problem(&unseen, "COMMIT_FAILED", query);
     }
     assert_eq!(payments(&db), 3);
 }
@@ -1167,13 +1148,7 @@ async fn an_ignored_error_is_seen_on_a_pool_the_app_built() {
     assert_eq!(first.status, StatusCode::CREATED, "{}", first.body);
     for query in ["?swallow_error=true", "?abandon_failing=true"] {
         let aborted = call(&app, post(None, query, serde_json::json!({"amount": 1}))).await;
-        assert_eq!(
-            aborted.status,
-            StatusCode::SERVICE_UNAVAILABLE,
-            "{query}: {}",
-            aborted.body
-        );
-        assert_eq!(aborted.body["code"], "COMMIT_FAILED", "{}", aborted.body);
+        assert_problem(&aborted, "COMMIT_FAILED", query);
     }
     assert_eq!(payments(&db), 1);
 }
@@ -1222,13 +1197,7 @@ async fn a_handler_with_its_own_instrumentation_is_still_checked() {
     .await;
     for key in [None, Some("oi1")] {
         let answer = call(&app, post(key, "", serde_json::json!({}))).await;
-        assert_eq!(
-            answer.status,
-            StatusCode::SERVICE_UNAVAILABLE,
-            "{key:?}: {}",
-            answer.body
-        );
-        assert_eq!(answer.body["code"], "COMMIT_FAILED", "{}", answer.body);
+        assert_problem(&answer, "COMMIT_FAILED", &format!("{key:?}"));
     }
     assert_eq!(payments(&db), 0);
 }
@@ -2016,13 +1985,7 @@ async fn a_session_ended_while_idle_is_a_known_rollback_for_a_keyless_request() 
     let app = app!(middleware, runs);
 
     let keyed = send(&app, "idle-keyed", "?sleep_ms=1200", 1).await;
-    assert_eq!(
-        keyed.status,
-        StatusCode::SERVICE_UNAVAILABLE,
-        "{}",
-        keyed.body
-    );
-    assert_eq!(keyed.body["code"], "COMMIT_FAILED", "{}", keyed.body);
+    assert_problem(&keyed, "COMMIT_FAILED", "keyed");
 
     let keyless = call(
         &app,
