@@ -13,8 +13,7 @@
 //!    stored with `complete` (keyed; refused in a transaction a failed statement aborted) and
 //!    committed, or (keyless) committed as `SELECT 1; COMMIT`, whose `SELECT 1` is refused in
 //!    an aborted transaction (PostgreSQL answers COMMIT of one with a rollback, not an error);
-//!    anything
-//!    else rolls back, and with it the handler's writes.
+//!    anything else rolls back, and with it the handler's writes.
 //!
 //! A failed COMMIT never answers the handler's response: the client gets `COMMIT_FAILED`
 //! (nothing was done, a retry with the same key is safe) or `COMMIT_OUTCOME_UNKNOWN` (the

@@ -333,10 +333,12 @@ pub(crate) async fn check_and_commit(
 /// finished once the server accepted it, and an error while it runs comes later, in its row
 /// stream; a statement whose future was dropped (a timeout around it) is never recorded as
 /// finished, and the server still runs it; and a handler may replace the connection's
-/// instrumentation, watch and all. So a keyless request is always checked ([`select_one`])
-/// before its COMMIT; a keyed one has its `complete` statement, which fails in an aborted
-/// transaction, and is checked first only when the watch saw something (for a clearer log). A failure rolled back to a savepoint (diesel's nested
-/// `transaction`) leaves the transaction usable, and the check says so.
+/// instrumentation, watch and all. So a keyless request is always checked, in its COMMIT's
+/// own round trip ([`check_and_commit`]); a keyed one has its `complete` statement, which fails
+/// in an aborted transaction, and is checked first ([`select_one`]) only when the watch saw
+/// something (for a clearer log). A failure rolled back to a savepoint (diesel's nested
+/// `transaction`) leaves the transaction usable, and the check says so. The watch also tells
+/// `retry_serialization_failures` about a handler statement's 40001.
 #[derive(Debug, Default)]
 pub(crate) struct StatementWatch {
     failed: AtomicBool,
