@@ -620,10 +620,9 @@ impl IdempotencyBuilder<crate::store::PostgresStore> {
     /// COMMIT, at the response's write, or at one of the handler's own statements that
     /// diesel-async reports on the connection (`execute`, `batch_execute`; not a row-returning
     /// statement's failure, which comes in its row stream and stays the handler's error; seen through
-    /// diesel instrumentation on the connection, which every transactional request has: the
-    /// store's own connections carry it next to diesel's default instrumentation; a connection
-    /// from a pool the app built gets it in place of that connection's own instrumentation,
-    /// forwarding to diesel's default one). Default 0: the client gets `COMMIT_FAILED` (or the
+    /// diesel instrumentation on the connection: the store's own connections carry it next to
+    /// diesel's default instrumentation; a connection from a pool the app built gets it in
+    /// place of that connection's own instrumentation, forwarding to diesel's default one). Default 0: the client gets `COMMIT_FAILED` (or the
     /// handler's own error) and retries itself, which is safe. A keyless request is not run
     /// again: it gets `COMMIT_FAILED` (nothing was done) and its client retries.
     ///

@@ -658,13 +658,12 @@ where
             report.outcome(outcome, status, scope);
         }
     };
-    // Watch every statement (the handler's too): a failed one may have aborted the
-    // transaction (checked before COMMIT), and with retries on a serialization failure re-runs
-    // the request. A handler's error comes back as a response holding the request (actix
-    // converts it), from which the request is run again; the request cannot be cloned
-    // beforehand (the router needs it unshared).
+    // With retries on: watch for a serialization failure on any statement (the handler's
+    // too). A handler's error comes back as a response holding the request (actix converts
+    // it), from which the request is run again; the request cannot be cloned beforehand (the
+    // router needs it unshared).
     let mut conn = conn;
-    let watch = sql::watch_statements(&mut conn);
+    let watch = may_retry.then(|| sql::watch_serialization_failures(&mut conn));
     let slot = Rc::new(TxSlot {
         conn: RefCell::new(Some(conn)),
     });
@@ -707,7 +706,7 @@ where
         }
     };
     let result = match result {
-        Ok(response) if may_retry && watch.serialization_failed() => {
+        Ok(response) if watch.as_ref().is_some_and(|w| w.serialization_failed()) => {
             // The transaction was aborted by a serialization failure (whatever the handler
             // answered): nothing of it can commit; run it again.
             sql::rollback(&tx.store, &mut conn).await;
@@ -794,24 +793,9 @@ where
     }
     // A statement that failed while the handler carried on aborts the transaction (unless
     // rolled back to a savepoint), and PostgreSQL would answer COMMIT with a rollback, without
-    // an error: the handler's response would go out for writes that never happened. Not every
-    // failure reaches the watch (see `StatementWatch`), and a handler may even replace the
-    // connection's instrumentation, watch and all: so a keyless request is always checked, in
-    // the COMMIT's own round trip (`check_and_commit`); a keyed one's `complete` below is its
-    // check, preceded by one more only when the watch saw something (a clearer log).
-    if record.is_some() && watch.may_be_aborted() {
-        if let Err(why) = sql::select_one(&tx.store, &mut conn).await {
-            sql::rollback(&tx.store, &mut conn).await;
-            tracing::error!(target: "idempotency_actix", outcome = "commit_failed", key = scope.map(|s| tracing::field::display(LogText(&s.key))), why, "a statement of this request failed and the handler carried on: the transaction was aborted, so nothing was committed; roll back to a savepoint (diesel's nested transaction) to recover from a failed statement");
-            return After::Answer(commit_failed(
-                flow,
-                http_req,
-                scope,
-                report,
-                "a statement of the request failed and aborted its transaction",
-            ));
-        }
-    }
+    // an error: the handler's response would go out for writes that never happened. A keyed
+    // request's `complete` below is refused then; a keyless one is checked in its COMMIT's own
+    // round trip (`check_and_commit`), whatever the handler did to the connection.
     if let Some((scope, token, opened)) = record {
         let stored = StoredResponse {
             status: status.as_u16(),

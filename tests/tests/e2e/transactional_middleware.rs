@@ -1129,9 +1129,8 @@ async fn a_transaction_aborted_by_an_ignored_error_is_never_answered_as_done() {
 }
 
 /// The same on a pool the app built (`PostgresStore::new`: its connections have no
-/// instrumentation of the store's): the watch is installed on the first request and pointed
-/// at each later request's own, so the second request's ignored failure on the same (only)
-/// connection is still seen.
+/// instrumentation of the store's), on its only connection, request after request: the check
+/// before a keyless COMMIT does not depend on what the connection observed.
 #[actix_web::test]
 async fn an_ignored_error_is_seen_on_a_pool_the_app_built() {
     let (db, _) = setup().await;

@@ -18,7 +18,7 @@
 //! ("Transactional claim") has the race-freedom argument.
 
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::Poll;
 use std::time::Duration;
@@ -322,78 +322,45 @@ pub(crate) async fn check_and_commit(
     }
 }
 
-/// What the statements of one transactional request ran into, seen through the connection's
-/// diesel instrumentation: statements started, finished, failed, and serialization failures
-/// (SQLSTATE 40001).
-///
-/// A failed statement outside a savepoint aborts the transaction, and PostgreSQL then answers
-/// COMMIT with a rollback, not an error: a handler that carried on after one would have its
-/// response sent as if its writes were committed. The instrumentation does not see every
-/// failure: a row-returning statement (diesel-async's `load`, `get_result`) is recorded as
-/// finished once the server accepted it, and an error while it runs comes later, in its row
-/// stream; a statement whose future was dropped (a timeout around it) is never recorded as
-/// finished, and the server still runs it; and a handler may replace the connection's
-/// instrumentation, watch and all. So a keyless request is always checked, in its COMMIT's
-/// own round trip ([`check_and_commit`]); a keyed one has its `complete` statement, which fails
-/// in an aborted transaction, and is checked first ([`select_one`]) only when the watch saw
-/// something (for a clearer log). A failure rolled back to a savepoint (diesel's nested
-/// `transaction`) leaves the transaction usable, and the check says so. The watch also tells
-/// `retry_serialization_failures` about a handler statement's 40001.
+/// Serialization failures (SQLSTATE 40001) on any statement of a transactional request that
+/// may be re-run (`retry_serialization_failures`), the handler's included, seen through the
+/// connection's diesel instrumentation. (A row-returning statement's failure comes in its row
+/// stream, not through the instrumentation: it stays the handler's error.)
 #[derive(Debug, Default)]
-pub(crate) struct StatementWatch {
-    failed: AtomicBool,
-    serialization: AtomicBool,
-    started: AtomicU64,
-    finished: AtomicU64,
+pub(crate) struct SerializationWatch {
+    seen: AtomicBool,
 }
 
-impl StatementWatch {
-    fn saw(&self, error: &DieselError) {
-        self.failed.store(true, Ordering::Relaxed);
-        if is_serialization_failure(error) {
-            self.serialization.store(true, Ordering::Relaxed);
-        }
-    }
-
-    /// Count a statement's start and finish, and note its error, if it failed.
+impl SerializationWatch {
+    /// Note a finished statement's serialization failure.
     pub(super) fn on_event(&self, event: &InstrumentationEvent<'_>) {
-        match event {
-            InstrumentationEvent::StartQuery { .. } => {
-                self.started.fetch_add(1, Ordering::Relaxed);
+        if let InstrumentationEvent::FinishQuery {
+            error: Some(error), ..
+        } = event
+        {
+            if is_serialization_failure(error) {
+                self.seen.store(true, Ordering::Relaxed);
             }
-            InstrumentationEvent::FinishQuery { error, .. } => {
-                self.finished.fetch_add(1, Ordering::Relaxed);
-                if let Some(error) = error {
-                    self.saw(error);
-                }
-            }
-            _ => {}
         }
-    }
-
-    /// Whether the watch saw a sign of an aborted transaction since it was set: a statement
-    /// failed, or one started and was never seen to finish. (Not every abort shows: see the
-    /// type's docs.)
-    pub(crate) fn may_be_aborted(&self) -> bool {
-        self.failed.load(Ordering::Relaxed)
-            || self.started.load(Ordering::Relaxed) != self.finished.load(Ordering::Relaxed)
     }
 
     /// Whether a statement failed with a serialization failure since the watch was set.
     pub(crate) fn serialization_failed(&self) -> bool {
-        self.serialization.load(Ordering::Relaxed)
+        self.seen.load(Ordering::Relaxed)
     }
 }
 
-/// Watch the statements of the request that now holds `conn` (the handler's included). The
+/// Watch the statements of the request that now holds `conn` for serialization failures. The
 /// store's own connections carry the watch in their [`lifetime`] instrumentation, which keeps
 /// their deadline and diesel's default instrumentation. A connection from a pool the app built
 /// gets a [`WatchOnly`] the first time (it forwards to a new instance of diesel's default
 /// instrumentation, as [`lifetime`] does; an instrumentation the app set on that connection
 /// itself is replaced), which later requests point at their own watch.
-pub(crate) fn watch_statements(conn: &mut AsyncPgConnection) -> Arc<StatementWatch> {
-    let watch = Arc::new(StatementWatch::default());
-    if lifetime::watch_statements(conn, Arc::clone(&watch)) {
+pub(crate) fn watch_serialization_failures(
+    conn: &mut AsyncPgConnection,
+) -> Arc<SerializationWatch> {
+    let watch = Arc::new(SerializationWatch::default());
+    if lifetime::watch_serialization_failures(conn, Arc::clone(&watch)) {
         return watch;
     }
     // As in `lifetime`: no query future of this connection is alive here.
@@ -418,7 +385,7 @@ pub(crate) fn watch_statements(conn: &mut AsyncPgConnection) -> Arc<StatementWat
 
 /// The statement watch on a connection without a [`lifetime`] instrumentation.
 struct WatchOnly {
-    watch: Arc<StatementWatch>,
+    watch: Arc<SerializationWatch>,
     forward: Option<Box<dyn Instrumentation>>,
 }
 
@@ -431,11 +398,8 @@ impl Instrumentation for WatchOnly {
     }
 }
 
-/// Whether the session answers a `SELECT 1`, within the store's query timeout. Two uses:
-/// before COMMIT, after a statement of the request failed, it says whether the transaction can
-/// still commit (PostgreSQL refuses it, 25P02, in an aborted transaction; any error means
-/// nothing can be committed, since no COMMIT has been sent); after a COMMIT the server refused,
-/// it says whether the session survived the refusal.
+/// Whether the session answers a `SELECT 1`, within the store's query timeout: after a COMMIT
+/// the server refused, whether the session survived the refusal (see `commit_error`).
 pub(crate) async fn select_one(
     store: &PostgresStore,
     conn: &mut AsyncPgConnection,
