@@ -4,6 +4,8 @@
 //! never a panic, never the password.
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -14,7 +16,7 @@ use idempotency_actix::store::{
     Fingerprint, IdempotencyStore, ReservationToken, ReserveOutcome, Scope, StoreError,
     StoredResponse, WriteOutcome,
 };
-use idempotency_e2e::proxy::{at_local_port, delaying_proxy, Hold, PgProxy};
+use idempotency_e2e::proxy::{at_local_port, delaying_proxy, host_port, Hold, PgProxy};
 use idempotency_e2e::{eventually, TestDb};
 
 const FP: Fingerprint = Fingerprint([9; 32]);
@@ -1289,5 +1291,74 @@ async fn a_reserve_the_server_refused_starts_no_background_statements() {
         background, 0,
         "{REQUESTS} reserves the server refused (nothing written) made {background} more \
          round trips to the read-only database in the next 2 s, and go on for the lease ({LEASE:?})"
+    );
+}
+
+/// A listener that holds every connection it accepts without a word while `hang` is set (a
+/// database host that accepts TCP and then stalls: a frozen server, a half-failed-over
+/// address), and forwards to `upstream` once it is cleared. Returns its port.
+async fn stalling_listener(upstream: String, hang: Arc<AtomicBool>) -> u16 {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((mut client, _)) = listener.accept().await {
+            if AtomicBool::load(&hang, Ordering::SeqCst) {
+                held.push(client);
+                continue;
+            }
+            let upstream = upstream.clone();
+            tokio::spawn(async move {
+                if let Ok(mut server) = tokio::net::TcpStream::connect(&upstream).await {
+                    let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                }
+            });
+        }
+    });
+    port
+}
+
+/// bb8 waits for a new connection without a deadline of its own, and a pool slot stays taken
+/// while it waits: a connection attempt that stalls (the server accepted TCP, then nothing)
+/// must give up within the connection timeout, or a pool of one would answer 503 for as long
+/// as the stalled attempt lasts (the kernel's TCP timeouts: many minutes), even after the
+/// database is back.
+#[tokio::test]
+async fn a_stalled_connection_attempt_does_not_keep_its_pool_slot() {
+    let db = TestDb::new().await;
+    let hang = Arc::new(AtomicBool::new(true));
+    let port = stalling_listener(host_port(&db.url), Arc::clone(&hang)).await;
+    let store = PostgresStore::builder(at_local_port(&db.url, port))
+        .max_size(1)
+        .connection_timeout(Duration::from_millis(300))
+        .build()
+        .await
+        .unwrap();
+    match store.reserve(&scope("stalled"), &FP, LEASE).await {
+        Err(StoreError::Unavailable(_)) => {}
+        other => panic!("expected unavailable while the server stalls, got {other:?}"),
+    }
+    // The server is back; the stalled attempt never ends by itself.
+    hang.store(false, Ordering::SeqCst);
+    let started = Instant::now();
+    let recovered = eventually(Duration::from_secs(10), || {
+        let store = store.clone();
+        async move {
+            matches!(
+                store.reserve(&scope("stalled"), &FP, LEASE).await,
+                Ok(ReserveOutcome::Reserved { .. })
+            )
+        }
+    })
+    .await;
+    assert!(
+        recovered,
+        "the pool never recovered: its only slot stayed with the stalled attempt ({:?})",
+        store.pool().state()
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "recovery took {:?}",
+        started.elapsed()
     );
 }

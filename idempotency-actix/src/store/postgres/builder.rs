@@ -79,6 +79,10 @@ impl PostgresStoreBuilder {
     /// Failing within seconds gives it a 503 with `Retry-After` instead. Raise it only if
     /// opening a connection legitimately takes longer (a TLS handshake across regions, or a
     /// pool that is routinely exhausted).
+    ///
+    /// It also bounds each attempt to open a connection: bb8 waits for one without a deadline
+    /// and keeps a pool slot for it meanwhile, so an attempt stalled by a silent server would
+    /// keep the slot for minutes, past the database's return.
     pub fn connection_timeout(mut self, timeout: Duration) -> Self {
         self.connection_timeout = timeout.max(Duration::from_millis(1));
         self
@@ -238,7 +242,12 @@ impl PostgresStoreBuilder {
             let make = move || {
                 settings
                     .pool_builder(size, settings.min_idle, &sink)
-                    .build_unchecked(manager_for(target.clone(), &url, Some(settings.lifetime())))
+                    .build_unchecked(manager_for(
+                        target.clone(),
+                        &url,
+                        settings.connection_timeout,
+                        Some(settings.lifetime()),
+                    ))
             };
             Arc::new(PoolPerThread::new(size, Box::new(make)))
         });
@@ -248,7 +257,12 @@ impl PostgresStoreBuilder {
         let cancel_with = Some(Arc::new(target.clone()));
         let pool = self
             .pool_builder(self.max_size, min_idle, &last_connect_error)
-            .build_unchecked(manager_for(target, &self.url, Some(self.lifetime())));
+            .build_unchecked(manager_for(
+                target,
+                &self.url,
+                self.connection_timeout,
+                Some(self.lifetime()),
+            ));
         Ok(PostgresStore {
             pool,
             pool_per_thread,
@@ -289,7 +303,10 @@ impl PostgresStoreBuilder {
 
 /// A bb8 connection manager for `url` with the same TLS handling as [`PostgresStore::connect`]
 /// (see [`PostgresStore::connect`] for `sslmode`) and a checkout check that costs no round trip
-/// (without the builder's per-connection lifetimes: see [`PostgresStoreBuilder::max_lifetime`]). For apps
+/// (without the builder's per-connection lifetimes: see [`PostgresStoreBuilder::max_lifetime`]).
+/// Each connection attempt gives up after 30 s, bb8's default connection timeout (the
+/// builder's pools use their [`connection_timeout`](PostgresStoreBuilder::connection_timeout)):
+/// bb8 itself waits for an attempt without a deadline, keeping a pool slot for it. For apps
 /// that build their own pool (to share it, or to tune bb8 beyond the builder) and then call
 /// [`PostgresStore::new`]:
 ///
@@ -311,14 +328,26 @@ pub fn connection_manager(
     url: &str,
 ) -> Result<AsyncDieselConnectionManager<AsyncPgConnection>, StoreError> {
     let target = ConnectTarget::parse(url, None).map_err(|e| StoreError::Backend(Box::new(e)))?;
-    Ok(manager_for(target, url, None))
+    Ok(manager_for(target, url, SHARED_MANAGER_CONNECT_TIMEOUT, None))
 }
+
+/// How long one connection attempt of a [`connection_manager`] may take: bb8's default
+/// `connection_timeout`, since the pool it will serve (and its own timeout) is the app's.
+const SHARED_MANAGER_CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The manager of [`connection_manager`]; with `max_lifetime`, each connection also gets its
 /// own deadline within it (`lifetime.rs`), for a pool whose bb8 `max_lifetime` is the same.
+///
+/// Each attempt (TCP, TLS, startup, diesel-async's session setup) must finish within
+/// `connect_within`: bb8 awaits a new connection without a deadline of its own and keeps a
+/// pool slot for it meanwhile, so an attempt that stalls (a server that accepted TCP and went
+/// silent, packets dropped during a failover) would keep its slot for as long as the kernel's
+/// TCP timeouts allow, many minutes, and a small pool would answer 503 all along, even after
+/// the database is back.
 fn manager_for(
     target: ConnectTarget,
     url: &str,
+    connect_within: Duration,
     max_lifetime: Option<Duration>,
 ) -> AsyncDieselConnectionManager<AsyncPgConnection> {
     let target = Arc::new(target);
@@ -326,7 +355,14 @@ fn manager_for(
     config.custom_setup = Box::new(move |_url| {
         let target = Arc::clone(&target);
         async move {
-            let mut conn = target.connect().await?;
+            let mut conn = tokio::time::timeout(connect_within, target.connect())
+                .await
+                .map_err(|_| {
+                    diesel::ConnectionError::BadConnection(format!(
+                        "connecting took longer than {} ms",
+                        connect_within.as_millis()
+                    ))
+                })??;
             if let Some(max_lifetime) = max_lifetime {
                 lifetime::give(&mut conn, max_lifetime);
             }
