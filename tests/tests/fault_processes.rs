@@ -118,8 +118,10 @@ fn database_restart_under_load_with(extra_env: &[(&str, &str)]) {
         // Exactly once per key, and every execution's response reached the client: including
         // the keys whose response could not be stored while the database was down.
         assert_eq!(
-            executions, 1,
-            "key {key}: {executions} executions ({seen:?})"
+            executions,
+            1,
+            "key {key}: {executions} executions ({seen:?}); the app's lines for it:\n{}",
+            lines_about(&log, &key)
         );
         assert_eq!(fresh, 1, "key {key}: {fresh} fresh responses ({seen:?})");
     }
@@ -142,6 +144,19 @@ fn database_restart_under_load_with(extra_env: &[(&str, &str)]) {
         stored_late,
         unstored.len(),
     );
+}
+
+/// The app's log lines that carry `key=<key>` (every keyed request's span does), so a failure
+/// says what the app did for the key in question.
+fn lines_about(log: &str, key: &str) -> String {
+    let field = format!("key={key}");
+    log.lines()
+        .filter(|l| {
+            l.split(|c: char| c.is_whitespace() || c == '{' || c == '}' || c == ':')
+                .any(|word| word == field)
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 /// SIGKILL while a handler runs: a retry inside the lease gets 409; after the lease one retry

@@ -735,9 +735,12 @@ where
                         // Taken over, or an earlier attempt that "failed" had been applied
                         // (its reply lost): the store cannot tell them apart after completion.
                         outcome::complete_retry("stale", name);
+                        tracing::warn!(target: "idempotency_actix", outcome = "stale", "gave up storing the response: the key was taken over (or the response stored by an attempt whose answer was lost)");
                         return;
                     }
-                    Err(_) => {}
+                    Err(error) => {
+                        tracing::debug!(target: "idempotency_actix", outcome = "store_error", %error, "storing the response failed again; retrying until the lease ends");
+                    }
                 }
             }
             outcome::complete_retry("given_up", name);

@@ -328,7 +328,12 @@ pub fn connection_manager(
     url: &str,
 ) -> Result<AsyncDieselConnectionManager<AsyncPgConnection>, StoreError> {
     let target = ConnectTarget::parse(url, None).map_err(|e| StoreError::Backend(Box::new(e)))?;
-    Ok(manager_for(target, url, SHARED_MANAGER_CONNECT_TIMEOUT, None))
+    Ok(manager_for(
+        target,
+        url,
+        SHARED_MANAGER_CONNECT_TIMEOUT,
+        None,
+    ))
 }
 
 /// How long one connection attempt of a [`connection_manager`] may take: bb8's default
