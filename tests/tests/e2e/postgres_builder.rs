@@ -1362,3 +1362,67 @@ async fn a_stalled_connection_attempt_does_not_keep_its_pool_slot() {
         started.elapsed()
     );
 }
+
+/// Background releases are bounded per store (four per pool connection). Each one is a task
+/// that sends about twenty statements over two leases, each through a pool connection; during
+/// a brownout every timed-out reserve would start one, and a busy service would multiply its
+/// failing requests into many more statements against the database that is already failing.
+/// Past the bound, a reservation that a failed reserve may have made is left to its lease
+/// (its retry told 409 until then), as before background releases existed.
+#[tokio::test]
+async fn background_releases_are_bounded_per_store() {
+    let db = TestDb::new().await;
+    let upstream = host_port(&db.url);
+    let (port, armed) = delaying_proxy(
+        upstream,
+        Hold::Answer,
+        b"reserved",
+        Duration::from_millis(700),
+    )
+    .await;
+    let url = at_local_port(&db.url, port);
+    let store = PostgresStore::builder(url.as_str())
+        .max_size(1)
+        .query_timeout(Some(Duration::from_millis(200)))
+        .build()
+        .await
+        .unwrap();
+    store.reserve(&scope("warm"), &FP, LEASE).await.unwrap();
+    // Fill the four slots: reserves that time out behind a table lock. Their cancels stop them,
+    // so their releases find nothing and keep trying for two leases (two minutes).
+    let mut blocker = postgres::establish(&db.url).await.unwrap();
+    blocker
+        .batch_execute("BEGIN; LOCK TABLE idempotency_keys IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    for i in 0..4 {
+        match store
+            .reserve(&scope(&format!("blocked-{i}")), &FP, LEASE)
+            .await
+        {
+            Err(StoreError::Unavailable(_)) => {}
+            other => panic!("expected Unavailable behind the lock, got {other:?}"),
+        }
+    }
+    blocker.batch_execute("COMMIT").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let blocked_rows = idempotency_e2e::records::count(
+        &db.url,
+        "SELECT count(*) AS n FROM idempotency_keys WHERE idempotency_key LIKE 'blocked-%'",
+    );
+    assert_eq!(blocked_rows, 0, "a cancelled reserve took effect");
+    // A fifth failure, whose reservation did commit (its answer came too late): no slot left.
+    AtomicBool::store(&armed, true, Ordering::SeqCst);
+    match store.reserve(&scope("unreleased"), &FP, LEASE).await {
+        Err(StoreError::Unavailable(_)) => {}
+        other => panic!("expected Unavailable (the answer came too late), got {other:?}"),
+    }
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    match store.reserve(&scope("unreleased"), &FP, LEASE).await {
+        Ok(ReserveOutcome::InFlight { .. }) => {}
+        other => panic!(
+            "expected the orphan left to its lease (four background releases already \
+             pending), got {other:?}"
+        ),
+    }
+}

@@ -14,6 +14,7 @@ use futures_util::FutureExt;
 use super::lifetime::{self, Retired};
 use super::per_thread::PoolPerThread;
 use super::pool::LastErrorSink;
+use super::store::release_slots;
 use super::tls::ConnectTarget;
 use super::{redact, PostgresStore};
 use crate::store::StoreError;
@@ -272,6 +273,7 @@ impl PostgresStoreBuilder {
             purge_batch: self.purge_batch,
             replay_fast_path: self.replay_fast_path,
             cancel_with,
+            release_slots: release_slots(self.max_size),
         })
     }
 }

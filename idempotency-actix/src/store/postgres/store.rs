@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use diesel_async::{AnsiTransactionManager, AsyncPgConnection, TransactionManager};
+use tokio::sync::Semaphore;
 
 use super::admin::PurgeFilter;
 use super::error::{self, classify_query_error, not_provisioned, table_exists};
@@ -47,6 +48,27 @@ pub struct PostgresStore {
     /// How to reach the server for a cancel request (`None` for a store over an app's own
     /// pool, whose TLS settings the store does not know).
     pub(super) cancel_with: Option<Arc<ConnectTarget>>,
+    /// Slots for background releases ([`Self::release_later`]), shared by clones.
+    pub(super) release_slots: Arc<Semaphore>,
+}
+
+/// Background releases one store keeps going at once, per connection of its pool. Each is a
+/// task that sends about twenty statements over two leases, each through a pool connection:
+/// during a brownout every timed-out reserve starts one, and without a bound a busy service
+/// would multiply its failing requests into many more statements against the database that is
+/// already failing. Four per connection keeps them a small share of the pool. Past the bound a
+/// reservation that a failed reserve may have made ends with its lease (its retry is told 409
+/// until then), as before background releases existed; nothing runs twice.
+const RELEASE_SLOTS_PER_CONNECTION: usize = 4;
+
+/// The [`PostgresStore::release_slots`] of a store whose pool has `max_size` connections.
+pub(super) fn release_slots(max_size: u32) -> Arc<Semaphore> {
+    let connections = usize::try_from(max_size).unwrap_or(usize::MAX).max(1);
+    Arc::new(Semaphore::new(
+        connections
+            .saturating_mul(RELEASE_SLOTS_PER_CONNECTION)
+            .min(Semaphore::MAX_PERMITS),
+    ))
 }
 
 impl std::fmt::Debug for PostgresStore {
@@ -75,6 +97,7 @@ impl PostgresStore {
         Self {
             connection_timeout: pool.config().connection_timeout,
             query_timeout: Some(DEFAULT_QUERY_TIMEOUT),
+            release_slots: release_slots(pool.config().max_size),
             pool,
             pool_per_thread: None,
             last_connect_error: Arc::new(Mutex::new(None)),
@@ -236,12 +259,19 @@ impl PostgresStore {
     /// every eighth of a lease, the last try at the end: an orphan is freed within an eighth
     /// of a lease of its commit, for about two dozen statements per failure (only reserves
     /// whose outcome is unknown: no answer in time, the connection lost).
+    ///
+    /// At most [`RELEASE_SLOTS_PER_CONNECTION`] per pool connection run at once.
     fn release_later(&self, scope: &Scope, token: ReservationToken, lease: Duration) {
+        let Ok(slot) = Arc::clone(&self.release_slots).try_acquire_owned() else {
+            tracing::warn!(key = %LogText(&scope.key), "too many background releases pending: a reservation this failed reserve may have made is left to its lease");
+            return;
+        };
         let store = self.clone();
         let scope = scope.clone();
         let until = saturating_deadline(Instant::now(), lease.saturating_mul(2));
         let longest = (lease / 8).max(Duration::from_millis(100));
         tokio::spawn(async move {
+            let _slot = slot;
             let mut pause = Duration::from_millis(100);
             loop {
                 tokio::time::sleep(pause).await;
