@@ -81,7 +81,8 @@ impl PostgresStoreBuilder {
     /// opening a connection legitimately takes longer (a TLS handshake across regions, or a
     /// pool that is routinely exhausted).
     ///
-    /// It also bounds each attempt to open a connection: bb8 waits for one without a deadline
+    /// It also bounds each attempt to open a connection (never below 5 s, so a short timeout
+    /// does not keep a slow link from ever connecting): bb8 waits for one without a deadline
     /// and keeps a pool slot for it meanwhile, so an attempt stalled by a silent server would
     /// keep the slot for minutes, past the database's return.
     pub fn connection_timeout(mut self, timeout: Duration) -> Self {
@@ -246,7 +247,7 @@ impl PostgresStoreBuilder {
                     .build_unchecked(manager_for(
                         target.clone(),
                         &url,
-                        settings.connection_timeout,
+                        settings.connect_attempt_limit(),
                         Some(settings.lifetime()),
                     ))
             };
@@ -261,7 +262,7 @@ impl PostgresStoreBuilder {
             .build_unchecked(manager_for(
                 target,
                 &self.url,
-                self.connection_timeout,
+                self.connect_attempt_limit(),
                 Some(self.lifetime()),
             ));
         Ok(PostgresStore {
@@ -294,6 +295,14 @@ impl PostgresStoreBuilder {
             .connection_customizer(Box::new(LastErrorSink(Arc::clone(last_connect_error))))
             .idle_timeout(self.idle_timeout.or(Some(Duration::from_secs(600))))
             .max_lifetime(self.lifetime())
+    }
+
+    /// How long one attempt to open a connection may take: the connection timeout, but never
+    /// less than [`MIN_CONNECT_ATTEMPT`], so that a short timeout (set for quick 503s while
+    /// the pool is exhausted) does not keep a slow but healthy connection from ever opening
+    /// (bb8 lets an attempt run on after the request that started it gave up).
+    fn connect_attempt_limit(&self) -> Duration {
+        self.connection_timeout.max(MIN_CONNECT_ATTEMPT)
     }
 
     /// The connections' lifetime: the one set, or bb8's default (30 minutes), which the
@@ -337,6 +346,10 @@ pub fn connection_manager(
         None,
     ))
 }
+
+/// The least time a connection attempt of the builder's pools is given: enough for TCP, TLS,
+/// authentication and session setup across a long link (about seven round trips).
+const MIN_CONNECT_ATTEMPT: Duration = Duration::from_secs(5);
 
 /// How long one connection attempt of a [`connection_manager`] may take: bb8's default
 /// `connection_timeout`, since the pool it will serve (and its own timeout) is the app's.
