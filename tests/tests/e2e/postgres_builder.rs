@@ -1136,6 +1136,28 @@ async fn connections_opened_together_are_not_closed_together() {
     );
 }
 
+/// A store of one connection with a 200 ms query timeout, reaching `db` through a proxy that,
+/// once the returned flag is set, holds back the next answer of a reserve that made a
+/// reservation for 700 ms (it commits; its answer comes too late). Warmed (statements
+/// prepared).
+async fn store_whose_reserve_answers_late(db: &TestDb) -> (PostgresStore, Arc<AtomicBool>) {
+    let (port, armed) = delaying_proxy(
+        host_port(&db.url),
+        Hold::Answer,
+        b"reserved",
+        Duration::from_millis(700),
+    )
+    .await;
+    let store = PostgresStore::builder(at_local_port(&db.url, port))
+        .max_size(1)
+        .query_timeout(Some(Duration::from_millis(200)))
+        .build()
+        .await
+        .unwrap();
+    store.reserve(&scope("warm"), &FP, LEASE).await.unwrap();
+    (store, armed)
+}
+
 /// Found by review (2026-12-04): a reserve whose reply arrives after `query_timeout` has run on
 /// the server. The store answers `Unavailable` (the middleware: 503 "the request was not
 /// processed, retry later") and sends a cancel, which finds nothing left to cancel: the
@@ -1145,24 +1167,9 @@ async fn connections_opened_together_are_not_closed_together() {
 #[tokio::test]
 async fn a_reserve_answered_after_the_timeout_does_not_leave_the_key_held_by_nobody() {
     let db = TestDb::new().await;
-    let upstream = idempotency_e2e::proxy::host_port(&db.url);
-    let (port, armed) = delaying_proxy(
-        upstream,
-        Hold::Answer,
-        b"reserved",
-        Duration::from_millis(700),
-    )
-    .await;
-    let url = at_local_port(&db.url, port);
-    let store = PostgresStore::builder(url.as_str())
-        .max_size(1)
-        .query_timeout(Some(Duration::from_millis(200)))
-        .build()
-        .await
-        .unwrap();
-    // Warm the connection (prepared statements), then hold back the next reserve's answer.
-    store.reserve(&scope("warm"), &FP, LEASE).await.unwrap();
-    std::sync::atomic::AtomicBool::store(&armed, true, std::sync::atomic::Ordering::SeqCst);
+    let (store, armed) = store_whose_reserve_answers_late(&db).await;
+    // Hold back the next reserve's answer.
+    AtomicBool::store(&armed, true, Ordering::SeqCst);
     match store.reserve(&scope("late"), &FP, LEASE).await {
         Err(StoreError::Unavailable(_)) => {}
         other => panic!("expected Unavailable (the answer came too late), got {other:?}"),
@@ -1215,7 +1222,7 @@ async fn a_reserve_that_commits_late_is_released_in_the_background() {
         .reserve(&scope("warm"), &FP, SHORT_LEASE)
         .await
         .unwrap();
-    std::sync::atomic::AtomicBool::store(&armed, true, std::sync::atomic::Ordering::SeqCst);
+    AtomicBool::store(&armed, true, Ordering::SeqCst);
     let sent = Instant::now();
     match store
         .reserve(&scope("late-inbound"), &FP, SHORT_LEASE)
@@ -1373,22 +1380,7 @@ async fn a_stalled_connection_attempt_does_not_keep_its_pool_slot() {
 #[tokio::test]
 async fn background_releases_are_bounded_per_store() {
     let db = TestDb::new().await;
-    let upstream = host_port(&db.url);
-    let (port, armed) = delaying_proxy(
-        upstream,
-        Hold::Answer,
-        b"reserved",
-        Duration::from_millis(700),
-    )
-    .await;
-    let url = at_local_port(&db.url, port);
-    let store = PostgresStore::builder(url.as_str())
-        .max_size(1)
-        .query_timeout(Some(Duration::from_millis(200)))
-        .build()
-        .await
-        .unwrap();
-    store.reserve(&scope("warm"), &FP, LEASE).await.unwrap();
+    let (store, armed) = store_whose_reserve_answers_late(&db).await;
     // Fill the four slots: reserves that time out behind a table lock. Their cancels stop them,
     // so their releases find nothing and keep trying for two leases (two minutes).
     let mut blocker = postgres::establish(&db.url).await.unwrap();
