@@ -14,7 +14,7 @@ use futures_util::FutureExt;
 use super::lifetime::{self, Retired};
 use super::per_thread::PoolPerThread;
 use super::pool::LastErrorSink;
-use super::store::release_slots;
+use super::store::BackgroundReleases;
 use super::tls::ConnectTarget;
 use super::{redact, PostgresStore};
 use crate::store::StoreError;
@@ -274,7 +274,7 @@ impl PostgresStoreBuilder {
             purge_batch: self.purge_batch,
             replay_fast_path: self.replay_fast_path,
             cancel_with,
-            release_slots: release_slots(self.max_size),
+            background: BackgroundReleases::for_pool(self.max_size),
         })
     }
 }
@@ -316,8 +316,9 @@ impl PostgresStoreBuilder {
 /// (see [`PostgresStore::connect`] for `sslmode`) and a checkout check that costs no round trip
 /// (without the builder's per-connection lifetimes: see [`PostgresStoreBuilder::max_lifetime`]).
 /// Each connection attempt gives up after 30 s, bb8's default connection timeout (the
-/// builder's pools use their [`connection_timeout`](PostgresStoreBuilder::connection_timeout)):
-/// bb8 itself waits for an attempt without a deadline, keeping a pool slot for it. For apps
+/// builder's pools use their [`connection_timeout`](PostgresStoreBuilder::connection_timeout),
+/// at least 5 s): bb8 itself waits for an attempt without a deadline, keeping a pool slot for
+/// it. For apps
 /// that build their own pool (to share it, or to tune bb8 beyond the builder) and then call
 /// [`PostgresStore::new`]:
 ///

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use diesel_async::{AnsiTransactionManager, AsyncPgConnection, TransactionManager};
-use tokio::sync::Semaphore;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, SemaphorePermit};
 
 use super::admin::PurgeFilter;
 use super::error::{self, classify_query_error, not_provisioned, table_exists};
@@ -48,27 +48,53 @@ pub struct PostgresStore {
     /// How to reach the server for a cancel request (`None` for a store over an app's own
     /// pool, whose TLS settings the store does not know).
     pub(super) cancel_with: Option<Arc<ConnectTarget>>,
-    /// Slots for background releases ([`Self::release_later`]), shared by clones.
-    pub(super) release_slots: Arc<Semaphore>,
+    /// Bounds on background releases ([`Self::release_later`]), shared by clones.
+    pub(super) background: Arc<BackgroundReleases>,
 }
 
-/// Background releases one store keeps going at once, per connection of its pool. Each is a
-/// task that sends about twenty statements over two leases, each through a pool connection:
-/// during a brownout every timed-out reserve starts one, and without a bound a busy service
-/// would multiply its failing requests into many more statements against the database that is
-/// already failing. Four per connection keeps them a small share of the pool. Past the bound a
-/// reservation that a failed reserve may have made ends with its lease (its retry is told 409
-/// until then), as before background releases existed; nothing runs twice.
-const RELEASE_SLOTS_PER_CONNECTION: usize = 4;
+/// Bounds on a store's background releases ([`PostgresStore::release_later`]). Every reserve
+/// whose outcome is unknown starts one: a task that tries a release about twenty times over two
+/// leases. During a brownout, when every request times out, unbounded they would multiply the
+/// load on the failing database and queue ahead of live requests for pool connections.
+///
+/// - Statements: at most a quarter of the pool's connections (at least one) carry a release at
+///   once. A try that finds none free is skipped (its task tries again at its next turn), so
+///   releases never take more than that share of the pool, however many tasks wait.
+/// - Tasks: at most [`MAX_BACKGROUND_RELEASE_TASKS`] per store, a bound on memory (a task is a
+///   scope and a timer). Past it a reservation that a failed reserve may have made ends with
+///   its lease (its retry is told 409 until then), as before background releases existed, and
+///   a warning says so. Nothing runs twice either way.
+pub(super) struct BackgroundReleases {
+    tasks: Arc<Semaphore>,
+    statements: Semaphore,
+}
 
-/// The [`PostgresStore::release_slots`] of a store whose pool has `max_size` connections.
-pub(super) fn release_slots(max_size: u32) -> Arc<Semaphore> {
-    let connections = usize::try_from(max_size).unwrap_or(usize::MAX).max(1);
-    Arc::new(Semaphore::new(
-        connections
-            .saturating_mul(RELEASE_SLOTS_PER_CONNECTION)
-            .min(Semaphore::MAX_PERMITS),
-    ))
+/// Background release tasks one store keeps at once (about a kilobyte each).
+const MAX_BACKGROUND_RELEASE_TASKS: usize = 4096;
+
+impl BackgroundReleases {
+    /// The bounds for a store whose pool has `max_size` connections.
+    pub(super) fn for_pool(max_size: u32) -> Arc<Self> {
+        Self::new(max_size, MAX_BACKGROUND_RELEASE_TASKS)
+    }
+
+    fn new(max_size: u32, max_tasks: usize) -> Arc<Self> {
+        let statements = usize::try_from(max_size / 4).unwrap_or(1).max(1);
+        Arc::new(Self {
+            tasks: Arc::new(Semaphore::new(max_tasks.min(Semaphore::MAX_PERMITS))),
+            statements: Semaphore::new(statements.min(Semaphore::MAX_PERMITS)),
+        })
+    }
+
+    /// Room for one more task, held until the task ends; `None` when all are taken.
+    fn start(&self) -> Option<OwnedSemaphorePermit> {
+        Arc::clone(&self.tasks).try_acquire_owned().ok()
+    }
+
+    /// Room for one release statement now, held while it runs; `None`: skip this try.
+    fn statement(&self) -> Option<SemaphorePermit<'_>> {
+        self.statements.try_acquire().ok()
+    }
 }
 
 impl std::fmt::Debug for PostgresStore {
@@ -97,7 +123,7 @@ impl PostgresStore {
         Self {
             connection_timeout: pool.config().connection_timeout,
             query_timeout: Some(DEFAULT_QUERY_TIMEOUT),
-            release_slots: release_slots(pool.config().max_size),
+            background: BackgroundReleases::for_pool(pool.config().max_size),
             pool,
             pool_per_thread: None,
             last_connect_error: Arc::new(Mutex::new(None)),
@@ -260,9 +286,10 @@ impl PostgresStore {
     /// of a lease of its commit, for about two dozen statements per failure (only reserves
     /// whose outcome is unknown: no answer in time, the connection lost).
     ///
-    /// At most [`RELEASE_SLOTS_PER_CONNECTION`] per pool connection run at once.
+    /// Bounded by [`BackgroundReleases`]: a try is skipped while a quarter of the pool already
+    /// carries releases.
     fn release_later(&self, scope: &Scope, token: ReservationToken, lease: Duration) {
-        let Ok(slot) = Arc::clone(&self.release_slots).try_acquire_owned() else {
+        let Some(task) = self.background.start() else {
             tracing::warn!(key = %LogText(&scope.key), "too many background releases pending: a reservation this failed reserve may have made is left to its lease");
             return;
         };
@@ -271,13 +298,15 @@ impl PostgresStore {
         let until = saturating_deadline(Instant::now(), lease.saturating_mul(2));
         let longest = (lease / 8).max(Duration::from_millis(100));
         tokio::spawn(async move {
-            let _slot = slot;
+            let _task = task;
             let mut pause = Duration::from_millis(100);
             loop {
                 tokio::time::sleep(pause).await;
-                if let Ok(WriteOutcome::Applied) = store.release(&scope, &token).await {
-                    tracing::info!(key = %LogText(&scope.key), "released a reservation made by a reserve that had failed (its answer came too late)");
-                    return;
+                if let Some(_statement) = store.background.statement() {
+                    if let Ok(WriteOutcome::Applied) = store.release(&scope, &token).await {
+                        tracing::info!(key = %LogText(&scope.key), "released a reservation made by a reserve that had failed (its answer came too late)");
+                        return;
+                    }
                 }
                 let left = until.saturating_duration_since(Instant::now());
                 if left.is_zero() {
@@ -580,4 +609,36 @@ fn outcome_unknown(error: &StoreError) -> bool {
         || inner
             .downcast_ref::<diesel::result::Error>()
             .is_some_and(super::transactional::is_connection_lost)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::BackgroundReleases;
+
+    #[test]
+    fn background_release_tasks_are_bounded_and_their_room_comes_back() {
+        let bounds = BackgroundReleases::new(10, 3);
+        let held: Vec<_> = (0..3).filter_map(|_| bounds.start()).collect();
+        assert_eq!(held.len(), 3);
+        assert!(
+            bounds.start().is_none(),
+            "a fourth task past a bound of three"
+        );
+        drop(held);
+        assert!(
+            bounds.start().is_some(),
+            "the room of ended tasks comes back"
+        );
+    }
+
+    #[test]
+    fn a_quarter_of_the_pool_carries_releases_and_never_less_than_one_connection() {
+        for (max_size, statements) in [(1, 1), (3, 1), (8, 2), (10, 2), (16, 4)] {
+            let bounds = BackgroundReleases::new(max_size, 1);
+            let held: Vec<_> = std::iter::from_fn(|| bounds.statement())
+                .take(100)
+                .collect();
+            assert_eq!(held.len(), statements, "pool of {max_size}");
+        }
+    }
 }
