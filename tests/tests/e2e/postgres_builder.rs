@@ -1509,3 +1509,62 @@ async fn a_short_connection_timeout_still_lets_a_slow_link_connect() {
         store.pool().state()
     );
 }
+
+/// A port on 127.0.0.1 that drops connection attempts (no SYN-ACK: a dead host, a blackholed
+/// address during a failover, an unreachable IPv6 route): a listener with a backlog of 0 whose
+/// queue is filled and never accepted. Returns what must be kept alive, and the port.
+async fn blackholed_port() -> (tokio::net::TcpListener, Vec<tokio::net::TcpStream>, u16) {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let listener = socket.listen(0).unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let mut queued = Vec::new();
+    for _ in 0..8 {
+        let attempt = tokio::net::TcpStream::connect(("127.0.0.1", port));
+        match tokio::time::timeout(Duration::from_millis(500), attempt).await {
+            Ok(Ok(stream)) => queued.push(stream),
+            Ok(Err(e)) => panic!("could not fill the accept queue: {e}"),
+            Err(_) => return (listener, queued, port),
+        }
+    }
+    panic!("the accept queue never filled");
+}
+
+/// A URL with several hosts (libpq's failover list; also what a name with several addresses
+/// amounts to) whose first host drops connection attempts: the next host must still be
+/// reached. The bound on a whole attempt (5 s here) is shorter than the kernel's SYN retries
+/// (about 2 minutes), so without a bound per address the attempt never leaves the first host.
+#[tokio::test]
+async fn a_dead_first_host_does_not_keep_the_next_one_from_connecting() {
+    let db = TestDb::new().await;
+    let (_listener, _queued, dead) = blackholed_port().await;
+    let live = host_port(&db.url);
+    let single = at_local_port(&db.url, 1);
+    let url = single.replacen("127.0.0.1:1", &format!("127.0.0.1:{dead},{live}"), 1);
+    let store = PostgresStore::builder(url)
+        .max_size(1)
+        .build()
+        .await
+        .unwrap();
+    let started = Instant::now();
+    let connected = eventually(Duration::from_secs(20), || {
+        let store = store.clone();
+        async move {
+            matches!(
+                store.reserve(&scope("failover"), &FP, LEASE).await,
+                Ok(ReserveOutcome::Reserved { .. })
+            )
+        }
+    })
+    .await;
+    assert!(
+        connected,
+        "never connected: every attempt was cut short while still on the dead first host ({:?})",
+        store.pool().state()
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "took {:?}",
+        started.elapsed()
+    );
+}

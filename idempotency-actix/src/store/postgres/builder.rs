@@ -371,6 +371,9 @@ fn manager_for(
     connect_within: Duration,
     max_lifetime: Option<Duration>,
 ) -> AsyncDieselConnectionManager<AsyncPgConnection> {
+    let mut target = target;
+    // Half the attempt per address, so a dead first host or address leaves time for the next.
+    target.default_connect_timeout(connect_within / 2);
     let target = Arc::new(target);
     let mut config = ManagerConfig::<AsyncPgConnection>::default();
     config.custom_setup = Box::new(move |_url| {

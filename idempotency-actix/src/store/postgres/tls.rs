@@ -138,6 +138,17 @@ impl ConnectTarget {
         Ok(Self { config, tls, mode })
     }
 
+    /// Bound each TCP connect (one per address of each host, tried in turn) to `timeout` when
+    /// the URL sets no `connect_timeout`: without it a dead first address (SYNs dropped) takes
+    /// the kernel's SYN retries, about two minutes, and an attempt bounded as a whole (see
+    /// `manager_for`) would never get past it to the next host or address.
+    pub(crate) fn default_connect_timeout(&mut self, timeout: std::time::Duration) {
+        if self.config.get_connect_timeout().is_none() {
+            self.config
+                .connect_timeout(timeout.max(std::time::Duration::from_secs(1)));
+        }
+    }
+
     /// Whether connections will be encrypted (always, or when the server offers it).
     #[cfg(test)]
     pub(crate) fn uses_tls(&self) -> bool {
