@@ -100,8 +100,15 @@ impl TempCluster {
             "--no-locale",
             "--no-sync",
         ]))?;
+        // `synchronous_commit` stays on: with it off, a commit is acknowledged before its WAL
+        // leaves the server's memory, so a server crash (`pg_ctl -m immediate`, a killed
+        // backend) loses the last acknowledged writes, e.g. a stored response whose reservation
+        // was flushed just before: the retry then gets 409 until the lease ends and runs the
+        // handler again (test `a_crash_after_the_response_was_stored_keeps_it`). `fsync = off`
+        // only matters if the machine itself goes down: WAL written to the kernel survives the
+        // server's processes.
         let mut extra = String::from(
-            "\n# idempotency-e2e throwaway cluster\nfsync = off\nsynchronous_commit = off\n\
+            "\n# idempotency-e2e throwaway cluster\nfsync = off\nsynchronous_commit = on\n\
              full_page_writes = off\nmax_connections = 200\n",
         );
         for line in conf {

@@ -148,9 +148,10 @@ pub fn keys_logged_unstored(log: &str) -> HashSet<String> {
         .lines()
         .filter(|l| l.contains("could not store the response"))
         .filter_map(|l| {
-            let start = l.find(" key=")? + 5;
+            // The key comes in the request's span, `idempotency{key=... `, or as a field.
+            let start = l.find("{key=").or_else(|| l.find(" key="))? + 5;
             let rest = &l[start..];
-            Some(rest.split(' ').next()?.to_owned())
+            Some(rest.split([' ', '}']).next()?.to_owned())
         })
         .collect()
 }

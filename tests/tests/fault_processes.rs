@@ -20,7 +20,7 @@ use idempotency_e2e::faults::{
     self, classify, keys_logged_unstored, serial, strip_ansi, two_instances_exactly_once,
     wait_until, KeyRecord, Load, Seen, Tally, CLIENT_TIMEOUT, TWO_INSTANCE_DISTINCT,
 };
-use idempotency_e2e::proc::{start_cluster_again, PaymentsApp};
+use idempotency_e2e::proc::{crash_cluster, start_cluster_again, PaymentsApp};
 use idempotency_e2e::raw_http::{send_once, Conn, Request};
 use idempotency_e2e::records::{count, count_in_state, execute, records_for_key, State, TempRole};
 use idempotency_e2e::server::ThreadServer;
@@ -109,6 +109,25 @@ fn database_restart_under_load_with(extra_env: &[(&str, &str)]) {
         .lines()
         .filter(|l| l.contains("response stored after the store recovered"))
         .count();
+    // How the server went down and came back: a clean shutdown ("shut down at") or a crash
+    // ("interrupted", "redo starts"): a crash loses what asynchronous commits left in memory.
+    let server_log =
+        std::fs::read_to_string(cluster.data_dir.join("server.log")).unwrap_or_default();
+    let server_lines = server_log
+        .lines()
+        .filter(|l| {
+            [
+                "database system was",
+                "redo ",
+                "terminated by signal",
+                "PANIC",
+                "shutdown",
+            ]
+            .iter()
+            .any(|w| l.contains(w))
+        })
+        .collect::<Vec<_>>()
+        .join("\n");
     let during = load_log.tally();
     for k in 0..keys_sent {
         let key = format!("r-{k}");
@@ -120,7 +139,7 @@ fn database_restart_under_load_with(extra_env: &[(&str, &str)]) {
         assert_eq!(
             executions,
             1,
-            "key {key}: {executions} executions ({seen:?}); the app's lines for it:\n{}",
+            "key {key}: {executions} executions ({seen:?}); the app's lines for it:\n{}\nthe server's:\n{server_lines}",
             lines_about(&log, &key)
         );
         assert_eq!(fresh, 1, "key {key}: {fresh} fresh responses ({seen:?})");
@@ -636,4 +655,82 @@ fn client_fin_mid_handler_runs_once_and_replays() {
 #[test]
 fn client_reset_mid_handler_runs_once_and_replays() {
     disconnect_mid_handler(HangUp::Reset);
+}
+
+/// A server crash (`pg_ctl -m immediate`) right after a response was stored and delivered
+/// keeps it: the retry after recovery is a replay, never a second execution. The WAL writer is
+/// slowed (`wal_writer_delay = 10s`) so that anything an asynchronous commit left in the
+/// server's memory is still there at the crash: with `synchronous_commit = off` (the throwaway
+/// cluster's setting until now) the completion is lost while the reservation, flushed by the
+/// checkpoint taken while the handler runs, survives: 409 until the lease ends, then a second
+/// execution (the sequence of the r-2016 failure of `database_restart_under_load`, which
+/// stops the server with `-m fast`; a fast shutdown flushes the WAL and loses nothing).
+#[test]
+fn a_crash_after_the_response_was_stored_keeps_it() {
+    let _serial = serial();
+    let cluster = TempCluster::start(&["wal_writer_delay = '10s'"], &[])
+        .expect("a private PostgreSQL cluster");
+    let url = cluster.url();
+    {
+        let url = url.clone();
+        block_on_fresh_thread(async move { run_migrations(&url).await })
+            .expect("migrate")
+            .expect("migrate");
+    }
+    let app = PaymentsApp::start(&[
+        ("DATABASE_URL", url.as_str()),
+        ("IDEMPOTENCY_LOCK_TIMEOUT_MS", "3000"),
+    ]);
+    let request = pay("crash-after-store", 777, Some(700));
+    let pending = {
+        let (addr, request) = (app.addr.clone(), request.clone());
+        std::thread::spawn(move || send_once(&addr, &request, CLIENT_TIMEOUT))
+    };
+    wait_until(Duration::from_secs(10), "the reservation", || {
+        records_for_key(&url, "crash-after-store")
+            .iter()
+            .any(|r| r.state == State::InFlight)
+    });
+    // The reservation (and everything before it) reaches the WAL files; the completion that
+    // follows is the only write the crash can take.
+    execute(&url, "CHECKPOINT");
+    let delivered = pending
+        .join()
+        .expect("client thread")
+        .expect("the response");
+    assert_eq!(
+        classify(&delivered),
+        Ok(Seen::Created),
+        "{}",
+        delivered.describe()
+    );
+    crash_cluster(&cluster);
+    start_cluster_again(&cluster);
+
+    let mut seen = vec![Seen::Created];
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let retry = loop {
+        let retry = send_once(&app.addr, &request, CLIENT_TIMEOUT).expect("retry");
+        let s = classify(&retry).unwrap_or_else(|e| panic!("{e}"));
+        seen.push(s);
+        if matches!(s, Seen::Created | Seen::Replay) || Instant::now() > deadline {
+            break retry;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let executions = app
+        .stats()
+        .per_key
+        .get("crash-after-store")
+        .copied()
+        .unwrap_or(0);
+    assert_eq!(
+        executions, 1,
+        "{executions} executions ({seen:?}): the stored response was lost in the crash"
+    );
+    assert!(retry.is_replay(), "{}", retry.describe());
+    assert_eq!(
+        retry.body, delivered.body,
+        "the delivered response is the one replayed"
+    );
 }
