@@ -735,7 +735,7 @@ where
                         // Taken over, or an earlier attempt that "failed" had been applied
                         // (its reply lost): the store cannot tell them apart after completion.
                         outcome::complete_retry("stale", name);
-                        tracing::warn!(target: "idempotency_actix", outcome = "stale", "gave up storing the response: the key was taken over (or the response stored by an attempt whose answer was lost)");
+                        tracing::warn!(target: "idempotency_actix", outcome = "stale", "gave up storing the response: the reservation is no longer this request's (taken over after the lease, or lost with a database crash)");
                         return;
                     }
                     Err(error) => {

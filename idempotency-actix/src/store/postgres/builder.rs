@@ -157,6 +157,14 @@ impl PostgresStoreBuilder {
     /// Whether the store's writes wait for their commit record to be flushed to disk (the
     /// server's `synchronous_commit`). Default `true` (the server's own setting is kept).
     ///
+    /// "Kept" means a server (or database, or role) configured with `synchronous_commit =
+    /// off` gives the store the trade-off described below even with `true`: check
+    /// `SHOW synchronous_commit` as the store's role. The store does not force it on (a
+    /// startup option PgBouncer would refuse, or a `SET` that transaction pooling would not
+    /// keep). The project's own crash tests lost a stored response this way (a review,
+    /// 2026-12-04): a server killed right after a commit acknowledged asynchronously came back
+    /// with the reservation but not the response, and the retry ran the handler again.
+    ///
     /// `false` sets `synchronous_commit = off` for the store's connections, in the startup
     /// packet (no extra round trip). Every statement of the store then returns before its WAL
     /// is flushed, which takes the flush (a disk sync, often the largest part of a write's
