@@ -1301,6 +1301,18 @@ async fn a_reserve_the_server_refused_starts_no_background_statements() {
     );
 }
 
+/// Whether `store` reserves `key` within `limit`, trying again and again (a store whose pool
+/// has to recover first).
+async fn reserves_within(store: &PostgresStore, key: &str, limit: Duration) -> bool {
+    eventually(limit, || async {
+        matches!(
+            store.reserve(&scope(key), &FP, LEASE).await,
+            Ok(ReserveOutcome::Reserved { .. })
+        )
+    })
+    .await
+}
+
 /// A listener that holds every connection it accepts without a word while `hang` is set (a
 /// database host that accepts TCP and then stalls: a frozen server, a half-failed-over
 /// address), and forwards to `upstream` once it is cleared. Returns its port.
@@ -1348,16 +1360,7 @@ async fn a_stalled_connection_attempt_does_not_keep_its_pool_slot() {
     // The server is back; the stalled attempt never ends by itself.
     hang.store(false, Ordering::SeqCst);
     let started = Instant::now();
-    let recovered = eventually(Duration::from_secs(20), || {
-        let store = store.clone();
-        async move {
-            matches!(
-                store.reserve(&scope("stalled"), &FP, LEASE).await,
-                Ok(ReserveOutcome::Reserved { .. })
-            )
-        }
-    })
-    .await;
+    let recovered = reserves_within(&store, "stalled", Duration::from_secs(20)).await;
     assert!(
         recovered,
         "the pool never recovered: its only slot stayed with the stalled attempt ({:?})",
@@ -1493,16 +1496,7 @@ async fn a_short_connection_timeout_still_lets_a_slow_link_connect() {
         .build()
         .await
         .unwrap();
-    let connected = eventually(Duration::from_secs(10), || {
-        let store = store.clone();
-        async move {
-            matches!(
-                store.reserve(&scope("slow-link"), &FP, LEASE).await,
-                Ok(ReserveOutcome::Reserved { .. })
-            )
-        }
-    })
-    .await;
+    let connected = reserves_within(&store, "slow-link", Duration::from_secs(10)).await;
     assert!(
         connected,
         "no connection ever opened over a link slower than the connection timeout ({:?})",
@@ -1547,16 +1541,7 @@ async fn a_dead_first_host_does_not_keep_the_next_one_from_connecting() {
         .await
         .unwrap();
     let started = Instant::now();
-    let connected = eventually(Duration::from_secs(20), || {
-        let store = store.clone();
-        async move {
-            matches!(
-                store.reserve(&scope("failover"), &FP, LEASE).await,
-                Ok(ReserveOutcome::Reserved { .. })
-            )
-        }
-    })
-    .await;
+    let connected = reserves_within(&store, "failover", Duration::from_secs(20)).await;
     assert!(
         connected,
         "never connected: every attempt was cut short while still on the dead first host ({:?})",
