@@ -41,6 +41,18 @@ fn text(out: &Output) -> String {
     )
 }
 
+/// Assert that `out` exited with `code` and that `stream` (its stdout or its stderr) says
+/// `says`.
+#[track_caller]
+fn expect_exit(out: &Output, code: i32, stream: &[u8], says: &str) {
+    assert_eq!(out.status.code(), Some(code), "{}", text(out));
+    assert!(
+        String::from_utf8_lossy(stream).contains(says),
+        "{says:?} not said: {}",
+        text(out)
+    );
+}
+
 #[derive(QueryableByName)]
 struct N {
     #[diesel(sql_type = BigInt)]
@@ -292,12 +304,7 @@ async fn migrating_to_the_partitioned_layout_never_drops_a_stored_response() {
         .unwrap();
 
     let migrated = migrate.wait_with_output().unwrap();
-    assert_eq!(migrated.status.code(), Some(1), "{}", text(&migrated));
-    assert!(
-        String::from_utf8_lossy(&migrated.stderr).contains("not empty"),
-        "{}",
-        text(&migrated)
-    );
+    expect_exit(&migrated, 1, &migrated.stderr, "not empty");
     let store = PostgresStore::connect(&db.url).await.unwrap();
     let scope = payment("pay-1");
     assert_replays(&store, &scope, &Fingerprint([7; 32])).await;
@@ -371,12 +378,7 @@ async fn reverting_the_partitioned_layout_is_refused_and_leaves_it_working() {
     let out = idem(&db.url, &["migrate"]);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out));
     let out = idem(&db.url, &["migrate", "--check"]);
-    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
-    assert!(
-        String::from_utf8_lossy(&out.stdout).contains("layout: partitioned"),
-        "{}",
-        text(&out)
-    );
+    expect_exit(&out, 0, &out.stdout, "layout: partitioned");
 
     let store = PostgresStore::connect(&db.url).await.unwrap();
     let scope = payment("after-redo");

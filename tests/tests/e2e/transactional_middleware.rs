@@ -300,7 +300,29 @@ fn assert_nothing_kept(db: &TestDb, key: &str, payments_left: i64) {
     );
 }
 
+/// An app of the transactional middleware and one `/payments` route: `pay` (POST and GET, with
+/// the run counter), or `post handler`, with or without the run counter.
 macro_rules! app {
+    ($middleware:expr, post $handler:expr) => {
+        test::init_service(
+            App::new().service(
+                web::scope("")
+                    .wrap($middleware)
+                    .route("/payments", web::post().to($handler)),
+            ),
+        )
+        .await
+    };
+    ($middleware:expr, $runs:expr, post $handler:expr) => {
+        test::init_service(
+            App::new().app_data(web::Data::new($runs.clone())).service(
+                web::scope("")
+                    .wrap($middleware)
+                    .route("/payments", web::post().to($handler)),
+            ),
+        )
+        .await
+    };
     ($middleware:expr, $runs:expr) => {
         test::init_service(
             App::new().app_data(web::Data::new($runs.clone())).service(
@@ -551,19 +573,20 @@ async fn a_stored_response_lives_its_ttl_from_the_commit() {
     assert_eq!(payments(&db), 1);
 }
 
+/// A table whose foreign key is checked at COMMIT: a handler that inserts a row naming a
+/// missing account (`pay` with `?account=`) runs fine and fails only when it commits.
+const DEFERRED_FOREIGN_KEY: &str = "CREATE TABLE accounts (id bigint PRIMARY KEY);
+     CREATE TABLE payment_accounts (
+         payment_id bigint NOT NULL,
+         account_id bigint NOT NULL REFERENCES accounts (id) DEFERRABLE INITIALLY DEFERRED
+     )";
+
 /// COMMIT fails on a deferred foreign key: the client gets COMMIT_FAILED (never the
 /// handler's 201), no payment and no record remain, and the retry runs the handler.
 #[actix_web::test]
 async fn failed_commit_answers_a_problem_and_leaves_nothing() {
     let (db, store) = setup().await;
-    execute(
-        &db.url,
-        "CREATE TABLE accounts (id bigint PRIMARY KEY);
-         CREATE TABLE payment_accounts (
-             payment_id bigint NOT NULL,
-             account_id bigint NOT NULL REFERENCES accounts (id) DEFERRABLE INITIALLY DEFERRED
-         )",
-    );
+    execute(&db.url, DEFERRED_FOREIGN_KEY);
     let runs = Runs::default();
     let app = app!(tx_middleware(&store), runs);
 
@@ -772,14 +795,7 @@ async fn serializable_conflicts_are_retried_when_enabled() {
     let middleware = tx_builder(&store)
         .isolation_level(idempotency_actix::store::postgres::IsolationLevel::Serializable)
         .retry_serialization_failures(3);
-    let app = test::init_service(
-        App::new().app_data(web::Data::new(runs.clone())).service(
-            web::scope("")
-                .wrap(middleware.build())
-                .route("/payments", web::post().to(skew)),
-        ),
-    )
-    .await;
+    let app = app!(middleware.build(), runs, post skew);
     let request = call(&app, post(Some("z1"), "", serde_json::json!({"amount": 1})));
     let external = async {
         // Reads and writes the same table as the handler, and commits while the handler's
@@ -814,14 +830,7 @@ async fn a_serialization_failure_inside_the_handler_is_retried() {
     let (db, store) = setup().await;
     let runs = Runs::default();
     let middleware = tx_builder(&store).retry_serialization_failures(2);
-    let app = test::init_service(
-        App::new().app_data(web::Data::new(runs.clone())).service(
-            web::scope("")
-                .wrap(middleware.build())
-                .route("/payments", web::post().to(fails_first_run)),
-        ),
-    )
-    .await;
+    let app = app!(middleware.build(), runs, post fails_first_run);
     for key in ["w1", "w2"] {
         let before = runs.get();
         let answer = call(&app, post(Some(key), "", serde_json::json!({"amount": 1}))).await;
@@ -908,14 +917,7 @@ async fn serializable_conflict_without_retries_is_commit_failed() {
     let runs = Runs::default();
     let middleware = tx_builder(&store)
         .isolation_level(idempotency_actix::store::postgres::IsolationLevel::Serializable);
-    let app = test::init_service(
-        App::new().app_data(web::Data::new(runs.clone())).service(
-            web::scope("")
-                .wrap(middleware.build())
-                .route("/payments", web::post().to(skew)),
-        ),
-    )
-    .await;
+    let app = app!(middleware.build(), runs, post skew);
     let a = call(&app, post(Some("z1"), "", serde_json::json!({"amount": 1})));
     let b = call(&app, post(Some("z2"), "", serde_json::json!({"amount": 2})));
     let (a, b) = futures_util::future::join(a, b).await;
@@ -1186,14 +1188,7 @@ async fn pay_with_own_query_log(tx: IdempotentTx) -> actix_web::Result<HttpRespo
 #[actix_web::test]
 async fn a_handler_with_its_own_instrumentation_is_still_checked() {
     let (db, store) = setup().await;
-    let app = test::init_service(
-        App::new().service(
-            web::scope("")
-                .wrap(tx_middleware(&store))
-                .route("/payments", web::post().to(pay_with_own_query_log)),
-        ),
-    )
-    .await;
+    let app = app!(tx_middleware(&store), post pay_with_own_query_log);
     for key in [None, Some("oi1")] {
         let answer = call(&app, post(key, "", serde_json::json!({}))).await;
         assert_problem(&answer, "COMMIT_FAILED", &format!("{key:?}"));
@@ -1234,14 +1229,7 @@ async fn tenant_seen(
 async fn a_keyless_request_without_a_tenant_never_sees_a_leaked_one() {
     let (db, _) = setup().await;
     let store = one_connection_store(&db).await;
-    let app = test::init_service(
-        App::new().service(
-            web::scope("")
-                .wrap(tx_middleware(&store))
-                .route("/payments", web::post().to(tenant_seen)),
-        ),
-    )
-    .await;
+    let app = app!(tx_middleware(&store), post tenant_seen);
     let leaking = call(&app, post(Some("l1"), "?leak=1", serde_json::json!({}))).await;
     assert_eq!(leaking.status, StatusCode::CREATED);
     let keyless = test::TestRequest::post()
@@ -1509,14 +1497,7 @@ async fn spawns_a_holder(tx: IdempotentTx) -> HttpResponse {
 #[actix_web::test]
 async fn a_txconn_held_by_a_spawned_task_is_rolled_back_and_frees_the_key() {
     let (db, store) = setup().await;
-    let app = test::init_service(
-        App::new().service(
-            web::scope("")
-                .wrap(tx_middleware(&store))
-                .route("/payments", web::post().to(spawns_a_holder)),
-        ),
-    )
-    .await;
+    let app = app!(tx_middleware(&store), post spawns_a_holder);
     let first = send(&app, "held1", "", 1).await;
     assert_eq!(
         first.status,
@@ -1556,14 +1537,7 @@ async fn a_named_read_committed_overrides_a_stricter_database_default() {
     let middleware = tx_builder(&store)
         .isolation_level(idempotency_actix::store::postgres::IsolationLevel::ReadCommitted)
         .build();
-    let app = test::init_service(
-        App::new().service(
-            web::scope("")
-                .wrap(middleware)
-                .route("/payments", web::post().to(no_statement)),
-        ),
-    )
-    .await;
+    let app = app!(middleware, post no_statement);
     let a = send(&app, "di-a", "", 1);
     let b = async {
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -1586,14 +1560,7 @@ async fn serializable_requests_with_different_keys_do_not_fail_each_other() {
     let middleware = tx_builder(&store)
         .isolation_level(idempotency_actix::store::postgres::IsolationLevel::Serializable)
         .build();
-    let app = test::init_service(
-        App::new().app_data(web::Data::new(runs.clone())).service(
-            web::scope("")
-                .wrap(middleware)
-                .route("/payments", web::post().to(pay)),
-        ),
-    )
-    .await;
+    let app = app!(middleware, runs, post pay);
     // All eight transactions are open at once: each handler sleeps after its insert.
     let keys: Vec<String> = (0..8).map(|i| format!("ser-{i}")).collect();
     let answers = futures_util::future::join_all(
@@ -1790,14 +1757,7 @@ async fn the_database_default_isolation_applies_unless_one_is_named() {
         ),
     );
     let store = PostgresStore::connect(&db.url).await.unwrap();
-    let app = test::init_service(
-        App::new().service(
-            web::scope("")
-                .wrap(tx_middleware(&store))
-                .route("/payments", web::post().to(at_most_one_payment)),
-        ),
-    )
-    .await;
+    let app = app!(tx_middleware(&store), post at_most_one_payment);
     let a = send(&app, "iso-a", "", 1);
     let b = async {
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -1835,14 +1795,7 @@ async fn keeps_request_then_panics(req: actix_web::HttpRequest, tx: IdempotentTx
 #[actix_web::test]
 async fn a_panicking_handler_that_kept_its_request_does_not_hold_the_key() {
     let (db, store) = setup().await;
-    let app = test::init_service(
-        App::new().service(
-            web::scope("")
-                .wrap(tx_middleware(&store))
-                .route("/payments", web::post().to(keeps_request_then_panics)),
-        ),
-    )
-    .await;
+    let app = app!(tx_middleware(&store), post keeps_request_then_panics);
     let first = send(&app, "kp1", "", 1).await;
     assert_eq!(first.status, StatusCode::INTERNAL_SERVER_ERROR);
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -1885,14 +1838,7 @@ fn chunked_keyless(chunks: Vec<bytes::Bytes>) -> actix_http::Request {
 #[actix_web::test]
 async fn a_keyless_body_is_read_whole_before_its_transaction_or_refused() {
     let (_db, store) = setup().await;
-    let app = test::init_service(
-        App::new().service(
-            web::scope("")
-                .wrap(tx_builder(&store).max_body_bytes(36).build())
-                .route("/payments", web::post().to(echo_body)),
-        ),
-    )
-    .await;
+    let app = app!(tx_builder(&store).max_body_bytes(36).build(), post echo_body);
     let alphabet = ["0123456789", "abcdefghij", "klmnopqrst", "uvwxyz"]
         .map(|chunk| bytes::Bytes::from_static(chunk.as_bytes()));
     let response = app
@@ -2012,14 +1958,7 @@ async fn a_session_ended_while_idle_is_a_known_rollback_for_a_keyless_request() 
 #[actix_web::test]
 async fn check_and_commit_leaves_the_only_connection_clean() {
     let (db, _) = setup().await;
-    execute(
-        &db.url,
-        "CREATE TABLE accounts (id bigint PRIMARY KEY);
-         CREATE TABLE payment_accounts (
-             payment_id bigint NOT NULL,
-             account_id bigint NOT NULL REFERENCES accounts (id) DEFERRABLE INITIALLY DEFERRED
-         )",
-    );
+    execute(&db.url, DEFERRED_FOREIGN_KEY);
     let store = one_connection_store(&db).await;
     let runs = Runs::default();
     let app = app!(tx_middleware(&store), runs);
