@@ -89,7 +89,8 @@ pub async fn bounded<F: Future>(round_trip: F) -> Result<F::Output, CliError> {
 /// longest `migrate` waits for the migration lock.
 pub const LOCK_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Open a connection with the library's TLS-aware `establish`, bounded by `timeout`, and set
+/// Open a connection with the library's TLS-aware `establish_within`, bounded by `timeout`
+/// (each host of a failover list by its share), and set
 /// the session up: `application_name` so operators can spot the CLI in `pg_stat_activity`,
 /// and timeouts so a forgotten CLI can never hold locks or a statement for long.
 pub async fn connect(url: &str, timeout: Duration) -> Result<AsyncPgConnection, CliError> {
@@ -104,11 +105,12 @@ pub async fn connect(url: &str, timeout: Duration) -> Result<AsyncPgConnection, 
     // Login and the session settings both count as connecting: a server that accepts the
     // login and then goes silent is as unavailable as one that never answers.
     let deadline = tokio::time::Instant::now() + timeout;
-    let mut conn = match tokio::time::timeout_at(deadline, admin::establish(url)).await {
-        Err(_) => return Err(no_answer()),
-        Ok(Err(err)) => return Err(connect_error(&target, err)),
-        Ok(Ok(conn)) => conn,
-    };
+    let mut conn =
+        match tokio::time::timeout_at(deadline, admin::establish_within(url, timeout)).await {
+            Err(_) => return Err(no_answer()),
+            Ok(Err(err)) => return Err(connect_error(&target, err)),
+            Ok(Ok(conn)) => conn,
+        };
     let settings = format!(
         "SET application_name = 'idem-cli'; \
          SET statement_timeout = '{}ms'; \

@@ -1949,6 +1949,39 @@ async fn a_server_silent_after_login_is_unavailable() {
     assert!(took < Duration::from_secs(20), "{took:?}");
 }
 
+/// A failover list whose first host takes the login and never answers (a frozen primary):
+/// the CLI gives each host its share of `--connect-timeout` and reaches the next one, where
+/// it used to wait on the first host until the whole timeout was gone (exit 3).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_first_host_leaves_the_next_one_its_turn() {
+    let db = TestDb::new().await;
+    let live = idempotency_e2e::proxy::host_port(&db.url);
+    // The startup message names the user: silent from the login on.
+    let frozen = freezing_proxy(live.clone(), b"user").await;
+    let url = with_port(&db.url, frozen).replacen(
+        &format!("127.0.0.1:{frozen}"),
+        &format!("127.0.0.1:{frozen},{live}"),
+        1,
+    );
+    let started = Instant::now();
+    let out = tokio::task::spawn_blocking(move || {
+        idem_within(
+            &url,
+            &["--connect-timeout", "6s", "stats"],
+            Duration::from_secs(40),
+        )
+    })
+    .await
+    .expect("runner")
+    .expect("stats hung on a frozen first host");
+    expect_code(&out, 0);
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
 /// The partitioned layout's drop and create steps are bounded by the CLI itself, not only by
 /// the server's timeouts: a server that goes silent during a step (where `statement_timeout`
 /// and `lock_timeout` cannot help) ends the purge with exit 3 and one line naming the step,

@@ -142,9 +142,30 @@ fn micros(duration: Duration) -> i64 {
 /// # Errors
 /// [`StoreError::Backend`] for a bad URL; [`StoreError::Unavailable`] when the server cannot
 /// be reached, refuses the login or the TLS handshake fails.
+///
+/// The hosts of a failover list are tried in turn, each bounded by the URL's
+/// `connect_timeout` (libpq's meaning: the whole connection to that host) if it sets one; see
+/// [`establish_within`] for a bound without it.
 #[doc(hidden)]
 pub async fn establish(url: &str) -> Result<AsyncPgConnection, StoreError> {
     let target = ConnectTarget::parse(url, None).map_err(|e| StoreError::Backend(Box::new(e)))?;
+    target.connect().await.map_err(classify_connection_error)
+}
+
+/// [`establish`] for a caller that gives up after `within`: each host of a failover list gets
+/// its share of it (the URL's `connect_timeout` if shorter), so a host that accepts TCP and
+/// then says nothing does not use it all up and keep the next host from its turn.
+///
+/// # Errors
+/// As [`establish`].
+#[doc(hidden)]
+pub async fn establish_within(
+    url: &str,
+    within: Duration,
+) -> Result<AsyncPgConnection, StoreError> {
+    let mut target =
+        ConnectTarget::parse(url, None).map_err(|e| StoreError::Backend(Box::new(e)))?;
+    target.bound_each_host(within / target.host_count());
     target.connect().await.map_err(classify_connection_error)
 }
 

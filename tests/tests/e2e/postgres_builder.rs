@@ -1553,3 +1553,34 @@ async fn a_dead_first_host_does_not_keep_the_next_one_from_connecting() {
         started.elapsed()
     );
 }
+
+/// A failover list whose first host accepts TCP and then says nothing (a frozen primary: the
+/// kernel completes handshakes for a stopped or hung postmaster): the next host must still be
+/// reached. tokio-postgres bounds only the TCP connect per address, not the startup that
+/// follows, so without a bound per host every attempt waits on the first host until the bound
+/// on the whole attempt cuts it, and the next host is never tried.
+#[tokio::test]
+async fn a_frozen_first_host_does_not_keep_the_next_one_from_connecting() {
+    let db = TestDb::new().await;
+    let live = host_port(&db.url);
+    let frozen = stalling_listener(live.clone(), Arc::new(AtomicBool::new(true))).await;
+    let single = at_local_port(&db.url, 1);
+    let url = single.replacen("127.0.0.1:1", &format!("127.0.0.1:{frozen},{live}"), 1);
+    let store = PostgresStore::builder(url)
+        .max_size(1)
+        .build()
+        .await
+        .unwrap();
+    let started = Instant::now();
+    let connected = reserves_within(&store, "frozen-failover", Duration::from_secs(30)).await;
+    assert!(
+        connected,
+        "never connected: every attempt waited on the frozen first host ({:?})",
+        store.pool().state()
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "took {:?}",
+        started.elapsed()
+    );
+}

@@ -25,7 +25,7 @@ pub use super::schema;
 use super::schema::idempotency_keys as k;
 pub use super::schema::State;
 use super::sql;
-pub use super::{establish, redact, with_dbname};
+pub use super::{establish, establish_within, redact, with_dbname};
 
 /// Advisory lock key held by a running `idem-cli purge`: the ASCII bytes of "idempurg" as a
 /// bigint. Documented in docs/operations.md so operators can find the holder in `pg_locks`

@@ -84,7 +84,9 @@ impl PostgresStoreBuilder {
     /// It also bounds each attempt to open a connection (never below 5 s, so a short timeout
     /// does not keep a slow link from ever connecting): bb8 waits for one without a deadline
     /// and keeps a pool slot for it meanwhile, so an attempt stalled by a silent server would
-    /// keep the slot for minutes, past the database's return.
+    /// keep the slot for minutes, past the database's return. With several hosts in the URL
+    /// (a failover list) the bound is per host, tried in turn, so a frozen first host leaves
+    /// the next one its turn; the URL's `connect_timeout`, if shorter, bounds each host instead.
     pub fn connection_timeout(mut self, timeout: Duration) -> Self {
         self.connection_timeout = timeout.max(Duration::from_millis(1));
         self
@@ -367,12 +369,13 @@ const SHARED_MANAGER_CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
 /// The manager of [`connection_manager`]; with `max_lifetime`, each connection also gets its
 /// own deadline within it (`lifetime.rs`), for a pool whose bb8 `max_lifetime` is the same.
 ///
-/// Each attempt (TCP, TLS, startup, diesel-async's session setup) must finish within
-/// `connect_within`: bb8 awaits a new connection without a deadline of its own and keeps a
-/// pool slot for it meanwhile, so an attempt that stalls (a server that accepted TCP and went
-/// silent, packets dropped during a failover) would keep its slot for as long as the kernel's
-/// TCP timeouts allow, many minutes, and a small pool would answer 503 all along, even after
-/// the database is back.
+/// Each host of the URL gets `connect_within` to give a connection (TCP, TLS, startup,
+/// diesel-async's session setup), and an attempt no more than that per host: bb8 awaits a new
+/// connection without a deadline of its own and keeps a pool slot for it meanwhile, so an
+/// attempt that stalls (a server that accepted TCP and went silent, packets dropped during a
+/// failover) would keep its slot for as long as the kernel's TCP timeouts allow, many minutes,
+/// and a small pool would answer 503 all along, even after the database is back. Bounded per
+/// host, so that a frozen first host of a failover list leaves the next one its turn.
 fn manager_for(
     target: ConnectTarget,
     url: &str,
@@ -380,8 +383,8 @@ fn manager_for(
     max_lifetime: Option<Duration>,
 ) -> AsyncDieselConnectionManager<AsyncPgConnection> {
     let mut target = target;
-    // Half the attempt per address, so a dead first host or address leaves time for the next.
-    target.default_connect_timeout(connect_within / 2);
+    target.bound_each_host(connect_within);
+    let connect_within = connect_within.saturating_mul(target.host_count());
     let target = Arc::new(target);
     let mut config = ManagerConfig::<AsyncPgConnection>::default();
     config.custom_setup = Box::new(move |_url| {

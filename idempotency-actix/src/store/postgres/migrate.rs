@@ -41,6 +41,15 @@ const MIGRATION_LOCK_KEY: i64 = 0x6964_656d_6d69_6772;
 /// The longest [`run_migrations`] and friends wait to open their connection.
 const MIGRATION_CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// The database at `url` for a migration: each host of a failover list gets its share of
+/// [`MIGRATION_CONNECT_TIMEOUT`], so a frozen first host leaves the next one its turn.
+fn migration_target(url: &str) -> Result<ConnectTarget, StoreError> {
+    let mut target =
+        ConnectTarget::parse(url, None).map_err(|e| StoreError::Backend(Box::new(e)))?;
+    target.bound_each_host(MIGRATION_CONNECT_TIMEOUT / target.host_count());
+    Ok(target)
+}
+
 /// The longest [`run_migrations`] and friends wait for the migration lock another session
 /// holds (another instance migrating, or `idem-cli migrate`). Long enough for any of the
 /// embedded migrations to finish elsewhere; past it something is stuck and waiting on would
@@ -104,7 +113,7 @@ pub async fn run_migrations_partitioned(
 /// # Errors
 /// As [`run_migrations`].
 pub async fn pending_migrations(url: &str) -> Result<Vec<String>, StoreError> {
-    let target = ConnectTarget::parse(url, None).map_err(|e| StoreError::Backend(Box::new(e)))?;
+    let target = migration_target(url)?;
     let mut conn = tokio::time::timeout(MIGRATION_CONNECT_TIMEOUT, target.connect())
         .await
         .map_err(|_| no_connection())?
@@ -227,7 +236,7 @@ async fn with_harness(
     url: &str,
     partitioned: Option<PartitionInterval>,
 ) -> Result<Vec<String>, StoreError> {
-    let target = ConnectTarget::parse(url, None).map_err(|e| StoreError::Backend(Box::new(e)))?;
+    let target = migration_target(url)?;
     let (tx, rx) = tokio::sync::oneshot::channel();
     std::thread::Builder::new()
         .name("idempotency-migrations".into())

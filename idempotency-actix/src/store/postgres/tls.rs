@@ -25,7 +25,9 @@
 //! (`sslcert`/`sslkey`) are not supported and are reported as an error rather than silently
 //! ignored.
 
+use std::hash::{BuildHasher, RandomState};
 use std::sync::Arc;
+use std::time::Duration;
 
 use diesel::ConnectionError;
 use diesel_async::AsyncPgConnection;
@@ -37,7 +39,7 @@ use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 use rustls::{
     CertificateError, ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme,
 };
-use tokio_postgres::config::SslMode;
+use tokio_postgres::config::{Host, LoadBalanceHosts, SslMode};
 use tokio_postgres::{CancelToken, NoTls};
 use tokio_postgres_rustls::MakeRustlsConnect;
 
@@ -60,6 +62,10 @@ pub(crate) struct ConnectTarget {
     /// The mode after libpq's rules (which the options alone do not show: `sslrootcert=system`
     /// changes the default), kept so that logs and tests can tell what was chosen.
     mode: Mode,
+    /// The longest one host of the list may take to give a connection (TCP, TLS, startup,
+    /// session setup), set by [`Self::bound_each_host`]; without it the URL's
+    /// `connect_timeout` (libpq's meaning), or no bound.
+    per_host: Option<Duration>,
 }
 
 impl std::fmt::Debug for ConnectTarget {
@@ -135,18 +141,44 @@ impl ConnectTarget {
                 Some(Arc::new(client_config(verify)?))
             }
         };
-        Ok(Self { config, tls, mode })
+        Ok(Self {
+            config,
+            tls,
+            mode,
+            per_host: None,
+        })
     }
 
-    /// Bound each TCP connect (one per address of each host, tried in turn) to `timeout` when
-    /// the URL sets no `connect_timeout`: without it a dead first address (SYNs dropped) takes
-    /// the kernel's SYN retries, about two minutes, and an attempt bounded as a whole (see
-    /// `manager_for`) would never get past it to the next host or address.
-    pub(crate) fn default_connect_timeout(&mut self, timeout: std::time::Duration) {
-        if self.config.get_connect_timeout().is_none() {
-            self.config
-                .connect_timeout(timeout.max(std::time::Duration::from_secs(1)));
+    /// Give each host of the list at most `limit` to give a connection (the URL's
+    /// `connect_timeout` if shorter), and each TCP connect to one of its addresses half of that
+    /// unless the URL sets `connect_timeout`.
+    ///
+    /// libpq bounds each host's whole connection (`connect_timeout`), tokio-postgres only the
+    /// TCP connect: a host that accepts TCP and then says nothing (a stopped or hung server,
+    /// whose kernel still completes handshakes) would hold the driver's attempt until a bound
+    /// on the whole attempt cut it, and the next host of a failover list would never be
+    /// tried. A dead address (SYNs dropped) would take the kernel's SYN retries, about two
+    /// minutes, likewise. So [`Self::connect`] tries the hosts itself, one bounded attempt
+    /// each, in the URL's order (shuffled with `load_balance_hosts=random`).
+    pub(crate) fn bound_each_host(&mut self, limit: Duration) {
+        let limit = limit.max(MIN_HOST_LIMIT);
+        match self.config.get_connect_timeout().copied() {
+            Some(from_url) => self.per_host = Some(from_url.min(limit)),
+            None => {
+                self.per_host = Some(limit);
+                self.config.connect_timeout((limit / 2).max(MIN_HOST_LIMIT));
+            }
         }
+    }
+
+    /// How many hosts the URL lists (at least one: a URL without any is refused at parse).
+    pub(crate) fn host_count(&self) -> u32 {
+        let hosts = self
+            .config
+            .get_hosts()
+            .len()
+            .max(self.config.get_hostaddrs().len());
+        u32::try_from(hosts).unwrap_or(u32::MAX).max(1)
     }
 
     /// Whether connections will be encrypted (always, or when the server offers it).
@@ -175,17 +207,77 @@ impl ConnectTarget {
         }
     }
 
-    /// Open one connection and hand it to diesel-async, which drives it on the current runtime.
+    /// Open one connection and hand it to diesel-async, which drives it on the current runtime:
+    /// the hosts of the URL one after another, each within its bound (see
+    /// [`Self::bound_each_host`]), until one gives a connection.
     pub(crate) async fn connect(&self) -> Result<AsyncPgConnection, ConnectionError> {
+        let per_host = self
+            .per_host
+            .or_else(|| self.config.get_connect_timeout().copied());
+        let count = self.host_count();
+        let mut last = None;
+        for (nth, host) in self.hosts_in_turn() {
+            let attempt = self.connect_to(host.as_ref().unwrap_or(&self.config));
+            let result = match per_host {
+                // The host is named by its place in the list, never by text from the URL.
+                Some(limit) => tokio::time::timeout(limit, attempt)
+                    .await
+                    .unwrap_or_else(|_| {
+                        Err(ConnectionError::BadConnection(format!(
+                            "host {} of {count} did not finish connecting within {} ms",
+                            nth + 1,
+                            limit.as_millis()
+                        )))
+                    }),
+                None => attempt.await,
+            };
+            match result {
+                Ok(conn) => return Ok(conn),
+                Err(error) => last = Some(error),
+            }
+        }
+        Err(last.unwrap_or_else(|| ConnectionError::BadConnection("no host to connect to".into())))
+    }
+
+    /// The configurations to try, one per host, in turn, with the host's place in the URL:
+    /// `None` for the URL's own when it lists one host (nothing to split), or lists that do
+    /// not match up (so many ports or addresses for so many hosts), which the driver refuses
+    /// with its own message rather than have the split guess.
+    fn hosts_in_turn(&self) -> Vec<(usize, Option<tokio_postgres::Config>)> {
+        let count = self.host_count() as usize;
+        let hosts = self.config.get_hosts().len();
+        let addrs = self.config.get_hostaddrs().len();
+        let ports = self.config.get_ports().len();
+        let consistent =
+            (hosts == 0 || addrs == 0 || hosts == addrs) && (ports <= 1 || ports == count);
+        if count == 1 || !consistent {
+            return vec![(0, None)];
+        }
+        let mut order: Vec<usize> = (0..count).collect();
+        if self.config.get_load_balance_hosts() == LoadBalanceHosts::Random {
+            // A random order, as the driver would shuffle: sorted by a hash whose keys are
+            // random per `RandomState` (no generator of its own needed for a host list).
+            let random = RandomState::new();
+            order.sort_by_cached_key(|i| random.hash_one(i));
+        }
+        order
+            .into_iter()
+            .map(|i| (i, Some(one_host(&self.config, i))))
+            .collect()
+    }
+
+    /// One connection through `config` (one host).
+    async fn connect_to(
+        &self,
+        config: &tokio_postgres::Config,
+    ) -> Result<AsyncPgConnection, ConnectionError> {
         match &self.tls {
             None => {
-                let (client, connection) =
-                    self.config.connect(NoTls).await.map_err(connect_error)?;
+                let (client, connection) = config.connect(NoTls).await.map_err(connect_error)?;
                 AsyncPgConnection::try_from_client_and_connection(client, connection).await
             }
             Some(tls) => {
-                let (client, connection) = self
-                    .config
+                let (client, connection) = config
                     .connect(MakeRustlsConnect::new(ClientConfig::clone(tls)))
                     .await
                     .map_err(connect_error)?;
@@ -193,6 +285,69 @@ impl ConnectTarget {
             }
         }
     }
+}
+
+/// The least bound on one host, and on one TCP connect.
+const MIN_HOST_LIMIT: Duration = Duration::from_secs(1);
+
+/// `config` with only its `i`-th host (its `hostaddr` and port with it), every other setting
+/// copied through the driver's getters. `one_host_keeps_every_setting` checks that nothing is
+/// lost for a URL that sets them all; a setting a later driver adds must be added here.
+fn one_host(config: &tokio_postgres::Config, i: usize) -> tokio_postgres::Config {
+    let mut one = tokio_postgres::Config::new();
+    if let Some(user) = config.get_user() {
+        one.user(user);
+    }
+    if let Some(password) = config.get_password() {
+        one.password(password);
+    }
+    if let Some(dbname) = config.get_dbname() {
+        one.dbname(dbname);
+    }
+    if let Some(options) = config.get_options() {
+        one.options(options);
+    }
+    if let Some(name) = config.get_application_name() {
+        one.application_name(name);
+    }
+    one.ssl_mode(config.get_ssl_mode())
+        .ssl_negotiation(config.get_ssl_negotiation());
+    match config.get_hosts().get(i) {
+        Some(Host::Tcp(host)) => {
+            one.host(host);
+        }
+        #[cfg(unix)]
+        Some(Host::Unix(path)) => {
+            one.host_path(path);
+        }
+        None => {}
+    }
+    if let Some(addr) = config.get_hostaddrs().get(i) {
+        one.hostaddr(*addr);
+    }
+    // As the driver: one port for all hosts, or one per host.
+    let ports = config.get_ports();
+    if let Some(port) = ports.get(i).or_else(|| ports.first()) {
+        one.port(*port);
+    }
+    if let Some(timeout) = config.get_connect_timeout() {
+        one.connect_timeout(*timeout);
+    }
+    if let Some(timeout) = config.get_tcp_user_timeout() {
+        one.tcp_user_timeout(*timeout);
+    }
+    one.keepalives(config.get_keepalives())
+        .keepalives_idle(config.get_keepalives_idle());
+    if let Some(interval) = config.get_keepalives_interval() {
+        one.keepalives_interval(interval);
+    }
+    if let Some(retries) = config.get_keepalives_retries() {
+        one.keepalives_retries(retries);
+    }
+    one.target_session_attrs(config.get_target_session_attrs())
+        .channel_binding(config.get_channel_binding())
+        .load_balance_hosts(config.get_load_balance_hosts());
+    one
 }
 
 /// `sslrootcert=system`: libpq 16's word for "the system trust store".
@@ -877,6 +1032,82 @@ fn connect_error(error: tokio_postgres::Error) -> ConnectionError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every setting the driver parses survives the split of a host list into one
+    /// configuration per host: each must equal the configuration of a URL naming only that
+    /// host (the driver's `Debug` shows every field but the password, compared on its own).
+    #[test]
+    fn one_host_keeps_every_setting() {
+        let settings = "user=u password=secret dbname=d options='-c x=y' application_name=a \
+                        sslmode=require sslnegotiation=direct connect_timeout=7 \
+                        tcp_user_timeout=8 keepalives=0 keepalives_idle=9 \
+                        keepalives_interval=10 keepalives_retries=11 \
+                        target_session_attrs=read-write channel_binding=require \
+                        load_balance_hosts=random";
+        let parse = |hosts: &str| -> tokio_postgres::Config {
+            format!("{settings} {hosts}").parse().unwrap()
+        };
+        let list =
+            parse("host=h1,h2,/run/pg hostaddr=10.0.0.1,10.0.0.2,10.0.0.3 port=5433,5434,5435");
+        let alone = [
+            parse("host=h1 hostaddr=10.0.0.1 port=5433"),
+            parse("host=h2 hostaddr=10.0.0.2 port=5434"),
+            parse("host=/run/pg hostaddr=10.0.0.3 port=5435"),
+        ];
+        for (i, expected) in alone.iter().enumerate() {
+            let one = one_host(&list, i);
+            assert_eq!(format!("{one:?}"), format!("{expected:?}"), "host {i}");
+            assert_eq!(one.get_password(), Some(&b"secret"[..]));
+            assert_eq!(one.get_ssl_negotiation(), expected.get_ssl_negotiation());
+        }
+        // One port for every host, as the driver reads it.
+        let shared_port = parse("host=h1,h2 port=6000");
+        assert_eq!(one_host(&shared_port, 1).get_ports(), &[6000]);
+    }
+
+    /// Each host gets the bound (or the URL's `connect_timeout` when it is shorter), each TCP
+    /// connect half of it when the URL sets none, and a list of hosts is tried one by one.
+    #[test]
+    fn each_host_is_bounded_and_tried_in_turn() {
+        let mut target = ConnectTarget::parse("postgres://u@h1,h2,h3/d", None).unwrap();
+        assert_eq!(target.host_count(), 3);
+        target.bound_each_host(Duration::from_secs(6));
+        assert_eq!(target.per_host, Some(Duration::from_secs(6)));
+        assert_eq!(
+            target.config.get_connect_timeout(),
+            Some(&Duration::from_secs(3))
+        );
+        let turns: Vec<usize> = target.hosts_in_turn().into_iter().map(|(i, _)| i).collect();
+        assert_eq!(turns, [0, 1, 2]);
+
+        // Lists the driver refuses are left to it, not split by guesswork.
+        for mismatched in [
+            "host=h1,h2,h3 port=1,2 user=u",
+            "host=h1,h2 hostaddr=10.0.0.1 user=u",
+        ] {
+            let target = ConnectTarget::parse(mismatched, None).unwrap();
+            let turns = target.hosts_in_turn();
+            assert!(turns.len() == 1 && turns[0].1.is_none(), "{mismatched}");
+        }
+
+        let mut short = ConnectTarget::parse("postgres://u@h1/d?connect_timeout=2", None).unwrap();
+        short.bound_each_host(Duration::from_secs(6));
+        assert_eq!(short.per_host, Some(Duration::from_secs(2)));
+        assert_eq!(short.hosts_in_turn().len(), 1);
+
+        let random =
+            ConnectTarget::parse("postgres://u@h1,h2,h3,h4/d?load_balance_hosts=random", None)
+                .unwrap();
+        let mut orders = std::collections::HashSet::new();
+        for _ in 0..50 {
+            let turn: Vec<usize> = random.hosts_in_turn().into_iter().map(|(i, _)| i).collect();
+            let mut sorted = turn.clone();
+            sorted.sort_unstable();
+            assert_eq!(sorted, [0, 1, 2, 3]);
+            orders.insert(turn);
+        }
+        assert!(orders.len() > 1, "load_balance_hosts=random never shuffled");
+    }
 
     /// Review, 2026-12-04: an `@` and a `/` left raw in a password made the driver read part
     /// of the password as the host; redaction showed it. Now the URL is refused as ambiguous.
