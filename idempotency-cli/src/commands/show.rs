@@ -98,6 +98,23 @@ pub(crate) struct DetailJson {
     record: Value,
     #[serde(skip_serializing_if = "Option::is_none")]
     response: Option<ResponseJson>,
+    /// A completed record whose response is gone (see [`response_gone`]).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    response_gone: bool,
+}
+
+/// What `show` says of a completed record without a stored response.
+const RESPONSE_GONE: &str = "gone: the record expired and `purge` dropped the partition that \
+                             held its response; the record itself goes at the next purge";
+
+/// A completed record whose response is not there: in the partitioned layout the response
+/// lives in a partition of its own table, which `purge` drops once every response in it has
+/// expired, before it deletes the expired records (the plain layout keeps both in one row).
+/// Shown as an empty body, it would read as a handler that answered nothing.
+fn response_gone(row: &Detail) -> bool {
+    row.record.state == State::Completed
+        && row.response_headers.is_none()
+        && row.response_body.is_none()
 }
 
 /// The stored response. `body_json` is the stored body itself when it is JSON: its tokens (key
@@ -115,10 +132,11 @@ struct ResponseJson {
 
 pub(crate) fn detail_json(row: &Detail) -> DetailJson {
     let record = row.record.to_json();
-    if row.record.state != State::Completed {
+    if row.record.state != State::Completed || response_gone(row) {
         return DetailJson {
             record,
             response: None,
+            response_gone: response_gone(row),
         };
     }
     let headers = match decode_headers(row) {
@@ -149,6 +167,7 @@ pub(crate) fn detail_json(row: &Detail) -> DetailJson {
             body_json,
             body_text,
         }),
+        response_gone: false,
     }
 }
 
@@ -196,6 +215,10 @@ pub(crate) fn detail_text(row: &Detail) -> Vec<String> {
             .map(|s| s.to_string())
             .unwrap_or_else(|| "-".into())
     ));
+    if response_gone(row) {
+        lines.push(format!("response     {RESPONSE_GONE}"));
+        return lines;
+    }
     let headers = decode_headers(row);
     let mut content_type = None;
     match headers {
@@ -287,6 +310,27 @@ mod tests {
             "{shown}"
         );
         assert!(!shown.contains('\n'));
+    }
+
+    /// A completed record whose response partition was dropped said `body 0 bytes`, as if
+    /// the handler had answered nothing.
+    #[test]
+    fn a_response_dropped_with_its_partition_is_not_shown_as_an_empty_body() {
+        let mut row = completed(b"");
+        row.response_body = None;
+        let text = detail_text(&row).join("\n");
+        assert!(text.contains("response     gone"), "{text}");
+        assert!(!text.contains("body "), "{text}");
+        let json = serde_json::to_value(detail_json(&row)).unwrap();
+        assert_eq!(json["response_gone"], true);
+        assert_eq!(json["response"], Value::Null);
+        assert_eq!(json["state"], "completed");
+
+        let kept = serde_json::to_value(detail_json(&completed(b"{}"))).unwrap();
+        assert_eq!(kept.get("response_gone"), None);
+        assert!(detail_text(&completed(b""))
+            .join("\n")
+            .contains("body         0 bytes"));
     }
 
     #[test]
