@@ -1481,6 +1481,28 @@ async fn partitioned_layout_migrate_check_stats_show_and_purge() {
     expect_code(&out, 0);
     assert!(stdout(&out).contains("charged"), "{}", stdout(&out));
 
+    // A dry run names the partition the run will drop, and drops nothing.
+    let out = idem(&db.url, &["--format", "json", "purge", "--dry-run"]);
+    expect_code(&out, 0);
+    let dry = json_one(&out);
+    assert_eq!(
+        dry["would_drop_partitions"],
+        serde_json::json!(["idempotency_responses_past"])
+    );
+    assert_eq!(dry["partitions_dropped"], Value::Null);
+    let out = idem(&db.url, &["purge", "--dry-run"]);
+    expect_code(&out, 0);
+    assert!(
+        stdout(&out).contains("partitions: would drop 1 [idempotency_responses_past]"),
+        "{}",
+        stdout(&out)
+    );
+    let out = idem(&db.url, &["--format", "json", "stats"]);
+    assert_eq!(
+        json_one(&out)["partitions"].as_array().map(Vec::len),
+        Some(6)
+    );
+
     let out = idem(
         &db.url,
         &["--format", "json", "purge", "--partitions-ahead", "5"],

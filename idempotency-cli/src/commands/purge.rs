@@ -85,11 +85,21 @@ pub async fn run(
 
     if args.dry_run {
         let counts: Purged = sql!(conn, admin::purge_count(conn, &filter));
-        let summary = Summary {
+        let mut summary = Summary {
             completed: counts.completed,
             in_flight: counts.in_flight,
             ..Summary::default()
         };
+        // The partitioned layout: the partitions the run would drop (its largest deletion),
+        // under the same conditions as the run (no partition work with --tenant).
+        let layout = sql!(conn, admin::partition_interval(conn));
+        if let (Some(_), None) = (layout, &args.tenant) {
+            let dropped = sql!(conn, admin::droppable_partitions(conn, args.older_than.0));
+            summary.partitions = Some(PartitionWork {
+                dropped,
+                ..PartitionWork::default()
+            });
+        }
         return report(out, format, args, &summary, started.elapsed(), true);
     }
 
@@ -269,6 +279,12 @@ fn report(
     elapsed: Duration,
     dry_run: bool,
 ) -> Result<(), CliError> {
+    // A dry run's partition work is what it would drop; a run's, what it did.
+    let (done, planned) = match (&summary.partitions, dry_run) {
+        (Some(p), false) => (Some(p), None),
+        (Some(p), true) => (None, Some(p)),
+        (None, _) => (None, None),
+    };
     match format {
         Format::Json => out.json(&json!({
             "dry_run": dry_run,
@@ -283,18 +299,26 @@ fn report(
             "tenant": args.tenant,
             "older_than": args.older_than.to_string(),
             "grace": args.grace.to_string(),
-            "partitions_dropped": summary.partitions.as_ref().map(|p| &p.dropped),
-            "partitions_created": summary.partitions.as_ref().map(|p| &p.created),
-            "default_partition_rows_deleted":
-                summary.partitions.as_ref().map(|p| p.default_rows_deleted),
+            "partitions_dropped": done.map(|p| &p.dropped),
+            "would_drop_partitions": planned.map(|p| &p.dropped),
+            "partitions_created": done.map(|p| &p.created),
+            "default_partition_rows_deleted": done.map(|p| p.default_rows_deleted),
             "partitions_capped_at": summary.partitions.as_ref()
                 .and_then(|p| p.capped).map(|c| c.leaves),
         }))?,
         Format::Text if dry_run => out.line(format!(
-            "dry run: would purge {} records ({} completed, {} in-flight) [counted in {}]",
+            "dry run: would purge {} records ({} completed, {} in-flight){} [counted in {}]",
             summary.total(),
             summary.completed,
             summary.in_flight,
+            summary
+                .partitions
+                .as_ref()
+                .map_or(String::new(), |p| format!(
+                    "; partitions: would drop {} [{}]",
+                    p.dropped.len(),
+                    p.dropped.join(", ")
+                )),
             format_elapsed(elapsed)
         ))?,
         Format::Text => {

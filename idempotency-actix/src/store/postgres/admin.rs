@@ -437,6 +437,15 @@ pub async fn drop_partitions(
     sql::drop_partitions(conn, super::micros(grace), lock_timeout_ms(lock_timeout)).await
 }
 
+/// The range partitions [`drop_partitions`] would drop now with this `grace`, oldest first,
+/// without dropping anything (`idem-cli purge --dry-run`).
+pub async fn droppable_partitions(
+    conn: &mut AsyncPgConnection,
+    grace: Duration,
+) -> QueryResult<Vec<String>> {
+    sql::droppable_partitions(conn, super::micros(grace)).await
+}
+
 /// One batch of the default partition's rows (long TTLs) that expired `older_than` or more
 /// ago, at most `limit`: the same age [`drop_partitions`] gives the range partitions.
 pub async fn purge_default_partition(

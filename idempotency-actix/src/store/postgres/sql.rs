@@ -1108,6 +1108,25 @@ pub(crate) async fn drop_partitions(
     Ok(rows.into_iter().map(|r| r.name).collect())
 }
 
+/// The partitions [`drop_partitions`] would drop, read only. The condition is that of
+/// `idempotency_partitions_drop` (migration 000005), which a migration owns: the two must
+/// change together (`idem-cli`'s `partitioned_layout_migrate_check_stats_show_and_purge`
+/// compares a dry run with the run).
+pub(crate) async fn droppable_partitions(
+    conn: &mut AsyncPgConnection,
+    grace_us: i64,
+) -> QueryResult<Vec<String>> {
+    let rows: Vec<NameRow> = diesel::sql_query(
+        "SELECT name FROM idempotency_partitions() \
+          WHERE NOT is_default AND upper_bound <= now() - $1 * interval '1 microsecond' \
+          ORDER BY upper_bound",
+    )
+    .bind::<BigInt, _>(grace_us)
+    .load(conn)
+    .await?;
+    Ok(rows.into_iter().map(|r| r.name).collect())
+}
+
 /// The row of [`purge_default_partition`].
 #[derive(QueryableByName, Debug)]
 struct DeletedRow {
