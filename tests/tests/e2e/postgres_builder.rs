@@ -1584,3 +1584,44 @@ async fn a_frozen_first_host_does_not_keep_the_next_one_from_connecting() {
         started.elapsed()
     );
 }
+
+/// A URL's `connect_timeout` bounds each TCP connect (the driver's meaning), not the TLS
+/// handshake and login after it: the builder's bound on a connection attempt (at least 5 s)
+/// stays what lets a slow link connect, for one host and for each host of a list (review,
+/// 2026-12-04: a first version bounded each host by the URL's value, so a link whose first
+/// answer takes 2.5 s never connected with `connect_timeout=2`).
+#[tokio::test]
+async fn a_urls_connect_timeout_does_not_cut_a_slow_login() {
+    let db = TestDb::new().await;
+    let slow = slow_link(host_port(&db.url), Duration::from_millis(2500)).await;
+    let with_timeout = |url: String| {
+        if url.contains('?') {
+            format!("{url}&connect_timeout=2")
+        } else {
+            format!("{url}?connect_timeout=2")
+        }
+    };
+    let single = with_timeout(at_local_port(&db.url, slow));
+    let frozen = stalling_listener(host_port(&db.url), Arc::new(AtomicBool::new(true))).await;
+    let list = single.replacen(
+        &format!("127.0.0.1:{slow}"),
+        &format!("127.0.0.1:{frozen},127.0.0.1:{slow}"),
+        1,
+    );
+    for (what, url) in [
+        ("one host", single),
+        ("a frozen host, then the slow one", list),
+    ] {
+        let store = PostgresStore::builder(url)
+            .max_size(1)
+            .build()
+            .await
+            .unwrap();
+        let connected = reserves_within(&store, what, Duration::from_secs(30)).await;
+        assert!(
+            connected,
+            "{what}: never connected ({:?})",
+            store.pool().state()
+        );
+    }
+}

@@ -86,7 +86,8 @@ impl PostgresStoreBuilder {
     /// and keeps a pool slot for it meanwhile, so an attempt stalled by a silent server would
     /// keep the slot for minutes, past the database's return. With several hosts in the URL
     /// (a failover list) the bound is per host, tried in turn, so a frozen first host leaves
-    /// the next one its turn; the URL's `connect_timeout`, if shorter, bounds each host instead.
+    /// the next one its turn (each new connection then waits out its bound first). A URL's
+    /// `connect_timeout` bounds each TCP connect only (tokio-postgres's meaning).
     pub fn connection_timeout(mut self, timeout: Duration) -> Self {
         self.connection_timeout = timeout.max(Duration::from_millis(1));
         self
