@@ -151,3 +151,59 @@ async fn clear_after_a_release_by_hand_is_not_undone_by_a_replay_in_flight() {
         cached.len()
     );
 }
+
+/// Review, 2026-12-04: after a forced release of a completed record, the client's new request
+/// with the same key (another body) ran on another instance and was stored; its retry on an
+/// instance that had cached the old record was answered from that entry: 422
+/// `FINGERPRINT_MISMATCH`, its key "used for another request", although the store would
+/// replay its own response. A cached entry of another fingerprint now defers to the store.
+#[tokio::test]
+async fn a_key_reused_after_a_forced_release_is_not_refused_by_an_old_entry() {
+    const NEW: Fingerprint = Fingerprint([0x22; 32]);
+    let operated = Operated::default();
+    let a = CachedStore::new(operated.clone());
+    let b = CachedStore::new(operated.clone());
+    let k = scope("pay-2");
+
+    let Ok(ReserveOutcome::Reserved { token }) = a.reserve(&k, &FP, MINUTE).await else {
+        panic!("not reserved");
+    };
+    let stored = a.complete(&k, &token, &response(), DAY).await;
+    assert_eq!(stored.ok(), Some(WriteOutcome::Applied));
+    let replay = a.reserve(&k, &FP, MINUTE).await;
+    assert!(matches!(replay, Ok(ReserveOutcome::Completed { .. })));
+    assert_eq!(a.len(), 1, "instance A cached the record");
+
+    // The operator releases it; the client's new request (another body) runs on B.
+    operated.release_everything_by_hand();
+    let Ok(ReserveOutcome::Reserved { token }) = b.reserve(&k, &NEW, MINUTE).await else {
+        panic!("the new request was not reserved");
+    };
+    let second = StoredResponse {
+        body: Bytes::from_static(b"payment 2"),
+        ..response()
+    };
+    let stored = b.complete(&k, &token, &second, DAY).await;
+    assert_eq!(stored.ok(), Some(WriteOutcome::Applied));
+
+    // Its retry lands on A: the store's answer (its own response), not A's old entry.
+    match a.reserve(&k, &NEW, MINUTE).await {
+        Ok(ReserveOutcome::Completed {
+            fingerprint,
+            response,
+            ..
+        }) => {
+            assert_eq!(
+                fingerprint, NEW,
+                "answered from the released record's entry"
+            );
+            assert_eq!(&response.body[..], b"payment 2");
+        }
+        other => panic!("{other:?}"),
+    }
+    // And A now holds the record the store holds: the old request's retry gets a 422.
+    match a.reserve(&k, &FP, MINUTE).await {
+        Ok(ReserveOutcome::Completed { fingerprint, .. }) => assert_eq!(fingerprint, NEW),
+        other => panic!("{other:?}"),
+    }
+}

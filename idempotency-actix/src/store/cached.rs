@@ -29,11 +29,13 @@
 //! - `idem-cli purge` deletes only expired records, and a cache entry never outlives its
 //!   record, so purging never makes the cache disagree with the database.
 //! - `idem-cli release --force` on a **completed** record deletes it from the database, but
-//!   every instance that cached it keeps replaying the old response until its entry ends:
-//!   at most `max_ttl` (60 s by default). Only then does the key run a new request. Releasing
-//!   an in-flight key is unaffected (in-flight records are never cached). If you rely on forced
-//!   releases of completed records taking effect at once, keep `max_ttl` short or do not use
-//!   the cache.
+//!   every instance that cached it keeps replaying the old response to retries of the old
+//!   request until its entry ends: at most `max_ttl` (60 s by default). Only then does such a
+//!   retry run again. A request with another body (the key reused for a new request) is never
+//!   answered from an entry of another fingerprint: the wrapped store is asked, so it runs, or
+//!   is replayed its own response, rather than being refused with 422. Releasing an in-flight
+//!   key is unaffected (in-flight records are never cached). If you rely on forced releases of
+//!   completed records taking effect at once, keep `max_ttl` short or do not use the cache.
 //! - Editing or deleting rows by hand: the same as a forced release.
 //!
 //! ```
@@ -301,11 +303,22 @@ impl<S: IdempotencyStore> IdempotencyStore for CachedStore<S> {
     ) -> Result<ReserveOutcome, StoreError> {
         let start = Instant::now();
         let epoch = self.epoch.load(Ordering::SeqCst);
-        if let Some(outcome) = self.lookup(scope, start) {
+        match self.lookup(scope, start) {
             // The entry ends before the record, so the record is live: the same answer the
-            // wrapped store would give (including a fingerprint mismatch, which the middleware
-            // turns into 422 as it would from the store's answer).
-            return Ok(outcome);
+            // wrapped store would give.
+            Some(ReserveOutcome::Completed {
+                fingerprint: cached,
+                ..
+            }) if cached != *fingerprint => {
+                // Another request's record: a 422 if the store agrees. Asked, because the
+                // record may be gone (a forced release, an eviction) and the key reused by the
+                // request asking now, whose own stored response the store replays. Mismatches
+                // are rare, so the round trip is cheap; the entry goes, and comes back with
+                // the store's answer if that is still the record.
+                self.cache.invalidate(scope);
+            }
+            Some(outcome) => return Ok(outcome),
+            None => {}
         }
         let outcome = self.inner.reserve(scope, fingerprint, lease).await?;
         if let ReserveOutcome::Completed {
@@ -502,12 +515,20 @@ mod tests {
         }
         assert_eq!(counting.reserves.load(Ordering::SeqCst), before + 1);
         assert_eq!(store.len(), 1);
-        // Another request with the same key still sees the original fingerprint (422 upstream).
+        // Another request with the same key still sees the original fingerprint (422
+        // upstream), from the store: an entry answers only its own fingerprint (the record may
+        // have been released and the key reused by this request).
         match replay(&store, "a", &Fingerprint([8; 32])).await {
             ReserveOutcome::Completed { fingerprint, .. } => assert_eq!(fingerprint, FP),
             other => panic!("{other:?}"),
         }
-        assert_eq!(counting.reserves.load(Ordering::SeqCst), before + 1);
+        assert_eq!(counting.reserves.load(Ordering::SeqCst), before + 2);
+        // And the store's answer is cached again for the record's own retries.
+        assert!(matches!(
+            replay(&store, "a", &FP).await,
+            ReserveOutcome::Completed { .. }
+        ));
+        assert_eq!(counting.reserves.load(Ordering::SeqCst), before + 2);
     }
 
     #[tokio::test]
