@@ -114,7 +114,6 @@ async fn fill(max_bytes: u64, response: &StoredResponse, records: usize) -> (usi
         assert_eq!(done.ok(), Some(WriteOutcome::Applied));
     }
     assert!(store.is_empty());
-    let before = live_bytes();
     // Replay every record twice (the second one makes it "frequent" for TinyLFU admission).
     for _ in 0..2 {
         for i in 0..records {
