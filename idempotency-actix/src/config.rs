@@ -313,8 +313,11 @@ impl<S> IdempotencyBuilder<S> {
     ///
     /// Only the handler's run is covered: what storing its response, and streaming a streamed
     /// body, may take is the lease left when it returns (about two thirds of one, less the
-    /// last renewal's own time). The store must answer the renewals: one that is down for a
-    /// whole lease lets a retry take over, as without renewal (C16's window). In transactional
+    /// last renewal's own time, and a `complete` stuck on one connection until the store's own
+    /// timeout can outlast it). The store must answer the renewals: one that is down from just
+    /// before a renewal is due for the rest of that lease (about two thirds of a lease) lets a
+    /// retry take over, as without renewal (C16's window). A renewal that does not answer
+    /// (stuck on one connection) does not hold up the next: it is sent beside it. In transactional
     /// mode the open transaction holds the key and needs no renewal; its idle limit
     /// (`idle_in_transaction_session_timeout`) is this `limit`, or `lock_timeout` if longer.
     /// `Duration::ZERO` turns renewal off (a handler longer than the lease can then be taken

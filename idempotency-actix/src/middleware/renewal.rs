@@ -18,20 +18,26 @@
 //! renewal still on its way may then land after the record was completed, and its `Stale`
 //! answer is not reported as a lost lease. A renewal in
 //! flight is never cut short (a store call dropped halfway can leave a pooled connection
-//! behind a statement nobody reads); the task just ends after it.
+//! behind a statement nobody reads): each runs on a task of its own, and ends after the
+//! heartbeat if it must.
 //!
 //! Renewals are paced from the start of the last one that succeeded. One that fails is tried
 //! again soon (a tenth of the interval), not a whole interval later: with the default 60 s
 //! lease, two failures a full interval apart would already lose the key to a store blip of
-//! half a minute. It runs on the worker's thread, beside the handler: a handler that blocks
+//! half a minute. One that does not answer within that tenth gets a companion, up to three in
+//! flight: a call stuck on one half-dead connection (until the store's own timeout, 7 s with
+//! `PostgresStore`'s defaults) used to hold every later renewal back while the lease ran out,
+//! and a retry ran the handler again with the database answering everything else. It runs on the worker's thread, beside the handler: a handler that blocks
 //! that thread (synchronous I/O without `web::block`) starves it like every other request on
 //! the worker.
 
 use std::future::{poll_fn, Future};
 use std::pin::pin;
+use std::rc::Rc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use futures_util::stream::{FuturesUnordered, StreamExt};
 use metrics::Histogram;
 use tokio::sync::oneshot;
 use tracing::Instrument;
@@ -158,34 +164,62 @@ fn heartbeat<S: IdempotencyStore>(lease: Lease<S>) -> Option<oneshot::Sender<()>
     Some(running)
 }
 
+/// Renewal calls of one heartbeat in flight at once, at most. A call that hangs (a statement
+/// stuck on one half-dead pooled connection: up to the store's own timeouts, 7 s for
+/// `PostgresStore`'s defaults) must not keep the next one from being sent while the lease runs
+/// out, the database being fine otherwise; and a store slow for every call must not be sent
+/// an ever-growing number of them (each may hold a pooled connection).
+const MAX_RENEWALS_IN_FLIGHT: usize = 3;
+
+/// What one renewal call answered, with when it was sent and the lease it asked for.
+type Renewed = (Instant, Duration, Result<WriteOutcome, String>);
+
 /// Renew `lease` until `stopped` closes, the limit is reached, or the reservation is lost.
+///
+/// Each call runs on a task of its own, so that it is never cut short, and the heartbeat does
+/// not wait for it: if it has not answered a retry's pause after it was sent, the next one is
+/// sent beside it (at most [`MAX_RENEWALS_IN_FLIGHT`]). Fenced by the token, and each granting
+/// its lease from the store's own clock when it runs, a late call can only extend the
+/// reservation it was sent for, never shorten it or touch another.
 async fn beat<S: IdempotencyStore>(lease: Lease<S>, mut stopped: oneshot::Receiver<()>) {
     let interval = (lease.lease / 3).max(MIN_INTERVAL);
     let retry = (interval / 10).max(MIN_INTERVAL);
     let hold_until = saturating_deadline(lease.reserved_at, lease.limit);
     let name = lease.store.name();
+    let lease = Rc::new(lease);
     let mut next = saturating_deadline(lease.reserved_at, interval);
+    // When the latest call that renewed the lease was sent: older answers change nothing.
+    let mut renewed_at: Option<Instant> = None;
+    let mut in_flight = FuturesUnordered::new();
     loop {
-        tokio::select! {
+        let answer: Renewed = tokio::select! {
             _ = &mut stopped => return,
-            () = tokio::time::sleep_until(tokio::time::Instant::from_std(next)) => {}
-        }
-        let started = Instant::now();
-        // The last renewal ends the lease at the limit, not past it; at the limit itself the
-        // handler is still running (else `stopped` would have ended this): say so.
-        let grant = lease
-            .lease
-            .min(hold_until.saturating_duration_since(started));
-        if grant.is_zero() {
-            outcome::lease_renewal("limit", name);
-            tracing::info!(target: "idempotency_actix", outcome = "lease_limit", "the handler is still running at renew_lease_up_to: its last lease has ended and is not renewed, so a retry may now take the key over");
-            return;
-        }
-        let call = lease.store.renew_lease(&lease.scope, &lease.token, grant);
-        let renewed = outcome::timed(&lease.timer, call).await;
+            Some(answer) = in_flight.next(), if !in_flight.is_empty() => answer,
+            () = tokio::time::sleep_until(tokio::time::Instant::from_std(next)),
+                if in_flight.len() < MAX_RENEWALS_IN_FLIGHT => {
+                let started = Instant::now();
+                // The last renewal ends the lease at the limit, not past it; at the limit
+                // itself the handler is still running (else `stopped` would have ended this).
+                let grant = lease
+                    .lease
+                    .min(hold_until.saturating_duration_since(started));
+                if grant.is_zero() {
+                    outcome::lease_renewal("limit", name);
+                    tracing::info!(target: "idempotency_actix", outcome = "lease_limit", "the handler is still running at renew_lease_up_to: its last lease has ended and is not renewed, so a retry may now take the key over");
+                    return;
+                }
+                in_flight.push(send(Rc::clone(&lease), started, grant));
+                // Unanswered by then, it gets a companion.
+                next = saturating_deadline(started, retry);
+                continue;
+            }
+        };
+        let (started, grant, renewed) = answer;
+        let latest = renewed_at.is_none_or(|at| started > at);
         let handler_done = !matches!(stopped.try_recv(), Err(oneshot::error::TryRecvError::Empty));
         match renewed {
-            Ok(WriteOutcome::Applied) => {
+            Ok(WriteOutcome::Applied) if latest => {
+                renewed_at = Some(started);
                 outcome::lease_renewal("renewed", name);
                 tracing::debug!(target: "idempotency_actix", lease_ms = grant.as_millis(), "lease renewed");
                 // After the last renewal (cut to end at the limit), wake at the limit.
@@ -195,6 +229,8 @@ async fn beat<S: IdempotencyStore>(lease: Lease<S>, mut stopped: oneshot::Receiv
                     saturating_deadline(started, interval)
                 };
             }
+            // An older call than one that already renewed: its lease ends sooner.
+            Ok(WriteOutcome::Applied) => {}
             // Completed or released by the request itself a moment ago: nothing was lost.
             Ok(WriteOutcome::Stale) if handler_done => return,
             Ok(WriteOutcome::Stale) => {
@@ -205,12 +241,38 @@ async fn beat<S: IdempotencyStore>(lease: Lease<S>, mut stopped: oneshot::Receiv
             Err(error) => {
                 outcome::lease_renewal("failed", name);
                 tracing::warn!(target: "idempotency_actix", outcome = "store_error", %error, "could not renew the lease; trying again shortly");
-                next = saturating_deadline(Instant::now(), retry);
+                if latest {
+                    next = next.min(saturating_deadline(Instant::now(), retry));
+                }
             }
         }
         if handler_done {
             return;
         }
+    }
+}
+
+/// One renewal call, sent at `started` for `grant`, on a task of its own: it runs to its end
+/// even if the heartbeat stops meanwhile (a store call dropped halfway can leave a pooled
+/// connection behind a statement nobody reads).
+fn send<S: IdempotencyStore>(
+    lease: Rc<Lease<S>>,
+    started: Instant,
+    grant: Duration,
+) -> impl Future<Output = Renewed> {
+    let call = actix_rt::spawn(
+        async move {
+            let call = lease.store.renew_lease(&lease.scope, &lease.token, grant);
+            outcome::timed(&lease.timer, call).await
+        }
+        .in_current_span(),
+    );
+    async move {
+        let renewed = match call.await {
+            Ok(result) => result.map_err(|error| error.to_string()),
+            Err(_) => Err("the renewal's task ended without an answer".to_owned()),
+        };
+        (started, grant, renewed)
     }
 }
 
@@ -228,7 +290,7 @@ mod tests {
     /// ends, after renewals up to the limit, and its key is then free for a retry. The last
     /// renewal (its lease cut to end at the limit) used to end the heartbeat, so the limit was
     /// never reported.
-    #[tokio::test]
+    #[actix_rt::test]
     async fn a_handler_still_running_at_the_limit_is_reported() {
         let recorder = DebuggingRecorder::new();
         let snapshotter = recorder.snapshotter();
@@ -344,7 +406,7 @@ mod tests {
     /// Leases and limits at the clock's edge neither panic nor spin: a lease of 400 days
     /// renewed up to `Duration::MAX` sleeps (its first renewal is months away) and ends when
     /// the handler does.
-    #[tokio::test]
+    #[actix_rt::test]
     async fn extreme_leases_neither_panic_nor_spin() {
         let store = Arc::new(MemoryStore::new());
         let scope = Scope {
@@ -369,11 +431,146 @@ mod tests {
             limit: Duration::MAX,
             reserved_at: Instant::now(),
         };
-        let beating = tokio::spawn(beat(renewal, stopped));
+        let beating = actix_rt::spawn(beat(renewal, stopped));
         tokio::time::sleep(Duration::from_millis(50)).await;
         assert!(!beating.is_finished(), "the heartbeat ended on its own");
         drop(running);
         let ended = tokio::time::timeout(Duration::from_secs(5), beating).await;
         assert!(matches!(ended, Ok(Ok(()))), "{ended:?}");
+    }
+
+    /// A store whose first renewal hangs (one stuck pooled connection; with PostgresStore's
+    /// defaults a call may take connection_timeout + query_timeout = 7 s before failing) while
+    /// every other call works at once (found by review, 2026-12-04). The database is up the
+    /// whole time and the handler alive; the heartbeat used to wait on the one call and send
+    /// nothing else, the lease ran out, and a retry of the same request took the key over: a
+    /// second run.
+    struct FirstRenewalHangs {
+        inner: MemoryStore,
+        hang: Duration,
+        renewals: std::sync::atomic::AtomicUsize,
+    }
+
+    impl IdempotencyStore for FirstRenewalHangs {
+        async fn reserve(
+            &self,
+            scope: &Scope,
+            fingerprint: &Fingerprint,
+            lease: Duration,
+        ) -> Result<ReserveOutcome, crate::store::StoreError> {
+            self.inner.reserve(scope, fingerprint, lease).await
+        }
+        async fn complete(
+            &self,
+            scope: &Scope,
+            token: &ReservationToken,
+            response: &crate::store::StoredResponse,
+            ttl: Duration,
+        ) -> Result<WriteOutcome, crate::store::StoreError> {
+            self.inner.complete(scope, token, response, ttl).await
+        }
+        async fn release(
+            &self,
+            scope: &Scope,
+            token: &ReservationToken,
+        ) -> Result<WriteOutcome, crate::store::StoreError> {
+            self.inner.release(scope, token).await
+        }
+        async fn renew_lease(
+            &self,
+            scope: &Scope,
+            token: &ReservationToken,
+            lease: Duration,
+        ) -> Result<WriteOutcome, crate::store::StoreError> {
+            let n = self
+                .renewals
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            if n == 0 {
+                // A statement on a half-dead connection: no answer until the query timeout.
+                tokio::time::sleep(self.hang).await;
+                return Err(crate::store::StoreError::unavailable("query timeout"));
+            }
+            self.inner.renew_lease(scope, token, lease).await
+        }
+        fn renews_leases(&self) -> bool {
+            true
+        }
+        async fn purge_expired(&self, grace: Duration) -> Result<u64, crate::store::StoreError> {
+            self.inner.purge_expired(grace).await
+        }
+    }
+
+    /// What a retry of the same request, 400 ms after the reservation, gets while the handler
+    /// (700 ms) is still running and the first renewal takes `hang` to fail.
+    async fn retry_while_first_renewal_hangs(
+        hang: Duration,
+    ) -> Result<ReserveOutcome, crate::store::StoreError> {
+        // Scaled down 20x: a 6 s lease (interval 2 s) and a renewal stuck for PostgresStore's
+        // default 2 s + 5 s become 300 ms and 350 ms.
+        let store = Arc::new(FirstRenewalHangs {
+            inner: MemoryStore::new(),
+            hang,
+            renewals: std::sync::atomic::AtomicUsize::new(0),
+        });
+        let meters = Meters::new("memory");
+        let scope = Scope {
+            tenant: String::new(),
+            method: "POST".into(),
+            path: "/pay".into(),
+            key: "hung".into(),
+        };
+        let fingerprint = Fingerprint([9; 32]);
+        let lease = Duration::from_millis(300);
+        let reserved_at = Instant::now();
+        let Ok(ReserveOutcome::Reserved { token }) =
+            store.reserve(&scope, &fingerprint, lease).await
+        else {
+            panic!("not reserved");
+        };
+        let mut renewal = Renewal::new(Reservation {
+            store: &store,
+            meters: &meters,
+            scope: &scope,
+            token,
+            lease,
+            limit: Duration::from_secs(600),
+            reserved_at,
+        });
+        // The handler: alive, waiting 700 ms for its payment provider. Meanwhile the client's
+        // retry (same request, same key) arrives at 400 ms.
+        let retry = {
+            let store = Arc::clone(&store);
+            let scope = scope.clone();
+            async move {
+                tokio::time::sleep(Duration::from_millis(400)).await;
+                store.reserve(&scope, &fingerprint, lease).await
+            }
+        };
+        let (_, retried) = tokio::join!(
+            renewal.during(tokio::time::sleep(Duration::from_millis(700))),
+            retry
+        );
+        renewal.stop();
+        retried
+    }
+
+    /// Control: the same failure answered at once is retried a tenth of an interval later and
+    /// the key is kept.
+    #[actix_rt::test]
+    async fn a_quick_renewal_failure_keeps_the_key() {
+        let retried = retry_while_first_renewal_hangs(Duration::ZERO).await;
+        assert!(
+            matches!(retried, Ok(ReserveOutcome::InFlight { .. })),
+            "{retried:?}"
+        );
+    }
+
+    #[actix_rt::test]
+    async fn one_hung_renewal_does_not_lose_a_live_handlers_key() {
+        let retried = retry_while_first_renewal_hangs(Duration::from_millis(350)).await;
+        assert!(
+            matches!(retried, Ok(ReserveOutcome::InFlight { .. })),
+            "a live handler's key was taken over (second run) after one hung renewal: {retried:?}"
+        );
     }
 }

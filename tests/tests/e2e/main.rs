@@ -21,5 +21,6 @@ mod postgres_tls;
 mod redis_degraded;
 mod redis_options;
 mod redis_store;
+mod renewal_faults;
 mod transactional_middleware;
 mod transactional_scale;

@@ -1,0 +1,98 @@
+//! Lease renewal (C9) over PostgreSQL with the store's default timeouts, when one statement is
+//! stuck on its connection (a half-dead path: the statement never reaches the server) while
+//! the database answers every other connection at once. Found by review, 2026-12-04: the
+//! heartbeat waited on the stuck renewal until `query_timeout` (5 s by default); with a 6 s
+//! lease the lease ended meanwhile, and a retry through another instance ran the handler a
+//! second time (`first: 201 retry: 201`, 2 runs). Renewals now run on tasks of their own, and
+//! one that has not answered gets a companion.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix_web::dev::ServerHandle;
+use actix_web::{web, App, HttpResponse, HttpServer};
+use idempotency_actix::store::postgres::PostgresStore;
+use idempotency_actix::Idempotency;
+use idempotency_e2e::proxy::{at_local_port, delaying_proxy, host_port, Hold};
+use idempotency_e2e::raw_http::post_json;
+use idempotency_e2e::TestDb;
+
+const LEASE: Duration = Duration::from_secs(6);
+const HANDLER: Duration = Duration::from_secs(9);
+
+/// One app instance on `store`: a 9 s payment handler that counts its runs, 6 s leases.
+fn start(store: PostgresStore, runs: Arc<AtomicUsize>) -> (SocketAddr, ServerHandle) {
+    let runs = web::Data::new(runs);
+    let server = HttpServer::new(move || {
+        App::new()
+            .app_data(runs.clone())
+            .wrap(
+                Idempotency::builder(store.clone())
+                    .lock_timeout(LEASE)
+                    .build(),
+            )
+            .route(
+                "/pay",
+                web::post().to(move |runs: web::Data<Arc<AtomicUsize>>| async move {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    actix_web::rt::time::sleep(HANDLER).await;
+                    HttpResponse::Created().body("paid")
+                }),
+            )
+    })
+    .workers(1)
+    .disable_signals()
+    .bind(("127.0.0.1", 0))
+    .unwrap();
+    let addr = server.addrs()[0];
+    let server = server.run();
+    let handle = server.handle();
+    actix_web::rt::spawn(server);
+    (addr, handle)
+}
+
+#[actix_web::test]
+async fn one_stuck_renewal_statement_does_not_let_a_retry_run_the_handler_again() {
+    let db = TestDb::new().await;
+    // Instance A reaches the database through a proxy that holds back the first chunk
+    // carrying the renewal's UPDATE (its Parse names `locked_until`; nothing else A sends
+    // does) for a minute: one stuck connection. Everything else flows.
+    let (port, armed) = delaying_proxy(
+        host_port(&db.url),
+        Hold::Statement,
+        b"locked_until",
+        Duration::from_secs(60),
+    )
+    .await;
+    AtomicBool::store(&armed, true, Ordering::SeqCst);
+    // PostgresStore's defaults: connection_timeout 2 s, query_timeout 5 s.
+    let store_a = PostgresStore::builder(at_local_port(&db.url, port))
+        .build()
+        .await
+        .unwrap();
+    let store_b = PostgresStore::builder(db.url.as_str())
+        .build()
+        .await
+        .unwrap();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let (addr_a, handle_a) = start(store_a, Arc::clone(&runs));
+    let (addr_b, handle_b) = start(store_b, Arc::clone(&runs));
+    let body = r#"{"amount": 500}"#;
+    let first = actix_web::rt::spawn(async move { post_json(addr_a, "/pay", "k1", body).await });
+    // The client's retry through the other instance, just after the first lease would have
+    // ended without renewal (the first renewal was due at 2 s and is stuck until 7 s).
+    actix_web::rt::time::sleep(LEASE + Duration::from_millis(500)).await;
+    let retry = post_json(addr_b, "/pay", "k1", body).await.unwrap();
+    let first = first.await.unwrap().unwrap();
+    assert_eq!(first.status, 201);
+    let n = runs.load(Ordering::SeqCst);
+    handle_a.stop(false).await;
+    handle_b.stop(false).await;
+    assert_eq!(
+        retry.status, 409,
+        "the retry was not refused while the first handler still ran ({n} runs)"
+    );
+    assert_eq!(n, 1, "the payment handler ran {n} times for one key");
+}
