@@ -311,10 +311,8 @@ impl<S> IdempotencyBuilder<S> {
     /// renewal at all, and `Duration::MAX` lets a hung handler keep its key for as long as its
     /// process lives.
     ///
-    /// Only the handler's run is covered: what storing its response, and streaming a streamed
-    /// body, may take is the lease left when it returns (about two thirds of one, less the
-    /// last renewal's own time, and a `complete` stuck on one connection until the store's own
-    /// timeout can outlast it). The store must answer the renewals: one that is down from just
+    /// The handler's run, a streamed body's production and the storing of the response are
+    /// covered. The store must answer the renewals: one that is down from just
     /// before a renewal is due for the rest of that lease (about two thirds of a lease) lets a
     /// retry take over, as without renewal (C16's window). A renewal that does not answer
     /// (stuck on one connection) does not hold up the next: it is sent beside it. In transactional

@@ -492,9 +492,8 @@ where
         match body.try_into_bytes() {
             // One buffer (most handlers): store it, then send it.
             Ok(bytes) => {
-                renewal.stop();
-                let outcome = self
-                    .store_or_release(scope, &token, head.head(), &bytes)
+                let outcome = renewal
+                    .storing(self.store_or_release(scope, &token, head.head(), &bytes))
                     .await;
                 report.outcome(outcome, status, Some(scope));
                 let response = ServiceResponse::new(request, head.set_body(BoxBody::new(bytes)));
@@ -638,14 +637,18 @@ where
                 }
             }
         }
-        renewal.stop();
         let outcome = match copy {
             Some(chunks) => {
                 let body = concat(chunks, read);
-                self.store_or_release(scope, &token, &stored_head.as_head(), &body)
+                let head = stored_head.as_head();
+                renewal
+                    .storing(self.store_or_release(scope, &token, &head, &body))
                     .await
             }
-            None => Outcome::NotStored,
+            None => {
+                renewal.stop();
+                Outcome::NotStored
+            }
         };
         if let Some(client) = client {
             // The end of the body reaches the client after the record is stored.

@@ -14,9 +14,10 @@
 //! once with a streamed body it produces slowly (C24) starts it the first time a chunk is not
 //! ready: the key is held until the body has ended (a slow client does not hold the body up:
 //! see `forward`). It
-//! stops just before the response is stored (or the key released, or left to its lease): a
-//! renewal still on its way may then land after the record was completed, and its `Stale`
-//! answer is not reported as a lost lease. A renewal in
+//! goes on while the response is stored ([`Renewal::storing`]: a `complete` stuck on one
+//! connection must not outlast the lease) and stops once it is (or just before the key is
+//! released, or left to its lease): a renewal still on its way may then land after the record
+//! was completed, and its `Stale` answer is not reported as a lost lease. A renewal in
 //! flight is never cut short (a store call dropped halfway can leave a pooled connection
 //! behind a statement nobody reads): each runs on a task of its own, and ends after the
 //! heartbeat if it must.
@@ -31,6 +32,7 @@
 //! that thread (synchronous I/O without `web::block`) starves it like every other request on
 //! the worker.
 
+use std::cell::Cell;
 use std::future::{poll_fn, Future};
 use std::pin::pin;
 use std::rc::Rc;
@@ -67,6 +69,9 @@ struct Lease<S> {
     limit: Duration,
     /// When the key was reserved.
     reserved_at: Instant,
+    /// Set while the response is being stored: a renewal that finds the record no longer in
+    /// flight then met the request's own `complete`, not a takeover.
+    storing: Rc<Cell<bool>>,
 }
 
 /// The reservation a request holds, borrowed from it until a heartbeat needs its own copy.
@@ -96,6 +101,8 @@ pub(super) struct Renewal<'a, S> {
     /// When the last lease ends: `renew_lease_up_to` (or the first lease, if longer) after
     /// the reservation.
     hold_until: Instant,
+    /// Shared with the heartbeat: see [`Lease::storing`].
+    storing: Rc<Cell<bool>>,
 }
 
 impl<'a, S: IdempotencyStore> Renewal<'a, S> {
@@ -113,6 +120,7 @@ impl<'a, S: IdempotencyStore> Renewal<'a, S> {
             hold_until: saturating_deadline(reservation.reserved_at, held),
             due: Some(reservation),
             running: None,
+            storing: Rc::new(Cell::new(false)),
         }
     }
 
@@ -131,6 +139,7 @@ impl<'a, S: IdempotencyStore> Renewal<'a, S> {
                         lease: due.lease,
                         limit: due.limit,
                         reserved_at: due.reserved_at,
+                        storing: Rc::clone(&self.storing),
                     });
                 }
             }
@@ -142,6 +151,18 @@ impl<'a, S: IdempotencyStore> Renewal<'a, S> {
     /// When the key's last lease ends, renewed or not.
     pub(super) fn hold_until(&self) -> Instant {
         self.hold_until
+    }
+
+    /// Store the response with `store` while renewals go on, then stop them. Storing gets no
+    /// lease of its own otherwise: a `complete` stuck on one connection until the store's
+    /// timeout (7 s with `PostgresStore`'s defaults) could outlast what is left of the lease,
+    /// and a retry after it would run the handler again (found by review, 2026-12-04). A
+    /// renewal that meets the stored record answers `Stale`, which is then no alarm.
+    pub(super) async fn storing<F: Future>(&mut self, store: F) -> F::Output {
+        self.storing.set(true);
+        let stored = self.during(store).await;
+        self.stop();
+        stored
     }
 
     /// Stop renewing: the response is about to be stored, or the key released or left to its
@@ -232,7 +253,7 @@ async fn beat<S: IdempotencyStore>(lease: Lease<S>, mut stopped: oneshot::Receiv
             // An older call than one that already renewed: its lease ends sooner.
             Ok(WriteOutcome::Applied) => {}
             // Completed or released by the request itself a moment ago: nothing was lost.
-            Ok(WriteOutcome::Stale) if handler_done => return,
+            Ok(WriteOutcome::Stale) if handler_done || lease.storing.get() => return,
             Ok(WriteOutcome::Stale) => {
                 outcome::lease_renewal("lost", name);
                 tracing::warn!(target: "idempotency_actix", outcome = "lease_lost", "the handler is still running but its reservation was taken over or released (its lease ended while renewals failed, or an operator released it); its response will not be stored");
@@ -319,6 +340,7 @@ mod tests {
             lease,
             limit: Duration::from_millis(600),
             reserved_at,
+            storing: Rc::default(),
         };
         beat(renewal, stopped).await; // the handler (`running`) has not finished
         assert!(reserved_at.elapsed() >= Duration::from_millis(600));
@@ -430,6 +452,7 @@ mod tests {
             lease,
             limit: Duration::MAX,
             reserved_at: Instant::now(),
+            storing: Rc::default(),
         };
         let beating = actix_rt::spawn(beat(renewal, stopped));
         tokio::time::sleep(Duration::from_millis(50)).await;

@@ -24,6 +24,16 @@ const HANDLER: Duration = Duration::from_secs(9);
 
 /// One app instance on `store`: a 9 s payment handler that counts its runs, 6 s leases.
 fn start(store: PostgresStore, runs: Arc<AtomicUsize>) -> (SocketAddr, ServerHandle) {
+    start_with(store, runs, HANDLER)
+}
+
+/// One app instance on `store`: a payment handler of `handler` that counts its runs, 6 s
+/// leases.
+fn start_with(
+    store: PostgresStore,
+    runs: Arc<AtomicUsize>,
+    handler: Duration,
+) -> (SocketAddr, ServerHandle) {
     let runs = web::Data::new(runs);
     let server = HttpServer::new(move || {
         App::new()
@@ -37,7 +47,7 @@ fn start(store: PostgresStore, runs: Arc<AtomicUsize>) -> (SocketAddr, ServerHan
                 "/pay",
                 web::post().to(move |runs: web::Data<Arc<AtomicUsize>>| async move {
                     runs.fetch_add(1, Ordering::SeqCst);
-                    actix_web::rt::time::sleep(HANDLER).await;
+                    actix_web::rt::time::sleep(handler).await;
                     HttpResponse::Created().body("paid")
                 }),
             )
@@ -95,4 +105,53 @@ async fn one_stuck_renewal_statement_does_not_let_a_retry_run_the_handler_again(
         "the retry was not refused while the first handler still ran ({n} runs)"
     );
     assert_eq!(n, 1, "the payment handler ran {n} times for one key");
+}
+
+/// The same at the end of the request: renewal used to stop before `complete`, so a
+/// `complete` stuck on its connection (until `query_timeout`) ran on what was left of the
+/// lease. Handler 3.9 s, lease 6 s: renewed at 2 s (lease to 8 s), `complete` sent at 3.9 s
+/// and stuck until 8.9 s; a client that gave up on its first attempt retries at 8.3 s through
+/// another instance (found by review, 2026-12-04: 2 runs). Renewal now goes on while the
+/// response is stored.
+#[actix_web::test]
+async fn one_stuck_complete_statement_does_not_let_a_retry_run_the_handler_again() {
+    let db = TestDb::new().await;
+    let (port, armed) = delaying_proxy(
+        host_port(&db.url),
+        Hold::Statement,
+        b"idempotency_complete",
+        Duration::from_secs(60),
+    )
+    .await;
+    AtomicBool::store(&armed, true, Ordering::SeqCst);
+    let store_a = PostgresStore::builder(at_local_port(&db.url, port))
+        .build()
+        .await
+        .unwrap();
+    let store_b = PostgresStore::builder(db.url.as_str())
+        .build()
+        .await
+        .unwrap();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let handler = Duration::from_millis(3900);
+    let (addr_a, handle_a) = start_with(store_a, Arc::clone(&runs), handler);
+    let (addr_b, handle_b) = start_with(store_b, Arc::clone(&runs), handler);
+    let body = r#"{"amount": 500}"#;
+    let first = actix_web::rt::spawn(async move { post_json(addr_a, "/pay", "k2", body).await });
+    actix_web::rt::time::sleep(Duration::from_millis(8300)).await;
+    let retry = post_json(addr_b, "/pay", "k2", body).await.unwrap();
+    let first = first.await.unwrap().unwrap();
+    let n = runs.load(Ordering::SeqCst);
+    handle_a.stop(false).await;
+    handle_b.stop(false).await;
+    assert_eq!(first.status, 201);
+    assert_eq!(
+        n, 1,
+        "the payment handler ran {n} times for one key (retry: {})",
+        retry.status
+    );
+    assert_eq!(
+        retry.status, 409,
+        "the retry was not refused while the response was being stored"
+    );
 }
