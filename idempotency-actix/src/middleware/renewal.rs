@@ -160,7 +160,25 @@ impl<'a, S: IdempotencyStore> Renewal<'a, S> {
     /// renewal that meets the stored record answers `Stale`, which is then no alarm.
     pub(super) async fn storing<F: Future>(&mut self, store: F) -> F::Output {
         self.storing.set(true);
-        let stored = self.during(store).await;
+        let first_due = self
+            .due
+            .as_ref()
+            .map(|due| saturating_deadline(due.reserved_at, interval(due.lease)));
+        let stored = match first_due {
+            // The handler answered at once, so no heartbeat runs: start one only if storing
+            // still goes on when the first renewal is due (a stuck call), not a task for
+            // every request that stores at once.
+            Some(first_due) => {
+                let mut store = pin!(store);
+                tokio::select! {
+                    biased;
+                    stored = &mut store => stored,
+                    () = tokio::time::sleep_until(first_due.into()) => self.during(store).await,
+                }
+            }
+            // Renewing already (it goes on meanwhile), or nothing to renew.
+            None => store.await,
+        };
         self.stop();
         stored
     }
@@ -192,6 +210,12 @@ fn heartbeat<S: IdempotencyStore>(lease: Lease<S>) -> Option<oneshot::Sender<()>
 /// an ever-growing number of them (each may hold a pooled connection).
 const MAX_RENEWALS_IN_FLIGHT: usize = 3;
 
+/// How often a lease of `lease` is renewed: every third of it, never more often than
+/// [`MIN_INTERVAL`].
+fn interval(lease: Duration) -> Duration {
+    (lease / 3).max(MIN_INTERVAL)
+}
+
 /// What one renewal call answered, with when it was sent and the lease it asked for.
 type Renewed = (Instant, Duration, Result<WriteOutcome, String>);
 
@@ -203,7 +227,7 @@ type Renewed = (Instant, Duration, Result<WriteOutcome, String>);
 /// its lease from the store's own clock when it runs, a late call can only extend the
 /// reservation it was sent for, never shorten it or touch another.
 async fn beat<S: IdempotencyStore>(lease: Lease<S>, mut stopped: oneshot::Receiver<()>) {
-    let interval = (lease.lease / 3).max(MIN_INTERVAL);
+    let interval = interval(lease.lease);
     let retry = (interval / 10).max(MIN_INTERVAL);
     let hold_until = saturating_deadline(lease.reserved_at, lease.limit);
     let name = lease.store.name();
@@ -595,5 +619,67 @@ mod tests {
             matches!(retried, Ok(ReserveOutcome::InFlight { .. })),
             "a live handler's key was taken over (second run) after one hung renewal: {retried:?}"
         );
+    }
+
+    /// A handler that answers at once starts no heartbeat; if storing its response then takes
+    /// longer than the first renewal's due time (a `complete` stuck on one connection), the
+    /// heartbeat starts and keeps the key past the first lease. A store that answers at once
+    /// starts nothing.
+    #[actix_rt::test]
+    async fn storing_that_outlasts_the_first_renewal_keeps_the_key() {
+        let store = Arc::new(FirstRenewalHangs {
+            inner: MemoryStore::new(),
+            hang: Duration::ZERO,
+            renewals: std::sync::atomic::AtomicUsize::new(0),
+        });
+        let meters = Meters::new("memory");
+        let scope = Scope {
+            tenant: String::new(),
+            method: "POST".into(),
+            path: "/pay".into(),
+            key: "storing".into(),
+        };
+        let fingerprint = Fingerprint([5; 32]);
+        let lease = Duration::from_millis(150);
+        let renewals = || store.renewals.load(std::sync::atomic::Ordering::SeqCst);
+        for (storing_for, renewed) in [(Duration::ZERO, false), (Duration::from_millis(400), true)]
+        {
+            let before = renewals();
+            let reserved_at = Instant::now();
+            let Ok(ReserveOutcome::Reserved { token }) =
+                store.reserve(&scope, &fingerprint, lease).await
+            else {
+                panic!("not reserved");
+            };
+            let mut renewal = Renewal::new(Reservation {
+                store: &store,
+                meters: &meters,
+                scope: &scope,
+                token,
+                lease,
+                limit: Duration::from_secs(600),
+                reserved_at,
+            });
+            // The handler answered at once: no heartbeat yet.
+            renewal.during(std::future::ready(())).await;
+            assert!(renewal.running.is_none());
+            // What a retry of the same request gets at the end of storing.
+            let retried = renewal
+                .storing(async {
+                    tokio::time::sleep(storing_for).await;
+                    store.reserve(&scope, &fingerprint, lease).await
+                })
+                .await;
+            assert_eq!(renewals() > before, renewed, "storing for {storing_for:?}");
+            if renewed {
+                // Past the first lease, the key is still this request's: the retry is refused
+                // (in flight), not given the key to run the handler again.
+                assert!(
+                    matches!(retried, Ok(ReserveOutcome::InFlight { .. })),
+                    "{retried:?}"
+                );
+            }
+            let _ = store.release(&scope, &token).await;
+        }
     }
 }
