@@ -37,6 +37,7 @@ use std::future::{poll_fn, Future};
 use std::pin::pin;
 use std::rc::Rc;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use futures_util::stream::{FuturesUnordered, StreamExt};
@@ -170,10 +171,16 @@ impl<'a, S: IdempotencyStore> Renewal<'a, S> {
             // every request that stores at once.
             Some(first_due) => {
                 let mut store = pin!(store);
-                tokio::select! {
-                    biased;
-                    stored = &mut store => stored,
-                    () = tokio::time::sleep_until(first_due.into()) => self.during(store).await,
+                // Most stores answer on the first poll (memory, cache): no timer for those.
+                match poll_fn(|cx| Poll::Ready(store.as_mut().poll(cx))).await {
+                    Poll::Ready(stored) => stored,
+                    Poll::Pending => tokio::select! {
+                        biased;
+                        stored = &mut store => stored,
+                        () = tokio::time::sleep_until(first_due.into()) => {
+                            self.during(store).await
+                        }
+                    },
                 }
             }
             // Renewing already (it goes on meanwhile), or nothing to renew.
