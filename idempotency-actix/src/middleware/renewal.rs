@@ -28,9 +28,9 @@
 //! half a minute. One that does not answer within that tenth gets a companion, up to three in
 //! flight: a call stuck on one half-dead connection (until the store's own timeout, 7 s with
 //! `PostgresStore`'s defaults) used to hold every later renewal back while the lease ran out,
-//! and a retry ran the handler again with the database answering everything else. It runs on the worker's thread, beside the handler: a handler that blocks
-//! that thread (synchronous I/O without `web::block`) starves it like every other request on
-//! the worker.
+//! and a retry ran the handler again with the database answering everything else. It runs on
+//! the worker's thread, beside the handler: a handler that blocks that thread (synchronous I/O
+//! without `web::block`) starves it like every other request on the worker.
 
 use std::cell::Cell;
 use std::future::{poll_fn, Future};
