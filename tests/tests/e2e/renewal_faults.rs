@@ -20,16 +20,10 @@ use idempotency_e2e::raw_http::post_json;
 use idempotency_e2e::TestDb;
 
 const LEASE: Duration = Duration::from_secs(6);
-const HANDLER: Duration = Duration::from_secs(9);
-
-/// One app instance on `store`: a 9 s payment handler that counts its runs, 6 s leases.
-fn start(store: PostgresStore, runs: Arc<AtomicUsize>) -> (SocketAddr, ServerHandle) {
-    start_with(store, runs, HANDLER)
-}
 
 /// One app instance on `store`: a payment handler of `handler` that counts its runs, 6 s
 /// leases.
-fn start_with(
+fn start(
     store: PostgresStore,
     runs: Arc<AtomicUsize>,
     handler: Duration,
@@ -63,63 +57,17 @@ fn start_with(
     (addr, handle)
 }
 
-#[actix_web::test]
-async fn one_stuck_renewal_statement_does_not_let_a_retry_run_the_handler_again() {
-    let db = TestDb::new().await;
-    // Instance A reaches the database through a proxy that holds back the first chunk
-    // carrying the renewal's UPDATE (its Parse names `locked_until`; nothing else A sends
-    // does) for a minute: one stuck connection. Everything else flows.
-    let (port, armed) = delaying_proxy(
-        host_port(&db.url),
-        Hold::Statement,
-        b"locked_until",
-        Duration::from_secs(60),
-    )
-    .await;
-    AtomicBool::store(&armed, true, Ordering::SeqCst);
-    // PostgresStore's defaults: connection_timeout 2 s, query_timeout 5 s.
-    let store_a = PostgresStore::builder(at_local_port(&db.url, port))
-        .build()
-        .await
-        .unwrap();
-    let store_b = PostgresStore::builder(db.url.as_str())
-        .build()
-        .await
-        .unwrap();
-    let runs = Arc::new(AtomicUsize::new(0));
-    let (addr_a, handle_a) = start(store_a, Arc::clone(&runs));
-    let (addr_b, handle_b) = start(store_b, Arc::clone(&runs));
-    let body = r#"{"amount": 500}"#;
-    let first = actix_web::rt::spawn(async move { post_json(addr_a, "/pay", "k1", body).await });
-    // The client's retry through the other instance, just after the first lease would have
-    // ended without renewal (the first renewal was due at 2 s and is stuck until 7 s).
-    actix_web::rt::time::sleep(LEASE + Duration::from_millis(500)).await;
-    let retry = post_json(addr_b, "/pay", "k1", body).await.unwrap();
-    let first = first.await.unwrap().unwrap();
-    assert_eq!(first.status, 201);
-    let n = runs.load(Ordering::SeqCst);
-    handle_a.stop(false).await;
-    handle_b.stop(false).await;
-    assert_eq!(
-        retry.status, 409,
-        "the retry was not refused while the first handler still ran ({n} runs)"
-    );
-    assert_eq!(n, 1, "the payment handler ran {n} times for one key");
-}
-
-/// The same at the end of the request: renewal used to stop before `complete`, so a
-/// `complete` stuck on its connection (until `query_timeout`) ran on what was left of the
-/// lease. Handler 3.9 s, lease 6 s: renewed at 2 s (lease to 8 s), `complete` sent at 3.9 s
-/// and stuck until 8.9 s; a client that gave up on its first attempt retries at 8.3 s through
-/// another instance (found by review, 2026-12-04: 2 runs). Renewal now goes on while the
-/// response is stored.
-#[actix_web::test]
-async fn one_stuck_complete_statement_does_not_let_a_retry_run_the_handler_again() {
+/// A payment whose handler takes `handler`, sent to instance A, which reaches the database
+/// through a proxy that holds back the first statement containing `stuck` for a minute (one
+/// stuck connection; everything else flows); the client's retry goes to instance B (direct)
+/// `retry_after` later. Both stores keep `PostgresStore`'s defaults (connection timeout 2 s,
+/// query timeout 5 s). Asserts the first got 201, the retry 409, and one run.
+async fn one_stuck_statement(stuck: &'static [u8], handler: Duration, retry_after: Duration) {
     let db = TestDb::new().await;
     let (port, armed) = delaying_proxy(
         host_port(&db.url),
         Hold::Statement,
-        b"idempotency_complete",
+        stuck,
         Duration::from_secs(60),
     )
     .await;
@@ -133,13 +81,12 @@ async fn one_stuck_complete_statement_does_not_let_a_retry_run_the_handler_again
         .await
         .unwrap();
     let runs = Arc::new(AtomicUsize::new(0));
-    let handler = Duration::from_millis(3900);
-    let (addr_a, handle_a) = start_with(store_a, Arc::clone(&runs), handler);
-    let (addr_b, handle_b) = start_with(store_b, Arc::clone(&runs), handler);
+    let (addr_a, handle_a) = start(store_a, Arc::clone(&runs), handler);
+    let (addr_b, handle_b) = start(store_b, Arc::clone(&runs), handler);
     let body = r#"{"amount": 500}"#;
-    let first = actix_web::rt::spawn(async move { post_json(addr_a, "/pay", "k2", body).await });
-    actix_web::rt::time::sleep(Duration::from_millis(8300)).await;
-    let retry = post_json(addr_b, "/pay", "k2", body).await.unwrap();
+    let first = actix_web::rt::spawn(async move { post_json(addr_a, "/pay", "k", body).await });
+    actix_web::rt::time::sleep(retry_after).await;
+    let retry = post_json(addr_b, "/pay", "k", body).await.unwrap();
     let first = first.await.unwrap().unwrap();
     let n = runs.load(Ordering::SeqCst);
     handle_a.stop(false).await;
@@ -152,6 +99,32 @@ async fn one_stuck_complete_statement_does_not_let_a_retry_run_the_handler_again
     );
     assert_eq!(
         retry.status, 409,
-        "the retry was not refused while the response was being stored"
+        "the retry was not refused while the key was held"
     );
+}
+
+/// The renewal's UPDATE (its Parse names `locked_until`; nothing else A sends does) stuck:
+/// the first renewal is due at 2 s and stuck until 7 s; the retry comes just after the first
+/// lease would have ended without renewal (6.5 s), while the 9 s handler still runs.
+#[actix_web::test]
+async fn one_stuck_renewal_statement_does_not_let_a_retry_run_the_handler_again() {
+    let retry_after = LEASE + Duration::from_millis(500);
+    one_stuck_statement(b"locked_until", Duration::from_secs(9), retry_after).await;
+}
+
+/// The same at the end of the request: renewal used to stop before `complete`, so a
+/// `complete` stuck on its connection (until `query_timeout`) ran on what was left of the
+/// lease. Handler 3.9 s, lease 6 s: renewed at 2 s (lease to 8 s), `complete` sent at 3.9 s
+/// and stuck until 8.9 s; a client that gave up on its first attempt retries at 8.3 s through
+/// another instance (found by review, 2026-12-04: 2 runs). Renewal now goes on while the
+/// response is stored.
+#[actix_web::test]
+async fn one_stuck_complete_statement_does_not_let_a_retry_run_the_handler_again() {
+    let handler = Duration::from_millis(3900);
+    one_stuck_statement(
+        b"idempotency_complete",
+        handler,
+        Duration::from_millis(8300),
+    )
+    .await;
 }
