@@ -554,6 +554,56 @@ mod tests {
         }
     }
 
+    impl FirstRenewalHangs {
+        /// A store whose first renewal takes `hang` to fail.
+        fn new(hang: Duration) -> Arc<Self> {
+            Arc::new(FirstRenewalHangs {
+                inner: MemoryStore::new(),
+                hang,
+                renewals: std::sync::atomic::AtomicUsize::new(0),
+            })
+        }
+
+        fn renewals(&self) -> usize {
+            self.renewals.load(std::sync::atomic::Ordering::SeqCst)
+        }
+    }
+
+    /// `key` on `POST /pay` in the global scope.
+    fn pay(key: &str) -> Scope {
+        Scope {
+            tenant: String::new(),
+            method: "POST".into(),
+            path: "/pay".into(),
+            key: key.into(),
+        }
+    }
+
+    /// Reserve `scope` for `lease` and its renewal (up to 600 s), not started yet.
+    async fn reserved<'a>(
+        store: &'a Arc<FirstRenewalHangs>,
+        meters: &'a Meters,
+        scope: &'a Scope,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+    ) -> (Renewal<'a, FirstRenewalHangs>, ReservationToken) {
+        let reserved_at = Instant::now();
+        let Ok(ReserveOutcome::Reserved { token }) = store.reserve(scope, fingerprint, lease).await
+        else {
+            panic!("not reserved");
+        };
+        let renewal = Renewal::new(Reservation {
+            store,
+            meters,
+            scope,
+            token,
+            lease,
+            limit: Duration::from_secs(600),
+            reserved_at,
+        });
+        (renewal, token)
+    }
+
     /// What a retry of the same request, 400 ms after the reservation, gets while the handler
     /// (700 ms) is still running and the first renewal takes `hang` to fail.
     async fn retry_while_first_renewal_hangs(
@@ -561,35 +611,12 @@ mod tests {
     ) -> Result<ReserveOutcome, crate::store::StoreError> {
         // Scaled down 20x: a 6 s lease (interval 2 s) and a renewal stuck for PostgresStore's
         // default 2 s + 5 s become 300 ms and 350 ms.
-        let store = Arc::new(FirstRenewalHangs {
-            inner: MemoryStore::new(),
-            hang,
-            renewals: std::sync::atomic::AtomicUsize::new(0),
-        });
+        let store = FirstRenewalHangs::new(hang);
         let meters = Meters::new("memory");
-        let scope = Scope {
-            tenant: String::new(),
-            method: "POST".into(),
-            path: "/pay".into(),
-            key: "hung".into(),
-        };
+        let scope = pay("hung");
         let fingerprint = Fingerprint([9; 32]);
         let lease = Duration::from_millis(300);
-        let reserved_at = Instant::now();
-        let Ok(ReserveOutcome::Reserved { token }) =
-            store.reserve(&scope, &fingerprint, lease).await
-        else {
-            panic!("not reserved");
-        };
-        let mut renewal = Renewal::new(Reservation {
-            store: &store,
-            meters: &meters,
-            scope: &scope,
-            token,
-            lease,
-            limit: Duration::from_secs(600),
-            reserved_at,
-        });
+        let (mut renewal, _) = reserved(&store, &meters, &scope, &fingerprint, lease).await;
         // The handler: alive, waiting 700 ms for its payment provider. Meanwhile the client's
         // retry (same request, same key) arrives at 400 ms.
         let retry = {
@@ -634,39 +661,15 @@ mod tests {
     /// starts nothing.
     #[actix_rt::test]
     async fn storing_that_outlasts_the_first_renewal_keeps_the_key() {
-        let store = Arc::new(FirstRenewalHangs {
-            inner: MemoryStore::new(),
-            hang: Duration::ZERO,
-            renewals: std::sync::atomic::AtomicUsize::new(0),
-        });
+        let store = FirstRenewalHangs::new(Duration::ZERO);
         let meters = Meters::new("memory");
-        let scope = Scope {
-            tenant: String::new(),
-            method: "POST".into(),
-            path: "/pay".into(),
-            key: "storing".into(),
-        };
+        let scope = pay("storing");
         let fingerprint = Fingerprint([5; 32]);
         let lease = Duration::from_millis(150);
-        let renewals = || store.renewals.load(std::sync::atomic::Ordering::SeqCst);
         for (storing_for, renewed) in [(Duration::ZERO, false), (Duration::from_millis(400), true)]
         {
-            let before = renewals();
-            let reserved_at = Instant::now();
-            let Ok(ReserveOutcome::Reserved { token }) =
-                store.reserve(&scope, &fingerprint, lease).await
-            else {
-                panic!("not reserved");
-            };
-            let mut renewal = Renewal::new(Reservation {
-                store: &store,
-                meters: &meters,
-                scope: &scope,
-                token,
-                lease,
-                limit: Duration::from_secs(600),
-                reserved_at,
-            });
+            let before = store.renewals();
+            let (mut renewal, token) = reserved(&store, &meters, &scope, &fingerprint, lease).await;
             // The handler answered at once: no heartbeat yet.
             renewal.during(std::future::ready(())).await;
             assert!(renewal.running.is_none());
@@ -677,7 +680,11 @@ mod tests {
                     store.reserve(&scope, &fingerprint, lease).await
                 })
                 .await;
-            assert_eq!(renewals() > before, renewed, "storing for {storing_for:?}");
+            assert_eq!(
+                store.renewals() > before,
+                renewed,
+                "storing for {storing_for:?}"
+            );
             if renewed {
                 // Past the first lease, the key is still this request's: the retry is refused
                 // (in flight), not given the key to run the handler again.
