@@ -102,8 +102,11 @@ pub(super) struct Renewal<'a, S> {
     /// When the last lease ends: `renew_lease_up_to` (or the first lease, if longer) after
     /// the reservation.
     hold_until: Instant,
-    /// Shared with the heartbeat: see [`Lease::storing`].
-    storing: Rc<Cell<bool>>,
+    /// Whether the response is being stored ([`Self::storing`]).
+    storing: bool,
+    /// The same, shared with the heartbeat once it runs (see [`Lease::storing`]): made only
+    /// then, so a request that needs no heartbeat allocates nothing for it.
+    storing_shared: Option<Rc<Cell<bool>>>,
 }
 
 impl<'a, S: IdempotencyStore> Renewal<'a, S> {
@@ -121,7 +124,8 @@ impl<'a, S: IdempotencyStore> Renewal<'a, S> {
             hold_until: saturating_deadline(reservation.reserved_at, held),
             due: Some(reservation),
             running: None,
-            storing: Rc::new(Cell::new(false)),
+            storing: false,
+            storing_shared: None,
         }
     }
 
@@ -140,7 +144,9 @@ impl<'a, S: IdempotencyStore> Renewal<'a, S> {
                         lease: due.lease,
                         limit: due.limit,
                         reserved_at: due.reserved_at,
-                        storing: Rc::clone(&self.storing),
+                        storing: Rc::clone(
+                            self.storing_shared.insert(Rc::new(Cell::new(self.storing))),
+                        ),
                     });
                 }
             }
@@ -160,7 +166,10 @@ impl<'a, S: IdempotencyStore> Renewal<'a, S> {
     /// and a retry after it would run the handler again (found by review, 2026-12-04). A
     /// renewal that meets the stored record answers `Stale`, which is then no alarm.
     pub(super) async fn storing<F: Future>(&mut self, store: F) -> F::Output {
-        self.storing.set(true);
+        self.storing = true;
+        if let Some(shared) = &self.storing_shared {
+            shared.set(true);
+        }
         let first_due = self
             .due
             .as_ref()
