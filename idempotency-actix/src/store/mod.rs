@@ -141,6 +141,9 @@ pub mod postgres;
 #[cfg(feature = "redis")]
 pub mod redis;
 
+#[cfg(any(feature = "postgres", feature = "redis"))]
+mod release_later;
+
 #[cfg(any(test, feature = "test-suite"))]
 pub mod conformance;
 

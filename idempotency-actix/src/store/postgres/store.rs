@@ -2,7 +2,7 @@
 //! [`IdempotencyStore`] implementation. Every statement it runs is in the `sql` module.
 
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use diesel_async::{AnsiTransactionManager, AsyncPgConnection, TransactionManager};
@@ -17,8 +17,8 @@ use super::sql::{self, Completion, ReplayRead, Reserve, ReserveRow, ScopeBinds};
 use super::tls::ConnectTarget;
 use super::{micros, PgPool, PostgresStoreBuilder, DEFAULT_PURGE_BATCH, DEFAULT_QUERY_TIMEOUT};
 use super::{DEFAULT_CONNECTION_TIMEOUT, DEFAULT_MAX_SIZE};
-use crate::config::saturating_deadline;
 use crate::log_text::LogText;
+use crate::store::release_later;
 use crate::store::{
     Fingerprint, IdempotencyStore, ReservationToken, ReserveOutcome, Scope, StoreError,
     StoredResponse, WriteOutcome,
@@ -60,35 +60,30 @@ pub struct PostgresStore {
 /// - Statements: at most a quarter of the pool's connections (at least one) carry a release at
 ///   once. A try that finds none free is skipped (its task tries again at its next turn), so
 ///   releases never take more than that share of the pool, however many tasks wait.
-/// - Tasks: at most [`MAX_BACKGROUND_RELEASE_TASKS`] per store, a bound on memory (a task is a
-///   scope and a timer). Past it a reservation that a failed reserve may have made ends with
-///   its lease (its retry is told 409 until then), as before background releases existed, and
-///   a warning says so. Nothing runs twice either way.
+/// - Tasks: at most [`release_later::MAX_TASKS`] per store ([`release_later::Tasks`]).
 pub(super) struct BackgroundReleases {
-    tasks: Arc<Semaphore>,
+    tasks: release_later::Tasks,
     statements: Semaphore,
 }
-
-/// Background release tasks one store keeps at once (about a kilobyte each).
-const MAX_BACKGROUND_RELEASE_TASKS: usize = 4096;
 
 impl BackgroundReleases {
     /// The bounds for a store whose pool has `max_size` connections.
     pub(super) fn for_pool(max_size: u32) -> Arc<Self> {
-        Self::new(max_size, MAX_BACKGROUND_RELEASE_TASKS)
+        Self::new(max_size, release_later::MAX_TASKS)
     }
 
     fn new(max_size: u32, max_tasks: usize) -> Arc<Self> {
         let statements = usize::try_from(max_size / 4).unwrap_or(1).max(1);
         Arc::new(Self {
-            tasks: Arc::new(Semaphore::new(max_tasks.min(Semaphore::MAX_PERMITS))),
+            tasks: release_later::Tasks::new(max_tasks),
             statements: Semaphore::new(statements.min(Semaphore::MAX_PERMITS)),
         })
     }
 
-    /// Room for one more task, held until the task ends; `None` when all are taken.
-    fn start(&self) -> Option<OwnedSemaphorePermit> {
-        Arc::clone(&self.tasks).try_acquire_owned().ok()
+    /// Room for one more task, held until the task ends; `None` (and a warning naming `key`)
+    /// when all are taken.
+    fn start(&self, key: &str) -> Option<OwnedSemaphorePermit> {
+        self.tasks.start(key)
     }
 
     /// Room for one release statement now, held while it runs; `None`: skip this try.
@@ -277,43 +272,30 @@ impl PostgresStore {
     }
 
     /// Release, in the background, a reservation a failed reserve may have made anyway (see
-    /// `reserve`). The statement can still commit after the first tries: one that waited on a
-    /// lock runs on until it gets it, and one held up on its way to the server (the network,
-    /// a stalled runtime) starts late, so the cancel found nothing to cancel. Its reservation
-    /// would end one lease after it started; so the release is tried for two leases from now
-    /// (covering statements that start up to a lease late), first at doubling pauses, then
-    /// every eighth of a lease, the last try at the end: an orphan is freed within an eighth
-    /// of a lease of its commit, for about two dozen statements per failure (only reserves
-    /// whose outcome is unknown: no answer in time, the connection lost).
+    /// `reserve`), on [`release_later::keep_trying`]'s schedule: the statement can still commit
+    /// after the first tries (one that waited on a lock runs on until it gets it, and one held
+    /// up on its way to the server, by the network or a stalled runtime, starts late, so the
+    /// cancel found nothing to cancel). Only reserves whose outcome is unknown (no answer in
+    /// time, the connection lost) come here.
     ///
     /// Bounded by [`BackgroundReleases`]: a try is skipped while a quarter of the pool already
     /// carries releases.
     fn release_later(&self, scope: &Scope, token: ReservationToken, lease: Duration) {
-        let Some(task) = self.background.start() else {
-            tracing::warn!(key = %LogText(&scope.key), "too many background releases pending: a reservation this failed reserve may have made is left to its lease");
+        let Some(task) = self.background.start(&scope.key) else {
             return;
         };
         let store = self.clone();
         let scope = scope.clone();
-        let until = saturating_deadline(Instant::now(), lease.saturating_mul(2));
-        let longest = (lease / 8).max(Duration::from_millis(100));
         tokio::spawn(async move {
             let _task = task;
-            let mut pause = Duration::from_millis(100);
-            loop {
-                tokio::time::sleep(pause).await;
-                if let Some(_statement) = store.background.statement() {
-                    if let Ok(WriteOutcome::Applied) = store.release(&scope, &token).await {
-                        tracing::info!(key = %LogText(&scope.key), "released a reservation made by a reserve that had failed (its answer came too late)");
-                        return;
-                    }
-                }
-                let left = until.saturating_duration_since(Instant::now());
-                if left.is_zero() {
-                    return;
-                }
-                pause = pause.saturating_mul(2).min(longest).min(left);
-            }
+            let (store, scope, token) = (&store, &scope, &token);
+            release_later::keep_trying(lease, &scope.key, move || async move {
+                let Some(_statement) = store.background.statement() else {
+                    return false;
+                };
+                matches!(store.release(scope, token).await, Ok(WriteOutcome::Applied))
+            })
+            .await;
         });
     }
 
@@ -618,15 +600,15 @@ mod tests {
     #[test]
     fn background_release_tasks_are_bounded_and_their_room_comes_back() {
         let bounds = BackgroundReleases::new(10, 3);
-        let held: Vec<_> = (0..3).filter_map(|_| bounds.start()).collect();
+        let held: Vec<_> = (0..3).filter_map(|_| bounds.start("k")).collect();
         assert_eq!(held.len(), 3);
         assert!(
-            bounds.start().is_none(),
+            bounds.start("k").is_none(),
             "a fourth task past a bound of three"
         );
         drop(held);
         assert!(
-            bounds.start().is_some(),
+            bounds.start("k").is_some(),
             "the room of ended tasks comes back"
         );
     }
