@@ -1,4 +1,4 @@
-//! A TCP proxy in front of PostgreSQL for fault and round-trip tests.
+//! TCP proxies for fault and round-trip tests, first of all in front of PostgreSQL.
 //!
 //! - [`PgProxy::stop`] closes the port and cuts every connection (the database "goes away");
 //!   [`PgProxy::resume`] listens on the same port again (it "comes back").
@@ -10,10 +10,11 @@
 //! Only plain connections can be parsed (TLS is opaque); forwarding works either way.
 //!
 //! [`delaying_proxy`] is a second, simpler proxy: it holds back one chunk carrying a marker (a
-//! late answer, or a statement that reaches the server late).
+//! late answer, or a statement that reaches the server late). [`FaultyProxy`], for any
+//! protocol, black-holes open connections or swallows replies.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -256,6 +257,84 @@ pub async fn delaying_proxy(
         }
     });
     (port, armed)
+}
+
+/// A plain TCP proxy to `upstream` (`host:port`) whose faults a test switches on:
+/// - [`cut_open_connections`](Self::cut_open_connections): every connection open at that
+///   moment becomes a black hole both ways (bytes read and dropped, sockets kept open: a
+///   half-open path, a NAT or firewall entry lost), while connections made afterwards work;
+/// - [`mute_replies`](Self::mute_replies): while on, what the server sends is swallowed on
+///   every connection (commands still reach it: replies lost on the way back).
+///
+/// A connection whose one side ends is closed on the other side too.
+pub struct FaultyProxy {
+    port: u16,
+    cuts: Arc<AtomicU64>,
+    mute: Arc<AtomicBool>,
+}
+
+impl FaultyProxy {
+    /// Listen on a free loopback port, forwarding to `upstream`.
+    pub async fn start(upstream: String) -> FaultyProxy {
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind a proxy port");
+        let port = listener.local_addr().expect("proxy address").port();
+        let (cuts, mute) = (
+            Arc::new(AtomicU64::new(0)),
+            Arc::new(AtomicBool::new(false)),
+        );
+        let (cuts_now, mute_now) = (Arc::clone(&cuts), Arc::clone(&mute));
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(server) = TcpStream::connect(&upstream).await else {
+                    continue;
+                };
+                let cut_at = cuts_now.load(Ordering::SeqCst);
+                let (client_read, client_write) = client.into_split();
+                let (server_read, server_write) = server.into_split();
+                let ways = [
+                    (client_read, server_write, None),
+                    (server_read, client_write, Some(Arc::clone(&mute_now))),
+                ];
+                for (mut from, mut to, mute) in ways {
+                    let cuts = Arc::clone(&cuts_now);
+                    tokio::spawn(async move {
+                        let mut buf = vec![0u8; 64 * 1024];
+                        loop {
+                            let n = match from.read(&mut buf).await {
+                                Ok(0) | Err(_) => return,
+                                Ok(n) => n,
+                            };
+                            let cut = cuts.load(Ordering::SeqCst) > cut_at;
+                            if cut || mute.as_ref().is_some_and(|m| m.load(Ordering::SeqCst)) {
+                                continue;
+                            }
+                            if to.write_all(&buf[..n]).await.is_err() {
+                                return;
+                            }
+                        }
+                    });
+                }
+            }
+        });
+        FaultyProxy { port, cuts, mute }
+    }
+
+    /// The loopback port it listens on.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// Black-hole every connection open now (see the type's docs).
+    pub fn cut_open_connections(&self) {
+        self.cuts.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// Swallow (`true`) or forward (`false`) what the server sends.
+    pub fn mute_replies(&self, on: bool) {
+        self.mute.store(on, Ordering::SeqCst);
+    }
 }
 
 /// `host:port` of a `postgres://` URL (port 5432 when absent).

@@ -73,9 +73,13 @@
 //! # Faults
 //! Redis unreachable, a timeout (default 2 s per call), `LOADING`, `BUSY`, `READONLY`, `OOM`,
 //! `MISCONF`, `NOREPLICAS`, `MASTERDOWN`, `CLUSTERDOWN`, `TRYAGAIN`: [`StoreError::Unavailable`] (503 before the
-//! handler; `complete` is retried by the middleware until the lease ends). A reserve that timed
-//! out may still have run on the server: a release fenced by its token follows it on the same
-//! connection (`give_back_later`), so its key is not held by nobody for a lease.
+//! handler; `complete` is retried by the middleware until the lease ends). A connection that
+//! gave no answer in time is replaced in the background (module `connections`), so the retries
+//! of `complete` and the lease renewals do not all go down a dead connection while Redis
+//! answers new ones. A reserve that failed without an answer may still have run on the server:
+//! a release fenced by its token follows it on the same connection, and is tried again in the
+//! background for two leases (`give_back_later`), so its key is not held by nobody for a lease,
+//! also when the reservation comes back with a Redis restarted from its AOF.
 //!
 //! A full Redis (`OOM` under `noeviction`) refuses new keys only, like a full memory store
 //! (C22). It refuses a reserve's `SET` before running it, even for a key it holds, so on `OOM`
@@ -83,8 +87,10 @@
 //! full): a script without flags runs under `OOM` and fails only when it writes. A completed
 //! record still replays (or carries its fingerprint, for the 422), a reservation is still in
 //! flight (409); a new key or a takeover needs a write and fails with `OOM` (503). The same
-//! holds while Redis refuses writes for another reason: `MISCONF` (it cannot persist) and
-//! `NOREPLICAS` (`min-replicas-to-write` not met). `complete` is flagged `allow-oom`: the
+//! holds while Redis refuses writes for another reason: `MISCONF` (it cannot persist),
+//! `NOREPLICAS` (`min-replicas-to-write` not met) and `READONLY` (the node was demoted to a
+//! replica by a failover and still serves reads; with `fail_open` an `Unavailable` here would
+//! have run a completed payment's handler again). `complete` is flagged `allow-oom`: the
 //! response of a request Redis admitted is stored even when Redis filled up while its handler
 //! ran (memory may then pass `maxmemory` by the responses of the requests in flight), because
 //! a refused completion leaves the reservation to end, and the retry after it would run the
@@ -98,7 +104,6 @@
 //! disabled (managed Redis) it warns that it could not check. Use `noeviction`.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -108,11 +113,15 @@ pub use redis;
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::{RedisError, Script, Value};
 
+mod connections;
 mod nodes;
 mod per_thread;
 pub mod record;
 pub use nodes::{cluster_enabled, KeyScan};
 
+use connections::{Connections, Origin, Picked};
+
+use super::release_later;
 use super::{
     Fingerprint, IdempotencyStore, ReservationToken, ReserveOutcome, Scope, StoreError,
     StoredResponse, WriteOutcome,
@@ -302,17 +311,12 @@ impl RedisStoreBuilder {
             conns.push(conn);
         }
         // Not with `WAIT`: its connections are there to be waited on side by side.
-        let per_thread = (self.per_thread && self.wait.is_none()).then(|| {
-            per_thread::PerThread::new(client, config, self.connection_timeout.saturating_mul(3))
-        });
-        let mut store = self.with_connections(conns).await?;
-        if let Some(local) = per_thread {
-            // Made before anything shares `inner`.
-            if let Some(inner) = Arc::get_mut(&mut store.inner) {
-                inner.per_thread = Some(local);
-            }
-        }
-        Ok(store)
+        let attempt = self.connection_timeout.saturating_mul(3);
+        let per_thread = (self.per_thread && self.wait.is_none())
+            .then(|| per_thread::PerThread::new(client.clone(), config.clone(), attempt));
+        let remake = connections::Remake::new(client, config, attempt);
+        self.with_connections(Connections::new(conns, per_thread, remake))
+            .await
     }
 
     /// Connect to a Redis Cluster (feature `redis-cluster`) through the redis crate's cluster
@@ -347,7 +351,8 @@ impl RedisStoreBuilder {
             .map_err(classify)?;
             conns.push(conn);
         }
-        self.with_connections(conns).await
+        self.with_connections(Connections::new(conns, None, None))
+            .await
     }
 
     /// Build the store over a connection the app already has, after the eviction check.
@@ -360,22 +365,18 @@ impl RedisStoreBuilder {
     where
         C: ConnectionLike + Clone + Send + Sync + 'static,
     {
-        self.with_connections(vec![conn]).await
+        self.with_connections(Connections::new(vec![conn], None, None))
+            .await
     }
 
     /// [`with_connection`](Self::with_connection) over `conns`, which calls take in turn;
     /// empty is refused.
-    async fn with_connections<C>(self, conns: Vec<C>) -> Result<RedisStore<C>, StoreError>
+    async fn with_connections<C>(self, conns: Connections<C>) -> Result<RedisStore<C>, StoreError>
     where
         C: ConnectionLike + Clone + Send + Sync + 'static,
     {
         validate_key_prefix(&self.prefix)?;
-        let Some(first) = conns.first() else {
-            return Err(StoreError::Backend(
-                "no Redis connection to build on".into(),
-            ));
-        };
-        let mut probe = first.clone();
+        let mut probe = conns.first();
         check_version(&mut probe, self.response_timeout).await?;
         let readable =
             check_eviction(&mut probe, self.eviction_check, self.response_timeout).await?;
@@ -409,17 +410,16 @@ impl RedisStoreBuilder {
         self.response_timeout.saturating_add(wait)
     }
 
-    /// The store over `conns` (not empty: `pick` takes them in turn).
-    fn build_unchecked<C>(self, conns: Vec<C>) -> RedisStore<C> {
+    /// The store over `conns`.
+    fn build_unchecked<C>(self, conns: Connections<C>) -> RedisStore<C> {
         RedisStore {
-            conns: conns.into(),
+            conns: Arc::new(conns),
             inner: Arc::new(Inner {
-                next: AtomicUsize::new(0),
                 prefix: self.prefix,
                 grace_us: micros(self.in_flight_grace),
                 timeout: self.response_timeout,
                 wait: self.wait,
-                per_thread: None,
+                give_backs: release_later::Tasks::new(release_later::MAX_TASKS),
                 eviction_recheck: None,
                 reserve: Script::new(include_str!("redis/reserve.lua")),
                 complete: Script::new(include_str!("redis/complete.lua")),
@@ -437,21 +437,18 @@ impl RedisStoreBuilder {
 /// Cloning is cheap; clones share the connections.
 #[derive(Clone)]
 pub struct RedisStore<C = ConnectionManager> {
-    /// Never empty; calls take them in turn ([`RedisStoreBuilder::connections`]).
-    conns: Arc<[C]>,
+    /// Taken in turn ([`RedisStoreBuilder::connections`]), or the calling thread's own.
+    conns: Arc<Connections<C>>,
     inner: Arc<Inner>,
 }
 
 struct Inner {
-    /// Which of the connections the next call takes.
-    next: AtomicUsize,
     prefix: String,
     grace_us: u64,
     timeout: Duration,
     wait: Option<(u32, Duration)>,
-    /// Each thread's own connection ([`RedisStoreBuilder::connection_per_thread`]); only in
-    /// stores whose connection type is `ConnectionManager`.
-    per_thread: Option<per_thread::PerThread>,
+    /// Bound on background releases ([`RedisStore::give_back_later`]).
+    give_backs: release_later::Tasks,
     /// What [`RedisStore::check`] does about the eviction policy (`None`: not asked).
     eviction_recheck: Option<EvictionCheck>,
     reserve: Script,
@@ -492,31 +489,19 @@ where
     /// [`RedisStoreBuilder::with_connection`] for those). Its own response timeout still bounds
     /// every call.
     pub fn from_connection(conn: C) -> Self {
-        RedisStore::builder().build_unchecked(vec![conn])
+        RedisStore::builder().build_unchecked(Connections::new(vec![conn], None, None))
     }
 
     /// The (first) connection, a clone, e.g. for a readiness probe.
     pub fn connection(&self) -> C {
-        // Never empty: every constructor gives at least one.
-        self.conns[0].clone()
+        self.conns.first()
     }
 
-    /// The connection for the next call: each in turn. A write and its `WAIT` must share one
-    /// (`WAIT` counts the replicas that have that connection's writes), so a call that needs
-    /// both takes it once.
-    fn pick(&self) -> C {
-        if let Some(local) = self.inner.per_thread.as_ref().and_then(|p| p.get()) {
-            // `per_thread` is set only by `connect`, whose store's `C` is `ConnectionManager`.
-            let mut local = Some(local);
-            if let Some(conn) = (&mut local as &mut dyn std::any::Any)
-                .downcast_mut::<Option<C>>()
-                .and_then(Option::take)
-            {
-                return conn;
-            }
-        }
-        let i = self.inner.next.fetch_add(1, Ordering::Relaxed) % self.conns.len();
-        self.conns[i].clone()
+    /// The connection for the next call: the thread's own, or each shared one in turn. A write
+    /// and its `WAIT` must share one (`WAIT` counts the replicas that have that connection's
+    /// writes), so a call that needs both takes it once.
+    fn pick(&self) -> Picked<C> {
+        self.conns.pick()
     }
 
     /// The key prefix.
@@ -535,36 +520,50 @@ where
     /// otherwise) fails the probe under [`EvictionCheck::Refuse`] and logs a warning under
     /// `Warn`. Not asked where `CONFIG GET` was refused at connect, nor with `Skip`.
     pub async fn check(&self) -> Result<(), StoreError> {
-        let mut conn = self.pick();
-        self.timed(redis::cmd("PING").query_async::<()>(&mut conn))
-            .await?;
+        let mut picked = self.pick();
+        self.timed(
+            &picked.origin,
+            redis::cmd("PING").query_async::<()>(&mut picked.conn),
+        )
+        .await?;
         if let Some(check) = self.inner.eviction_recheck {
-            check_eviction(&mut conn, check, self.inner.timeout).await?;
+            check_eviction(&mut picked.conn, check, self.inner.timeout).await?;
         }
         Ok(())
     }
 
+    /// Redis's answer to `call` over `origin`'s connection, classified.
     async fn timed<T>(
         &self,
+        origin: &Origin,
         call: impl std::future::Future<Output = Result<T, RedisError>>,
     ) -> Result<T, StoreError> {
-        self.answer(call).await?.map_err(classify)
+        self.answer(origin, call).await?.map_err(classify)
     }
 
-    /// Redis's answer to `call`, its errors unclassified (for a caller that handles one of
-    /// them itself); no answer within the response timeout is [`StoreError::Unavailable`].
+    /// Redis's answer to `call` over `origin`'s connection, its errors unclassified (for a
+    /// caller that handles one of them itself); no answer within the response timeout is
+    /// [`StoreError::Unavailable`]. A connection that gave no answer in time is replaced
+    /// (module `connections` says why).
     async fn answer<T>(
         &self,
+        origin: &Origin,
         call: impl std::future::Future<Output = Result<T, RedisError>>,
     ) -> Result<Result<T, RedisError>, StoreError> {
-        tokio::time::timeout(self.inner.timeout, call)
-            .await
-            .map_err(|_| {
-                StoreError::unavailable(format!(
+        match tokio::time::timeout(self.inner.timeout, call).await {
+            Ok(Err(e)) if e.is_timeout() => {
+                self.conns.went_silent(origin);
+                Ok(Err(e))
+            }
+            Ok(answer) => Ok(answer),
+            Err(_) => {
+                self.conns.went_silent(origin);
+                Err(StoreError::unavailable(format!(
                     "Redis did not answer within {} ms",
                     self.inner.timeout.as_millis()
-                ))
-            })
+                )))
+            }
+        }
     }
 
     /// The native half of `reserve`: `SET key <reservation> NX GET PX <life>` and `TIME`,
@@ -572,7 +571,7 @@ where
     /// node, the clock that wrote the record's times).
     async fn set_or_get(
         &self,
-        conn: &mut C,
+        picked: &mut Picked<C>,
         key: &str,
         reservation: &[u8],
         life_ms: u64,
@@ -581,6 +580,7 @@ where
         type Reply = (Option<Vec<u8>>, (u64, u64));
         let answer: Result<Reply, RedisError> = self
             .answer(
+                &picked.origin,
                 redis::pipe()
                     .cmd("SET")
                     .arg(key)
@@ -590,7 +590,7 @@ where
                     .arg("PX")
                     .arg(life_ms)
                     .cmd("TIME")
-                    .query_async(conn),
+                    .query_async(&mut picked.conn),
             )
             .await?;
         match answer {
@@ -601,10 +601,16 @@ where
             )),
             // Redis refuses a `SET` before running it while it refuses writes: under `OOM` (it
             // is flagged as a command that may grow memory), `MISCONF` (it cannot persist: a
-            // failed `BGSAVE` under `stop-writes-on-bgsave-error`, an AOF write error) and
-            // `NOREPLICAS` (`min-replicas-to-write` not met), even when the key exists and `NX`
-            // would write nothing.
-            Err(e) if matches!(e.code(), Some("OOM" | "MISCONF" | "NOREPLICAS")) => {
+            // failed `BGSAVE` under `stop-writes-on-bgsave-error`, an AOF write error),
+            // `NOREPLICAS` (`min-replicas-to-write` not met) and `READONLY` (a primary demoted
+            // to a replica by a failover, still holding every record), even when the key exists
+            // and `NX` would write nothing.
+            Err(e)
+                if matches!(
+                    e.code(),
+                    Some("OOM" | "MISCONF" | "NOREPLICAS" | "READONLY")
+                ) =>
+            {
                 Ok(SetOrGet::WritesRefused)
             }
             Err(e) => Err(classify(e)),
@@ -617,14 +623,14 @@ where
     /// found a record that is not a completed one.
     async fn decide(
         &self,
-        conn: &mut C,
+        picked: &mut Picked<C>,
         key: &str,
         fingerprint: &Fingerprint,
         reservation: &[u8],
         life_ms: u64,
         token: ReservationToken,
     ) -> Result<ReserveOutcome, StoreError> {
-        let outcome = match self.set_or_get(conn, key, reservation, life_ms).await? {
+        let outcome = match self.set_or_get(picked, key, reservation, life_ms).await? {
             SetOrGet::Reserved => ReserveOutcome::Reserved { token },
             SetOrGet::Found(bytes, now_us) if bytes.first() == Some(&record::COMPLETED) => {
                 completed(record::decode(bytes).map_err(corrupt)?, |expires_us| {
@@ -651,13 +657,14 @@ where
             SetOrGet::Found(..) | SetOrGet::WritesRefused => {
                 let reply: Value = self
                     .timed(
+                        &picked.origin,
                         self.inner
                             .reserve
                             .key(key)
                             .arg(fingerprint.as_bytes())
                             .arg(reservation)
                             .arg(life_ms)
-                            .invoke_async(conn),
+                            .invoke_async(&mut picked.conn),
                     )
                     .await?;
                 decode_reserve(reply, token)?
@@ -667,34 +674,56 @@ where
     }
 
     /// After a failed reserve, give back the reservation it may have made anyway, in the
-    /// background. A reply that timed out (Redis slow or frozen, a network pause) or a
-    /// connection lost after sending leaves the `SET` (or the script) sent and perhaps applied
-    /// later: the caller answers 503 and runs nothing, and without this the key would be held
-    /// by nobody for a whole lease, the client's retry of the same request told 409. The
-    /// release is fenced by this call's token (a no-op if the write never happened or someone
-    /// else holds the key now) and goes on the same connection, behind the write it undoes.
-    fn give_back_later(&self, mut conn: C, scope: &Scope, token: ReservationToken) {
+    /// background (module `release_later` says why). A reply that timed out (Redis slow or
+    /// frozen, a network pause) or a connection lost after sending leaves the `SET` (or the
+    /// script) sent and perhaps applied, or applied later; with AOF, applied just before a
+    /// crash and found again after the restart. The first release goes on the same
+    /// connection, behind the write it undoes; if that does not release it (Redis gone, the
+    /// connection silent), it is tried again on [`release_later::keep_trying`]'s schedule, so a
+    /// reservation that comes back with a restarted Redis is freed soon after, not at the end
+    /// of its lease. Fenced by this call's token: a no-op if the write never happened or
+    /// someone else holds the key now.
+    fn give_back_later(
+        &self,
+        mut picked: Picked<C>,
+        scope: &Scope,
+        token: ReservationToken,
+        lease: Duration,
+    ) {
+        let Some(task) = self.inner.give_backs.start(&scope.key) else {
+            return;
+        };
         let store = self.clone();
         let scope = scope.clone();
         tokio::spawn(async move {
-            let _ = store.release_on(&mut conn, &scope, &token).await;
+            let _task = task;
+            if let Ok(WriteOutcome::Applied) = store.release_on(&mut picked, &scope, &token).await {
+                return;
+            }
+            drop(picked);
+            let (store, scope, token) = (&store, &scope, &token);
+            release_later::keep_trying(lease, &scope.key, move || async move {
+                matches!(store.release(scope, token).await, Ok(WriteOutcome::Applied))
+            })
+            .await;
         });
     }
 
     async fn release_on(
         &self,
-        conn: &mut C,
+        picked: &mut Picked<C>,
         scope: &Scope,
         token: &ReservationToken,
     ) -> Result<WriteOutcome, StoreError> {
         let key = self.key_of(scope);
         let released: i64 = self
             .timed(
+                &picked.origin,
                 self.inner
                     .release
                     .key(&key)
                     .arg(record::token_text(token))
-                    .invoke_async(conn),
+                    .invoke_async(&mut picked.conn),
             )
             .await?;
         Ok(fenced(released))
@@ -704,17 +733,18 @@ where
     /// Redis answers while it refuses writes).
     async fn completed_by(
         &self,
-        conn: &mut C,
+        picked: &mut Picked<C>,
         key: &str,
         token: &ReservationToken,
     ) -> Result<bool, StoreError> {
         let head: Vec<u8> = self
             .timed(
+                &picked.origin,
                 redis::cmd("GETRANGE")
                     .arg(key)
                     .arg(0)
                     .arg(record::WRITE_HEAD_LAST)
-                    .query_async(conn),
+                    .query_async(&mut picked.conn),
             )
             .await?;
         Ok(record::holds_write(&head, record::COMPLETED, token))
@@ -733,7 +763,7 @@ where
     /// saw the write, so it proves nothing. Same pipeline, so the same node answers both.
     async fn wait_replicas(
         &self,
-        conn: &mut C,
+        picked: &mut Picked<C>,
         key: &str,
         (state, token): (u8, &ReservationToken),
         replicas: u32,
@@ -751,10 +781,14 @@ where
                 .cmd("WAIT")
                 .arg(replicas)
                 .arg(timeout_ms)
-                .query_async(conn),
+                .query_async(&mut picked.conn),
         )
         .await
-        .map_err(|_| StoreError::unavailable("Redis did not answer WAIT in time"))?
+        .map_err(|_| {
+            // Silent past WAIT's own timeout: the connection, not the replicas.
+            self.conns.went_silent(&picked.origin);
+            StoreError::unavailable("Redis did not answer WAIT in time")
+        })?
         .map_err(classify)?;
         if !record::holds_write(&head, state, token) {
             return Err(StoreError::unavailable(
@@ -772,7 +806,7 @@ enum SetOrGet {
     Reserved,
     /// The record that was there, untouched, and Redis's clock in microseconds.
     Found(Bytes, u64),
-    /// Redis refuses writes (`OOM`, `MISCONF`, `NOREPLICAS`) and refused the `SET` without
+    /// Redis refuses writes (`OOM`, `MISCONF`, `NOREPLICAS`, `READONLY`) and refused the `SET` without
     /// looking at the key.
     WritesRefused,
 }
@@ -1204,14 +1238,14 @@ where
         let reservation =
             record::in_flight(fingerprint, &token, unix_micros_here(), lease_us, grace_us);
         let life_ms = key_life_ms(lease_us, grace_us);
-        let mut conn = self.pick();
+        let mut picked = self.pick();
         let decided = self
-            .decide(&mut conn, &key, fingerprint, &reservation, life_ms, token)
+            .decide(&mut picked, &key, fingerprint, &reservation, life_ms, token)
             .await;
         let outcome = match decided {
             Ok(outcome) => outcome,
             Err(error) => {
-                self.give_back_later(conn, scope, token);
+                self.give_back_later(picked, scope, token, lease);
                 return Err(error);
             }
         };
@@ -1220,7 +1254,7 @@ where
         {
             let acknowledged = self
                 .wait_replicas(
-                    &mut conn,
+                    &mut picked,
                     &key,
                     (record::IN_FLIGHT, &token),
                     replicas,
@@ -1228,9 +1262,11 @@ where
                 )
                 .await;
             if !matches!(acknowledged, Ok(true)) {
-                // Not known to be durable enough to run the handler on: give the key back
-                // (best effort: if Redis is gone, the reservation ends with its lease).
-                let _ = self.release_on(&mut conn, scope, &token).await;
+                // Not known to be durable enough to run the handler on: give the key back, at
+                // once, or in the background if Redis does not answer now.
+                if self.release_on(&mut picked, scope, &token).await.is_err() {
+                    self.give_back_later(picked, scope, token, lease);
+                }
                 acknowledged?;
                 return Err(StoreError::unavailable(format!(
                     "the reservation did not reach {replicas} Redis replica(s) in time"
@@ -1248,16 +1284,17 @@ where
         ttl: Duration,
     ) -> Result<WriteOutcome, StoreError> {
         let key = self.key_of(scope);
-        let mut conn = self.pick();
+        let mut picked = self.pick();
         let answer = self
             .answer(
+                &picked.origin,
                 self.inner
                     .complete
                     .key(&key)
                     .arg(record::token_text(token))
                     .arg(micros(ttl))
                     .arg(record::response_tail(response))
-                    .invoke_async(&mut conn),
+                    .invoke_async(&mut picked.conn),
             )
             .await?;
         let applied: i64 = match answer {
@@ -1266,7 +1303,7 @@ where
             // with flags is a write), even when it would only find the record completed by
             // this token: a retry after a lost reply. That one is answered by reading it.
             Err(e) if matches!(e.code(), Some("MISCONF" | "NOREPLICAS" | "READONLY")) => {
-                if self.completed_by(&mut conn, &key, token).await? {
+                if self.completed_by(&mut picked, &key, token).await? {
                     1
                 } else {
                     return Err(classify(e));
@@ -1282,7 +1319,7 @@ where
             // between the script and `WAIT`): the middleware retries, as below.
             if !self
                 .wait_replicas(
-                    &mut conn,
+                    &mut picked,
                     &key,
                     (record::COMPLETED, token),
                     replicas,
@@ -1337,14 +1374,16 @@ where
         // No `WAIT` (see above): it would hold a connection on every renewal to guard only
         // against a lease falling back to what it was.
         let life_ms = key_life_ms(lease_micros(lease), self.inner.grace_us);
+        let mut picked = self.pick();
         let renewed: i64 = self
             .timed(
+                &picked.origin,
                 self.inner
                     .renew
                     .key(&key)
                     .arg(record::token_text(token))
                     .arg(life_ms)
-                    .invoke_async(&mut self.pick()),
+                    .invoke_async(&mut picked.conn),
             )
             .await?;
         Ok(fenced(renewed))
@@ -1367,10 +1406,10 @@ where
         if grace_us >= self.inner.grace_us {
             return Ok(0);
         }
-        let mut conn = self.pick();
+        let Picked { mut conn, origin } = self.pick();
         let mut scan = KeyScan::new(format!("{}*", self.inner.prefix));
         let mut deleted = 0u64;
-        while let Some(keys) = self.timed(scan.next_batch(&mut conn)).await? {
+        while let Some(keys) = self.timed(&origin, scan.next_batch(&mut conn)).await? {
             // `<prefix>*` also matches the keys of a store whose prefix starts with ours
             // (`idem:x:` under `idem:`): not ours to purge with our grace. Such a key has more
             // parts after our prefix than a record key, so it does not parse.
@@ -1388,7 +1427,7 @@ where
                 }
             });
             let results = self
-                .timed(futures_util::future::try_join_all(calls))
+                .timed(&origin, futures_util::future::try_join_all(calls))
                 .await?;
             deleted += results.iter().filter(|n| **n == 1).count() as u64;
         }

@@ -1,7 +1,9 @@
 //! The Redis store when Redis is degraded: full (`OOM`), unable to persist (`MISCONF`), short of
-//! replicas (`NOREPLICAS`), a replica lagging behind `WAIT`; and concurrent duplicates on two
-//! workers with a connection each. From a review (2026-12-04): the first three failed on the
-//! code before it (a full Redis ran a handler twice; the other two answered 503 to replays).
+//! replicas (`NOREPLICAS`), a replica lagging behind `WAIT`; concurrent duplicates on two
+//! workers with a connection each; a demoted primary (`READONLY`), a connection that stops
+//! answering while Redis does not, and a reserve's reply lost in a crash. From two reviews
+//! (2026-12-04): the first three and the last three failed on the code before them (see each
+//! test's docs).
 
 use std::time::{Duration, Instant};
 
@@ -13,6 +15,7 @@ use idempotency_actix::store::{
     WriteOutcome,
 };
 use idempotency_actix::Fingerprint;
+use idempotency_e2e::proxy::FaultyProxy;
 use idempotency_e2e::redis_server::{connection as conn, replica_of, RedisServer};
 
 const FP: Fingerprint = Fingerprint([0xAA; 32]);
@@ -462,5 +465,159 @@ async fn a_retried_completion_of_a_stored_response_is_applied_while_redis_refuse
         matches!(retried, Ok(WriteOutcome::Applied)),
         "the record is completed by this token (a replay still works), but the retried \
          complete got {retried:?}"
+    );
+}
+
+/// The node the store talks to became a replica (a failover demoted it; Sentinel or a managed
+/// Redis moves the address only later): it still holds every record and serves reads, but
+/// refuses writes with `READONLY`, and Redis refuses the reserve's `SET ... NX GET` before
+/// looking at the key. Before the fix a retry of a completed payment got 503 instead of its
+/// replay and a duplicate of a running one 503 instead of 409; and with `fail_open` (an
+/// `Unavailable` error) the middleware ran the completed payment's handler again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_demoted_primary_still_replays_completed_records() {
+    let redis = RedisServer::start();
+    let store = RedisStore::connect(&redis.url()).await.expect("connect");
+    let (done, _, busy) = a_completed_and_a_running_record(&store, "readonly").await;
+    // Demoted: a replica of a primary it cannot reach (it keeps its data meanwhile).
+    let mut c = conn(&redis.url()).await;
+    let unreachable = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = unreachable.local_addr().expect("addr").port();
+    drop(unreachable);
+    let _: () = redis::cmd("REPLICAOF")
+        .arg("127.0.0.1")
+        .arg(port)
+        .query_async(&mut c)
+        .await
+        .expect("REPLICAOF");
+    let probe = redis::cmd("SET")
+        .arg("probe")
+        .arg("x")
+        .query_async::<()>(&mut c)
+        .await;
+    assert!(
+        probe.as_ref().is_err_and(|e| e.code() == Some("READONLY")),
+        "{probe:?}"
+    );
+    assert_still_answered(&store, &done, &busy).await;
+    // A new key needs a write: refused (503, closed), never reserved.
+    let new = store.reserve(&scope("readonly-new"), &FP, TTL).await;
+    assert!(matches!(new, Err(StoreError::Unavailable(_))), "{new:?}");
+}
+
+/// One connection of the store goes half-open while a handler runs (a NAT or firewall entry
+/// lost); Redis stays reachable. The middleware retries `complete` until the lease ends (C16).
+/// Before the fix every retry went down the same dead connection (the redis crate reconnects
+/// after a reset, not after a response timeout), the response was never stored, and the
+/// client's retry through another instance (or another worker, each with its own connection)
+/// took the key over after the lease: the handler ran a second time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_that_stops_answering_is_replaced_before_the_lease_ends() {
+    the_store_recovers_from_a_silent_connection(false).await;
+}
+
+/// The same with a connection per thread (the default): the thread's connection and the
+/// shared one, both open when the path breaks, are replaced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_threads_connection_that_stops_answering_is_replaced_before_the_lease_ends() {
+    the_store_recovers_from_a_silent_connection(true).await;
+}
+
+async fn the_store_recovers_from_a_silent_connection(per_thread: bool) {
+    let redis = RedisServer::start();
+    let proxy = FaultyProxy::start(format!("127.0.0.1:{}", redis.port())).await;
+    let url = format!("redis://127.0.0.1:{}/", proxy.port());
+    let connect = || {
+        RedisStore::builder()
+            .response_timeout(Duration::from_millis(300))
+            .connection_per_thread(per_thread)
+            .connect(&url)
+    };
+    let store = connect().await.expect("connect");
+    if per_thread {
+        // This thread's own connection is made in the background after its first call.
+        let _ = store.reserve(&scope("warm-up"), &FP, TTL).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let lease = Duration::from_secs(4);
+    let s = scope("half-open");
+    let token = match store.reserve(&s, &FP, lease).await {
+        Ok(ReserveOutcome::Reserved { token }) => token,
+        other => panic!("expected Reserved, got {other:?}"),
+    };
+    // The handler runs; meanwhile the store's connection goes half-open.
+    proxy.cut_open_connections();
+    let other_instance = connect()
+        .await
+        .expect("a new connection to the same Redis works");
+    // The middleware's retries of `complete` (every 250 ms here, more often than its own).
+    let until = Instant::now() + lease;
+    let mut failures = Vec::new();
+    let mut stored = false;
+    while !stored && Instant::now() + Duration::from_millis(400) < until {
+        match store.complete(&s, &token, &response(), TTL).await {
+            Ok(WriteOutcome::Applied) => stored = true,
+            other => failures.push(format!("{other:?}")),
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    tokio::time::sleep(until.saturating_duration_since(Instant::now()) + Duration::from_millis(50))
+        .await;
+    let retry = other_instance.reserve(&s, &FP, lease).await;
+    assert!(
+        stored && matches!(retry, Ok(ReserveOutcome::Completed { .. })),
+        "the response was never stored although Redis answered new connections ({} failed \
+         tries, last {:?}); the client's retry after the lease got {retry:?}",
+        failures.len(),
+        failures.last()
+    );
+}
+
+/// Redis (AOF, `appendfsync always`, as docs/redis.md recommends for payments) applies a
+/// reserve's `SET` and crashes before its reply reaches the app; it is back three seconds later
+/// with the reservation. The reserve failed (503: the handler never ran). Before the fix the
+/// store's one attempt to give the reservation back was made while Redis was down and never
+/// again: every retry of a request that never ran got 409 for the whole lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reserve_whose_reply_was_lost_in_a_crash_does_not_hold_the_key_for_a_lease() {
+    let mut redis = RedisServer::start_with(&["--appendonly", "yes", "--appendfsync", "always"]);
+    let proxy = FaultyProxy::start(format!("127.0.0.1:{}", redis.port())).await;
+    let store = RedisStore::builder()
+        .connection_per_thread(false)
+        .connect(&format!("redis://127.0.0.1:{}/", proxy.port()))
+        .await
+        .expect("connect");
+    let lease = Duration::from_secs(60);
+    let s = scope("reply-lost");
+    proxy.mute_replies(true);
+    let pending = {
+        let (store, s) = (store.clone(), s.clone());
+        tokio::spawn(async move { store.reserve(&s, &FP, lease).await })
+    };
+    // The SET is applied and on disk; its reply is lost. Then Redis crashes.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    redis.kill();
+    let first = pending.await.expect("reserve task");
+    assert!(
+        matches!(first, Err(StoreError::Unavailable(_))),
+        "{first:?}"
+    );
+    proxy.mute_replies(false);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    redis.restart();
+    // The reservation is back from the AOF (before the fix every retry here got `InFlight`
+    // with most of the 60 s lease left): the background release frees it within seconds.
+    let mut answers = Vec::new();
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(8) {
+        let retry = store.reserve(&s, &FP, lease).await;
+        if matches!(retry, Ok(ReserveOutcome::Reserved { .. })) {
+            return;
+        }
+        answers.push(format!("{retry:?}"));
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    panic!(
+        "a request that never ran is refused for a whole lease after Redis came back: {answers:#?}"
     );
 }

@@ -23,6 +23,10 @@
 //! task on that runtime: once the runtime is gone, so is the sentinel, and the next call on the
 //! thread makes a new connection instead of sending into a dead one.
 //!
+//! A connection that did not answer a call in time is marked silent ([`ThreadConn::went_silent`],
+//! from whichever thread noticed), and the next call on its thread makes a new one the same way
+//! (module `connections` says why a silent connection is replaced).
+//!
 //! The thread holds its connections, so they close when it exits (a short-lived thread, such
 //! as one of Tokio's blocking pool, leaves nothing behind); a store dropped before the thread
 //! leaves its connection there until the thread next looks up a connection of any store.
@@ -31,7 +35,7 @@
 //! (bb8 and deadpool share one pool between threads, which is the crossing this avoids).
 
 use std::cell::RefCell;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
@@ -56,6 +60,21 @@ pub(super) struct PerThread {
 struct Slot {
     ready: OnceLock<Ready>,
     attempt: Mutex<Attempt>,
+    /// A call over the connection got no answer in time: make another.
+    silent: AtomicBool,
+}
+
+/// A thread's connection, lent to one call.
+pub(super) struct ThreadConn {
+    pub(super) conn: ConnectionManager,
+    slot: Arc<Slot>,
+}
+
+impl ThreadConn {
+    /// The call got no answer in time: its thread makes a new connection at its next call.
+    pub(super) fn went_silent(&self) {
+        self.slot.silent.store(true, Ordering::Relaxed);
+    }
 }
 
 struct Ready {
@@ -104,13 +123,17 @@ impl PerThread {
     /// This thread's connection if it is ready; `None` otherwise (use the shared one), after
     /// starting to make it if no attempt runs and none failed in the last second. Outside a
     /// Tokio runtime, always `None`.
-    pub(super) fn get(&self) -> Option<ConnectionManager> {
+    pub(super) fn get(&self) -> Option<ThreadConn> {
         let slot = self.slot()?;
         if let Some(ready) = slot.ready.get() {
-            if !ready.alive.is_closed() {
-                return Some(ready.conn.clone());
+            if !ready.alive.is_closed() && !slot.silent.load(Ordering::Relaxed) {
+                return Some(ThreadConn {
+                    conn: ready.conn.clone(),
+                    slot,
+                });
             }
-            // Made on a runtime that has shut down: forget it, make another on this one.
+            // Made on a runtime that has shut down, or silent: forget it, make another on
+            // this thread's runtime.
             let fresh = self.replace()?;
             self.start(fresh);
             return None;
@@ -133,6 +156,7 @@ impl PerThread {
                 let slot = Arc::new(Slot {
                     ready: OnceLock::new(),
                     attempt: Mutex::new(Attempt::default()),
+                    silent: AtomicBool::new(false),
                 });
                 slots.push(Entry {
                     store: self.id,
