@@ -748,11 +748,18 @@ where
             sql::rollback(&tx.store, &mut conn).await;
             log_rollback("response too large");
             tracing::warn!(target: "idempotency_actix", outcome = "rolled_back", max_response_bytes = config.max_response_bytes, "a storable response is larger than max_response_bytes: in transactional mode it cannot be sent without being stored, so the transaction was rolled back; raise max_response_bytes for this route");
+            // A keyless request is rolled back too: nothing may reach the client before
+            // COMMIT, and `max_response_bytes` is what bounds the buffer that waits for it.
+            let retry = if scope.is_some() {
+                "a retry with the same key is safe"
+            } else {
+                "retrying is safe"
+            };
             let problem = Problem::new(
                 ProblemCode::ResponseTooLarge,
                 format!(
-                    "the response is larger than this route may store ({} bytes), so it was \
-                     not committed; nothing was done and a retry with the same key is safe",
+                    "the response is larger than this route may send in transactional mode \
+                     ({} bytes), so it was not committed; nothing was done and {retry}",
                     config.max_response_bytes
                 ),
             );

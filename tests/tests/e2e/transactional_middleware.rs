@@ -682,6 +682,21 @@ async fn storable_response_over_the_limit_is_rolled_back() {
     assert_eq!(big.status, StatusCode::INTERNAL_SERVER_ERROR);
     assert_eq!(big.body["code"], "RESPONSE_TOO_LARGE");
     assert_nothing_kept(&db, "b1", 0);
+    // Without a key it is rolled back too (nothing may reach the client before COMMIT, and
+    // the limit bounds that buffer), and the problem does not speak of a key it never had.
+    let keyless = call(
+        &app,
+        post(None, "?big=4096", serde_json::json!({"amount": 3})),
+    )
+    .await;
+    assert_eq!(keyless.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(keyless.body["code"], "RESPONSE_TOO_LARGE");
+    let detail = keyless.body["detail"].as_str().unwrap_or_default();
+    assert!(
+        detail.contains("retrying is safe") && !detail.contains("key"),
+        "{detail}"
+    );
+    assert_eq!(payments(&db), 0);
 }
 
 /// Without a key the extractor still works: a plain transaction, committed with a 2xx and
