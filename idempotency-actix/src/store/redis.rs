@@ -678,17 +678,21 @@ where
     /// frozen, a network pause) or a connection lost after sending leaves the `SET` (or the
     /// script) sent and perhaps applied, or applied later; with AOF, applied just before a
     /// crash and found again after the restart. The first release goes on the same
-    /// connection, behind the write it undoes; if that does not release it (Redis gone, the
-    /// connection silent), it is tried again on [`release_later::keep_trying`]'s schedule, so a
-    /// reservation that comes back with a restarted Redis is freed soon after, not at the end
-    /// of its lease. Fenced by this call's token: a no-op if the write never happened or
-    /// someone else holds the key now.
+    /// connection, behind the write it undoes. If that does not release it (Redis gone, the
+    /// connection silent) and `keep_trying` (the reservation may exist: the reserve's outcome
+    /// is unknown, see [`outcome_unknown`], or it is known to exist), it is tried again on
+    /// [`release_later::keep_trying`]'s schedule, so a reservation that comes back with a
+    /// restarted Redis is freed soon after, not at the end of its lease. A reserve refused by
+    /// an error Redis answered (`OOM`, `READONLY`, ...) wrote nothing: no retries, which would
+    /// only add load to a Redis already refusing. Fenced by this call's token: a no-op if the
+    /// write never happened or someone else holds the key now.
     fn give_back_later(
         &self,
         mut picked: Picked<C>,
         scope: &Scope,
         token: ReservationToken,
         lease: Duration,
+        keep_trying: bool,
     ) {
         let Some(task) = self.inner.give_backs.start(&scope.key) else {
             return;
@@ -697,7 +701,8 @@ where
         let scope = scope.clone();
         tokio::spawn(async move {
             let _task = task;
-            if let Ok(WriteOutcome::Applied) = store.release_on(&mut picked, &scope, &token).await {
+            let released = store.release_on(&mut picked, &scope, &token).await;
+            if matches!(released, Ok(WriteOutcome::Applied)) || !keep_trying {
                 return;
             }
             drop(picked);
@@ -1006,6 +1011,18 @@ fn classify(err: RedisError) -> StoreError {
     }
 }
 
+/// Whether a call that failed with `error` may still have been applied: no answer in time (the
+/// store's own timeout), or the connection failed; not when Redis answered with an error.
+fn outcome_unknown(error: &StoreError) -> bool {
+    let StoreError::Unavailable(source) = error else {
+        return false;
+    };
+    // The store's own timeout is a plain message, not a `RedisError`.
+    source.downcast_ref::<RedisError>().is_none_or(|e| {
+        e.is_timeout() || e.is_io_error() || e.is_connection_dropped() || e.is_unrecoverable_error()
+    })
+}
+
 /// A fenced script's answer (`release.lua`, `renew.lua`): 1 applied, anything else stale.
 fn fenced(applied: i64) -> WriteOutcome {
     if applied == 1 {
@@ -1245,7 +1262,8 @@ where
         let outcome = match decided {
             Ok(outcome) => outcome,
             Err(error) => {
-                self.give_back_later(picked, scope, token, lease);
+                let unknown = outcome_unknown(&error);
+                self.give_back_later(picked, scope, token, lease, unknown);
                 return Err(error);
             }
         };
@@ -1265,7 +1283,7 @@ where
                 // Not known to be durable enough to run the handler on: give the key back, at
                 // once, or in the background if Redis does not answer now.
                 if self.release_on(&mut picked, scope, &token).await.is_err() {
-                    self.give_back_later(picked, scope, token, lease);
+                    self.give_back_later(picked, scope, token, lease, true);
                 }
                 acknowledged?;
                 return Err(StoreError::unavailable(format!(
@@ -1437,9 +1455,38 @@ where
 
 #[cfg(test)]
 mod tests {
-    use super::{parse_record_key, record_key, too_old, validate_key_prefix, Scope};
+    use super::{
+        classify, outcome_unknown, parse_record_key, record_key, too_old, validate_key_prefix,
+        Scope,
+    };
     use crate::store::StoreError;
     use proptest::prelude::*;
+    use redis::{ErrorKind, RedisError};
+
+    /// A reserve that got no answer may have been applied (its release is retried for two
+    /// leases); one refused by Redis's own error reply wrote nothing (released once).
+    #[test]
+    fn only_a_reserve_without_an_answer_has_an_unknown_outcome() {
+        let io = |kind| classify(RedisError::from(std::io::Error::new(kind, "x")));
+        assert!(outcome_unknown(&StoreError::unavailable(
+            "Redis did not answer within 2000 ms"
+        )));
+        assert!(outcome_unknown(&io(std::io::ErrorKind::TimedOut)));
+        assert!(outcome_unknown(&io(std::io::ErrorKind::BrokenPipe)));
+        assert!(outcome_unknown(&io(std::io::ErrorKind::ConnectionReset)));
+        for refused in [ErrorKind::ReadOnly, ErrorKind::BusyLoadingError] {
+            let error = classify(RedisError::from((refused, "refused")));
+            assert!(matches!(error, StoreError::Unavailable(_)), "{error:?}");
+            assert!(!outcome_unknown(&error), "{error:?}");
+        }
+        let oom = classify(RedisError::from((
+            ErrorKind::ExtensionError,
+            "OOM",
+            "command not allowed when used memory > 'maxmemory'".to_string(),
+        )));
+        assert!(!outcome_unknown(&oom), "{oom:?}");
+        assert!(!outcome_unknown(&StoreError::Backend("corrupt".into())));
+    }
 
     fn scope(tenant: &str, method: &str, path: &str, key: &str) -> Scope {
         Scope {

@@ -252,16 +252,19 @@ async fn require_a_replica(url: &str) {
         .query_async(&mut c)
         .await
         .expect("CONFIG SET");
+    assert_writes_refused(&mut c, "NOREPLICAS").await;
+}
+
+/// Redis refuses a plain `SET` with `code`.
+async fn assert_writes_refused(c: &mut redis::aio::MultiplexedConnection, code: &str) {
     let probe = redis::cmd("SET")
         .arg("probe")
         .arg("x")
-        .query_async::<()>(&mut c)
+        .query_async::<()>(c)
         .await;
     assert!(
-        probe
-            .as_ref()
-            .is_err_and(|e| e.code() == Some("NOREPLICAS")),
-        "Redis must refuse writes for this test: {probe:?}"
+        probe.as_ref().is_err_and(|e| e.code() == Some(code)),
+        "Redis must refuse writes with {code} for this test: {probe:?}"
     );
 }
 
@@ -490,15 +493,7 @@ async fn a_demoted_primary_still_replays_completed_records() {
         .query_async(&mut c)
         .await
         .expect("REPLICAOF");
-    let probe = redis::cmd("SET")
-        .arg("probe")
-        .arg("x")
-        .query_async::<()>(&mut c)
-        .await;
-    assert!(
-        probe.as_ref().is_err_and(|e| e.code() == Some("READONLY")),
-        "{probe:?}"
-    );
+    assert_writes_refused(&mut c, "READONLY").await;
     assert_still_answered(&store, &done, &busy).await;
     // A new key needs a write: refused (503, closed), never reserved.
     let new = store.reserve(&scope("readonly-new"), &FP, TTL).await;

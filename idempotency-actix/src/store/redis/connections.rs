@@ -27,7 +27,7 @@ use std::time::Duration;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 
-use super::per_thread::{PerThread, ThreadConn};
+use super::per_thread::{PerThread, ThreadSlot};
 
 /// The connections of one store (shared by its clones).
 pub(super) struct Connections<C> {
@@ -80,14 +80,15 @@ pub(super) struct Picked<C> {
 /// Where a [`Picked`] connection came from: what to replace if it goes silent.
 pub(super) enum Origin {
     Shared(usize),
-    Thread(ThreadConn),
+    Thread(ThreadSlot),
 }
 
 impl<C> Connections<C>
 where
     C: Clone + Send + Sync + 'static,
 {
-    /// Over `shared` (not empty), with each thread's own connection if `per_thread` is given
+    /// Over `shared` (not empty: every constructor of the store gives at least one), with each
+    /// thread's own connection if `per_thread` is given
     /// (only where `C` is `ConnectionManager`), remade after a silence if `remake` is given.
     pub(super) fn new(
         shared: Vec<C>,
@@ -121,11 +122,11 @@ where
     /// The connection for the next call: this thread's own if it has one ready, else each
     /// shared one in turn.
     pub(super) fn pick(&self) -> Picked<C> {
-        if let Some(local) = self.per_thread.as_ref().and_then(PerThread::get) {
-            if let Some(conn) = as_store_conn::<C>(local.conn.clone()) {
+        if let Some((conn, slot)) = self.per_thread.as_ref().and_then(PerThread::get) {
+            if let Some(conn) = as_store_conn::<C>(conn) {
                 return Picked {
                     conn,
-                    origin: Origin::Thread(local),
+                    origin: Origin::Thread(slot),
                 };
             }
         }
@@ -139,7 +140,7 @@ where
     /// A call over `origin`'s connection got no answer in time: replace the connection.
     pub(super) fn went_silent(self: &Arc<Self>, origin: &Origin) {
         let i = match origin {
-            Origin::Thread(local) => return local.went_silent(),
+            Origin::Thread(slot) => return slot.went_silent(),
             Origin::Shared(i) => *i,
         };
         let Some(remake) = &self.remake else {

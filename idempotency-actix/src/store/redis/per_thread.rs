@@ -23,7 +23,7 @@
 //! task on that runtime: once the runtime is gone, so is the sentinel, and the next call on the
 //! thread makes a new connection instead of sending into a dead one.
 //!
-//! A connection that did not answer a call in time is marked silent ([`ThreadConn::went_silent`],
+//! A connection that did not answer a call in time is marked silent ([`ThreadSlot::went_silent`],
 //! from whichever thread noticed), and the next call on its thread makes a new one the same way
 //! (module `connections` says why a silent connection is replaced).
 //!
@@ -64,16 +64,13 @@ struct Slot {
     silent: AtomicBool,
 }
 
-/// A thread's connection, lent to one call.
-pub(super) struct ThreadConn {
-    pub(super) conn: ConnectionManager,
-    slot: Arc<Slot>,
-}
+/// Which thread's connection a call went over, to mark it silent.
+pub(super) struct ThreadSlot(Arc<Slot>);
 
-impl ThreadConn {
+impl ThreadSlot {
     /// The call got no answer in time: its thread makes a new connection at its next call.
     pub(super) fn went_silent(&self) {
-        self.slot.silent.store(true, Ordering::Relaxed);
+        self.0.silent.store(true, Ordering::Relaxed);
     }
 }
 
@@ -123,14 +120,12 @@ impl PerThread {
     /// This thread's connection if it is ready; `None` otherwise (use the shared one), after
     /// starting to make it if no attempt runs and none failed in the last second. Outside a
     /// Tokio runtime, always `None`.
-    pub(super) fn get(&self) -> Option<ThreadConn> {
+    pub(super) fn get(&self) -> Option<(ConnectionManager, ThreadSlot)> {
         let slot = self.slot()?;
         if let Some(ready) = slot.ready.get() {
             if !ready.alive.is_closed() && !slot.silent.load(Ordering::Relaxed) {
-                return Some(ThreadConn {
-                    conn: ready.conn.clone(),
-                    slot,
-                });
+                let conn = ready.conn.clone();
+                return Some((conn, ThreadSlot(slot)));
             }
             // Made on a runtime that has shut down, or silent: forget it, make another on
             // this thread's runtime.
