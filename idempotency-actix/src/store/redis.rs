@@ -679,20 +679,19 @@ where
     /// script) sent and perhaps applied, or applied later; with AOF, applied just before a
     /// crash and found again after the restart. The first release goes on the same
     /// connection, behind the write it undoes. If that does not release it (Redis gone, the
-    /// connection silent) and `keep_trying` (the reservation may exist: the reserve's outcome
-    /// is unknown, see [`outcome_unknown`], or it is known to exist), it is tried again on
-    /// [`release_later::keep_trying`]'s schedule, so a reservation that comes back with a
-    /// restarted Redis is freed soon after, not at the end of its lease. A reserve refused by
-    /// an error Redis answered (`OOM`, `READONLY`, ...) wrote nothing: no retries, which would
-    /// only add load to a Redis already refusing. Fenced by this call's token: a no-op if the
-    /// write never happened or someone else holds the key now.
+    /// connection silent), it is tried again on [`release_later::keep_trying`]'s schedule, so a
+    /// reservation that comes back with a restarted Redis is freed soon after, not at the end
+    /// of its lease. Only for a reservation that may exist: a reserve whose outcome is unknown
+    /// ([`outcome_unknown`]; one refused by an error Redis answered, `OOM` or `READONLY`, wrote
+    /// nothing, and releases for those would only use up the bound on these tasks and load a
+    /// Redis already refusing), or one known to exist. Fenced by this call's token: a no-op if
+    /// the write never happened or someone else holds the key now.
     fn give_back_later(
         &self,
         mut picked: Picked<C>,
         scope: &Scope,
         token: ReservationToken,
         lease: Duration,
-        keep_trying: bool,
     ) {
         let Some(task) = self.inner.give_backs.start(&scope.key) else {
             return;
@@ -702,7 +701,7 @@ where
         tokio::spawn(async move {
             let _task = task;
             let released = store.release_on(&mut picked, &scope, &token).await;
-            if matches!(released, Ok(WriteOutcome::Applied)) || !keep_trying {
+            if matches!(released, Ok(WriteOutcome::Applied)) {
                 return;
             }
             drop(picked);
@@ -1262,8 +1261,9 @@ where
         let outcome = match decided {
             Ok(outcome) => outcome,
             Err(error) => {
-                let unknown = outcome_unknown(&error);
-                self.give_back_later(picked, scope, token, lease, unknown);
+                if outcome_unknown(&error) {
+                    self.give_back_later(picked, scope, token, lease);
+                }
                 return Err(error);
             }
         };
@@ -1283,7 +1283,7 @@ where
                 // Not known to be durable enough to run the handler on: give the key back, at
                 // once, or in the background if Redis does not answer now.
                 if self.release_on(&mut picked, scope, &token).await.is_err() {
-                    self.give_back_later(picked, scope, token, lease, true);
+                    self.give_back_later(picked, scope, token, lease);
                 }
                 acknowledged?;
                 return Err(StoreError::unavailable(format!(

@@ -616,3 +616,205 @@ async fn a_reserve_whose_reply_was_lost_in_a_crash_does_not_hold_the_key_for_a_l
         "a request that never ran is refused for a whole lease after Redis came back: {answers:#?}"
     );
 }
+
+/// Redis's count of connections accepted since it started (`INFO stats`).
+async fn connections_received(c: &mut redis::aio::MultiplexedConnection) -> u64 {
+    let stats: String = redis::cmd("INFO")
+        .arg("stats")
+        .query_async(c)
+        .await
+        .expect("INFO stats");
+    stats
+        .lines()
+        .find_map(|l| l.strip_prefix("total_connections_received:"))
+        .and_then(|n| n.trim().parse().ok())
+        .expect("total_connections_received")
+}
+
+/// One shared connection goes half-open under steady traffic (a call every 10 ms). The calls
+/// sent on it before its replacement was swapped in time out one after the other, and each of
+/// those late timeouts replaced the slot's connection again in the first version of the
+/// replacement, though the slot already held a new, answering one. One silence costs one new
+/// connection, not one per stale call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_silent_connection_is_replaced_once_not_once_per_stale_call() {
+    let redis = RedisServer::start();
+    let proxy = FaultyProxy::start(format!("127.0.0.1:{}", redis.port())).await;
+    let store = RedisStore::builder()
+        .response_timeout(Duration::from_millis(300))
+        .connection_per_thread(false)
+        .connect(&format!("redis://127.0.0.1:{}/", proxy.port()))
+        .await
+        .expect("connect");
+    let mut direct = conn(&redis.url()).await;
+    let before = connections_received(&mut direct).await;
+    proxy.cut_open_connections();
+    let mut calls = Vec::new();
+    for _ in 0..100 {
+        let store = store.clone();
+        calls.push(tokio::spawn(async move { store.check().await.is_ok() }));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let mut failed = 0;
+    for call in calls {
+        if !call.await.expect("call task") {
+            failed += 1;
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let made = connections_received(&mut direct).await - before;
+    let info: String = redis::cmd("INFO")
+        .arg("clients")
+        .query_async(&mut direct)
+        .await
+        .expect("INFO");
+    let open = info
+        .lines()
+        .find(|l| l.starts_with("connected_clients:"))
+        .unwrap_or("")
+        .to_owned();
+    assert!(
+        made <= 2,
+        "one half-open connection made the store open {made} new connections \
+         ({failed} of 100 calls failed; now {open}, counting this test's own and the \
+         black-holed one)"
+    );
+}
+
+/// A reserve Redis *answered* with a refusal (here `OOM`: a full Redis under `noeviction`, a
+/// documented state in which replays go on) wrote nothing. The first version of the background
+/// release started one for it anyway, trying for two leases (PostgreSQL starts one only when
+/// the outcome is unknown). 4,096 new keys tried while Redis is full fill the store's cap for two
+/// leases (2 minutes at the default lease). Past the cap not even the one release on the same
+/// connection, which the code before this change always sent, is sent: a reserve that then
+/// times out on a stalled Redis (its `SET` applied when Redis resumes) holds its key for the
+/// whole lease, and the retry of a request that never ran is told 409.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answered_refusals_do_not_use_up_the_background_releases() {
+    let fill: usize = 4096;
+    let redis = RedisServer::start();
+    let store = RedisStore::builder()
+        .response_timeout(Duration::from_millis(300))
+        .connection_per_thread(false)
+        .connect(&redis.url())
+        .await
+        .expect("connect");
+    let lease = Duration::from_secs(60);
+    // Load the scripts (reserve, release) before Redis is full.
+    let warm = scope("warm");
+    let token = match store.reserve(&warm, &FP, lease).await {
+        Ok(ReserveOutcome::Reserved { token }) => token,
+        other => panic!("expected Reserved, got {other:?}"),
+    };
+    let _ = store.reserve(&warm, &FP, lease).await;
+    let _ = store.release(&warm, &token).await;
+
+    set_maxmemory(&redis.url(), "1").await;
+    let mut direct = conn(&redis.url()).await;
+    let mut refused = 0;
+    for chunk in 0..fill.div_ceil(64) {
+        let tries = (0..64.min(fill - chunk * 64)).map(|i| {
+            let store = store.clone();
+            async move {
+                store
+                    .reserve(&scope(&format!("full-{chunk}-{i}")), &FP, lease)
+                    .await
+            }
+        });
+        for r in futures_util::future::join_all(tries).await {
+            assert!(matches!(r, Err(StoreError::Unavailable(_))), "{r:?}");
+            refused += 1;
+        }
+    }
+    set_maxmemory(&redis.url(), "0").await;
+    let evals_then = redis_server_evalsha(&mut direct).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let evals_now = redis_server_evalsha(&mut direct).await;
+    eprintln!(
+        "{refused} reserves refused with an answer (nothing written); EVALSHA calls in the \
+         next second, Redis no longer full: {}",
+        evals_now - evals_then
+    );
+    drop(direct);
+
+    // Redis stalls (a slow fork, a stalled disk) while a reserve is on its way: the reserve
+    // times out (503, the handler never runs), and Redis applies its `SET` when it resumes.
+    let s = scope("late-apply");
+    redis.signal("STOP");
+    let first = store.reserve(&s, &FP, lease).await;
+    redis.signal("CONT");
+    assert!(
+        matches!(first, Err(StoreError::Unavailable(_))),
+        "{first:?}"
+    );
+    let mut answers = Vec::new();
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(5) {
+        let retry = store.reserve(&s, &FP, lease).await;
+        if matches!(retry, Ok(ReserveOutcome::Reserved { .. })) {
+            return;
+        }
+        answers.push(format!("{retry:?}"));
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    panic!(
+        "after {refused} reserves refused with an answer (OOM), a request that never ran is \
+         refused for a whole lease ({} retries over 5 s): {:?}",
+        answers.len(),
+        answers.last()
+    );
+}
+
+async fn redis_server_evalsha(c: &mut redis::aio::MultiplexedConnection) -> u64 {
+    idempotency_e2e::redis_server::command_calls(c, "evalsha").await
+}
+
+/// The store is made on a runtime that ends before the app does (a runtime of its own in a
+/// synchronous `main`, a first test's runtime with the store in a `static`). The redis crate's
+/// `ConnectionManager` recovers from that by itself (its next connection is made on the runtime
+/// of the call that finds the old one gone), so the store works on. In the first version of the
+/// replacement a replacement was spawned on the store's first runtime, which runs nothing any
+/// more: the slot's `remaking` flag stayed set for good and the half-open connection was never
+/// replaced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_whose_first_runtime_ended_still_replaces_a_silent_connection() {
+    let redis = RedisServer::start();
+    let proxy = FaultyProxy::start(format!("127.0.0.1:{}", redis.port())).await;
+    let url = format!("redis://127.0.0.1:{}/", proxy.port());
+    let store = std::thread::spawn(move || {
+        let rt = tokio::runtime::Runtime::new().expect("runtime");
+        rt.block_on(
+            RedisStore::builder()
+                .response_timeout(Duration::from_millis(300))
+                .connection_per_thread(false)
+                .connect(&url),
+        )
+        .expect("connect")
+    })
+    .join()
+    .expect("thread");
+    // The first runtime is gone: the store works on (after one failed call, at most).
+    let mut ready = false;
+    for _ in 0..20 {
+        if store.check().await.is_ok() {
+            ready = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        ready,
+        "the store does not work on after its first runtime ended"
+    );
+    proxy.cut_open_connections();
+    let started = Instant::now();
+    let mut failed = 0;
+    while started.elapsed() < Duration::from_secs(4) {
+        if store.check().await.is_ok() {
+            return;
+        }
+        failed += 1;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("the half-open connection was never replaced: {failed} calls failed over 4 s");
+}

@@ -14,7 +14,14 @@
 //! time marks its connection silent: a new one is made in the background, and calls go on over
 //! the old one until it is ready (PostgreSQL's store likewise closes a connection whose
 //! statement timed out). If Redis itself is frozen the new connection fails or is just as
-//! silent, and the next timeout makes another: one attempt at a time per connection.
+//! silent, and the next timeout makes another: one attempt at a time per connection. Calls sent
+//! on the old connection before it was replaced time out later; they name the connection they
+//! used (a generation per slot), so they do not replace its working successor.
+//!
+//! A replacement is made on the runtime the store was made on (a connection is driven by a
+//! task of the runtime it was made on, and the worker whose call noticed the silence may stop
+//! before the app); once that runtime has ended (a store made on a temporary runtime), on the
+//! caller's, as the redis crate itself reconnects.
 //!
 //! Only stores made by `RedisStoreBuilder::connect` replace connections (they have the client to
 //! make more). A store over the app's own connection (`from_connection`, `with_connection`) or
@@ -31,8 +38,9 @@ use super::per_thread::{PerThread, ThreadSlot};
 
 /// The connections of one store (shared by its clones).
 pub(super) struct Connections<C> {
-    /// Never empty; calls take them in turn.
-    shared: Box<[RwLock<C>]>,
+    /// Never empty; calls take them in turn. Each with its generation: how often it was
+    /// replaced.
+    shared: Box<[RwLock<(C, u64)>]>,
     /// Which shared connection the next call takes.
     next: AtomicUsize,
     /// Each thread's own connection (`RedisStoreBuilder::connection_per_thread`).
@@ -47,9 +55,11 @@ pub(super) struct Remake {
     config: ConnectionManagerConfig,
     /// Bound on one attempt.
     timeout: Duration,
-    /// The runtime the store was made on: a connection is driven by a task of the runtime it
-    /// is made on, and the worker whose call noticed the silence may stop before the app.
+    /// The runtime the store was made on (see the module docs).
     runtime: tokio::runtime::Handle,
+    /// Closed once that runtime has ended (its sentinel task, which holds the receiver, is
+    /// dropped with it).
+    runtime_alive: tokio::sync::oneshot::Sender<()>,
     /// One attempt at a time per shared connection.
     remaking: Box<[AtomicBool]>,
 }
@@ -61,13 +71,43 @@ impl Remake {
         config: ConnectionManagerConfig,
         timeout: Duration,
     ) -> Option<Self> {
+        let runtime = tokio::runtime::Handle::try_current().ok()?;
+        let (runtime_alive, sentinel) = tokio::sync::oneshot::channel::<()>();
+        runtime.spawn(async move {
+            let _ = sentinel.await;
+        });
         Some(Self {
             client,
             config,
             timeout,
-            runtime: tokio::runtime::Handle::try_current().ok()?,
+            runtime,
+            runtime_alive,
             remaking: Box::new([]),
         })
+    }
+
+    /// Where to make a replacement: the store's runtime while it runs, else the caller's.
+    fn runtime(&self) -> Option<tokio::runtime::Handle> {
+        if self.runtime_alive.is_closed() {
+            tokio::runtime::Handle::try_current().ok()
+        } else {
+            Some(self.runtime.clone())
+        }
+    }
+}
+
+/// Clears a slot's `remaking` flag however the attempt ends, also when its runtime drops it
+/// unpolled.
+struct Remaking<C: Clone + Send + Sync + 'static> {
+    connections: Arc<Connections<C>>,
+    slot: usize,
+}
+
+impl<C: Clone + Send + Sync + 'static> Drop for Remaking<C> {
+    fn drop(&mut self) {
+        if let Some(remake) = &self.connections.remake {
+            remake.remaking[self.slot].store(false, Ordering::Release);
+        }
     }
 }
 
@@ -79,7 +119,8 @@ pub(super) struct Picked<C> {
 
 /// Where a [`Picked`] connection came from: what to replace if it goes silent.
 pub(super) enum Origin {
-    Shared(usize),
+    /// A shared slot, and its generation when the call took it.
+    Shared(usize, u64),
     Thread(ThreadSlot),
 }
 
@@ -100,7 +141,7 @@ where
             ..remake
         });
         Self {
-            shared: shared.into_iter().map(RwLock::new).collect(),
+            shared: shared.into_iter().map(|c| RwLock::new((c, 0))).collect(),
             next: AtomicUsize::new(0),
             per_thread,
             remake,
@@ -109,10 +150,11 @@ where
 
     /// The first shared connection (a clone).
     pub(super) fn first(&self) -> C {
-        self.shared_at(0)
+        self.shared_at(0).0
     }
 
-    fn shared_at(&self, i: usize) -> C {
+    /// Shared slot `i`'s connection (a clone) and its generation.
+    fn shared_at(&self, i: usize) -> (C, u64) {
         self.shared[i]
             .read()
             .unwrap_or_else(PoisonError::into_inner)
@@ -131,41 +173,49 @@ where
             }
         }
         let i = self.next.fetch_add(1, Ordering::Relaxed) % self.shared.len();
+        let (conn, generation) = self.shared_at(i);
         Picked {
-            conn: self.shared_at(i),
-            origin: Origin::Shared(i),
+            conn,
+            origin: Origin::Shared(i, generation),
         }
     }
 
     /// A call over `origin`'s connection got no answer in time: replace the connection.
     pub(super) fn went_silent(self: &Arc<Self>, origin: &Origin) {
-        let i = match origin {
+        let (i, silent) = match origin {
             Origin::Thread(slot) => return slot.went_silent(),
-            Origin::Shared(i) => *i,
+            Origin::Shared(i, generation) => (*i, *generation),
         };
         let Some(remake) = &self.remake else {
             return;
         };
-        if remake.remaking[i].swap(true, Ordering::AcqRel) {
+        // Already replaced since the call took it: its successor is not the silent one.
+        if self.shared_at(i).1 != silent || remake.remaking[i].swap(true, Ordering::AcqRel) {
             return;
         }
-        let this = Arc::clone(self);
+        let remaking = Remaking {
+            connections: Arc::clone(self),
+            slot: i,
+        };
+        let Some(runtime) = remake.runtime() else {
+            return; // `remaking` clears the flag
+        };
         let (client, config) = (remake.client.clone(), remake.config.clone());
         let timeout = remake.timeout;
-        remake.runtime.spawn(async move {
+        runtime.spawn(async move {
             let made =
                 tokio::time::timeout(timeout, ConnectionManager::new_with_config(client, config))
                     .await;
             // Otherwise Redis itself is unreachable or silent: the next silence tries again.
             if let Ok(Ok(Some(conn))) = made.map(|made| made.map(as_store_conn::<C>)) {
-                *this.shared[i]
+                let mut slot = remaking.connections.shared[i]
                     .write()
-                    .unwrap_or_else(PoisonError::into_inner) = conn;
+                    .unwrap_or_else(PoisonError::into_inner);
+                *slot = (conn, silent.wrapping_add(1));
+                drop(slot);
                 tracing::warn!("a Redis connection gave no answer in time and was replaced");
             }
-            if let Some(remake) = &this.remake {
-                remake.remaking[i].store(false, Ordering::Release);
-            }
+            drop(remaking);
         });
     }
 }
