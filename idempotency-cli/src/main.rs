@@ -50,7 +50,11 @@ fn main() -> ExitCode {
         Ok(rt) => rt,
         Err(err) => return fail(&CliError::Other(format!("cannot start the runtime: {err}"))),
     };
-    match runtime.block_on(run(cli)) {
+    let result = runtime.block_on(run(cli));
+    // Without waiting for blocking threads: a migration stuck on a server gone silent (its
+    // harness is synchronous, `commands::migrate`) must not keep the process from exiting.
+    runtime.shutdown_background();
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => fail(&err),
     }

@@ -29,8 +29,10 @@ const NOT_PROVISIONED: i32 = 4;
 const PENDING: i32 = 5;
 const NOT_FOUND_OR_REFUSED: i32 = 6;
 
-/// The purge advisory lock key ("idempurg").
-const PURGE_LOCK: &str = "x'6964656d70757267'::bigint";
+/// The purge advisory lock key of the table the session finds: "idempurg", its low 32 bits
+/// XORed with the table's oid.
+const PURGE_LOCK: &str =
+    "(x'6964656d70757267'::bigint # 'idempotency_keys'::regclass::oid::bigint)";
 
 /// Run `idem-cli args...` against `url` (passed through `DATABASE_URL`, the way cron and deploy
 /// jobs pass it). The test process's own `DATABASE_URL` never leaks in.
@@ -400,7 +402,8 @@ async fn purge_lock_visible(conn: &mut AsyncPgConnection) -> bool {
     diesel::sql_query(
         "SELECT count(*) AS n FROM pg_locks WHERE locktype = 'advisory' \
          AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
-         AND classid = 1768187245 AND objid = 1886745191 AND objsubid = 1 AND granted",
+         AND classid = 1768187245 AND objsubid = 1 AND granted \
+         AND objid = (1886745191 # 'idempotency_keys'::regclass::oid::bigint)::oid",
     )
     .get_result::<Count>(conn)
     .await
@@ -2128,4 +2131,155 @@ async fn older_than_keeps_the_response_of_a_kept_record() {
     let out = idem(&db.url, &["purge"]);
     expect_code(&out, 0);
     assert_eq!(records::count(&db.url, in_default), 0, "{}", stdout(&out));
+}
+
+// ---------------------------------------------------------------------------------------------
+// From a review (2026-12-04, night): each test failed on the code before its fix.
+
+/// `purge --horizon` too long for the layout is a usage error (exit 2: "bad arguments"), but it
+/// was only validated after the claims loop had deleted every expired record: the run deleted
+/// and then reported nothing but "bad arguments" (no summary, partitions neither dropped nor
+/// created), while `--dry-run` with the same arguments succeeded. Bad arguments must be refused
+/// before anything is deleted, and a dry run must refuse what the run refuses.
+#[tokio::test]
+async fn purge_rejects_a_bad_horizon_before_deleting_anything() {
+    let db = TestDb::new_unmigrated().await;
+    let out = idem(
+        &db.url,
+        &["migrate", "--partitioned", "--interval", "daily"],
+    );
+    expect_code(&out, 0);
+    records::seed_partitioned_completed(&db.url, "old-", 3, "now() - interval '1 hour'");
+    let claims = "SELECT count(*) AS n FROM idempotency_keys";
+    assert_eq!(records::count(&db.url, claims), 3);
+
+    let dry = idem(&db.url, &["purge", "--dry-run", "--horizon", "1100d"]);
+    let run = idem(&db.url, &["purge", "--horizon", "1100d"]);
+    let left = records::count(&db.url, claims);
+    assert_eq!(
+        left,
+        3,
+        "exit {:?} (bad arguments) after deleting {} records: {}",
+        run.status.code(),
+        3 - left,
+        stderr(&run)
+    );
+    expect_code(&run, USAGE);
+    assert_eq!(
+        dry.status.code(),
+        run.status.code(),
+        "dry run and run disagree\ndry: {} {}\nrun: {} {}",
+        stdout(&dry),
+        stderr(&dry),
+        stdout(&run),
+        stderr(&run)
+    );
+}
+
+/// The purge lock was one advisory lock key for the whole database, not per table: a purge of
+/// the table in one schema made the purge of another schema's table (docs/operations.md,
+/// "Moving an existing deployment": a new schema via `search_path` in the URL) skip, exit 0,
+/// having deleted nothing. Two cron lines started at the same minute then leave one table
+/// unpurged for as long as they keep colliding (on the partitioned layout: no partitions
+/// created ahead either).
+#[tokio::test]
+async fn purge_of_one_schema_does_not_skip_the_purge_of_another() {
+    let db = TestDb::new_unmigrated().await;
+    let mut conn = connect(&db).await;
+    conn.batch_execute("CREATE SCHEMA old_layout; CREATE SCHEMA new_layout")
+        .await
+        .unwrap();
+    let sep = if db.url.contains('?') { '&' } else { '?' };
+    let in_schema = |schema: &str| format!("{}{sep}options=-c%20search_path%3D{schema}", db.url);
+    for schema in ["old_layout", "new_layout"] {
+        let out = idem(&in_schema(schema), &["migrate"]);
+        expect_code(&out, 0);
+    }
+    conn.batch_execute(
+        "SET search_path = new_layout; \
+         INSERT INTO idempotency_keys (tenant, method, path, idempotency_key, fingerprint, \
+             state, token, response_status, response_headers, response_body, created_at, \
+             completed_at, expires_at) \
+         VALUES ('t', 'POST', '/payments', 'expired', decode(repeat('ab', 32), 'hex'), \
+             'completed', gen_random_uuid(), 201, '\\x0100000000', '{}', \
+             now() - interval '2 days', now() - interval '2 days', now() - interval '1 day'); \
+         RESET search_path",
+    )
+    .await
+    .unwrap();
+    // A purge of the old schema's table is running (its session holds the purge lock).
+    let mut old_purge = postgres::establish(&in_schema("old_layout")).await.unwrap();
+    old_purge
+        .batch_execute(&format!("SELECT pg_advisory_lock({PURGE_LOCK})"))
+        .await
+        .unwrap();
+
+    let out = idem(&in_schema("new_layout"), &["purge", "--format", "json"]);
+    expect_code(&out, 0);
+    let summary = json_one(&out);
+    assert_ne!(
+        summary["skipped"],
+        Value::Bool(true),
+        "the purge of new_layout skipped because old_layout's purge runs: {summary}"
+    );
+    assert_eq!(summary["purged"], 1, "{summary}");
+}
+
+/// `migrate` (without `--check`) on a server that goes silent after login hung for good: every
+/// other command's round trips are bounded by `--statement-timeout` plus 5 s (exit 3), but the
+/// migration harness runs on a blocking thread whose statements nothing bounds on the client
+/// side, and `migrate` awaited that thread without a limit (and the runtime's shutdown waited
+/// for it too). A deploy step then hung instead of failing as "unavailable".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_on_a_server_silent_mid_migration_is_unavailable() {
+    // Migrated already: nothing pending, so the run's bound is the lock wait and four answer
+    // limits (5 s + 4 x 6 s); the harness still takes the migration lock first.
+    let db = TestDb::new().await;
+    // Silent from the migration lock's statement on (the first statement of the harness).
+    let (out, took) = idem_frozen_at(
+        &db,
+        b"pg_try_advisory_lock",
+        &[
+            "--connect-timeout",
+            "2s",
+            "--statement-timeout",
+            "1s",
+            "migrate",
+        ],
+        Duration::from_secs(40),
+    )
+    .await;
+    let out = out.unwrap_or_else(|| panic!("migrate hung on a silent server ({took:?})"));
+    expect_code(&out, UNAVAILABLE);
+    assert!(stderr(&out).contains("did not finish"), "{}", stderr(&out));
+    assert!(took < Duration::from_secs(36), "{took:?}");
+}
+
+/// `show` caps a text body at 64 KiB ("use --format json for all of them"), but a JSON body was
+/// pretty-printed whole, and its indentation grows with the nesting: a 100 KB body 120 levels
+/// deep printed about 12 MB (two spaces per level on every element's line). A stored response
+/// of a few MB turns `show` into gigabytes on an operator's terminal.
+#[tokio::test]
+async fn show_text_output_of_a_json_body_is_bounded() {
+    let db = TestDb::new().await;
+    let mut conn = connect(&db).await;
+    conn.batch_execute(
+        "INSERT INTO idempotency_keys (tenant, method, path, idempotency_key, fingerprint, \
+             state, token, response_status, response_headers, response_body, created_at, \
+             completed_at, expires_at) \
+         VALUES ('t', 'POST', '/payments', 'deep', decode(repeat('ab', 32), 'hex'), \
+             'completed', gen_random_uuid(), 200, '\\x0100000000', \
+             convert_to(repeat('[', 120) || repeat('1,', 50000) || '1' || repeat(']', 120), 'UTF8'), \
+             now(), now(), now() + interval '1 day')",
+    )
+    .await
+    .unwrap();
+    let body_len = 120 + 2 * 50000 + 1 + 120;
+    let out = idem(&db.url, &["show", "deep"]);
+    expect_code(&out, 0);
+    assert!(
+        out.stdout.len() < 4 * body_len + 64 * 1024,
+        "a {body_len}-byte body printed as {} bytes",
+        out.stdout.len()
+    );
 }

@@ -78,14 +78,35 @@ pub async fn run(
         .then_some(wanted.unwrap_or(PartitionInterval::Daily));
     // diesel's migration harness is synchronous: it runs on a blocking thread, through
     // diesel-async's wrapper, while this (current-thread) runtime keeps driving the socket.
-    let (mut conn, applied) = tokio::task::spawn_blocking(move || {
+    // Its statements carry no client-side bound, so a server gone silent mid-migration would
+    // hold it for ever: the whole run is bounded instead, by the lock wait and then a few round
+    // trips per pending migration and for the harness's bookkeeping, each of which a live
+    // server answers within `answer_limit`.
+    let pending = db::bounded(postgres::pending_migrations_on(&mut conn))
+        .await?
+        .map_err(db::store_error)?
+        .len();
+    let round_trips = u32::try_from(pending)
+        .unwrap_or(u32::MAX)
+        .saturating_mul(4)
+        .saturating_add(4);
+    let limit = db::LOCK_TIMEOUT.saturating_add(db::answer_limit().saturating_mul(round_trips));
+    let applying = tokio::task::spawn_blocking(move || {
         let mut harness = Harness::from(conn);
         let applied =
             postgres::apply_pending_migrations(&mut harness, partitioned, db::LOCK_TIMEOUT);
         (harness.into_inner(), applied)
-    })
-    .await
-    .map_err(|_| CliError::Other("the migration thread panicked".into()))?;
+    });
+    let (mut conn, applied) = tokio::time::timeout(limit, applying)
+        .await
+        .map_err(|_| {
+            CliError::Unavailable(format!(
+                "database unavailable: the migration did not finish within {}s ({pending} pending); \
+                 the migrations that completed stay applied, run `migrate` again",
+                limit.as_secs()
+            ))
+        })?
+        .map_err(|_| CliError::Other("the migration thread panicked".into()))?;
     let applied = applied.map_err(db::store_error)?;
     let applied = full_names(applied);
     let layout = sql!(&mut conn, admin::partition_interval(&mut conn));

@@ -83,6 +83,15 @@ pub async fn run(
         tenant: args.tenant.clone(),
     };
 
+    // The partitioned layout's partition work (none with --tenant), and how many partitions
+    // ahead it creates: a --horizon it cannot meet is refused before anything is deleted, and
+    // by a dry run as by the run.
+    let layout = sql!(conn, admin::partition_interval(conn));
+    let ahead = match (layout.as_deref(), &args.tenant) {
+        (Some(interval), None) => Some(partitions_ahead(args, interval)?),
+        _ => None,
+    };
+
     if args.dry_run {
         let counts: Purged = sql!(conn, admin::purge_count(conn, &filter));
         let mut summary = Summary {
@@ -90,10 +99,8 @@ pub async fn run(
             in_flight: counts.in_flight,
             ..Summary::default()
         };
-        // The partitioned layout: the partitions the run would drop (its largest deletion),
-        // under the same conditions as the run (no partition work with --tenant).
-        let layout = sql!(conn, admin::partition_interval(conn));
-        if let (Some(_), None) = (layout, &args.tenant) {
+        // The partitions the run would drop (its largest deletion).
+        if ahead.is_some() {
             let dropped = sql!(conn, admin::droppable_partitions(conn, args.older_than.0));
             summary.partitions = Some(PartitionWork {
                 dropped,
@@ -156,9 +163,7 @@ pub async fn run(
         }
     }
     progress.clear();
-    let layout = sql!(conn, admin::partition_interval(conn));
-    if let (Some(interval), None) = (layout.as_deref(), &args.tenant) {
-        let ahead = partitions_ahead(args, interval)?;
+    if let Some(ahead) = ahead {
         let (work, failed) = partition_work(conn, args, ahead).await;
         if let Some(err) = failed {
             // The steps that ran are done (each committed on its own): say what they did.

@@ -244,8 +244,14 @@ pub(crate) fn detail_text(row: &Detail) -> Vec<String> {
     if body.is_empty() {
         return lines;
     }
-    if let Some(pretty) = pretty_json(body) {
+    if let Some((pretty, cut)) = pretty_json(body, TEXT_EXCERPT) {
         lines.extend(pretty.lines().map(|l| format!("  {}", display(l, 0))));
+        if cut {
+            lines.push(format!(
+                "  ... cut after {} KiB of output (use --format json for the whole body)",
+                TEXT_EXCERPT / 1024
+            ));
+        }
     } else if let Ok(text) = std::str::from_utf8(body) {
         let shown: String = text.chars().take(TEXT_EXCERPT).collect();
         lines.extend(shown.lines().map(|l| format!("  {}", display(l, 0))));

@@ -6,22 +6,25 @@
 //! never sent. This only re-indents the stored text (after serde_json checked that it is JSON);
 //! every token is copied as stored.
 
-/// Pretty-print JSON text with two-space indentation, keeping the stored tokens and key order.
-/// Returns `None` unless `bytes` is valid JSON.
-pub fn pretty_json(bytes: &[u8]) -> Option<String> {
-    reformat(bytes, true)
+/// Pretty-print JSON text with two-space indentation, keeping the stored tokens and key order,
+/// cut after about `limit` bytes of output (`true` when cut: indentation grows with the
+/// nesting, so a deep body of a few MB would print gigabytes). Returns `None` unless `bytes` is
+/// valid JSON.
+pub fn pretty_json(bytes: &[u8], limit: usize) -> Option<(String, bool)> {
+    reformat(bytes, true, limit)
 }
 
 /// JSON text on one line: the whitespace between tokens removed, every token (key order,
 /// duplicate keys, numbers of any size) as stored. Returns `None` unless `bytes` is valid JSON.
 pub fn compact_json(bytes: &[u8]) -> Option<String> {
-    reformat(bytes, false)
+    reformat(bytes, false, usize::MAX).map(|(text, _)| text)
 }
 
-fn reformat(bytes: &[u8], pretty: bool) -> Option<String> {
+fn reformat(bytes: &[u8], pretty: bool, limit: usize) -> Option<(String, bool)> {
     serde_json::from_slice::<serde::de::IgnoredAny>(bytes).ok()?;
     let text = std::str::from_utf8(bytes).ok()?;
-    let mut out = String::with_capacity(if pretty { text.len() * 2 } else { text.len() });
+    let wanted = if pretty { text.len() * 2 } else { text.len() };
+    let mut out = String::with_capacity(wanted.min(limit.saturating_add(1)));
     let mut depth = 0usize;
     let mut in_string = false;
     let mut escaped = false;
@@ -33,6 +36,14 @@ fn reformat(bytes: &[u8], pretty: bool) -> Option<String> {
         }
     };
     while let Some(c) = chars.next() {
+        if out.len() > limit {
+            let mut end = limit;
+            while !out.is_char_boundary(end) {
+                end -= 1;
+            }
+            out.truncate(end);
+            return Some((out, true));
+        }
         if in_string {
             out.push(c);
             if escaped {
@@ -78,7 +89,7 @@ fn reformat(bytes: &[u8], pretty: bool) -> Option<String> {
             c => out.push(c),
         }
     }
-    Some(out)
+    Some((out, false))
 }
 
 #[cfg(test)]
@@ -87,16 +98,37 @@ mod tests {
 
     #[test]
     fn pretty_json_keeps_key_order() {
-        let out = pretty_json(br#"{"z":1, "a":{"b":[1,2,{}],"s":"x, {y}: \"q\""},"e":[]}"#);
-        assert_eq!(
-            out.as_deref(),
-            Some(
-                "{\n  \"z\": 1,\n  \"a\": {\n    \"b\": [\n      1,\n      2,\n      {}\n    ],\n    \
-                 \"s\": \"x, {y}: \\\"q\\\"\"\n  },\n  \"e\": []\n}"
-            )
+        let out = pretty_json(
+            br#"{"z":1, "a":{"b":[1,2,{}],"s":"x, {y}: \"q\""},"e":[]}"#,
+            1000,
         );
-        assert_eq!(pretty_json(b"not json"), None);
-        assert_eq!(pretty_json(b"42").as_deref(), Some("42"));
+        assert_eq!(
+            out.as_ref().map(|(text, cut)| (text.as_str(), *cut)),
+            Some((
+                "{\n  \"z\": 1,\n  \"a\": {\n    \"b\": [\n      1,\n      2,\n      {}\n    ],\n    \
+                 \"s\": \"x, {y}: \\\"q\\\"\"\n  },\n  \"e\": []\n}",
+                false
+            ))
+        );
+        assert_eq!(pretty_json(b"not json", 1000), None);
+        assert_eq!(pretty_json(b"42", 1000), Some(("42".into(), false)));
+    }
+
+    /// Indentation grows with the nesting: the output is cut, not the size of the body times
+    /// its depth.
+    #[test]
+    fn pretty_json_is_cut_at_its_limit() {
+        let deep = format!(
+            "{}{}{}",
+            "[".repeat(100),
+            "1,".repeat(10_000) + "1",
+            "]".repeat(100)
+        );
+        let (text, cut) = pretty_json(deep.as_bytes(), 4096).expect("valid JSON");
+        assert!(cut);
+        assert!(text.len() <= 4096, "{}", text.len());
+        let (whole, cut) = pretty_json(deep.as_bytes(), usize::MAX).expect("valid JSON");
+        assert!(!cut && whole.len() > 1_000_000, "{}", whole.len());
     }
 
     #[test]

@@ -27,9 +27,11 @@ pub use super::schema::State;
 use super::sql;
 pub use super::{establish, establish_within, redact, with_dbname};
 
-/// Advisory lock key held by a running `idem-cli purge`: the ASCII bytes of "idempurg" as a
-/// bigint. Documented in docs/operations.md so operators can find the holder in `pg_locks`
-/// (`classid` = 1768187245, `objid` = 1886745191, `objsubid` = 1).
+/// Advisory lock key of a running `idem-cli purge`: the ASCII bytes of "idempurg" as a
+/// bigint, its low 32 bits XORed with the oid of the `idempotency_keys` table it purges (so
+/// purges of two schemas' tables in one database never skip each other). Documented in
+/// docs/operations.md so operators can find the holder in `pg_locks` (`classid` = 1768187245,
+/// `objid` = 1886745191 XOR the table's oid, `objsubid` = 1).
 pub const PURGE_LOCK_KEY: i64 = 0x6964_656d_7075_7267;
 
 /// One row of `idempotency_keys` without its stored response bytes, as read at `read_at` by

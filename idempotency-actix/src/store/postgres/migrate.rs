@@ -133,18 +133,18 @@ pub async fn pending_migrations_on(
 ) -> Result<Vec<String>, StoreError> {
     let present =
         diesel::sql_query("SELECT to_regclass('__diesel_schema_migrations') IS NOT NULL AS flag");
-    let present = diesel_async::RunQueryDsl::get_result::<Flag>(present, conn)
-        .await
-        .map_err(super::error::classify_error)?;
+    let present = match diesel_async::RunQueryDsl::get_result::<Flag>(present, conn).await {
+        Ok(present) => present,
+        // A session terminated meanwhile is "unavailable", not a broken database.
+        Err(e) => return Err(super::error::classify_query_error(conn, e).await),
+    };
     let applied: Vec<String> = if present.flag {
         let versions =
             diesel::sql_query("SELECT version::text AS version FROM __diesel_schema_migrations");
-        diesel_async::RunQueryDsl::load::<Version>(versions, conn)
-            .await
-            .map_err(super::error::classify_error)?
-            .into_iter()
-            .map(|row| row.version)
-            .collect()
+        match diesel_async::RunQueryDsl::load::<Version>(versions, conn).await {
+            Ok(rows) => rows.into_iter().map(|row| row.version).collect(),
+            Err(e) => return Err(super::error::classify_query_error(conn, e).await),
+        }
     } else {
         Vec::new()
     };

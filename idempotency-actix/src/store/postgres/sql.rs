@@ -171,16 +171,6 @@ diesel::define_sql_function! {
     fn starts_with(text: Text, prefix: Text) -> Bool;
 }
 
-diesel::define_sql_function! {
-    /// Session-level advisory lock, without waiting.
-    fn pg_try_advisory_lock(key: BigInt) -> Bool;
-}
-
-diesel::define_sql_function! {
-    /// Release a session-level advisory lock.
-    fn pg_advisory_unlock(key: BigInt) -> Bool;
-}
-
 // ---------------------------------------------------------------------------------------------
 // Request path
 
@@ -730,18 +720,48 @@ pub(crate) async fn purge_count(
     Ok(purged)
 }
 
-/// Take the purge advisory lock without waiting; `false` when another session holds it.
+/// The lock key `$1` for the `idempotency_keys` table the session's `search_path` finds: its
+/// low 32 bits XORed with the table's oid, so the tables of two schemas in one database get
+/// two locks (one key per database made the purge of one schema skip the other's); the high 32
+/// bits (`classid` in `pg_locks`) stay the key's.
+macro_rules! table_lock_key {
+    () => {
+        "($1 # 'idempotency_keys'::regclass::oid::bigint)"
+    };
+}
+
+/// The answer of an advisory-lock function.
+#[derive(QueryableByName)]
+struct LockAnswer {
+    #[diesel(sql_type = Bool)]
+    done: bool,
+}
+
+/// Take the purge advisory lock of this session's table without waiting; `false` when another
+/// session holds it.
 pub(crate) async fn try_lock(conn: &mut AsyncPgConnection, key: i64) -> QueryResult<bool> {
-    diesel::select(pg_try_advisory_lock(key))
-        .get_result(conn)
-        .await
+    diesel::sql_query(concat!(
+        "SELECT pg_try_advisory_lock(",
+        table_lock_key!(),
+        ") AS done"
+    ))
+    .bind::<BigInt, _>(key)
+    .get_result::<LockAnswer>(conn)
+    .await
+    .map(|answer| answer.done)
 }
 
 /// Release the advisory lock [`try_lock`] took.
 pub(crate) async fn unlock(conn: &mut AsyncPgConnection, key: i64) -> QueryResult<bool> {
-    diesel::select(pg_advisory_unlock(key))
-        .get_result(conn)
-        .await
+    diesel::sql_query(concat!(
+        "SELECT pg_advisory_unlock(",
+        table_lock_key!(),
+        ") AS done"
+    ))
+    .bind::<BigInt, _>(key)
+    .get_result::<LockAnswer>(conn)
+    .await
+    .map(|answer| answer.done)
 }
 
 fn non_negative(n: i64) -> u64 {
