@@ -14,7 +14,21 @@ use crate::output::{display, tenant_label};
 
 /// A timestamp as `2026-11-30T12:00:00.123Z` (UTC, milliseconds).
 pub fn timestamp(t: Time) -> String {
-    humantime::format_rfc3339_millis(t.0.max(std::time::SystemTime::UNIX_EPOCH)).to_string()
+    humantime::format_rfc3339_millis(printable(t)).to_string()
+}
+
+/// A timestamp as `2026-11-30T12:00:00Z` (UTC, seconds).
+pub fn timestamp_secs(t: Time) -> String {
+    humantime::format_rfc3339_seconds(printable(t)).to_string()
+}
+
+/// `t` within what RFC 3339 formatting can print (humantime panics outside it): from the Unix
+/// epoch to the end of year 9999. PostgreSQL holds wider values (a partition attached by hand).
+fn printable(t: Time) -> std::time::SystemTime {
+    // 10000-01-01T00:00:00Z, less a second.
+    const LAST: std::time::Duration = std::time::Duration::from_secs(253_402_300_799);
+    let epoch = std::time::SystemTime::UNIX_EPOCH;
+    t.0.clamp(epoch, epoch + LAST)
 }
 
 /// The CLI's renderings of a [`Record`].
@@ -127,4 +141,27 @@ pub const TABLE_HEADER: &[&str] = &[
 /// Seconds rounded to milliseconds: JSON consumers get stable, readable numbers.
 pub fn round_ms(secs: f64) -> f64 {
     (secs * 1000.0).round() / 1000.0
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, SystemTime};
+
+    use super::{timestamp, timestamp_secs, Time};
+
+    /// PostgreSQL holds times RFC 3339 formatting cannot print (before 1970, after 9999): shown
+    /// at the nearest printable one instead of a panic.
+    #[test]
+    fn times_outside_rfc3339_are_printed_at_its_bounds() {
+        let epoch = SystemTime::UNIX_EPOCH;
+        let before = Time(epoch - Duration::from_secs(86_400));
+        let after = Time(epoch + Duration::from_secs(400_000_000_000));
+        assert_eq!(timestamp_secs(before), "1970-01-01T00:00:00Z");
+        assert_eq!(timestamp(before), "1970-01-01T00:00:00.000Z");
+        assert_eq!(timestamp_secs(after), "9999-12-31T23:59:59Z");
+        assert_eq!(
+            timestamp_secs(Time(epoch + Duration::from_secs(86_400))),
+            "1970-01-02T00:00:00Z"
+        );
+    }
 }

@@ -8,7 +8,7 @@ use crate::cli::Format;
 use crate::duration::format_age_secs;
 use crate::error::CliError;
 use crate::output::Out;
-use crate::record::{round_ms, RecordView};
+use crate::record::{round_ms, timestamp_secs, RecordView};
 
 pub async fn run(
     conn: &mut AsyncPgConnection,
@@ -45,8 +45,8 @@ pub async fn run(
             "partitions": partitions.iter().map(|p| json!({
                 "name": p.name,
                 "default": p.is_default,
-                "from": p.lower_bound.map(|t| humantime::format_rfc3339_seconds(t.0).to_string()),
-                "to": p.upper_bound.map(|t| humantime::format_rfc3339_seconds(t.0).to_string()),
+                "from": p.lower_bound.map(timestamp_secs),
+                "to": p.upper_bound.map(timestamp_secs),
                 "bytes": p.bytes,
                 "estimated_rows": p.estimated_rows,
             })).collect::<Vec<_>>(),
