@@ -129,8 +129,8 @@ where
     C: Clone + Send + Sync + 'static,
 {
     /// Over `shared` (not empty: every constructor of the store gives at least one), with each
-    /// thread's own connection if `per_thread` is given
-    /// (only where `C` is `ConnectionManager`), remade after a silence if `remake` is given.
+    /// thread's own connection if `per_thread` is given (only where `C` is
+    /// `ConnectionManager`), remade after a silence if `remake` is given.
     pub(super) fn new(
         shared: Vec<C>,
         per_thread: Option<PerThread>,
