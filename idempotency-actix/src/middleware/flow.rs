@@ -73,9 +73,13 @@ pub(super) type Answer<B> = oneshot::Sender<FlowResult<B>>;
 /// the route `/items/a/b` (and a tail parameter `{path:.*}` gets `a/b` either way). Erring
 /// towards one record is the safe side: two requests on one record with one key get a replay
 /// or a 422 (the fingerprint takes the path as sent), never a second run.
+///
+/// Runs of `/` are merged and a trailing `/` dropped (except the root's) for the same reason:
+/// `NormalizePath` wrapped inside `Idempotency` rewrites `/pay/` and `//pay` to `/pay` after the
+/// scope was taken, and the three spellings reached one handler as three records, three runs.
 fn scope_path(matched: &str) -> String {
     if !matched.bytes().any(|b| b == b'%' || b.is_ascii_control()) {
-        return matched.to_owned();
+        return merge_slashes(matched.to_owned());
     }
     let bytes = matched.as_bytes();
     let mut path = Vec::with_capacity(bytes.len() + 8);
@@ -106,7 +110,24 @@ fn scope_path(matched: &str) -> String {
             path.push(byte);
         }
     }
-    String::from_utf8_lossy(&path).into_owned()
+    merge_slashes(String::from_utf8_lossy(&path).into_owned())
+}
+
+/// `path` with each run of `/` made one and a trailing `/` dropped (`/` itself stays).
+fn merge_slashes(path: String) -> String {
+    if !path.contains("//") && !(path.len() > 1 && path.ends_with('/')) {
+        return path;
+    }
+    let mut merged = String::with_capacity(path.len());
+    for c in path.chars() {
+        if !(c == '/' && merged.ends_with('/')) {
+            merged.push(c);
+        }
+    }
+    if merged.len() > 1 && merged.ends_with('/') {
+        merged.pop();
+    }
+    merged
 }
 
 /// The value of one hex digit.
@@ -527,6 +548,14 @@ where
     ) -> Outcome {
         let max = self.config.max_response_bytes;
         let stored_head = StoredHead::of(head.head());
+        // A body that declares its length must yield exactly that: actix cuts a longer one
+        // short for the client and fails a shorter one, so either would be stored as a
+        // response nobody was sent.
+        let declared = match body.size() {
+            BodySize::Sized(n) => Some(n),
+            _ => None,
+        };
+        let mut total = 0u64;
         let (sender, forwarded) = forward::channel(body.size());
         let response = ServiceResponse::new(request, head.set_body(BoxBody::new(forwarded)));
         let mut client = answer
@@ -587,6 +616,18 @@ where
                 }
                 return Outcome::BodyError;
             };
+            if let Some(Ok(chunk)) = &next {
+                total = total.saturating_add(chunk.len() as u64);
+            }
+            let over = declared.is_some_and(|n| total > n);
+            if over || (next.is_none() && declared.is_some_and(|n| total < n)) {
+                renewal.stop();
+                tracing::error!(target: "idempotency_actix", outcome = "body_error", declared = declared.unwrap_or_default(), read = total, "response body's length differs from its declared Content-Length; connection aborted, reservation left to its lease");
+                if let Some(client) = client {
+                    client.fail();
+                }
+                return Outcome::BodyError;
+            }
             match next {
                 None => break,
                 // Nothing to keep or forward; and an empty chunk would end a chunked body for
@@ -942,13 +983,22 @@ mod tests {
             ("/items/100%25", "/items/100%25"),
             ("/items/%2", "/items/%252"),
             ("/items/%zz%", "/items/%25zz%25"),
-            ("/items/%%2f", "/items/%25/"),
+            ("/items/%%2f", "/items/%25"),
             ("/items/%+1", "/items/%25+1"),
             // Control characters, decoded by the router or by us, are escaped.
             ("/items/a\u{0}b", "/items/a%00b"),
             ("/items/%00", "/items/%00"),
             ("/items/\u{1f}\u{7f}", "/items/%1F%7F"),
             ("/\u{e9}%2f\u{e9}", "/\u{e9}/\u{e9}"),
+            // Runs of `/` merged, a trailing `/` dropped (`NormalizePath` inside the
+            // middleware hands all of these to one handler), escaped ones too.
+            ("/", "/"),
+            ("//", "/"),
+            ("/pay/", "/pay"),
+            ("//pay", "/pay"),
+            ("/a//b///", "/a/b"),
+            ("/a/%2F/b", "/a/b"),
+            ("/a%2F", "/a"),
         ] {
             assert_eq!(scope_path(matched), scope, "{matched}");
         }
