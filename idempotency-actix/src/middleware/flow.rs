@@ -115,7 +115,7 @@ fn scope_path(matched: &str) -> String {
 
 /// `path` with each run of `/` made one and a trailing `/` dropped (`/` itself stays).
 fn merge_slashes(path: String) -> String {
-    if !path.contains("//") && !(path.len() > 1 && path.ends_with('/')) {
+    if !(path.contains("//") || path.len() > 1 && path.ends_with('/')) {
         return path;
     }
     let mut merged = String::with_capacity(path.len());

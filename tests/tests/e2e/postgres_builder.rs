@@ -1612,3 +1612,52 @@ async fn a_urls_connect_timeout_does_not_cut_a_slow_login() {
         );
     }
 }
+
+/// A store dropped while a worker thread holds its pool: its connections close when the thread
+/// next looks up a pool, even one of another store. From a review (2026-12-04, night): the
+/// sweep ran only when a new pool was built, so a lookup that found its own store's pool left
+/// the dropped store's connections open on every worker (for ever with `min_idle`, which bb8
+/// keeps refilling).
+#[tokio::test]
+async fn a_dropped_stores_thread_pool_closes_when_the_thread_next_looks_up_a_pool() {
+    let db = TestDb::new().await;
+    let reserve = |store: PostgresStore, key: &'static str| async move {
+        let reserved = store.reserve(&scope(key), &FP, LEASE).await;
+        assert!(
+            matches!(reserved, Ok(ReserveOutcome::Reserved { .. })),
+            "{key}: {reserved:?}"
+        );
+    };
+    let keep = PostgresStore::builder(db.url.as_str())
+        .pool_per_thread(Some(1))
+        .build()
+        .await
+        .unwrap();
+    reserve(keep.clone(), "keep-1").await;
+    let gone = PostgresStore::builder(db.url.as_str())
+        .pool_per_thread(Some(2))
+        .min_idle(Some(2))
+        .build()
+        .await
+        .unwrap();
+    reserve(gone.clone(), "gone").await;
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            backends(&db).await == 3
+        })
+        .await,
+        "setup: 1 + 2 connections, got {}",
+        backends(&db).await
+    );
+    drop(gone);
+    reserve(keep.clone(), "keep-2").await;
+    let closed = eventually(Duration::from_secs(5), || async {
+        backends(&db).await == 1
+    })
+    .await;
+    assert!(
+        closed,
+        "the dropped store's pool still holds {} connections after the thread looked up a pool",
+        backends(&db).await - 1
+    );
+}

@@ -230,7 +230,11 @@ impl PostgresStoreBuilder {
     /// its first call; a thread that exits closes its pool. A thread's requests wait for its
     /// own pool only, not for another thread's idle connections: in transactional mode, where a
     /// request holds its connection while the handler runs, size `connections` for one
-    /// worker's concurrent transactional requests.
+    /// worker's concurrent transactional requests. Not for calls from Tokio's blocking pool
+    /// (`spawn_blocking` or actix-web's `web::block` running `Handle::block_on(store...)`):
+    /// such a thread sees its worker's current-thread runtime and builds a pool of its own, so
+    /// up to `connections` per blocking thread, beyond `max_size` (a known limit, found by a
+    /// review; call the store from async code, as the middleware does).
     pub fn pool_per_thread(mut self, connections: Option<u32>) -> Self {
         self.pool_per_thread = connections.map(|n| n.max(1));
         self

@@ -136,6 +136,15 @@ impl PoolPerThread {
         let pool = POOLS
             .try_with(|pools| {
                 let mut pools = pools.borrow_mut();
+                // Pools of stores that are gone go at every lookup (a scan of a store or two):
+                // a store rebuilt by the app must not leave its pools open on every worker.
+                if pools.iter().any(|e| e.alive.strong_count() == 0) {
+                    let (keep, stale): (Vec<_>, Vec<_>) = std::mem::take(&mut *pools)
+                        .into_iter()
+                        .partition(|e| e.alive.strong_count() > 0);
+                    *pools = keep;
+                    gone.extend(stale);
+                }
                 if let Some(i) = pools.iter().position(|e| e.store == self.id) {
                     if !pools[i].runtime.is_closed() {
                         return pools[i].pool.clone();
@@ -143,12 +152,6 @@ impl PoolPerThread {
                     // Built on a runtime that has shut down: its connections are dead.
                     gone.push(pools.swap_remove(i));
                 }
-                // Pools of stores that are gone go now.
-                let (keep, stale): (Vec<_>, Vec<_>) = std::mem::take(&mut *pools)
-                    .into_iter()
-                    .partition(|e| e.alive.strong_count() > 0);
-                *pools = keep;
-                gone.extend(stale);
                 let pool = ThreadPool {
                     pool: (self.make)(),
                     turns: Arc::new(Semaphore::new(self.size as usize)),
