@@ -166,21 +166,9 @@ async fn spellings_normalize_path_merges_are_one_record() {
             .route("/pay", web::post().to(slow_pay)),
     )
     .await;
-    let mut statuses = Vec::new();
-    for uri in ["/pay", "/pay/", "//pay"] {
-        let req = TestRequest::post()
-            .uri(uri)
-            .insert_header(("idempotency-key", "k"))
-            .set_payload("{\"amount\":100}")
-            .to_request();
-        let res = call_service(&app, req).await;
-        statuses.push((uri, res.status()));
-    }
+    let statuses = three_spellings(&app).await;
     assert_eq!(counter.get(), 1, "one key, one payment; got {statuses:?}");
-    assert_eq!(
-        statuses.iter().map(|(_, s)| s.as_u16()).collect::<Vec<_>>(),
-        [201, 422, 422]
-    );
+    assert_eq!(statuses, [201, 422, 422]);
 }
 
 /// Control: NormalizePath outermost (wrapped last) is one record.
@@ -196,6 +184,15 @@ async fn control_normalize_path_outside_is_one_record() {
             .route("/pay", web::post().to(slow_pay)),
     )
     .await;
+    let statuses = three_spellings(&app).await;
+    assert_eq!(counter.get(), 1, "{statuses:?}");
+}
+
+/// `/pay`, `/pay/` and `//pay`, one key and one body: the statuses.
+async fn three_spellings<S, B>(app: &S) -> Vec<u16>
+where
+    S: Service<actix_http::Request, Response = ServiceResponse<B>, Error = actix_web::Error>,
+{
     let mut statuses = Vec::new();
     for uri in ["/pay", "/pay/", "//pay"] {
         let req = TestRequest::post()
@@ -203,7 +200,7 @@ async fn control_normalize_path_outside_is_one_record() {
             .insert_header(("idempotency-key", "k"))
             .set_payload("{\"amount\":100}")
             .to_request();
-        statuses.push((uri, call_service(&app, req).await.status()));
+        statuses.push(call_service(app, req).await.status().as_u16());
     }
-    assert_eq!(counter.get(), 1, "{statuses:?}");
+    statuses
 }

@@ -602,19 +602,12 @@ async fn a_reserve_whose_reply_was_lost_in_a_crash_does_not_hold_the_key_for_a_l
     redis.restart();
     // The reservation is back from the AOF (before the fix every retry here got `InFlight`
     // with most of the 60 s lease left): the background release frees it within seconds.
-    let mut answers = Vec::new();
-    let started = Instant::now();
-    while started.elapsed() < Duration::from_secs(8) {
-        let retry = store.reserve(&s, &FP, lease).await;
-        if matches!(retry, Ok(ReserveOutcome::Reserved { .. })) {
-            return;
-        }
-        answers.push(format!("{retry:?}"));
-        tokio::time::sleep(Duration::from_millis(500)).await;
+    if let Err(answers) = retries_get_the_key(&store, &s, Duration::from_secs(8)).await {
+        panic!(
+            "a request that never ran is refused for a whole lease after Redis came back: \
+             {answers:#?}"
+        );
     }
-    panic!(
-        "a request that never ran is refused for a whole lease after Redis came back: {answers:#?}"
-    );
 }
 
 /// Redis's count of connections accepted since it started (`INFO stats`).
@@ -747,22 +740,14 @@ async fn answered_refusals_do_not_use_up_the_background_releases() {
         matches!(first, Err(StoreError::Unavailable(_))),
         "{first:?}"
     );
-    let mut answers = Vec::new();
-    let started = Instant::now();
-    while started.elapsed() < Duration::from_secs(5) {
-        let retry = store.reserve(&s, &FP, lease).await;
-        if matches!(retry, Ok(ReserveOutcome::Reserved { .. })) {
-            return;
-        }
-        answers.push(format!("{retry:?}"));
-        tokio::time::sleep(Duration::from_millis(500)).await;
+    if let Err(answers) = retries_get_the_key(&store, &s, Duration::from_secs(5)).await {
+        panic!(
+            "after {refused} reserves refused with an answer (OOM), a request that never ran is \
+             refused for a whole lease ({} retries over 5 s): {:?}",
+            answers.len(),
+            answers.last()
+        );
     }
-    panic!(
-        "after {refused} reserves refused with an answer (OOM), a request that never ran is \
-         refused for a whole lease ({} retries over 5 s): {:?}",
-        answers.len(),
-        answers.last()
-    );
 }
 
 async fn redis_server_evalsha(c: &mut redis::aio::MultiplexedConnection) -> u64 {
@@ -817,4 +802,24 @@ async fn a_store_whose_first_runtime_ended_still_replaces_a_silent_connection() 
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     panic!("the half-open connection was never replaced: {failed} calls failed over 4 s");
+}
+
+/// The client's retries of a request that never ran, every 500 ms for `within`: `Ok` once one
+/// is reserved, else what each got.
+async fn retries_get_the_key(
+    store: &RedisStore,
+    s: &Scope,
+    within: Duration,
+) -> Result<(), Vec<String>> {
+    let mut answers = Vec::new();
+    let started = Instant::now();
+    while started.elapsed() < within {
+        let retry = store.reserve(s, &FP, Duration::from_secs(60)).await;
+        if matches!(retry, Ok(ReserveOutcome::Reserved { .. })) {
+            return Ok(());
+        }
+        answers.push(format!("{retry:?}"));
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    Err(answers)
 }

@@ -740,28 +740,31 @@ struct LockAnswer {
 /// Take the purge advisory lock of this session's table without waiting; `false` when another
 /// session holds it.
 pub(crate) async fn try_lock(conn: &mut AsyncPgConnection, key: i64) -> QueryResult<bool> {
-    diesel::sql_query(concat!(
+    let query = concat!(
         "SELECT pg_try_advisory_lock(",
         table_lock_key!(),
         ") AS done"
-    ))
-    .bind::<BigInt, _>(key)
-    .get_result::<LockAnswer>(conn)
-    .await
-    .map(|answer| answer.done)
+    );
+    lock_call(conn, query, key).await
 }
 
 /// Release the advisory lock [`try_lock`] took.
 pub(crate) async fn unlock(conn: &mut AsyncPgConnection, key: i64) -> QueryResult<bool> {
-    diesel::sql_query(concat!(
-        "SELECT pg_advisory_unlock(",
-        table_lock_key!(),
-        ") AS done"
-    ))
-    .bind::<BigInt, _>(key)
-    .get_result::<LockAnswer>(conn)
-    .await
-    .map(|answer| answer.done)
+    let query = concat!("SELECT pg_advisory_unlock(", table_lock_key!(), ") AS done");
+    lock_call(conn, query, key).await
+}
+
+/// One advisory-lock function call on `key` ([`table_lock_key`]), and its answer.
+async fn lock_call(
+    conn: &mut AsyncPgConnection,
+    query: &'static str,
+    key: i64,
+) -> QueryResult<bool> {
+    diesel::sql_query(query)
+        .bind::<BigInt, _>(key)
+        .get_result::<LockAnswer>(conn)
+        .await
+        .map(|answer| answer.done)
 }
 
 fn non_negative(n: i64) -> u64 {
