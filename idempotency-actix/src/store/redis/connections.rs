@@ -41,6 +41,8 @@ pub(super) struct Connections<C> {
     /// Never empty; calls take them in turn. Each with its generation: how often it was
     /// replaced.
     shared: Box<[RwLock<(C, u64)>]>,
+    /// Per shared connection: a replacement is being made (one attempt at a time).
+    remaking: Box<[AtomicBool]>,
     /// Which shared connection the next call takes.
     next: AtomicUsize,
     /// Each thread's own connection (`RedisStoreBuilder::connection_per_thread`).
@@ -60,8 +62,6 @@ pub(super) struct Remake {
     /// Closed once that runtime has ended (its sentinel task, which holds the receiver, is
     /// dropped with it).
     runtime_alive: tokio::sync::oneshot::Sender<()>,
-    /// One attempt at a time per shared connection.
-    remaking: Box<[AtomicBool]>,
 }
 
 impl Remake {
@@ -82,7 +82,6 @@ impl Remake {
             timeout,
             runtime,
             runtime_alive,
-            remaking: Box::new([]),
         })
     }
 
@@ -105,9 +104,7 @@ struct Remaking<C: Clone + Send + Sync + 'static> {
 
 impl<C: Clone + Send + Sync + 'static> Drop for Remaking<C> {
     fn drop(&mut self) {
-        if let Some(remake) = &self.connections.remake {
-            remake.remaking[self.slot].store(false, Ordering::Release);
-        }
+        self.connections.remaking[self.slot].store(false, Ordering::Release);
     }
 }
 
@@ -136,11 +133,8 @@ where
         per_thread: Option<PerThread>,
         remake: Option<Remake>,
     ) -> Self {
-        let remake = remake.map(|remake| Remake {
-            remaking: shared.iter().map(|_| AtomicBool::new(false)).collect(),
-            ..remake
-        });
         Self {
+            remaking: shared.iter().map(|_| AtomicBool::new(false)).collect(),
             shared: shared.into_iter().map(|c| RwLock::new((c, 0))).collect(),
             next: AtomicUsize::new(0),
             per_thread,
@@ -190,7 +184,7 @@ where
             return;
         };
         // Already replaced since the call took it: its successor is not the silent one.
-        if self.shared_at(i).1 != silent || remake.remaking[i].swap(true, Ordering::AcqRel) {
+        if self.shared_at(i).1 != silent || self.remaking[i].swap(true, Ordering::AcqRel) {
             return;
         }
         let remaking = Remaking {
