@@ -252,6 +252,44 @@ async fn migrate_twice_and_check_gates_deploys() {
     assert_eq!(json_one(&out)["total"], 0);
 }
 
+/// A table or function dropped by hand under a provisioned database: the other commands say
+/// "run `idem-cli migrate`", so `migrate` and the deploy gate must not answer "up to date"
+/// (exit 0) while the bookkeeping says every migration ran. Both refuse with exit 4 and say
+/// what is missing and where the recovery is documented.
+#[tokio::test]
+async fn migrate_does_not_call_a_schema_dropped_by_hand_up_to_date() {
+    for drop in [
+        "DROP TABLE idempotency_keys",
+        "DROP FUNCTION idempotency_reserve(text, text, text, text, bytea, uuid, bigint)",
+    ] {
+        let db = TestDb::new().await;
+        let mut conn = connect(&db).await;
+        conn.batch_execute(drop).await.expect("drop");
+        for args in [
+            &["migrate", "--check"][..],
+            &["migrate"],
+            &["--format", "json", "migrate", "--check"],
+        ] {
+            let out = idem(&db.url, args);
+            expect_code(&out, NOT_PROVISIONED);
+            let err = stderr(&out);
+            assert!(
+                err.contains("recorded as applied"),
+                "{drop}, {args:?}: {err}"
+            );
+            assert!(
+                err.contains("docs/operations.md"),
+                "{drop}, {args:?}: {err}"
+            );
+            assert!(
+                !stdout(&out).contains("up to date"),
+                "{drop}, {args:?}: {}",
+                stdout(&out)
+            );
+        }
+    }
+}
+
 /// The purge fixture: what is expired, live and in flight, in two tenants.
 async fn purge_fixture(conn: &mut AsyncPgConnection) {
     let two_days = -2 * DAY;

@@ -38,7 +38,13 @@ pub async fn run(
             .map_err(db::store_error)?;
         let pending = full_names(pending);
         // The layout is only known once its migration ran; before that there is no table.
-        let layout = if matches!(db::bounded(admin::table_exists(&mut conn)).await?, Ok(true)) {
+        let provisioned = db::bounded(admin::table_exists(&mut conn))
+            .await?
+            .map_err(db::store_error)?;
+        if pending.is_empty() && !provisioned {
+            return Err(dropped_by_hand());
+        }
+        let layout = if provisioned {
             Some(layout_name(
                 sql!(&mut conn, admin::partition_interval(&mut conn)).as_deref(),
             ))
@@ -109,6 +115,12 @@ pub async fn run(
         .map_err(|_| CliError::Other("the migration thread panicked".into()))?;
     let applied = applied.map_err(db::store_error)?;
     let applied = full_names(applied);
+    let provisioned = db::bounded(admin::table_exists(&mut conn))
+        .await?
+        .map_err(db::store_error)?;
+    if !provisioned {
+        return Err(dropped_by_hand());
+    }
     let layout = sql!(&mut conn, admin::partition_interval(&mut conn));
     if args.partitioned && layout.is_none() {
         // The layout migration ran earlier, without the setting: nothing was converted.
@@ -146,6 +158,21 @@ pub async fn run(
         out.line(format!("layout: {layout_name}"))?;
     }
     out.flush()
+}
+
+/// Every migration is recorded as applied, yet the table or a function the store calls is
+/// missing: something dropped it outside idem-cli. Applying nothing and answering "up to date"
+/// would send operators in a circle (every other command says "run `idem-cli migrate`"), and
+/// re-running the migrations in place would fail on the objects that are left, so the
+/// recovery is a documented manual step.
+fn dropped_by_hand() -> CliError {
+    CliError::NotProvisioned(
+        "every migration is recorded as applied (__diesel_schema_migrations), but the table \
+         `idempotency_keys` or a function the store calls is missing: it was dropped outside \
+         idem-cli; restore it from a backup, or see docs/operations.md, \"A schema dropped by \
+         hand\""
+            .into(),
+    )
 }
 
 /// `plain`, or `partitioned (hourly|daily)`.
