@@ -764,31 +764,31 @@ where
         let histogram = self.meters.histogram(Op::Complete).clone();
         outcome::complete_retry("started", name);
         let retry = async move {
-            let mut pause = Duration::from_millis(100);
-            while Instant::now() + pause < until {
-                tokio::time::sleep(pause).await;
-                pause = (pause * 2).min(Duration::from_secs(2));
+            let done = until_the_lease_ends(until, || async {
                 let call = store.complete(&scope, &token, &stored, ttl);
                 match outcome::timed(&histogram, call).await {
                     Ok(WriteOutcome::Applied) => {
                         tracing::info!(target: "idempotency_actix", outcome = "stored", status = stored.status, "response stored after the store recovered");
                         outcome::complete_retry("succeeded", name);
-                        return;
+                        true
                     }
                     Ok(WriteOutcome::Stale) => {
                         // Taken over, or an earlier attempt that "failed" had been applied
                         // (its reply lost): the store cannot tell them apart after completion.
                         outcome::complete_retry("stale", name);
                         tracing::warn!(target: "idempotency_actix", outcome = "stale", "gave up storing the response: the reservation is no longer this request's (taken over after the lease, or lost with a database crash)");
-                        return;
+                        true
                     }
                     Err(error) => {
                         tracing::debug!(target: "idempotency_actix", outcome = "store_error", %error, "storing the response failed again; retrying until the lease ends");
+                        false
                     }
                 }
+            });
+            if !done.await {
+                outcome::complete_retry("given_up", name);
+                tracing::error!(target: "idempotency_actix", outcome = "store_error", "gave up storing the response: the lease ended; a retry will run the handler again");
             }
-            outcome::complete_retry("given_up", name);
-            tracing::error!(target: "idempotency_actix", outcome = "store_error", "gave up storing the response: the lease ended; a retry will run the handler again");
         };
         tokio::spawn(retry.in_current_span());
     }
@@ -807,9 +807,42 @@ where
                 tracing::warn!(target: "idempotency_actix", outcome = "stale", "the reservation was taken over before it could be released");
             }
             Err(error) => {
-                tracing::error!(target: "idempotency_actix", outcome = "store_error", %error, "could not release the key; it stays reserved until its lease ends");
+                tracing::error!(target: "idempotency_actix", outcome = "store_error", %error, "could not release the key; retrying until the lease ends, the reservation stays meanwhile");
+                self.retry_release(scope.clone(), *token);
             }
         }
+    }
+
+    /// After a failed `release`: keep trying in the background until the lease ends, as for
+    /// `complete` (C16). The client was told its request was not kept and may retry with the
+    /// same key (C10); without this, one failed `DELETE` held the key, answering 409, for the
+    /// rest of the lease although the store was back a moment later. Fenced by the token: a
+    /// release only removes this request's own reservation, never a takeover or a record.
+    fn retry_release(&self, scope: Scope, token: ReservationToken) {
+        let store = Arc::clone(&self.store);
+        let until = saturating_deadline(Instant::now(), self.config.lock_timeout);
+        let histogram = self.meters.histogram(Op::Release).clone();
+        let retry = async move {
+            let done = until_the_lease_ends(until, || async {
+                match outcome::timed(&histogram, store.release(&scope, &token)).await {
+                    Ok(WriteOutcome::Applied) => {
+                        tracing::info!(target: "idempotency_actix", outcome = "released", "key released after the store recovered");
+                        true
+                    }
+                    // Released by an attempt whose reply was lost, or taken over: nothing of
+                    // this request's is left to release.
+                    Ok(WriteOutcome::Stale) => true,
+                    Err(error) => {
+                        tracing::debug!(target: "idempotency_actix", outcome = "store_error", %error, "releasing the key failed again; retrying until the lease ends");
+                        false
+                    }
+                }
+            });
+            if !done.await {
+                tracing::error!(target: "idempotency_actix", outcome = "store_error", "gave up releasing the key: its lease ended, so a retry takes it over");
+            }
+        };
+        tokio::spawn(retry.in_current_span());
     }
 
     /// Answer with a problem instead of running the handler, and report it.
@@ -824,6 +857,25 @@ where
         req.into_response(self.config.problem(problem))
             .map_into_right_body()
     }
+}
+
+/// Call `attempt` after pauses doubling from 100 ms to 2 s, until it answers `true` (done) or
+/// the next pause would end past `until` (the lease's end, after which the key is anyone's);
+/// whether it got done. The background retries of `complete` and `release` (C16).
+async fn until_the_lease_ends<F, Fut>(until: Instant, mut attempt: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let mut pause = Duration::from_millis(100);
+    while Instant::now() + pause < until {
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_secs(2));
+        if attempt().await {
+            return true;
+        }
+    }
+    false
 }
 
 /// What to do instead of running the handler.

@@ -21,6 +21,7 @@ mod postgres_tls;
 mod redis_degraded;
 mod redis_options;
 mod redis_store;
+mod release_faults;
 mod renewal_faults;
 mod transactional_middleware;
 mod transactional_scale;
