@@ -99,6 +99,9 @@ pub enum Outcome {
     /// Wait mode: the client left while its request waited for the first one with its key;
     /// nothing ran, nothing was sent (reported with status 499, "client closed request").
     Abandoned,
+    /// The request's body could not be read (the client reset the connection mid-upload, a
+    /// malformed chunked encoding): nothing was reserved, nothing ran.
+    RequestBodyError,
 }
 
 impl Outcome {
@@ -125,6 +128,7 @@ impl Outcome {
             Self::CommitFailed => "commit_failed",
             Self::CommitUnknown => "commit_unknown",
             Self::Abandoned => "abandoned",
+            Self::RequestBodyError => "request_body_error",
         }
     }
 
@@ -189,7 +193,7 @@ pub(crate) fn client_closed() -> StatusCode {
 }
 
 /// The number of [`Outcome`] variants (one counter handle each per route).
-const OUTCOMES: usize = Outcome::Abandoned as usize + 1;
+const OUTCOMES: usize = Outcome::RequestBodyError as usize + 1;
 
 /// The metric handles of one worker, resolved once and reused.
 ///
@@ -433,6 +437,7 @@ pub(crate) mod tests {
         Outcome::CommitFailed,
         Outcome::CommitUnknown,
         Outcome::Abandoned,
+        Outcome::RequestBodyError,
     ];
 
     /// The documented label of each outcome and whether its handler ran.
@@ -458,6 +463,7 @@ pub(crate) mod tests {
             Outcome::CommitFailed => ("commit_failed", true),
             Outcome::CommitUnknown => ("commit_unknown", true),
             Outcome::Abandoned => ("abandoned", false),
+            Outcome::RequestBodyError => ("request_body_error", false),
         }
     }
 

@@ -203,3 +203,66 @@ async fn the_held_gauge_counts_a_running_handler_and_drops_back() {
     // The snapshot took the 1 it read, so the guard's decrement shows as -1: back to zero.
     assert_eq!(during + held(), 0.0, "the guard gave it back");
 }
+
+/// A keyed request whose body fails while it is read (a client that reset mid-upload, a broken
+/// chunked encoding) is counted once (`request_body_error`) and reported to the hook: every
+/// keyed request has one outcome. Before, the read's error left the flow before any outcome.
+#[actix_rt::test]
+async fn a_keyed_request_whose_body_fails_is_counted_and_reported() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    use actix_web::error::PayloadError;
+    use bytes::Bytes;
+
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let _guard = metrics::set_default_local_recorder(&recorder);
+    let hooked = Arc::new(AtomicUsize::new(0));
+    let seen = Arc::clone(&hooked);
+    let app = init_service(
+        App::new()
+            .wrap(
+                Idempotency::builder(MemoryStore::new())
+                    .on_outcome(move |_| {
+                        seen.fetch_add(1, Ordering::SeqCst);
+                    })
+                    .build(),
+            )
+            .route(
+                "/payments",
+                web::post().to(|| async { HttpResponse::Created().body("ok") }),
+            ),
+    )
+    .await;
+    let req = TestRequest::post()
+        .uri("/payments")
+        .insert_header(("idempotency-key", "reset-1"))
+        .insert_header(("content-length", "100"))
+        .to_request();
+    let chunks: Vec<Result<Bytes, PayloadError>> = vec![
+        Ok(Bytes::from_static(b"{\"amount\":")),
+        Err(PayloadError::Incomplete(None)),
+    ];
+    let stream: actix_http::BoxedPayloadStream = Box::pin(futures_util::stream::iter(chunks));
+    let (req, _) = req.replace_payload(actix_http::Payload::Stream { payload: stream });
+    // The answer (an error for the broken body) is not the point: what was recorded is.
+    let _ = actix_web::dev::Service::call(&app, req).await;
+    let metrics = read(&snapshotter);
+    let counted: u64 = metrics
+        .iter()
+        .filter(|(key, ..)| key.key().name() == "idempotency_requests_total")
+        .map(|(_, _, _, value)| match value {
+            DebugValue::Counter(n) => *n,
+            _ => 0,
+        })
+        .sum();
+    assert_eq!(
+        (counted, hooked.load(Ordering::SeqCst)),
+        (1, 1),
+        "a keyed request whose body failed: counted {counted} times in \
+         idempotency_requests_total, reported {} times to on_outcome (one outcome each is \
+         documented)",
+        hooked.load(Ordering::SeqCst)
+    );
+}

@@ -2028,3 +2028,42 @@ mod request_flow {
         );
     }
 }
+
+/// The `on_outcome` hook gets the scope of a request whose handler panicked (`None` is only
+/// for requests that never got one): the handler ran, its effects may exist and the key is
+/// held until its lease ends, so an audit hook must be able to tell which key and tenant.
+#[actix_web::test]
+async fn the_hook_sees_the_scope_of_a_request_whose_handler_panicked() {
+    use idempotency_actix::Outcome;
+    type Seen = Vec<(Outcome, u16, Option<(String, String)>)>;
+    let seen: Arc<std::sync::Mutex<Seen>> = Arc::default();
+    let record = Arc::clone(&seen);
+    let app = init_service(
+        App::new()
+            .wrap(
+                Idempotency::builder(MemoryStore::new())
+                    .on_outcome(move |event| {
+                        if let Ok(mut seen) = record.lock() {
+                            seen.push((
+                                event.outcome,
+                                event.status.as_u16(),
+                                event.scope.map(|s| (s.path.clone(), s.key.clone())),
+                            ));
+                        }
+                    })
+                    .build(),
+            )
+            .route("/panics", web::post().to(panicking)),
+    )
+    .await;
+    assert!(app.call(post("/panics", "p1").to_request()).await.is_err());
+    let seen = seen.lock().map(|s| s.clone()).unwrap_or_default();
+    assert_eq!(
+        seen,
+        vec![(
+            Outcome::HandlerPanic,
+            500,
+            Some(("/panics".to_owned(), "p1".to_owned()))
+        )]
+    );
+}

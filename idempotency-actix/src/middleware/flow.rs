@@ -188,9 +188,15 @@ where
                 return Ok(self.refuse(req, problem, &report, None));
             }
         };
-        let body = match read_body(&mut req, self.config.max_body_bytes).await? {
-            Ok(body) => body,
-            Err(problem) => return Ok(self.refuse(req, problem, &report, None)),
+        let body = match read_body(&mut req, self.config.max_body_bytes).await {
+            Ok(Ok(body)) => body,
+            Ok(Err(problem)) => return Ok(self.refuse(req, problem, &report, None)),
+            // Nothing was reserved; counted, so that every keyed request has one outcome.
+            Err(error) => {
+                let status = error.as_response_error().status_code();
+                report.outcome(Outcome::RequestBodyError, status, None);
+                return Err(error);
+            }
         };
         let scope = Scope {
             tenant,
@@ -224,6 +230,8 @@ where
             path = %LogText(&scope.path),
         );
         let on_panic = self.config.what_a_panic_leaves();
+        // The hook learns which key a panic left held; cloned only for a hook.
+        let panic_scope = self.config.on_outcome.is_some().then(|| scope.clone());
         let (answer, answered) = oneshot::channel();
         let work = self.settle(req, scope, fingerprint, body, report.clone(), answer);
         detach(work.instrument(span.clone())).await;
@@ -238,7 +246,7 @@ where
                 report.outcome(
                     Outcome::HandlerPanic,
                     StatusCode::INTERNAL_SERVER_ERROR,
-                    None,
+                    panic_scope.as_ref(),
                 );
                 Err(opaque_500("the request's task ended without a response"))
             }
