@@ -34,8 +34,14 @@ use crate::error::CliError;
 use crate::output::{table, Out};
 use crate::record::{round_ms, RecordView, TABLE_HEADER};
 
-/// Records read per batch (their reads are all in flight at once).
+/// Records read per batch when only their heads are read (`list`, `stats`): their reads are
+/// all in flight at once, about 150 bytes each.
 const READ_BATCH: usize = 1000;
+
+/// Records read per batch when their responses are read too (`show`, `release`): a response
+/// may be as large as the app's `max_response_bytes` (1 MiB by default), and a batch sits in
+/// this process's memory and in the Redis server's output buffer for this client at once.
+const READ_BATCH_WITH_RESPONSE: usize = 16;
 
 /// What a connection must be to serve the commands: a single server's or a cluster's.
 trait Conn: ConnectionLike + Clone + Send + Sync + 'static {}
@@ -221,58 +227,81 @@ impl<C: Conn> Redis<'_, C> {
         Ok(keys)
     }
 
-    /// Read the records at `keys` (one pipeline); keys that vanished or are not records are
-    /// skipped. With `with_response`, the stored headers and body too.
+    /// Read the records at `keys`; keys that vanished or are not records are skipped. Without
+    /// `with_response` only each record's fixed head and length (`GETRANGE`, `STRLEN`): `list`
+    /// and `stats` show no response, and pulling every stored body (up to the app's
+    /// `max_response_bytes` each) through the production Redis's output buffer could make it
+    /// refuse the app's writes. With `with_response`, the whole record (`GET`).
     async fn read(
         &mut self,
         keys: &[Vec<u8>],
         with_response: bool,
     ) -> Result<Vec<Found>, CliError> {
+        let batch = if with_response {
+            READ_BATCH_WITH_RESPONSE
+        } else {
+            READ_BATCH
+        };
         let mut found = Vec::new();
-        for chunk in keys.chunks(READ_BATCH) {
-            // `GET` and `PTTL` per key (one pipeline, one slot), all keys in flight at once:
-            // pipelined on one server's connection, each sent to its own node on a cluster
-            // (where a pipeline may not span slots). A key of another type answers an error
-            // (`WRONGTYPE`): not a record, skipped.
+        for chunk in keys.chunks(batch) {
+            // One transaction per key (one slot), so the head, the length and the expiry are
+            // of the same record; all keys in flight at once: pipelined on one server's
+            // connection, each sent to its own node on a cluster (where a pipeline may not span
+            // slots). A key of another type answers an error (`WRONGTYPE`): not a record.
             let reads = chunk.iter().map(|key| {
                 let mut conn = self.conn.clone();
                 async move {
-                    let read: Result<(Option<Vec<u8>>, i64), RedisError> = redis::pipe()
-                        .cmd("GET")
-                        .arg(key.as_slice())
-                        .cmd("PTTL")
-                        .arg(key.as_slice())
-                        .query_async(&mut conn)
-                        .await;
+                    let mut pipe = redis::pipe();
+                    pipe.atomic();
+                    if with_response {
+                        pipe.cmd("GET").arg(key.as_slice());
+                    } else {
+                        let last = record::HEAD_READ_LEN - 1;
+                        pipe.cmd("GETRANGE").arg(key.as_slice()).arg(0).arg(last);
+                    }
+                    pipe.cmd("STRLEN").arg(key.as_slice());
+                    pipe.cmd("PTTL").arg(key.as_slice());
+                    let read: Result<(Option<Vec<u8>>, usize, i64), RedisError> =
+                        pipe.query_async(&mut conn).await;
                     match read {
                         Err(e) if e.kind() == redis::ErrorKind::TypeError => Ok(None),
                         Err(e) if e.code() == Some("WRONGTYPE") => Ok(None),
                         Err(e) => Err(e),
-                        Ok((value, pttl_ms)) => Ok(value.map(|v| (v, pttl_ms))),
+                        // STRLEN is 0 for a key that is gone (GETRANGE then answers "").
+                        Ok((_, 0, _)) | Ok((None, _, _)) => Ok(None),
+                        Ok((Some(bytes), len, pttl_ms)) => Ok(Some((bytes, len, pttl_ms))),
                     }
                 }
             });
             let values = try_join_all(reads).await.map_err(failed)?;
             for (key, value) in chunk.iter().zip(values) {
-                let Some((bytes, pttl_ms)) = value else {
+                let Some((bytes, len, pttl_ms)) = value else {
                     continue;
                 };
                 let Some(scope) = parse_record_key(self.prefix, key) else {
                     continue;
                 };
-                let Ok(stored) = record::decode(bytes.into()) else {
+                let Ok(head) = record::decode_head(&bytes, len) else {
                     continue;
                 };
-                let response = match &stored.state {
-                    record::State::Completed { response, .. } if with_response => {
-                        Some((response.encode_headers(), response.body.to_vec()))
+                let (headers, body) = if with_response {
+                    match record::decode(bytes.into()) {
+                        Ok(record::Record {
+                            state: record::State::Completed { response, .. },
+                            ..
+                        }) => (
+                            Some(response.encode_headers()),
+                            Some(response.body.to_vec()),
+                        ),
+                        Ok(_) => (None, None),
+                        Err(_) => continue,
                     }
-                    _ => None,
+                } else {
+                    (None, None)
                 };
-                let (headers, body) = response.unzip();
                 found.push(Found {
                     key: key.clone(),
-                    record: self.record(scope, &stored, pttl_ms),
+                    record: self.record(scope, &head, pttl_ms),
                     headers,
                     body,
                 });
@@ -283,10 +312,10 @@ impl<C: Conn> Redis<'_, C> {
 
     /// `stored` as the PostgreSQL commands show a row. A reservation's lease ends where its
     /// key's remaining life (`pttl_ms`) falls to its grace, by Redis's clock (`now_us`).
-    fn record(&self, scope: Scope, stored: &record::Record, pttl_ms: i64) -> Record {
+    fn record(&self, scope: Scope, stored: &record::Head, pttl_ms: i64) -> Record {
         let at = |us: u64| Time::from_unix_micros(i64::try_from(us).unwrap_or(i64::MAX));
         let (state, lease_end, completed_at, expires_at, status, body_len) = match &stored.state {
-            record::State::InFlight { grace_us, .. } => {
+            record::HeadState::InFlight { grace_us, .. } => {
                 let life_us = pttl_ms.max(0).saturating_mul(1000);
                 let grace = i64::try_from(*grace_us).unwrap_or(i64::MAX);
                 let end = Time::from_unix_micros(
@@ -294,17 +323,19 @@ impl<C: Conn> Redis<'_, C> {
                 );
                 (State::InFlight, Some(end), None, end, None, None)
             }
-            record::State::Completed {
+            record::HeadState::Completed {
                 completed_us,
                 expires_us,
-                response,
+                status,
+                body_len,
+                ..
             } => (
                 State::Completed,
                 None,
                 Some(at(*completed_us)),
                 at(*expires_us),
-                i16::try_from(response.status).ok(),
-                i32::try_from(response.body.len()).ok(),
+                i16::try_from(*status).ok(),
+                i32::try_from(*body_len).ok(),
             ),
         };
         Record {

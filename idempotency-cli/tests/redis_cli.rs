@@ -464,3 +464,62 @@ async fn stats_counts_each_record_once_while_the_keyspace_shrinks() {
         "idem-cli stats counted {counts:?} records; there are {RECORDS}"
     );
 }
+
+/// `list` and `stats` show no response, so they read each record's fixed head and length, not
+/// the stored body: with 1 MiB responses (the default `max_response_bytes`) a batch of whole
+/// records was a GiB in the CLI's memory and in the production Redis's output buffer for this
+/// client, and a `stats` moved every stored byte over the network.
+#[tokio::test]
+async fn list_and_stats_do_not_pull_every_stored_body() {
+    const RECORDS: usize = 40;
+    const BODY: usize = 1024 * 1024;
+    let redis = RedisServer::start();
+    let url = redis.url();
+    let store = RedisStore::connect(&url).await.expect("connect");
+    let body = Bytes::from(vec![b'x'; BODY]);
+    for i in 0..RECORDS {
+        let s = scope("acme", &format!("big-{i}"));
+        let ReserveOutcome::Reserved { token } = reserve(&store, &s, LEASE).await else {
+            panic!("fresh key")
+        };
+        let response = StoredResponse {
+            status: 200,
+            headers: vec![("content-type".into(), Bytes::from_static(b"text/plain"))],
+            body: body.clone(),
+        };
+        assert_eq!(
+            store.complete(&s, &token, &response, LEASE).await.ok(),
+            Some(WriteOutcome::Applied)
+        );
+    }
+    let mut conn = idempotency_e2e::redis_server::connection(&url).await;
+    async fn sent(
+        conn: &mut idempotency_actix::store::redis::redis::aio::MultiplexedConnection,
+    ) -> u64 {
+        let info: String = idempotency_actix::store::redis::redis::cmd("INFO")
+            .arg("stats")
+            .query_async(conn)
+            .await
+            .expect("INFO");
+        info.lines()
+            .find_map(|l| l.trim().strip_prefix("total_net_output_bytes:"))
+            .and_then(|n| n.parse().ok())
+            .expect("total_net_output_bytes")
+    }
+    for command in [
+        &["stats", "--format", "json"][..],
+        &["list", "--format", "json"][..],
+    ] {
+        let before = sent(&mut conn).await;
+        let out = idem(&url, command);
+        expect_code(&out, 0);
+        let moved = sent(&mut conn).await - before;
+        assert!(
+            moved < (BODY as u64) * 2,
+            "`idem-cli {}` over {RECORDS} records made Redis send {moved} bytes ({} MiB): \
+             every stored body, although it shows none",
+            command[0],
+            moved / (1024 * 1024)
+        );
+    }
+}

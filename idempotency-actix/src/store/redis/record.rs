@@ -137,43 +137,119 @@ pub fn token_text(token: &ReservationToken) -> String {
     token.as_uuid().hyphenated().to_string()
 }
 
-/// Decode a record; `Err` names what is wrong with bytes that are not one.
-pub fn decode(bytes: Bytes) -> Result<Record, &'static str> {
-    if bytes.len() < HEADER_LEN {
+/// The bytes [`decode_head`] needs: everything before a completed record's encoded headers.
+/// `idem-cli list` and `stats` read this much of each record (`GETRANGE key 0
+/// HEAD_READ_LEN-1`) and its length (`STRLEN`), not the stored response.
+pub const HEAD_READ_LEN: usize = HEADERS_LEN.end;
+
+/// What a record's fixed header says, without its response.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Head {
+    /// The request's fingerprint.
+    pub fingerprint: Fingerprint,
+    /// The token of the reservation that made (or holds) the record.
+    pub token: ReservationToken,
+    /// Reserved at, microseconds since the Unix epoch, by the reserving instance's clock.
+    pub created_us: u64,
+    /// What the state adds.
+    pub state: HeadState,
+}
+
+/// The state of a [`Head`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HeadState {
+    /// A reservation: see [`State::InFlight`].
+    InFlight {
+        /// Its lease as reserved, microseconds.
+        lease_us: u64,
+        /// How long its key outlives the lease, microseconds.
+        grace_us: u64,
+    },
+    /// A completed record: see [`State::Completed`].
+    Completed {
+        /// Completed at, microseconds since the Unix epoch, Redis's clock.
+        completed_us: u64,
+        /// Expires at, microseconds since the Unix epoch, Redis's clock.
+        expires_us: u64,
+        /// The stored status.
+        status: u16,
+        /// Where the body starts: the encoded headers end there.
+        body_start: usize,
+        /// The body's length in bytes.
+        body_len: usize,
+    },
+}
+
+/// Decode a record's fixed header from its first bytes (`head`, at least [`HEAD_READ_LEN`] of
+/// them when there are that many) and the record's whole length (`len`), checking everything
+/// [`decode`] checks except the encoded headers themselves.
+pub fn decode_head(head: &[u8], len: usize) -> Result<Head, &'static str> {
+    if head.len() < HEADER_LEN || len < head.len() {
         return Err("shorter than a record's header");
     }
-    let fingerprint = Fingerprint::from_slice(&bytes[FP]).ok_or("fingerprint is not 32 bytes")?;
-    let token = std::str::from_utf8(&bytes[TOKEN])
+    let fingerprint = Fingerprint::from_slice(&head[FP]).ok_or("fingerprint is not 32 bytes")?;
+    let token = std::str::from_utf8(&head[TOKEN])
         .ok()
         .and_then(|t| uuid::Uuid::parse_str(t).ok())
         .map(ReservationToken::from_uuid)
         .ok_or("token is not a UUID")?;
-    let created_us = number(&bytes[CREATED]).ok_or("reserved-at is not a number")?;
-    let second = number(&bytes[SECOND]).ok_or("a time field is not a number")?;
-    let third = number(&bytes[THIRD]).ok_or("a time field is not a number")?;
-    let state = match bytes[0] {
-        IN_FLIGHT if bytes.len() == HEADER_LEN => State::InFlight {
+    let created_us = number(&head[CREATED]).ok_or("reserved-at is not a number")?;
+    let second = number(&head[SECOND]).ok_or("a time field is not a number")?;
+    let third = number(&head[THIRD]).ok_or("a time field is not a number")?;
+    let state = match head[0] {
+        IN_FLIGHT if len == HEADER_LEN => HeadState::InFlight {
             lease_us: second,
             grace_us: third,
         },
-        COMPLETED if bytes.len() >= HEADERS_LEN.end => {
-            let status = number(&bytes[STATUS])
+        COMPLETED if len >= HEADERS_LEN.end && head.len() >= HEADERS_LEN.end => {
+            let status = number(&head[STATUS])
                 .and_then(|s| u16::try_from(s).ok())
                 .ok_or("status is not a number")?;
-            let headers_len = number(&bytes[HEADERS_LEN])
+            let headers_len = number(&head[HEADERS_LEN])
                 .and_then(|n| usize::try_from(n).ok())
                 .ok_or("headers length is not a number")?;
             let body_start = HEADERS_LEN
                 .end
                 .checked_add(headers_len)
-                .filter(|end| *end <= bytes.len())
+                .filter(|end| *end <= len)
                 .ok_or("headers run past the end")?;
+            HeadState::Completed {
+                completed_us: second,
+                expires_us: third,
+                status,
+                body_start,
+                body_len: len - body_start,
+            }
+        }
+        IN_FLIGHT | COMPLETED => return Err("wrong length for its state"),
+        _ => return Err("unknown state"),
+    };
+    Ok(Head {
+        fingerprint,
+        token,
+        created_us,
+        state,
+    })
+}
+
+/// Decode a record; `Err` names what is wrong with bytes that are not one.
+pub fn decode(bytes: Bytes) -> Result<Record, &'static str> {
+    let head = decode_head(&bytes, bytes.len())?;
+    let state = match head.state {
+        HeadState::InFlight { lease_us, grace_us } => State::InFlight { lease_us, grace_us },
+        HeadState::Completed {
+            completed_us,
+            expires_us,
+            status,
+            body_start,
+            body_len: _,
+        } => {
             let headers_bytes = bytes.slice(HEADERS_LEN.end..body_start);
             let headers = StoredResponse::decode_headers_shared(&headers_bytes)
                 .map_err(|_| "headers do not decode")?;
             State::Completed {
-                completed_us: second,
-                expires_us: third,
+                completed_us,
+                expires_us,
                 response: StoredResponse {
                     status,
                     headers,
@@ -181,13 +257,11 @@ pub fn decode(bytes: Bytes) -> Result<Record, &'static str> {
                 },
             }
         }
-        IN_FLIGHT | COMPLETED => return Err("wrong length for its state"),
-        _ => return Err("unknown state"),
     };
     Ok(Record {
-        fingerprint,
-        token,
-        created_us,
+        fingerprint: head.fingerprint,
+        token: head.token,
+        created_us: head.created_us,
         state,
     })
 }
@@ -349,6 +423,44 @@ mod tests {
         #[test]
         fn decoding_any_bytes_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..300)) {
             let _ = decode(bytes.into());
+        }
+
+        /// Whatever the first bytes and the length claim, reading a head answers.
+        #[test]
+        fn decoding_any_head_never_panics(
+            bytes in proptest::collection::vec(any::<u8>(), 0..300),
+            extra in 0usize..1000,
+        ) {
+            let _ = decode_head(&bytes, bytes.len() + extra);
+            let _ = decode_head(&bytes, bytes.len().saturating_sub(extra));
+        }
+
+        /// What `idem-cli list` and `stats` read (the first `HEAD_READ_LEN` bytes and the
+        /// length) says what the whole record says.
+        #[test]
+        fn the_head_agrees_with_the_whole_record(
+            status in 100u16..1000,
+            headers in proptest::collection::vec(("[a-z-]{1,12}", proptest::collection::vec(any::<u8>(), 0..20)), 0..4),
+            body in proptest::collection::vec(any::<u8>(), 0..200),
+            times in (0..=MAX_FIELD, 0..=MAX_FIELD, 0..=MAX_FIELD),
+        ) {
+            let response = StoredResponse {
+                status,
+                headers: headers.into_iter().map(|(n, v)| (n, Bytes::from(v))).collect(),
+                body: body.into(),
+            };
+            let reservation = in_flight(&Fingerprint([3; 32]), &token(), times.0, 1, 1);
+            let bytes = completed(&reservation, times.1, times.2, &response_tail(&response));
+            let head = decode_head(&bytes[..HEAD_READ_LEN], bytes.len());
+            let Ok(Head { state: HeadState::Completed { completed_us, expires_us, status: s, body_len, .. }, created_us, .. }) = head else {
+                panic!("{head:?}");
+            };
+            prop_assert_eq!(
+                (created_us, completed_us, expires_us, s, body_len),
+                (times.0, times.1, times.2, status, response.body.len())
+            );
+            let reservation = decode_head(&reservation, reservation.len());
+            prop_assert_eq!(reservation.map(|h| h.state), Ok(HeadState::InFlight { lease_us: 1, grace_us: 1 }));
         }
 
         /// Every response survives the trip, whatever its bytes.
