@@ -226,6 +226,7 @@ async fn migrate_twice_and_check_gates_deploys() {
          applied 2026-12-04-000009_default_partition_older_than\n\
          applied 2026-12-04-000010_serializable_claim_inserts_first\n\
          applied 2026-12-04-000011_complete_after_a_partition_attach\n\
+         applied 2026-12-05-000012_partition_drop_waits_once\n\
          layout: plain\n"
     );
 
@@ -1287,19 +1288,42 @@ fn sslmode_require_with_a_question_mark_in_the_password_never_falls_back() {
 }
 
 /// Review of issue 15, finding 2: a drop step that fails (its lock timeout, while a reader
-/// holds the past partition) does not skip the create step, or the partitions ahead would run
+/// holds the response table) does not skip the create step, or the partitions ahead would run
 /// out. And without `--partitions-ahead`, the partitions ahead cover the default `--horizon`
 /// (36 h: the default 24 h TTL plus margin), so a 24 h response never lands in the default
-/// partition.
+/// partition. A partition held by something that is not a request (a query on that partition
+/// alone) is not waited for: it is left for the next run.
 #[tokio::test]
 async fn partitioned_purge_creates_ahead_even_when_the_drop_fails() {
     let (db, _setup) = hourly_partitioned_with_a_past_partition().await;
     assert_eq!(records::count(&db.url, COVERING_THE_HORIZON), 0);
 
-    // A reader of the past partition, in an open transaction: DROP TABLE waits for it.
+    // A reader of the past partition alone: the drop leaves it, and fails nothing.
     let mut reader = connect(&db).await;
     reader
         .batch_execute("BEGIN; LOCK TABLE idempotency_responses_past IN ACCESS SHARE MODE")
+        .await
+        .unwrap();
+    let out = idem(
+        &db.url,
+        &[
+            "--format",
+            "json",
+            "purge",
+            "--lock-timeout",
+            "5s",
+            "--partitions-ahead",
+            "1",
+        ],
+    );
+    expect_code(&out, 0);
+    assert_eq!(json_one(&out)["partitions_dropped"], serde_json::json!([]));
+    reader.batch_execute("ROLLBACK").await.unwrap();
+
+    // A reader of the response table (what a request holds), in an open transaction: the drop
+    // waits for it and times out.
+    reader
+        .batch_execute("BEGIN; LOCK TABLE ONLY idempotency_responses IN ACCESS SHARE MODE")
         .await
         .unwrap();
     let out = idem(&db.url, &["purge", "--lock-timeout", "200ms"]);
@@ -1391,9 +1415,10 @@ async fn partitioned_purge_steps_are_bounded_by_the_statement_timeout() {
         "created under the lock"
     );
 
-    // 2. The past partition only: the drop times out, the create step still runs.
+    // 2. The response table alone, as a request holds it: the drop times out, the create step
+    // (which takes the table in a mode readers do not block) still runs.
     holder
-        .batch_execute("BEGIN; LOCK TABLE idempotency_responses_past IN ACCESS SHARE MODE")
+        .batch_execute("BEGIN; LOCK TABLE ONLY idempotency_responses IN ACCESS SHARE MODE")
         .await
         .unwrap();
     let out = idem_within(&url, &bounded, Duration::from_secs(60))
@@ -1893,7 +1918,7 @@ async fn migrate_check_needs_only_select() {
     assert!(up_to_date_out.contains("up to date"), "{up_to_date_out}");
     expect_code(&pending, PENDING);
     assert!(
-        stdout(&pending).contains("pending 2026-12-04-000011_complete_after_a_partition_attach"),
+        stdout(&pending).contains("pending 2026-12-05-000012_partition_drop_waits_once"),
         "{}",
         stdout(&pending)
     );

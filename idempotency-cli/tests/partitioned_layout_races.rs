@@ -312,7 +312,11 @@ async fn migrating_to_the_partitioned_layout_never_drops_a_stored_response() {
 
 /// Every migration from 000005 on, newest first, with its diesel version: what
 /// `diesel migration revert` runs, one transaction each.
-const DOWN_TO_000004: [(&str, &str); 7] = [
+const DOWN_TO_000004: [(&str, &str); 8] = [
+    (
+        "20261205000012",
+        include_str!("../../migrations/2026-12-05-000012_partition_drop_waits_once/down.sql"),
+    ),
     (
         "20261204000011",
         include_str!(
@@ -403,4 +407,136 @@ async fn reverting_the_partitioned_layout_is_refused_and_leaves_it_working() {
         "{completed:?}"
     );
     assert_replays(&store, &scope, &fp).await;
+}
+
+/// Locks on `table` of one mode, requested and not granted yet.
+fn waiting_on(table: &str, mode: &str) -> String {
+    format!(
+        "SELECT count(*) AS n FROM pg_locks \
+         WHERE relation = to_regclass('{table}') AND mode = '{mode}' AND NOT granted"
+    )
+}
+
+/// A range partition whose every response expired long ago, for a drop to find.
+const PAST_PARTITION: &str = "CREATE TABLE idempotency_responses_past \
+     PARTITION OF idempotency_responses FOR VALUES FROM ('2020-01-01') TO ('2020-01-02')";
+
+/// docs/sql.md, "Partition maintenance and its locks": while purge waits for a lock, requests
+/// queue behind it, so "the worst added latency is `--lock-timeout` plus the hold". A partition
+/// drop waited once for `idempotency_responses` (what requests hold), then, holding it, again
+/// for the partition and the default partition, which something other than a request can
+/// hold (autovacuum, a monitoring query on one partition): every request waited for both.
+/// Now the second wait does not happen: those partitions are left for the next run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_drop_makes_traffic_wait_for_requests_only() {
+    let db = TestDb::new_partitioned(postgres::PartitionInterval::Daily).await;
+    let mut watch = postgres::establish(&db.url).await.unwrap();
+    watch.batch_execute(PAST_PARTITION).await.unwrap();
+
+    // A request in flight, and something that is not a request holding the default partition.
+    let mut request = postgres::establish(&db.url).await.unwrap();
+    request
+        .batch_execute("BEGIN; SELECT count(*) FROM idempotency_responses")
+        .await
+        .unwrap();
+    let mut vacuum = postgres::establish(&db.url).await.unwrap();
+    vacuum
+        .batch_execute("BEGIN; LOCK TABLE idempotency_responses_default IN ACCESS SHARE MODE")
+        .await
+        .unwrap();
+
+    let lock_timeout = Duration::from_secs(2);
+    let dropping = {
+        let url = db.url.clone();
+        tokio::spawn(async move {
+            let mut conn = postgres::establish(&url).await.unwrap();
+            postgres::admin::drop_partitions(&mut conn, Duration::ZERO, lock_timeout).await
+        })
+    };
+    wait_for(
+        &mut watch,
+        &waiting_on("idempotency_responses", "AccessExclusiveLock"),
+        "the drop to wait for the request",
+    )
+    .await;
+    // Live traffic arrives and queues behind the drop.
+    let traffic = {
+        let url = db.url.clone();
+        tokio::spawn(async move {
+            let mut conn = postgres::establish(&url).await.unwrap();
+            let started = Instant::now();
+            count(&mut conn, "SELECT count(*) AS n FROM idempotency_responses").await;
+            started.elapsed()
+        })
+    };
+    wait_for(
+        &mut watch,
+        &waiting_on("idempotency_responses", "AccessShareLock"),
+        "the traffic to queue behind the drop",
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    request.batch_execute("ROLLBACK").await.unwrap();
+
+    let waited = traffic.await.unwrap();
+    let dropped = dropping.await.unwrap();
+    vacuum.batch_execute("ROLLBACK").await.unwrap();
+    assert!(
+        waited < Duration::from_millis(1500),
+        "a request waited {waited:?} for a partition drop that itself waited for the request \
+         (0.2 s) and then, holding the table, for the default partition (lock timeout \
+         {lock_timeout:?}): {dropped:?}"
+    );
+    assert_eq!(
+        dropped.as_ref().map(Vec::len).ok(),
+        Some(0),
+        "the partition is left for the next run: {dropped:?}"
+    );
+    // The next run drops it.
+    let dropped = postgres::admin::drop_partitions(&mut watch, Duration::ZERO, lock_timeout)
+        .await
+        .unwrap();
+    assert_eq!(dropped, vec!["idempotency_responses_past".to_owned()]);
+}
+
+/// `idem-cli stats` lists the partitions (`admin::partitions`); a partition whose `DROP` commits
+/// while the listing waits for it came back with no bounds and no size, and the listing failed
+/// ("Unexpected null for non-null column"). A partition dropped meanwhile is not listed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn listing_partitions_during_a_partition_drop_does_not_fail() {
+    let db = TestDb::new_partitioned(postgres::PartitionInterval::Daily).await;
+    let mut watch = postgres::establish(&db.url).await.unwrap();
+    watch.batch_execute(PAST_PARTITION).await.unwrap();
+    let before = postgres::admin::partitions(&mut watch).await.unwrap();
+    assert!(before
+        .iter()
+        .any(|p| p.name == "idempotency_responses_past"));
+
+    let mut dropper = postgres::establish(&db.url).await.unwrap();
+    dropper
+        .batch_execute("BEGIN; DROP TABLE idempotency_responses_past")
+        .await
+        .unwrap();
+    let listing = {
+        let url = db.url.clone();
+        tokio::spawn(async move {
+            let mut conn = postgres::establish(&url).await.unwrap();
+            postgres::admin::partitions(&mut conn).await
+        })
+    };
+    // The listing waits for the dropped partition's lock.
+    wait_for(
+        &mut watch,
+        "SELECT count(*) AS n FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
+          WHERE NOT l.granted AND a.query LIKE '%idempotency_partitions()%'",
+        "the listing to wait for the drop",
+    )
+    .await;
+    dropper.batch_execute("COMMIT").await.unwrap();
+    let listed = listing.await.unwrap();
+    let listed = listed.unwrap_or_else(|e| panic!("listing the partitions during a drop: {e}"));
+    assert!(!listed
+        .iter()
+        .any(|p| p.name == "idempotency_responses_past"));
+    assert_eq!(listed.len(), before.len() - 1, "{listed:?}");
 }

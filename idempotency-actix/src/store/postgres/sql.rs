@@ -1025,8 +1025,9 @@ pub(crate) async fn all(conn: &mut AsyncPgConnection) -> QueryResult<Vec<Detail>
 // Layouts and partition maintenance (idem-cli migrate --check / stats / purge)
 //
 // Run once per command, so plain `sql_query` (not prepared across calls). The partition DDL is
-// in functions of migration 000005 (`idempotency_partitions_create`, `_drop`,
-// `idempotency_purge_default`, `idempotency_partitions`); these are their calls.
+// in functions of migration 000005 and the migrations that replaced them
+// (`idempotency_partitions_create`, `_drop`, `idempotency_purge_default`,
+// `idempotency_partitions`); these are their calls.
 
 /// One name returned by a maintenance function.
 #[derive(QueryableByName, Debug)]
@@ -1131,8 +1132,9 @@ pub(crate) async fn drop_partitions(
     Ok(rows.into_iter().map(|r| r.name).collect())
 }
 
-/// The partitions [`drop_partitions`] would drop, read only. The condition is that of
-/// `idempotency_partitions_drop` (migration 000005), which a migration owns: the two must
+/// The partitions [`drop_partitions`] would drop, read only (it may leave one that something
+/// other than a request holds). The condition is that of `idempotency_partitions_drop`
+/// (migration 000012), which a migration owns: the two must
 /// change together (`idem-cli`'s `partitioned_layout_migrate_check_stats_show_and_purge`
 /// compares a dry run with the run).
 pub(crate) async fn droppable_partitions(
