@@ -99,8 +99,8 @@ pub enum Outcome {
     /// Wait mode: the client left while its request waited for the first one with its key;
     /// nothing ran, nothing was sent (reported with status 499, "client closed request").
     Abandoned,
-    /// The request's body could not be read (the client reset the connection mid-upload, a
-    /// malformed chunked encoding): nothing was reserved, nothing ran.
+    /// 400 `INVALID_BODY`: the request's body could not be read (the client reset the
+    /// connection mid-upload, a malformed chunked encoding): nothing was reserved, nothing ran.
     RequestBodyError,
 }
 
@@ -154,6 +154,7 @@ impl Outcome {
         match code {
             ProblemCode::MissingKey => Self::MissingKey,
             ProblemCode::PayloadTooLarge => Self::PayloadTooLarge,
+            ProblemCode::InvalidBody => Self::RequestBodyError,
             ProblemCode::FingerprintMismatch => Self::Mismatch,
             ProblemCode::Conflict => Self::Conflict,
             ProblemCode::StorageUnavailable => Self::StoreUnavailable,

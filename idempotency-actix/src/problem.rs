@@ -37,6 +37,11 @@
 //! `PAYLOAD_TOO_LARGE`, 413: the body is larger than `max_body_bytes` (1 MiB by default), so it
 //! cannot be fingerprinted.
 //!
+//! ### invalid-body
+//! `INVALID_BODY`, 400: the body could not be read to its end (the connection ended before the
+//! declared length, or its chunked encoding is malformed), so it cannot be fingerprinted.
+//! Nothing was reserved or run; send the request again.
+//!
 //! ### fingerprint-mismatch
 //! `FINGERPRINT_MISMATCH`, 422: the key was already used for a different request (method, path,
 //! query or body differ). Nothing was changed. Use a new key for a new request.
@@ -104,6 +109,9 @@ pub enum ProblemCode {
     KeyTooLong,
     /// 413: the body is too large to fingerprint.
     PayloadTooLarge,
+    /// 400: the body could not be read (the connection ended early, a malformed chunked
+    /// encoding).
+    InvalidBody,
     /// 422: the key was used for a different request.
     FingerprintMismatch,
     /// 409: the first request with the key is still running.
@@ -131,6 +139,7 @@ impl ProblemCode {
             Self::InvalidKey => "INVALID_KEY",
             Self::KeyTooLong => "KEY_TOO_LONG",
             Self::PayloadTooLarge => "PAYLOAD_TOO_LARGE",
+            Self::InvalidBody => "INVALID_BODY",
             Self::FingerprintMismatch => "FINGERPRINT_MISMATCH",
             Self::Conflict => "CONFLICT",
             Self::StorageUnavailable => "STORAGE_UNAVAILABLE",
@@ -149,6 +158,7 @@ impl ProblemCode {
             Self::InvalidKey => "invalid-key",
             Self::KeyTooLong => "key-too-long",
             Self::PayloadTooLarge => "payload-too-large",
+            Self::InvalidBody => "invalid-body",
             Self::FingerprintMismatch => "fingerprint-mismatch",
             Self::Conflict => "conflict",
             Self::StorageUnavailable => "storage-unavailable",
@@ -163,9 +173,11 @@ impl ProblemCode {
     /// The HTTP status that goes with the code.
     pub fn status(self) -> StatusCode {
         match self {
-            Self::MissingKey | Self::InvalidKey | Self::KeyTooLong | Self::MissingTenant => {
-                StatusCode::BAD_REQUEST
-            }
+            Self::MissingKey
+            | Self::InvalidKey
+            | Self::KeyTooLong
+            | Self::MissingTenant
+            | Self::InvalidBody => StatusCode::BAD_REQUEST,
             Self::ReplayNotAcceptable => StatusCode::NOT_ACCEPTABLE,
             Self::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::FingerprintMismatch => StatusCode::UNPROCESSABLE_ENTITY,
@@ -184,6 +196,7 @@ impl ProblemCode {
             Self::InvalidKey => "The Idempotency-Key header is invalid",
             Self::KeyTooLong => "The Idempotency-Key is too long",
             Self::PayloadTooLarge => "The request body is too large",
+            Self::InvalidBody => "The request body could not be read",
             Self::FingerprintMismatch => {
                 "This Idempotency-Key was already used for a different request"
             }
@@ -330,10 +343,11 @@ mod tests {
 
     /// Every code, once. The match below fails to compile when a variant is added, so this
     /// list (and every test over it) cannot silently miss one.
-    const ALL: [ProblemCode; 12] = [
+    const ALL: [ProblemCode; 13] = [
         ProblemCode::MissingKey,
         ProblemCode::InvalidKey,
         ProblemCode::KeyTooLong,
+        ProblemCode::InvalidBody,
         ProblemCode::PayloadTooLarge,
         ProblemCode::FingerprintMismatch,
         ProblemCode::Conflict,
@@ -352,6 +366,7 @@ mod tests {
             ProblemCode::InvalidKey => ("INVALID_KEY", 400, "invalid-key"),
             ProblemCode::KeyTooLong => ("KEY_TOO_LONG", 400, "key-too-long"),
             ProblemCode::PayloadTooLarge => ("PAYLOAD_TOO_LARGE", 413, "payload-too-large"),
+            ProblemCode::InvalidBody => ("INVALID_BODY", 400, "invalid-body"),
             ProblemCode::FingerprintMismatch => {
                 ("FINGERPRINT_MISMATCH", 422, "fingerprint-mismatch")
             }

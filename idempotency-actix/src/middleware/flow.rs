@@ -15,6 +15,7 @@ use actix_service::Service;
 use actix_web::body::{BodySize, BoxBody, EitherBody, MessageBody};
 use actix_web::dev::ResponseHead;
 use actix_web::dev::{Payload, ServiceRequest, ServiceResponse};
+use actix_web::error::PayloadError;
 use actix_web::http::header::{self, HeaderMap};
 use actix_web::http::StatusCode;
 use actix_web::{Error, HttpMessage, HttpRequest, HttpResponse};
@@ -189,14 +190,8 @@ where
             }
         };
         let body = match read_body(&mut req, self.config.max_body_bytes).await {
-            Ok(Ok(body)) => body,
-            Ok(Err(problem)) => return Ok(self.refuse(req, problem, &report, None)),
-            // Nothing was reserved; counted, so that every keyed request has one outcome.
-            Err(error) => {
-                let status = error.as_response_error().status_code();
-                report.outcome(Outcome::RequestBodyError, status, None);
-                return Err(error);
-            }
+            Ok(body) => body,
+            Err(problem) => return Ok(self.refuse(req, problem, &report, None)),
         };
         let scope = Scope {
             tenant,
@@ -521,6 +516,31 @@ where
         match body.try_into_bytes() {
             // One buffer (most handlers): store it, then send it.
             Ok(bytes) => {
+                let outcome = renewal
+                    .storing(self.store_or_release(scope, &token, head.head(), &bytes))
+                    .await;
+                report.outcome(outcome, status, Some(scope));
+                let response = ServiceResponse::new(request, head.set_body(BoxBody::new(bytes)));
+                let _ = answer.send(Ok(response.map_into_right_body()));
+            }
+            // A stream declared empty (or bodiless): actix writes such a body with the head and
+            // never polls it, so the client would hold the whole response before its record
+            // exists, and its immediate retry would get 409 (C24 promises the replay). Read it
+            // to its end first, then store and answer as for one buffer.
+            Err(body) if matches!(body.size(), BodySize::Sized(0) | BodySize::None) => {
+                let hold_until = renewal.hold_until();
+                let read = tokio::time::timeout_at(hold_until.into(), renewal.during(empty(body)));
+                if let Err(why) = read
+                    .await
+                    .unwrap_or(Err("it did not end before its key's last lease"))
+                {
+                    renewal.stop();
+                    tracing::error!(target: "idempotency_actix", outcome = "body_error", why, "response body declared empty failed before it was sent; reservation left to its lease");
+                    report.outcome(Outcome::BodyError, status, Some(scope));
+                    let _ = answer.send(Err(opaque_500("the response body failed")));
+                    return;
+                }
+                let bytes = Bytes::new();
                 let outcome = renewal
                     .storing(self.store_or_release(scope, &token, head.head(), &bytes))
                     .await;
@@ -924,6 +944,26 @@ fn status_of<B>(result: &Result<ServiceResponse<B>, Error>) -> StatusCode {
     }
 }
 
+/// Read a body declared empty to its end: `Err` says why it was not (bytes, an error, a panic).
+async fn empty<B: MessageBody>(body: B) -> Result<(), &'static str> {
+    let mut body = std::pin::pin!(body);
+    loop {
+        let next = std::future::poll_fn(|cx| {
+            match catch_unwind(AssertUnwindSafe(|| body.as_mut().poll_next(cx))) {
+                Ok(poll) => poll.map(Ok),
+                Err(_) => Poll::Ready(Err("it panicked")),
+            }
+        })
+        .await?;
+        match next {
+            None => return Ok(()),
+            Some(Ok(chunk)) if chunk.is_empty() => {}
+            Some(Ok(_)) => return Err("it yielded bytes"),
+            Some(Err(_)) => return Err("it failed"),
+        }
+    }
+}
+
 /// An empty 500 whose reason goes to the log, never to the client.
 pub(super) fn opaque_500(reason: &'static str) -> Error {
     actix_web::error::InternalError::from_response(
@@ -968,23 +1008,33 @@ const RESERVE_CAP: usize = 1 << 20;
 /// A body that arrives in one chunk (most small bodies: actix splits it off its read buffer)
 /// is kept as that chunk, without a copy; only a second chunk starts a buffer, so many tiny
 /// chunks cost their bytes, not an entry each.
-pub(super) async fn read_body(
-    req: &mut ServiceRequest,
-    max: usize,
-) -> Result<Result<Bytes, Problem>, Error> {
+pub(super) async fn read_body(req: &mut ServiceRequest, max: usize) -> Result<Bytes, Problem> {
     let declared = declared_length(req);
     if declared.is_some_and(|len| len > max as u64) {
-        return Ok(Err(too_large(max)));
+        return Err(too_large(max));
     }
     let mut payload = req.take_payload();
     let mut first: Option<Bytes> = None;
     let mut body = BytesMut::new();
     let mut read = 0usize;
     while let Some(chunk) = payload.next().await {
-        let chunk = chunk?;
+        let chunk = match chunk {
+            Ok(chunk) => chunk,
+            Err(PayloadError::Overflow) => return Err(too_large(max)),
+            // A problem document like every other refusal (C13); the parser's own words stay
+            // in the log, not in the answer.
+            Err(error) => {
+                tracing::info!(target: "idempotency_actix", outcome = "request_body_error", %error, "the request body could not be read");
+                return Err(Problem::new(
+                    ProblemCode::InvalidBody,
+                    "the request body ended before its declared length, or its chunked \
+                     encoding is malformed",
+                ));
+            }
+        };
         read = read.saturating_add(chunk.len());
         if read > max {
-            return Ok(Err(too_large(max)));
+            return Err(too_large(max));
         }
         if first.is_none() && body.is_empty() {
             first = Some(chunk);
@@ -1000,7 +1050,7 @@ pub(super) async fn read_body(
         }
         body.extend_from_slice(&chunk);
     }
-    Ok(Ok(first.unwrap_or_else(|| body.freeze())))
+    Ok(first.unwrap_or_else(|| body.freeze()))
 }
 
 fn too_large(max: usize) -> Problem {

@@ -443,10 +443,10 @@ where
     // pool from everyone. So a keyless body, like a keyed one, is at most `max_body_bytes`
     // (413 past it): read inside the transaction, the rest of a larger body would hold the
     // connection for as long as its client liked.
-    match read_body(&mut req, flow.config.max_body_bytes).await? {
+    match read_body(&mut req, flow.config.max_body_bytes).await {
         Ok(body) => req.set_payload(Payload::from(body)),
         Err(problem) => {
-            tracing::info!(target: "idempotency_actix", outcome = "payload_too_large", "keyless request refused: its body is over max_body_bytes, and in transactional mode a body is read whole before the transaction opens");
+            tracing::info!(target: "idempotency_actix", code = %problem.code, "keyless request refused: its body is over max_body_bytes or could not be read, and in transactional mode a body is read whole before the transaction opens");
             return Ok(req
                 .into_response(flow.config.problem(problem))
                 .map_into_right_body());

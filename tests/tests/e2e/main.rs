@@ -25,3 +25,4 @@ mod release_faults;
 mod renewal_faults;
 mod transactional_middleware;
 mod transactional_scale;
+mod wire_framing;
