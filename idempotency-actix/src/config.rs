@@ -190,6 +190,11 @@ pub(crate) fn saturating_deadline(now: Instant, duration: Duration) -> Instant {
     })
 }
 
+/// The shortest [`IdempotencyBuilder::lock_timeout`] accepted: the lease is renewed every
+/// third of it while the handler runs, which needs a few milliseconds of store round trip and
+/// timer slack to come before the lease ends.
+pub const MIN_LOCK_TIMEOUT: Duration = Duration::from_millis(100);
+
 /// A configuration value that cannot be used, found by [`IdempotencyBuilder::try_build`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ConfigError {
@@ -293,7 +298,21 @@ impl<S> IdempotencyBuilder<S> {
     /// third of it, so a slow handler in a live process keeps its key. A shorter lease frees a
     /// crashed holder's key sooner and costs a renewal (one store write) per third of it for
     /// each handler still running.
+    ///
+    /// At least [`MIN_LOCK_TIMEOUT`] (100 ms); `build` refuses a shorter one: the lease is
+    /// renewed every third of it, and below that a renewal cannot come in time, so a
+    /// concurrent duplicate would take the key over and run while the first still runs.
     pub fn lock_timeout(mut self, lease: Duration) -> Self {
+        if lease < MIN_LOCK_TIMEOUT {
+            self.errors.push(ConfigError {
+                setting: "lock_timeout",
+                message: format!(
+                    "{lease:?} is shorter than {MIN_LOCK_TIMEOUT:?}: a lease that short cannot be \
+                     renewed while the handler runs, and a concurrent duplicate would run"
+                ),
+            });
+            return self;
+        }
         self.config.lock_timeout = lease;
         self
     }
@@ -450,6 +469,15 @@ impl<S> IdempotencyBuilder<S> {
     /// `Duration::MAX` waits as long as the first request holds the key (its lease, renewed
     /// up to [`renew_lease_up_to`](Self::renew_lease_up_to), bounds it). A waiting request
     /// whose client disconnects stops waiting and runs nothing.
+    ///
+    /// **Serve wait mode with `HttpServer::h1_allow_half_closed(false)`.** actix-web only tells
+    /// the middleware that a client left when it drops the request, which it does on a reset;
+    /// by default it keeps serving a request whose client closed its side normally (a FIN,
+    /// what most HTTP clients send when their own timeout fires), so such a waiter keeps
+    /// waiting and, once the first request's key is released, runs the handler for nobody:
+    /// a second charge if the client retried with a new key meanwhile. With half-closed
+    /// connections refused, a FIN ends the request like a reset. Requests that do not wait
+    /// are unaffected either way: their work is detached (C21).
     pub fn wait_for_in_flight(mut self, wait: Duration) -> Self {
         self.config.wait_for_in_flight = Some(wait).filter(|w| !w.is_zero());
         self
@@ -709,6 +737,22 @@ mod tests {
             Ok(_) => panic!("an invalid setting was accepted"),
             Err(error) => error,
         }
+    }
+
+    /// A lease too short to be renewed while the handler runs is refused, not accepted
+    /// silently (a review found `lock_timeout(1 ms)` letting a concurrent duplicate run while
+    /// the first still ran: renewal is skipped for such leases).
+    #[test]
+    fn a_lease_too_short_to_renew_is_refused() {
+        for lease in [
+            Duration::ZERO,
+            Duration::from_millis(1),
+            Duration::from_millis(99),
+        ] {
+            let error = error_of(builder().lock_timeout(lease));
+            assert!(error.to_string().contains("`lock_timeout`"), "{error}");
+        }
+        assert!(builder().lock_timeout(MIN_LOCK_TIMEOUT).try_build().is_ok());
     }
 
     fn tenant_of(config: &Config, req: &ServiceRequest) -> Option<String> {
@@ -1088,7 +1132,7 @@ mod tests {
                 .wrap(
                     builder()
                         .ttl(Duration::ZERO)
-                        .lock_timeout(Duration::ZERO)
+                        .lock_timeout(MIN_LOCK_TIMEOUT)
                         .wait_for_in_flight(Duration::ZERO)
                         .retry_after(Duration::ZERO)
                         .max_key_len(0)

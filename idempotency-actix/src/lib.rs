@@ -65,7 +65,9 @@ pub mod outcome;
 pub mod problem;
 pub mod store;
 
-pub use config::{ConfigError, IdempotencyBuilder, IntoHeaderName, ResponseParts};
+pub use config::{
+    ConfigError, IdempotencyBuilder, IntoHeaderName, ResponseParts, MIN_LOCK_TIMEOUT,
+};
 pub use fingerprint::Fingerprint;
 
 /// Parsers this workspace's fuzzers, property tests and benchmarks drive directly. Not part of

@@ -2067,3 +2067,182 @@ async fn the_hook_sees_the_scope_of_a_request_whose_handler_panicked() {
         )]
     );
 }
+
+/// Found by the review of the request flow under timing (2026-12-05): each test failed on the
+/// code before its fix.
+mod flow_timing_review {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use actix_web::http::StatusCode;
+    use actix_web::test::{call_service, init_service};
+    use actix_web::{web, App, HttpResponse};
+    use idempotency_actix::store::{
+        Fingerprint, IdempotencyStore, MemoryStore, ReservationToken, ReserveOutcome, Scope,
+        StoreError, StoredResponse, WriteOutcome,
+    };
+    use idempotency_actix::Idempotency;
+
+    use super::{post, send, Counter};
+
+    /// A `lock_timeout` under what the heartbeat needs was accepted silently and renewal was
+    /// then skipped: a concurrent duplicate took the key over and ran while the first still
+    /// ran. Such a lease is refused at build time now, and the shortest one accepted keeps a
+    /// 300 ms handler's key through a duplicate that arrives 50 ms in.
+    #[actix_web::test]
+    async fn a_tiny_lock_timeout_does_not_let_a_concurrent_duplicate_run() {
+        assert!(Idempotency::builder(MemoryStore::new())
+            .lock_timeout(Duration::from_millis(1))
+            .try_build()
+            .is_err());
+        let counter = Counter::default();
+        let app = init_service(
+            App::new()
+                .app_data(web::Data::new(counter.clone()))
+                .wrap(
+                    Idempotency::builder(MemoryStore::new())
+                        .lock_timeout(idempotency_actix::MIN_LOCK_TIMEOUT)
+                        .build(),
+                )
+                .route(
+                    "/pay",
+                    web::post().to(|counter: web::Data<Counter>| async move {
+                        let n = counter.bump();
+                        tokio::time::sleep(Duration::from_millis(300)).await;
+                        HttpResponse::Created().body(format!("charge {n}"))
+                    }),
+                ),
+        )
+        .await;
+        let (first, second) = tokio::join!(send(&app, post("/pay", "k").set_payload("x")), async {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            send(&app, post("/pay", "k").set_payload("x")).await
+        });
+        assert_eq!(
+            counter.get(),
+            1,
+            "a concurrent duplicate ran while the first still ran: first {} {:?}, second {} {:?}",
+            first.status,
+            first.body,
+            second.status,
+            second.body
+        );
+    }
+
+    /// A memory store whose `reserve` number `slow_call` (from 0) takes `delay` before it is
+    /// applied (a loaded database: PostgresStore's defaults allow 2 s + 5 s per call).
+    #[derive(Clone, Default)]
+    struct SlowReserve {
+        inner: MemoryStore,
+        calls: Arc<AtomicUsize>,
+        slow_call: usize,
+        delay: Duration,
+    }
+
+    impl IdempotencyStore for SlowReserve {
+        async fn reserve(
+            &self,
+            scope: &Scope,
+            fingerprint: &Fingerprint,
+            lease: Duration,
+        ) -> Result<ReserveOutcome, StoreError> {
+            if self.calls.fetch_add(1, Ordering::SeqCst) == self.slow_call {
+                tokio::time::sleep(self.delay).await;
+            }
+            self.inner.reserve(scope, fingerprint, lease).await
+        }
+        async fn complete(
+            &self,
+            scope: &Scope,
+            token: &ReservationToken,
+            response: &StoredResponse,
+            ttl: Duration,
+        ) -> Result<WriteOutcome, StoreError> {
+            self.inner.complete(scope, token, response, ttl).await
+        }
+        async fn release(
+            &self,
+            scope: &Scope,
+            token: &ReservationToken,
+        ) -> Result<WriteOutcome, StoreError> {
+            self.inner.release(scope, token).await
+        }
+        async fn renew_lease(
+            &self,
+            scope: &Scope,
+            token: &ReservationToken,
+            lease: Duration,
+        ) -> Result<WriteOutcome, StoreError> {
+            self.inner.renew_lease(scope, token, lease).await
+        }
+        fn renews_leases(&self) -> bool {
+            true
+        }
+        async fn purge_expired(&self, grace: Duration) -> Result<u64, StoreError> {
+            self.inner.purge_expired(grace).await
+        }
+    }
+
+    /// Wait mode (C8): the waiter saw the first request in flight, then its client left while
+    /// the waiter's next `reserve` was on its way to a slow store. Meanwhile the first request
+    /// failed (502, key released), so that `reserve` reserved the key, and the waiter ran the
+    /// handler for nobody: the client that gave up may already have retried with a new key.
+    /// `Flow::reserve` checks for a client that left only before each call, never after the
+    /// one that reserves.
+    #[actix_web::test]
+    async fn a_waiter_whose_client_left_during_its_last_reserve_runs_nothing() {
+        let counter = Counter::default();
+        // Calls: 0 the first request, 1 the waiter (in flight), 2 the waiter again (slow).
+        let store = SlowReserve {
+            slow_call: 2,
+            delay: Duration::from_millis(500),
+            ..SlowReserve::default()
+        };
+        let app = init_service(
+            App::new()
+                .app_data(web::Data::new(counter.clone()))
+                .wrap(
+                    Idempotency::builder(store.clone())
+                        .wait_for_in_flight(Duration::from_secs(30))
+                        .build(),
+                )
+                .route(
+                    "/pay",
+                    web::post().to(|counter: web::Data<Counter>| async move {
+                        let n = counter.bump();
+                        if n == 1 {
+                            tokio::time::sleep(Duration::from_millis(200)).await;
+                            return HttpResponse::BadGateway().body("provider down");
+                        }
+                        HttpResponse::Created().body(format!("charge {n}"))
+                    }),
+                ),
+        )
+        .await;
+        let first = send(&app, post("/pay", "k").set_payload("x"));
+        let abandoned = async {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            // The client gives up after 200 ms, while the waiter's third reserve is on its way.
+            let gave_up = tokio::time::timeout(
+                Duration::from_millis(200),
+                call_service(&app, post("/pay", "k").set_payload("x").to_request()),
+            )
+            .await;
+            assert!(gave_up.is_err(), "the waiter answered early");
+        };
+        let (first, ()) = tokio::join!(first, abandoned);
+        assert_eq!(first.status, StatusCode::BAD_GATEWAY);
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        assert_eq!(
+            store.calls.load(Ordering::SeqCst),
+            3,
+            "the scenario: three reserves"
+        );
+        assert_eq!(
+            counter.get(),
+            1,
+            "the waiter whose client had left ran the handler for nobody"
+        );
+    }
+}

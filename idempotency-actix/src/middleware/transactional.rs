@@ -318,6 +318,18 @@ pub(super) async fn settle_keyed<S, Svc, B>(
         // from (see `run_and_settle`).
         let opened = Instant::now();
         let (conn, token) = match claim(&flow, &tx, &scope, &fingerprint).await {
+            // The client left while this claim was on its way: rolled back, not run for nobody.
+            Claimed::Reserved(conn, _) if waited && answer.is_closed() => {
+                let mut conn = *conn;
+                sql::rollback(&tx.store, &mut conn).await;
+                tracing::info!(target: "idempotency_actix", outcome = "abandoned", key = %LogText(&scope.key), tenant = %LogText(&scope.tenant), path = %LogText(&scope.path), "the client left while waiting for the first request with this key; the claim it then got is rolled back, nothing was run");
+                report.outcome(
+                    Outcome::Abandoned,
+                    crate::outcome::client_closed(),
+                    Some(&scope),
+                );
+                return;
+            }
             Claimed::Reserved(conn, token) => (*conn, token),
             Claimed::Answered(response, outcome) => {
                 report.outcome(outcome, response.status(), Some(&scope));

@@ -25,4 +25,5 @@ mod release_faults;
 mod renewal_faults;
 mod transactional_middleware;
 mod transactional_scale;
+mod wait_mode_clients;
 mod wire_framing;
