@@ -145,7 +145,9 @@ fn trim_ows(mut raw: &[u8]) -> &[u8] {
 ///
 /// Available on every request the middleware covered and that carried a valid key. Take
 /// `Option<IdempotencyKey>` when the key is optional; taking `IdempotencyKey` on a request
-/// without one answers 400 `MISSING_KEY`.
+/// without one answers 400 `MISSING_KEY`, rendered with the default type base and renderer
+/// (an extractor cannot see the middleware's `problem_type_base` or `problem_renderer`; use
+/// the middleware's `required(true)` for a `MISSING_KEY` in the configured rendering).
 ///
 /// # Which keys are accepted
 /// Two forms are accepted:

@@ -2246,3 +2246,57 @@ mod flow_timing_review {
         );
     }
 }
+
+/// Log lines captured on this thread (the test runtime's tasks run on it too).
+#[derive(Clone, Default)]
+struct CapturedLogs(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for CapturedLogs {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl CapturedLogs {
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap_or_else(|p| p.into_inner())).into_owned()
+    }
+}
+
+/// docs/security.md, "Keys and tenants in logs": "`not_stored` at `info` (`warn` for a
+/// response too large to store)", and the same page advises operators who must keep keys out
+/// of their logs to "log the target at `warn`". So with the target at `warn` a buffered
+/// (non-streamed) response over `max_response_bytes` must leave its line, as a streamed one
+/// does (an audit, 2026-12-05, found it at `info`).
+#[actix_web::test]
+async fn a_buffered_response_too_large_to_store_is_logged_at_warn() {
+    let logs = CapturedLogs::default();
+    let writer = logs.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_ansi(false)
+        .with_max_level(tracing::Level::WARN)
+        .with_writer(move || writer.clone())
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let counter = Counter::default();
+    let app = app_with(&counter, |b| b.max_response_bytes(16)).await;
+    let first = send(&app, post("/echo", "big-1").set_payload(vec![b'x'; 64])).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(first.body.len(), 64, "the client gets the whole response");
+    let retry = send(&app, post("/echo", "big-1").set_payload(vec![b'x'; 64])).await;
+    assert_eq!(counter.get(), 2, "not stored: the key was released (C10)");
+    assert!(!retry.replayed());
+    let text = logs.text();
+    assert!(
+        text.contains("not_stored") && text.contains("big-1"),
+        "a response too large to store left no line at warn: {text:?}"
+    );
+}

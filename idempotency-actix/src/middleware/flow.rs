@@ -514,7 +514,7 @@ where
         let status = head.status();
         if matches!(body.size(), BodySize::Sized(len) if len > max as u64) {
             renewal.stop();
-            self.release(scope, &token, "response too large").await;
+            self.release_too_large(scope, &token).await;
             report.outcome(Outcome::NotStored, status, Some(scope));
             let response = ServiceResponse::new(request, head.set_body(body));
             let _ = answer.send(Ok(response.map_into_left_body()));
@@ -743,7 +743,7 @@ where
     ) -> Outcome {
         let config = &self.config;
         if body.len() > config.max_response_bytes {
-            self.release(scope, token, "response too large").await;
+            self.release_too_large(scope, token).await;
             return Outcome::NotStored;
         }
         let parts = ResponseParts {
@@ -830,6 +830,15 @@ where
 
     async fn release(&self, scope: &Scope, token: &ReservationToken, reason: &str) {
         tracing::info!(target: "idempotency_actix", outcome = "not_stored", reason, "response not stored; key released");
+        self.release_quietly(scope, token).await;
+    }
+
+    /// Release a key whose response is over `max_response_bytes`, at `warn` as for a streamed
+    /// one: every retry of such a response runs the handler again, which an operator must see
+    /// even with the target filtered at `warn` (docs/security.md).
+    async fn release_too_large(&self, scope: &Scope, token: &ReservationToken) {
+        let max = self.config.max_response_bytes;
+        tracing::warn!(target: "idempotency_actix", outcome = "not_stored", max_response_bytes = max, "response too large to store; key released");
         self.release_quietly(scope, token).await;
     }
 
