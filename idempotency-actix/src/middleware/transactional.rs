@@ -746,8 +746,24 @@ where
     let (http_req, response) = response.into_parts();
     let (head, body) = response.into_parts();
     let status = head.status();
-    // Nothing reaches the client before COMMIT: the whole body, within the limit.
-    let bytes = match to_bytes_limited(body, config.max_response_bytes).await {
+    // Nothing reaches the client before COMMIT: the whole body, within the limit. The
+    // transaction sits idle meanwhile, so past its idle limit PostgreSQL has ended the session
+    // and nothing can commit: a body that has not ended by then (an upstream that hangs) is
+    // given up, or it would hold the pooled connection for as long as the process lives.
+    let buffered = tokio::time::timeout(
+        idle_limit(config),
+        to_bytes_limited(body, config.max_response_bytes),
+    );
+    let bytes = match buffered.await {
+        Err(_) => {
+            sql::rollback(&tx.store, &mut conn).await;
+            tracing::error!(target: "idempotency_actix", outcome = "rolled_back", idle_limit_ms = idle_limit(config).as_millis(), "the response body did not end within the transaction's idle limit (PostgreSQL has ended the session); rolled back");
+            outcome(Outcome::RolledBack, StatusCode::INTERNAL_SERVER_ERROR);
+            return After::Answer(Err(opaque_500("the response body did not end in time")));
+        }
+        Ok(buffered) => buffered,
+    };
+    let bytes = match bytes {
         Ok(Ok(bytes)) => bytes,
         Ok(Err(error)) => {
             sql::rollback(&tx.store, &mut conn).await;

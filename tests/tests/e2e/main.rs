@@ -23,6 +23,7 @@ mod redis_options;
 mod redis_store;
 mod release_faults;
 mod renewal_faults;
+mod transactional_bodies;
 mod transactional_middleware;
 mod transactional_scale;
 mod wait_mode_clients;
