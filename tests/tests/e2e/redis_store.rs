@@ -1056,3 +1056,38 @@ async fn a_timed_out_reserve_does_not_leave_the_key_held_by_nobody() {
         "the retry of a request that never ran is refused for a whole lease: {retry:?}"
     );
 }
+
+/// A reservation whose key lost its expiry (`PERSIST`, or a copy made with `DUMP`/`RESTORE key
+/// 0`, as some migration tools do) has `PTTL` -1. reserve.lua read its lease end as
+/// `PTTL * 1000 - grace`, i.e. negative: "ended", so a retry with the same body took the key
+/// over at once while the holder's handler still ran (a second charge; found by a review,
+/// 2026-12-05). A key with no expiry says nothing about the lease: it is read as not ended.
+#[tokio::test]
+async fn a_reservation_without_expiry_is_not_taken_over() {
+    let redis = RedisServer::start();
+    let store = store(&redis).await;
+    let mut conn = redis_conn(&redis).await;
+    let s = scope("t", "persisted");
+    let holder = reserved(&store, &s, &FP_A, LEASE).await;
+    let key = store.key_of(&s);
+    let persisted: i64 = redis::cmd("PERSIST")
+        .arg(&key)
+        .query_async(&mut conn)
+        .await
+        .expect("PERSIST");
+    assert_eq!(persisted, 1);
+    assert_eq!(pttl(&mut conn, &key).await, -1);
+    // The holder's lease (60 s) has not ended by anyone's clock.
+    match store.reserve(&s, &FP_A, LEASE).await {
+        Ok(ReserveOutcome::InFlight { fingerprint, .. }) => assert_eq!(fingerprint, FP_A),
+        other => {
+            let holder_can_complete = store
+                .complete(&s, &holder, &response(b"first run"), TTL)
+                .await;
+            panic!(
+                "a same-body retry 0 s into a 60 s lease must be told in flight, got {other:?} \
+                 (the holder's complete then: {holder_can_complete:?})"
+            )
+        }
+    }
+}

@@ -10,8 +10,9 @@ local v = redis.call('GET', KEYS[1])
 if not v or string.sub(v, 1, 1) ~= 'F' or string.len(v) ~= 117 then
   return 0
 end
-local pttl = math.max(redis.call('PTTL', KEYS[1]), 0)
-if tonumber(string.sub(v, 102, 117)) - pttl * 1000 < tonumber(ARGV[1]) then
+local pttl = redis.call('PTTL', KEYS[1])
+-- No expiry (PTTL -1: a PERSIST, a RESTORE with TTL 0): no known lease end, never purged here.
+if pttl < 0 or tonumber(string.sub(v, 102, 117)) - pttl * 1000 < tonumber(ARGV[1]) then
   return 0
 end
 redis.call('DEL', KEYS[1])

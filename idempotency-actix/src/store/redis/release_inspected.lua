@@ -14,7 +14,9 @@ if ARGV[3] ~= '1' then
   if ARGV[1] ~= 'F' then
     return 0
   end
-  if redis.call('PTTL', KEYS[1]) * 1000 > tonumber(string.sub(v, 102, 117)) then
+  -- A key with no expiry (PTTL -1) has no known lease end: not ended.
+  local pttl = redis.call('PTTL', KEYS[1])
+  if pttl < 0 or pttl * 1000 > tonumber(string.sub(v, 102, 117)) then
     return 0
   end
 end

@@ -4,7 +4,7 @@
 -- lease on Redis's clock and write in one step. Mirrors idempotency_reserve
 -- (migrations/*_reserve_function/up.sql): read first; write only for an absent key or an
 -- ended reservation of the same fingerprint. Record bytes: record.rs (1-based here: state 1,
--- fingerprint 2..33, grace or expiry 102..117).
+-- fingerprint 2..33, lease as reserved 86..101, grace or expiry 102..117).
 --
 -- KEYS[1] record key
 -- ARGV[1] fingerprint (32 raw bytes)
@@ -30,9 +30,18 @@ if v then
   if string.sub(v, 34, 69) == string.sub(ARGV[2], 34, 69) then
     return {'r'}
   end
-  -- The lease ends where the key's life less the grace does: Redis's clock, to the ms.
+  -- The lease ends where the key's life less the grace does: Redis's clock, to the ms. A key
+  -- with no expiry (PTTL -1: a PERSIST, a RESTORE with TTL 0) says nothing about the lease: it
+  -- is read as not ended (its lease as reserved left), so nothing takes over a handler that may
+  -- still run; the holder's next renewal puts an expiry back.
   local fp = string.sub(v, 2, 33)
-  local remaining = redis.call('PTTL', KEYS[1]) * 1000 - tonumber(string.sub(v, 102, 117))
+  local pttl = redis.call('PTTL', KEYS[1])
+  local remaining
+  if pttl < 0 then
+    remaining = tonumber(string.sub(v, 86, 101))
+  else
+    remaining = pttl * 1000 - tonumber(string.sub(v, 102, 117))
+  end
   if remaining > 0 or fp ~= ARGV[1] then
     return {'f', fp, math.max(remaining, 0)}
   end
