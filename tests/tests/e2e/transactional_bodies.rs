@@ -62,13 +62,21 @@ where
     }
 }
 
-/// The handler's response body never ends. The middleware buffers it whole while holding the
-/// request's pooled connection; it gave no bound to that wait (not the idle limit, after which
-/// PostgreSQL has ended the session and nothing can commit, nor the client leaving), so the
-/// connection never came back and (pool of one here) every later request of the instance got
-/// 503 for as long as the process lived. Now the wait ends at the idle limit.
-#[actix_web::test]
-async fn an_endless_response_body_does_not_hold_a_connection_forever() {
+/// A slow body: it ends after 3 s, past the idle limit of [`after_a_stalled_body`].
+async fn slow(tx: IdempotentTx) -> actix_web::Result<HttpResponse> {
+    insert(&tx).await?;
+    let body = futures_util::stream::once(async {
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        Ok::<_, actix_web::Error>(Bytes::from_static(b"late"))
+    });
+    Ok(HttpResponse::Created().streaming(body))
+}
+
+/// A transactional app with a pool of one and an idle limit of 1 s (a 1 s lease, no renewal):
+/// a keyed POST to `path` whose client gives up after half a second, then, 4 s later (past
+/// the idle limit: PostgreSQL has ended that session, and its claim is free), a payment with
+/// another key. That payment's status and body, and the database.
+async fn after_a_stalled_body(path: &str) -> (StatusCode, String, TestDb) {
     let db = TestDb::new().await;
     execute(&db.url, PAYMENTS);
     let store = PostgresStore::builder(db.url.clone())
@@ -87,23 +95,30 @@ async fn an_endless_response_body_does_not_hold_a_connection_forever() {
             web::scope("")
                 .wrap(middleware)
                 .route("/stall", web::post().to(stalls))
+                .route("/slow", web::post().to(slow))
                 .route("/pay", web::post().to(pays)),
         ),
     )
     .await;
-    // The client gives up after half a second.
-    let gave_up = tokio::time::timeout(
-        Duration::from_millis(500),
-        status(&app, post("/stall", "s1")),
-    )
-    .await;
+    let gave_up =
+        tokio::time::timeout(Duration::from_millis(500), status(&app, post(path, "s1"))).await;
     assert!(
         gave_up.is_err(),
         "the stalled request cannot have an answer"
     );
-    // Well past the transaction's idle limit (PostgreSQL has ended that session by now, and
-    // its claim is free) and past the lease.
     tokio::time::sleep(Duration::from_secs(4)).await;
+    let (code, body) = status(&app, post("/pay", "p1")).await;
+    (code, body, db)
+}
+
+/// The handler's response body never ends. The middleware buffers it whole while holding the
+/// request's pooled connection; it gave no bound to that wait (not the idle limit, after which
+/// PostgreSQL has ended the session and nothing can commit, nor the client leaving), so the
+/// connection never came back and (pool of one here) every later request of the instance got
+/// 503 for as long as the process lived. Now the wait ends at the idle limit.
+#[actix_web::test]
+async fn an_endless_response_body_does_not_hold_a_connection_forever() {
+    let (code, body, db) = after_a_stalled_body("/stall").await;
     assert_eq!(
         count(
             &db.url,
@@ -114,7 +129,6 @@ async fn an_endless_response_body_does_not_hold_a_connection_forever() {
         "PostgreSQL ended the stalled request's session at the idle limit: nothing of it can \
          commit any more"
     );
-    let (code, body) = status(&app, post("/pay", "p1")).await;
     assert_eq!(
         code,
         StatusCode::CREATED,
@@ -123,50 +137,12 @@ async fn an_endless_response_body_does_not_hold_a_connection_forever() {
     assert_eq!(count(&db.url, "SELECT count(*) AS n FROM payments"), 1);
 }
 
-/// Control for the test above: the same body, ending after 3 s. The connection comes back (the
-/// session ended at the idle limit, so the request is answered COMMIT_FAILED), and the later
-/// payment is served.
-async fn slow(tx: IdempotentTx) -> actix_web::Result<HttpResponse> {
-    insert(&tx).await?;
-    let body = futures_util::stream::once(async {
-        tokio::time::sleep(Duration::from_secs(3)).await;
-        Ok::<_, actix_web::Error>(Bytes::from_static(b"late"))
-    });
-    Ok(HttpResponse::Created().streaming(body))
-}
-
+/// Control for the test above: the same with a body that ends after 3 s. The connection comes
+/// back (the session ended at the idle limit, so the request is answered COMMIT_FAILED), and
+/// the later payment is served.
 #[actix_web::test]
 async fn control_a_slow_but_finite_response_body_gives_its_connection_back() {
-    let db = TestDb::new().await;
-    execute(&db.url, PAYMENTS);
-    let store = PostgresStore::builder(db.url.clone())
-        .max_size(1)
-        .connection_timeout(Duration::from_millis(300))
-        .build()
-        .await
-        .unwrap();
-    let middleware = Idempotency::builder(store.clone())
-        .lock_timeout(Duration::from_secs(1))
-        .renew_lease_up_to(Duration::ZERO)
-        .transactional()
-        .build();
-    let app = test::init_service(
-        App::new().service(
-            web::scope("")
-                .wrap(middleware)
-                .route("/stall", web::post().to(slow))
-                .route("/pay", web::post().to(pays)),
-        ),
-    )
-    .await;
-    let gave_up = tokio::time::timeout(
-        Duration::from_millis(500),
-        status(&app, post("/stall", "s1")),
-    )
-    .await;
-    assert!(gave_up.is_err());
-    tokio::time::sleep(Duration::from_secs(4)).await;
-    let (code, body) = status(&app, post("/pay", "p1")).await;
+    let (code, body, db) = after_a_stalled_body("/slow").await;
     assert_eq!(code, StatusCode::CREATED, "{body}");
     assert_eq!(count(&db.url, "SELECT count(*) AS n FROM payments"), 1);
 }
