@@ -198,11 +198,18 @@ async fn main() -> std::io::Result<()> {
         .init();
     let addr = std::env::var("PAYMENTS_ADDR").unwrap_or_else(|_| "127.0.0.1:8080".into());
     let migrate = std::env::args().any(|arg| arg == "--migrate");
-    if let Some(url) = std::env::var("REDIS_URL").ok().filter(|u| !u.is_empty()) {
-        return serve_redis(&url, &addr).await;
-    }
     let transactional = std::env::args().any(|arg| arg == "--transactional")
         || std::env::var("PAYMENTS_TRANSACTIONAL").is_ok_and(|v| v == "1");
+    if let Some(url) = std::env::var("REDIS_URL").ok().filter(|u| !u.is_empty()) {
+        // A PostgreSQL option with the Redis store would be ignored: refuse, never serve a
+        // mode other than the one asked for.
+        if migrate || transactional {
+            return Err(std::io::Error::other(
+                "--migrate and --transactional are PostgreSQL options: unset REDIS_URL to use them",
+            ));
+        }
+        return serve_redis(&url, &addr).await;
+    }
     match std::env::var("DATABASE_URL") {
         Ok(url) if !url.is_empty() => serve_postgres(&url, migrate, transactional, &addr).await,
         _ if transactional => Err(std::io::Error::other(

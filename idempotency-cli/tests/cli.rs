@@ -1269,7 +1269,9 @@ fn sslmode_require_with_a_question_mark_in_the_password_never_falls_back() {
     let cluster = match idempotency_e2e::TempCluster::start(&[], &[]) {
         Ok(cluster) => cluster,
         Err(idempotency_e2e::ClusterError::NotInstalled) => {
-            eprintln!("SKIPPED: initdb/pg_ctl are not installed");
+            idempotency_e2e::skip_without_binaries(
+                "sslmode_require_with_a_question_mark_in_the_password_never_falls_back",
+            );
             return;
         }
         Err(e) => panic!("starting a cluster: {e}"),

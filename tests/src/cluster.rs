@@ -30,6 +30,20 @@ impl std::fmt::Display for ClusterError {
     }
 }
 
+/// For a test that needs a throwaway cluster and found no `initdb`/`pg_ctl`: says it is
+/// skipped, so the caller returns, unless `IDEM_E2E_REQUIRE_CLUSTER` is set. CI sets it (and
+/// installs the server binaries): there a missing binary is a broken runner, and the TLS and
+/// harness tests must fail rather than pass having run nothing.
+pub fn skip_without_binaries(test: &str) {
+    if std::env::var_os("IDEM_E2E_REQUIRE_CLUSTER").is_some() {
+        panic!(
+            "{test}: initdb/pg_ctl not found, and IDEM_E2E_REQUIRE_CLUSTER is set: install \
+             PostgreSQL's server binaries (Debian: postgresql)"
+        );
+    }
+    eprintln!("SKIPPED {test}: initdb/pg_ctl are not installed");
+}
+
 /// A PostgreSQL cluster in a temporary directory on a free port (trust authentication, user
 /// `postgres`, listening on 127.0.0.1 only). Stopped and deleted on drop, and by a watchdog
 /// process if this process dies without dropping it.

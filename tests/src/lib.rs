@@ -38,7 +38,7 @@ pub mod redis_server;
 pub mod server;
 pub mod urls;
 
-pub use cluster::{ClusterError, TempCluster};
+pub use cluster::{skip_without_binaries, ClusterError, TempCluster};
 pub use database::{server_url, TestDb, LOCAL_SERVER_URL};
 pub use urls::with_database;
 

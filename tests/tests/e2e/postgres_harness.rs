@@ -107,7 +107,7 @@ fn throwaway_cluster_starts_and_stops() {
     let cluster = match TempCluster::start(&[], &[]) {
         Ok(c) => c,
         Err(idempotency_e2e::ClusterError::NotInstalled) => {
-            eprintln!("skipped: initdb/pg_ctl not installed");
+            idempotency_e2e::skip_without_binaries("throwaway_cluster_starts_and_stops");
             return;
         }
         Err(e) => panic!("{e}"),
@@ -153,8 +153,11 @@ fn server_url_falls_back_to_a_throwaway_cluster_and_cleans_it_up() {
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&output.stdout);
-    if stdout.contains("initdb/pg_ctl are not on PATH") {
-        eprintln!("skipped: no PostgreSQL binaries");
+    // The child's panic message goes to its stderr.
+    if String::from_utf8_lossy(&output.stderr).contains("initdb/pg_ctl are not on PATH") {
+        idempotency_e2e::skip_without_binaries(
+            "server_url_falls_back_to_a_throwaway_cluster_and_cleans_it_up",
+        );
         return;
     }
     assert!(

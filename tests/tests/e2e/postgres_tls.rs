@@ -101,7 +101,10 @@ fn start_tls_cluster(certs: &Certs) -> Option<TempCluster> {
         &files,
     ) {
         Ok(cluster) => Some(cluster),
-        Err(ClusterError::NotInstalled) => None,
+        Err(ClusterError::NotInstalled) => {
+            idempotency_e2e::skip_without_binaries("the TLS cluster tests");
+            None
+        }
         Err(e) => panic!("starting the TLS cluster: {e}"),
     }
 }
@@ -274,7 +277,10 @@ async fn password_cluster(certs: &Certs, ssl_on: bool) -> Option<TempCluster> {
         &files,
     ) {
         Ok(cluster) => cluster,
-        Err(ClusterError::NotInstalled) => return None,
+        Err(ClusterError::NotInstalled) => {
+            idempotency_e2e::skip_without_binaries("the password cluster tests");
+            return None;
+        }
         Err(e) => panic!("starting the cluster: {e}"),
     };
     let mut admin = postgres::establish(&cluster.url()).await.unwrap();
