@@ -2300,3 +2300,43 @@ async fn a_buffered_response_too_large_to_store_is_logged_at_warn() {
         "a response too large to store left no line at warn: {text:?}"
     );
 }
+
+/// A stream declared empty that stays open (a long poll's keep-alive, a body whose sender a
+/// background task keeps): actix writes its head at once and never polls it.
+async fn declared_empty_open_stream() -> HttpResponse {
+    HttpResponse::Ok()
+        .no_chunking(0)
+        .streaming(futures_util::stream::pending::<
+            Result<Bytes, actix_web::Error>,
+        >())
+}
+
+/// A stream declared empty that stays open is answered at once, as actix answers it without
+/// the middleware (a review of 246f0d3 found its first fix reading such a stream to its end:
+/// nothing for the client until `renew_lease_up_to`, 10 min by default, then a 500).
+#[actix_web::test]
+async fn a_declared_empty_stream_that_stays_open_is_answered_at_once() {
+    let app = init_service(
+        App::new()
+            .wrap(
+                Idempotency::builder(MemoryStore::new())
+                    .lock_timeout(Duration::from_millis(300))
+                    .renew_lease_up_to(Duration::from_secs(5))
+                    .build(),
+            )
+            .route("/open", web::post().to(declared_empty_open_stream)),
+    )
+    .await;
+    let started = std::time::Instant::now();
+    let answered = tokio::time::timeout(
+        Duration::from_secs(2),
+        app.call(post("/open", "open-1").set_payload("x").to_request()),
+    )
+    .await;
+    assert!(
+        matches!(&answered, Ok(Ok(r)) if r.status() == StatusCode::OK),
+        "no 200 head within 2 s (before 246f0d3: at once); after {:?}: {:?}",
+        started.elapsed(),
+        answered.as_ref().map(|r| r.as_ref().map(|r| r.status()))
+    );
+}

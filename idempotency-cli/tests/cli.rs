@@ -2348,3 +2348,23 @@ async fn show_text_output_of_a_json_body_is_bounded() {
         out.stdout.len()
     );
 }
+
+/// The partitioned layout's response table dropped by hand (`DROP TABLE idempotency_responses
+/// CASCADE`) is a schema dropped by hand too: the first version of the probe checked
+/// `idempotency_keys` and two functions only, so `migrate --check` answered exit 0 "up to
+/// date (layout: plain)" while every `complete` failed (a review of the fix found it).
+#[tokio::test]
+async fn migrate_does_not_call_a_partitioned_schema_missing_its_response_table_up_to_date() {
+    let (db, mut conn) = hourly_partitioned_with_a_past_partition().await;
+    conn.batch_execute("DROP TABLE idempotency_responses CASCADE")
+        .await
+        .expect("drop");
+    let out = idem(&db.url, &["migrate", "--check"]);
+    assert_eq!(
+        out.status.code(),
+        Some(NOT_PROVISIONED),
+        "stdout: {}\nstderr: {}",
+        stdout(&out),
+        stderr(&out)
+    );
+}

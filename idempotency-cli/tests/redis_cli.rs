@@ -523,3 +523,54 @@ async fn list_and_stats_do_not_pull_every_stored_body() {
         );
     }
 }
+
+/// A reservation key without expiry (PERSIST, RESTORE 0) is read as not ended by the store's
+/// scripts; the CLI shows it the same way (a review found it counted as a lease that ended
+/// `grace` ago, and `release` without `--force` then failing with a false "changed while
+/// releasing").
+#[tokio::test]
+async fn a_reservation_without_expiry_is_reported_as_the_store_reads_it() {
+    use idempotency_actix::store::redis::redis;
+    let server = RedisServer::start();
+    let redis = &server;
+    let url = redis.url();
+    let store = RedisStore::connect(&url).await.expect("connect");
+    let s = scope("acme", "persisted");
+    reserve(&store, &s, LEASE).await;
+    let client = redis::Client::open(url.as_str()).expect("client");
+    let mut conn = client
+        .get_multiplexed_async_connection()
+        .await
+        .expect("conn");
+    let mut keys: Vec<Vec<u8>> = redis::cmd("KEYS")
+        .arg("*")
+        .query_async(&mut conn)
+        .await
+        .expect("KEYS");
+    assert_eq!(keys.len(), 1);
+    let persisted: i64 = redis::cmd("PERSIST")
+        .arg(keys.remove(0))
+        .query_async(&mut conn)
+        .await
+        .expect("PERSIST");
+    assert_eq!(persisted, 1);
+    // The store: in flight, not taken over.
+    assert!(matches!(
+        store.reserve(&s, &FP, LEASE).await,
+        Ok(ReserveOutcome::InFlight { .. })
+    ));
+    let out = idem(&url, &["stats", "--format", "json"]);
+    expect_code(&out, 0);
+    let stats = &json_lines(&out)[0];
+    let out_release = idem(&url, &["release", "persisted", "--tenant", "acme"]);
+    assert_eq!(
+        (
+            stats["in_flight_lease_live"].as_u64(),
+            stats["in_flight_lease_ended"].as_u64()
+        ),
+        (Some(1), Some(0)),
+        "stats says the lease ended while reserve answers in flight and release refuses: {stats}\n\
+         release without --force said: {}",
+        stderr(&out_release)
+    );
+}

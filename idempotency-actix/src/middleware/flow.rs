@@ -531,22 +531,12 @@ where
                 let _ = answer.send(Ok(response.map_into_right_body()));
             }
             // A stream declared empty (or bodiless): actix writes such a body with the head and
-            // never polls it, so the client would hold the whole response before its record
-            // exists, and its immediate retry would get 409 (C24 promises the replay). Read it
-            // to its end first, then store and answer as for one buffer.
+            // never polls it, so the client holds the whole response at once, and an immediate
+            // retry must replay it (C24). Stored as the empty body the client gets, before the
+            // head goes out; the stream itself is dropped unread, as actix would leave it (one
+            // that stays open, a long poll, must not hold the answer back).
             Err(body) if matches!(body.size(), BodySize::Sized(0) | BodySize::None) => {
-                let hold_until = renewal.hold_until();
-                let read = tokio::time::timeout_at(hold_until.into(), renewal.during(empty(body)));
-                if let Err(why) = read
-                    .await
-                    .unwrap_or(Err("it did not end before its key's last lease"))
-                {
-                    renewal.stop();
-                    tracing::error!(target: "idempotency_actix", outcome = "body_error", why, "response body declared empty failed before it was sent; reservation left to its lease");
-                    report.outcome(Outcome::BodyError, status, Some(scope));
-                    let _ = answer.send(Err(opaque_500("the response body failed")));
-                    return;
-                }
+                drop(body);
                 let bytes = Bytes::new();
                 let outcome = renewal
                     .storing(self.store_or_release(scope, &token, head.head(), &bytes))
@@ -957,26 +947,6 @@ fn status_of<B>(result: &Result<ServiceResponse<B>, Error>) -> StatusCode {
     match result {
         Ok(response) => response.status(),
         Err(error) => error.as_response_error().status_code(),
-    }
-}
-
-/// Read a body declared empty to its end: `Err` says why it was not (bytes, an error, a panic).
-async fn empty<B: MessageBody>(body: B) -> Result<(), &'static str> {
-    let mut body = std::pin::pin!(body);
-    loop {
-        let next = std::future::poll_fn(|cx| {
-            match catch_unwind(AssertUnwindSafe(|| body.as_mut().poll_next(cx))) {
-                Ok(poll) => poll.map(Ok),
-                Err(_) => Poll::Ready(Err("it panicked")),
-            }
-        })
-        .await?;
-        match next {
-            None => return Ok(()),
-            Some(Ok(chunk)) if chunk.is_empty() => {}
-            Some(Ok(_)) => return Err("it yielded bytes"),
-            Some(Err(_)) => return Err("it failed"),
-        }
     }
 }
 

@@ -1034,22 +1034,22 @@ impl IdempotencyStore for MemoryStore {
             _ => return Ok(WriteOutcome::Stale),
         };
         if charge > old {
-            // Only a response larger than the allowance, or a late one (the lease ended and
-            // the allowance with it), needs more room. Failing leaves the reservation as it
-            // is; the middleware retries (C16).
-            match inner.make_room(now, false, charge - old, &mut evicted) {
-                Ok(()) => {}
-                // The room for this body was secured before its handler ran. Its headers are
-                // outside the allowance (the middleware's `max_response_bytes` counts the
-                // body), so they may take the bound past it, by at most one more allowance:
-                // refusing here, after the handler's effects, would leave the key to a second
-                // run once the lease ends. Not for a late complete (its allowance is gone,
-                // perhaps to another request), nor for headers larger than that.
-                Err(_)
-                    if allowance > 0
-                        && response.body.len() <= allowance
-                        && charge - old <= allowance => {}
-                Err(error) => return Err(error),
+            // The room for this body was secured before its handler ran. Its headers are
+            // outside the allowance (the middleware's `max_response_bytes` counts the body),
+            // so they may take the bound past it, by at most one more allowance: refusing
+            // here, after the handler's effects, would leave the key to a second run once the
+            // lease ends, and evicting another key's live record for them (with
+            // `evict_live_completed_when_full`) would run that key's handler again on its
+            // retry. Not for a late complete (its allowance is gone, perhaps to another
+            // request), nor for headers larger than that: those need room like any growth,
+            // and failing leaves the reservation as it is; the middleware retries (C16).
+            let secured =
+                allowance > 0 && response.body.len() <= allowance && charge - old <= allowance;
+            if secured {
+                // Expired records are still swept to make the room; live ones are not evicted.
+                let _ = inner.room_without_evicting(now, false, charge - old);
+            } else {
+                inner.make_room(now, false, charge - old, &mut evicted)?;
             }
         }
         let generation = inner.generation();
@@ -1676,5 +1676,109 @@ mod tests {
                 .unwrap(),
             ReserveOutcome::Completed { .. }
         ));
+    }
+
+    /// After random interleavings, the running byte count equals the sum of the
+    /// records' charges, each charge is its scope plus its held allowance or response, and
+    /// the completion queue never holds a live entry for a reservation.
+    #[tokio::test]
+    async fn byte_count_matches_the_records_charges() {
+        struct Rng(u64);
+        impl Rng {
+            fn below(&mut self, n: u64) -> u64 {
+                self.0 ^= self.0 << 13;
+                self.0 ^= self.0 >> 7;
+                self.0 ^= self.0 << 17;
+                self.0 % n
+            }
+        }
+        fn check(store: &MemoryStore, what: &str) {
+            let inner = store.lock();
+            let mut sum = 0usize;
+            for table in inner.records.tables.iter() {
+                for (key, record) in table.iter() {
+                    let scope_len: usize =
+                        key.scope.parts().map(|p| p.len()).sum::<usize>() + RECORD_OVERHEAD;
+                    let expected = match &record.state {
+                        State::InFlight { allowance, .. } => scope_len + allowance,
+                        State::Completed { response, .. } => scope_len + response.size(),
+                    };
+                    assert_eq!(record.charge, expected, "{what}: a record's charge");
+                    sum += record.charge;
+                }
+            }
+            assert_eq!(inner.bytes, sum, "{what}: bytes vs the sum of charges");
+            for (_, key, generation) in &inner.completion_order {
+                if let Some(r) = inner.records.get(key.probe()) {
+                    if r.generation == *generation {
+                        assert!(matches!(r.state, State::Completed { .. }), "{what}");
+                    }
+                }
+            }
+        }
+        for seed in 1..30u64 {
+            let allowance = 2048;
+            let store = MemoryStore::builder()
+                .max_entries(12)
+                .max_bytes(6 * (allowance + 500))
+                .response_allowance(allowance)
+                .reservation_grace(Duration::from_millis(2))
+                .sweep_interval(Duration::from_millis(if seed % 3 == 0 { 0 } else { 50 }))
+                .evict_live_completed_when_full(seed % 2 == 0)
+                .build();
+            let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+            let fp = Fingerprint([1; 32]);
+            let mut tokens: std::collections::HashMap<u64, ReservationToken> = Default::default();
+            for step in 0..3000 {
+                let k = rng.below(16);
+                let s = scope(&format!("k{k}"));
+                let dur = Duration::from_millis(rng.below(4));
+                match rng.below(6) {
+                    0 | 1 => {
+                        if let Ok(ReserveOutcome::Reserved { token }) =
+                            store.reserve(&s, &fp, dur).await
+                        {
+                            tokens.insert(k, token);
+                        }
+                    }
+                    2 => {
+                        if let Some(t) = tokens.get(&k) {
+                            let r = StoredResponse {
+                                status: 200,
+                                headers: vec![(
+                                    "h".into(),
+                                    Bytes::from(vec![b'v'; rng.below(600) as usize]),
+                                )],
+                                body: Bytes::from(vec![
+                                    b'b';
+                                    rng.below(2 * allowance as u64) as usize
+                                ]),
+                            };
+                            let _ = store.complete(&s, t, &r, dur).await;
+                        }
+                    }
+                    3 => {
+                        if let Some(t) = tokens.get(&k) {
+                            let _ = store.renew_lease(&s, t, dur).await;
+                        }
+                    }
+                    4 => {
+                        if let Some(t) = tokens.get(&k) {
+                            let _ = store.release(&s, t).await;
+                        }
+                    }
+                    _ => {
+                        if rng.below(4) == 0 {
+                            let _ = store
+                                .purge_expired(Duration::from_millis(rng.below(3)))
+                                .await;
+                        } else {
+                            std::thread::sleep(Duration::from_micros(300));
+                        }
+                    }
+                }
+                check(&store, &format!("seed {seed} step {step}"));
+            }
+        }
     }
 }

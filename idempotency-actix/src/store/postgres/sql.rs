@@ -774,8 +774,10 @@ fn non_negative(n: i64) -> u64 {
 // ---------------------------------------------------------------------------------------------
 // Provisioning probe
 
-/// Whether the schema is provisioned: the table `idempotency_keys` *and* the function
-/// `idempotency_reserve` (second migration) are visible on the connection's `search_path`.
+/// Whether the schema is provisioned: the table `idempotency_keys` and the functions the
+/// request path calls (`idempotency_reserve`, `idempotency_complete`) are visible on the
+/// connection's `search_path`, and on the partitioned layout (which its own function
+/// `idempotency_partitions_drop` marks) its response table `idempotency_responses` too.
 /// Used to recognise SQLSTATE 42P01 / 42883 (undefined table / function), which diesel-async
 /// reports only as an unknown database error; a database migrated only to the first migration
 /// thus also gets the "run `idem-cli migrate`" hint.
@@ -793,7 +795,9 @@ impl QueryFragment<Pg> for TableExists {
                         'idempotency_reserve(text, text, text, text, bytea, uuid, bigint)') \
                         IS NOT NULL \
                     AND to_regprocedure('idempotency_complete(text, text, text, text, uuid, \
-                        smallint, bytea, bytea, bigint)') IS NOT NULL AS present",
+                        smallint, bytea, bytea, bigint)') IS NOT NULL \
+                    AND (to_regprocedure('idempotency_partitions_drop(bigint, integer)') IS NULL \
+                         OR to_regclass('idempotency_responses') IS NOT NULL) AS present",
         );
         Ok(())
     }
