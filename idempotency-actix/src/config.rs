@@ -195,6 +195,17 @@ pub(crate) fn saturating_deadline(now: Instant, duration: Duration) -> Instant {
 /// timer slack to come before the lease ends.
 pub const MIN_LOCK_TIMEOUT: Duration = Duration::from_millis(100);
 
+/// The shortest [`IdempotencyBuilder::ttl`] accepted: 1 s. A zero TTL stores a response that
+/// is expired as it is written, so a sequential retry runs the handler again; below a second
+/// the stores round it differently (PostgreSQL to microseconds, Redis up to a millisecond), so
+/// one store would replay what another runs again.
+pub const MIN_TTL: Duration = Duration::from_secs(1);
+
+/// The longest [`IdempotencyBuilder::retry_after`] accepted: one day. `Retry-After` tells a
+/// client when to try again; a client that honours `Duration::MAX` (584 billion years) never
+/// retries, and one that parses it into 32 bits fails.
+pub const MAX_RETRY_AFTER: Duration = Duration::from_secs(24 * 3600);
+
 /// A configuration value that cannot be used, found by [`IdempotencyBuilder::try_build`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ConfigError {
@@ -285,8 +296,18 @@ impl<S> IdempotencyBuilder<S> {
 
     /// How long a completed response is replayed. Default 24 hours. After it, the key is free.
     /// `Duration::MAX` means as long as the store can keep it (each store caps it: PostgreSQL at
-    /// about 100 years).
+    /// about 100 years). At least [`MIN_TTL`] (1 s); `build` refuses a shorter one.
     pub fn ttl(mut self, ttl: Duration) -> Self {
+        if ttl < MIN_TTL {
+            self.errors.push(ConfigError {
+                setting: "ttl",
+                message: format!(
+                    "{ttl:?} is shorter than {MIN_TTL:?}: a response kept that briefly is not \
+                     replayed, and a retry would run the handler again"
+                ),
+            });
+            return self;
+        }
         self.config.ttl = ttl;
         self
     }
@@ -504,8 +525,19 @@ impl<S> IdempotencyBuilder<S> {
         self
     }
 
-    /// `Retry-After` of 409 and 503 answers. Default 1 s.
+    /// `Retry-After` of 409 and 503 answers. Default 1 s. Sent in whole seconds, at least 1;
+    /// at most [`MAX_RETRY_AFTER`] (one day), `build` refuses a longer one.
     pub fn retry_after(mut self, retry_after: Duration) -> Self {
+        if retry_after > MAX_RETRY_AFTER {
+            self.errors.push(ConfigError {
+                setting: "retry_after",
+                message: format!(
+                    "{retry_after:?} is longer than {MAX_RETRY_AFTER:?}: a client that honours it \
+                     would not retry for that long"
+                ),
+            });
+            return self;
+        }
         self.config.retry_after = retry_after;
         self
     }
@@ -753,6 +785,26 @@ mod tests {
             assert!(error.to_string().contains("`lock_timeout`"), "{error}");
         }
         assert!(builder().lock_timeout(MIN_LOCK_TIMEOUT).try_build().is_ok());
+    }
+
+    #[test]
+    fn a_ttl_too_short_to_replay_and_an_endless_retry_after_are_refused() {
+        for ttl in [
+            Duration::ZERO,
+            Duration::from_nanos(1),
+            MIN_TTL - Duration::from_nanos(1),
+        ] {
+            let error = builder().ttl(ttl).try_build().err().expect("refused");
+            assert!(error.to_string().contains("`ttl`"), "{error}");
+        }
+        assert!(builder().ttl(MIN_TTL).try_build().is_ok());
+        let error = builder()
+            .retry_after(Duration::MAX)
+            .try_build()
+            .err()
+            .expect("refused");
+        assert!(error.to_string().contains("`retry_after`"), "{error}");
+        assert!(builder().retry_after(MAX_RETRY_AFTER).try_build().is_ok());
     }
 
     fn tenant_of(config: &Config, req: &ServiceRequest) -> Option<String> {
@@ -1018,7 +1070,7 @@ mod tests {
             .wait_for_in_flight(Duration::MAX)
             .ttl(Duration::MAX)
             .lock_timeout(Duration::MAX)
-            .retry_after(Duration::MAX)
+            .retry_after(MAX_RETRY_AFTER)
             .config;
         assert_eq!(config.wait_for_in_flight, Some(Duration::MAX));
         assert_eq!(config.ttl, Duration::MAX);
@@ -1100,7 +1152,7 @@ mod tests {
                         .ttl(Duration::MAX)
                         .lock_timeout(Duration::MAX)
                         .wait_for_in_flight(Duration::MAX)
-                        .retry_after(Duration::MAX)
+                        .retry_after(MAX_RETRY_AFTER)
                         .max_key_len(usize::MAX)
                         .max_body_bytes(usize::MAX)
                         .max_response_bytes(usize::MAX)
@@ -1131,7 +1183,7 @@ mod tests {
                 .app_data(runs.clone())
                 .wrap(
                     builder()
-                        .ttl(Duration::ZERO)
+                        .ttl(MIN_TTL)
                         .lock_timeout(MIN_LOCK_TIMEOUT)
                         .wait_for_in_flight(Duration::ZERO)
                         .retry_after(Duration::ZERO)

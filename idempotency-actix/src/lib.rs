@@ -66,7 +66,8 @@ pub mod problem;
 pub mod store;
 
 pub use config::{
-    ConfigError, IdempotencyBuilder, IntoHeaderName, ResponseParts, MIN_LOCK_TIMEOUT,
+    ConfigError, IdempotencyBuilder, IntoHeaderName, ResponseParts, MAX_RETRY_AFTER,
+    MIN_LOCK_TIMEOUT, MIN_TTL,
 };
 pub use fingerprint::Fingerprint;
 

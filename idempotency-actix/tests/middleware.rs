@@ -1035,7 +1035,7 @@ async fn forever_durations_and_mixed_case_header_names_serve_normally() {
         b.ttl(Duration::MAX)
             .lock_timeout(Duration::MAX)
             .wait_for_in_flight(Duration::MAX)
-            .retry_after(Duration::MAX)
+            .retry_after(idempotency_actix::MAX_RETRY_AFTER)
             .header_name("Idempotency-Key")
             .tenant_header("X-Account-Id")
     })

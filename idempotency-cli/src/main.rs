@@ -37,6 +37,7 @@ mod redis_store;
 
 use cli::{Cli, Command};
 use error::{code, CliError};
+use idempotency_actix::store::postgres::MAX_STATEMENT_TIMEOUT;
 
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
@@ -112,9 +113,6 @@ async fn run(cli: Cli) -> Result<(), CliError> {
         Command::Release(args) => commands::release::run(conn, args, cli.format, &mut out).await,
     }
 }
-
-/// The longest `statement_timeout` PostgreSQL accepts: `i32::MAX` milliseconds.
-const MAX_STATEMENT_TIMEOUT: Duration = Duration::from_millis(i32::MAX as u64);
 
 /// A timeout flag of 0 is a usage error (exit 2): a zero `--connect-timeout` can never be met
 /// (every connection would fail as "unavailable"), and PostgreSQL reads a zero

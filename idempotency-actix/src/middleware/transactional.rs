@@ -11,8 +11,9 @@
 //! 4. a storable response (status filter, `store_if`, within `max_response_bytes`) is
 //!    buffered whole (nothing reaches the client before COMMIT: C24's streaming does not apply),
 //!    stored with `complete` (keyed; refused in a transaction a failed statement aborted) and
-//!    committed, or (keyless) committed as `SELECT 1; COMMIT`, whose `SELECT 1` is refused in
-//!    an aborted transaction (PostgreSQL answers COMMIT of one with a rollback, not an error);
+//!    committed, or (keyless) committed as `SAVEPOINT ..; COMMIT`, whose `SAVEPOINT` is refused
+//!    in an aborted transaction (PostgreSQL answers COMMIT of one with a rollback, not an
+//!    error) and outside one (a handler's raw `ROLLBACK`);
 //!    anything else rolls back, and with it the handler's writes.
 //!
 //! A failed COMMIT never answers the handler's response: the client gets `COMMIT_FAILED`
@@ -518,6 +519,7 @@ where
         if let Err(error) = sql::set_tenant(&tx.store, &mut conn, &tx.tenant_setting, tenant).await
         {
             sql::rollback(&tx.store, &mut conn).await;
+            sql::discard(&mut conn);
             tracing::error!(target: "idempotency_actix", outcome = "store_error", path = %LogText(req.path()), %error, "could not set the tenant on the request's transaction");
             let problem = Problem::new(ProblemCode::StorageUnavailable, unavailable_detail(&error))
                 .with_retry_after(config.retry_after);
@@ -601,6 +603,7 @@ async fn claim<S, Svc>(
             Err(error) => {
                 sql::rollback(&tx.store, &mut conn).await;
                 let error = sql::classify_claim_error(&mut conn, error).await;
+                sql::discard(&mut conn);
                 return unavailable(&error);
             }
         };
@@ -862,6 +865,7 @@ where
                 if sql::is_serialization_failure(&error) && may_retry {
                     return After::Retry(http_req);
                 }
+                sql::discard(&mut conn);
                 // No COMMIT was sent: whatever happened, nothing was committed.
                 tracing::error!(target: "idempotency_actix", outcome = "commit_failed", key = %LogText(&scope.key), tenant = %LogText(&scope.tenant), path = %LogText(&scope.path), %error, "storing the response in the transaction failed; rolled back");
                 return After::Answer(commit_failed(

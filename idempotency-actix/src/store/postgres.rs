@@ -90,7 +90,7 @@ pub use error::{
 pub use migrate::{apply_pending_migrations, Harness};
 pub use migrate::{
     pending_migrations, pending_migrations_on, run_migrations, run_migrations_partitioned,
-    PartitionInterval, MIGRATIONS,
+    PartitionInterval, LAYOUT_MIGRATION_VERSION, MIGRATIONS,
 };
 pub use store::PostgresStore;
 pub use transactional::{IsolationLevel, TX_MIGRATE_HINT};
@@ -110,6 +110,15 @@ pub const DEFAULT_QUERY_TIMEOUT: Duration = Duration::from_secs(5);
 /// Rows deleted per statement by [`PostgresStore::purge_batch`] when called through
 /// [`IdempotencyStore::purge_expired`](crate::store::IdempotencyStore::purge_expired).
 pub const DEFAULT_PURGE_BATCH: u32 = 1000;
+
+/// The longest [`PostgresStoreBuilder::statement_timeout`] accepted: PostgreSQL's own limit,
+/// `i32::MAX` milliseconds (about 24.8 days). A longer one would make the server refuse every
+/// connection, so `build` refuses it instead.
+pub const MAX_STATEMENT_TIMEOUT: Duration = Duration::from_millis(i32::MAX as u64);
+
+/// The shortest [`PostgresStoreBuilder::query_timeout`] accepted: 1 ms. Shorter (zero, in
+/// practice) times every statement out at its first poll, so `build` refuses it.
+pub const MIN_QUERY_TIMEOUT: Duration = Duration::from_millis(1);
 
 /// Longest duration sent to the database, so `now() + lease` can never overflow a timestamp
 /// (about 100 years).

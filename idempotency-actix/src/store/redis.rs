@@ -141,6 +141,10 @@ pub const DEFAULT_CONNECTION_TIMEOUT: Duration = Duration::from_secs(2);
 /// Default [`RedisStoreBuilder::response_timeout`].
 pub const DEFAULT_RESPONSE_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// The shortest connection and response timeout a [`RedisStoreBuilder`] accepts: 1 ms. Shorter
+/// (zero, in practice) fails every call at its first poll, whatever Redis does.
+pub const MIN_TIMEOUT: Duration = Duration::from_millis(1);
+
 /// Longest duration sent to the scripts (about 100 years, in microseconds): Lua numbers are
 /// doubles, exact up to 2^53, and `now + duration` must stay well inside that.
 const MAX_DURATION_US: u64 = 100 * 365 * 24 * 3600 * 1_000_000;
@@ -214,14 +218,14 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// Give up a connection attempt after this long (default 2 s).
+    /// Give up a connection attempt after this long (default 2 s; at least [`MIN_TIMEOUT`]).
     pub fn connection_timeout(mut self, timeout: Duration) -> Self {
         self.connection_timeout = timeout;
         self
     }
 
-    /// Give up waiting for a reply after this long (default 2 s): the call fails with
-    /// [`StoreError::Unavailable`].
+    /// Give up waiting for a reply after this long (default 2 s; at least [`MIN_TIMEOUT`]):
+    /// the call fails with [`StoreError::Unavailable`].
     pub fn response_timeout(mut self, timeout: Duration) -> Self {
         self.response_timeout = timeout;
         self
@@ -282,6 +286,28 @@ impl RedisStoreBuilder {
         self
     }
 
+    /// The prefix ([`validate_key_prefix`]) and the timeouts: a zero timeout fails every call
+    /// (or every connection attempt) at its first poll, as if Redis were down, so it is refused
+    /// here with the setting's name rather than answered with 503s.
+    fn validate(&self) -> Result<(), StoreError> {
+        validate_key_prefix(&self.prefix)?;
+        for (setting, value) in [
+            ("connection_timeout", self.connection_timeout),
+            ("response_timeout", self.response_timeout),
+        ] {
+            if value < MIN_TIMEOUT {
+                return Err(StoreError::Backend(
+                    format!(
+                        "invalid RedisStore setting `{setting}`: {value:?} is shorter than \
+                         {MIN_TIMEOUT:?}; every call would time out as if Redis were down"
+                    )
+                    .into(),
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// Connect to `url` (`redis://[user:password@]host[:port][/db]`, or `rediss://` for TLS
     /// checked against the system's roots), check the eviction policy, and build the store.
     ///
@@ -289,7 +315,7 @@ impl RedisStoreBuilder {
     /// [`StoreError::Backend`] for a bad URL or prefix (or a refused eviction policy);
     /// [`StoreError::Unavailable`] when the server cannot be reached in time.
     pub async fn connect(self, url: &str) -> Result<RedisStore, StoreError> {
-        validate_key_prefix(&self.prefix)?;
+        self.validate()?;
         let client = redis::Client::open(url).map_err(invalid_url)?;
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(self.connection_timeout)
@@ -332,7 +358,7 @@ impl RedisStoreBuilder {
         self,
         urls: &[&str],
     ) -> Result<RedisStore<redis::cluster_async::ClusterConnection>, StoreError> {
-        validate_key_prefix(&self.prefix)?;
+        self.validate()?;
         let client = redis::cluster::ClusterClientBuilder::new(urls.iter().copied())
             .connection_timeout(self.connection_timeout)
             .response_timeout(self.connection_response_timeout())
@@ -375,7 +401,7 @@ impl RedisStoreBuilder {
     where
         C: ConnectionLike + Clone + Send + Sync + 'static,
     {
-        validate_key_prefix(&self.prefix)?;
+        self.validate()?;
         let mut probe = conns.first();
         check_version(&mut probe, self.response_timeout).await?;
         let readable =

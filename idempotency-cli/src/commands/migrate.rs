@@ -90,8 +90,17 @@ pub async fn run(
     // server answers within `answer_limit`.
     let pending = db::bounded(postgres::pending_migrations_on(&mut conn))
         .await?
-        .map_err(db::store_error)?
-        .len();
+        .map_err(db::store_error)?;
+    if !pending
+        .iter()
+        .any(|v| v == postgres::LAYOUT_MIGRATION_VERSION)
+    {
+        // The layout is fixed already: refuse another one before applying anything, rather
+        // than apply the pending migrations and then fail.
+        let layout = sql!(&mut conn, admin::partition_interval(&mut conn));
+        refuse_another_layout(args.partitioned, wanted, layout.as_deref())?;
+    }
+    let pending = pending.len();
     let round_trips = u32::try_from(pending)
         .unwrap_or(u32::MAX)
         .saturating_mul(4)
@@ -122,26 +131,8 @@ pub async fn run(
         return Err(dropped_by_hand());
     }
     let layout = sql!(&mut conn, admin::partition_interval(&mut conn));
-    if args.partitioned && layout.is_none() {
-        // The layout migration ran earlier, without the setting: nothing was converted.
-        return Err(CliError::Other(
-            "the database already has the plain layout (the layout is chosen when it is \
-             provisioned); see docs/operations.md for moving a deployment to the partitioned one"
-                .into(),
-        ));
-    }
-    if let (Some(wanted), Some(existing)) = (wanted, layout.as_deref()) {
-        if wanted.as_str() != existing {
-            // The layout migration ran earlier with the other interval: nothing was changed,
-            // and "nothing to apply" would read as if the requested interval were in place.
-            return Err(CliError::Other(format!(
-                "the database already has the partitioned layout with {existing} partitions, \
-                 not {} (the interval is chosen when it is provisioned); drop --interval to \
-                 keep {existing}",
-                wanted.as_str()
-            )));
-        }
-    }
+    // Again after applying: another migrator may have run the layout migration meanwhile.
+    refuse_another_layout(args.partitioned, wanted, layout.as_deref())?;
     let layout_name = layout_name(layout.as_deref());
     match format {
         Format::Json => {
@@ -185,6 +176,36 @@ fn layout_name(interval: Option<&str>) -> String {
 
 /// The library reports migration versions (`20261130000001`); operators know them by their
 /// folder names (`2026-11-30-000001_create_idempotency_keys`), which the embedded set carries.
+/// Refuse a layout other than the one the database has (`layout`: its partition interval, or
+/// `None` for the plain layout), once the layout migration has run.
+fn refuse_another_layout(
+    partitioned: bool,
+    wanted: Option<PartitionInterval>,
+    layout: Option<&str>,
+) -> Result<(), CliError> {
+    if partitioned && layout.is_none() {
+        // The layout migration ran earlier, without the setting: nothing is converted.
+        return Err(CliError::Other(
+            "the database already has the plain layout (the layout is chosen when it is \
+             provisioned); see docs/operations.md for moving a deployment to the partitioned one"
+                .into(),
+        ));
+    }
+    if let (Some(wanted), Some(existing)) = (wanted, layout) {
+        if wanted.as_str() != existing {
+            // The layout migration ran earlier with the other interval: nothing is changed,
+            // and "nothing to apply" would read as if the requested interval were in place.
+            return Err(CliError::Other(format!(
+                "the database already has the partitioned layout with {existing} partitions, \
+                 not {} (the interval is chosen when it is provisioned); drop --interval to \
+                 keep {existing}",
+                wanted.as_str()
+            )));
+        }
+    }
+    Ok(())
+}
+
 fn full_names(versions: Vec<String>) -> Vec<String> {
     let known: Vec<(String, String)> = MigrationSource::<Pg>::migrations(&postgres::MIGRATIONS)
         .map(|all| {

@@ -9,6 +9,8 @@
 //!
 //! Run one file's tests by its module name: `cargo test -p idempotency-e2e --test e2e postgres_store::`.
 
+mod config_extremes;
+mod half_schema;
 mod hostile_input;
 mod http_streaming;
 mod metrics_scrape;
@@ -25,6 +27,7 @@ mod release_faults;
 mod renewal_faults;
 mod transactional_bodies;
 mod transactional_middleware;
+mod transactional_misuse;
 mod transactional_scale;
 mod wait_mode_clients;
 mod wire_framing;

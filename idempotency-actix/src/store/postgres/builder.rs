@@ -16,7 +16,7 @@ use super::per_thread::PoolPerThread;
 use super::pool::LastErrorSink;
 use super::store::BackgroundReleases;
 use super::tls::ConnectTarget;
-use super::{redact, PostgresStore};
+use super::{redact, PostgresStore, MAX_STATEMENT_TIMEOUT, MIN_QUERY_TIMEOUT};
 use crate::store::StoreError;
 
 /// Configures a [`PostgresStore`]: see [`PostgresStore::builder`]. Its `Debug` output shows
@@ -94,7 +94,8 @@ impl PostgresStoreBuilder {
     }
 
     /// How long one statement may take, measured here, before the operation fails with
-    /// [`StoreError::Unavailable`] (503). Default 5 s; `None` waits forever.
+    /// [`StoreError::Unavailable`] (503). Default 5 s; `None` waits forever; at least
+    /// [`MIN_QUERY_TIMEOUT`](super::MIN_QUERY_TIMEOUT).
     ///
     /// This bounds the case the connection timeout cannot see: a database that accepts
     /// connections but does not answer (overloaded, stuck on a lock, a half-dead network
@@ -113,7 +114,8 @@ impl PostgresStoreBuilder {
     }
 
     /// Server-side `statement_timeout` for the store's connections, sent as a startup
-    /// `options` parameter (no extra round trip). Default `None` (the server's setting).
+    /// `options` parameter (no extra round trip). Default `None` (the server's setting). At
+    /// most [`MAX_STATEMENT_TIMEOUT`](super::MAX_STATEMENT_TIMEOUT), PostgreSQL's own limit.
     ///
     /// Off by default because connection poolers such as PgBouncer reject unknown startup
     /// parameters unless configured to ignore them; [`query_timeout`](Self::query_timeout)
@@ -245,8 +247,11 @@ impl PostgresStoreBuilder {
     ///
     /// # Errors
     /// [`StoreError::Backend`] when the URL cannot be parsed or its TLS settings cannot be
-    /// honoured (unreadable `sslrootcert`, unknown `sslmode`).
+    /// honoured (unreadable `sslrootcert`, unknown `sslmode`), or a timeout is out of range
+    /// (`query_timeout` under [`MIN_QUERY_TIMEOUT`], `statement_timeout` over
+    /// [`MAX_STATEMENT_TIMEOUT`]).
     pub async fn build(self) -> Result<PostgresStore, StoreError> {
+        self.validate_timeouts()?;
         let mut target = ConnectTarget::parse(&self.url, self.statement_timeout)
             .map_err(|e| StoreError::Backend(Box::new(e)))?;
         if !self.synchronous_commit {
@@ -290,11 +295,44 @@ impl PostgresStoreBuilder {
             replay_fast_path: self.replay_fast_path,
             cancel_with,
             background: BackgroundReleases::for_pool(self.max_size),
+            provisioned: Default::default(),
         })
     }
 }
 
 impl PostgresStoreBuilder {
+    /// Refuse timeouts that would fail every request rather than answer them with 503s.
+    fn validate_timeouts(&self) -> Result<(), StoreError> {
+        let refuse = |setting: &str, why: String| {
+            Err(StoreError::Backend(
+                format!("invalid PostgresStore setting `{setting}`: {why}").into(),
+            ))
+        };
+        if let Some(timeout) = self.query_timeout.filter(|t| *t < MIN_QUERY_TIMEOUT) {
+            return refuse(
+                "query_timeout",
+                format!(
+                    "{timeout:?} is shorter than {MIN_QUERY_TIMEOUT:?}; every statement would \
+                     time out (use `None` for no timeout)"
+                ),
+            );
+        }
+        if let Some(timeout) = self
+            .statement_timeout
+            .filter(|t| *t > MAX_STATEMENT_TIMEOUT)
+        {
+            return refuse(
+                "statement_timeout",
+                format!(
+                    "{timeout:?} is longer than PostgreSQL's limit of {} ms (about 24.8 days); \
+                     the server would refuse every connection",
+                    MAX_STATEMENT_TIMEOUT.as_millis()
+                ),
+            );
+        }
+        Ok(())
+    }
+
     /// A bb8 pool builder with this builder's settings, `size` connections at most.
     fn pool_builder(
         &self,

@@ -71,6 +71,11 @@ pub async fn run_migrations(url: &str) -> Result<Vec<String>, StoreError> {
     with_harness(url, None).await
 }
 
+/// The version of the migration that chooses the layout (`2026-12-01-000005_partitioned_layout`):
+/// once it is applied the layout is fixed, so a request for the other layout can be refused
+/// before anything is applied.
+pub const LAYOUT_MIGRATION_VERSION: &str = "20261201000005";
+
 /// The partition interval of the partitioned layout.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PartitionInterval {
@@ -131,16 +136,14 @@ pub async fn pending_migrations(url: &str) -> Result<Vec<String>, StoreError> {
 pub async fn pending_migrations_on(
     conn: &mut AsyncPgConnection,
 ) -> Result<Vec<String>, StoreError> {
-    let present =
-        diesel::sql_query("SELECT to_regclass('__diesel_schema_migrations') IS NOT NULL AS flag");
+    let present = diesel::sql_query(BOOKKEEPING_PRESENT);
     let present = match diesel_async::RunQueryDsl::get_result::<Flag>(present, conn).await {
         Ok(present) => present,
         // A session terminated meanwhile is "unavailable", not a broken database.
         Err(e) => return Err(super::error::classify_query_error(conn, e).await),
     };
     let applied: Vec<String> = if present.flag {
-        let versions =
-            diesel::sql_query("SELECT version::text AS version FROM __diesel_schema_migrations");
+        let versions = diesel::sql_query(APPLIED_VERSIONS);
         match diesel_async::RunQueryDsl::load::<Version>(versions, conn).await {
             Ok(rows) => rows.into_iter().map(|row| row.version).collect(),
             Err(e) => return Err(super::error::classify_query_error(conn, e).await),
@@ -148,6 +151,18 @@ pub async fn pending_migrations_on(
     } else {
         Vec::new()
     };
+    not_applied(&applied)
+}
+
+/// Whether diesel's bookkeeping table exists (a plain `SELECT`, see [`pending_migrations_on`]).
+const BOOKKEEPING_PRESENT: &str =
+    "SELECT to_regclass('__diesel_schema_migrations') IS NOT NULL AS flag";
+
+/// The versions recorded as applied in diesel's bookkeeping table.
+const APPLIED_VERSIONS: &str = "SELECT version::text AS version FROM __diesel_schema_migrations";
+
+/// The embedded migrations' versions not in `applied`, oldest first.
+fn not_applied(applied: &[String]) -> Result<Vec<String>, StoreError> {
     let mut pending: Vec<String> = MigrationSource::<Pg>::migrations(&MIGRATIONS)
         .map_err(StoreError::Backend)?
         .iter()
@@ -201,10 +216,37 @@ fn unavailable_if_gone(harness: &mut Harness, error: StoreError) -> StoreError {
     }
 }
 
+/// [`pending_migrations_on`] on the blocking harness, with the same two plain `SELECT`s.
+fn pending_on_harness(harness: &mut Harness) -> Result<Vec<String>, StoreError> {
+    let classify = super::error::classify_error;
+    let present = diesel::sql_query(BOOKKEEPING_PRESENT)
+        .get_result::<Flag>(harness)
+        .map_err(classify)?;
+    let applied: Vec<String> = if present.flag {
+        diesel::sql_query(APPLIED_VERSIONS)
+            .load::<Version>(harness)
+            .map_err(classify)?
+            .into_iter()
+            .map(|row| row.version)
+            .collect()
+    } else {
+        Vec::new()
+    };
+    not_applied(&applied)
+}
+
 fn apply_locked(
     harness: &mut Harness,
     partitioned: Option<PartitionInterval>,
 ) -> Result<Vec<String>, StoreError> {
+    // Nothing pending: done, without diesel's harness, whose first statement is `CREATE TABLE
+    // IF NOT EXISTS __diesel_schema_migrations`. PostgreSQL refuses that to a role without
+    // `CREATE` on the schema even when the table exists, so an app started with
+    // `run_migrations` under a least-privileged role (only the grants the request path needs)
+    // failed at start-up on a schema that was already current.
+    if pending_on_harness(harness)?.is_empty() {
+        return Ok(Vec::new());
+    }
     if let Some(interval) = partitioned {
         // Read by migration 000005, which chooses the layout when it runs.
         harness
@@ -286,7 +328,7 @@ struct Version {
 /// hanging whoever migrates next; polling also tells "someone else holds it" apart from other
 /// failures without reading the server's (localised) error text.
 fn take_lock(harness: &mut Harness, wait: Duration) -> Result<(), StoreError> {
-    let deadline = Instant::now() + wait;
+    let deadline = crate::config::saturating_deadline(Instant::now(), wait);
     loop {
         let row = diesel::sql_query("SELECT pg_try_advisory_lock($1) AS flag")
             .bind::<BigInt, _>(MIGRATION_LOCK_KEY)
@@ -304,5 +346,21 @@ fn take_lock(harness: &mut Harness, wait: Duration) -> Result<(), StoreError> {
             )));
         }
         std::thread::sleep(LOCK_POLL);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_layout_migration_is_the_partitioned_layout_one() {
+        let migrations = MigrationSource::<Pg>::migrations(&MIGRATIONS).unwrap();
+        let names: Vec<String> = migrations
+            .iter()
+            .filter(|m| m.name().version().to_string() == LAYOUT_MIGRATION_VERSION)
+            .map(|m| m.name().to_string())
+            .collect();
+        assert_eq!(names, ["2026-12-01-000005_partitioned_layout"]);
     }
 }

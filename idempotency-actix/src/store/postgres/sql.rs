@@ -810,11 +810,14 @@ pub(crate) struct ExistsRow {
     pub(crate) present: bool,
 }
 
-/// Whether the transactional claim function (third migration) is visible on the connection's
-/// `search_path`, to tell a database migrated only to the second migration from another
-/// failure.
+/// Whether the transactional claim function (third migration) exists, to tell a database
+/// migrated only to the second migration from another failure: visible on the connection's
+/// `search_path`, or present in any schema of the database. The second half is for a
+/// connection whose `search_path` a handler changed for the session: that is not a database
+/// to migrate (the hint would send an operator to `idem-cli migrate`, which finds nothing to
+/// do), and the connection is discarded after the failure anyway.
 ///
-/// Raw SQL: a catalog lookup by name, as [`TableExists`].
+/// Raw SQL: catalog lookups by name, as [`TableExists`].
 pub(crate) struct ClaimExists;
 
 statement!(ClaimExists, ClaimExistsId);
@@ -823,7 +826,9 @@ impl QueryFragment<Pg> for ClaimExists {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
         out.push_sql(
             "SELECT to_regprocedure('idempotency_tx_claim(text, text, text, text, text, text, \
-             bytea, uuid, bigint)') IS NOT NULL AS present",
+             bytea, uuid, bigint)') IS NOT NULL \
+             OR EXISTS (SELECT FROM pg_catalog.pg_proc WHERE proname = 'idempotency_tx_claim') \
+             AS present",
         );
         Ok(())
     }

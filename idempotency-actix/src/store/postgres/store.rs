@@ -1,6 +1,7 @@
 //! [`PostgresStore`]: the store itself, its request-path operations and the
 //! [`IdempotencyStore`] implementation. Every statement it runs is in the `sql` module.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -50,6 +51,9 @@ pub struct PostgresStore {
     pub(super) cancel_with: Option<Arc<ConnectTarget>>,
     /// Bounds on background releases ([`Self::release_later`]), shared by clones.
     pub(super) background: Arc<BackgroundReleases>,
+    /// Whether the provisioning probe has passed once ([`Self::ensure_provisioned`]), shared
+    /// by clones.
+    pub(super) provisioned: Arc<AtomicBool>,
 }
 
 /// Bounds on a store's background releases ([`PostgresStore::release_later`]). Every reserve
@@ -125,6 +129,7 @@ impl PostgresStore {
             purge_batch: DEFAULT_PURGE_BATCH,
             replay_fast_path: false,
             cancel_with: None,
+            provisioned: Arc::new(AtomicBool::new(false)),
         }
     }
 
@@ -175,8 +180,30 @@ impl PostgresStore {
             .timed(&mut conn, async |c| table_exists(c).await)
             .await?
         {
-            true => Ok(()),
+            true => {
+                self.provisioned.store(true, Ordering::Relaxed);
+                Ok(())
+            }
             false => Err(not_provisioned()),
+        }
+    }
+
+    /// Refuse to reserve (so the handler never runs) until the schema has been seen whole
+    /// once: the provisioning probe on the first reservation, then never again. A database
+    /// provisioned by an older release and not yet migrated can have `idempotency_reserve`
+    /// without `idempotency_complete` (before the fourth migration): reserving there would run
+    /// the handler, fail to store its response, and let a retry after the lease run it again.
+    /// C15 promises a 503 before the handler instead. The probe is one round trip, paid once
+    /// per store (and again after each failure, until `idem-cli migrate` has run).
+    async fn ensure_provisioned(&self, conn: &mut AsyncPgConnection) -> Result<(), StoreError> {
+        if self.provisioned.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        if self.timed(conn, async |c| table_exists(c).await).await? {
+            self.provisioned.store(true, Ordering::Relaxed);
+            Ok(())
+        } else {
+            Err(not_provisioned())
         }
     }
 
@@ -397,7 +424,7 @@ pub(super) fn decode_reserve_row(
 /// Mark `conn` broken, so the pool closes it when it comes back instead of lending it again:
 /// its transaction manager's status in error is what the pool's `has_broken` check (and our
 /// checkout check) read, whatever the connection was doing.
-fn abandon(conn: &mut AsyncPgConnection) {
+pub(super) fn abandon(conn: &mut AsyncPgConnection) {
     <AnsiTransactionManager as TransactionManager<AsyncPgConnection>>::transaction_manager_status_mut(conn)
         .set_in_error();
 }
@@ -433,6 +460,7 @@ impl IdempotencyStore for PostgresStore {
             lease_us: micros(lease).max(1),
         };
         let mut conn = self.conn().await?;
+        self.ensure_provisioned(&mut conn).await?;
         if self.replay_fast_path {
             let read = self.timed(&mut conn, async |c| self.replay_read(c, scope).await);
             if let Some(replay) = read.await? {

@@ -36,7 +36,7 @@ use diesel_async::{
 use super::error::classify_error;
 use super::lifetime;
 use super::sql::{self, Completion, Reserve, SetTenant, TxClaim};
-use super::store::{corrupt, decode_reserve_row, scope_binds};
+use super::store::{abandon, corrupt, decode_reserve_row, scope_binds};
 use super::{micros, PostgresStore};
 use crate::store::{
     Fingerprint, ReservationToken, ReserveOutcome, Scope, StoreError, StoredResponse, WriteOutcome,
@@ -246,11 +246,15 @@ pub(crate) async fn commit(
     }
 }
 
-/// A keyless request's check and COMMIT in one round trip: `SELECT 1; COMMIT` as one simple
-/// query. In a transaction an ignored failure aborted, the `SELECT 1` is refused (25P02) and
-/// PostgreSQL skips the rest of the query string, so the COMMIT, which it would have turned
-/// into a silent rollback, never runs; the transaction stays open, aborted, for the caller's
-/// ROLLBACK. (A keyed request's `complete` is its check.)
+/// A keyless request's check and COMMIT in one round trip: `SAVEPOINT ..; COMMIT` as one
+/// simple query. In a transaction an ignored failure aborted, the `SAVEPOINT` is refused
+/// (25P02) and PostgreSQL skips the rest of the query string, so the COMMIT, which it would
+/// have turned into a silent rollback, never runs; the transaction stays open, aborted, for the
+/// caller's ROLLBACK. After a handler's raw `ROLLBACK` (or `COMMIT`) there is no transaction
+/// block left, the query string runs as an implicit one, and `SAVEPOINT` is refused there too
+/// (25P01), so a handler that threw its writes away is not answered as done. (A `SELECT 1`
+/// caught only the first case.) In a live transaction the savepoint costs nothing: nothing is
+/// written after it, and COMMIT releases it. (A keyed request's `complete` is its check.)
 ///
 /// The COMMIT bypasses diesel-async's transaction manager, so its depth is lowered here, with
 /// the `ValidTransactionManagerStatus` API diesel exposes under the
@@ -258,6 +262,9 @@ pub(crate) async fn commit(
 /// diesel-async enables for its own transaction manager (so the two move together). A batch
 /// dropped on timeout leaves the depth at 1: the pool sees a connection still in a transaction
 /// and discards it, as diesel-async's own COMMIT marks a dropped one broken.
+/// The query string of [`check_and_commit`].
+const CHECK_AND_COMMIT: &str = "SAVEPOINT idempotency_commit_check; COMMIT";
+
 pub(crate) async fn check_and_commit(
     store: &PostgresStore,
     conn: &mut AsyncPgConnection,
@@ -273,7 +280,7 @@ pub(crate) async fn check_and_commit(
         }));
     }
     let committed = {
-        let mut batch = std::pin::pin!(conn.batch_execute("SELECT 1; COMMIT"));
+        let mut batch = std::pin::pin!(conn.batch_execute(CHECK_AND_COMMIT));
         // The first poll hands the query to the connection's task. An error then means it
         // never left: the session was already gone (PostgreSQL ended it while the handler was
         // idle, say at `idle_in_transaction_session_timeout`), and nothing can have committed.
@@ -307,8 +314,8 @@ pub(crate) async fn check_and_commit(
             }
             Ok(())
         }
-        // Either statement's error: the `SELECT 1` in an aborted transaction (still open), or
-        // the COMMIT's (ended). A ROLLBACK ends the first and is a no-op after the second, and
+        // Either statement's error: the `SAVEPOINT` in an aborted transaction (still open) or
+        // outside any (after a handler's raw ROLLBACK), or the COMMIT's (ended). A ROLLBACK ends the first and is a no-op after the second, and
         // must come before `commit_error`'s probe, which an aborted transaction would refuse
         // (a false "the session did not survive").
         Ok(Err(error)) => {
@@ -504,6 +511,18 @@ pub(crate) async fn rollback(store: &PostgresStore, conn: &mut AsyncPgConnection
             tracing::warn!(target: "idempotency_actix", "ROLLBACK not answered in time; the connection is discarded");
         }
     }
+}
+
+/// Close `conn` when it goes back to the pool instead of lending it again: after one of the
+/// middleware's own statements (the claim, the tenant setting, `complete`) failed on it for a
+/// reason other than a serialization failure. A handler can leave session state behind that
+/// fails every later statement on the connection (`DEALLOCATE ALL` drops the store's prepared
+/// statements, which diesel-async keeps using; a leaked `SET search_path` or `SET SESSION
+/// CHARACTERISTICS AS TRANSACTION READ ONLY`), and the pool would lend it on, one 503 after
+/// another, for its whole lifetime. A reconnect is cheaper than guessing which errors are
+/// the connection's.
+pub(crate) fn discard(conn: &mut AsyncPgConnection) {
+    abandon(conn);
 }
 
 /// After a failed claim (and its rollback): the store's own diagnosis, plus the third
