@@ -11,7 +11,9 @@
 //!
 //! [`delaying_proxy`] is a second, simpler proxy: it holds back one chunk carrying a marker (a
 //! late answer, or a statement that reaches the server late). [`FaultyProxy`], for any
-//! protocol, black-holes open connections or swallows replies.
+//! protocol, black-holes open connections or swallows replies. [`CutProxy`] cuts the connection
+//! that carries a chosen statement, before it reaches the server or after it ran (its answer
+//! lost).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -454,5 +456,283 @@ mod tests {
         let mut kinds = p.feed(a);
         kinds.extend(p.feed(b));
         assert_eq!(kinds, vec![b'B', b'E', b'S']);
+    }
+}
+
+/// Where a [`CutProxy`] cuts the connection that carries the armed statement.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Cut {
+    /// Cut before the statement reaches the server: it never runs.
+    BeforeSend,
+    /// Forward the statement, then cut before the server's answer reaches the client: it ran
+    /// (and, outside a transaction or for a `COMMIT`, committed), the client never learns it.
+    AfterSend,
+}
+
+/// A PostgreSQL proxy that cuts one connection at one chosen statement.
+///
+/// [`arm`](Self::arm)`(needle, cut)`: the next execution, on any connection, of a statement
+/// whose SQL contains `needle` cuts that connection (both sockets closed), once. Executions are
+/// simple `Query` messages (their text) and extended-protocol `Bind`s (the text of the `Parse`
+/// that prepared the named statement on that connection: diesel-async prepares once per
+/// connection and binds by name afterwards). A `Parse` alone never triggers.
+///
+/// [`Cut::AfterSend`] relays every earlier answer, then waits for the armed statement's own
+/// `ReadyForQuery` (counted: one per `Sync` or simple `Query`), so a statement outside a
+/// transaction, or a `COMMIT`, has committed when the cut happens; drops that answer and cuts.
+/// Plain connections only (the client must not ask for TLS).
+pub struct CutProxy {
+    port: u16,
+    arm: Arc<Mutex<Vec<(String, Cut)>>>,
+    fired: Arc<AtomicU64>,
+    listener: JoinHandle<()>,
+}
+
+impl CutProxy {
+    /// A proxy in front of the server of `url` (a `postgres://` URL).
+    pub async fn for_url(url: &str) -> CutProxy {
+        let upstream = host_port(url);
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind a proxy port");
+        let port = listener.local_addr().expect("proxy address").port();
+        let arm: Arc<Mutex<Vec<(String, Cut)>>> = Arc::new(Mutex::new(Vec::new()));
+        let fired = Arc::new(AtomicU64::new(0));
+        let (arm2, fired2) = (Arc::clone(&arm), Arc::clone(&fired));
+        let listener = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(server) = TcpStream::connect(&upstream).await else {
+                    continue;
+                };
+                let (arm, fired) = (Arc::clone(&arm2), Arc::clone(&fired2));
+                tokio::spawn(cut_pipe(client, server, arm, fired));
+            }
+        });
+        CutProxy {
+            port,
+            arm,
+            fired,
+            listener,
+        }
+    }
+
+    /// `url` pointed at the proxy.
+    pub fn url_through(&self, url: &str) -> String {
+        at_local_port(url, self.port)
+    }
+
+    /// Cut at the next execution of a statement containing `needle` (see the type's docs).
+    /// Arms add up: each fires once, the oldest matching one first.
+    pub fn arm(&self, needle: &str, cut: Cut) {
+        self.arm.lock().expect("arm").push((needle.to_owned(), cut));
+    }
+
+    /// Forget the arms that have not fired.
+    pub fn disarm(&self) {
+        self.arm.lock().expect("arm").clear();
+    }
+
+    /// How many cuts happened.
+    pub fn fired(&self) -> u64 {
+        self.fired.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for CutProxy {
+    fn drop(&mut self) {
+        self.listener.abort();
+    }
+}
+
+fn cstring(bytes: &[u8]) -> (&[u8], &[u8]) {
+    match bytes.iter().position(|b| *b == 0) {
+        Some(end) => (&bytes[..end], &bytes[end + 1..]),
+        None => (bytes, &[]),
+    }
+}
+
+async fn cut_pipe(
+    client: TcpStream,
+    server: TcpStream,
+    arm: Arc<Mutex<Vec<(String, Cut)>>>,
+    fired: Arc<AtomicU64>,
+) {
+    // Messages are written one by one: without this, Nagle and delayed ACKs add ~40 ms each.
+    let _ = client.set_nodelay(true);
+    let _ = server.set_nodelay(true);
+    let (mut client_read, mut client_write) = client.into_split();
+    let (mut server_read, mut server_write) = server.into_split();
+    // For `AfterSend`: the number (1-based) of the server's `ReadyForQuery` that ends the
+    // answer to the armed statement; 0 while none is armed on this connection.
+    let target = Arc::new(AtomicU64::new(0));
+    let target_up = Arc::clone(&target);
+    let upstream = async move {
+        let mut splitter = MessageSplitter::default();
+        let mut statements: HashMap<Vec<u8>, String> = HashMap::new();
+        // `Sync`s and simple `Query`s forwarded: each gets one `ReadyForQuery`.
+        let mut syncs: u64 = 0;
+        let mut pending_target = false;
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            let n = match client_read.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => n,
+            };
+            for message in splitter.feed(&buf[..n]) {
+                let typed =
+                    splitter.started && message.len() >= 5 && message[0].is_ascii_alphabetic();
+                let kind = if typed { message[0] } else { 0 };
+                let sql: Option<String> = match kind {
+                    b'Q' => Some(String::from_utf8_lossy(cstring(&message[5..]).0).into_owned()),
+                    b'P' => {
+                        let (name, rest) = cstring(&message[5..]);
+                        let (text, _) = cstring(rest);
+                        statements.insert(name.to_vec(), String::from_utf8_lossy(text).into());
+                        None
+                    }
+                    b'B' => {
+                        let (_portal, rest) = cstring(&message[5..]);
+                        let (name, _) = cstring(rest);
+                        statements.get(name).cloned()
+                    }
+                    _ => None,
+                };
+                let mut cut = None;
+                if let Some(sql) = sql {
+                    let mut arms = arm.lock().expect("arm");
+                    if let Some(i) = arms
+                        .iter()
+                        .position(|(needle, _)| sql.contains(needle.as_str()))
+                    {
+                        cut = Some(arms.remove(i).1);
+                        fired.fetch_add(1, Ordering::SeqCst);
+                    }
+                }
+                match cut {
+                    Some(Cut::BeforeSend) => return,
+                    Some(Cut::AfterSend) => pending_target = true,
+                    None => {}
+                }
+                if kind == b'Q' || kind == b'S' {
+                    syncs += 1;
+                    if pending_target {
+                        // Set before the message leaves: its answer comes after.
+                        target_up.store(syncs, Ordering::SeqCst);
+                        pending_target = false;
+                    }
+                }
+                if server_write.write_all(&message).await.is_err() {
+                    return;
+                }
+            }
+        }
+    };
+    let downstream = async move {
+        let mut splitter = BackendSplitter::default();
+        // `ReadyForQuery`s answering a `Sync` or `Query` (the one ending the startup is not).
+        let mut ready: u64 = 0;
+        let mut started = false;
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            let n = match server_read.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => n,
+            };
+            for message in splitter.feed(&buf[..n]) {
+                if !started {
+                    started = message.first() == Some(&b'Z');
+                    if client_write.write_all(&message).await.is_err() {
+                        return;
+                    }
+                    continue;
+                }
+                let goal = target.load(Ordering::SeqCst);
+                // The answer to the `goal`th Sync/Query: what follows the `goal - 1`th answer.
+                let swallowed = goal != 0 && ready + 1 >= goal;
+                if message.first() == Some(&b'Z') {
+                    ready += 1;
+                }
+                if swallowed {
+                    if ready >= goal {
+                        // The whole answer to the armed statement is in: cut.
+                        return;
+                    }
+                    continue;
+                }
+                if client_write.write_all(&message).await.is_err() {
+                    return;
+                }
+            }
+        }
+    };
+    // Whichever side ends first ends the connection: both sockets are dropped.
+    tokio::select! {
+        () = upstream => {}
+        () = downstream => {}
+    }
+}
+
+/// Splits the server's byte stream into whole messages (every one has a type byte; no TLS).
+#[derive(Default)]
+struct BackendSplitter {
+    buf: Vec<u8>,
+}
+
+impl BackendSplitter {
+    fn feed(&mut self, bytes: &[u8]) -> Vec<Vec<u8>> {
+        self.buf.extend_from_slice(bytes);
+        let mut out = Vec::new();
+        while self.buf.len() >= 5 {
+            let len =
+                u32::from_be_bytes([self.buf[1], self.buf[2], self.buf[3], self.buf[4]]) as usize;
+            if self.buf.len() < 1 + len {
+                break;
+            }
+            out.push(self.buf.drain(..1 + len).collect());
+        }
+        out
+    }
+}
+
+/// Splits the client's byte stream into whole messages (raw bytes, type byte included; the
+/// startup-phase messages without one are passed through as they come).
+#[derive(Default)]
+struct MessageSplitter {
+    buf: Vec<u8>,
+    started: bool,
+}
+
+impl MessageSplitter {
+    fn feed(&mut self, bytes: &[u8]) -> Vec<Vec<u8>> {
+        self.buf.extend_from_slice(bytes);
+        let mut out = Vec::new();
+        loop {
+            if !self.started {
+                if self.buf.len() < 8 {
+                    break;
+                }
+                let len = u32::from_be_bytes([self.buf[0], self.buf[1], self.buf[2], self.buf[3]])
+                    as usize;
+                if self.buf.len() < len {
+                    break;
+                }
+                let code = u32::from_be_bytes([self.buf[4], self.buf[5], self.buf[6], self.buf[7]]);
+                out.push(self.buf.drain(..len).collect());
+                if code != SSL_REQUEST && code != GSS_REQUEST {
+                    self.started = true;
+                }
+                continue;
+            }
+            if self.buf.len() < 5 {
+                break;
+            }
+            let len =
+                u32::from_be_bytes([self.buf[1], self.buf[2], self.buf[3], self.buf[4]]) as usize;
+            if self.buf.len() < 1 + len {
+                break;
+            }
+            out.push(self.buf.drain(..1 + len).collect());
+        }
+        out
     }
 }

@@ -10,6 +10,7 @@
 //! Run one file's tests by its module name: `cargo test -p idempotency-e2e --test e2e postgres_store::`.
 
 mod config_extremes;
+mod connection_cuts;
 mod half_schema;
 mod hostile_input;
 mod http_streaming;
