@@ -53,6 +53,13 @@
 //! };
 //! use idempotency_actix::Fingerprint;
 //!
+//! /// `now + d`, saturating: the middleware passes `Duration::MAX` for "for ever", and
+//! /// `Instant + Duration::MAX` panics.
+//! fn later(now: Instant, d: Duration) -> Instant {
+//!     let century = Duration::from_secs(100 * 365 * 24 * 3600);
+//!     now.checked_add(d).or_else(|| now.checked_add(century)).unwrap_or(now)
+//! }
+//!
 //! enum Slot {
 //!     InFlight { fingerprint: Fingerprint, token: ReservationToken, until: Instant },
 //!     Done { fingerprint: Fingerprint, response: StoredResponse, until: Instant },
@@ -87,7 +94,7 @@
 //!         }
 //!         let token = ReservationToken::random();
 //!         *slot = Some((scope.clone(), Slot::InFlight {
-//!             fingerprint: *fingerprint, token, until: now + lease,
+//!             fingerprint: *fingerprint, token, until: later(now, lease),
 //!         }));
 //!         Ok(ReserveOutcome::Reserved { token })
 //!     }
@@ -100,7 +107,7 @@
 //!             Some((s, Slot::InFlight { fingerprint, token: t, .. })) if s == scope && t == token => {
 //!                 let fingerprint = *fingerprint;
 //!                 *slot = Some((scope.clone(), Slot::Done {
-//!                     fingerprint, response: response.clone(), until: Instant::now() + ttl,
+//!                     fingerprint, response: response.clone(), until: later(Instant::now(), ttl),
 //!                 }));
 //!                 Ok(WriteOutcome::Applied)
 //!             }
