@@ -185,8 +185,9 @@ async fn every_operation_is_one_round_trip_once_prepared() {
         .build()
         .await
         .unwrap();
-    // Open the connection first (startup and session setup are not the statement's cost).
-    fresh.release(&scope("none"), &token).await.unwrap();
+    // Open the connection first (startup and session setup are not the statement's cost), and
+    // pass the store's one-time schema probe (`check` is that probe).
+    fresh.check().await.unwrap();
     let first = measured(&proxy, async {
         reserve(&fresh, "first", &FP).await;
     })
