@@ -72,7 +72,8 @@
 //!
 //! # Faults
 //! Redis unreachable, a timeout (default 2 s per call), `LOADING`, `BUSY`, `READONLY`, `OOM`,
-//! `MISCONF`, `NOREPLICAS`, `MASTERDOWN`, `CLUSTERDOWN`, `TRYAGAIN`: [`StoreError::Unavailable`] (503 before the
+//! `MISCONF`, `NOREPLICAS`, `MASTERDOWN`, `CLUSTERDOWN`, `TRYAGAIN`, a `NOSCRIPT` left after the
+//! client's own reload: [`StoreError::Unavailable`] (503 before the
 //! handler; `complete` is retried by the middleware until the lease ends). A connection that
 //! gave no answer in time is replaced in the background (module `connections`), so the retries
 //! of `complete` and the lease renewals do not all go down a dead connection while Redis
@@ -1023,6 +1024,10 @@ fn classify(err: RedisError) -> StoreError {
         "MISCONF",
         "MOVED",
         "ASK",
+        // The script cache emptied again between the client's reload and its retry (a
+        // `SCRIPT FLUSH`, a restart, a failover to a replica that never loaded it): nothing
+        // ran, and the next call loads it again.
+        "NOSCRIPT",
     ];
     if err.is_io_error()
         || err.is_timeout()
@@ -1512,6 +1517,10 @@ mod tests {
         )));
         assert!(!outcome_unknown(&oom), "{oom:?}");
         assert!(!outcome_unknown(&StoreError::Backend("corrupt".into())));
+        // The script cache emptied again after the client reloaded it: not now, nothing ran.
+        let noscript = classify(RedisError::from((ErrorKind::NoScriptError, "NOSCRIPT")));
+        assert!(matches!(noscript, StoreError::Unavailable(_)), "{noscript:?}");
+        assert!(!outcome_unknown(&noscript), "{noscript:?}");
     }
 
     fn scope(tenant: &str, method: &str, path: &str, key: &str) -> Scope {

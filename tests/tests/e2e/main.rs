@@ -23,6 +23,7 @@ mod postgres_store;
 mod postgres_tls;
 mod redis_degraded;
 mod redis_options;
+mod redis_script_cache;
 mod redis_store;
 mod release_faults;
 mod renewal_faults;
