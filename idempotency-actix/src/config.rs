@@ -498,7 +498,10 @@ impl<S> IdempotencyBuilder<S> {
     /// waiting and, once the first request's key is released, runs the handler for nobody:
     /// a second charge if the client retried with a new key meanwhile. With half-closed
     /// connections refused, a FIN ends the request like a reset. Requests that do not wait
-    /// are unaffected either way: their work is detached (C21).
+    /// are unaffected either way: their work is detached (C21). On HTTP/2 a reset stream
+    /// (`RST_STREAM`) or a lost connection is seen through the request's body stream (actix
+    /// never drops an HTTP/2 request's future), checked at every turn of the wait and right
+    /// after the key is won.
     pub fn wait_for_in_flight(mut self, wait: Duration) -> Self {
         self.config.wait_for_in_flight = Some(wait).filter(|w| !w.is_zero());
         self

@@ -17,10 +17,10 @@ use actix_web::dev::ResponseHead;
 use actix_web::dev::{Payload, ServiceRequest, ServiceResponse};
 use actix_web::error::PayloadError;
 use actix_web::http::header::{self, HeaderMap};
-use actix_web::http::StatusCode;
+use actix_web::http::{StatusCode, Version};
 use actix_web::{Error, HttpMessage, HttpRequest, HttpResponse};
 use bytes::{Bytes, BytesMut};
-use futures_util::StreamExt;
+use futures_util::{FutureExt, StreamExt};
 use tokio::sync::oneshot;
 use tracing::Instrument;
 
@@ -56,8 +56,56 @@ enum Waited<T> {
     KeyGone,
 }
 
-/// Where the task sends the answer; dropped unread when the client is gone.
-pub(super) type Answer<B> = oneshot::Sender<FlowResult<B>>;
+/// Where the task sends the answer, dropped unread when the client is gone; and how a waiting
+/// request (wait mode) learns that its client left.
+///
+/// On HTTP/1 a client that leaves (a reset; a close, see `wait_for_in_flight`) makes actix drop
+/// the request's future, which holds the receiving end: [`Self::is_closed`]. On HTTP/2 it does
+/// not: actix-http runs each stream's service future on a task of its own and never drops it,
+/// not on `RST_STREAM` nor when the connection goes. What does see it is the request's own body
+/// stream, read to its end before the key is reserved: polled again, it answers "no more data"
+/// while the stream lives and an error once the client reset it or the connection is gone
+/// (`tests/tests/http2.rs` pins this). So an HTTP/2 request in wait mode keeps that stream here,
+/// and [`Self::is_closed`] polls it, without a waker (it wakes no one once ended): the wait
+/// loops ask at every turn, at most `MAX_POLL_INTERVAL` apart, and right after winning the key.
+pub(super) struct Answer<B> {
+    sender: oneshot::Sender<FlowResult<B>>,
+    /// The HTTP/2 request's body stream, read to its end (wait mode only).
+    stream: Option<Payload>,
+    /// The stream said the client is gone (kept: it need not say it twice).
+    gone: bool,
+}
+
+impl<B> Answer<B> {
+    fn new(sender: oneshot::Sender<FlowResult<B>>, stream: Option<Payload>) -> Self {
+        Self {
+            sender,
+            stream,
+            gone: false,
+        }
+    }
+
+    /// Send the answer; whether anybody was there to take it.
+    pub(super) fn send(self, result: FlowResult<B>) -> bool {
+        self.sender.send(result).is_ok()
+    }
+
+    /// Whether the client is gone, as far as can be seen now.
+    pub(super) fn is_closed(&mut self) -> bool {
+        if !self.gone {
+            if let Some(stream) = self.stream.as_mut() {
+                self.gone = matches!(stream.next().now_or_never(), Some(Some(Err(_))));
+            }
+        }
+        self.gone || self.sender.is_closed()
+    }
+
+    /// Until the receiving end is dropped (HTTP/1's "client gone"; see [`Self::is_closed`] for
+    /// HTTP/2).
+    pub(super) async fn closed(&mut self) {
+        self.sender.closed().await;
+    }
+}
 
 /// The path of a request's scope (C3): the value the handler sees, in one spelling, so one key
 /// never runs once per spelling of the same request.
@@ -189,10 +237,13 @@ where
                 return Ok(self.refuse(req, problem, &report, None));
             }
         };
-        let body = match read_body(&mut req, self.config.max_body_bytes).await {
-            Ok(body) => body,
+        let (body, stream) = match read_body(&mut req, self.config.max_body_bytes).await {
+            Ok(read) => read,
             Err(problem) => return Ok(self.refuse(req, problem, &report, None)),
         };
+        // Only a waiting request needs to know whether its client left (see `Answer`).
+        let stream = (req.version() == Version::HTTP_2 && self.config.wait_for_in_flight.is_some())
+            .then_some(stream);
         let scope = Scope {
             tenant,
             method: req.method().as_str().to_owned(),
@@ -228,6 +279,7 @@ where
         // The hook learns which key a panic left held; cloned only for a hook.
         let panic_scope = self.config.on_outcome.is_some().then(|| scope.clone());
         let (answer, answered) = oneshot::channel();
+        let answer = Answer::new(answer, stream);
         let work = self.settle(req, scope, fingerprint, body, report.clone(), answer);
         detach(work.instrument(span.clone())).await;
         match answered.await {
@@ -585,8 +637,7 @@ where
         let response = ServiceResponse::new(request, head.set_body(BoxBody::new(forwarded)));
         let mut client = answer
             .send(Ok(response.map_into_right_body()))
-            .ok()
-            .map(|()| forward::Client::new(sender));
+            .then(|| forward::Client::new(sender));
         let mut copy: Option<Vec<Bytes>> = Some(Vec::new());
         let mut read = 0usize;
         let mut body = std::pin::pin!(body);
@@ -994,7 +1045,12 @@ const RESERVE_CAP: usize = 1 << 20;
 /// A body that arrives in one chunk (most small bodies: actix splits it off its read buffer)
 /// is kept as that chunk, without a copy; only a second chunk starts a buffer, so many tiny
 /// chunks cost their bytes, not an entry each.
-pub(super) async fn read_body(req: &mut ServiceRequest, max: usize) -> Result<Bytes, Problem> {
+///
+/// Returns the body and the request's body stream, read to its end (see [`Answer`]).
+pub(super) async fn read_body(
+    req: &mut ServiceRequest,
+    max: usize,
+) -> Result<(Bytes, Payload), Problem> {
     let declared = declared_length(req);
     if declared.is_some_and(|len| len > max as u64) {
         return Err(too_large(max));
@@ -1036,7 +1092,7 @@ pub(super) async fn read_body(req: &mut ServiceRequest, max: usize) -> Result<By
         }
         body.extend_from_slice(&chunk);
     }
-    Ok(first.unwrap_or_else(|| body.freeze()))
+    Ok((first.unwrap_or_else(|| body.freeze()), payload))
 }
 
 fn too_large(max: usize) -> Problem {

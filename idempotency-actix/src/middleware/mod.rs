@@ -18,7 +18,8 @@
 //!
 //! # Cancellation: steps 2 to 4 run on a task of their own (C21)
 //! actix drops the future that serves a request when its client goes away (a FIN or a TCP
-//! reset mid-request, an HTTP/2 stream reset). Had the handler run inside that future, it would
+//! reset mid-request; on HTTP/2 it keeps running it, see below). Had the handler run inside
+//! that future, it would
 //! stop at its next `.await` with its effects half done and the key neither completed nor
 //! released; a retry after the lease would run it again. So from the reservation on, the flow
 //! runs on a task of the worker's local runtime (`actix_rt::spawn`: the handler's future is
@@ -63,9 +64,13 @@
 //! the stop. Give `shutdown_timeout` at least your slowest handler's duration.
 //!
 //! ## HTTP/2
-//! This workspace builds actix-web without HTTP/2. An app that enables it (`http2` feature,
-//! TLS with ALPN) gets the same guarantee: an HTTP/2 stream reset drops the request's future
-//! just as a TCP reset does, and the detached task runs on regardless.
+//! An app that enables HTTP/2 (actix-web's `http2` feature; TLS with ALPN, or `bind_auto_h2c`)
+//! gets the same guarantees, tested over h2c (`tests/tests/e2e/http2.rs`): runs once under
+//! `RST_STREAM` and connection drops, many streams with one key, keys sent twice or split by
+//! HPACK. One difference underneath: actix-http runs each stream's service future on a task of
+//! its own and never drops it, so in wait mode the middleware learns that a waiting client left
+//! from the request's body stream instead (`flow::Answer`); until 2026-12-05 it did not, and
+//! a waiter whose client had reset its stream ran the handler once the key came free.
 
 mod detach;
 mod flow;

@@ -11,9 +11,8 @@
 //! 4. a storable response (status filter, `store_if`, within `max_response_bytes`) is
 //!    buffered whole (nothing reaches the client before COMMIT: C24's streaming does not apply),
 //!    stored with `complete` (keyed; refused in a transaction a failed statement aborted) and
-//!    committed, or (keyless) committed as `SAVEPOINT ..; COMMIT`, whose `SAVEPOINT` is refused
-//!    in an aborted transaction (PostgreSQL answers COMMIT of one with a rollback, not an
-//!    error) and outside one (a handler's raw `ROLLBACK`);
+//!    committed, or (keyless) committed as `SELECT 1; COMMIT`, whose `SELECT 1` is refused in
+//!    an aborted transaction (PostgreSQL answers COMMIT of one with a rollback, not an error);
 //!    anything else rolls back, and with it the handler's writes.
 //!
 //! A failed COMMIT never answers the handler's response: the client gets `COMMIT_FAILED`
@@ -457,7 +456,7 @@ where
     // (413 past it): read inside the transaction, the rest of a larger body would hold the
     // connection for as long as its client liked.
     match read_body(&mut req, flow.config.max_body_bytes).await {
-        Ok(body) => req.set_payload(Payload::from(body)),
+        Ok((body, _)) => req.set_payload(Payload::from(body)),
         Err(problem) => {
             tracing::info!(target: "idempotency_actix", code = %problem.code, "keyless request refused: its body is over max_body_bytes or could not be read, and in transactional mode a body is read whole before the transaction opens");
             return Ok(req
@@ -519,7 +518,7 @@ where
         if let Err(error) = sql::set_tenant(&tx.store, &mut conn, &tx.tenant_setting, tenant).await
         {
             sql::rollback(&tx.store, &mut conn).await;
-            sql::discard(&mut conn);
+            let _ = sql::discard_if_altered(&tx.store, &mut conn, &error).await;
             tracing::error!(target: "idempotency_actix", outcome = "store_error", path = %LogText(req.path()), %error, "could not set the tenant on the request's transaction");
             let problem = Problem::new(ProblemCode::StorageUnavailable, unavailable_detail(&error))
                 .with_retry_after(config.retry_after);
@@ -579,6 +578,18 @@ async fn claim<S, Svc>(
             Ok(conn) => conn,
             Err(error) => return unavailable(&error),
         };
+        // A schema without `complete` would run the handler and roll it back on every try.
+        if let Err(error) = tx.store.ensure_provisioned(&mut conn).await {
+            sql::rollback(&tx.store, &mut conn).await;
+            // A handler's leaked `search_path` hides a schema that is there: not one to
+            // migrate, and the connection is closed.
+            if sql::discard_if_altered(&tx.store, &mut conn, &error).await {
+                return unavailable(&StoreError::unavailable(
+                    "the connection's session was changed by a handler; it is closed",
+                ));
+            }
+            return unavailable(&error);
+        }
         let claimed = sql::claim(
             &tx.store,
             &mut conn,
@@ -602,8 +613,8 @@ async fn claim<S, Svc>(
             }
             Err(error) => {
                 sql::rollback(&tx.store, &mut conn).await;
+                let _ = sql::discard_if_altered(&tx.store, &mut conn, &error).await;
                 let error = sql::classify_claim_error(&mut conn, error).await;
-                sql::discard(&mut conn);
                 return unavailable(&error);
             }
         };
@@ -865,7 +876,7 @@ where
                 if sql::is_serialization_failure(&error) && may_retry {
                     return After::Retry(http_req);
                 }
-                sql::discard(&mut conn);
+                let _ = sql::discard_if_altered(&tx.store, &mut conn, &error).await;
                 // No COMMIT was sent: whatever happened, nothing was committed.
                 tracing::error!(target: "idempotency_actix", outcome = "commit_failed", key = %LogText(&scope.key), tenant = %LogText(&scope.tenant), path = %LogText(&scope.path), %error, "storing the response in the transaction failed; rolled back");
                 return After::Answer(commit_failed(

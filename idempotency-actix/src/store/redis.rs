@@ -1519,7 +1519,10 @@ mod tests {
         assert!(!outcome_unknown(&StoreError::Backend("corrupt".into())));
         // The script cache emptied again after the client reloaded it: not now, nothing ran.
         let noscript = classify(RedisError::from((ErrorKind::NoScriptError, "NOSCRIPT")));
-        assert!(matches!(noscript, StoreError::Unavailable(_)), "{noscript:?}");
+        assert!(
+            matches!(noscript, StoreError::Unavailable(_)),
+            "{noscript:?}"
+        );
         assert!(!outcome_unknown(&noscript), "{noscript:?}");
     }
 

@@ -96,7 +96,16 @@ pub async fn run(
         .any(|v| v == postgres::LAYOUT_MIGRATION_VERSION)
     {
         // The layout is fixed already: refuse another one before applying anything, rather
-        // than apply the pending migrations and then fail.
+        // than apply the pending migrations and then fail. Without its table the layout
+        // cannot be read (and "plain" would be a guess): the schema was dropped by hand.
+        if args.partitioned || wanted.is_some() {
+            let provisioned = db::bounded(admin::table_exists(&mut conn))
+                .await?
+                .map_err(db::store_error)?;
+            if !provisioned {
+                return Err(dropped_by_hand());
+            }
+        }
         let layout = sql!(&mut conn, admin::partition_interval(&mut conn));
         refuse_another_layout(args.partitioned, wanted, layout.as_deref())?;
     }

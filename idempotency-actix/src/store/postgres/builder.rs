@@ -115,7 +115,8 @@ impl PostgresStoreBuilder {
 
     /// Server-side `statement_timeout` for the store's connections, sent as a startup
     /// `options` parameter (no extra round trip). Default `None` (the server's setting). At
-    /// most [`MAX_STATEMENT_TIMEOUT`](super::MAX_STATEMENT_TIMEOUT), PostgreSQL's own limit.
+    /// least [`MIN_QUERY_TIMEOUT`](super::MIN_QUERY_TIMEOUT), at most
+    /// [`MAX_STATEMENT_TIMEOUT`](super::MAX_STATEMENT_TIMEOUT), PostgreSQL's own limit.
     ///
     /// Off by default because connection poolers such as PgBouncer reject unknown startup
     /// parameters unless configured to ignore them; [`query_timeout`](Self::query_timeout)
@@ -248,8 +249,8 @@ impl PostgresStoreBuilder {
     /// # Errors
     /// [`StoreError::Backend`] when the URL cannot be parsed or its TLS settings cannot be
     /// honoured (unreadable `sslrootcert`, unknown `sslmode`), or a timeout is out of range
-    /// (`query_timeout` under [`MIN_QUERY_TIMEOUT`], `statement_timeout` over
-    /// [`MAX_STATEMENT_TIMEOUT`]).
+    /// (`query_timeout` or `statement_timeout` under [`MIN_QUERY_TIMEOUT`], `statement_timeout`
+    /// over [`MAX_STATEMENT_TIMEOUT`]).
     pub async fn build(self) -> Result<PostgresStore, StoreError> {
         self.validate_timeouts()?;
         let mut target = ConnectTarget::parse(&self.url, self.statement_timeout)
@@ -314,6 +315,15 @@ impl PostgresStoreBuilder {
                 format!(
                     "{timeout:?} is shorter than {MIN_QUERY_TIMEOUT:?}; every statement would \
                      time out (use `None` for no timeout)"
+                ),
+            );
+        }
+        if let Some(timeout) = self.statement_timeout.filter(|t| *t < MIN_QUERY_TIMEOUT) {
+            return refuse(
+                "statement_timeout",
+                format!(
+                    "{timeout:?} is shorter than {MIN_QUERY_TIMEOUT:?}; every statement would \
+                     be cancelled (use `None` for the server's setting)"
                 ),
             );
         }

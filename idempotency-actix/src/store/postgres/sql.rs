@@ -812,10 +812,10 @@ pub(crate) struct ExistsRow {
 
 /// Whether the transactional claim function (third migration) exists, to tell a database
 /// migrated only to the second migration from another failure: visible on the connection's
-/// `search_path`, or present in any schema of the database. The second half is for a
-/// connection whose `search_path` a handler changed for the session: that is not a database
-/// to migrate (the hint would send an operator to `idem-cli migrate`, which finds nothing to
-/// do), and the connection is discarded after the failure anyway.
+/// `search_path`, or that `search_path` is not the one the session started with (a handler's
+/// leaked `SET search_path`: not a database to migrate, and the connection is discarded after
+/// the failure anyway). A function in some other schema does not count: a deployment may keep
+/// a second, older schema on the same database (`docs/operations.md`).
 ///
 /// Raw SQL: catalog lookups by name, as [`TableExists`].
 pub(crate) struct ClaimExists;
@@ -827,11 +827,34 @@ impl QueryFragment<Pg> for ClaimExists {
         out.push_sql(
             "SELECT to_regprocedure('idempotency_tx_claim(text, text, text, text, text, text, \
              bytea, uuid, bigint)') IS NOT NULL \
-             OR EXISTS (SELECT FROM pg_catalog.pg_proc WHERE proname = 'idempotency_tx_claim') \
+             OR current_setting('search_path') IS DISTINCT FROM \
+                (SELECT reset_val FROM pg_catalog.pg_settings WHERE name = 'search_path') \
              AS present",
         );
         Ok(())
     }
+}
+
+/// Whether a connection carries a session setting a handler changed (`SET` without `LOCAL`:
+/// `search_path`, `default_transaction_read_only`, `statement_timeout`), which can fail the
+/// store's own statements. The two settings diesel-async itself sets for the session when it
+/// connects (`TimeZone`, `client_encoding`) are not counted. Asked after one of the
+/// middleware's statements failed on a request's
+/// connection, so that only such a connection is closed: an error a client can choose (a path
+/// too long for the index) keeps its connection, rather than cost the database a new session
+/// per request.
+///
+/// Raw SQL: a catalog read, sent unnamed (not prepared), so it works on a connection whose
+/// prepared statements are gone.
+pub(crate) const SESSION_ALTERED: &str = "SELECT EXISTS (SELECT FROM pg_catalog.pg_settings \
+     WHERE source = 'session' AND name NOT IN ('TimeZone', 'client_encoding')) AS present";
+
+/// Run [`SESSION_ALTERED`]; `true` also when it cannot be answered.
+pub(crate) async fn session_altered(conn: &mut AsyncPgConnection) -> bool {
+    diesel::sql_query(SESSION_ALTERED)
+        .get_result::<ExistsRow>(conn)
+        .await
+        .map_or(true, |row| row.present)
 }
 
 /// Run [`ClaimExists`].

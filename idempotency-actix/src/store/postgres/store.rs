@@ -193,9 +193,16 @@ impl PostgresStore {
     /// provisioned by an older release and not yet migrated can have `idempotency_reserve`
     /// without `idempotency_complete` (before the fourth migration): reserving there would run
     /// the handler, fail to store its response, and let a retry after the lease run it again.
-    /// C15 promises a 503 before the handler instead. The probe is one round trip, paid once
-    /// per store (and again after each failure, until `idem-cli migrate` has run).
-    async fn ensure_provisioned(&self, conn: &mut AsyncPgConnection) -> Result<(), StoreError> {
+    /// C15 promises a 503 before the handler instead. The probe (prepared on its first use, so
+    /// two round trips then) runs once per store, again after each failure until `idem-cli
+    /// migrate` has run, and again after any statement found the schema missing. Transactional
+    /// mode runs it before its claim, for the same reason: at migration 000003 the claim exists
+    /// and `complete` does not, so the handler would run (call its payment provider) and be
+    /// rolled back, every time.
+    pub(crate) async fn ensure_provisioned(
+        &self,
+        conn: &mut AsyncPgConnection,
+    ) -> Result<(), StoreError> {
         if self.provisioned.load(Ordering::Relaxed) {
             return Ok(());
         }
@@ -263,15 +270,23 @@ impl PostgresStore {
         conn: &mut AsyncPgConnection,
         statement: impl AsyncFnOnce(&mut AsyncPgConnection) -> Result<T, StoreError>,
     ) -> Result<T, StoreError> {
-        let Some(limit) = self.query_timeout else {
-            return statement(conn).await;
+        let result = match self.query_timeout {
+            None => statement(conn).await,
+            Some(limit) => tokio::time::timeout(limit, statement(&mut *conn))
+                .await
+                .unwrap_or_else(|_| {
+                    self.cancel(conn);
+                    abandon(conn);
+                    Err(StoreError::Unavailable(Box::new(TimedOut(limit))))
+                }),
         };
-        let answered = tokio::time::timeout(limit, statement(&mut *conn)).await;
-        answered.unwrap_or_else(|_| {
-            self.cancel(conn);
-            abandon(conn);
-            Err(StoreError::Unavailable(Box::new(TimedOut(limit))))
-        })
+        if let Err(StoreError::NotProvisioned { .. }) = result {
+            // The schema changed under a running store (dropped, restored from an older
+            // backup, re-provisioned at an older release): probe it again before the next
+            // reservation, as before the first ([`Self::ensure_provisioned`]).
+            self.provisioned.store(false, Ordering::Relaxed);
+        }
+        result
     }
 
     /// Ask the server to cancel what `conn` still runs: a cancel request on a task of its

@@ -246,15 +246,11 @@ pub(crate) async fn commit(
     }
 }
 
-/// A keyless request's check and COMMIT in one round trip: `SAVEPOINT ..; COMMIT` as one
-/// simple query. In a transaction an ignored failure aborted, the `SAVEPOINT` is refused
-/// (25P02) and PostgreSQL skips the rest of the query string, so the COMMIT, which it would
-/// have turned into a silent rollback, never runs; the transaction stays open, aborted, for the
-/// caller's ROLLBACK. After a handler's raw `ROLLBACK` (or `COMMIT`) there is no transaction
-/// block left, the query string runs as an implicit one, and `SAVEPOINT` is refused there too
-/// (25P01), so a handler that threw its writes away is not answered as done. (A `SELECT 1`
-/// caught only the first case.) In a live transaction the savepoint costs nothing: nothing is
-/// written after it, and COMMIT releases it. (A keyed request's `complete` is its check.)
+/// A keyless request's check and COMMIT in one round trip: `SELECT 1; COMMIT` as one simple
+/// query. In a transaction an ignored failure aborted, the `SELECT 1` is refused (25P02) and
+/// PostgreSQL skips the rest of the query string, so the COMMIT, which it would have turned
+/// into a silent rollback, never runs; the transaction stays open, aborted, for the caller's
+/// ROLLBACK. (A keyed request's `complete` is its check.)
 ///
 /// The COMMIT bypasses diesel-async's transaction manager, so its depth is lowered here, with
 /// the `ValidTransactionManagerStatus` API diesel exposes under the
@@ -263,7 +259,7 @@ pub(crate) async fn commit(
 /// dropped on timeout leaves the depth at 1: the pool sees a connection still in a transaction
 /// and discards it, as diesel-async's own COMMIT marks a dropped one broken.
 /// The query string of [`check_and_commit`].
-const CHECK_AND_COMMIT: &str = "SAVEPOINT idempotency_commit_check; COMMIT";
+const CHECK_AND_COMMIT: &str = "SELECT 1; COMMIT";
 
 pub(crate) async fn check_and_commit(
     store: &PostgresStore,
@@ -314,8 +310,8 @@ pub(crate) async fn check_and_commit(
             }
             Ok(())
         }
-        // Either statement's error: the `SAVEPOINT` in an aborted transaction (still open) or
-        // outside any (after a handler's raw ROLLBACK), or the COMMIT's (ended). A ROLLBACK ends the first and is a no-op after the second, and
+        // Either statement's error: the `SELECT 1` in an aborted transaction (still open), or
+        // the COMMIT's (ended). A ROLLBACK ends the first and is a no-op after the second, and
         // must come before `commit_error`'s probe, which an aborted transaction would refuse
         // (a false "the session did not survive").
         Ok(Err(error)) => {
@@ -513,16 +509,44 @@ pub(crate) async fn rollback(store: &PostgresStore, conn: &mut AsyncPgConnection
     }
 }
 
-/// Close `conn` when it goes back to the pool instead of lending it again: after one of the
-/// middleware's own statements (the claim, the tenant setting, `complete`) failed on it for a
-/// reason other than a serialization failure. A handler can leave session state behind that
-/// fails every later statement on the connection (`DEALLOCATE ALL` drops the store's prepared
-/// statements, which diesel-async keeps using; a leaked `SET search_path` or `SET SESSION
-/// CHARACTERISTICS AS TRANSACTION READ ONLY`), and the pool would lend it on, one 503 after
-/// another, for its whole lifetime. A reconnect is cheaper than guessing which errors are
-/// the connection's.
-pub(crate) fn discard(conn: &mut AsyncPgConnection) {
-    abandon(conn);
+/// After one of the middleware's own statements (the claim, the tenant setting, `complete`)
+/// failed on `conn` with `failure` for a reason other than a serialization failure, and its
+/// transaction was rolled back: close the connection when it goes back to the pool, instead of
+/// lending it again, if a handler left state on it that fails every later statement; the pool
+/// would otherwise lend it on, one 503 after another, for its whole lifetime. Two kinds:
+/// - a prepared statement gone (`DEALLOCATE`, which no rollback undoes): diesel-async keeps
+///   using the names tokio-postgres gave its cached statements, so the failure names one
+///   (`prepared statement "s3" does not exist`; the quoted name is the same in every language
+///   the server speaks);
+/// - a session setting changed ([`sql::session_altered`], one round trip: a leaked `SET
+///   search_path`, `SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY`).
+///
+/// Any other failure keeps the connection: an error a client can cause (a path too long for
+/// the index) must not cost the database a new session per request. Whether it was discarded.
+pub(crate) async fn discard_if_altered(
+    store: &PostgresStore,
+    conn: &mut AsyncPgConnection,
+    failure: &dyn std::fmt::Display,
+) -> bool {
+    let statement_gone = names_a_prepared_statement(&failure.to_string());
+    let altered = statement_gone
+        || store
+            .timed(conn, async |c| Ok(sql::session_altered(c).await))
+            .await
+            .unwrap_or(true);
+    if altered {
+        abandon(conn);
+    }
+    altered
+}
+
+/// Whether `text` quotes a name tokio-postgres gives the statements it prepares (`"s3"`).
+fn names_a_prepared_statement(text: &str) -> bool {
+    text.split('"').skip(1).step_by(2).any(|quoted| {
+        quoted
+            .strip_prefix('s')
+            .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+    })
 }
 
 /// After a failed claim (and its rollback): the store's own diagnosis, plus the third
@@ -546,3 +570,26 @@ pub(crate) async fn classify_claim_error(
 /// The hint when the claim function is missing.
 pub const TX_MIGRATE_HINT: &str = "the function `idempotency_tx_claim` (third migration, \
      needed by transactional mode) does not exist in this database; run `idem-cli migrate`";
+
+#[cfg(test)]
+mod tests {
+    use super::names_a_prepared_statement;
+
+    #[test]
+    fn a_missing_prepared_statement_is_recognised_by_its_quoted_name() {
+        assert!(names_a_prepared_statement(
+            "prepared statement \"s3\" does not exist"
+        ));
+        assert!(names_a_prepared_statement(
+            "la sentencia preparada \"s12\" no existe"
+        ));
+        for other in [
+            "index row size 6048 exceeds btree version 4 maximum 2704 for index \"idempotency_keys_pkey\"",
+            "relation \"s\" does not exist",
+            "column \"s1x\" does not exist",
+            "no quotes at all s3",
+        ] {
+            assert!(!names_a_prepared_statement(other), "{other}");
+        }
+    }
+}
