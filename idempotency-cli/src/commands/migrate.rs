@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use diesel::migration::MigrationSource;
 use diesel::pg::Pg;
+use diesel_async::AsyncPgConnection;
 use idempotency_actix::store::postgres::{self, admin, Harness, PartitionInterval};
 use serde_json::json;
 
@@ -96,18 +97,11 @@ pub async fn run(
         .any(|v| v == postgres::LAYOUT_MIGRATION_VERSION)
     {
         // The layout is fixed already: refuse another one before applying anything, rather
-        // than apply the pending migrations and then fail. Without its table the layout
-        // cannot be read (and "plain" would be a guess): the schema was dropped by hand.
+        // than apply the pending migrations and then fail.
         if args.partitioned || wanted.is_some() {
-            let provisioned = db::bounded(admin::table_exists(&mut conn))
-                .await?
-                .map_err(db::store_error)?;
-            if !provisioned {
-                return Err(dropped_by_hand());
-            }
+            let layout = provisioned_layout(&mut conn).await?;
+            refuse_another_layout(args.partitioned, wanted, layout.as_deref())?;
         }
-        let layout = sql!(&mut conn, admin::partition_interval(&mut conn));
-        refuse_another_layout(args.partitioned, wanted, layout.as_deref())?;
     }
     let pending = pending.len();
     let round_trips = u32::try_from(pending)
@@ -133,13 +127,7 @@ pub async fn run(
         .map_err(|_| CliError::Other("the migration thread panicked".into()))?;
     let applied = applied.map_err(db::store_error)?;
     let applied = full_names(applied);
-    let provisioned = db::bounded(admin::table_exists(&mut conn))
-        .await?
-        .map_err(db::store_error)?;
-    if !provisioned {
-        return Err(dropped_by_hand());
-    }
-    let layout = sql!(&mut conn, admin::partition_interval(&mut conn));
+    let layout = provisioned_layout(&mut conn).await?;
     // Again after applying: another migrator may have run the layout migration meanwhile.
     refuse_another_layout(args.partitioned, wanted, layout.as_deref())?;
     let layout_name = layout_name(layout.as_deref());
@@ -185,6 +173,19 @@ fn layout_name(interval: Option<&str>) -> String {
 
 /// The library reports migration versions (`20261130000001`); operators know them by their
 /// folder names (`2026-11-30-000001_create_idempotency_keys`), which the embedded set carries.
+/// The layout of a provisioned schema (its partition interval, `None` for the plain layout).
+/// Without its table the layout cannot be read ("plain" would be a guess): a schema whose
+/// migrations are recorded but whose table is gone was dropped by hand (exit 4).
+async fn provisioned_layout(conn: &mut AsyncPgConnection) -> Result<Option<String>, CliError> {
+    let provisioned = db::bounded(admin::table_exists(conn))
+        .await?
+        .map_err(db::store_error)?;
+    if !provisioned {
+        return Err(dropped_by_hand());
+    }
+    Ok(sql!(conn, admin::partition_interval(conn)))
+}
+
 /// Refuse a layout other than the one the database has (`layout`: its partition interval, or
 /// `None` for the plain layout), once the layout migration has run.
 fn refuse_another_layout(
