@@ -168,3 +168,43 @@ async fn admin_statement(admin_url: &str, sql: &str) -> Result<(), String> {
         .map(|_| ())
         .map_err(|e| e.to_string())
 }
+
+/// This repository's `migrations/` folder.
+pub fn migrations_dir() -> std::path::PathBuf {
+    std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../migrations")
+}
+
+/// The migrations of [`migrations_dir`], oldest first.
+pub fn migration_names() -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(migrations_dir())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
+/// Apply the first `upto` migrations to the (empty) database at `url` by hand, each `up.sql` in
+/// a transaction, with diesel's bookkeeping: the schema an older release left.
+pub async fn migrate_by_hand(url: &str, upto: usize) {
+    use diesel_async::SimpleAsyncConnection;
+    let mut conn = postgres::establish(url).await.unwrap();
+    conn.batch_execute(
+        "CREATE TABLE __diesel_schema_migrations (version VARCHAR(50) PRIMARY KEY NOT NULL, \
+         run_on TIMESTAMP NOT NULL DEFAULT CURRENT_TIMESTAMP)",
+    )
+    .await
+    .unwrap();
+    for name in migration_names().iter().take(upto) {
+        let sql = std::fs::read_to_string(migrations_dir().join(name).join("up.sql")).unwrap();
+        conn.batch_execute(&format!("BEGIN; {sql}; COMMIT;"))
+            .await
+            .unwrap();
+        let version = name.split('_').next().unwrap().replace('-', "");
+        conn.batch_execute(&format!(
+            "INSERT INTO __diesel_schema_migrations (version) VALUES ('{version}')"
+        ))
+        .await
+        .unwrap();
+    }
+}

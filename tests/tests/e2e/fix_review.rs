@@ -1,6 +1,5 @@
 //! Holes left by the first version of the fixes of 2026-12-05 (a review of them).
 
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -9,6 +8,7 @@ use actix_web::{test, web, App, HttpResponse};
 use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
 use idempotency_actix::store::postgres::{self, PostgresStore};
 use idempotency_actix::{Idempotency, IdempotentTx};
+use idempotency_e2e::database::{migrate_by_hand, migration_names, migrations_dir};
 use idempotency_e2e::records::{count, execute};
 use idempotency_e2e::TestDb;
 
@@ -17,42 +17,6 @@ const PAYMENTS: &str = "CREATE TABLE IF NOT EXISTS public.payments (
     tag text NOT NULL DEFAULT '',
     amount bigint NOT NULL
 )";
-
-fn migrations_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../migrations")
-}
-
-fn migration_names() -> Vec<String> {
-    let mut names: Vec<String> = std::fs::read_dir(migrations_dir())
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .collect();
-    names.sort();
-    names
-}
-
-/// As half_schema.rs: the first `upto` migrations applied by hand, with diesel's bookkeeping.
-async fn migrate_by_hand(url: &str, upto: usize) {
-    let mut conn = postgres::establish(url).await.unwrap();
-    conn.batch_execute(
-        "CREATE TABLE __diesel_schema_migrations (version VARCHAR(50) PRIMARY KEY NOT NULL, \
-         run_on TIMESTAMP NOT NULL DEFAULT CURRENT_TIMESTAMP)",
-    )
-    .await
-    .unwrap();
-    for name in migration_names().iter().take(upto) {
-        let sql = std::fs::read_to_string(migrations_dir().join(name).join("up.sql")).unwrap();
-        conn.batch_execute(&format!("BEGIN; {sql}; COMMIT;"))
-            .await
-            .unwrap();
-        let version = name.split('_').next().unwrap().replace('-', "");
-        conn.batch_execute(&format!(
-            "INSERT INTO __diesel_schema_migrations (version) VALUES ('{version}')"
-        ))
-        .await
-        .unwrap();
-    }
-}
 
 /// A payment handler in transactional mode: it calls the payment provider (counted), then
 /// records the payment in the request's transaction.

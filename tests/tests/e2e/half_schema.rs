@@ -1,47 +1,15 @@
 //! The current middleware on a database with a half schema (an older migration
 //! whose functions the store needs are not all there yet).
 
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use actix_web::{test, web, App, HttpResponse};
-use diesel_async::SimpleAsyncConnection;
-use idempotency_actix::store::postgres::{self, PostgresStore};
+use idempotency_actix::store::postgres::PostgresStore;
 use idempotency_actix::Idempotency;
+use idempotency_e2e::database::migrate_by_hand;
 use idempotency_e2e::TestDb;
-
-fn migrations_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../migrations")
-}
-
-async fn migrate_by_hand(url: &str, upto: usize) {
-    let mut conn = postgres::establish(url).await.unwrap();
-    let mut names: Vec<String> = std::fs::read_dir(migrations_dir())
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .collect();
-    names.sort();
-    conn.batch_execute(
-        "CREATE TABLE __diesel_schema_migrations (version VARCHAR(50) PRIMARY KEY NOT NULL, \
-         run_on TIMESTAMP NOT NULL DEFAULT CURRENT_TIMESTAMP)",
-    )
-    .await
-    .unwrap();
-    for name in names.iter().take(upto) {
-        let sql = std::fs::read_to_string(migrations_dir().join(name).join("up.sql")).unwrap();
-        conn.batch_execute(&format!("BEGIN; {sql}; COMMIT;"))
-            .await
-            .unwrap();
-        let version = name.split('_').next().unwrap().replace('-', "");
-        conn.batch_execute(&format!(
-            "INSERT INTO __diesel_schema_migrations (version) VALUES ('{version}')"
-        ))
-        .await
-        .unwrap();
-    }
-}
 
 /// A new app instance that starts before `idem-cli migrate` ran, on a database provisioned by
 /// a build from before migration 000004 (the table and `idempotency_reserve` exist, the
