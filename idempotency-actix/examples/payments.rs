@@ -45,7 +45,7 @@ use std::time::Duration;
 
 use actix_web::{web, App, HttpResponse, HttpServer};
 use idempotency_actix::store::{IdempotencyStore, MemoryStore};
-use idempotency_actix::{Idempotency, IdempotencyKey};
+use idempotency_actix::{shutdown, Idempotency, IdempotencyKey};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -144,6 +144,11 @@ async fn metrics(handle: web::Data<PrometheusHandle>) -> HttpResponse {
 }
 
 /// The lease from `IDEMPOTENCY_LOCK_TIMEOUT_MS`, if set.
+/// How long a stop (SIGTERM, SIGINT) waits for handlers whose clients left and for responses
+/// still being stored before it cuts them (`idempotency_actix::shutdown`): Kubernetes' default
+/// grace period.
+const STOP_WAIT: Duration = Duration::from_secs(30);
+
 fn lease_from_env() -> Option<Duration> {
     std::env::var("IDEMPOTENCY_LOCK_TIMEOUT_MS")
         .ok()
@@ -161,7 +166,7 @@ async fn serve<S: IdempotencyStore + Clone>(store: S, addr: &str) -> std::io::Re
     // The lease of a reservation; the fault tests shorten it to see a crashed holder's key freed.
     let lease = lease_from_env();
     println!("payments API on http://{addr} (try: curl -i -X POST http://{addr}/payments -H 'Idempotency-Key: k1' -H 'X-Account-Id: acct_1' -H 'content-type: application/json' -d '{{\"amount\":1000,\"currency\":\"EUR\"}}')");
-    HttpServer::new(move || {
+    let server = HttpServer::new(move || {
         App::new()
             .app_data(ledger.clone())
             .app_data(prometheus.clone())
@@ -183,9 +188,13 @@ async fn serve<S: IdempotencyStore + Clone>(store: S, addr: &str) -> std::io::Re
             .route("/stats", web::get().to(stats))
             .route("/metrics", web::get().to(metrics))
     })
+    // SIGTERM and SIGINT stop it through `shutdown`, which first lets a handler whose client
+    // left, or a retry storing a delivered response, end (actix alone would cut them).
+    .disable_signals()
     .bind(addr)?
-    .run()
-    .await
+    .run();
+    shutdown::stop_on_signal(server.handle(), STOP_WAIT);
+    server.await
 }
 
 #[actix_web::main]
@@ -427,7 +436,7 @@ mod tx {
         let prometheus = web::Data::new(prometheus);
         let lease = lease_from_env();
         let data = web::Data::new(store.clone());
-        HttpServer::new(move || {
+        let server = HttpServer::new(move || {
             let builder = Idempotency::builder(store.clone()).tenant_header("X-Account-Id");
             let builder = match lease {
                 Some(lease) => builder.lock_timeout(lease),
@@ -446,8 +455,10 @@ mod tx {
                 .route("/stats", web::get().to(stats))
                 .route("/metrics", web::get().to(metrics))
         })
+        .disable_signals()
         .bind(addr)?
-        .run()
-        .await
+        .run();
+        shutdown::stop_on_signal(server.handle(), super::STOP_WAIT);
+        server.await
     }
 }

@@ -41,6 +41,8 @@
 //! - [`IdempotencyKey`]: which keys are accepted, and the extractor; [`Fingerprint`]: what
 //!   makes a retry "the same request"; [`problem`]: the RFC 9457 errors and their codes;
 //!   [`outcome`]: metrics and the outcome hook.
+//! - [`shutdown`]: stopping a server without cutting a handler or a store write that runs
+//!   past its client.
 //! - [`store`]: the storage trait, how to write a store, and the stores.
 //!
 //! # What the middleware cannot do for you
@@ -63,6 +65,7 @@ mod log_text;
 pub mod middleware;
 pub mod outcome;
 pub mod problem;
+pub mod shutdown;
 pub mod store;
 
 pub use config::{

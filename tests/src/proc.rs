@@ -220,6 +220,33 @@ impl PaymentsApp {
         matches!(self.child.try_wait(), Ok(None))
     }
 
+    /// Send it a signal by name (`TERM`, `INT`, `STOP`, ...) with `kill(1)`.
+    ///
+    /// # Panics
+    /// When `kill` fails (the process is gone).
+    pub fn signal(&self, name: &str) {
+        let sent = Command::new("kill")
+            .args([format!("-{name}"), self.child.id().to_string()])
+            .stdin(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(sent, "kill -{name} {} failed", self.child.id());
+    }
+
+    /// Wait up to `within` for it to exit; its exit status, or `None` if it is still running.
+    pub fn wait_for_exit(&mut self, within: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + within;
+        loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status);
+            }
+            if Instant::now() > deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// Everything it printed so far.
     pub fn log(&self) -> String {
         std::fs::read_to_string(&self.log_path).unwrap_or_default()

@@ -734,3 +734,163 @@ fn a_crash_after_the_response_was_stored_keeps_it() {
         "the delivered response is the one replayed"
     );
 }
+
+/// The lease of the graceful-stop tests, and how long after it a retry comes.
+const STOP_LEASE_MS: u64 = 3000;
+
+/// After a graceful stop of `stopped`: a new instance on the same database, past the lease,
+/// must replay `request` and run nothing (the stopped process finished the key's work).
+fn the_next_instance_replays(db: &TestDb, stopped: &PaymentsApp, key: &str, request: &Request) {
+    let rows = records_for_key(&db.url, key);
+    let states: Vec<State> = rows.iter().map(|r| r.state).collect();
+    // Past the lease: an unfinished reservation is taken over here, and the handler runs again.
+    std::thread::sleep(Duration::from_millis(STOP_LEASE_MS + 300));
+    let next = PaymentsApp::start(&[
+        ("DATABASE_URL", db.url.as_str()),
+        ("IDEMPOTENCY_LOCK_TIMEOUT_MS", &STOP_LEASE_MS.to_string()),
+    ]);
+    let retry = send_once(&next.addr, request, CLIENT_TIMEOUT).expect("retry");
+    let executions = next.stats().per_key.get(key).copied().unwrap_or(0);
+    assert!(
+        retry.is_replay() && executions == 0,
+        "the retry on the next instance ran the handler again ({executions} executions there, \
+         records {states:?} when the stopped process exited): {}\nstopped instance's log:\n{}",
+        retry.describe(),
+        lines_about(&stopped.log(), key)
+    );
+    assert_eq!(states, vec![State::Completed]);
+}
+
+/// A graceful stop (SIGTERM) while a handler whose client has gone still runs: the process
+/// waits for it, stores its response, then exits, and the client's retry on the next instance
+/// replays. Before the fix actix stopped the worker at once (it waits for open connections
+/// only, and this request's had gone), dropping the handler's task mid-run: the reservation
+/// stayed, and the retry after the lease ran the handler a second time.
+#[test]
+fn a_graceful_stop_finishes_a_handler_whose_client_left() {
+    let _serial = serial();
+    let db = new_db();
+    let mut app = PaymentsApp::start(&[
+        ("DATABASE_URL", db.url.as_str()),
+        ("IDEMPOTENCY_LOCK_TIMEOUT_MS", &STOP_LEASE_MS.to_string()),
+    ]);
+    let key = "stop-mid-handler";
+    let request = pay(key, 4242, Some(1500));
+    let mut conn = Conn::connect(app.addr.as_str(), CLIENT_TIMEOUT).expect("connect");
+    conn.send_raw(&request.to_bytes()).expect("send");
+    wait_until(Duration::from_secs(10), "the reservation", || {
+        !records_for_key(&db.url, key).is_empty()
+    });
+    conn.reset().expect("reset");
+    std::thread::sleep(Duration::from_millis(200));
+    app.signal("TERM");
+    let exited = app.wait_for_exit(Duration::from_secs(20));
+    assert!(
+        exited.is_some(),
+        "still running 20 s after SIGTERM; log:\n{}",
+        app.log()
+    );
+    the_next_instance_replays(&db, &app, key, &request);
+}
+
+/// A graceful stop while the response of a delivered request waits to be stored (the store
+/// failed after the handler, C16's background retry): the process keeps retrying until the
+/// store is back, then exits, and the retry on the next instance replays. Before the fix the
+/// stop dropped the retry with the worker: the key stayed reserved and, after the lease, the
+/// retry ran the handler again.
+#[test]
+fn a_graceful_stop_finishes_storing_a_delivered_response() {
+    let _serial = serial();
+    let role = TempRole::create(&server_url(), "idem_stop");
+    let db = new_db();
+    let grant = format!(
+        "GRANT SELECT, INSERT, UPDATE, DELETE ON idempotency_keys TO \"{}\"",
+        role.name
+    );
+    execute(&db.url, &grant);
+    let app_url = role.url_for(&db.url);
+    let mut app = PaymentsApp::start(&[
+        ("DATABASE_URL", app_url.as_str()),
+        ("IDEMPOTENCY_LOCK_TIMEOUT_MS", &STOP_LEASE_MS.to_string()),
+    ]);
+    let key = "stop-while-storing";
+    let request = pay(key, 4343, Some(800));
+    let pending = {
+        let (addr, request) = (app.addr.clone(), request.clone());
+        std::thread::spawn(move || send_once(&addr, &request, CLIENT_TIMEOUT))
+    };
+    wait_until(Duration::from_secs(10), "the reservation", || {
+        records_for_key(&db.url, key)
+            .iter()
+            .any(|r| r.state == State::InFlight)
+    });
+    execute(
+        &db.url,
+        &format!(
+            "REVOKE UPDATE, DELETE ON idempotency_keys FROM \"{}\"",
+            role.name
+        ),
+    );
+    let delivered = pending
+        .join()
+        .expect("client thread")
+        .expect("the handler's response");
+    assert_eq!(
+        classify(&delivered),
+        Ok(Seen::Created),
+        "{}",
+        delivered.describe()
+    );
+    app.signal("TERM");
+    // The store comes back inside the lease, after the stop began.
+    std::thread::sleep(Duration::from_millis(700));
+    execute(&db.url, &grant);
+    let exited = app.wait_for_exit(Duration::from_secs(20));
+    assert!(
+        exited.is_some(),
+        "still running 20 s after SIGTERM; log:\n{}",
+        app.log()
+    );
+    the_next_instance_replays(&db, &app, key, &request);
+}
+
+/// The stop's wait has an end: a handler that outlasts it does not hold the process, and a
+/// second SIGTERM skips the rest of the wait (the example waits up to 30 s).
+#[test]
+fn a_second_signal_ends_the_wait_for_unfinished_work() {
+    let _serial = serial();
+    let db = new_db();
+    let mut app = PaymentsApp::start(&[("DATABASE_URL", db.url.as_str())]);
+    let key = "stop-twice";
+    let request = pay(key, 4444, Some(60_000));
+    let mut conn = Conn::connect(app.addr.as_str(), CLIENT_TIMEOUT).expect("connect");
+    conn.send_raw(&request.to_bytes()).expect("send");
+    wait_until(Duration::from_secs(10), "the reservation", || {
+        !records_for_key(&db.url, key).is_empty()
+    });
+    conn.reset().expect("reset");
+    std::thread::sleep(Duration::from_millis(200));
+    app.signal("TERM");
+    assert!(
+        app.wait_for_exit(Duration::from_millis(1500)).is_none(),
+        "exited at once although a handler was running; log:\n{}",
+        app.log()
+    );
+    app.signal("TERM");
+    assert!(
+        app.wait_for_exit(Duration::from_secs(10)).is_some(),
+        "a second SIGTERM did not end the wait; log:\n{}",
+        app.log()
+    );
+    let log = app.log();
+    assert!(
+        log.contains("stopping with idempotent work still in flight"),
+        "the cut work is not reported; log:\n{log}"
+    );
+    // Cut as by a crash: the reservation stays until its lease ends (C16), never a record.
+    let states: Vec<State> = records_for_key(&db.url, key)
+        .iter()
+        .map(|r| r.state)
+        .collect();
+    assert_eq!(states, vec![State::InFlight]);
+}

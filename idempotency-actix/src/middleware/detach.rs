@@ -45,7 +45,12 @@ pub(super) async fn detach<F: Future<Output = ()> + Unpin + 'static>(mut work: F
     match first {
         Ok(Poll::Ready(())) => {}
         Ok(Poll::Pending) => {
-            actix_rt::spawn(work);
+            // Counted until the task ends, so that a graceful stop waits for it (`shutdown`).
+            let tracked = crate::shutdown::track();
+            actix_rt::spawn(async move {
+                let _tracked = tracked;
+                work.await;
+            });
         }
         // The panic was reported by the panic hook; the work and its answer's sender are
         // dropped, which the caller answers as a task that ended without a response.

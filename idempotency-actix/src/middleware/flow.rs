@@ -866,7 +866,7 @@ where
                 tracing::error!(target: "idempotency_actix", outcome = "store_error", "gave up storing the response: the lease ended; a retry will run the handler again");
             }
         };
-        tokio::spawn(retry.in_current_span());
+        spawn_tracked(retry.in_current_span());
     }
 
     async fn release(&self, scope: &Scope, token: &ReservationToken, reason: &str) {
@@ -927,7 +927,7 @@ where
                 tracing::error!(target: "idempotency_actix", outcome = "store_error", "gave up releasing the key: its lease ended, so a retry takes it over");
             }
         };
-        tokio::spawn(retry.in_current_span());
+        spawn_tracked(retry.in_current_span());
     }
 
     /// Answer with a problem instead of running the handler, and report it.
@@ -942,6 +942,16 @@ where
         req.into_response(self.config.problem(problem))
             .map_into_right_body()
     }
+}
+
+/// Spawn a background retry, counted until it ends so that a graceful stop waits for it
+/// (`crate::shutdown`).
+fn spawn_tracked(retry: impl std::future::Future<Output = ()> + Send + 'static) {
+    let tracked = crate::shutdown::track();
+    tokio::spawn(async move {
+        let _tracked = tracked;
+        retry.await;
+    });
 }
 
 /// Call `attempt` after pauses doubling from 100 ms to 2 s, until it answers `true` (done) or

@@ -58,10 +58,11 @@
 //! On a graceful stop actix-web waits up to `shutdown_timeout` (30 s by default) for open
 //! connections, then stops each worker's runtime, which drops its remaining tasks. A task whose
 //! connection is still open is waited for like any request. A task whose client has already
-//! gone is not counted by actix: if the worker stops before it ends, it is cut like a crash.
-//! Its reservation then stays until the lease ends, after which the same request takes it over
-//! (C16): never two runs inside the lease, and a replay if the task stored its response before
-//! the stop. Give `shutdown_timeout` at least your slowest handler's duration.
+//! gone, and the background retry of a store write (C16), are not counted by actix: a worker
+//! with no connection left stops at once and cuts them like a crash, and after the lease the
+//! client's retry runs the handler again. Stop the server through [`crate::shutdown`]
+//! (`HttpServer::disable_signals()` and `shutdown::stop_on_signal`), which waits for them
+//! first; and give `shutdown_timeout` at least your slowest handler's duration.
 //!
 //! ## HTTP/2
 //! An app that enables HTTP/2 (actix-web's `http2` feature; TLS with ALPN, or `bind_auto_h2c`)

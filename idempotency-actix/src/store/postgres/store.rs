@@ -328,8 +328,9 @@ impl PostgresStore {
         };
         let store = self.clone();
         let scope = scope.clone();
+        let tracked = crate::shutdown::track();
         tokio::spawn(async move {
-            let _task = task;
+            let _task = (task, tracked);
             let (store, scope, token) = (&store, &scope, &token);
             release_later::keep_trying(lease, &scope.key, move || async move {
                 let Some(_statement) = store.background.statement() else {

@@ -1,0 +1,222 @@
+//! Stopping a server without cutting the work the middleware runs past its clients.
+//!
+//! From the reservation on, a request's work runs on a task of its own (C21), so that a client
+//! that hangs up cannot cut the handler between its effect and the stored record. Two kinds of
+//! such tasks can outlive their client: a handler whose client reset its connection, and the
+//! background retry of a `complete` (or `release`) that failed after the client had its answer
+//! (C16). actix-web's own graceful stop does not know them: each worker waits for its *open
+//! connections* (up to `shutdown_timeout`) and then drops its runtime with every task on it.
+//! A worker whose last client has gone stops at once, so a stop during a deploy cut such a
+//! handler mid-run (its card charged, its record still a reservation) or dropped the retry
+//! that would have stored a delivered response; either way the reservation was left to its
+//! lease, and the client's retry after it, on the next instance, ran the handler again.
+//!
+//! This module counts those tasks (process-wide: every `Idempotency` built in the process,
+//! whichever worker built it) and stops a server only once they have ended:
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use actix_web::{web, App, HttpResponse, HttpServer};
+//! use idempotency_actix::{shutdown, store::MemoryStore, Idempotency};
+//!
+//! #[actix_web::main]
+//! async fn main() -> std::io::Result<()> {
+//!     let store = MemoryStore::new();
+//!     let server = HttpServer::new(move || {
+//!         App::new()
+//!             .wrap(Idempotency::new(store.clone()))
+//!             .route("/payments", web::post().to(|| async { HttpResponse::Created().finish() }))
+//!     })
+//!     .disable_signals() // SIGINT and SIGTERM are handled below instead
+//!     .bind("127.0.0.1:8080")?
+//!     .run();
+//!     shutdown::stop_on_signal(server.handle(), Duration::from_secs(60));
+//!     server.await
+//! }
+//! ```
+//!
+//! [`stop_gracefully`] (what [`stop_on_signal`] runs on the first SIGINT or SIGTERM) stops
+//! accepting connections, waits up to its limit for the counted work to end, then asks actix
+//! for its own graceful stop, which waits for the connections still open. Why a limit: the
+//! background retries last until their lease ends while the store stays down, and a deploy
+//! must not hang on a dead database; work cut at the limit is cut as by a crash (its
+//! reservation is left to its lease, C16). Choose it above your slowest handler and below
+//! what your orchestrator allows before it kills (Kubernetes' `terminationGracePeriodSeconds`
+//! is 30 s by default). A second signal skips what is left of the wait.
+//!
+//! What stays open: after the wait, a request that arrives on a connection that was already
+//! open (keep-alive) and whose client then hangs up mid-handler can still be cut when actix
+//! stops the worker. Shorten `HttpServer::keep_alive` or drain the instance at the load
+//! balancer first to close that window. And nothing here helps a process that is killed
+//! (SIGKILL, a crash): that is the lease's job.
+//!
+//! Home-made because no crate offers it: actix-web's graceful stop counts connections, not
+//! tasks, and the count has to be taken where the tasks are spawned.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use actix_web::dev::ServerHandle;
+use tokio::sync::Notify;
+
+/// The work in flight, process-wide.
+static UNFINISHED: Unfinished = Unfinished {
+    count: AtomicUsize::new(0),
+    ended: Notify::const_new(),
+};
+
+struct Unfinished {
+    count: AtomicUsize,
+    /// Notified whenever the count drops to zero.
+    ended: Notify,
+}
+
+/// One unit of counted work: counted from [`track`] until dropped (with its task, whether the
+/// task ended or its runtime dropped it).
+#[must_use = "the work is counted only while this is alive"]
+pub(crate) struct Tracked(());
+
+/// Count one unit of work until the returned guard is dropped. Take it before spawning the
+/// task and move it into the task, so that no moment exists in which the work runs uncounted.
+pub(crate) fn track() -> Tracked {
+    UNFINISHED.count.fetch_add(1, Ordering::SeqCst);
+    Tracked(())
+}
+
+impl Drop for Tracked {
+    fn drop(&mut self) {
+        if UNFINISHED.count.fetch_sub(1, Ordering::SeqCst) == 1 {
+            UNFINISHED.ended.notify_waiters();
+        }
+    }
+}
+
+/// The number of tasks the middleware (or a store) runs past their clients right now: handlers
+/// whose request's future was dropped or that run on, and background retries of store writes.
+pub fn unfinished_work() -> usize {
+    UNFINISHED.count.load(Ordering::SeqCst)
+}
+
+/// Wait until no counted work is left, or `within` has passed; `true` when none is left.
+pub async fn work_finished(within: Duration) -> bool {
+    let waited = tokio::time::timeout(within, async {
+        loop {
+            let ended = UNFINISHED.ended.notified();
+            tokio::pin!(ended);
+            // Registered before the count is read, so a drop to zero between the read and the
+            // wait is not missed.
+            ended.as_mut().enable();
+            if unfinished_work() == 0 {
+                return;
+            }
+            ended.await;
+        }
+    })
+    .await;
+    waited.is_ok()
+}
+
+/// Stop `server` without cutting counted work: stop accepting connections, wait up to
+/// `within` for the work to end ([`work_finished`]), then ask actix for its graceful stop
+/// (which waits for the open connections, up to `HttpServer::shutdown_timeout`). Completes
+/// when the server has stopped. Logs at `warn` how much work the limit cut.
+pub async fn stop_gracefully(server: &ServerHandle, within: Duration) {
+    server.pause().await;
+    finish_then_stop(server, within, std::future::pending()).await;
+}
+
+/// Wait for the counted work (up to `within`, or until `skip` completes), then stop.
+async fn finish_then_stop(
+    server: &ServerHandle,
+    within: Duration,
+    skip: impl std::future::Future<Output = ()>,
+) {
+    let left = unfinished_work();
+    if left > 0 {
+        tracing::info!(target: "idempotency_actix", unfinished = left, "stopping: waiting for idempotent work in flight to end");
+    }
+    let finished = tokio::select! {
+        finished = work_finished(within) => finished,
+        () = skip => false,
+    };
+    if !finished {
+        tracing::warn!(target: "idempotency_actix", unfinished = unfinished_work(), "stopping with idempotent work still in flight: its reservations are left to their leases");
+    }
+    server.stop(true).await;
+}
+
+/// On the first SIGINT or SIGTERM (Ctrl-C only, off Unix), run [`stop_gracefully`] with
+/// `within`; a second signal during the wait stops without waiting further. Spawns a task on
+/// the current runtime (actix's, or any Tokio runtime) and returns at once. Build the server
+/// with `HttpServer::disable_signals()`, or actix stops it on the first signal by itself.
+///
+/// # Panics
+/// When called outside a Tokio runtime (`#[actix_web::main]` provides one).
+pub fn stop_on_signal(server: ServerHandle, within: Duration) {
+    tokio::spawn(async move {
+        if stop_signal().await.is_err() {
+            return;
+        }
+        server.pause().await;
+        let skip = async {
+            if stop_signal().await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        };
+        finish_then_stop(&server, within, skip).await;
+    });
+}
+
+/// The next SIGINT or SIGTERM. An error when the handlers cannot be installed (logged: the
+/// server then runs until it is stopped another way).
+async fn stop_signal() -> std::io::Result<()> {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        let installed = signal(SignalKind::terminate())
+            .and_then(|term| Ok((term, signal(SignalKind::interrupt())?)));
+        let (mut term, mut int) = match installed {
+            Ok(both) => both,
+            Err(error) => {
+                tracing::error!(target: "idempotency_actix", %error, "could not install the SIGTERM/SIGINT handlers; the server will not stop on a signal");
+                return Err(error);
+            }
+        };
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+        Ok(())
+    }
+    #[cfg(not(unix))]
+    {
+        tokio::signal::ctrl_c().await.inspect_err(|error| {
+            tracing::error!(target: "idempotency_actix", %error, "could not install the Ctrl-C handler; the server will not stop on a signal");
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // One test touches the process-wide count: the unit tests run in parallel, and other
+    // tests of this crate spawn tracked work.
+    #[actix_rt::test]
+    async fn the_wait_ends_when_the_last_tracked_work_ends() {
+        let first = track();
+        let second = track();
+        assert!(unfinished_work() >= 2);
+        assert!(
+            !work_finished(Duration::from_millis(50)).await,
+            "finished with work in flight"
+        );
+        let waiting = actix_rt::spawn(work_finished(Duration::from_secs(10)));
+        drop(first);
+        actix_rt::time::sleep(Duration::from_millis(20)).await;
+        assert!(!waiting.is_finished(), "finished with one unit left");
+        drop(second);
+        // Other tests' work may still be in flight; the wait ends once all of it has.
+        assert!(waiting.await.unwrap_or(false), "the wait missed the end");
+    }
+}
