@@ -243,6 +243,17 @@ struct Body<'a> {
 }
 
 impl Problem {
+    /// `422 FINGERPRINT_MISMATCH`: the key was used for another request (both modes say it with
+    /// the same words).
+    pub(crate) fn fingerprint_mismatch() -> Self {
+        Self::new(
+            ProblemCode::FingerprintMismatch,
+            "this key was already used on this endpoint for a request with another body, \
+             content type (JSON or not), query or spelling of the path; use a new key for a new \
+             request",
+        )
+    }
+
     /// A problem with the default `type` base and no `Retry-After`.
     pub fn new(code: ProblemCode, detail: impl Into<String>) -> Self {
         Self {

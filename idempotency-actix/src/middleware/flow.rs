@@ -480,11 +480,7 @@ where
                     ..
                 }) if stored != *fingerprint => {
                     tracing::info!(target: "idempotency_actix", outcome = "mismatch", "key reused for a different request");
-                    return Err(Decision::Refuse(Problem::new(
-                        ProblemCode::FingerprintMismatch,
-                        "this key was already used on this endpoint for a request with another \
-                         body, query or spelling of the path; use a new key for a new request",
-                    )));
+                    return Err(Decision::Refuse(Problem::fingerprint_mismatch()));
                 }
                 Ok(ReserveOutcome::Completed { response, .. }) => {
                     tracing::debug!(target: "idempotency_actix", outcome = "replay", status = response.status, "replaying the stored response");

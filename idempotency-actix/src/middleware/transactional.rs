@@ -633,11 +633,7 @@ async fn claim<S, Svc>(
                 ..
             }) if stored != *fingerprint => {
                 tracing::info!(target: "idempotency_actix", outcome = "mismatch", key = %LogText(&scope.key), tenant = %LogText(&scope.tenant), path = %LogText(&scope.path), "key reused for a different request");
-                let problem = Problem::new(
-                    ProblemCode::FingerprintMismatch,
-                    "this key was already used on this endpoint for a request with another \
-                     body, query or spelling of the path; use a new key for a new request",
-                );
+                let problem = Problem::fingerprint_mismatch();
                 return Claimed::Answered(config.problem(problem), Outcome::Mismatch);
             }
             Some(ReserveOutcome::Completed { response, .. }) => {

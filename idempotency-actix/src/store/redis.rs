@@ -415,6 +415,7 @@ impl RedisStoreBuilder {
         if let Some(inner) = Arc::get_mut(&mut store.inner) {
             inner.eviction_recheck = recheck;
         }
+        store.check_permissions().await?;
         Ok(store)
     }
 
@@ -539,6 +540,56 @@ where
     /// The Redis key of `scope`'s record.
     pub fn key_of(&self, scope: &Scope) -> String {
         record_key(&self.inner.prefix, scope)
+    }
+
+    /// At connect: run what the request path runs, on nothing, so that a user the server's ACL
+    /// does not allow it fails here with the reason. Found by review (2026-12-05): a user
+    /// without `EVALSHA` could reserve (native `SET`), so handlers ran, and then no response
+    /// could ever be stored (its retries were told 503 for the lease and grace); a user without
+    /// `TIME` left a reservation behind each refused reserve. Checked: `TIME`, and the release
+    /// script (`EVALSHA`, and `SCRIPT LOAD` on a server that lacks it) fenced by a fresh token
+    /// on a key under the prefix, which no record can match, so it writes nothing.
+    async fn check_permissions(&self) -> Result<(), StoreError> {
+        let refused = |command: &str, error: RedisError| {
+            if error.code() == Some("NOPERM") {
+                StoreError::Backend(
+                    format!(
+                        "the Redis user may not run {command}, which RedisStore needs on the \
+                         request path (docs/redis.md, \"Permissions\"): {error}"
+                    )
+                    .into(),
+                )
+            } else {
+                classify(error)
+            }
+        };
+        let mut picked = self.pick();
+        let time = tokio::time::timeout(
+            self.inner.timeout,
+            redis::cmd("TIME").query_async::<(u64, u64)>(&mut picked.conn),
+        )
+        .await
+        .map_err(|_| StoreError::unavailable("Redis did not answer TIME in time"))?;
+        time.map_err(|e| refused("TIME", e))?;
+        let probe = Scope {
+            tenant: String::new(),
+            method: "POST".into(),
+            path: "/".into(),
+            key: "idempotency-actix permission probe".into(),
+        };
+        let key = self.key_of(&probe);
+        let release = tokio::time::timeout(
+            self.inner.timeout,
+            self.inner
+                .release
+                .key(&key)
+                .arg(record::token_text(&ReservationToken::random()))
+                .invoke_async::<i64>(&mut picked.conn),
+        )
+        .await
+        .map_err(|_| StoreError::unavailable("Redis did not answer EVALSHA in time"))?;
+        release.map_err(|e| refused("EVALSHA (or SCRIPT LOAD)", e))?;
+        Ok(())
     }
 
     /// A readiness probe: `PING` within the response timeout, then the eviction policy
@@ -1043,8 +1094,15 @@ fn classify(err: RedisError) -> StoreError {
 }
 
 /// Whether a call that failed with `error` may still have been applied: no answer in time (the
-/// store's own timeout), or the connection failed; not when Redis answered with an error.
+/// store's own timeout), or the connection failed; not when Redis answered with an error, but
+/// for `NOPERM`: the reserve's `SET` and `TIME` travel together, and a user allowed the first
+/// and refused the second got an error for a `SET` that had reserved the key.
 fn outcome_unknown(error: &StoreError) -> bool {
+    if let StoreError::Backend(source) = error {
+        return source
+            .downcast_ref::<RedisError>()
+            .is_some_and(|e| e.code() == Some("NOPERM"));
+    }
     let StoreError::Unavailable(source) = error else {
         return false;
     };

@@ -9,6 +9,7 @@
 //!
 //! Run one file's tests by its module name: `cargo test -p idempotency-e2e --test e2e postgres_store::`.
 
+mod claims_audit;
 mod config_extremes;
 mod connection_cuts;
 mod fix_review;
@@ -24,6 +25,7 @@ mod postgres_round_trips;
 mod postgres_store;
 mod postgres_tls;
 mod redis_degraded;
+mod redis_hostile_state;
 mod redis_options;
 mod redis_script_cache;
 mod redis_store;
