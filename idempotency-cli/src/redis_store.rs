@@ -198,6 +198,64 @@ struct Found {
     body: Option<Vec<u8>>,
 }
 
+/// A record key whose value is not a readable record: another type, bytes that are not a
+/// record, a record cut short. The app answers 503 for requests with its key, so the commands
+/// name it instead of leaving it out (found by review, 2026-12-05: `stats` counted around it,
+/// and `show` and `release` answered "no record with key", sending the operator elsewhere).
+struct Unreadable {
+    scope: Scope,
+    /// The Redis key, for `redis-cli`; `None` when it is not printable ASCII.
+    key: Option<String>,
+    /// What is there, in words.
+    what: String,
+}
+
+impl Unreadable {
+    /// One line: where, what, and what to do.
+    fn describe(&self) -> String {
+        let tenant = if self.scope.tenant.is_empty() {
+            "(global)".to_owned()
+        } else {
+            format!("{:?}", self.scope.tenant)
+        };
+        let redis_key = self
+            .key
+            .as_ref()
+            .map_or_else(String::new, |k| format!(" (Redis key {k})"));
+        format!(
+            "tenant={tenant} {} {} key={:?}{redis_key} holds no readable record ({}): requests \
+             with it get 503 until it is removed; check it with redis-cli TYPE/GET, then DEL it",
+            escape(&self.scope.method),
+            escape(&self.scope.path),
+            self.scope.key,
+            self.what
+        )
+    }
+}
+
+/// Text from a key part, with anything unprintable escaped (as `{:?}` does, without quotes).
+fn escape(text: &str) -> String {
+    let quoted = format!("{text:?}");
+    quoted[1..quoted.len() - 1].to_owned()
+}
+
+/// One key's value as `Redis::read` reads it.
+enum Value {
+    /// Gone since the scan.
+    Gone,
+    /// Not a string: its `TYPE`.
+    OtherType(String),
+    /// A string: its head (or all of it), its length and its `PTTL` in ms.
+    Bytes(Vec<u8>, usize, i64),
+}
+
+/// What `Redis::read` found.
+#[derive(Default)]
+struct Read {
+    found: Vec<Found>,
+    unreadable: Vec<Unreadable>,
+}
+
 impl<C: Conn> Redis<'_, C> {
     /// A glob pattern for the records of a (partial) scope: missing parts match anything.
     fn pattern(&self, scope: &ScopeArgs, key: Option<&str>) -> String {
@@ -219,6 +277,7 @@ impl<C: Conn> Redis<'_, C> {
     /// was counted or listed twice, and `release KEY` refused it as "matches 2 records".
     async fn scan(&mut self, pattern: &str) -> Result<Vec<Vec<u8>>, CliError> {
         let mut keys = KeyScan::new(pattern)
+            .any_type()
             .collect(&mut self.conn)
             .await
             .map_err(failed)?;
@@ -227,22 +286,19 @@ impl<C: Conn> Redis<'_, C> {
         Ok(keys)
     }
 
-    /// Read the records at `keys`; keys that vanished or are not records are skipped. Without
+    /// Read the records at `keys`; keys that vanished or are not record keys are skipped,
+    /// record keys holding something else are returned as [`Unreadable`]. Without
     /// `with_response` only each record's fixed head and length (`GETRANGE`, `STRLEN`): `list`
     /// and `stats` show no response, and pulling every stored body (up to the app's
     /// `max_response_bytes` each) through the production Redis's output buffer could make it
     /// refuse the app's writes. With `with_response`, the whole record (`GET`).
-    async fn read(
-        &mut self,
-        keys: &[Vec<u8>],
-        with_response: bool,
-    ) -> Result<Vec<Found>, CliError> {
+    async fn read(&mut self, keys: &[Vec<u8>], with_response: bool) -> Result<Read, CliError> {
         let batch = if with_response {
             READ_BATCH_WITH_RESPONSE
         } else {
             READ_BATCH
         };
-        let mut found = Vec::new();
+        let mut read = Read::default();
         for chunk in keys.chunks(batch) {
             // One transaction per key (one slot), so the head, the length and the expiry are
             // of the same record; all keys in flight at once: pipelined on one server's
@@ -264,25 +320,58 @@ impl<C: Conn> Redis<'_, C> {
                     let read: Result<(Option<Vec<u8>>, usize, i64), RedisError> =
                         pipe.query_async(&mut conn).await;
                     match read {
-                        Err(e) if e.kind() == redis::ErrorKind::TypeError => Ok(None),
-                        Err(e) if e.code() == Some("WRONGTYPE") => Ok(None),
-                        Err(e) => Err(e),
-                        // STRLEN is 0 for a key that is gone (GETRANGE then answers "").
-                        Ok((_, 0, _)) | Ok((None, _, _)) => Ok(None),
-                        Ok((Some(bytes), len, pttl_ms)) => Ok(Some((bytes, len, pttl_ms))),
+                        Ok((Some(bytes), len, pttl_ms)) if len > 0 => {
+                            Ok(Value::Bytes(bytes, len, pttl_ms))
+                        }
+                        // A key that is gone (STRLEN 0, GETRANGE ""), or one of another type,
+                        // whose `WRONGTYPE` inside the transaction reaches us as a type error
+                        // or as nothing: its `TYPE` tells them apart (a rare second trip).
+                        Err(e)
+                            if e.kind() != redis::ErrorKind::TypeError
+                                && e.code() != Some("WRONGTYPE") =>
+                        {
+                            Err(e)
+                        }
+                        _ => {
+                            let kind: String = redis::cmd("TYPE")
+                                .arg(key.as_slice())
+                                .query_async(&mut conn)
+                                .await?;
+                            Ok(match kind.as_str() {
+                                "none" => Value::Gone,
+                                "string" => Value::Bytes(Vec::new(), 0, 0),
+                                _ => Value::OtherType(kind),
+                            })
+                        }
                     }
                 }
             });
             let values = try_join_all(reads).await.map_err(failed)?;
             for (key, value) in chunk.iter().zip(values) {
-                let Some((bytes, len, pttl_ms)) = value else {
-                    continue;
-                };
                 let Some(scope) = parse_record_key(self.prefix, key) else {
                     continue;
                 };
-                let Ok(head) = record::decode_head(&bytes, len) else {
-                    continue;
+                let mut unreadable = |scope: Scope, what: String| {
+                    let key = std::str::from_utf8(key)
+                        .ok()
+                        .filter(|k| k.bytes().all(|b| b.is_ascii_graphic()))
+                        .map(str::to_owned);
+                    read.unreadable.push(Unreadable { scope, key, what });
+                };
+                let (bytes, len, pttl_ms) = match value {
+                    Value::Gone => continue,
+                    Value::OtherType(kind) => {
+                        unreadable(scope, format!("a value of type {kind}"));
+                        continue;
+                    }
+                    Value::Bytes(bytes, len, pttl_ms) => (bytes, len, pttl_ms),
+                };
+                let head = match record::decode_head(&bytes, len) {
+                    Ok(head) => head,
+                    Err(why) => {
+                        unreadable(scope, format!("a string of {len} bytes: {why}"));
+                        continue;
+                    }
                 };
                 let (headers, body) = if with_response {
                     match record::decode(bytes.into()) {
@@ -294,12 +383,15 @@ impl<C: Conn> Redis<'_, C> {
                             Some(response.body.to_vec()),
                         ),
                         Ok(_) => (None, None),
-                        Err(_) => continue,
+                        Err(why) => {
+                            unreadable(scope, format!("a record of {len} bytes: {why}"));
+                            continue;
+                        }
                     }
                 } else {
                     (None, None)
                 };
-                found.push(Found {
+                read.found.push(Found {
                     key: key.clone(),
                     record: self.record(scope, &head, pttl_ms),
                     headers,
@@ -307,7 +399,7 @@ impl<C: Conn> Redis<'_, C> {
                 });
             }
         }
-        Ok(found)
+        Ok(read)
     }
 
     /// `stored` as the PostgreSQL commands show a row. A reservation's lease ends where its
@@ -377,9 +469,19 @@ async fn list(
     };
     let pattern = redis.pattern(&scope, None);
     let keys = redis.scan(&pattern).await?;
-    let mut rows: Vec<Record> = redis
-        .read(&keys, false)
-        .await?
+    let read = redis.read(&keys, false).await?;
+    let unreadable: Vec<&Unreadable> = read
+        .unreadable
+        .iter()
+        .filter(|u| args.tenant.as_ref().is_none_or(|t| &u.scope.tenant == t))
+        .filter(|u| {
+            args.key_prefix
+                .as_ref()
+                .is_none_or(|p| u.scope.key.starts_with(p.as_str()))
+        })
+        .collect();
+    let mut rows: Vec<Record> = read
+        .found
         .into_iter()
         .map(|f| f.record)
         .filter(|r| args.tenant.as_ref().is_none_or(|t| &r.tenant == t))
@@ -434,32 +536,57 @@ async fn list(
             args.limit
         );
     }
+    warn_unreadable(&unreadable);
     Ok(())
 }
 
+/// On stderr (so JSON output stays records only): each record key that holds no readable
+/// record. Best effort, as the other stderr notes.
+fn warn_unreadable(unreadable: &[&Unreadable]) {
+    for u in unreadable {
+        let _ = writeln!(std::io::stderr(), "idem-cli: warning: {}", u.describe());
+    }
+}
+
+/// The records (and the unreadable values) at `key` within `scope`.
 async fn matching(
     redis: &mut Redis<'_, impl Conn>,
     key: &str,
     scope: &ScopeArgs,
     with_response: bool,
-) -> Result<Vec<Found>, CliError> {
+) -> Result<Read, CliError> {
     let pattern = redis.pattern(scope, Some(key));
     let keys = redis.scan(&pattern).await?;
     let method = method(scope);
-    let mut found: Vec<Found> = redis
-        .read(&keys, with_response)
-        .await?
-        .into_iter()
-        .filter(|f| {
-            let r = &f.record;
-            r.idempotency_key == key
-                && scope.tenant.as_ref().is_none_or(|t| &r.tenant == t)
-                && method.as_ref().is_none_or(|m| &r.method == m)
-                && scope.path.as_ref().is_none_or(|p| &r.path == p)
-        })
-        .collect();
-    found.sort_by_key(|f| f.record.scope_label());
-    Ok(found)
+    let matches = |tenant: &str, m: &str, path: &str, k: &str| {
+        k == key
+            && scope.tenant.as_deref().is_none_or(|t| tenant == t)
+            && method.as_deref().is_none_or(|want| m == want)
+            && scope.path.as_deref().is_none_or(|p| path == p)
+    };
+    let mut read = redis.read(&keys, with_response).await?;
+    read.found.retain(|f| {
+        let r = &f.record;
+        matches(&r.tenant, &r.method, &r.path, &r.idempotency_key)
+    });
+    read.unreadable.retain(|u| {
+        let s = &u.scope;
+        matches(&s.tenant, &s.method, &s.path, &s.key)
+    });
+    read.found.sort_by_key(|f| f.record.scope_label());
+    Ok(read)
+}
+
+/// Why nothing was found at `key`: the unreadable values there, or no record at all.
+fn nothing_readable(key: &str, scope: &ScopeArgs, unreadable: &[Unreadable]) -> String {
+    if unreadable.is_empty() {
+        return format!("no record with key {key:?}{}", scope_words(scope));
+    }
+    unreadable
+        .iter()
+        .map(Unreadable::describe)
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 async fn show(
@@ -468,15 +595,16 @@ async fn show(
     format: Format,
     out: &mut Out,
 ) -> Result<(), CliError> {
-    let found = matching(redis, &args.key, &args.scope, true).await?;
-    if found.is_empty() {
-        return Err(CliError::NotFoundOrRefused(format!(
-            "no record with key {:?}{}",
-            args.key,
-            scope_words(&args.scope)
+    let read = matching(redis, &args.key, &args.scope, true).await?;
+    if read.found.is_empty() {
+        return Err(CliError::NotFoundOrRefused(nothing_readable(
+            &args.key,
+            &args.scope,
+            &read.unreadable,
         )));
     }
-    for (i, f) in found.into_iter().enumerate() {
+    warn_unreadable(&read.unreadable.iter().collect::<Vec<_>>());
+    for (i, f) in read.found.into_iter().enumerate() {
         let row = Detail {
             record: f.record,
             response_headers: f.headers,
@@ -504,12 +632,9 @@ async fn stats(
 ) -> Result<(), CliError> {
     let pattern = format!("{}*", redis.prefix);
     let keys = redis.scan(&pattern).await?;
-    let rows: Vec<Record> = redis
-        .read(&keys, false)
-        .await?
-        .into_iter()
-        .map(|f| f.record)
-        .collect();
+    let read = redis.read(&keys, false).await?;
+    let unreadable = read.unreadable.len();
+    let rows: Vec<Record> = read.found.into_iter().map(|f| f.record).collect();
     let in_flight: Vec<&Record> = rows.iter().filter(|r| r.is_in_flight()).collect();
     let lease_live = in_flight.iter().filter(|r| r.lease_live()).count();
     let completed = rows.len() - in_flight.len();
@@ -532,6 +657,7 @@ async fn stats(
             "completed_live": completed - completed_expired,
             "completed_expired": completed_expired,
             "expired_not_purged": 0,
+            "unreadable": unreadable,
             "oldest_in_flight": oldest.map(|r| r.to_json()),
             "oldest_in_flight_age_seconds": oldest.map(|r| round_ms(r.age_secs())),
         }))?,
@@ -550,6 +676,12 @@ async fn stats(
                 completed_expired
             ))?;
             out.line("expired, not purged  0  (Redis deletes expired records itself)")?;
+            if unreadable > 0 {
+                out.line(format!(
+                    "unreadable           {unreadable}  (record keys holding no readable record: \
+                     requests with them get 503; see the warnings, or `idem-cli list`)"
+                ))?;
+            }
             match oldest {
                 None => out.line("oldest in-flight     none")?,
                 Some(r) => out.line(format!(
@@ -561,7 +693,9 @@ async fn stats(
             }
         }
     }
-    out.flush()
+    out.flush()?;
+    warn_unreadable(&read.unreadable.iter().collect::<Vec<_>>());
+    Ok(())
 }
 
 async fn release(
@@ -573,12 +707,11 @@ async fn release(
     let script = redis::Script::new(record::RELEASE_INSPECTED);
     let mut refusals: Vec<String> = Vec::new();
     for key in &args.keys {
-        let found = matching(redis, key, &args.scope, false).await?;
-        let verdict = match found.as_slice() {
-            [] => Err(format!(
-                "no record with key {key:?}{}",
-                scope_words(&args.scope)
-            )),
+        let read = matching(redis, key, &args.scope, false).await?;
+        let verdict = match read.found.as_slice() {
+            // Never deleted here, even with --force: what cannot be read cannot be checked to
+            // be a dead reservation, and it may be another program's data.
+            [] => Err(nothing_readable(key, &args.scope, &read.unreadable)),
             [f] => check(&f.record, args.force).map(|()| f),
             many => Err(format!(
                 "key {key:?} matches {} records ({}); name one with --tenant/--method/--path",

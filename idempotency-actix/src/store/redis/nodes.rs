@@ -33,6 +33,8 @@ const SCAN_COUNT: usize = 1000;
 pub struct KeyScan {
     pattern: String,
     state: ScanState,
+    /// Keys of every type, not strings only.
+    any_type: bool,
 }
 
 #[derive(Debug)]
@@ -55,7 +57,15 @@ impl KeyScan {
         KeyScan {
             pattern: pattern.into(),
             state: ScanState::Start,
+            any_type: false,
         }
+    }
+
+    /// The same walk over keys of every type: `idem-cli` names a value of another type sitting
+    /// where a record belongs (requests with its key get 503), rather than leave it out.
+    pub fn any_type(mut self) -> KeyScan {
+        self.any_type = true;
+        self
     }
 
     /// The next batch of keys (possibly empty), or `None` when the walk is over.
@@ -151,9 +161,10 @@ impl KeyScan {
             .arg("MATCH")
             .arg(&self.pattern)
             .arg("COUNT")
-            .arg(SCAN_COUNT)
-            .arg("TYPE")
-            .arg("string");
+            .arg(SCAN_COUNT);
+        if !self.any_type {
+            cmd.arg("TYPE").arg("string");
+        }
         cmd
     }
 }

@@ -1,0 +1,1254 @@
+//! Several `payments` instances sharing one store, and the operator's `idem-cli`
+//! running while traffic flows. Real processes, real PostgreSQL / Redis, real HTTP.
+//!
+//! Executions are counted from each instance's `GET /stats` and summed per key.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::process::{Command, Output, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use idempotency_e2e::faults::{
+    self, classify, classify_transactional, serial, wait_until, Seen, Tally, CLIENT_TIMEOUT,
+};
+use idempotency_e2e::proc::PaymentsApp;
+use idempotency_e2e::raw_http::{send_once, Request, Response};
+use idempotency_e2e::records::{execute, records_for_key, State};
+use idempotency_e2e::redis_server::RedisServer;
+use idempotency_e2e::{block_on_fresh_thread, server_url, TestDb};
+
+const TENANT: &str = "acct_fleet";
+
+fn new_db() -> TestDb {
+    block_on_fresh_thread(TestDb::new()).expect("creating a test database")
+}
+
+fn pay(key: &str, amount: u64, delay_ms: Option<u64>) -> Request {
+    faults::pay(TENANT, key, amount, delay_ms)
+}
+
+/// Executions per key summed over every instance.
+fn executions(apps: &[&PaymentsApp]) -> HashMap<String, u64> {
+    let mut per_key: HashMap<String, u64> = HashMap::new();
+    for app in apps {
+        for (k, n) in app.stats().per_key {
+            *per_key.entry(k).or_default() += n;
+        }
+    }
+    per_key
+}
+
+fn executions_of(apps: &[&PaymentsApp], key: &str) -> Vec<u64> {
+    apps.iter()
+        .map(|a| a.stats().per_key.get(key).copied().unwrap_or(0))
+        .collect()
+}
+
+/// Send unkeyed payments so this instance's payment ids differ from the others' (the example
+/// numbers payments per process from 1): bodies then tell instances apart.
+fn bump_ids(app: &PaymentsApp, n: usize) {
+    for _ in 0..n {
+        let r = send_once(
+            &app.addr,
+            &Request::post("/payments").json(r#"{"amount":1,"currency":"EUR"}"#),
+            CLIENT_TIMEOUT,
+        )
+        .expect("unkeyed payment");
+        assert_eq!(r.status, 201, "{}", r.describe());
+    }
+}
+
+fn signal(pid: u32, sig: &str) {
+    let ok = Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(ok, "kill {sig} {pid}");
+}
+
+/// Sends `request` on its own thread.
+fn send_bg(addr: &str, request: &Request) -> std::thread::JoinHandle<std::io::Result<Response>> {
+    let (addr, request) = (addr.to_owned(), request.clone());
+    std::thread::spawn(move || send_once(&addr, &request, Duration::from_secs(30)))
+}
+
+// --------------------------------------------------------------------------------------------
+// idem-cli as a process
+
+fn cli_binary() -> PathBuf {
+    let exe = std::env::current_exe().expect("test binary");
+    let profile_dir = exe.parent().and_then(|p| p.parent()).expect("profile dir");
+    let bin = profile_dir.join("idem-cli");
+    if !bin.is_file() {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let ws = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .parent()
+            .expect("workspace")
+            .to_owned();
+        let st = Command::new(cargo)
+            .current_dir(ws)
+            .args(["build", "-p", "idempotency-cli"])
+            .status();
+        assert!(matches!(st, Ok(s) if s.success()), "building idem-cli");
+    }
+    bin
+}
+
+/// Runs idem-cli with `DATABASE_URL` (or `REDIS_URL` when `redis`) = `url`; kills it after 60 s.
+fn cli_env(var: &str, url: &str, args: &[&str]) -> Output {
+    let child = Command::new(cli_binary())
+        .env_remove("DATABASE_URL")
+        .env_remove("REDIS_URL")
+        .env(var, url)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn idem-cli");
+    // Read the output on another thread (a full pipe would block the CLI), with a deadline.
+    let pid = child.id();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    match rx.recv_timeout(Duration::from_secs(60)) {
+        Ok(out) => out.expect("idem-cli output"),
+        Err(_) => {
+            let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+            panic!("idem-cli {args:?} hung (killed after 60 s)");
+        }
+    }
+}
+
+fn cli(url: &str, args: &[&str]) -> Output {
+    cli_env("DATABASE_URL", url, args)
+}
+
+fn out_text(o: &Output) -> String {
+    format!(
+        "exit={:?}\nstdout:\n{}\nstderr:\n{}",
+        o.status.code(),
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+// --------------------------------------------------------------------------------------------
+// 1. The same key sent at the same moment to three instances.
+
+fn same_key_to_three_instances(
+    name: &str,
+    apps: [&PaymentsApp; 3],
+    classify: fn(&Response) -> Result<Seen, String>,
+) {
+    const KEYS: usize = 120;
+    const BATCH: usize = 10;
+    let addrs: Vec<String> = apps.iter().map(|a| a.addr.clone()).collect();
+    let mut created_bodies: HashMap<usize, Vec<u8>> = HashMap::new();
+    let mut seen_all: HashMap<String, u64> = HashMap::new();
+    for batch in 0..KEYS / BATCH {
+        let barrier = Arc::new(Barrier::new(BATCH * 3));
+        let mut threads = Vec::new();
+        for i in 0..BATCH {
+            let k = batch * BATCH + i;
+            for addr in &addrs {
+                let (barrier, addr) = (Arc::clone(&barrier), addr.clone());
+                // Every fifth key has a slow handler, so the others arrive while it runs.
+                let delay = k.is_multiple_of(5).then_some(300);
+                let request = pay(&format!("{name}-{k}"), 100 + k as u64, delay);
+                threads.push(std::thread::spawn(move || {
+                    barrier.wait();
+                    (k, send_once(&addr, &request, CLIENT_TIMEOUT))
+                }));
+            }
+        }
+        for t in threads {
+            let (k, r) = t.join().expect("client");
+            let r = r.unwrap_or_else(|e| panic!("key {k}: no answer: {e}"));
+            let seen = classify(&r).unwrap_or_else(|e| panic!("key {k}: {e}"));
+            *seen_all.entry(format!("{seen:?}")).or_default() += 1;
+            if seen == Seen::Created {
+                assert!(
+                    created_bodies.insert(k, r.body.clone()).is_none(),
+                    "key {name}-{k}: two fresh 201s for one key"
+                );
+            }
+        }
+    }
+    // Afterwards every key resolves: a replay of the one fresh response (or a first run when
+    // every concurrent request got 409/503 and nothing ran).
+    for k in 0..KEYS {
+        let key = format!("{name}-{k}");
+        let delay = k.is_multiple_of(5).then_some(300);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let r = send_once(
+                &addrs[k % 3],
+                &pay(&key, 100 + k as u64, delay),
+                CLIENT_TIMEOUT,
+            )
+            .expect("resolve");
+            match classify(&r) {
+                Ok(Seen::Replay) => {
+                    let first = created_bodies
+                        .get(&k)
+                        .unwrap_or_else(|| panic!("{key}: a replay but no fresh 201 was seen"));
+                    assert_eq!(
+                        &r.body, first,
+                        "{key}: replay differs from the fresh response"
+                    );
+                    break;
+                }
+                Ok(Seen::Created) => {
+                    assert!(
+                        created_bodies.insert(k, r.body.clone()).is_none(),
+                        "{key}: a second fresh 201 after the first completed"
+                    );
+                }
+                Ok(_) => {}
+                Err(e) => panic!("{key}: {e}"),
+            }
+            assert!(Instant::now() < deadline, "{key} never resolved");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+    let per_key = executions(&apps);
+    let wrong: Vec<_> = (0..KEYS)
+        .map(|k| format!("{name}-{k}"))
+        .filter(|k| per_key.get(k).copied().unwrap_or(0) != 1)
+        .map(|k| (k.clone(), per_key.get(&k).copied().unwrap_or(0)))
+        .collect();
+    assert!(
+        wrong.is_empty(),
+        "{name}: keys not run exactly once: {wrong:?}"
+    );
+    let mut seen: Vec<_> = seen_all.into_iter().collect();
+    seen.sort();
+    println!("COUNTS {name}: keys={KEYS} x3 instances at once: {seen:?}");
+}
+
+#[test]
+fn same_key_at_once_on_three_instances_postgres() {
+    let _s = serial();
+    let db = new_db();
+    let env = [("DATABASE_URL", db.url.as_str())];
+    let apps = [
+        PaymentsApp::start(&env),
+        PaymentsApp::start(&env),
+        PaymentsApp::start(&env),
+    ];
+    same_key_to_three_instances("pg3", [&apps[0], &apps[1], &apps[2]], classify);
+}
+
+#[test]
+fn same_key_at_once_on_three_instances_postgres_transactional() {
+    let _s = serial();
+    let db = new_db();
+    let env = [
+        ("DATABASE_URL", db.url.as_str()),
+        ("PAYMENTS_TRANSACTIONAL", "1"),
+    ];
+    let apps = [
+        PaymentsApp::start(&env),
+        PaymentsApp::start(&env),
+        PaymentsApp::start(&env),
+    ];
+    same_key_to_three_instances(
+        "tx3",
+        [&apps[0], &apps[1], &apps[2]],
+        classify_transactional,
+    );
+    // The table is the truth about effects: one payment row per key.
+    let dup = idempotency_e2e::records::count(
+        &db.url,
+        "SELECT count(*) AS n FROM (SELECT idempotency_key FROM payments \
+         GROUP BY idempotency_key HAVING count(*) <> 1) d",
+    );
+    assert_eq!(dup, 0, "keys with other than one payments row");
+}
+
+#[test]
+fn same_key_at_once_on_three_instances_redis() {
+    let _s = serial();
+    let redis = RedisServer::start();
+    let url = redis.url();
+    let env = [("REDIS_URL", url.as_str())];
+    let apps = [
+        PaymentsApp::start(&env),
+        PaymentsApp::start(&env),
+        PaymentsApp::start(&env),
+    ];
+    same_key_to_three_instances("rd3", [&apps[0], &apps[1], &apps[2]], classify);
+}
+
+// --------------------------------------------------------------------------------------------
+// 2. A slow handler on A (longer than its lease: renewals must keep it) while B gets retries.
+
+fn slow_on_a_retries_on_b(env: &[(&str, &str)]) {
+    let a = PaymentsApp::start(env);
+    let b = PaymentsApp::start(env);
+    bump_ids(&b, 3);
+    let request = pay("slow-1", 555, Some(3500));
+    let first = send_bg(&a.addr, &request);
+    wait_until(Duration::from_secs(10), "A runs the handler", || {
+        a.stats().per_key.contains_key("slow-1")
+    });
+    let mut conflicts = 0;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let replay = loop {
+        let r = send_once(&b.addr, &request, CLIENT_TIMEOUT).expect("retry on B");
+        match classify(&r) {
+            Ok(Seen::Conflict) => conflicts += 1,
+            Ok(Seen::Replay) => break r,
+            other => panic!(
+                "retry on B while A's slow handler runs (lease 1.2 s, handler 3.5 s): {other:?} {}",
+                r.describe()
+            ),
+        }
+        assert!(Instant::now() < deadline, "never replayed");
+        std::thread::sleep(Duration::from_millis(150));
+    };
+    let original = first.join().expect("client").expect("A answered");
+    assert_eq!(original.status, 201, "{}", original.describe());
+    assert_eq!(replay.body, original.body, "B replays A's response");
+    assert!(conflicts > 5, "B saw only {conflicts} 409s");
+    assert_eq!(executions_of(&[&a, &b], "slow-1"), vec![1, 0]);
+    println!("COUNTS slow_on_a: conflicts_on_b={conflicts} then replay");
+}
+
+#[test]
+fn slow_handler_past_its_lease_on_a_retries_on_b_get_409_then_replay_postgres() {
+    let _s = serial();
+    let db = new_db();
+    slow_on_a_retries_on_b(&[
+        ("DATABASE_URL", db.url.as_str()),
+        ("IDEMPOTENCY_LOCK_TIMEOUT_MS", "1200"),
+    ]);
+}
+
+#[test]
+fn slow_handler_past_its_lease_on_a_retries_on_b_get_409_then_replay_redis() {
+    let _s = serial();
+    let redis = RedisServer::start();
+    let url = redis.url();
+    slow_on_a_retries_on_b(&[
+        ("REDIS_URL", url.as_str()),
+        ("IDEMPOTENCY_LOCK_TIMEOUT_MS", "1200"),
+    ]);
+}
+
+// --------------------------------------------------------------------------------------------
+// 3. SIGSTOP of A past its lease; B takes over; A wakes up.
+
+/// `b_completes_first`: A is woken only after B's takeover completed; otherwise A is woken
+/// while B's handler still runs.
+fn frozen_instance(env: &[(&str, &str)], pg_url: Option<&str>, b_completes_first: bool) {
+    let a = PaymentsApp::start(env);
+    let b = PaymentsApp::start(env);
+    bump_ids(&b, 5);
+    let key = "frozen-1";
+    let request = pay(key, 4242, Some(1500));
+    let first = send_bg(&a.addr, &request);
+    wait_until(Duration::from_secs(10), "A runs the handler", || {
+        a.stats().per_key.contains_key(key)
+    });
+    let a_token = pg_url.map(|u| records_for_key(u, key)[0].token);
+    signal(a.pid(), "-STOP");
+    let stopped = Instant::now();
+    // Lease 2 s: retries on B get 409 until it ends, then one takes over.
+    let mut conflicts = 0;
+    loop {
+        // B's handler takes 1.5 s too; send it in the background and look at what comes back.
+        let r = send_once(&b.addr, &request, Duration::from_millis(300));
+        match r {
+            Ok(r) => match classify(&r) {
+                Ok(Seen::Conflict) => conflicts += 1,
+                other => panic!("B while A is frozen: {other:?} {}", r.describe()),
+            },
+            Err(_) => {
+                // Timed out: B is running the handler (taken over). Wait for it below.
+                break;
+            }
+        }
+        assert!(
+            stopped.elapsed() < Duration::from_secs(15),
+            "B never took over"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(
+        b.stats().per_key.get(key),
+        Some(&1),
+        "B runs the handler after A's lease ended"
+    );
+    assert!(
+        stopped.elapsed() >= Duration::from_millis(1500),
+        "B took over {:?} after A froze, inside the lease",
+        stopped.elapsed()
+    );
+    let b_token = pg_url.map(|u| records_for_key(u, key)[0].token);
+    if let (Some(at), Some(bt)) = (&a_token, &b_token) {
+        assert_ne!(at, bt, "B holds a new token");
+    }
+    if b_completes_first {
+        wait_until(Duration::from_secs(10), "B's response stored", || {
+            send_once(&b.addr, &request, CLIENT_TIMEOUT).is_ok_and(|r| r.is_replay())
+        });
+    }
+    let b_body = if b_completes_first {
+        Some(
+            send_once(&b.addr, &request, CLIENT_TIMEOUT)
+                .expect("replay")
+                .body,
+        )
+    } else {
+        None
+    };
+    signal(a.pid(), "-CONT");
+    let a_response = first
+        .join()
+        .expect("client")
+        .expect("A answers after SIGCONT");
+    assert_eq!(a_response.status, 201, "{}", a_response.describe());
+    assert!(!a_response.is_replay());
+    if !b_completes_first {
+        // While B still runs (its 1.5 s), A woke up: its renewal and complete are fenced.
+        if let (Some(u), Some(bt)) = (pg_url, &b_token) {
+            let rows = records_for_key(u, key);
+            assert_eq!(rows.len(), 1);
+            assert_eq!(&rows[0].token, bt, "A's wake-up replaced B's reservation");
+        }
+    }
+    // Let every background task of A and B finish (renewals, stale completes).
+    std::thread::sleep(Duration::from_millis(3000));
+    let replay_a = send_once(&a.addr, &request, CLIENT_TIMEOUT).expect("replay on A");
+    let replay_b = send_once(&b.addr, &request, CLIENT_TIMEOUT).expect("replay on B");
+    assert!(replay_a.is_replay(), "{}", replay_a.describe());
+    assert!(replay_b.is_replay(), "{}", replay_b.describe());
+    assert_eq!(replay_a.body, replay_b.body);
+    assert_ne!(
+        replay_a.body,
+        a_response.body,
+        "the frozen holder's response was stored over the takeover: {}",
+        replay_a.text()
+    );
+    if let Some(bb) = b_body {
+        assert_eq!(
+            replay_a.body, bb,
+            "the stored response changed after B stored it"
+        );
+    }
+    if let (Some(u), Some(bt)) = (pg_url, &b_token) {
+        let rows = records_for_key(u, key);
+        assert_eq!(rows.len(), 1);
+        assert_eq!(rows[0].state, State::Completed);
+        assert_eq!(&rows[0].token, bt);
+    }
+    // One run each: A's lease ended while it was frozen (C9: "hung past that limit").
+    assert_eq!(executions_of(&[&a, &b], key), vec![1, 1]);
+    let log = faults::strip_ansi(&a.log());
+    println!(
+        "COUNTS frozen_instance b_completes_first={b_completes_first}: conflicts_on_b={conflicts}; A log lines about stale/lost: {}",
+        log.lines()
+            .filter(|l| l.contains("stale") || l.contains("lost") || l.contains("taken over"))
+            .count()
+    );
+}
+
+#[test]
+fn sigstop_past_the_lease_woken_while_b_runs_postgres() {
+    let _s = serial();
+    let db = new_db();
+    frozen_instance(
+        &[
+            ("DATABASE_URL", db.url.as_str()),
+            ("IDEMPOTENCY_LOCK_TIMEOUT_MS", "2000"),
+        ],
+        Some(&db.url),
+        false,
+    );
+}
+
+#[test]
+fn sigstop_past_the_lease_woken_after_b_completed_postgres() {
+    let _s = serial();
+    let db = new_db();
+    frozen_instance(
+        &[
+            ("DATABASE_URL", db.url.as_str()),
+            ("IDEMPOTENCY_LOCK_TIMEOUT_MS", "2000"),
+        ],
+        Some(&db.url),
+        true,
+    );
+}
+
+#[test]
+fn sigstop_past_the_lease_woken_while_b_runs_redis() {
+    let _s = serial();
+    let redis = RedisServer::start();
+    let url = redis.url();
+    frozen_instance(
+        &[
+            ("REDIS_URL", url.as_str()),
+            ("IDEMPOTENCY_LOCK_TIMEOUT_MS", "2000"),
+        ],
+        None,
+        false,
+    );
+}
+
+#[test]
+fn sigstop_past_the_lease_woken_after_b_completed_redis() {
+    let _s = serial();
+    let redis = RedisServer::start();
+    let url = redis.url();
+    frozen_instance(
+        &[
+            ("REDIS_URL", url.as_str()),
+            ("IDEMPOTENCY_LOCK_TIMEOUT_MS", "2000"),
+        ],
+        None,
+        true,
+    );
+}
+
+/// SIGSTOP in transactional mode: A's transaction (with its claim and payments row) is open
+/// while A is frozen past its lease. transactional.md: "nothing else can take an open
+/// transaction's claim" and a hung app holds it until `idle_in_transaction_session_timeout`.
+/// So B must get only 409 (never a second run) while A is frozen, and A's commit after
+/// SIGCONT is the one response: B replays it. Exactly one payments row.
+#[test]
+fn sigstop_past_the_lease_transactional_one_payment_row() {
+    let _s = serial();
+    let db = new_db();
+    let env = [
+        ("DATABASE_URL", db.url.as_str()),
+        ("PAYMENTS_TRANSACTIONAL", "1"),
+        ("IDEMPOTENCY_LOCK_TIMEOUT_MS", "2000"),
+    ];
+    let a = PaymentsApp::start(&env);
+    let b = PaymentsApp::start(&env);
+    let key = "frozen-tx";
+    let request = pay(key, 777, Some(1500));
+    let first = send_bg(&a.addr, &request);
+    wait_until(Duration::from_secs(10), "A runs the handler", || {
+        a.stats().per_key.contains_key(key)
+    });
+    signal(a.pid(), "-STOP");
+    let stopped = Instant::now();
+    let mut seen = Vec::new();
+    // Twice the lease.
+    while stopped.elapsed() < Duration::from_secs(4) {
+        let r = send_once(&b.addr, &request, CLIENT_TIMEOUT).expect("B answers");
+        let s = classify_transactional(&r).unwrap_or_else(|e| panic!("{e}"));
+        seen.push((stopped.elapsed().as_millis(), s));
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    signal(a.pid(), "-CONT");
+    let a_resp = first
+        .join()
+        .expect("client")
+        .expect("A answers after SIGCONT");
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let b_final = loop {
+        let r = send_once(&b.addr, &request, CLIENT_TIMEOUT).expect("B answers");
+        let s = classify_transactional(&r).unwrap_or_else(|e| panic!("{e}"));
+        if matches!(s, Seen::Created | Seen::Replay) {
+            break r;
+        }
+        assert!(Instant::now() < deadline, "B never resolved after A woke");
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let rows = idempotency_e2e::records::count(
+        &db.url,
+        &format!("SELECT count(*) AS n FROM payments WHERE idempotency_key = '{key}'"),
+    );
+    let ex = executions_of(&[&a, &b], key);
+    println!(
+        "COUNTS frozen_tx: B saw while A frozen {:?}; A answered {}; payments rows={rows}; executions={ex:?}",
+        Tally::of_seen(seen.iter().map(|(_, s)| s)).line(),
+        a_resp.status,
+    );
+    assert!(
+        seen.iter().all(|(_, s)| *s == Seen::Conflict),
+        "while A's transaction is open, B must only get 409: {seen:?}"
+    );
+    assert_eq!(a_resp.status, 201, "{}", a_resp.describe());
+    assert!(b_final.is_replay(), "{}", b_final.describe());
+    assert_eq!(b_final.body, a_resp.body);
+    assert_eq!(rows, 1, "payments rows for the key");
+    assert_eq!(ex, vec![1, 0]);
+}
+
+// --------------------------------------------------------------------------------------------
+// 4. idem-cli release of an in-flight key while its handler runs on A.
+
+#[test]
+fn cli_release_of_a_running_key_refused_then_forced_postgres() {
+    let _s = serial();
+    let db = new_db();
+    let env = [
+        ("DATABASE_URL", db.url.as_str()),
+        ("IDEMPOTENCY_LOCK_TIMEOUT_MS", "1500"),
+    ];
+    let a = PaymentsApp::start(&env);
+    let b = PaymentsApp::start(&env);
+    bump_ids(&b, 7);
+    let key = "rel-1";
+    let request = pay(key, 900, Some(4000));
+    let first = send_bg(&a.addr, &request);
+    wait_until(Duration::from_secs(10), "A runs the handler", || {
+        a.stats().per_key.contains_key(key)
+    });
+    // Without --force: refused, exit 6, record untouched.
+    let o = cli(&db.url, &["release", key, "--tenant", TENANT]);
+    assert_eq!(o.status.code(), Some(6), "{}", out_text(&o));
+    assert_eq!(records_for_key(&db.url, key).len(), 1);
+    // After A's own lease would have ended without renewal (1.5 s): still refused (renewed).
+    std::thread::sleep(Duration::from_millis(2000));
+    let o = cli(&db.url, &["release", key, "--tenant", TENANT]);
+    assert_eq!(
+        o.status.code(),
+        Some(6),
+        "a renewed lease must still be refused: {}",
+        out_text(&o)
+    );
+    // --force: released.
+    let o = cli(&db.url, &["release", key, "--tenant", TENANT, "--force"]);
+    assert_eq!(o.status.code(), Some(0), "{}", out_text(&o));
+    // A's renewals (every 0.5 s) keep running until its handler returns: they must not bring
+    // the record back.
+    for _ in 0..8 {
+        assert!(
+            records_for_key(&db.url, key).is_empty(),
+            "the released reservation came back (renewal resurrected it)"
+        );
+        std::thread::sleep(Duration::from_millis(150));
+    }
+    // A retry on B runs the handler a second time (documented in operations.md).
+    let second = send_bg(&b.addr, &request);
+    wait_until(Duration::from_secs(10), "B runs the handler", || {
+        b.stats().per_key.contains_key(key)
+    });
+    let b_token = records_for_key(&db.url, key)[0].token;
+    let a_resp = first.join().expect("client").expect("A answered");
+    assert_eq!(a_resp.status, 201);
+    std::thread::sleep(Duration::from_millis(300));
+    let rows = records_for_key(&db.url, key);
+    assert_eq!(rows.len(), 1);
+    assert_eq!(
+        rows[0].state,
+        State::InFlight,
+        "A's response stored after the release"
+    );
+    assert_eq!(rows[0].token, b_token);
+    let b_resp = second.join().expect("client").expect("B answered");
+    assert_eq!(b_resp.status, 201);
+    std::thread::sleep(Duration::from_millis(300));
+    let replay = send_once(&a.addr, &request, CLIENT_TIMEOUT).expect("replay");
+    assert!(replay.is_replay(), "{}", replay.describe());
+    assert_eq!(replay.body, b_resp.body, "the stored response is B's");
+    assert_eq!(executions_of(&[&a, &b], key), vec![1, 1]);
+}
+
+#[test]
+fn cli_release_forced_of_a_running_key_redis() {
+    let _s = serial();
+    let redis = RedisServer::start();
+    let url = redis.url();
+    let env = [
+        ("REDIS_URL", url.as_str()),
+        ("IDEMPOTENCY_LOCK_TIMEOUT_MS", "1500"),
+    ];
+    let a = PaymentsApp::start(&env);
+    let b = PaymentsApp::start(&env);
+    bump_ids(&b, 7);
+    let key = "rel-r";
+    let request = pay(key, 901, Some(4000));
+    let first = send_bg(&a.addr, &request);
+    wait_until(Duration::from_secs(10), "A runs the handler", || {
+        a.stats().per_key.contains_key(key)
+    });
+    let o = cli_env("REDIS_URL", &url, &["release", key, "--tenant", TENANT]);
+    assert_eq!(o.status.code(), Some(6), "{}", out_text(&o));
+    std::thread::sleep(Duration::from_millis(2000));
+    let o = cli_env("REDIS_URL", &url, &["release", key, "--tenant", TENANT]);
+    assert_eq!(o.status.code(), Some(6), "renewed lease: {}", out_text(&o));
+    let o = cli_env(
+        "REDIS_URL",
+        &url,
+        &["release", key, "--tenant", TENANT, "--force"],
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", out_text(&o));
+    // Renewals of A must not bring it back.
+    for _ in 0..8 {
+        let o = cli_env(
+            "REDIS_URL",
+            &url,
+            &["show", key, "--tenant", TENANT, "--format", "json"],
+        );
+        assert_eq!(
+            o.status.code(),
+            Some(6),
+            "the released reservation came back: {}",
+            out_text(&o)
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let second = send_bg(&b.addr, &request);
+    wait_until(Duration::from_secs(10), "B runs the handler", || {
+        b.stats().per_key.contains_key(key)
+    });
+    let a_resp = first.join().expect("client").expect("A answered");
+    assert_eq!(a_resp.status, 201);
+    let b_resp = second.join().expect("client").expect("B answered");
+    assert_eq!(b_resp.status, 201);
+    std::thread::sleep(Duration::from_millis(300));
+    let replay = send_once(&a.addr, &request, CLIENT_TIMEOUT).expect("replay");
+    assert!(replay.is_replay(), "{}", replay.describe());
+    assert_eq!(
+        replay.body, b_resp.body,
+        "the stored response is B's, not A's"
+    );
+    assert_eq!(executions_of(&[&a, &b], key), vec![1, 1]);
+}
+
+/// A frozen A whose lease ended: `release` without --force is allowed (lease ended). When A
+/// wakes it must neither store nor renew the released record back into existence.
+#[test]
+fn cli_release_of_a_frozen_holders_key_then_wake_up_postgres() {
+    let _s = serial();
+    let db = new_db();
+    let env = [
+        ("DATABASE_URL", db.url.as_str()),
+        ("IDEMPOTENCY_LOCK_TIMEOUT_MS", "1500"),
+    ];
+    let a = PaymentsApp::start(&env);
+    let key = "rel-frozen";
+    let request = pay(key, 902, Some(800));
+    let first = send_bg(&a.addr, &request);
+    wait_until(Duration::from_secs(10), "A runs the handler", || {
+        a.stats().per_key.contains_key(key)
+    });
+    signal(a.pid(), "-STOP");
+    std::thread::sleep(Duration::from_millis(2500));
+    let o = cli(&db.url, &["release", key, "--tenant", TENANT]);
+    let released = o.status.code() == Some(0);
+    signal(a.pid(), "-CONT");
+    assert!(released, "release after the lease ended: {}", out_text(&o));
+    let a_resp = first.join().expect("client").expect("A answered");
+    assert_eq!(a_resp.status, 201);
+    std::thread::sleep(Duration::from_millis(1500));
+    let rows = records_for_key(&db.url, key);
+    assert!(
+        rows.is_empty(),
+        "after release, the woken holder wrote the record back: {:?}",
+        rows.iter().map(|r| (r.state, r.token)).collect::<Vec<_>>()
+    );
+}
+
+// --------------------------------------------------------------------------------------------
+// 5. The operator's commands while traffic runs on two instances.
+
+#[test]
+fn cli_purge_list_show_stats_while_traffic_runs_never_lose_a_live_record() {
+    let _s = serial();
+    let db = new_db();
+    let env = [
+        ("DATABASE_URL", db.url.as_str()),
+        ("IDEMPOTENCY_LOCK_TIMEOUT_MS", "5000"),
+    ];
+    let apps = [PaymentsApp::start(&env), PaymentsApp::start(&env)];
+    let stop = Arc::new(AtomicBool::new(false));
+    let next = Arc::new(AtomicUsize::new(0));
+    let mut clients = Vec::new();
+    for c in 0..6 {
+        let addrs = [apps[0].addr.clone(), apps[1].addr.clone()];
+        let (stop, next) = (Arc::clone(&stop), Arc::clone(&next));
+        clients.push(std::thread::spawn(move || -> Result<Vec<usize>, String> {
+            let mut mine = Vec::new();
+            while !stop.load(Ordering::SeqCst) {
+                let k = next.fetch_add(1, Ordering::SeqCst);
+                mine.push(k);
+                let delay = (k % 4 == 0).then_some(400);
+                let req = pay(&format!("op-{k}"), 10 + k as u64, delay);
+                // The original and two retries, on alternating instances.
+                for attempt in 0..3 {
+                    let r = send_once(&addrs[(c + attempt) % 2], &req, CLIENT_TIMEOUT)
+                        .map_err(|e| format!("op-{k}: {e}"))?;
+                    classify(&r).map_err(|e| format!("op-{k}: {e}"))?;
+                }
+            }
+            Ok(mine)
+        }));
+    }
+    // The operator, meanwhile.
+    let started = Instant::now();
+    let mut runs = 0;
+    while started.elapsed() < Duration::from_secs(8) {
+        for args in [
+            &["purge", "--grace", "0s"][..],
+            &["purge", "--grace", "0s", "--batch-size", "1"][..],
+            &["list", "--state", "in-flight"][..],
+            &["list", "--format", "json", "--limit", "0"][..],
+            &["stats", "--format", "json"][..],
+            &["show", "op-1", "--tenant", TENANT][..],
+        ] {
+            let o = cli(&db.url, args);
+            assert_eq!(o.status.code(), Some(0), "{args:?}: {}", out_text(&o));
+            if args[0] == "purge" {
+                let text = String::from_utf8_lossy(&o.stdout).to_string();
+                assert!(
+                    text.contains("purged 0 records") || text.contains("purge skipped"),
+                    "purge deleted live records: {text}"
+                );
+            }
+            runs += 1;
+        }
+    }
+    stop.store(true, Ordering::SeqCst);
+    let mut sent = Vec::new();
+    for c in clients {
+        sent.extend(c.join().expect("client").expect("contract held"));
+    }
+    // Everything still there: one replay per key, one run per key.
+    for &k in &sent {
+        let key = format!("op-{k}");
+        let delay = (k % 4 == 0).then_some(400);
+        let r = send_once(
+            &apps[k % 2].addr,
+            &pay(&key, 10 + k as u64, delay),
+            CLIENT_TIMEOUT,
+        )
+        .expect("replay");
+        assert!(
+            r.is_replay(),
+            "{key}: record lost during the operator's commands: {}",
+            r.describe()
+        );
+    }
+    let per_key = executions(&[&apps[0], &apps[1]]);
+    let wrong: Vec<_> = per_key.iter().filter(|(_, n)| **n != 1).collect();
+    assert!(wrong.is_empty(), "keys run more than once: {wrong:?}");
+    assert_eq!(per_key.len(), sent.len());
+    println!(
+        "COUNTS operator_under_traffic: keys={} cli_runs={runs}",
+        sent.len()
+    );
+}
+
+// --------------------------------------------------------------------------------------------
+// 6. The password of a protected role is never printed.
+
+const PASSWORD: &str = "s3/cr#t@x:y?z";
+const PASSWORD_ENCODED: &str = "s3%2Fcr%23t%40x%3Ay%3Fz";
+/// The same with raw `/`, `#`, `:`, `?` (operations.md says they work raw) and `@` encoded.
+const PASSWORD_RAW_URL: &str = "s3/cr#t%40x:y?z";
+
+struct Role(String, String);
+
+impl Drop for Role {
+    fn drop(&mut self) {
+        let _ = block_on_fresh_thread({
+            let (admin, name) = (self.1.clone(), self.0.clone());
+            async move {
+                use diesel_async::SimpleAsyncConnection;
+                let mut c = idempotency_actix::store::postgres::admin::establish(&admin)
+                    .await
+                    .ok()?;
+                c.batch_execute(&format!(
+                    "DROP OWNED BY \"{name}\" CASCADE; DROP ROLE IF EXISTS \"{name}\""
+                ))
+                .await
+                .ok()
+            }
+        });
+    }
+}
+
+fn leaks(text: &str) -> Vec<&'static str> {
+    [
+        PASSWORD,
+        PASSWORD_ENCODED,
+        PASSWORD_RAW_URL,
+        "s3/cr",
+        "s3%2F",
+        "cr#t",
+        "cr%23t",
+        "x:y?z",
+    ]
+    .into_iter()
+    .filter(|p| text.contains(p))
+    .collect()
+}
+
+#[test]
+fn operator_output_and_app_never_print_the_password() {
+    let _s = serial();
+    let db = new_db();
+    let name = format!("idem_pw_{}", std::process::id());
+    let role = Role(name.clone(), server_url());
+    execute(
+        &server_url(),
+        &format!("CREATE ROLE \"{name}\" LOGIN NOSUPERUSER PASSWORD '{PASSWORD}'"),
+    );
+    execute(
+        &db.url,
+        &format!(
+            "GRANT USAGE ON SCHEMA public TO \"{name}\"; \
+             GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA public TO \"{name}\"; \
+             GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA public TO \"{name}\""
+        ),
+    );
+    let hostpart = db
+        .url
+        .rsplit_once('@')
+        .map(|(_, h)| h.to_owned())
+        .expect("host");
+    let urls = [
+        format!("postgres://{name}:{PASSWORD_ENCODED}@{hostpart}"),
+        format!("postgres://{name}:{PASSWORD_RAW_URL}@{hostpart}"),
+    ];
+    let bad_db = format!(
+        "postgres://{name}:{PASSWORD_ENCODED}@{}/no_such_db_here",
+        hostpart.split('/').next().unwrap_or("127.0.0.1:5432")
+    );
+    let dead_port = format!(
+        "postgres://{name}:{PASSWORD_ENCODED}@127.0.0.1:1/{}",
+        db.name
+    );
+    let kv = format!(
+        "host=127.0.0.1 port=5432 user={name} password='{PASSWORD}' dbname={} connect_timeout=2",
+        db.name
+    );
+    let app = PaymentsApp::start(&[
+        ("DATABASE_URL", urls[0].as_str()),
+        ("IDEMPOTENCY_LOCK_TIMEOUT_MS", "3000"),
+    ]);
+    // Some completed and one in-flight key.
+    for k in 0..3 {
+        let r =
+            send_once(&app.addr, &pay(&format!("pw-{k}"), 5, None), CLIENT_TIMEOUT).expect("pay");
+        assert_eq!(r.status, 201, "{}", r.describe());
+    }
+    let running = send_bg(&app.addr, &pay("pw-run", 6, Some(3000)));
+    wait_until(Duration::from_secs(10), "in flight", || {
+        app.stats().per_key.contains_key("pw-run")
+    });
+    let mut outputs = Vec::new();
+    for url in urls.iter().chain([&bad_db, &dead_port, &kv]) {
+        for args in [
+            &["list"][..],
+            &["list", "--format", "json"][..],
+            &["show", "pw-1", "--tenant", TENANT][..],
+            &["show", "pw-run", "--format", "json"][..],
+            &["show", "nope"][..],
+            &["stats"][..],
+            &["stats", "--format", "json"][..],
+            &["release", "pw-run"][..],
+            &["release", "pw-0"][..],
+            &["purge", "--dry-run"][..],
+            &["purge"][..],
+            &["migrate", "--check"][..],
+            &["migrate"][..],
+            &["--connect-timeout", "1ms", "stats"][..],
+            &["--database-url", url.as_str(), "--bogus-flag"][..],
+            &["--database-url", url.as_str(), "list", "--older-than", "7x"][..],
+        ] {
+            let o = cli(url, args);
+            outputs.push((url.clone(), args.join(" "), out_text(&o)));
+        }
+    }
+    let _ = running.join();
+    let mut leaked = Vec::new();
+    for (url, args, text) in &outputs {
+        let l = leaks(text);
+        if !l.is_empty() {
+            leaked.push(format!(
+                "url#{} `{args}` leaks {l:?}:\n{text}",
+                [&urls[0], &urls[1], &bad_db, &dead_port, &kv]
+                    .iter()
+                    .position(|u| *u == url)
+                    .unwrap_or(99)
+            ));
+        }
+    }
+    let app_log = app.log();
+    let l = leaks(&app_log);
+    if !l.is_empty() {
+        leaked.push(format!("the payments app's log leaks {l:?}"));
+    }
+    // Sanity: the CLI worked with the password URL at all.
+    assert!(
+        outputs
+            .iter()
+            .any(|(u, a, t)| u == &urls[0] && a == "stats" && t.contains("exit=Some(0)")),
+        "stats with the role's URL failed: {:?}",
+        outputs
+            .iter()
+            .find(|(u, a, _)| u == &urls[0] && a == "stats")
+    );
+    drop(role);
+    assert!(
+        leaked.is_empty(),
+        "password printed:\n{}",
+        leaked.join("\n---\n")
+    );
+}
+
+// --------------------------------------------------------------------------------------------
+// 7. SIGKILL of A mid-handler, retries on B and C: the C16/C9 rule, on three instances.
+
+#[test]
+fn sigkill_mid_handler_retries_on_two_others_run_once_after_the_lease() {
+    let _s = serial();
+    let db = new_db();
+    let env = [
+        ("DATABASE_URL", db.url.as_str()),
+        ("IDEMPOTENCY_LOCK_TIMEOUT_MS", "3000"),
+    ];
+    let mut a = PaymentsApp::start(&env);
+    let b = PaymentsApp::start(&env);
+    let c = PaymentsApp::start(&env);
+    let request = pay("kill-3", 333, Some(2000));
+    let sent = Instant::now();
+    let first = send_bg(&a.addr, &request);
+    wait_until(Duration::from_secs(10), "A runs the handler", || {
+        a.stats().per_key.contains_key("kill-3")
+    });
+    a.kill();
+    let _ = first.join();
+    // B and C hammer concurrently: 409 until the lease ends, then exactly one takes over, and
+    // the other gets 409 (in flight) then the replay.
+    let mut threads = Vec::new();
+    for app in [&b, &c] {
+        let (addr, request) = (app.addr.clone(), request.clone());
+        threads.push(std::thread::spawn(move || {
+            let mut seen = Vec::new();
+            let deadline = Instant::now() + Duration::from_secs(20);
+            loop {
+                let r = send_once(&addr, &request, CLIENT_TIMEOUT).expect("answer");
+                let s = classify(&r).unwrap_or_else(|e| panic!("{e}"));
+                seen.push((sent.elapsed(), s));
+                if matches!(s, Seen::Created | Seen::Replay) {
+                    return (seen, r.body);
+                }
+                assert!(Instant::now() < deadline, "never resolved: {seen:?}");
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }));
+    }
+    let results: Vec<_> = threads
+        .into_iter()
+        .map(|t| t.join().expect("client"))
+        .collect();
+    let created: Vec<_> = results
+        .iter()
+        .flat_map(|(s, _)| s.iter().filter(|(_, x)| *x == Seen::Created))
+        .collect();
+    assert_eq!(created.len(), 1, "takeovers: {results:?}");
+    assert!(
+        created[0].0 >= Duration::from_millis(2900),
+        "taken over {:?} after the request, inside the 3 s lease",
+        created[0].0
+    );
+    assert_eq!(results[0].1, results[1].1, "both see the same response");
+    assert_eq!(
+        executions_of(&[&b, &c], "kill-3").iter().sum::<u64>(),
+        1,
+        "after the dead holder, one run"
+    );
+}
+
+// --------------------------------------------------------------------------------------------
+// 8. More operator-versus-holder races.
+
+/// A frozen holder whose lease ended; `purge --grace 0s` deletes its reservation (documented:
+/// in-flight reservations whose lease ended more than --grace ago). When it wakes up it must not
+/// write the record back.
+#[test]
+fn purge_of_a_frozen_holders_reservation_then_wake_up_postgres() {
+    let _s = serial();
+    let db = new_db();
+    let env = [
+        ("DATABASE_URL", db.url.as_str()),
+        ("IDEMPOTENCY_LOCK_TIMEOUT_MS", "1500"),
+    ];
+    let a = PaymentsApp::start(&env);
+    let key = "purge-frozen";
+    let request = pay(key, 903, Some(800));
+    let first = send_bg(&a.addr, &request);
+    wait_until(Duration::from_secs(10), "A runs the handler", || {
+        a.stats().per_key.contains_key(key)
+    });
+    signal(a.pid(), "-STOP");
+    std::thread::sleep(Duration::from_millis(2500));
+    let o = cli(&db.url, &["purge", "--grace", "0s"]);
+    signal(a.pid(), "-CONT");
+    assert_eq!(o.status.code(), Some(0), "{}", out_text(&o));
+    let purged = String::from_utf8_lossy(&o.stdout).to_string();
+    assert!(purged.contains("1 in-flight"), "{purged}");
+    let a_resp = first.join().expect("client").expect("A answered");
+    assert_eq!(a_resp.status, 201);
+    std::thread::sleep(Duration::from_millis(1500));
+    let rows = records_for_key(&db.url, key);
+    assert!(
+        rows.is_empty(),
+        "after purge, the woken holder wrote the record back: {:?}",
+        rows.iter().map(|r| (r.state, r.token)).collect::<Vec<_>>()
+    );
+}
+
+/// `idem-cli release` (with and without --force) of a key whose transactional claim is open on
+/// A: it must answer within its bounds (no hang), and never make a second run possible while
+/// A's transaction is open.
+#[test]
+fn cli_release_of_an_open_transactional_claim() {
+    let _s = serial();
+    let db = new_db();
+    let env = [
+        ("DATABASE_URL", db.url.as_str()),
+        ("PAYMENTS_TRANSACTIONAL", "1"),
+        ("IDEMPOTENCY_LOCK_TIMEOUT_MS", "2000"),
+    ];
+    let a = PaymentsApp::start(&env);
+    let b = PaymentsApp::start(&env);
+    let key = "rel-tx";
+    let request = pay(key, 904, Some(6000));
+    let first = send_bg(&a.addr, &request);
+    wait_until(Duration::from_secs(10), "A runs the handler", || {
+        a.stats().per_key.contains_key(key)
+    });
+    let mut log = Vec::new();
+    for args in [
+        &["release", key, "--tenant", TENANT][..],
+        &["release", key, "--tenant", TENANT, "--force"][..],
+        &["show", key, "--tenant", TENANT][..],
+    ] {
+        let t = Instant::now();
+        let o = cli(&db.url, args);
+        log.push(format!("{args:?} in {:?}: {}", t.elapsed(), out_text(&o)));
+        assert!(
+            t.elapsed() < Duration::from_secs(15),
+            "{args:?} took {:?}",
+            t.elapsed()
+        );
+    }
+    // B, meanwhile: only 409, never a run.
+    let r = send_once(&b.addr, &request, CLIENT_TIMEOUT).expect("B");
+    let s = classify_transactional(&r).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        s,
+        Seen::Conflict,
+        "B during A's open claim after release: {}",
+        r.describe()
+    );
+    let a_resp = first.join().expect("client").expect("A answered");
+    println!(
+        "COUNTS release_open_tx_claim:\n{}\nA: {}",
+        log.join("\n"),
+        a_resp.status
+    );
+    assert_eq!(a_resp.status, 201, "{}", a_resp.describe());
+    let r = send_once(&b.addr, &request, CLIENT_TIMEOUT).expect("B");
+    assert!(r.is_replay(), "{}", r.describe());
+    assert_eq!(executions_of(&[&a, &b], key), vec![1, 0]);
+}
+
+/// Mixed modes on one database: a default-mode holder A frozen past its lease, a
+/// transactional instance B takes the key over; A wakes while B's transaction is open
+/// (transactional.md: A's complete waits, then finds the token changed and does nothing).
+#[test]
+fn mixed_modes_frozen_default_holder_taken_over_by_transactional_instance() {
+    let _s = serial();
+    let db = new_db();
+    let a = PaymentsApp::start(&[
+        ("DATABASE_URL", db.url.as_str()),
+        ("IDEMPOTENCY_LOCK_TIMEOUT_MS", "1500"),
+    ]);
+    let b = PaymentsApp::start(&[
+        ("DATABASE_URL", db.url.as_str()),
+        ("PAYMENTS_TRANSACTIONAL", "1"),
+        ("IDEMPOTENCY_LOCK_TIMEOUT_MS", "1500"),
+    ]);
+    let key = "mixed-1";
+    let request = pay(key, 905, Some(1000));
+    let first = send_bg(&a.addr, &request);
+    wait_until(Duration::from_secs(10), "A runs the handler", || {
+        a.stats().per_key.contains_key(key)
+    });
+    signal(a.pid(), "-STOP");
+    std::thread::sleep(Duration::from_millis(2500));
+    let second = send_bg(&b.addr, &request);
+    wait_until(Duration::from_secs(10), "B runs the handler", || {
+        b.stats().per_key.contains_key(key)
+    });
+    signal(a.pid(), "-CONT");
+    let a_resp = first.join().expect("client").expect("A answered");
+    let b_resp = second.join().expect("client").expect("B answered");
+    std::thread::sleep(Duration::from_millis(1500));
+    let ra = send_once(&a.addr, &request, CLIENT_TIMEOUT).expect("replay A");
+    let rb = send_once(&b.addr, &request, CLIENT_TIMEOUT).expect("replay B");
+    let rows = idempotency_e2e::records::count(
+        &db.url,
+        &format!("SELECT count(*) AS n FROM payments WHERE idempotency_key = '{key}'"),
+    );
+    println!(
+        "COUNTS mixed: A {} B {} payments rows {rows} executions {:?}",
+        a_resp.status,
+        b_resp.status,
+        executions_of(&[&a, &b], key)
+    );
+    assert_eq!(b_resp.status, 201, "{}", b_resp.describe());
+    assert!(
+        ra.is_replay() && rb.is_replay(),
+        "{} / {}",
+        ra.describe(),
+        rb.describe()
+    );
+    assert_eq!(ra.body, rb.body);
+    assert_eq!(
+        rb.body, b_resp.body,
+        "the stored response is B's (the takeover's)"
+    );
+    assert_eq!(rows, 1);
+}
+
+/// Redis: a frozen holder whose lease ended; `idem-cli release` (no --force: the lease ended)
+/// removes it; when the holder wakes, neither its renewal nor its complete writes it back.
+#[test]
+fn cli_release_of_a_frozen_holders_key_then_wake_up_redis() {
+    let _s = serial();
+    let redis = RedisServer::start();
+    let url = redis.url();
+    let env = [
+        ("REDIS_URL", url.as_str()),
+        ("IDEMPOTENCY_LOCK_TIMEOUT_MS", "1500"),
+    ];
+    let a = PaymentsApp::start(&env);
+    let key = "rel-frozen-r";
+    let request = pay(key, 906, Some(800));
+    let first = send_bg(&a.addr, &request);
+    wait_until(Duration::from_secs(10), "A runs the handler", || {
+        a.stats().per_key.contains_key(key)
+    });
+    signal(a.pid(), "-STOP");
+    std::thread::sleep(Duration::from_millis(2500));
+    let o = cli_env("REDIS_URL", &url, &["release", key, "--tenant", TENANT]);
+    signal(a.pid(), "-CONT");
+    assert_eq!(o.status.code(), Some(0), "{}", out_text(&o));
+    let a_resp = first.join().expect("client").expect("A answered");
+    assert_eq!(a_resp.status, 201);
+    std::thread::sleep(Duration::from_millis(1500));
+    let o = cli_env("REDIS_URL", &url, &["show", key, "--tenant", TENANT]);
+    assert_eq!(
+        o.status.code(),
+        Some(6),
+        "after release, the woken holder wrote the record back: {}",
+        out_text(&o)
+    );
+}
