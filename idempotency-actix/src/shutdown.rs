@@ -42,7 +42,14 @@
 //! must not hang on a dead database; work cut at the limit is cut as by a crash (its
 //! reservation is left to its lease, C16). Choose it above your slowest handler and below
 //! what your orchestrator allows before it kills (Kubernetes' `terminationGracePeriodSeconds`
-//! is 30 s by default). A second signal skips what is left of the wait.
+//! is 30 s by default). A second signal skips what is left of the wait and stops at once.
+//!
+//! Counted: a request's work from its reservation on, while it runs on a task of its own
+//! (whether its client is still connected or not), and the background retry of a `complete`
+//! (C16). Not counted, because dropping them never runs anything twice and a stop must not
+//! wait for a store that stays down: the retry of a `release`, and the stores' own background
+//! give-backs of a reservation a failed reserve may have made (each leaves the key to its
+//! lease, answering 409 meanwhile).
 //!
 //! What stays open: after the wait, a request that arrives on a connection that was already
 //! open (keep-alive) and whose client then hangs up mid-handler can still be cut when actix
@@ -91,8 +98,8 @@ impl Drop for Tracked {
     }
 }
 
-/// The number of tasks the middleware (or a store) runs past their clients right now: handlers
-/// whose request's future was dropped or that run on, and background retries of store writes.
+/// The number of counted tasks right now (see the module docs): requests' work from their
+/// reservation on, running on tasks of their own, and background retries of a `complete`.
 pub fn unfinished_work() -> usize {
     UNFINISHED.count.load(Ordering::SeqCst)
 }
@@ -125,7 +132,10 @@ pub async fn stop_gracefully(server: &ServerHandle, within: Duration) {
     finish_then_stop(server, within, std::future::pending()).await;
 }
 
-/// Wait for the counted work (up to `within`, or until `skip` completes), then stop.
+/// Wait for the counted work (up to `within`), then ask actix for its graceful stop; if `skip`
+/// completes first (a second signal), stop at once instead: actix's graceful stop would wait
+/// for the very connections the operator has just asked not to wait for (up to its
+/// `shutdown_timeout`), and once begun it cannot be turned into an immediate one.
 async fn finish_then_stop(
     server: &ServerHandle,
     within: Duration,
@@ -135,18 +145,21 @@ async fn finish_then_stop(
     if left > 0 {
         tracing::info!(target: "idempotency_actix", unfinished = left, "stopping: waiting for idempotent work in flight to end");
     }
-    let finished = tokio::select! {
-        finished = work_finished(within) => finished,
-        () = skip => false,
+    let (finished, skipped) = tokio::select! {
+        finished = work_finished(within) => (finished, false),
+        () = skip => (unfinished_work() == 0, true),
     };
     if !finished {
         tracing::warn!(target: "idempotency_actix", unfinished = unfinished_work(), "stopping with idempotent work still in flight: its reservations are left to their leases");
     }
-    server.stop(true).await;
+    server.stop(!skipped).await;
 }
 
 /// On the first SIGINT or SIGTERM (Ctrl-C only, off Unix), run [`stop_gracefully`] with
-/// `within`; a second signal during the wait stops without waiting further. Spawns a task on
+/// `within`; a second signal during that wait stops the server at once (actix's forced stop:
+/// open connections are closed, work still in flight is cut as by a crash and left to its
+/// lease). A signal after the wait, during actix's own graceful stop, is not acted on: that
+/// stop is bounded by `HttpServer::shutdown_timeout` (30 s by default). Spawns a task on
 /// the current runtime (actix's, or any Tokio runtime) and returns at once. Build the server
 /// with `HttpServer::disable_signals()`, or actix stops it on the first signal by itself.
 ///

@@ -923,7 +923,10 @@ where
                 tracing::error!(target: "idempotency_actix", outcome = "store_error", "gave up releasing the key: its lease ended, so a retry takes it over");
             }
         };
-        spawn_tracked(retry.in_current_span());
+        // Not counted by `shutdown`: dropping it leaves the key to its lease, which answers 409
+        // meanwhile and never runs anything twice, and a stop must not wait for a store that
+        // stays down to free a key.
+        tokio::spawn(retry.in_current_span());
     }
 
     /// Answer with a problem instead of running the handler, and report it.
@@ -940,8 +943,9 @@ where
     }
 }
 
-/// Spawn a background retry, counted until it ends so that a graceful stop waits for it
-/// (`crate::shutdown`).
+/// Spawn the background retry of a `complete`, counted until it ends so that a graceful stop
+/// waits for it (`crate::shutdown`): dropped, it leaves a delivered response unstored, and the
+/// client's retry after the lease runs the handler again.
 fn spawn_tracked(retry: impl std::future::Future<Output = ()> + Send + 'static) {
     let tracked = crate::shutdown::track();
     tokio::spawn(async move {

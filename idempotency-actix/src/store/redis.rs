@@ -776,9 +776,8 @@ where
         };
         let store = self.clone();
         let scope = scope.clone();
-        let tracked = crate::shutdown::track();
         tokio::spawn(async move {
-            let _task = (task, tracked);
+            let _task = task;
             let released = store.release_on(&mut picked, &scope, &token).await;
             if matches!(released, Ok(WriteOutcome::Applied)) {
                 return;

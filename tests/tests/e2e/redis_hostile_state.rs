@@ -4,6 +4,7 @@
 //! that nest or resemble each other, a non-zero database in the URL, and a 1 MiB binary body
 //! through the request path and `idem-cli show`. Every test starts its own `redis-server`.
 
+use super::redis_store::scope;
 use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -27,15 +28,6 @@ const LEASE: Duration = Duration::from_secs(60);
 const TTL: Duration = Duration::from_secs(3600);
 const HTTP_TIMEOUT: Duration = Duration::from_secs(20);
 const MIB: usize = 1 << 20;
-
-fn scope(tenant: &str, key: &str) -> Scope {
-    Scope {
-        tenant: tenant.into(),
-        method: "POST".into(),
-        path: "/payments".into(),
-        key: key.into(),
-    }
-}
 
 fn response(body: &'static [u8]) -> StoredResponse {
     StoredResponse {

@@ -4,6 +4,7 @@
 //! primary whose cache is empty while another node is silent. Nothing may run twice and every
 //! completion must land and replay byte-exact.
 
+use super::redis_store::scope;
 use std::collections::HashMap;
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -21,15 +22,6 @@ use idempotency_e2e::redis_server::RedisServer;
 const FP: Fingerprint = Fingerprint([7; 32]);
 const LEASE: Duration = Duration::from_secs(60);
 const TTL: Duration = Duration::from_secs(3600);
-
-fn scope(tenant: &str, key: &str) -> Scope {
-    Scope {
-        tenant: tenant.into(),
-        method: "POST".into(),
-        path: "/payments".into(),
-        key: key.into(),
-    }
-}
 
 fn response(body: &'static [u8]) -> StoredResponse {
     StoredResponse {

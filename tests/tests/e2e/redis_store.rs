@@ -21,7 +21,8 @@ const FP_Z: Fingerprint = Fingerprint([0xEE; 32]);
 const LEASE: Duration = Duration::from_secs(60);
 const TTL: Duration = Duration::from_secs(3600);
 
-fn scope(tenant: &str, key: &str) -> Scope {
+/// `POST /payments` with `key` in `tenant` (the Redis modules of this binary share it).
+pub(super) fn scope(tenant: &str, key: &str) -> Scope {
     Scope {
         tenant: tenant.into(),
         method: "POST".into(),

@@ -328,9 +328,8 @@ impl PostgresStore {
         };
         let store = self.clone();
         let scope = scope.clone();
-        let tracked = crate::shutdown::track();
         tokio::spawn(async move {
-            let _task = (task, tracked);
+            let _task = task;
             let (store, scope, token) = (&store, &scope, &token);
             release_later::keep_trying(lease, &scope.key, move || async move {
                 let Some(_statement) = store.background.statement() else {
