@@ -14,7 +14,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use idempotency_actix::store::redis::redis;
 use idempotency_actix::store::{
-    IdempotencyStore, RedisStore, ReserveOutcome, Scope, StoreError, StoredResponse, WriteOutcome,
+    IdempotencyStore, RedisStore, ReserveOutcome, StoreError, StoredResponse, WriteOutcome,
 };
 use idempotency_actix::Fingerprint;
 use idempotency_e2e::redis_server::RedisServer;
