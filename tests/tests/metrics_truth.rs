@@ -1,0 +1,2522 @@
+//! Are the metrics and the outcome hook truthful? Each scenario counts what really happened
+//! from outside (statuses seen by real HTTP clients over loopback, handler executions counted
+//! by the handler) and compares it with the deltas of an in-process global recorder (one that
+//! never resets what it holds) and with the events the `on_outcome` hook received.
+//!
+//! The recorder is global (actix workers run on their own threads), so this is a test binary
+//! of its own (no other test's requests reach the recorder) and its tests run one at a time
+//! (a mutex). From a review of the metrics (2026-12-05), which found the Redis store labelled
+//! `store="custom"` (`redis_down_is_counted_as_store_unavailable`).
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
+
+use actix_web::{web, App, HttpRequest, HttpResponse, HttpServer};
+use bytes::Bytes;
+use idempotency_actix::store::{CachedStore, MemoryStore, PostgresStore, RedisStore};
+use idempotency_actix::{Idempotency, IdempotencyBuilder, Outcome, OutcomeEvent};
+use idempotency_e2e::proxy::PgProxy;
+use idempotency_e2e::raw_http::{send_once, Conn, Request, Response};
+use idempotency_e2e::redis_server::RedisServer;
+use idempotency_e2e::server::ThreadServer;
+use idempotency_e2e::TestDb;
+use metrics::{
+    Counter, CounterFn, Gauge, GaugeFn, Histogram, HistogramFn, Key, KeyName, Metadata, Recorder,
+    SharedString, Unit,
+};
+
+const TIMEOUT: Duration = Duration::from_secs(20);
+
+// ---------------------------------------------------------------------------------------------
+// The recorder.
+
+#[derive(Default)]
+struct Cell {
+    counter: AtomicU64,
+    /// Gauge value (f64 bits under a mutex), histogram observation count and values.
+    gauge: Mutex<f64>,
+    observations: Mutex<Vec<f64>>,
+}
+
+impl CounterFn for Cell {
+    fn increment(&self, value: u64) {
+        self.counter.fetch_add(value, Ordering::SeqCst);
+    }
+    fn absolute(&self, value: u64) {
+        self.counter.fetch_max(value, Ordering::SeqCst);
+    }
+}
+
+impl GaugeFn for Cell {
+    fn increment(&self, value: f64) {
+        *self.gauge.lock().unwrap() += value;
+    }
+    fn decrement(&self, value: f64) {
+        *self.gauge.lock().unwrap() -= value;
+    }
+    fn set(&self, value: f64) {
+        *self.gauge.lock().unwrap() = value;
+    }
+}
+
+impl HistogramFn for Cell {
+    fn record(&self, value: f64) {
+        self.observations.lock().unwrap().push(value);
+    }
+}
+
+#[derive(Default)]
+struct Rec {
+    cells: Mutex<BTreeMap<(String, Vec<(String, String)>, char), Arc<Cell>>>,
+}
+
+impl Rec {
+    fn cell(&self, key: &Key, kind: char) -> Arc<Cell> {
+        let mut labels: Vec<(String, String)> = key
+            .labels()
+            .map(|l| (l.key().to_owned(), l.value().to_owned()))
+            .collect();
+        labels.sort();
+        let id = (key.name().to_owned(), labels, kind);
+        Arc::clone(self.cells.lock().unwrap().entry(id).or_default())
+    }
+}
+
+impl Recorder for &'static Rec {
+    fn describe_counter(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+    fn describe_gauge(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+    fn describe_histogram(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+    fn register_counter(&self, key: &Key, _: &Metadata<'_>) -> Counter {
+        Counter::from_arc(self.cell(key, 'c'))
+    }
+    fn register_gauge(&self, key: &Key, _: &Metadata<'_>) -> Gauge {
+        Gauge::from_arc(self.cell(key, 'g'))
+    }
+    fn register_histogram(&self, key: &Key, _: &Metadata<'_>) -> Histogram {
+        Histogram::from_arc(self.cell(key, 'h'))
+    }
+}
+
+fn recorder() -> &'static Rec {
+    static REC: OnceLock<&'static Rec> = OnceLock::new();
+    REC.get_or_init(|| {
+        let rec: &'static Rec = Box::leak(Box::default());
+        metrics::set_global_recorder(rec).expect("no other global recorder in this binary");
+        rec
+    })
+}
+
+/// Everything recorded so far: `name{k=v,...}` (sorted labels) -> counter value, gauge value,
+/// or histogram observation count.
+#[derive(Clone, Debug, Default)]
+struct Snap(BTreeMap<String, f64>);
+
+fn snap() -> Snap {
+    let rec = recorder();
+    let cells = rec.cells.lock().unwrap();
+    let mut out = BTreeMap::new();
+    for ((name, labels, kind), cell) in cells.iter() {
+        let labels: Vec<String> = labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        let id = format!("{name}{{{}}}", labels.join(","));
+        let value = match kind {
+            'c' => cell.counter.load(Ordering::SeqCst) as f64,
+            'g' => *cell.gauge.lock().unwrap(),
+            _ => cell.observations.lock().unwrap().len() as f64,
+        };
+        out.insert(id, value);
+    }
+    Snap(out)
+}
+
+impl Snap {
+    /// Sum of the metrics named `name` whose labels include every one of `labels`.
+    fn sum(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+        self.0
+            .iter()
+            .filter(|(id, _)| id.starts_with(&format!("{name}{{")))
+            .filter(|(id, _)| {
+                let inner = &id[name.len() + 1..id.len() - 1];
+                let have: Vec<&str> = inner.split(',').collect();
+                labels
+                    .iter()
+                    .all(|(k, v)| have.contains(&format!("{k}={v}").as_str()))
+            })
+            .map(|(_, v)| *v)
+            .sum()
+    }
+
+    /// The change of every metric since `before` (only the ones that changed).
+    fn since(&self, before: &Snap) -> BTreeMap<String, f64> {
+        self.0
+            .iter()
+            .filter_map(|(id, v)| {
+                let d = v - before.0.get(id).copied().unwrap_or(0.0);
+                (d != 0.0).then(|| (id.clone(), d))
+            })
+            .collect()
+    }
+}
+
+fn delta(before: &Snap, after: &Snap, name: &str, labels: &[(&str, &str)]) -> f64 {
+    after.sum(name, labels) - before.sum(name, labels)
+}
+
+const REQ: &str = "idempotency_requests_total";
+const CALLS: &str = "idempotency_store_call_seconds";
+const HELD: &str = "idempotency_reservations_held";
+const RETRIES: &str = "idempotency_complete_retries_total";
+
+/// One test at a time: the recorder is global.
+fn serial() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    let guard = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    recorder();
+    guard
+}
+
+// ---------------------------------------------------------------------------------------------
+// The app: a handler that counts its runs, and a hook that keeps every event.
+
+#[derive(Clone, Debug)]
+struct Seen {
+    outcome: Outcome,
+    status: u16,
+    key: Option<String>,
+    elapsed: Duration,
+}
+
+#[derive(Clone, Default)]
+struct Probe {
+    runs: Arc<AtomicU64>,
+    runs_by_key: Arc<Mutex<HashMap<String, u64>>>,
+    finished: Arc<AtomicU64>,
+    events: Arc<Mutex<Vec<Seen>>>,
+}
+
+impl Probe {
+    fn runs(&self) -> u64 {
+        self.runs.load(Ordering::SeqCst)
+    }
+    fn events(&self) -> Vec<Seen> {
+        self.events.lock().unwrap().clone()
+    }
+    fn hook(&self) -> impl Fn(&OutcomeEvent<'_>) + Send + Sync + 'static {
+        let events = Arc::clone(&self.events);
+        move |event: &OutcomeEvent<'_>| {
+            events.lock().unwrap().push(Seen {
+                outcome: event.outcome,
+                status: event.status.as_u16(),
+                key: event.scope.map(|s| s.key.clone()),
+                elapsed: event.elapsed,
+            });
+        }
+    }
+    fn count_events(&self, outcome: Outcome) -> usize {
+        self.events()
+            .iter()
+            .filter(|e| e.outcome == outcome)
+            .count()
+    }
+}
+
+fn query(req: &HttpRequest, name: &str) -> Option<String> {
+    req.query_string().split('&').find_map(|kv| {
+        let (k, v) = kv.split_once('=')?;
+        (k == name).then(|| v.to_owned())
+    })
+}
+
+/// `/{prefix}/pay/{id}`: counts its run; `delay_ms`, `status`, `size` (body bytes), `stream=1`
+/// (a streamed body in 3 chunks), `stream=fail` (a stream failing after its first chunk).
+async fn handler(req: HttpRequest, probe: web::Data<Probe>) -> HttpResponse {
+    probe.runs.fetch_add(1, Ordering::SeqCst);
+    let mut nth = 0;
+    if let Some(key) = req.headers().get("idempotency-key") {
+        let key = String::from_utf8_lossy(key.as_bytes()).into_owned();
+        let mut runs = probe.runs_by_key.lock().unwrap();
+        let n = runs.entry(key).or_default();
+        *n += 1;
+        nth = *n;
+    }
+    if let Some(ms) = query(&req, "delay_ms").and_then(|v| v.parse().ok()) {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+    probe.finished.fetch_add(1, Ordering::SeqCst);
+    if query(&req, "panic").is_some() {
+        panic!("the handler panics (metrics_truth)");
+    }
+    let mut status = query(&req, "status")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(201u16);
+    if nth == 1 && query(&req, "fail_first").is_some() {
+        status = 502;
+    }
+    let mut builder = HttpResponse::build(actix_web::http::StatusCode::from_u16(status).unwrap());
+    match query(&req, "stream").as_deref() {
+        Some("1") => {
+            let chunks =
+                (0..3).map(|i| Ok::<_, actix_web::Error>(Bytes::from(format!("chunk{i};"))));
+            return builder.streaming(futures_util::stream::iter(chunks));
+        }
+        Some("slow") => {
+            let chunks = futures_util::stream::unfold(0u32, |i| async move {
+                if i == 8 {
+                    return None;
+                }
+                tokio::time::sleep(Duration::from_millis(150)).await;
+                Some((
+                    Ok::<_, actix_web::Error>(Bytes::from(format!("slow{i};"))),
+                    i + 1,
+                ))
+            });
+            return builder.streaming(chunks);
+        }
+        Some("fail") => {
+            let chunks: Vec<Result<Bytes, actix_web::Error>> = vec![
+                Ok(Bytes::from_static(b"first;")),
+                Err(actix_web::error::ErrorInternalServerError("stream broke")),
+            ];
+            return builder.streaming(futures_util::stream::iter(chunks));
+        }
+        _ => {}
+    }
+    let size: usize = query(&req, "size")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    if size > 0 {
+        return builder.body(vec![b'x'; size]);
+    }
+    builder.body(format!("paid {}", probe.runs()))
+}
+
+/// A server with `store`, the middleware configured by `tweak` (the hook is added here), the
+/// route `/{prefix}/pay/{id}` for POST, PATCH and GET.
+fn serve<S, F>(store: S, prefix: &'static str, probe: &Probe, tweak: F) -> ThreadServer
+where
+    S: idempotency_actix::store::IdempotencyStore + Clone + Send + 'static,
+    F: Fn(IdempotencyBuilder<S>) -> IdempotencyBuilder<S> + Clone + Send + 'static,
+{
+    serve_with(store, prefix, probe, tweak, false)
+}
+
+/// [`serve`], HTTP/1.1 and (with `h2c`) HTTP/2 prior knowledge on the same port.
+fn serve_with<S, F>(
+    store: S,
+    prefix: &'static str,
+    probe: &Probe,
+    tweak: F,
+    h2c: bool,
+) -> ThreadServer
+where
+    S: idempotency_actix::store::IdempotencyStore + Clone + Send + 'static,
+    F: Fn(IdempotencyBuilder<S>) -> IdempotencyBuilder<S> + Clone + Send + 'static,
+{
+    let probe = probe.clone();
+    ThreadServer::start(move || async move {
+        let server = HttpServer::new(move || {
+            let mw = tweak(Idempotency::builder(store.clone()).on_outcome(probe.hook())).build();
+            App::new()
+                .app_data(web::Data::new(probe.clone()))
+                .wrap(mw)
+                .route(&format!("/{prefix}/pay/{{id}}"), web::post().to(handler))
+                .route(&format!("/{prefix}/pay/{{id}}"), web::patch().to(handler))
+                .route(&format!("/{prefix}/pay/{{id}}"), web::get().to(handler))
+                .route(&format!("/{prefix}/pay/{{id}}"), web::head().to(handler))
+        })
+        .workers(2)
+        .disable_signals();
+        let server = if h2c {
+            server.bind_auto_h2c(("127.0.0.1", 0))
+        } else {
+            server.bind(("127.0.0.1", 0))
+        }
+        .expect("bind");
+        (server.addrs()[0], server.run())
+    })
+}
+
+fn pay(target: &str, key: &str, body: &str) -> Request {
+    Request::post(target)
+        .key(key)
+        .header("x-tenant", "tenant_secret_acme")
+        .json(body)
+}
+
+/// Send `n` copies of `request` at once from `n` threads; the responses.
+fn burst(addr: &str, request: &Request, n: usize) -> Vec<Response> {
+    let barrier = Arc::new(std::sync::Barrier::new(n));
+    let threads: Vec<_> = (0..n)
+        .map(|_| {
+            let addr = addr.to_owned();
+            let request = request.clone();
+            let barrier = Arc::clone(&barrier);
+            std::thread::spawn(move || {
+                let mut conn = Conn::connect(addr.as_str(), TIMEOUT).expect("connect");
+                barrier.wait();
+                conn.send(&request).expect("response")
+            })
+        })
+        .collect();
+    threads
+        .into_iter()
+        .map(|t| t.join().expect("client"))
+        .collect()
+}
+
+#[derive(Debug, Default, PartialEq)]
+struct Tally {
+    fresh: usize,
+    replay: usize,
+    conflict: usize,
+    other: Vec<u16>,
+}
+
+fn tally(responses: &[Response]) -> Tally {
+    let mut t = Tally::default();
+    for r in responses {
+        if r.status == 409 {
+            t.conflict += 1;
+        } else if r.is_replay() {
+            t.replay += 1;
+        } else if r.status == 201 {
+            t.fresh += 1;
+        } else {
+            t.other.push(r.status);
+        }
+    }
+    t
+}
+
+/// Wait until the hook saw `n` events (outcomes of streamed or detached requests come late).
+fn wait_events(probe: &Probe, n: usize) {
+    let deadline = Instant::now() + TIMEOUT;
+    while probe.events().len() < n && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn route(prefix: &str) -> String {
+    format!("/{prefix}/pay/{{id}}")
+}
+
+// ---------------------------------------------------------------------------------------------
+// Scenarios.
+
+/// 12 concurrent duplicates of a slow request (memory store): one runs; each other one is a
+/// 409 or a replay. Metric deltas and hook events must match the statuses the clients saw;
+/// the reserve histogram has one observation per request, complete one; nothing stays held.
+#[test]
+fn concurrent_duplicates_are_counted_as_the_clients_saw_them() {
+    let _serial = serial();
+    let probe = Probe::default();
+    let server = serve(MemoryStore::new(), "mt_dup", &probe, |b| b);
+    let addr = server.addr.to_string();
+    let before = snap();
+    let responses = burst(
+        &addr,
+        &pay("/mt_dup/pay/1?delay_ms=700", "dup-1", r#"{"a":1}"#),
+        12,
+    );
+    let seen = tally(&responses);
+    // Afterwards: 3 replays and 2 mismatches.
+    for _ in 0..3 {
+        let r = send_once(
+            &addr,
+            &pay("/mt_dup/pay/1?delay_ms=700", "dup-1", r#"{"a":1}"#),
+            TIMEOUT,
+        )
+        .unwrap();
+        assert!(r.is_replay(), "{}", r.describe());
+    }
+    for _ in 0..2 {
+        let r = send_once(
+            &addr,
+            &pay("/mt_dup/pay/1?delay_ms=700", "dup-1", r#"{"a":2}"#),
+            TIMEOUT,
+        )
+        .unwrap();
+        assert_eq!(r.status, 422, "{}", r.describe());
+    }
+    wait_events(&probe, 17);
+    let after = snap();
+    let r = route("mt_dup");
+    let d = |outcome: &str| delta(&before, &after, REQ, &[("outcome", outcome), ("route", &r)]);
+    let report = format!(
+        "clients {seen:?}, runs {}, deltas {:#?}, events {:?}",
+        probe.runs(),
+        after.since(&before),
+        probe.events()
+    );
+    assert_eq!(probe.runs(), 1, "{report}");
+    assert_eq!(seen.fresh, 1, "{report}");
+    assert!(seen.other.is_empty(), "{report}");
+    assert_eq!(d("stored"), 1.0, "{report}");
+    assert_eq!(d("conflict"), seen.conflict as f64, "{report}");
+    assert_eq!(d("replay"), (seen.replay + 3) as f64, "{report}");
+    assert_eq!(d("mismatch"), 2.0, "{report}");
+    assert_eq!(
+        delta(&before, &after, REQ, &[("route", &r)]),
+        17.0,
+        "{report}"
+    );
+    assert_eq!(probe.count_events(Outcome::Stored), 1, "{report}");
+    assert_eq!(
+        probe.count_events(Outcome::Conflict),
+        seen.conflict,
+        "{report}"
+    );
+    assert_eq!(
+        probe.count_events(Outcome::Replay),
+        seen.replay + 3,
+        "{report}"
+    );
+    assert_eq!(probe.count_events(Outcome::Mismatch), 2, "{report}");
+    assert_eq!(probe.events().len(), 17, "{report}");
+    // Hook statuses are the ones sent.
+    for e in probe.events() {
+        let want = match e.outcome {
+            Outcome::Conflict => 409,
+            Outcome::Mismatch => 422,
+            _ => 201,
+        };
+        assert_eq!(e.status, want, "{e:?} {report}");
+        assert_eq!(e.key.as_deref(), Some("dup-1"), "{report}");
+    }
+    assert_eq!(
+        delta(
+            &before,
+            &after,
+            CALLS,
+            &[("op", "reserve"), ("store", "memory")]
+        ),
+        17.0,
+        "{report}"
+    );
+    assert_eq!(
+        delta(
+            &before,
+            &after,
+            CALLS,
+            &[("op", "complete"), ("store", "memory")]
+        ),
+        1.0,
+        "{report}"
+    );
+    assert_eq!(
+        after.sum(HELD, &[("store", "memory")]),
+        before.sum(HELD, &[("store", "memory")]),
+        "{report}"
+    );
+}
+
+/// Wait mode: 10 concurrent duplicates wait for the first; the first is `stored`, the others
+/// `replay`; no conflict is counted and no handler runs twice.
+#[test]
+fn wait_mode_duplicates_are_counted_as_replays() {
+    let _serial = serial();
+    let probe = Probe::default();
+    let server = serve(MemoryStore::new(), "mt_wait", &probe, |b| {
+        b.wait_for_in_flight(Duration::from_secs(10))
+    });
+    let addr = server.addr.to_string();
+    let before = snap();
+    let responses = burst(
+        &addr,
+        &pay("/mt_wait/pay/1?delay_ms=600", "wait-1", r#"{"a":1}"#),
+        10,
+    );
+    let seen = tally(&responses);
+    wait_events(&probe, 10);
+    let after = snap();
+    let r = route("mt_wait");
+    let d = |outcome: &str| delta(&before, &after, REQ, &[("outcome", outcome), ("route", &r)]);
+    let report = format!(
+        "clients {seen:?}, runs {}, deltas {:#?}, events {:?}",
+        probe.runs(),
+        after.since(&before),
+        probe.events()
+    );
+    assert_eq!(probe.runs(), 1, "{report}");
+    assert_eq!(
+        seen,
+        Tally {
+            fresh: 1,
+            replay: 9,
+            conflict: 0,
+            other: vec![]
+        },
+        "{report}"
+    );
+    assert_eq!(d("stored"), 1.0, "{report}");
+    assert_eq!(d("replay"), 9.0, "{report}");
+    assert_eq!(
+        delta(&before, &after, REQ, &[("route", &r)]),
+        10.0,
+        "{report}"
+    );
+    assert_eq!(probe.events().len(), 10, "{report}");
+}
+
+/// Label cardinality: many raw paths, keys, tenants and odd methods give only route patterns
+/// (`/mt_card/pay/{id}` or `unmatched`) and a bounded method set; no key, tenant or raw path
+/// ever becomes a label value. Keyless requests (key not required) and methods that are passed
+/// through are not counted as keyed outcomes, and the hook does not see them.
+#[test]
+fn labels_stay_bounded_and_passed_through_requests_are_not_counted() {
+    let _serial = serial();
+    let probe = Probe::default();
+    let server = serve(MemoryStore::new(), "mt_card", &probe, |b| b);
+    let addr = server.addr.to_string();
+    let before = snap();
+    for i in 0..30 {
+        let key = format!("cardkey-{i}-secretish");
+        let r = send_once(
+            &addr,
+            &pay(&format!("/mt_card/pay/raw{i}?x={i}"), &key, r#"{"a":1}"#),
+            TIMEOUT,
+        )
+        .unwrap();
+        assert_eq!(r.status, 201, "{}", r.describe());
+        let r = send_once(
+            &addr,
+            &pay(&format!("/mt_card_nope/raw{i}"), &key, r#"{"a":1}"#),
+            TIMEOUT,
+        )
+        .unwrap();
+        assert_eq!(r.status, 404, "{}", r.describe());
+        let r = send_once(
+            &addr,
+            &Request::new("PURGE", &format!("/mt_card/raw/{i}")).key(&key),
+            TIMEOUT,
+        )
+        .unwrap();
+        assert!(r.status >= 400, "{}", r.describe());
+    }
+    let keyed_events = probe.events().len();
+    // Keyless POST, keyed GET and HEAD: passed through.
+    let runs_before = probe.runs();
+    let r = send_once(
+        &addr,
+        &Request::post("/mt_card/pay/k").json(r#"{"a":1}"#),
+        TIMEOUT,
+    )
+    .unwrap();
+    assert_eq!(r.status, 201);
+    let r = send_once(
+        &addr,
+        &Request::get("/mt_card/pay/g").key("get-key"),
+        TIMEOUT,
+    )
+    .unwrap();
+    assert_eq!(r.status, 201);
+    assert_eq!(probe.runs(), runs_before + 2);
+    let after = snap();
+    let report = format!("deltas {:#?}", after.since(&before));
+    let mut routes = std::collections::BTreeSet::new();
+    let mut methods = std::collections::BTreeSet::new();
+    for id in after.since(&before).keys() {
+        assert!(
+            !id.contains("cardkey") && !id.contains("tenant_secret") && !id.contains("raw"),
+            "a client-chosen value became a label: {id}"
+        );
+        if let Some(rest) = id.strip_prefix(&format!("{REQ}{{")) {
+            for kv in rest.trim_end_matches('}').split(',') {
+                if let Some(v) = kv.strip_prefix("route=") {
+                    routes.insert(v.to_owned());
+                }
+                if let Some(v) = kv.strip_prefix("method=") {
+                    methods.insert(v.to_owned());
+                }
+            }
+        }
+    }
+    assert!(
+        routes
+            .iter()
+            .all(|r| r == "/mt_card/pay/{id}" || r == "unmatched"),
+        "{routes:?} {report}"
+    );
+    assert!(
+        methods
+            .iter()
+            .all(|m| ["POST", "PATCH", "PUT", "DELETE", "GET", "other"].contains(&m.as_str())),
+        "{methods:?} {report}"
+    );
+    // Keyed requests: 30 stored + 30 unmatched (404, not stored) = 60 counted; the passed
+    // through keyless POST and keyed GET add nothing.
+    let counted = delta(&before, &after, REQ, &[]);
+    assert_eq!(
+        counted,
+        keyed_events as f64,
+        "metric total vs hook events; {report} events {:?}",
+        probe.events()
+    );
+    assert_eq!(
+        delta(
+            &before,
+            &after,
+            REQ,
+            &[("route", "/mt_card/pay/{id}"), ("outcome", "stored")]
+        ),
+        30.0,
+        "{report}"
+    );
+    assert_eq!(
+        probe.events().len(),
+        keyed_events,
+        "passed-through requests reached the hook: {:?}",
+        &probe.events()[keyed_events..]
+    );
+}
+
+/// A response over `max_response_bytes` is sent but not stored: `not_stored`, the key
+/// released (release histogram), a retry runs again and is counted again.
+#[test]
+fn too_large_responses_are_counted_not_stored() {
+    let _serial = serial();
+    let probe = Probe::default();
+    let server = serve(MemoryStore::new(), "mt_big", &probe, |b| {
+        b.max_response_bytes(1024)
+    });
+    let addr = server.addr.to_string();
+    let before = snap();
+    for _ in 0..2 {
+        let r = send_once(
+            &addr,
+            &pay("/mt_big/pay/1?size=5000", "big-1", "{}"),
+            TIMEOUT,
+        )
+        .unwrap();
+        assert_eq!(r.status, 201, "{}", r.describe());
+        assert_eq!(r.body.len(), 5000);
+    }
+    wait_events(&probe, 2);
+    let after = snap();
+    let r = route("mt_big");
+    let report = format!(
+        "runs {}, deltas {:#?}, events {:?}",
+        probe.runs(),
+        after.since(&before),
+        probe.events()
+    );
+    assert_eq!(probe.runs(), 2, "{report}");
+    assert_eq!(
+        delta(
+            &before,
+            &after,
+            REQ,
+            &[("outcome", "not_stored"), ("route", &r)]
+        ),
+        2.0,
+        "{report}"
+    );
+    assert_eq!(
+        delta(&before, &after, REQ, &[("route", &r)]),
+        2.0,
+        "{report}"
+    );
+    assert_eq!(probe.count_events(Outcome::NotStored), 2, "{report}");
+    assert_eq!(
+        delta(
+            &before,
+            &after,
+            CALLS,
+            &[("op", "release"), ("store", "memory")]
+        ),
+        2.0,
+        "{report}"
+    );
+    assert_eq!(
+        delta(
+            &before,
+            &after,
+            CALLS,
+            &[("op", "complete"), ("store", "memory")]
+        ),
+        0.0,
+        "{report}"
+    );
+}
+
+/// A streamed response is counted once, when it ends (stored); a stream that fails after its
+/// head is counted once as `body_error`.
+#[test]
+fn streamed_responses_are_counted_once() {
+    let _serial = serial();
+    let probe = Probe::default();
+    let server = serve(MemoryStore::new(), "mt_stream", &probe, |b| b);
+    let addr = server.addr.to_string();
+    let before = snap();
+    let r = send_once(
+        &addr,
+        &pay("/mt_stream/pay/1?stream=1", "s-1", "{}"),
+        TIMEOUT,
+    )
+    .unwrap();
+    assert_eq!(r.status, 201, "{}", r.describe());
+    let replay = send_once(
+        &addr,
+        &pay("/mt_stream/pay/1?stream=1", "s-1", "{}"),
+        TIMEOUT,
+    )
+    .unwrap();
+    assert!(replay.is_replay(), "{}", replay.describe());
+    assert_eq!(replay.body, r.body);
+    // The failing stream: the client sees a head then a cut.
+    let _ = send_once(
+        &addr,
+        &pay("/mt_stream/pay/2?stream=fail", "s-2", "{}"),
+        TIMEOUT,
+    );
+    wait_events(&probe, 3);
+    std::thread::sleep(Duration::from_millis(300));
+    let after = snap();
+    let r = route("mt_stream");
+    let report = format!(
+        "runs {}, deltas {:#?}, events {:?}",
+        probe.runs(),
+        after.since(&before),
+        probe.events()
+    );
+    assert_eq!(probe.runs(), 2, "{report}");
+    assert_eq!(
+        delta(
+            &before,
+            &after,
+            REQ,
+            &[("outcome", "stored"), ("route", &r)]
+        ),
+        1.0,
+        "{report}"
+    );
+    assert_eq!(
+        delta(
+            &before,
+            &after,
+            REQ,
+            &[("outcome", "replay"), ("route", &r)]
+        ),
+        1.0,
+        "{report}"
+    );
+    assert_eq!(
+        delta(
+            &before,
+            &after,
+            REQ,
+            &[("outcome", "body_error"), ("route", &r)]
+        ),
+        1.0,
+        "{report}"
+    );
+    assert_eq!(
+        delta(&before, &after, REQ, &[("route", &r)]),
+        3.0,
+        "{report}"
+    );
+    assert_eq!(probe.events().len(), 3, "{report}");
+    assert_eq!(
+        after.sum(HELD, &[("store", "memory")]),
+        before.sum(HELD, &[("store", "memory")]),
+        "{report}"
+    );
+}
+
+/// A client that resets its connection while the handler runs: the handler runs once, the
+/// request is counted exactly once (and as an outcome that ran the handler), the gauge goes
+/// back, and a retry is a replay (stored) or runs (released): whichever, the counts agree.
+#[test]
+fn a_client_reset_mid_handler_is_counted_once() {
+    let _serial = serial();
+    let probe = Probe::default();
+    let server = serve(MemoryStore::new(), "mt_reset", &probe, |b| b);
+    let addr = server.addr.to_string();
+    let before = snap();
+    let mut conn = Conn::connect(addr.as_str(), TIMEOUT).unwrap();
+    conn.send_raw(&pay("/mt_reset/pay/1?delay_ms=800", "reset-1", "{}").to_bytes())
+        .unwrap();
+    let deadline = Instant::now() + TIMEOUT;
+    while probe.runs() == 0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    conn.reset().unwrap();
+    // Let the handler finish (or be cut) and the outcome be reported.
+    std::thread::sleep(Duration::from_millis(1500));
+    wait_events(&probe, 1);
+    let mid = snap();
+    let r = route("mt_reset");
+    let report = format!(
+        "runs {} finished {}, deltas {:#?}, events {:?}",
+        probe.runs(),
+        probe.finished.load(Ordering::SeqCst),
+        mid.since(&before),
+        probe.events()
+    );
+    assert_eq!(probe.runs(), 1, "{report}");
+    assert_eq!(
+        delta(&before, &mid, REQ, &[("route", &r)]),
+        1.0,
+        "the reset request must be counted exactly once: {report}"
+    );
+    assert_eq!(probe.events().len(), 1, "{report}");
+    let outcome = probe.events()[0].outcome;
+    assert!(
+        outcome.ran_handler(),
+        "the handler ran but the outcome says it did not: {report}"
+    );
+    assert_eq!(
+        mid.sum(HELD, &[("store", "memory")]),
+        before.sum(HELD, &[("store", "memory")]),
+        "gauge: {report}"
+    );
+    let retry = send_once(
+        &addr,
+        &pay("/mt_reset/pay/1?delay_ms=800", "reset-1", "{}"),
+        TIMEOUT,
+    )
+    .unwrap();
+    wait_events(&probe, 2);
+    let after = snap();
+    let report = format!(
+        "retry {}, runs {}, deltas {:#?}, events {:?}",
+        retry.describe(),
+        probe.runs(),
+        after.since(&before),
+        probe.events()
+    );
+    let finished = probe.finished.load(Ordering::SeqCst);
+    if retry.is_replay() {
+        assert_eq!(outcome, Outcome::Stored, "{report}");
+        assert_eq!(finished, 1, "{report}");
+    } else {
+        assert_ne!(
+            outcome,
+            Outcome::Stored,
+            "stored but the retry ran again: {report}"
+        );
+    }
+    assert_eq!(
+        delta(&before, &after, REQ, &[("route", &r)]),
+        2.0,
+        "{report}"
+    );
+}
+
+/// The PostgreSQL store down before the handler: every request a 503, counted as
+/// `store_unavailable` (the documented alert), the handler never runs, each failed reserve
+/// timed. Then with `fail_open`: every request runs, counted `fail_open`.
+#[test]
+fn postgres_down_is_counted_as_store_unavailable_and_fail_open() {
+    let _serial = serial();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let db = rt.block_on(TestDb::new());
+    let proxy = rt.block_on(PgProxy::for_url(&db.url)).unwrap();
+    let url = proxy.url_through(&db.url);
+    let store = rt.block_on(PostgresStore::connect(&url)).expect("connect");
+    for (prefix, fail_open) in [("mt_pgdown", false), ("mt_pgopen", true)] {
+        let probe = Probe::default();
+        let server = serve(store.clone(), prefix, &probe, move |b| {
+            b.fail_open(fail_open)
+        });
+        let addr = server.addr.to_string();
+        let warm = send_once(
+            &addr,
+            &pay(&format!("/{prefix}/pay/0"), &format!("{prefix}-warm"), "{}"),
+            TIMEOUT,
+        )
+        .unwrap();
+        assert_eq!(warm.status, 201, "{}", warm.describe());
+        proxy.stop();
+        let before = snap();
+        let mut statuses = Vec::new();
+        for i in 0..5 {
+            let r = send_once(
+                &addr,
+                &pay(
+                    &format!("/{prefix}/pay/{i}"),
+                    &format!("{prefix}-{i}"),
+                    "{}",
+                ),
+                Duration::from_secs(60),
+            )
+            .unwrap();
+            statuses.push(r.status);
+        }
+        wait_events(&probe, 6);
+        let after = snap();
+        let r = route(prefix);
+        let report = format!(
+            "{prefix}: statuses {statuses:?}, runs {}, deltas {:#?}, events {:?}",
+            probe.runs(),
+            after.since(&before),
+            probe.events()
+        );
+        if fail_open {
+            assert_eq!(statuses, vec![201; 5], "{report}");
+            assert_eq!(probe.runs(), 6, "{report}");
+            assert_eq!(
+                delta(
+                    &before,
+                    &after,
+                    REQ,
+                    &[("outcome", "fail_open"), ("route", &r)]
+                ),
+                5.0,
+                "{report}"
+            );
+        } else {
+            assert_eq!(statuses, vec![503; 5], "{report}");
+            assert_eq!(probe.runs(), 1, "{report}");
+            assert_eq!(
+                delta(
+                    &before,
+                    &after,
+                    REQ,
+                    &[("outcome", "store_unavailable"), ("route", &r)]
+                ),
+                5.0,
+                "{report}"
+            );
+        }
+        assert_eq!(
+            delta(&before, &after, REQ, &[("route", &r)]),
+            5.0,
+            "{report}"
+        );
+        assert!(
+            delta(
+                &before,
+                &after,
+                CALLS,
+                &[("op", "reserve"), ("store", "postgres")]
+            ) >= 5.0,
+            "{report}"
+        );
+        assert_eq!(
+            after.sum(HELD, &[("store", "postgres")]),
+            before.sum(HELD, &[("store", "postgres")]),
+            "{report}"
+        );
+        drop(server);
+        rt.block_on(proxy.resume()).unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// The Redis store down (server killed): 503s counted as `store_unavailable` with store label
+/// `redis`, the handler never runs.
+#[test]
+fn redis_down_is_counted_as_store_unavailable() {
+    let _serial = serial();
+    let mut redis = RedisServer::start();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let store = rt
+        .block_on(RedisStore::builder().connect(&redis.url()))
+        .expect("connect");
+    let probe = Probe::default();
+    let server = serve(store, "mt_rdown", &probe, |b| b);
+    let addr = server.addr.to_string();
+    let warm = send_once(&addr, &pay("/mt_rdown/pay/0", "r-warm", "{}"), TIMEOUT).unwrap();
+    assert_eq!(warm.status, 201, "{}", warm.describe());
+    redis.kill();
+    let before = snap();
+    let mut statuses = Vec::new();
+    for i in 0..4 {
+        let r = send_once(
+            &addr,
+            &pay(&format!("/mt_rdown/pay/{i}"), &format!("r-{i}"), "{}"),
+            Duration::from_secs(60),
+        )
+        .unwrap();
+        statuses.push(r.status);
+    }
+    wait_events(&probe, 5);
+    let after = snap();
+    let r = route("mt_rdown");
+    let report = format!(
+        "statuses {statuses:?}, runs {}, deltas {:#?}, events {:?}",
+        probe.runs(),
+        after.since(&before),
+        probe.events()
+    );
+    assert_eq!(statuses, vec![503; 4], "{report}");
+    assert_eq!(probe.runs(), 1, "{report}");
+    assert_eq!(
+        delta(
+            &before,
+            &after,
+            REQ,
+            &[("outcome", "store_unavailable"), ("route", &r)]
+        ),
+        4.0,
+        "{report}"
+    );
+    // The alert of docs/operations.md filters nothing by store, but a dashboard per store
+    // (`store` label, "a short, fixed name": memory, postgres, cached) must see `redis`.
+    assert_eq!(
+        delta(
+            &before,
+            &after,
+            REQ,
+            &[
+                ("outcome", "store_unavailable"),
+                ("route", &r),
+                ("store", "redis")
+            ]
+        ),
+        4.0,
+        "the Redis store is labelled {:?}: {report}",
+        after.since(&before).keys().next()
+    );
+    assert!(
+        delta(
+            &before,
+            &after,
+            CALLS,
+            &[("op", "reserve"), ("store", "redis")]
+        ) >= 4.0,
+        "{report}"
+    );
+}
+
+/// The store fails after the handler ran (PostgreSQL cut while the handler sleeps) and comes
+/// back within the lease: the request is `complete_failed` once, the retries `started` once
+/// and `succeeded` once, a later retry is a replay. Then a second key whose store stays down
+/// past the lease: `given_up` once (the documented "responses lost" alert).
+#[test]
+fn a_store_failing_after_the_handler_counts_complete_retries_truthfully() {
+    let _serial = serial();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let db = rt.block_on(TestDb::new());
+    let proxy = rt.block_on(PgProxy::for_url(&db.url)).unwrap();
+    let url = proxy.url_through(&db.url);
+    let store = rt.block_on(PostgresStore::connect(&url)).expect("connect");
+    let probe = Probe::default();
+    let server = serve(store, "mt_after", &probe, |b| {
+        b.lock_timeout(Duration::from_secs(4))
+    });
+    let addr = server.addr.to_string();
+    let warm = send_once(&addr, &pay("/mt_after/pay/0", "after-warm", "{}"), TIMEOUT).unwrap();
+    assert_eq!(warm.status, 201, "{}", warm.describe());
+    wait_events(&probe, 1);
+
+    // 1. Down during the handler, back 1 s later.
+    let before = snap();
+    let mut conn = Conn::connect(addr.as_str(), TIMEOUT).unwrap();
+    conn.send_raw(&pay("/mt_after/pay/1?delay_ms=600", "after-1", "{}").to_bytes())
+        .unwrap();
+    let deadline = Instant::now() + TIMEOUT;
+    while probe.runs() < 2 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    proxy.stop();
+    let first = conn.read_response("POST").unwrap();
+    std::thread::sleep(Duration::from_millis(600));
+    rt.block_on(proxy.resume()).unwrap();
+    // Wait for the retry to land.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while snap().sum(RETRIES, &[("result", "succeeded"), ("store", "postgres")])
+        - before.sum(RETRIES, &[("result", "succeeded"), ("store", "postgres")])
+        < 1.0
+        && Instant::now() < deadline
+    {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let retry = send_once(
+        &addr,
+        &pay("/mt_after/pay/1?delay_ms=600", "after-1", "{}"),
+        TIMEOUT,
+    )
+    .unwrap();
+    let after = snap();
+    let r = route("mt_after");
+    let report = format!(
+        "first {}, retry {}, runs {}, deltas {:#?}, events {:?}",
+        first.status,
+        retry.describe(),
+        probe.runs(),
+        after.since(&before),
+        probe.events()
+    );
+    assert_eq!(first.status, 201, "{report}");
+    assert!(retry.is_replay(), "{report}");
+    assert_eq!(probe.runs(), 2, "{report}");
+    assert_eq!(
+        delta(
+            &before,
+            &after,
+            REQ,
+            &[("outcome", "complete_failed"), ("route", &r)]
+        ),
+        1.0,
+        "{report}"
+    );
+    assert_eq!(
+        delta(
+            &before,
+            &after,
+            REQ,
+            &[("outcome", "replay"), ("route", &r)]
+        ),
+        1.0,
+        "{report}"
+    );
+    assert_eq!(
+        delta(&before, &after, REQ, &[("route", &r)]),
+        2.0,
+        "{report}"
+    );
+    assert_eq!(
+        delta(&before, &after, RETRIES, &[("result", "started")]),
+        1.0,
+        "{report}"
+    );
+    assert_eq!(
+        delta(&before, &after, RETRIES, &[("result", "succeeded")]),
+        1.0,
+        "{report}"
+    );
+    assert_eq!(
+        delta(&before, &after, RETRIES, &[("result", "given_up")]),
+        0.0,
+        "{report}"
+    );
+    assert_eq!(
+        delta(&before, &after, RETRIES, &[("result", "stale")]),
+        0.0,
+        "{report}"
+    );
+    assert_eq!(
+        after.sum(HELD, &[("store", "postgres")]),
+        before.sum(HELD, &[("store", "postgres")]),
+        "held after the retry succeeded: {report}"
+    );
+
+    // 2. Down past the lease: given up once.
+    let before = snap();
+    let mut conn = Conn::connect(addr.as_str(), TIMEOUT).unwrap();
+    conn.send_raw(&pay("/mt_after/pay/2?delay_ms=600", "after-2", "{}").to_bytes())
+        .unwrap();
+    let deadline = Instant::now() + TIMEOUT;
+    while probe.runs() < 3 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    proxy.stop();
+    let first = conn.read_response("POST").unwrap();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while snap().sum(RETRIES, &[("result", "given_up"), ("store", "postgres")])
+        - before.sum(RETRIES, &[("result", "given_up"), ("store", "postgres")])
+        < 1.0
+        && Instant::now() < deadline
+    {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    let after = snap();
+    let report = format!(
+        "first {}, runs {}, deltas {:#?}, events {:?}",
+        first.status,
+        probe.runs(),
+        after.since(&before),
+        probe.events()
+    );
+    rt.block_on(proxy.resume()).unwrap();
+    assert_eq!(first.status, 201, "{report}");
+    assert_eq!(
+        delta(
+            &before,
+            &after,
+            REQ,
+            &[("outcome", "complete_failed"), ("route", &r)]
+        ),
+        1.0,
+        "{report}"
+    );
+    assert_eq!(
+        delta(&before, &after, RETRIES, &[("result", "started")]),
+        1.0,
+        "{report}"
+    );
+    assert_eq!(
+        delta(&before, &after, RETRIES, &[("result", "given_up")]),
+        1.0,
+        "{report}"
+    );
+    assert_eq!(
+        delta(&before, &after, RETRIES, &[("result", "succeeded")]),
+        0.0,
+        "{report}"
+    );
+    assert_eq!(
+        after.sum(HELD, &[("store", "postgres")]),
+        before.sum(HELD, &[("store", "postgres")]),
+        "held after giving up: {report}"
+    );
+    // A failed complete is timed too.
+    assert!(
+        delta(
+            &before,
+            &after,
+            CALLS,
+            &[("op", "complete"), ("store", "postgres")]
+        ) >= 1.0,
+        "{report}"
+    );
+}
+
+/// CachedStore over PostgreSQL: one miss and 5 replays (served from the cache after the
+/// first): exactly 1 `stored` and 5 `replay`, store label of the cache, no double count.
+#[test]
+fn cached_store_replays_are_counted_once() {
+    let _serial = serial();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let db = rt.block_on(TestDb::new());
+    let inner = rt
+        .block_on(PostgresStore::connect(&db.url))
+        .expect("connect");
+    let probe = Probe::default();
+    let server = serve(CachedStore::new(inner), "mt_cache", &probe, |b| b);
+    let addr = server.addr.to_string();
+    let before = snap();
+    let first = send_once(&addr, &pay("/mt_cache/pay/1", "cache-1", "{}"), TIMEOUT).unwrap();
+    assert_eq!(first.status, 201);
+    for _ in 0..5 {
+        let r = send_once(&addr, &pay("/mt_cache/pay/1", "cache-1", "{}"), TIMEOUT).unwrap();
+        assert!(r.is_replay(), "{}", r.describe());
+    }
+    wait_events(&probe, 6);
+    let after = snap();
+    let r = route("mt_cache");
+    let report = format!(
+        "runs {}, deltas {:#?}, events {:?}",
+        probe.runs(),
+        after.since(&before),
+        probe.events()
+    );
+    assert_eq!(probe.runs(), 1, "{report}");
+    assert_eq!(
+        delta(
+            &before,
+            &after,
+            REQ,
+            &[("outcome", "stored"), ("route", &r)]
+        ),
+        1.0,
+        "{report}"
+    );
+    assert_eq!(
+        delta(
+            &before,
+            &after,
+            REQ,
+            &[("outcome", "replay"), ("route", &r)]
+        ),
+        5.0,
+        "{report}"
+    );
+    assert_eq!(delta(&before, &after, REQ, &[]), 6.0, "{report}");
+    assert_eq!(probe.events().len(), 6, "{report}");
+    assert_eq!(
+        delta(&before, &after, CALLS, &[("op", "reserve")]),
+        6.0,
+        "one reserve observation per request: {report}"
+    );
+}
+
+/// Transactional mode: a 500 is `rolled_back` (ran the handler), a 201 `stored`, a replay
+/// `replay`; a response over `max_response_bytes` is `rolled_back` with the 5xx the client got.
+#[test]
+fn transactional_outcomes_match_what_the_client_got() {
+    let _serial = serial();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let db = rt.block_on(TestDb::new());
+    let store = rt
+        .block_on(PostgresStore::connect(&db.url))
+        .expect("connect");
+    let probe = Probe::default();
+    let server = serve(store, "mt_tx", &probe, |b| {
+        b.max_response_bytes(1024).transactional()
+    });
+    let addr = server.addr.to_string();
+    let before = snap();
+    let failed = send_once(
+        &addr,
+        &pay("/mt_tx/pay/1?status=500", "tx-1", "{}"),
+        TIMEOUT,
+    )
+    .unwrap();
+    let ok = send_once(&addr, &pay("/mt_tx/pay/1", "tx-1", "{}"), TIMEOUT).unwrap();
+    let replay = send_once(&addr, &pay("/mt_tx/pay/1", "tx-1", "{}"), TIMEOUT).unwrap();
+    let big = send_once(&addr, &pay("/mt_tx/pay/2?size=5000", "tx-2", "{}"), TIMEOUT).unwrap();
+    wait_events(&probe, 4);
+    let after = snap();
+    let r = route("mt_tx");
+    let report = format!(
+        "statuses {} {} {} {}, runs {}, deltas {:#?}, events {:?}",
+        failed.status,
+        ok.status,
+        replay.status,
+        big.status,
+        probe.runs(),
+        after.since(&before),
+        probe.events()
+    );
+    assert_eq!(failed.status, 500, "{report}");
+    assert_eq!(ok.status, 201, "{report}");
+    assert!(replay.is_replay(), "{report}");
+    assert_eq!(probe.runs(), 3, "{report}");
+    assert_eq!(
+        delta(
+            &before,
+            &after,
+            REQ,
+            &[("outcome", "rolled_back"), ("route", &r)]
+        ),
+        2.0,
+        "{report}"
+    );
+    assert_eq!(
+        delta(
+            &before,
+            &after,
+            REQ,
+            &[("outcome", "stored"), ("route", &r)]
+        ),
+        1.0,
+        "{report}"
+    );
+    assert_eq!(
+        delta(
+            &before,
+            &after,
+            REQ,
+            &[("outcome", "replay"), ("route", &r)]
+        ),
+        1.0,
+        "{report}"
+    );
+    assert_eq!(
+        delta(&before, &after, REQ, &[("route", &r)]),
+        4.0,
+        "{report}"
+    );
+    let statuses: Vec<u16> = probe.events().iter().map(|e| e.status).collect();
+    assert_eq!(
+        statuses,
+        vec![failed.status, ok.status, replay.status, big.status],
+        "hook statuses vs client statuses: {report}"
+    );
+    assert_eq!(
+        after.sum(HELD, &[("store", "postgres")]),
+        before.sum(HELD, &[("store", "postgres")]),
+        "{report}"
+    );
+}
+
+/// Refused requests: a missing key when one is required, an invalid key, a body over
+/// `max_body_bytes`, and a full memory store (503): each counted once with its outcome, the
+/// hook sees the status the client got, the handler never runs.
+#[test]
+fn refused_requests_are_counted_with_the_status_sent() {
+    let _serial = serial();
+    let probe = Probe::default();
+    let store = MemoryStore::builder().max_entries(1).build();
+    let server = serve(store, "mt_refuse", &probe, |b| {
+        b.required(true).max_body_bytes(64)
+    });
+    let addr = server.addr.to_string();
+    let before = snap();
+    let mut statuses = Vec::new();
+    // Fill the store with one live reservation... then one more key: full.
+    statuses.push(
+        send_once(&addr, &pay("/mt_refuse/pay/1", "ref-1", "{}"), TIMEOUT)
+            .unwrap()
+            .status,
+    );
+    statuses.push(
+        send_once(&addr, &pay("/mt_refuse/pay/2", "ref-2", "{}"), TIMEOUT)
+            .unwrap()
+            .status,
+    );
+    statuses.push(
+        send_once(
+            &addr,
+            &Request::post("/mt_refuse/pay/3").json("{}"),
+            TIMEOUT,
+        )
+        .unwrap()
+        .status,
+    );
+    statuses.push(
+        send_once(
+            &addr,
+            &pay("/mt_refuse/pay/4", &"k".repeat(2000), "{}"),
+            TIMEOUT,
+        )
+        .unwrap()
+        .status,
+    );
+    statuses.push(
+        send_once(
+            &addr,
+            &pay(
+                "/mt_refuse/pay/5",
+                "ref-5",
+                &format!("{{\"a\":\"{}\"}}", "x".repeat(200)),
+            ),
+            TIMEOUT,
+        )
+        .unwrap()
+        .status,
+    );
+    wait_events(&probe, 5);
+    let after = snap();
+    let r = route("mt_refuse");
+    let report = format!(
+        "statuses {statuses:?}, runs {}, deltas {:#?}, events {:?}",
+        probe.runs(),
+        after.since(&before),
+        probe.events()
+    );
+    assert_eq!(
+        delta(&before, &after, REQ, &[("route", &r)]),
+        5.0,
+        "{report}"
+    );
+    let hook_statuses: Vec<u16> = probe.events().iter().map(|e| e.status).collect();
+    assert_eq!(hook_statuses, statuses, "{report}");
+    for e in probe.events() {
+        let counted = delta(
+            &before,
+            &after,
+            REQ,
+            &[("route", &r), ("outcome", e.outcome.as_str())],
+        );
+        assert!(counted >= 1.0, "{e:?} not counted: {report}");
+        assert_eq!(e.outcome.ran_handler(), e.status == 201, "{e:?}: {report}");
+    }
+    assert_eq!(
+        probe.runs() as usize,
+        statuses.iter().filter(|s| **s == 201).count(),
+        "{report}"
+    );
+    assert_eq!(
+        delta(
+            &before,
+            &after,
+            REQ,
+            &[("route", &r), ("outcome", "missing_key")]
+        ),
+        1.0,
+        "{report}"
+    );
+    assert_eq!(
+        delta(
+            &before,
+            &after,
+            REQ,
+            &[("route", &r), ("outcome", "invalid_key")]
+        ),
+        1.0,
+        "{report}"
+    );
+    assert_eq!(
+        delta(
+            &before,
+            &after,
+            REQ,
+            &[("route", &r), ("outcome", "payload_too_large")]
+        ),
+        1.0,
+        "{report}"
+    );
+}
+
+/// A panicking handler: 500 to the client, counted once as `handler_panic`, the hook sees 500,
+/// the held gauge goes back.
+#[test]
+fn a_panicking_handler_is_counted_once() {
+    let _serial = serial();
+    let probe = Probe::default();
+    let server = serve(MemoryStore::new(), "mt_panic", &probe, |b| b);
+    let addr = server.addr.to_string();
+    let before = snap();
+    let r = send_once(
+        &addr,
+        &pay("/mt_panic/pay/1?panic=1", "panic-1", "{}"),
+        TIMEOUT,
+    );
+    wait_events(&probe, 1);
+    std::thread::sleep(Duration::from_millis(300));
+    let after = snap();
+    let rt = route("mt_panic");
+    let report = format!(
+        "client {:?}, runs {}, deltas {:#?}, events {:?}",
+        r.as_ref().map(|r| r.status),
+        probe.runs(),
+        after.since(&before),
+        probe.events()
+    );
+    assert_eq!(probe.runs(), 1, "{report}");
+    assert_eq!(
+        delta(&before, &after, REQ, &[("route", &rt)]),
+        1.0,
+        "{report}"
+    );
+    assert_eq!(
+        delta(
+            &before,
+            &after,
+            REQ,
+            &[("route", &rt), ("outcome", "handler_panic")]
+        ),
+        1.0,
+        "{report}"
+    );
+    assert_eq!(probe.events().len(), 1, "{report}");
+    if let Ok(r) = &r {
+        assert_eq!(probe.events()[0].status, r.status, "{report}");
+    }
+    assert_eq!(
+        after.sum(HELD, &[("store", "memory")]),
+        before.sum(HELD, &[("store", "memory")]),
+        "{report}"
+    );
+}
+
+/// Wait mode: a waiter whose client resets while it waits is counted once as `abandoned`
+/// (status 499 in the hook), the first request once as `stored`, the handler ran once.
+#[test]
+fn an_abandoned_waiter_is_counted_once() {
+    let _serial = serial();
+    let probe = Probe::default();
+    let server = serve(MemoryStore::new(), "mt_aband", &probe, |b| {
+        b.wait_for_in_flight(Duration::from_secs(10))
+    });
+    let addr = server.addr.to_string();
+    let before = snap();
+    let request = pay("/mt_aband/pay/1?delay_ms=1000", "ab-1", "{}");
+    let mut first = Conn::connect(addr.as_str(), TIMEOUT).unwrap();
+    first.send_raw(&request.to_bytes()).unwrap();
+    let deadline = Instant::now() + TIMEOUT;
+    while probe.runs() == 0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let mut waiter = Conn::connect(addr.as_str(), TIMEOUT).unwrap();
+    waiter.send_raw(&request.to_bytes()).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    waiter.reset().unwrap();
+    let first = first.read_response("POST").unwrap();
+    wait_events(&probe, 2);
+    std::thread::sleep(Duration::from_millis(300));
+    let after = snap();
+    let r = route("mt_aband");
+    let report = format!(
+        "first {}, runs {}, deltas {:#?}, events {:?}",
+        first.status,
+        probe.runs(),
+        after.since(&before),
+        probe.events()
+    );
+    assert_eq!(first.status, 201, "{report}");
+    assert_eq!(probe.runs(), 1, "{report}");
+    assert_eq!(
+        delta(&before, &after, REQ, &[("route", &r)]),
+        2.0,
+        "{report}"
+    );
+    assert_eq!(
+        delta(
+            &before,
+            &after,
+            REQ,
+            &[("route", &r), ("outcome", "stored")]
+        ),
+        1.0,
+        "{report}"
+    );
+    assert_eq!(
+        delta(
+            &before,
+            &after,
+            REQ,
+            &[("route", &r), ("outcome", "abandoned")]
+        ),
+        1.0,
+        "{report}"
+    );
+    assert!(
+        probe
+            .events()
+            .iter()
+            .any(|e| e.outcome == Outcome::Abandoned && e.status == 499),
+        "{report}"
+    );
+}
+
+/// A client that resets mid-upload (Content-Length 1000, 10 bytes sent): nothing runs; the
+/// request is counted at most once, as `request_body_error`, never as something that ran.
+#[test]
+fn a_reset_mid_upload_is_counted_as_a_body_error() {
+    let _serial = serial();
+    let probe = Probe::default();
+    let server = serve(MemoryStore::new(), "mt_upload", &probe, |b| b);
+    let addr = server.addr.to_string();
+    let before = snap();
+    let mut conn = Conn::connect(addr.as_str(), TIMEOUT).unwrap();
+    conn.send_raw(b"POST /mt_upload/pay/1 HTTP/1.1\r\nHost: x\r\nIdempotency-Key: up-1\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"a\":\"xxxx").unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    conn.reset().unwrap();
+    std::thread::sleep(Duration::from_millis(700));
+    let after = snap();
+    let r = route("mt_upload");
+    let report = format!(
+        "runs {}, deltas {:#?}, events {:?}",
+        probe.runs(),
+        after.since(&before),
+        probe.events()
+    );
+    assert_eq!(probe.runs(), 0, "{report}");
+    let total = delta(&before, &after, REQ, &[("route", &r)]);
+    assert!(total <= 1.0, "{report}");
+    assert_eq!(
+        total,
+        delta(
+            &before,
+            &after,
+            REQ,
+            &[("route", &r), ("outcome", "request_body_error")]
+        ),
+        "{report}"
+    );
+    assert_eq!(probe.events().len() as f64, total, "{report}");
+    // A retry with the full body runs once and is stored (nothing was reserved).
+    let retry = send_once(&addr, &pay("/mt_upload/pay/1", "up-1", "{}"), TIMEOUT).unwrap();
+    assert_eq!(retry.status, 201, "{}", retry.describe());
+    assert_eq!(
+        after.sum(HELD, &[("store", "memory")]),
+        before.sum(HELD, &[("store", "memory")]),
+        "{report}"
+    );
+}
+
+/// Concurrent duplicates on PostgreSQL (two app workers): conflicts and replays counted as
+/// the clients saw them; lease renewals of a handler running past a third of the lease are
+/// counted `renewed`, never `lost`.
+#[test]
+fn postgres_duplicates_and_renewals_are_counted_truthfully() {
+    let _serial = serial();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let db = rt.block_on(TestDb::new());
+    let store = rt
+        .block_on(PostgresStore::connect(&db.url))
+        .expect("connect");
+    let probe = Probe::default();
+    let server = serve(store, "mt_pgdup", &probe, |b| {
+        b.lock_timeout(Duration::from_millis(900))
+    });
+    let addr = server.addr.to_string();
+    let before = snap();
+    let responses = burst(
+        &addr,
+        &pay("/mt_pgdup/pay/1?delay_ms=1500", "pgdup-1", "{}"),
+        8,
+    );
+    let seen = tally(&responses);
+    wait_events(&probe, 8);
+    let after = snap();
+    let r = route("mt_pgdup");
+    let report = format!(
+        "clients {seen:?}, runs {}, deltas {:#?}, events {:?}",
+        probe.runs(),
+        after.since(&before),
+        probe.events()
+    );
+    assert_eq!(probe.runs(), 1, "{report}");
+    assert_eq!(seen.fresh, 1, "{report}");
+    assert_eq!(
+        delta(
+            &before,
+            &after,
+            REQ,
+            &[("route", &r), ("outcome", "stored")]
+        ),
+        1.0,
+        "{report}"
+    );
+    assert_eq!(
+        delta(
+            &before,
+            &after,
+            REQ,
+            &[("route", &r), ("outcome", "conflict")]
+        ),
+        seen.conflict as f64,
+        "{report}"
+    );
+    assert_eq!(
+        delta(
+            &before,
+            &after,
+            REQ,
+            &[("route", &r), ("outcome", "replay")]
+        ),
+        seen.replay as f64,
+        "{report}"
+    );
+    assert_eq!(
+        delta(&before, &after, REQ, &[("route", &r)]),
+        8.0,
+        "{report}"
+    );
+    let renewed = delta(
+        &before,
+        &after,
+        "idempotency_lease_renewals_total",
+        &[("result", "renewed"), ("store", "postgres")],
+    );
+    let renew_calls = delta(
+        &before,
+        &after,
+        CALLS,
+        &[("op", "renew_lease"), ("store", "postgres")],
+    );
+    assert!(renewed >= 2.0, "{report}");
+    assert_eq!(
+        renewed, renew_calls,
+        "every renewal timed, every timed renewal counted: {report}"
+    );
+    assert_eq!(
+        delta(
+            &before,
+            &after,
+            "idempotency_lease_renewals_total",
+            &[("result", "lost")]
+        ),
+        0.0,
+        "{report}"
+    );
+}
+
+/// A handler that outlives `renew_lease_up_to`: a retry takes the key over and runs again. The
+/// first is counted `stale` (the docs' "completes going stale" alert), the renewals `limit`,
+/// the retry `stored`; two runs, two outcomes that ran the handler.
+#[test]
+fn a_handler_past_the_renewal_limit_is_counted_stale() {
+    let _serial = serial();
+    let probe = Probe::default();
+    let server = serve(MemoryStore::new(), "mt_stale", &probe, |b| {
+        b.lock_timeout(Duration::from_millis(300))
+            .renew_lease_up_to(Duration::from_millis(600))
+    });
+    let addr = server.addr.to_string();
+    let before = snap();
+    let request = pay("/mt_stale/pay/1?delay_ms=2000", "stale-1", "{}");
+    let mut first = Conn::connect(addr.as_str(), TIMEOUT).unwrap();
+    first.send_raw(&request.to_bytes()).unwrap();
+    std::thread::sleep(Duration::from_millis(1200));
+    let second = send_once(&addr, &request, TIMEOUT).unwrap();
+    let first = first.read_response("POST").unwrap();
+    wait_events(&probe, 2);
+    std::thread::sleep(Duration::from_millis(300));
+    let after = snap();
+    let r = route("mt_stale");
+    let report = format!(
+        "first {} second {}, runs {}, deltas {:#?}, events {:?}",
+        first.status,
+        second.status,
+        probe.runs(),
+        after.since(&before),
+        probe.events()
+    );
+    assert_eq!(probe.runs(), 2, "{report}");
+    assert_eq!(
+        delta(&before, &after, REQ, &[("route", &r)]),
+        2.0,
+        "{report}"
+    );
+    assert_eq!(
+        delta(&before, &after, REQ, &[("route", &r), ("outcome", "stale")]),
+        1.0,
+        "{report}"
+    );
+    assert_eq!(
+        delta(
+            &before,
+            &after,
+            REQ,
+            &[("route", &r), ("outcome", "stored")]
+        ),
+        1.0,
+        "{report}"
+    );
+    assert!(
+        delta(
+            &before,
+            &after,
+            "idempotency_lease_renewals_total",
+            &[("result", "limit")]
+        ) >= 1.0,
+        "{report}"
+    );
+    eprintln!("stale scenario: {report}");
+    assert!(
+        probe.events().iter().all(|e| e.outcome.ran_handler()),
+        "{report}"
+    );
+    assert_eq!(
+        after.sum(HELD, &[("store", "memory")]),
+        before.sum(HELD, &[("store", "memory")]),
+        "{report}"
+    );
+}
+
+/// A client that resets while a slow streamed response is being sent: one outcome, once,
+/// one that ran the handler; the held gauge back; a retry is answered coherently with it.
+#[test]
+fn a_client_reset_mid_stream_is_counted_once() {
+    let _serial = serial();
+    let probe = Probe::default();
+    let server = serve(MemoryStore::new(), "mt_midstream", &probe, |b| b);
+    let addr = server.addr.to_string();
+    let before = snap();
+    let request = pay("/mt_midstream/pay/1?stream=slow", "ms-1", "{}");
+    let mut conn = Conn::connect(addr.as_str(), TIMEOUT).unwrap();
+    conn.send_raw(&request.to_bytes()).unwrap();
+    let head = conn.read_head().unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    conn.reset().unwrap();
+    std::thread::sleep(Duration::from_millis(2000));
+    wait_events(&probe, 1);
+    let mid = snap();
+    let r = route("mt_midstream");
+    let report = format!(
+        "head {:?}, runs {}, deltas {:#?}, events {:?}",
+        head.0,
+        probe.runs(),
+        mid.since(&before),
+        probe.events()
+    );
+    assert_eq!(probe.runs(), 1, "{report}");
+    assert_eq!(delta(&before, &mid, REQ, &[("route", &r)]), 1.0, "{report}");
+    assert_eq!(probe.events().len(), 1, "{report}");
+    assert!(probe.events()[0].outcome.ran_handler(), "{report}");
+    assert_eq!(
+        mid.sum(HELD, &[("store", "memory")]),
+        before.sum(HELD, &[("store", "memory")]),
+        "{report}"
+    );
+    let retry = send_once(&addr, &request, TIMEOUT).unwrap();
+    wait_events(&probe, 2);
+    let outcome = probe.events()[0].outcome;
+    let report = format!(
+        "retry {}, {report}, events {:?}",
+        retry.describe(),
+        probe.events()
+    );
+    if retry.is_replay() {
+        assert_eq!(outcome, Outcome::Stored, "{report}");
+    } else {
+        assert_ne!(
+            outcome,
+            Outcome::Stored,
+            "counted stored but the retry ran again: {report}"
+        );
+    }
+}
+
+/// The hook's `elapsed` of a streamed response runs "to the end of the stream" (OutcomeEvent
+/// docs): a stream of 8 chunks 150 ms apart is at least 1.1 s.
+#[test]
+fn a_streamed_responses_elapsed_covers_the_stream() {
+    let _serial = serial();
+    let probe = Probe::default();
+    let server = serve(MemoryStore::new(), "mt_elapsed", &probe, |b| b);
+    let addr = server.addr.to_string();
+    let started = Instant::now();
+    let r = send_once(
+        &addr,
+        &pay("/mt_elapsed/pay/1?stream=slow", "el-1", "{}"),
+        TIMEOUT,
+    )
+    .unwrap();
+    let took = started.elapsed();
+    wait_events(&probe, 1);
+    let events = probe.events();
+    assert_eq!(r.status, 201);
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert!(
+        events[0].elapsed >= Duration::from_millis(1100)
+            && events[0].elapsed <= took + Duration::from_millis(200),
+        "client took {took:?}, hook says {events:?}"
+    );
+}
+
+/// Transactional mode, PostgreSQL cut while the handler runs: the client gets a 5xx
+/// (COMMIT_FAILED or COMMIT_OUTCOME_UNKNOWN); it is counted once, as the outcome matching the
+/// code it got, with the status it got; a retry after the database is back is answered
+/// coherently (replay only if committed).
+#[test]
+fn transactional_commit_failure_is_counted_as_the_client_was_told() {
+    let _serial = serial();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let db = rt.block_on(TestDb::new());
+    let proxy = rt.block_on(PgProxy::for_url(&db.url)).unwrap();
+    let url = proxy.url_through(&db.url);
+    let store = rt.block_on(PostgresStore::connect(&url)).expect("connect");
+    let probe = Probe::default();
+    let server = serve(store, "mt_txcut", &probe, |b| b.transactional());
+    let addr = server.addr.to_string();
+    let warm = send_once(&addr, &pay("/mt_txcut/pay/0", "txc-warm", "{}"), TIMEOUT).unwrap();
+    assert_eq!(warm.status, 201, "{}", warm.describe());
+    wait_events(&probe, 1);
+    let before = snap();
+    let request = pay("/mt_txcut/pay/1?delay_ms=700", "txc-1", "{}");
+    let mut conn = Conn::connect(addr.as_str(), TIMEOUT).unwrap();
+    conn.send_raw(&request.to_bytes()).unwrap();
+    let deadline = Instant::now() + TIMEOUT;
+    while probe.runs() < 2 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    proxy.stop();
+    let first = conn.read_response("POST").unwrap();
+    wait_events(&probe, 2);
+    std::thread::sleep(Duration::from_millis(300));
+    let mid = snap();
+    let r = route("mt_txcut");
+    let report = format!(
+        "client {}, runs {}, deltas {:#?}, events {:?}",
+        first.describe(),
+        probe.runs(),
+        mid.since(&before),
+        probe.events()
+    );
+    assert_eq!(delta(&before, &mid, REQ, &[("route", &r)]), 1.0, "{report}");
+    let event = probe.events()[1].clone();
+    assert_eq!(event.status, first.status, "{report}");
+    let want = match first.problem_code().as_deref() {
+        Some("COMMIT_FAILED") => Outcome::CommitFailed,
+        Some("COMMIT_OUTCOME_UNKNOWN") => Outcome::CommitUnknown,
+        Some("STORAGE_UNAVAILABLE") => Outcome::StoreUnavailable,
+        _ => Outcome::RolledBack,
+    };
+    assert_eq!(event.outcome, want, "{report}");
+    assert!(event.outcome.ran_handler(), "{report}");
+    assert_eq!(
+        mid.sum(HELD, &[("store", "postgres")]),
+        before.sum(HELD, &[("store", "postgres")]),
+        "{report}"
+    );
+    rt.block_on(proxy.resume()).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let retry = send_once(&addr, &request, TIMEOUT).unwrap();
+    let report = format!("retry {}, {report}", retry.describe());
+    assert!(
+        !retry.is_replay(),
+        "a commit reported failed was replayed: {report}"
+    );
+}
+
+/// CachedStore over PostgreSQL that is down: 503s counted `store_unavailable` once each, no
+/// handler run, labelled with the store the app uses.
+#[test]
+fn cached_store_over_a_dead_database_counts_store_unavailable_once() {
+    let _serial = serial();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let db = rt.block_on(TestDb::new());
+    let proxy = rt.block_on(PgProxy::for_url(&db.url)).unwrap();
+    let url = proxy.url_through(&db.url);
+    let inner = rt.block_on(PostgresStore::connect(&url)).expect("connect");
+    let probe = Probe::default();
+    let server = serve(CachedStore::new(inner), "mt_cdown", &probe, |b| b);
+    let addr = server.addr.to_string();
+    let warm = send_once(&addr, &pay("/mt_cdown/pay/0", "cd-warm", "{}"), TIMEOUT).unwrap();
+    assert_eq!(warm.status, 201);
+    // The first replay caches the record (CachedStore caches what `reserve` returns completed).
+    let cached = send_once(&addr, &pay("/mt_cdown/pay/0", "cd-warm", "{}"), TIMEOUT).unwrap();
+    assert!(cached.is_replay(), "{}", cached.describe());
+    wait_events(&probe, 2);
+    proxy.stop();
+    let before = snap();
+    let mut statuses = Vec::new();
+    for i in 1..4 {
+        statuses.push(
+            send_once(
+                &addr,
+                &pay(&format!("/mt_cdown/pay/{i}"), &format!("cd-{i}"), "{}"),
+                Duration::from_secs(60),
+            )
+            .unwrap()
+            .status,
+        );
+    }
+    // The cached record still replays.
+    let replay = send_once(
+        &addr,
+        &pay("/mt_cdown/pay/0", "cd-warm", "{}"),
+        Duration::from_secs(60),
+    )
+    .unwrap();
+    wait_events(&probe, 6);
+    let after = snap();
+    let r = route("mt_cdown");
+    let report = format!(
+        "statuses {statuses:?} replay {}, runs {}, deltas {:#?}, events {:?}",
+        replay.status,
+        probe.runs(),
+        after.since(&before),
+        probe.events()
+    );
+    assert_eq!(statuses, vec![503; 3], "{report}");
+    assert_eq!(probe.runs(), 1, "{report}");
+    assert_eq!(
+        delta(
+            &before,
+            &after,
+            REQ,
+            &[("route", &r), ("outcome", "store_unavailable")]
+        ),
+        3.0,
+        "{report}"
+    );
+    assert_eq!(
+        delta(&before, &after, REQ, &[("route", &r)]),
+        4.0,
+        "{report}"
+    );
+    assert!(
+        replay.is_replay(),
+        "a cached record is replayed while the database is down: {report}"
+    );
+    assert_eq!(
+        delta(
+            &before,
+            &after,
+            REQ,
+            &[("route", &r), ("outcome", "replay")]
+        ),
+        1.0,
+        "{report}"
+    );
+    rt.block_on(proxy.resume()).unwrap();
+}
+
+/// Transactional mode, concurrent duplicates: one runs and commits; the others are 409 or
+/// replays, counted as such.
+#[test]
+fn transactional_duplicates_are_counted_as_the_clients_saw_them() {
+    let _serial = serial();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let db = rt.block_on(TestDb::new());
+    let store = rt
+        .block_on(PostgresStore::connect(&db.url))
+        .expect("connect");
+    let probe = Probe::default();
+    let server = serve(store, "mt_txdup", &probe, |b| b.transactional());
+    let addr = server.addr.to_string();
+    let before = snap();
+    let responses = burst(
+        &addr,
+        &pay("/mt_txdup/pay/1?delay_ms=700", "txd-1", "{}"),
+        8,
+    );
+    let seen = tally(&responses);
+    wait_events(&probe, 8);
+    let after = snap();
+    let r = route("mt_txdup");
+    let report = format!(
+        "clients {seen:?}, runs {}, deltas {:#?}, events {:?}",
+        probe.runs(),
+        after.since(&before),
+        probe.events()
+    );
+    assert_eq!(probe.runs(), 1, "{report}");
+    assert_eq!(seen.fresh, 1, "{report}");
+    assert!(seen.other.is_empty(), "{report}");
+    assert_eq!(
+        delta(
+            &before,
+            &after,
+            REQ,
+            &[("route", &r), ("outcome", "stored")]
+        ),
+        1.0,
+        "{report}"
+    );
+    assert_eq!(
+        delta(
+            &before,
+            &after,
+            REQ,
+            &[("route", &r), ("outcome", "conflict")]
+        ),
+        seen.conflict as f64,
+        "{report}"
+    );
+    assert_eq!(
+        delta(
+            &before,
+            &after,
+            REQ,
+            &[("route", &r), ("outcome", "replay")]
+        ),
+        seen.replay as f64,
+        "{report}"
+    );
+    assert_eq!(probe.events().len(), 8, "{report}");
+}
+
+/// HTTP/2 (h2c): 8 concurrent streams with one key on one connection, and a stream reset while
+/// its handler runs (another key): counts match the answers; the reset request counted once.
+#[test]
+fn http2_duplicates_and_a_reset_stream_are_counted_truthfully() {
+    let _serial = serial();
+    let probe = Probe::default();
+    let server = serve_with(MemoryStore::new(), "mt_h2", &probe, |b| b, true);
+    let addr = server.addr;
+    let before = snap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let answers: Vec<(u16, bool)> = rt.block_on(async move {
+        let tcp = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        let (client, conn) = h2::client::handshake(tcp).await.expect("h2 handshake");
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        let request = |key: &str, target: &str| {
+            http02::Request::builder()
+                .method("POST")
+                .uri(format!("http://localhost{target}"))
+                .header("content-type", "application/json")
+                .header("idempotency-key", key)
+                .body(())
+                .unwrap()
+        };
+        // The reset one first.
+        let mut c = client.clone().ready().await.expect("ready");
+        let (resp, mut stream) = c
+            .send_request(request("h2-reset", "/mt_h2/pay/9?delay_ms=800"), false)
+            .expect("send");
+        stream
+            .send_data(Bytes::from_static(b"{}"), true)
+            .expect("data");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        stream.send_reset(h2::Reason::CANCEL);
+        drop(resp);
+        let mut tasks = Vec::new();
+        for _ in 0..8 {
+            let client = client.clone();
+            let req = request("h2-dup", "/mt_h2/pay/1?delay_ms=700");
+            tasks.push(tokio::spawn(async move {
+                let mut c = client.ready().await.expect("ready");
+                let (resp, mut stream) = c.send_request(req, false).expect("send");
+                stream
+                    .send_data(Bytes::from_static(b"{}"), true)
+                    .expect("data");
+                let resp = tokio::time::timeout(TIMEOUT, resp)
+                    .await
+                    .expect("in time")
+                    .expect("answer");
+                let replayed = resp
+                    .headers()
+                    .get("idempotent-replayed")
+                    .is_some_and(|v| v == "true");
+                let status = resp.status().as_u16();
+                let mut body = resp.into_body();
+                while let Some(chunk) = body.data().await {
+                    let chunk = chunk.expect("body");
+                    let _ = body.flow_control().release_capacity(chunk.len());
+                }
+                (status, replayed)
+            }));
+        }
+        let mut answers = Vec::new();
+        for t in tasks {
+            answers.push(t.await.expect("task"));
+        }
+        tokio::time::sleep(Duration::from_millis(1000)).await;
+        answers
+    });
+    wait_events(&probe, 9);
+    let after = snap();
+    let r = route("mt_h2");
+    let fresh = answers.iter().filter(|(s, rep)| *s == 201 && !rep).count();
+    let replays = answers.iter().filter(|(_, rep)| *rep).count();
+    let conflicts = answers.iter().filter(|(s, _)| *s == 409).count();
+    let report = format!(
+        "answers {answers:?}, runs {:?}, deltas {:#?}, events {:?}",
+        probe.runs_by_key.lock().unwrap(),
+        after.since(&before),
+        probe.events()
+    );
+    assert_eq!(
+        probe.runs_by_key.lock().unwrap().get("h2-dup"),
+        Some(&1),
+        "{report}"
+    );
+    assert_eq!(fresh, 1, "{report}");
+    assert_eq!(fresh + replays + conflicts, 8, "{report}");
+    assert_eq!(
+        delta(&before, &after, REQ, &[("route", &r)]),
+        9.0,
+        "{report}"
+    );
+    assert_eq!(
+        delta(
+            &before,
+            &after,
+            REQ,
+            &[("route", &r), ("outcome", "conflict")]
+        ),
+        conflicts as f64,
+        "{report}"
+    );
+    assert_eq!(
+        delta(
+            &before,
+            &after,
+            REQ,
+            &[("route", &r), ("outcome", "replay")]
+        ),
+        replays as f64,
+        "{report}"
+    );
+    let reset_events: Vec<_> = probe
+        .events()
+        .into_iter()
+        .filter(|e| e.key.as_deref() == Some("h2-reset"))
+        .collect();
+    assert_eq!(reset_events.len(), 1, "{report}");
+    assert!(reset_events[0].outcome.ran_handler(), "{report}");
+    assert_eq!(
+        after.sum(HELD, &[("store", "memory")]),
+        before.sum(HELD, &[("store", "memory")]),
+        "{report}"
+    );
+}
+
+/// Wait mode, the first request fails (502, not stored, key released) while 6 duplicates wait:
+/// one waiter takes the key and runs; the others replay its response (or get what it got).
+/// Every client's answer is counted as what it was; runs = outcomes that ran the handler.
+#[test]
+fn wait_mode_after_a_failed_first_request_counts_truthfully() {
+    let _serial = serial();
+    let probe = Probe::default();
+    let server = serve(MemoryStore::new(), "mt_waitfail", &probe, |b| {
+        b.wait_for_in_flight(Duration::from_secs(10))
+    });
+    let addr = server.addr.to_string();
+    let before = snap();
+    let responses = burst(
+        &addr,
+        &pay("/mt_waitfail/pay/1?delay_ms=500&fail_first=1", "wf-1", "{}"),
+        7,
+    );
+    wait_events(&probe, 7);
+    let after = snap();
+    let r = route("mt_waitfail");
+    let statuses: Vec<(u16, bool)> = responses
+        .iter()
+        .map(|r| (r.status, r.is_replay()))
+        .collect();
+    let report = format!(
+        "answers {statuses:?}, runs {}, deltas {:#?}, events {:?}",
+        probe.runs(),
+        after.since(&before),
+        probe.events()
+    );
+    let ran: usize = probe
+        .events()
+        .iter()
+        .filter(|e| e.outcome.ran_handler())
+        .count();
+    assert_eq!(ran as u64, probe.runs(), "{report}");
+    assert_eq!(probe.runs(), 2, "{report}");
+    assert_eq!(
+        delta(&before, &after, REQ, &[("route", &r)]),
+        7.0,
+        "{report}"
+    );
+    assert_eq!(
+        delta(
+            &before,
+            &after,
+            REQ,
+            &[("route", &r), ("outcome", "not_stored")]
+        ),
+        statuses.iter().filter(|(s, _)| *s == 502).count() as f64,
+        "{report}"
+    );
+    assert_eq!(
+        delta(
+            &before,
+            &after,
+            REQ,
+            &[("route", &r), ("outcome", "replay")]
+        ),
+        statuses.iter().filter(|(_, rep)| *rep).count() as f64,
+        "{report}"
+    );
+    assert_eq!(
+        delta(
+            &before,
+            &after,
+            REQ,
+            &[("route", &r), ("outcome", "stored")]
+        ),
+        1.0,
+        "{report}"
+    );
+    let mut hook: Vec<u16> = probe.events().iter().map(|e| e.status).collect();
+    let mut got: Vec<u16> = statuses.iter().map(|(s, _)| *s).collect();
+    hook.sort_unstable();
+    got.sort_unstable();
+    assert_eq!(hook, got, "{report}");
+}
+
+/// PostgreSQL down for ~0.5 s while a 2.5 s handler renews a 900 ms lease: renewals `failed`
+/// then `renewed`, none `lost`; every renewal call is in the histogram (failures included) and
+/// counted; the response is stored and replayed.
+#[test]
+fn renewals_through_a_short_outage_are_counted_truthfully() {
+    let _serial = serial();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let db = rt.block_on(TestDb::new());
+    let proxy = rt.block_on(PgProxy::for_url(&db.url)).unwrap();
+    let url = proxy.url_through(&db.url);
+    let store = rt.block_on(PostgresStore::connect(&url)).expect("connect");
+    let probe = Probe::default();
+    let server = serve(store, "mt_renew", &probe, |b| {
+        b.lock_timeout(Duration::from_millis(900))
+    });
+    let addr = server.addr.to_string();
+    let warm = send_once(&addr, &pay("/mt_renew/pay/0", "rn-warm", "{}"), TIMEOUT).unwrap();
+    assert_eq!(warm.status, 201);
+    wait_events(&probe, 1);
+    let before = snap();
+    let request = pay("/mt_renew/pay/1?delay_ms=2500", "rn-1", "{}");
+    let mut conn = Conn::connect(addr.as_str(), TIMEOUT).unwrap();
+    conn.send_raw(&request.to_bytes()).unwrap();
+    std::thread::sleep(Duration::from_millis(250));
+    proxy.stop();
+    std::thread::sleep(Duration::from_millis(450));
+    rt.block_on(proxy.resume()).unwrap();
+    let first = conn.read_response("POST").unwrap();
+    wait_events(&probe, 2);
+    std::thread::sleep(Duration::from_millis(300));
+    let retry = send_once(&addr, &request, TIMEOUT).unwrap();
+    let after = snap();
+    const RENEW: &str = "idempotency_lease_renewals_total";
+    let report = format!(
+        "first {} retry {}, runs {}, deltas {:#?}, events {:?}",
+        first.status,
+        retry.describe(),
+        probe.runs(),
+        after.since(&before),
+        probe.events()
+    );
+    assert_eq!(first.status, 201, "{report}");
+    assert!(retry.is_replay(), "{report}");
+    assert_eq!(probe.runs(), 2, "{report}");
+    let renewed = delta(&before, &after, RENEW, &[("result", "renewed")]);
+    let failed = delta(&before, &after, RENEW, &[("result", "failed")]);
+    let lost = delta(&before, &after, RENEW, &[("result", "lost")]);
+    let calls = delta(
+        &before,
+        &after,
+        CALLS,
+        &[("op", "renew_lease"), ("store", "postgres")],
+    );
+    // The outage is not always seen as `failed`: the store's own reconnect can hold a call
+    // until the database is back, and the call then counts as `renewed`.
+    assert!(renewed >= 1.0, "{report}");
+    assert_eq!(lost, 0.0, "{report}");
+    assert_eq!(
+        calls,
+        renewed + failed + lost,
+        "each renewal call timed and counted once: {report}"
+    );
+    assert_eq!(
+        delta(
+            &before,
+            &after,
+            REQ,
+            &[("outcome", "stored"), ("route", &route("mt_renew"))]
+        ),
+        1.0,
+        "{report}"
+    );
+}
+
+/// A tenant source is set: a keyed request without a tenant is `missing_tenant` (400, hook
+/// scope none); tenants (client-chosen) never become labels; two tenants with one key are two
+/// `stored` outcomes, each run once.
+#[test]
+fn tenants_are_counted_but_never_labelled() {
+    let _serial = serial();
+    let probe = Probe::default();
+    let server = serve(MemoryStore::new(), "mt_tenant", &probe, |b| {
+        b.tenant_header("x-tenant")
+    });
+    let addr = server.addr.to_string();
+    let before = snap();
+    let no_tenant = send_once(
+        &addr,
+        &Request::post("/mt_tenant/pay/1").key("t-1").json("{}"),
+        TIMEOUT,
+    )
+    .unwrap();
+    let a = send_once(&addr, &pay("/mt_tenant/pay/1", "t-1", "{}"), TIMEOUT).unwrap();
+    let b = send_once(
+        &addr,
+        &Request::post("/mt_tenant/pay/1")
+            .key("t-1")
+            .header("x-tenant", "tenant_other_zzz")
+            .json("{}"),
+        TIMEOUT,
+    )
+    .unwrap();
+    wait_events(&probe, 3);
+    let after = snap();
+    let r = route("mt_tenant");
+    let report = format!(
+        "{} {} {}, runs {}, deltas {:#?}, events {:?}",
+        no_tenant.status,
+        a.status,
+        b.status,
+        probe.runs(),
+        after.since(&before),
+        probe.events()
+    );
+    assert_eq!(
+        (no_tenant.status, a.status, b.status),
+        (400, 201, 201),
+        "{report}"
+    );
+    assert_eq!(probe.runs(), 2, "{report}");
+    assert_eq!(
+        delta(
+            &before,
+            &after,
+            REQ,
+            &[("route", &r), ("outcome", "missing_tenant")]
+        ),
+        1.0,
+        "{report}"
+    );
+    assert_eq!(
+        delta(
+            &before,
+            &after,
+            REQ,
+            &[("route", &r), ("outcome", "stored")]
+        ),
+        2.0,
+        "{report}"
+    );
+    assert!(probe.events()[0].key.is_none(), "{report}");
+    for id in after.since(&before).keys() {
+        assert!(!id.contains("tenant_"), "{id}");
+    }
+}
