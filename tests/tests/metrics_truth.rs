@@ -67,9 +67,12 @@ impl HistogramFn for Cell {
     }
 }
 
+/// A series: its name, its labels (sorted), and its kind (`c`ounter, `g`auge, `h`istogram).
+type Series = (String, Vec<(String, String)>, char);
+
 #[derive(Default)]
 struct Rec {
-    cells: Mutex<BTreeMap<(String, Vec<(String, String)>, char), Arc<Cell>>>,
+    cells: Mutex<BTreeMap<Series, Arc<Cell>>>,
 }
 
 impl Rec {
