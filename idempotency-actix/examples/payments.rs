@@ -145,9 +145,14 @@ async fn metrics(handle: web::Data<PrometheusHandle>) -> HttpResponse {
 
 /// The lease from `IDEMPOTENCY_LOCK_TIMEOUT_MS`, if set.
 /// How long a stop (SIGTERM, SIGINT) waits for handlers whose clients left and for responses
-/// still being stored before it cuts them (`idempotency_actix::shutdown`): Kubernetes' default
-/// grace period.
-const STOP_WAIT: Duration = Duration::from_secs(30);
+/// still being stored before it cuts them (`idempotency_actix::shutdown`). With actix's own
+/// graceful stop after it ([`ACTIX_SHUTDOWN_SECS`]), a stop lasts at most 28 s, inside
+/// Kubernetes' default grace period of 30 s.
+const STOP_WAIT: Duration = Duration::from_secs(20);
+
+/// `HttpServer::shutdown_timeout`: how long actix then waits for connections still open (a
+/// client sending its body slowly, a request outside the middleware's count).
+const ACTIX_SHUTDOWN_SECS: u64 = 8;
 
 fn lease_from_env() -> Option<Duration> {
     std::env::var("IDEMPOTENCY_LOCK_TIMEOUT_MS")
@@ -191,6 +196,7 @@ async fn serve<S: IdempotencyStore + Clone>(store: S, addr: &str) -> std::io::Re
     // SIGTERM and SIGINT stop it through `shutdown`, which first lets a handler whose client
     // left, or a retry storing a delivered response, end (actix alone would cut them).
     .disable_signals()
+    .shutdown_timeout(ACTIX_SHUTDOWN_SECS)
     .bind(addr)?
     .run();
     shutdown::stop_on_signal(server.handle(), STOP_WAIT);
@@ -456,6 +462,7 @@ mod tx {
                 .route("/metrics", web::get().to(metrics))
         })
         .disable_signals()
+        .shutdown_timeout(super::ACTIX_SHUTDOWN_SECS)
         .bind(addr)?
         .run();
         shutdown::stop_on_signal(server.handle(), super::STOP_WAIT);

@@ -40,9 +40,18 @@
 //! for its own graceful stop, which waits for the connections still open. Why a limit: the
 //! background retries last until their lease ends while the store stays down, and a deploy
 //! must not hang on a dead database; work cut at the limit is cut as by a crash (its
-//! reservation is left to its lease, C16). Choose it above your slowest handler and below
-//! what your orchestrator allows before it kills (Kubernetes' `terminationGracePeriodSeconds`
-//! is 30 s by default). A second signal skips what is left of the wait and stops at once.
+//! reservation is left to its lease, C16). A second signal skips what is left of the wait and
+//! stops at once.
+//!
+//! **The whole stop lasts up to the limit plus actix's `shutdown_timeout`** (30 s by default):
+//! after the wait, actix's graceful stop still waits for the connections left open (a request
+//! outside the middleware's count, a client sending its body slowly or not at all). Keep the sum
+//! below what your orchestrator allows before it kills (Kubernetes'
+//! `terminationGracePeriodSeconds`, 30 s by default), and the limit above your slowest handler:
+//! the example uses 20 s for the wait and `HttpServer::shutdown_timeout(8)`. A handler longer
+//! than the limit whose client is still connected is then waited for by actix up to its own
+//! timeout, and cut after it (found by review, 2026-12-05: 39 s and 50 s stops before the
+//! example set both).
 //!
 //! Counted: a request's work from its reservation on, while it runs on a task of its own
 //! (whether its client is still connected or not), and the background retry of a `complete`

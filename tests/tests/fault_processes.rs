@@ -740,7 +740,7 @@ const STOP_LEASE_MS: u64 = 3000;
 
 /// After a graceful stop of `stopped`: a new instance on the same database, past the lease,
 /// must replay `request` and run nothing (the stopped process finished the key's work).
-/// `stopped` was sent SIGTERM: it must exit within 20 s (the example waits up to 30 s for work in
+/// `stopped` was sent SIGTERM: it must exit within 20 s (the example waits up to 20 s for work in
 /// flight, which here ends sooner).
 fn the_next_instance_replays(db: &TestDb, stopped: &mut PaymentsApp, key: &str, request: &Request) {
     let exited = stopped.wait_for_exit(Duration::from_secs(20));
@@ -851,7 +851,7 @@ fn a_graceful_stop_finishes_storing_a_delivered_response() {
 }
 
 /// The stop's wait has an end: a handler that outlasts it does not hold the process, and a
-/// second SIGTERM skips the rest of the wait (the example waits up to 30 s).
+/// second SIGTERM skips the rest of the wait (the example waits up to 20 s).
 #[test]
 fn a_second_signal_ends_the_wait_for_unfinished_work() {
     let _serial = serial();

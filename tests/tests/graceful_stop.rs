@@ -574,7 +574,7 @@ fn c4_content_type_rule_matches_the_contract() {
 /// outstanding: the give-back's fenced release then answers "stale" forever (the key is gone),
 /// and `keep_trying` retries it for two leases (120 s with the example's 60 s lease), counted
 /// by `shutdown`. A SIGTERM after Redis is back, with no request in flight and no key held,
-/// should exit promptly; a stop that waits the full 30 s limit and warns that "reservations
+/// should exit promptly; a stop that waits the full limit and warns that "reservations
 /// are left to their leases" waits for nothing (and, under Kubernetes, eats the whole grace
 /// period on every deploy within two minutes of any Redis restart).
 #[test]

@@ -49,9 +49,11 @@ pub const DEFAULT_SWEEP_INTERVAL: Duration = Duration::from_secs(30);
 /// Bytes charged per record beyond its scope and response: the hash-table slot, the record,
 /// the shared scope and response allocations and the completion queue entry. Measured: 544
 /// bytes of resident memory per record for a 107-byte response and 20-byte keys, 457 since
-/// the scope is packed in one allocation (`docs/benchmarks.md`), so about 330 bytes are
-/// bookkeeping now; the charge stays at the earlier figure, erring on the side of the bound.
-pub const RECORD_OVERHEAD: usize = 384;
+/// the scope is packed in one allocation (`docs/benchmarks.md`). A review (2026-12-05, 50,000
+/// records of three shapes, `tests/tests/e2e/exhaustion.rs`) found the resident memory 36-43
+/// bytes per record above the charge at 384, so the charge is 432: the bound errs on its own
+/// side.
+pub const RECORD_OVERHEAD: usize = 432;
 
 /// `now + d`, or a far-future instant when that is not representable (`Duration::MAX` is
 /// "never"; `Instant + Duration::MAX` would panic).
@@ -189,7 +191,7 @@ impl MemoryStoreBuilder {
     }
 
     /// At most this many bytes of records are kept: scopes, stored headers and bodies, the
-    /// response allowance of running reservations and about 384 bytes of bookkeeping per
+    /// response allowance of running reservations and about 432 bytes of bookkeeping per
     /// record. Default 256 MiB. A new reservation needs its scope plus the response allowance
     /// free, so a bound below the allowance refuses every request.
     pub fn max_bytes(mut self, max_bytes: usize) -> Self {

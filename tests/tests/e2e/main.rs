@@ -12,6 +12,7 @@
 mod claims_audit;
 mod config_extremes;
 mod connection_cuts;
+mod exhaustion;
 mod fix_review;
 mod half_schema;
 mod hostile_input;
