@@ -11,7 +11,7 @@
 //! work, then actix's `shutdown_timeout` of 8 s), never hang.
 //!
 //! The storms and the slow stops are soak tests, `#[ignore]`d so that CI stays short; run them
-//! with `cargo test -p idempotency-e2e --test leak_review -- --ignored --test-threads=1`
+//! with `cargo test -p idempotency-e2e --test processes -- --ignored leaks::`
 //! (about ten minutes). Each prints a `LEAKS` line: baseline, after the first storm, after the
 //! second.
 
