@@ -2435,10 +2435,13 @@ fn renewals_through_a_short_outage_are_counted_truthfully() {
     // until the database is back, and the call then counts as `renewed`.
     assert!(renewed >= 1.0, "{report}");
     assert_eq!(lost, 0.0, "{report}");
-    assert_eq!(
-        calls,
-        renewed + failed + lost,
-        "each renewal call timed and counted once: {report}"
+    // Every call is timed; the counter counts the answers the heartbeat acted on. A call still
+    // in flight when the handler ended (at most three run at once) is timed by its own task and
+    // not counted: it failed here once in CI with 10 calls against 9 renewals.
+    let counted = renewed + failed + lost;
+    assert!(
+        calls >= counted && calls <= counted + 3.0,
+        "renewal calls timed {calls} against {counted} counted: {report}"
     );
     assert_eq!(
         delta(
