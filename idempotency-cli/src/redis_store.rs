@@ -31,7 +31,7 @@ use crate::commands::release::{check, refuse};
 use crate::commands::show::{detail_json, detail_text, method, scope_words};
 use crate::duration::format_age_secs;
 use crate::error::CliError;
-use crate::output::{table, Out};
+use crate::output::{display, table, tenant_label, Out};
 use crate::record::{round_ms, RecordView, TABLE_HEADER};
 
 /// Records read per batch when only their heads are read (`list`, `stats`): their reads are
@@ -211,32 +211,22 @@ struct Unreadable {
 }
 
 impl Unreadable {
-    /// One line: where, what, and what to do.
+    /// One line: where (spelled as `list` spells a record's scope), what, and what to do.
     fn describe(&self) -> String {
-        let tenant = if self.scope.tenant.is_empty() {
-            "(global)".to_owned()
-        } else {
-            format!("{:?}", self.scope.tenant)
-        };
         let redis_key = self
             .key
             .as_ref()
             .map_or_else(String::new, |k| format!(" (Redis key {k})"));
         format!(
-            "tenant={tenant} {} {} key={:?}{redis_key} holds no readable record ({}): requests \
-             with it get 503 until it is removed; check it with redis-cli TYPE/GET, then DEL it",
-            escape(&self.scope.method),
-            escape(&self.scope.path),
+            "tenant={} {} {} key={:?}{redis_key} holds no readable record ({}): requests with \
+             it get 503 until it is removed; check it with redis-cli TYPE/GET, then DEL it",
+            tenant_label(&self.scope.tenant),
+            display(&self.scope.method, 0),
+            display(&self.scope.path, 0),
             self.scope.key,
             self.what
         )
     }
-}
-
-/// Text from a key part, with anything unprintable escaped (as `{:?}` does, without quotes).
-fn escape(text: &str) -> String {
-    let quoted = format!("{text:?}");
-    quoted[1..quoted.len() - 1].to_owned()
 }
 
 /// One key's value as `Redis::read` reads it.
