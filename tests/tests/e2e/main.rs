@@ -37,4 +37,5 @@ mod transactional_middleware;
 mod transactional_misuse;
 mod transactional_scale;
 mod wait_mode_clients;
+mod wire_clients;
 mod wire_framing;
