@@ -13,6 +13,7 @@ mod claims_audit;
 mod config_extremes;
 mod connection_cuts;
 mod exhaustion;
+mod fleet_cache;
 mod fix_review;
 mod half_schema;
 mod hostile_input;
