@@ -791,6 +791,42 @@ async fn list_show_and_stats_in_json() {
     assert!(stdout(&out).contains("stuck-1"), "{}", stdout(&out));
 }
 
+/// From review R2 (2026-12-05): an expired completed record was refused with "removing it
+/// makes the next request with this key execute again", which is already true of an expired
+/// record; the refusal now says so and points at `purge`.
+#[tokio::test]
+async fn release_of_an_expired_completed_record_says_it_is_expired() {
+    let db = TestDb::new().await;
+    let store = PostgresStore::connect(&db.url).await.expect("store");
+    let key = scope("acme", "charge-9");
+    let token = match store
+        .reserve(&key, &fingerprint("{}"), Duration::from_secs(60))
+        .await
+        .expect("reserve")
+    {
+        ReserveOutcome::Reserved { token } => token,
+        other => panic!("a new key was not reserved: {other:?}"),
+    };
+    let response = StoredResponse {
+        status: 201,
+        headers: vec![],
+        body: Bytes::from_static(b"{}"),
+    };
+    store
+        .complete(&key, &token, &response, Duration::from_secs(1))
+        .await
+        .expect("complete");
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+
+    let out = idem(&db.url, &["release", "charge-9", "--tenant", "acme"]);
+    expect_code(&out, NOT_FOUND_OR_REFUSED);
+    let err = stderr(&out);
+    assert!(err.contains("expired"), "{err}");
+    assert!(err.contains("runs again whether or not"), "{err}");
+    assert!(err.contains("idem-cli purge"), "{err}");
+    assert!(!err.contains("removing it makes"), "{err}");
+}
+
 #[tokio::test]
 async fn release_unsticks_a_key_for_the_store() {
     let db = TestDb::new().await;

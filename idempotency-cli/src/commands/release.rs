@@ -5,7 +5,8 @@
 //! - each KEY must match exactly one record (an ambiguous key across tenants is refused: the
 //!   operator names the scope rather than releasing several customers' keys at once);
 //! - a reservation whose lease is still running, and a completed record, are refused without
-//!   `--force`;
+//!   `--force` (an expired completed record too, with the reason: it changes nothing that
+//!   `purge` would not);
 //! - the `DELETE` names the exact record that was inspected (state and fencing token), so a
 //!   record that changed in between (taken over, completed) is left alone and reported.
 
@@ -103,6 +104,15 @@ pub async fn run(
 pub(crate) fn check(row: &Record, force: bool) -> Result<(), String> {
     if force {
         return Ok(());
+    }
+    if !row.is_in_flight() && row.is_expired() {
+        return Err(format!(
+            "{} is {} and {}: the next request with this key runs again whether or not it is \
+             removed; `idem-cli purge` removes expired records, or use --force",
+            row.scope_label(),
+            row.state,
+            row.expiry_words()
+        ));
     }
     if !row.is_in_flight() {
         return Err(format!(
