@@ -5,7 +5,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -15,11 +15,23 @@ use crate::raw_http::{send_once, Request, Response};
 /// Redis timeouts 2 s, statement timeout 5 s, handler delays below 3 s).
 pub const CLIENT_TIMEOUT: Duration = Duration::from_secs(15);
 
-/// A process-wide lock so the fault tests of one binary run one at a time (each is CPU-hungry
-/// and some measure leases in seconds).
-pub fn serial() -> MutexGuard<'static, ()> {
-    static SERIAL: Mutex<()> = Mutex::new(());
-    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+/// The process-wide lock of the process tests, in two kinds. [`serial`]: a test alone in its
+/// binary, for what must not share the machine (a load of thousands of requests, a stop whose
+/// duration is asserted, the soak storms). [`shared`]: beside other `shared` tests, for tests
+/// that mostly wait (for a lease to end, a frozen process, a signal), whose assertions are about
+/// what happened, not how fast. Measured 2026-12-05 (`processes`, 33 tests): 159 s one at a time,
+/// and the test binary with its app processes used 9 s of CPU in all.
+static PROCESS_TESTS: RwLock<()> = RwLock::new(());
+
+/// Run alone: no other [`serial`] or [`shared`] test of this binary runs meanwhile.
+pub fn serial() -> RwLockWriteGuard<'static, ()> {
+    PROCESS_TESTS.write().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Run beside other [`shared`] tests (as many as the test harness runs at once:
+/// `RUST_TEST_THREADS`), never beside a [`serial`] one.
+pub fn shared() -> RwLockReadGuard<'static, ()> {
+    PROCESS_TESTS.read().unwrap_or_else(|e| e.into_inner())
 }
 
 /// `POST /payments[?delay_ms=]` with the key, the tenant (`x-account-id`: the example scopes

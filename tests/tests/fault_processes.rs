@@ -3,8 +3,8 @@
 //! SIGKILL while a handler runs, an exhausted pool, two instances sharing one database under
 //! 10,000 requests, and a store that fails after the handler ran.
 //!
-//! The tests take a process-wide lock so they run one at a time (each is CPU-hungry and some
-//! measure leases in seconds). Each prints a `COUNTS` line; `docs/reliability.md` copies them.
+//! The tests with a load or a bound on time take a process-wide lock and run alone
+//! (`faults::serial()`); the others mostly wait, and run beside each other (`faults::shared()`). Each prints a `COUNTS` line; `docs/reliability.md` copies them.
 //! Every socket has a timeout, every wait a deadline, and every process and database is
 //! cleaned up by a drop guard.
 
@@ -17,7 +17,7 @@ use actix_web::{web, App, HttpResponse, HttpServer};
 use idempotency_actix::store::postgres::{run_migrations, PostgresStore};
 use idempotency_actix::Idempotency;
 use idempotency_e2e::faults::{
-    self, classify, keys_logged_unstored, serial, strip_ansi, two_instances_exactly_once,
+    self, classify, keys_logged_unstored, serial, shared, strip_ansi, two_instances_exactly_once,
     wait_until, KeyRecord, Load, Seen, Tally, CLIENT_TIMEOUT, TWO_INSTANCE_DISTINCT,
 };
 use idempotency_e2e::proc::{crash_cluster, start_cluster_again, PaymentsApp};
@@ -182,7 +182,7 @@ fn lines_about(log: &str, key: &str) -> String {
 /// runs the handler and completes; the dead reservation never completes.
 #[test]
 fn sigkill_while_the_handler_runs() {
-    let _serial = serial();
+    let _turn = shared();
     let db = new_db();
     let env = [
         ("DATABASE_URL", db.url.as_str()),
@@ -386,7 +386,7 @@ fn two_instances_ten_thousand_requests_exactly_once() {
 /// logged with the key, and retries inside the lease never run the handler again.
 #[test]
 fn store_failure_after_the_handler() {
-    let _serial = serial();
+    let _turn = shared();
     // The role outlives the database (dropped after it: reverse declaration order).
     let role = TempRole::create(&server_url(), "idem_app");
     let db = new_db();
@@ -506,7 +506,7 @@ fn store_failure_after_the_handler() {
 /// response was delivered).
 #[test]
 fn store_recovering_inside_the_lease_stores_the_delivered_response() {
-    let _serial = serial();
+    let _turn = shared();
     let role = TempRole::create(&server_url(), "idem_app");
     let db = new_db();
     let grant = format!(
@@ -601,7 +601,7 @@ enum HangUp {
 /// dropped the handler at its next `.await`, nothing was stored, and the retry after the lease
 /// ran it a second time.
 fn disconnect_mid_handler(how: HangUp) {
-    let _serial = serial();
+    let _turn = shared();
     let db = new_db();
     let app = PaymentsApp::start(&[
         ("DATABASE_URL", db.url.as_str()),
@@ -667,7 +667,7 @@ fn client_reset_mid_handler_runs_once_and_replays() {
 /// stops the server with `-m fast`; a fast shutdown flushes the WAL and loses nothing).
 #[test]
 fn a_crash_after_the_response_was_stored_keeps_it() {
-    let _serial = serial();
+    let _turn = shared();
     let cluster = TempCluster::start(&["wal_writer_delay = '10s'"], &[])
         .expect("a private PostgreSQL cluster");
     let url = cluster.url();
@@ -776,7 +776,7 @@ fn the_next_instance_replays(db: &TestDb, stopped: &mut PaymentsApp, key: &str, 
 /// stayed, and the retry after the lease ran the handler a second time.
 #[test]
 fn a_graceful_stop_finishes_a_handler_whose_client_left() {
-    let _serial = serial();
+    let _turn = shared();
     let db = new_db();
     let mut app = PaymentsApp::start(&[
         ("DATABASE_URL", db.url.as_str()),
@@ -802,7 +802,7 @@ fn a_graceful_stop_finishes_a_handler_whose_client_left() {
 /// retry ran the handler again.
 #[test]
 fn a_graceful_stop_finishes_storing_a_delivered_response() {
-    let _serial = serial();
+    let _turn = shared();
     let role = TempRole::create(&server_url(), "idem_stop");
     let db = new_db();
     let grant = format!(
@@ -854,7 +854,7 @@ fn a_graceful_stop_finishes_storing_a_delivered_response() {
 /// second SIGTERM skips the rest of the wait (the example waits up to 20 s).
 #[test]
 fn a_second_signal_ends_the_wait_for_unfinished_work() {
-    let _serial = serial();
+    let _turn = shared();
     let db = new_db();
     let mut app = PaymentsApp::start(&[("DATABASE_URL", db.url.as_str())]);
     let key = "stop-twice";

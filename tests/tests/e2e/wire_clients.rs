@@ -149,8 +149,7 @@ fn memory_with(configure: Configure<MemoryStore>) -> Srv {
     serve::<MemoryStore>(
         Box::new(move || {
             Box::pin(async move {
-                configure(Idempotency::builder(MemoryStore::new()).max_body_bytes(MAX_BODY))
-                    .build()
+                configure(Idempotency::builder(MemoryStore::new()).max_body_bytes(MAX_BODY)).build()
             })
         }),
         None,
@@ -251,7 +250,10 @@ fn wire_expect_100_continue_first_replay_mismatch_and_concurrent_duplicate() {
         let mut d = srv.conn();
         let dup = send_expecting(&mut d, "/slow?ms=1500", "exp-2", body.as_bytes());
         assert_problem(&dup, 409, "CONFLICT", store);
-        assert!(dup.header("retry-after").is_some(), "{store}: 409 without Retry-After");
+        assert!(
+            dup.header("retry-after").is_some(),
+            "{store}: 409 without Retry-After"
+        );
         let slow = slow.join().unwrap();
         assert_eq!(slow.status, 201, "{store}: slow first: {}", slow.describe());
         let replay = send_expecting(&mut d, "/slow?ms=1500", "exp-2", body.as_bytes());
@@ -398,7 +400,11 @@ fn wire_a_body_left_unread_by_a_refusal_is_never_run_as_a_request() {
     // And the smuggled key was never used.
     let fresh = srv.send(&Request::post("/pay").key("smuggled").json("{}"));
     assert_eq!(fresh.status, 201, "{}", fresh.describe());
-    assert!(!fresh.is_replay(), "the smuggled request ran before: {}", fresh.describe());
+    assert!(
+        !fresh.is_replay(),
+        "the smuggled request ran before: {}",
+        fresh.describe()
+    );
 }
 
 // ---- pipelining, Connection: close, HTTP/1.0 ------------------------------------------------
@@ -474,7 +480,10 @@ fn wire_connection_close_and_http_1_0_clients_get_replays() {
         let mut c = srv.conn();
         let first = c.send(&request).unwrap();
         assert_eq!(first.status, 201, "{store}");
-        assert!(c.is_closed_by_peer(Duration::from_secs(2)), "{store}: not closed");
+        assert!(
+            c.is_closed_by_peer(Duration::from_secs(2)),
+            "{store}: not closed"
+        );
         let again = srv.send(&Request::post("/pay").key("close-1").json(r#"{"amount":3}"#));
         assert!(again.is_replay(), "{store}: {}", again.describe());
         assert_eq!(again.body, first.body, "{store}");
@@ -559,16 +568,27 @@ fn wire_chunk_extensions_and_trailers_are_the_same_request() {
         let mut c = srv.conn();
         c.send_raw(&raw).unwrap();
         let first = c.read_response("POST").expect("first");
-        assert_eq!(first.status, 201, "{store}: chunked with trailers: {}", first.describe());
+        assert_eq!(
+            first.status,
+            201,
+            "{store}: chunked with trailers: {}",
+            first.describe()
+        );
         assert!(
             first.text().contains(r#"\"amount\":9,"#),
             "{store}: the handler saw another body: {}",
             first.text()
         );
-        let behind = c.read_response("POST").expect("the request behind the trailers");
+        let behind = c
+            .read_response("POST")
+            .expect("the request behind the trailers");
         assert_eq!(behind.status, 201, "{store}: behind: {}", behind.describe());
         assert!(!behind.is_replay(), "{store}: {}", behind.describe());
-        assert!(behind.text().contains(r#"\"amount\":10"#), "{store}: {}", behind.text());
+        assert!(
+            behind.text().contains(r#"\"amount\":10"#),
+            "{store}: {}",
+            behind.text()
+        );
         let sized = srv.send(&Request::post("/pay").key("trailers").json(json));
         assert!(sized.is_replay(), "{store}: {}", sized.describe());
         assert_eq!(sized.body, first.body, "{store}");
@@ -596,7 +616,11 @@ fn wire_three_spellings_of_an_empty_body_are_one_request() {
             let none = srv.send(&base());
             assert_eq!(none.status, 201, "{store} json={json}: {}", none.describe());
             let zero = srv.send(&base().body(Body::Sized(Vec::new())));
-            assert!(zero.is_replay(), "{store} json={json}: CL 0: {}", zero.describe());
+            assert!(
+                zero.is_replay(),
+                "{store} json={json}: CL 0: {}",
+                zero.describe()
+            );
             let chunked = srv.send(&base().body(Body::Chunked(Vec::new(), 1)));
             assert!(
                 chunked.is_replay(),
@@ -613,7 +637,9 @@ fn wire_three_spellings_of_an_empty_body_are_one_request() {
             .body(Body::Chunked(vec![b' '; MAX_BODY + 1], 7));
         let mut c = srv.conn();
         let _ = c.send_raw(&big.to_bytes());
-        let r = c.read_response("POST").expect("an answer to a chunked body over the limit");
+        let r = c
+            .read_response("POST")
+            .expect("an answer to a chunked body over the limit");
         assert_problem(&r, 413, "PAYLOAD_TOO_LARGE", store);
     }
 }
@@ -648,7 +674,10 @@ fn wire_gzip_request_bodies_are_fingerprinted_as_sent() {
     let same = srv.send(&gz(gzip(json, 1, 6)));
     assert!(same.is_replay(), "same gzip bytes: {}", same.describe());
     let other = srv.send(&gz(gzip(json, 2, 6)));
-    eprintln!("another gzip encoding of the same JSON: {}", other.describe());
+    eprintln!(
+        "another gzip encoding of the same JSON: {}",
+        other.describe()
+    );
     assert_problem(&other, 422, "FINGERPRINT_MISMATCH", "another gzip encoding");
     // C4: the same bytes without the Content-Encoding: one request.
     let plain = srv.send(
@@ -698,8 +727,14 @@ fn wire_key_spellings_on_the_wire() {
     }
     assert_eq!(srv.runs(), 1);
     for (what, lines) in [
-        ("empty then real", "Idempotency-Key: \r\nIdempotency-Key: real-1"),
-        ("real then empty", "Idempotency-Key: real-2\r\nIdempotency-Key:"),
+        (
+            "empty then real",
+            "Idempotency-Key: \r\nIdempotency-Key: real-1",
+        ),
+        (
+            "real then empty",
+            "Idempotency-Key: real-2\r\nIdempotency-Key:",
+        ),
         ("two halves", "Idempotency-Key: a\r\nIdempotency-Key: b"),
         ("comma list", "Idempotency-Key: a, b"),
     ] {
@@ -768,7 +803,11 @@ fn wire_covered_head_is_replayed_without_a_body() {
         "the HEAD replay's length"
     );
     assert_eq!(g1.status, 201, "GET: {}", g1.describe());
-    assert!(!g1.is_replay(), "GET replayed HEAD's record: {}", g1.describe());
+    assert!(
+        !g1.is_replay(),
+        "GET replayed HEAD's record: {}",
+        g1.describe()
+    );
     assert!(g1.text().contains(r#""method":"GET""#), "{}", g1.text());
     assert!(g2.is_replay(), "GET retry: {}", g2.describe());
     assert_eq!(g2.body, g1.body);
@@ -783,7 +822,11 @@ fn wire_covered_head_is_replayed_without_a_body() {
         let first = c.send(&request).expect("HEAD");
         assert_eq!(first.status, 200, "{path}: {}", first.describe());
         let retry = c.send(&request).expect("HEAD retry");
-        eprintln!("{path}: HEAD {} then {}", first.describe(), retry.describe());
+        eprintln!(
+            "{path}: HEAD {} then {}",
+            first.describe(),
+            retry.describe()
+        );
         assert!(
             retry.is_replay(),
             "{path}: the client had the whole HEAD answer; its immediate retry got {}",
@@ -811,7 +854,9 @@ fn wire_a_chunked_body_cut_at_the_limit_smuggles_nothing() {
     let pad = vec![b' '; MAX_BODY + 1];
     raw.extend_from_slice(format!("{:x}\r\n", pad.len()).as_bytes());
     raw.extend_from_slice(&pad);
-    raw.extend_from_slice(format!("\r\n{:x}\r\n{smuggled}\r\n0\r\n\r\n", smuggled.len()).as_bytes());
+    raw.extend_from_slice(
+        format!("\r\n{:x}\r\n{smuggled}\r\n0\r\n\r\n", smuggled.len()).as_bytes(),
+    );
     raw.extend_from_slice(
         &Request::post("/pay")
             .key("behind-413")
@@ -826,13 +871,21 @@ fn wire_a_chunked_body_cut_at_the_limit_smuggles_nothing() {
         Ok(behind) => {
             eprintln!("behind the 413: {}", behind.describe());
             assert_eq!(behind.status, 201, "{}", behind.describe());
-            assert!(behind.text().contains(r#"\"amount\":13"#), "{}", behind.text());
+            assert!(
+                behind.text().contains(r#"\"amount\":13"#),
+                "{}",
+                behind.text()
+            );
         }
         Err(e) => eprintln!("behind the 413: connection closed ({e})"),
     }
     std::thread::sleep(Duration::from_millis(300));
     let fresh = srv.send(&Request::post("/pay").key("smuggled-2").json("{}"));
-    assert!(!fresh.is_replay(), "the smuggled request ran: {}", fresh.describe());
+    assert!(
+        !fresh.is_replay(),
+        "the smuggled request ran: {}",
+        fresh.describe()
+    );
     assert!(srv.runs() <= 2, "runs {}", srv.runs());
 }
 
@@ -842,7 +895,9 @@ fn wire_a_chunked_body_cut_at_the_limit_smuggles_nothing() {
 #[test]
 fn wire_pipelined_pair_then_half_close() {
     for (store, srv) in both() {
-        let request = Request::post("/slow?ms=200").key("half-close").json(r#"{"amount":14}"#);
+        let request = Request::post("/slow?ms=200")
+            .key("half-close")
+            .json(r#"{"amount":14}"#);
         let mut c = srv.conn();
         let mut raw = request.to_bytes();
         raw.extend_from_slice(&request.to_bytes());
@@ -875,10 +930,21 @@ fn wire_a_slow_upload_racing_its_duplicate_runs_once() {
         slow.send_raw(&body[..20]).unwrap();
         std::thread::sleep(Duration::from_millis(300));
         let fast = srv.send(&Request::post("/pay").key("upload").json(body));
-        assert_eq!(fast.status, 201, "{store}: the duplicate: {}", fast.describe());
+        assert_eq!(
+            fast.status,
+            201,
+            "{store}: the duplicate: {}",
+            fast.describe()
+        );
         slow.send_raw(&body[20..]).unwrap();
-        let late = slow.read_response("POST").expect("the slow upload's answer");
-        assert!(late.is_replay(), "{store}: the slow upload: {}", late.describe());
+        let late = slow
+            .read_response("POST")
+            .expect("the slow upload's answer");
+        assert!(
+            late.is_replay(),
+            "{store}: the slow upload: {}",
+            late.describe()
+        );
         assert_eq!(late.body, fast.body, "{store}");
         assert_eq!(srv.runs(), 1, "{store}: runs");
     }
@@ -897,9 +963,17 @@ fn wire_absolute_form_target_is_the_same_request() {
     assert_eq!(first.status, 201, "{}", first.describe());
     let origin = srv.send(&Request::post("/pay").key("abs").json(json));
     eprintln!("absolute then origin form: {}", origin.describe());
-    assert!(origin.is_replay(), "origin-form retry: {}", origin.describe());
+    assert!(
+        origin.is_replay(),
+        "origin-form retry: {}",
+        origin.describe()
+    );
     assert_eq!(origin.body, first.body);
-    let other_host = srv.send(&Request::post("http://other.example/pay").key("abs").json(json));
+    let other_host = srv.send(
+        &Request::post("http://other.example/pay")
+            .key("abs")
+            .json(json),
+    );
     assert!(other_host.is_replay(), "{}", other_host.describe());
     assert_eq!(srv.runs(), 1);
 }
@@ -915,7 +989,9 @@ fn wire_absolute_form_target_is_the_same_request() {
 #[ignore = "actix-http 3.20: per-connection HEAD flag misframes a pending response behind a pipelined HEAD"]
 fn wire_a_keyed_post_with_a_head_pipelined_behind_it_keeps_its_body() {
     let srv = memory();
-    let post = Request::post("/pay").key("post-then-head").json(r#"{"amount":17}"#);
+    let post = Request::post("/pay")
+        .key("post-then-head")
+        .json(r#"{"amount":17}"#);
     let mut raw = post.to_bytes();
     raw.extend_from_slice(&Request::new("HEAD", "/any").to_bytes());
     let mut c = srv.conn();

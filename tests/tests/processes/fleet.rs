@@ -11,7 +11,7 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use idempotency_e2e::faults::{
-    self, classify, classify_transactional, serial, wait_until, Seen, Tally, CLIENT_TIMEOUT,
+    self, classify, classify_transactional, serial, shared, wait_until, Seen, Tally, CLIENT_TIMEOUT,
 };
 use idempotency_e2e::proc::PaymentsApp;
 use idempotency_e2e::raw_http::{send_once, Request, Response};
@@ -232,7 +232,7 @@ fn same_key_to_three_instances(
 
 #[test]
 fn same_key_at_once_on_three_instances_postgres() {
-    let _s = serial();
+    let _s = shared();
     let db = new_db();
     let env = [("DATABASE_URL", db.url.as_str())];
     let apps = [
@@ -245,7 +245,7 @@ fn same_key_at_once_on_three_instances_postgres() {
 
 #[test]
 fn same_key_at_once_on_three_instances_postgres_transactional() {
-    let _s = serial();
+    let _s = shared();
     let db = new_db();
     let env = [
         ("DATABASE_URL", db.url.as_str()),
@@ -272,7 +272,7 @@ fn same_key_at_once_on_three_instances_postgres_transactional() {
 
 #[test]
 fn same_key_at_once_on_three_instances_redis() {
-    let _s = serial();
+    let _s = shared();
     let redis = RedisServer::start();
     let url = redis.url();
     let env = [("REDIS_URL", url.as_str())];
@@ -321,7 +321,7 @@ fn slow_on_a_retries_on_b(env: &[(&str, &str)]) {
 
 #[test]
 fn slow_handler_past_its_lease_on_a_retries_on_b_get_409_then_replay_postgres() {
-    let _s = serial();
+    let _s = shared();
     let db = new_db();
     slow_on_a_retries_on_b(&[
         ("DATABASE_URL", db.url.as_str()),
@@ -331,7 +331,7 @@ fn slow_handler_past_its_lease_on_a_retries_on_b_get_409_then_replay_postgres() 
 
 #[test]
 fn slow_handler_past_its_lease_on_a_retries_on_b_get_409_then_replay_redis() {
-    let _s = serial();
+    let _s = shared();
     let redis = RedisServer::start();
     let url = redis.url();
     slow_on_a_retries_on_b(&[
@@ -460,7 +460,7 @@ fn frozen_instance(env: &[(&str, &str)], pg_url: Option<&str>, b_completes_first
 
 #[test]
 fn sigstop_past_the_lease_woken_while_b_runs_postgres() {
-    let _s = serial();
+    let _s = shared();
     let db = new_db();
     frozen_instance(
         &[
@@ -474,7 +474,7 @@ fn sigstop_past_the_lease_woken_while_b_runs_postgres() {
 
 #[test]
 fn sigstop_past_the_lease_woken_after_b_completed_postgres() {
-    let _s = serial();
+    let _s = shared();
     let db = new_db();
     frozen_instance(
         &[
@@ -488,7 +488,7 @@ fn sigstop_past_the_lease_woken_after_b_completed_postgres() {
 
 #[test]
 fn sigstop_past_the_lease_woken_while_b_runs_redis() {
-    let _s = serial();
+    let _s = shared();
     let redis = RedisServer::start();
     let url = redis.url();
     frozen_instance(
@@ -503,7 +503,7 @@ fn sigstop_past_the_lease_woken_while_b_runs_redis() {
 
 #[test]
 fn sigstop_past_the_lease_woken_after_b_completed_redis() {
-    let _s = serial();
+    let _s = shared();
     let redis = RedisServer::start();
     let url = redis.url();
     frozen_instance(
@@ -523,7 +523,7 @@ fn sigstop_past_the_lease_woken_after_b_completed_redis() {
 /// SIGCONT is the one response: B replays it. Exactly one payments row.
 #[test]
 fn sigstop_past_the_lease_transactional_one_payment_row() {
-    let _s = serial();
+    let _s = shared();
     let db = new_db();
     let env = [
         ("DATABASE_URL", db.url.as_str()),
@@ -589,7 +589,7 @@ fn sigstop_past_the_lease_transactional_one_payment_row() {
 
 #[test]
 fn cli_release_of_a_running_key_refused_then_forced_postgres() {
-    let _s = serial();
+    let _s = shared();
     let db = new_db();
     let env = [
         ("DATABASE_URL", db.url.as_str()),
@@ -657,7 +657,7 @@ fn cli_release_of_a_running_key_refused_then_forced_postgres() {
 
 #[test]
 fn cli_release_forced_of_a_running_key_redis() {
-    let _s = serial();
+    let _s = shared();
     let redis = RedisServer::start();
     let url = redis.url();
     let env = [
@@ -721,7 +721,7 @@ fn cli_release_forced_of_a_running_key_redis() {
 /// wakes it must neither store nor renew the released record back into existence.
 #[test]
 fn cli_release_of_a_frozen_holders_key_then_wake_up_postgres() {
-    let _s = serial();
+    let _s = shared();
     let db = new_db();
     let env = [
         ("DATABASE_URL", db.url.as_str()),
@@ -888,7 +888,7 @@ fn leaks(text: &str) -> Vec<&'static str> {
 
 #[test]
 fn operator_output_and_app_never_print_the_password() {
-    let _s = serial();
+    let _s = shared();
     let db = new_db();
     let name = format!("idem_pw_{}", std::process::id());
     let role = Role(name.clone(), server_url());
@@ -1005,7 +1005,7 @@ fn operator_output_and_app_never_print_the_password() {
 
 #[test]
 fn sigkill_mid_handler_retries_on_two_others_run_once_after_the_lease() {
-    let _s = serial();
+    let _s = shared();
     let db = new_db();
     let env = [
         ("DATABASE_URL", db.url.as_str()),
@@ -1072,7 +1072,7 @@ fn sigkill_mid_handler_retries_on_two_others_run_once_after_the_lease() {
 /// write the record back.
 #[test]
 fn purge_of_a_frozen_holders_reservation_then_wake_up_postgres() {
-    let _s = serial();
+    let _s = shared();
     let db = new_db();
     let env = [
         ("DATABASE_URL", db.url.as_str()),
@@ -1108,7 +1108,7 @@ fn purge_of_a_frozen_holders_reservation_then_wake_up_postgres() {
 /// A's transaction is open.
 #[test]
 fn cli_release_of_an_open_transactional_claim() {
-    let _s = serial();
+    let _s = shared();
     let db = new_db();
     let env = [
         ("DATABASE_URL", db.url.as_str()),
@@ -1164,7 +1164,7 @@ fn cli_release_of_an_open_transactional_claim() {
 /// (transactional.md: A's complete waits, then finds the token changed and does nothing).
 #[test]
 fn mixed_modes_frozen_default_holder_taken_over_by_transactional_instance() {
-    let _s = serial();
+    let _s = shared();
     let db = new_db();
     let a = PaymentsApp::start(&[
         ("DATABASE_URL", db.url.as_str()),
@@ -1222,7 +1222,7 @@ fn mixed_modes_frozen_default_holder_taken_over_by_transactional_instance() {
 /// removes it; when the holder wakes, neither its renewal nor its complete writes it back.
 #[test]
 fn cli_release_of_a_frozen_holders_key_then_wake_up_redis() {
-    let _s = serial();
+    let _s = shared();
     let redis = RedisServer::start();
     let url = redis.url();
     let env = [

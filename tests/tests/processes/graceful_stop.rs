@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use actix_web::{web, App, HttpResponse, HttpServer};
 use idempotency_actix::store::MemoryStore;
 use idempotency_actix::Idempotency;
-use idempotency_e2e::faults::{self, classify, serial, wait_until, Seen, CLIENT_TIMEOUT};
+use idempotency_e2e::faults::{self, classify, shared, wait_until, Seen, CLIENT_TIMEOUT};
 use idempotency_e2e::proc::PaymentsApp;
 use idempotency_e2e::raw_http::{send_once, Body, Conn, Request};
 use idempotency_e2e::records::{count, records_for_key};
@@ -43,7 +43,7 @@ fn exit_within(app: &mut PaymentsApp, within: Duration) -> Option<Duration> {
 /// SIGTERM and SIGINT with nothing in flight: the process exits at once, with status 0.
 #[test]
 fn an_idle_stop_exits_promptly_on_term_and_int() {
-    let _serial = serial();
+    let _turn = shared();
     for signal in ["TERM", "INT"] {
         let mut app = PaymentsApp::start(&[]);
         // One served request first (its connection closed), so the app has done some work.
@@ -79,7 +79,7 @@ fn an_idle_stop_exits_promptly_on_term_and_int() {
 /// the process then exits.
 #[test]
 fn a_connected_client_gets_its_response_during_a_stop() {
-    let _serial = serial();
+    let _turn = shared();
     let mut app = PaymentsApp::start(&[]);
     let pending = {
         let addr = app.addr.clone();
@@ -122,7 +122,7 @@ fn a_connected_client_gets_its_response_during_a_stop() {
 /// the process promptly (actix itself stopped at once on SIGINT before this change).
 #[test]
 fn a_second_signal_stops_promptly_even_with_a_connected_client() {
-    let _serial = serial();
+    let _turn = shared();
     let mut app = PaymentsApp::start(&[]);
     let mut conn = Conn::connect(app.addr.as_str(), CLIENT_TIMEOUT).expect("connect");
     conn.send_raw(&pay("stop-twice-connected", 800, Some(60_000)).to_bytes())
@@ -155,7 +155,7 @@ fn a_second_signal_stops_promptly_even_with_a_connected_client() {
 /// served (201), and the process waits for it before it exits.
 #[test]
 fn a_keep_alive_request_during_the_wait_is_served() {
-    let _serial = serial();
+    let _turn = shared();
     let mut app = PaymentsApp::start(&[]);
     let mut keep = Conn::connect(app.addr.as_str(), CLIENT_TIMEOUT).expect("connect");
     let first = keep
@@ -204,7 +204,7 @@ fn a_keep_alive_request_during_the_wait_is_served() {
 /// if the stopped one answered 201, and runs once otherwise.
 #[test]
 fn a_request_on_a_new_connection_after_sigterm_never_runs_twice() {
-    let _serial = serial();
+    let _turn = shared();
     let db = new_db();
     let env = [
         ("DATABASE_URL", db.url.as_str()),
@@ -267,7 +267,7 @@ fn a_request_on_a_new_connection_after_sigterm_never_runs_twice() {
 /// committed once, and the retry after a restart replays.
 #[test]
 fn transactional_reset_then_sigterm_commits_once_and_replays() {
-    let _serial = serial();
+    let _turn = shared();
     let db = new_db();
     let env = [
         ("DATABASE_URL", db.url.as_str()),
@@ -336,7 +336,7 @@ fn redis_cli(port: u16, args: &[&str]) -> String {
 /// Redis mode: a client that resets mid-handler, then SIGTERM: the next instance replays.
 #[test]
 fn redis_reset_then_sigterm_next_instance_replays() {
-    let _serial = serial();
+    let _turn = shared();
     let redis = RedisServer::start();
     let url = redis.url();
     let mut app = redis_app(&url, Some("3000"));
@@ -375,7 +375,7 @@ fn redis_reset_then_sigterm_next_instance_replays() {
 /// still in flight" warning (no reservation is left).
 #[test]
 fn redis_a_finished_give_back_does_not_hold_the_stop() {
-    let _serial = serial();
+    let _turn = shared();
     let redis = RedisServer::start();
     let url = redis.url();
     let mut app = redis_app(&url, None); // default lease: 60 s
@@ -422,7 +422,7 @@ fn redis_a_finished_give_back_does_not_hold_the_stop() {
 /// accepts it, a request runs once and replays, and the connect probe left no key behind.
 #[test]
 fn redis_a_user_limited_to_the_prefix_connects_and_works() {
-    let _serial = serial();
+    let _turn = shared();
     let redis = RedisServer::start();
     let prefix = idempotency_actix::store::redis::DEFAULT_PREFIX;
     let out = redis_cli(
@@ -579,7 +579,7 @@ fn c4_content_type_rule_matches_the_contract() {
 /// period on every deploy within two minutes of any Redis restart).
 #[test]
 fn redis_a_give_back_after_a_redis_restart_does_not_hold_the_stop() {
-    let _serial = serial();
+    let _turn = shared();
     let mut redis = RedisServer::start();
     let url = redis.url();
     let mut app = redis_app(&url, None); // default lease: 60 s
