@@ -170,6 +170,7 @@ const REQ: &str = "idempotency_requests_total";
 const CALLS: &str = "idempotency_store_call_seconds";
 const HELD: &str = "idempotency_reservations_held";
 const RETRIES: &str = "idempotency_complete_retries_total";
+const RENEW: &str = "idempotency_lease_renewals_total";
 
 /// One test at a time: the recorder is global.
 fn serial() -> MutexGuard<'static, ()> {
@@ -215,6 +216,10 @@ impl Probe {
                 elapsed: event.elapsed,
             });
         }
+    }
+    /// The statuses the hook saw, in the order it saw them.
+    fn statuses(&self) -> Vec<u16> {
+        self.events().iter().map(|e| e.status).collect()
     }
     fn count_events(&self, outcome: Outcome) -> usize {
         self.events()
@@ -404,6 +409,231 @@ fn route(prefix: &str) -> String {
     format!("/{prefix}/pay/{{id}}")
 }
 
+/// Wait until the handler has started `n` runs.
+fn wait_runs(probe: &Probe, n: u64) {
+    let deadline = Instant::now() + TIMEOUT;
+    while probe.runs() < n && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Wait (at most `timeout`, looking every `poll`) until `name` (the series with `labels`) has
+/// grown by 1 since `before`.
+fn wait_delta(
+    before: &Snap,
+    name: &str,
+    labels: &[(&str, &str)],
+    timeout: Duration,
+    poll: Duration,
+) {
+    let deadline = Instant::now() + timeout;
+    while delta(before, &snap(), name, labels) < 1.0 && Instant::now() < deadline {
+        std::thread::sleep(poll);
+    }
+}
+
+/// A server over `store` (see [`serve`]) with a new probe: the probe, the server (keep it: it
+/// stops when dropped) and its address.
+fn start<S, F>(store: S, prefix: &'static str, tweak: F) -> (Probe, ThreadServer, String)
+where
+    S: idempotency_actix::store::IdempotencyStore + Clone + Send + 'static,
+    F: Fn(IdempotencyBuilder<S>) -> IdempotencyBuilder<S> + Clone + Send + 'static,
+{
+    let probe = Probe::default();
+    let server = serve(store, prefix, &probe, tweak);
+    let addr = server.addr.to_string();
+    (probe, server, addr)
+}
+
+/// `request` sent on a connection of its own, waiting at most [`TIMEOUT`]: the response.
+fn send(addr: &str, request: &Request) -> Response {
+    send_once(addr, request, TIMEOUT).unwrap()
+}
+
+/// `request` written on a new connection, its response not read yet.
+fn open(addr: &str, request: &Request) -> Conn {
+    let mut conn = Conn::connect(addr, TIMEOUT).unwrap();
+    conn.send_raw(&request.to_bytes()).unwrap();
+    conn
+}
+
+/// One request that runs and is stored (`/{prefix}/pay/0` with `key`), before the store is cut.
+fn warm_up(addr: &str, prefix: &str, key: &str) {
+    let warm = send(addr, &pay(&format!("/{prefix}/pay/0"), key, "{}"));
+    assert_eq!(warm.status, 201, "{}", warm.describe());
+}
+
+/// `/{prefix}/pay/{i}` with key `{key}-{i}` for each `i` of `ids`, one after the other, each
+/// waiting at most 60 s (the store is down): the statuses.
+fn statuses_of(addr: &str, prefix: &str, key: &str, ids: std::ops::Range<u32>) -> Vec<u16> {
+    ids.map(|i| {
+        let request = pay(&format!("/{prefix}/pay/{i}"), &format!("{key}-{i}"), "{}");
+        send_once(addr, &request, Duration::from_secs(60))
+            .unwrap()
+            .status
+    })
+    .collect()
+}
+
+/// A Postgres test database, the runtime it was made on and (for the scenarios that cut the
+/// database) a proxy in front of it. The fields drop in the order of the locals they stand for:
+/// proxy, database, runtime.
+struct Pg {
+    proxy: Option<PgProxy>,
+    _db: TestDb,
+    rt: tokio::runtime::Runtime,
+}
+
+impl Pg {
+    /// A new database, and a store connected to it (`through_proxy`: through a [`PgProxy`]).
+    fn start(through_proxy: bool) -> (Pg, PostgresStore) {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let db = rt.block_on(TestDb::new());
+        let proxy = through_proxy.then(|| rt.block_on(PgProxy::for_url(&db.url)).unwrap());
+        let url = match &proxy {
+            Some(proxy) => proxy.url_through(&db.url),
+            None => db.url.clone(),
+        };
+        let store = rt.block_on(PostgresStore::connect(&url)).expect("connect");
+        (Pg { proxy, _db: db, rt }, store)
+    }
+
+    fn proxy(&self) -> &PgProxy {
+        self.proxy.as_ref().expect("a database behind a proxy")
+    }
+
+    /// The database down for the store: [`PgProxy::stop`].
+    fn stop(&self) {
+        self.proxy().stop();
+    }
+
+    /// The database back: [`PgProxy::resume`].
+    fn resume(&self) {
+        self.rt.block_on(self.proxy().resume()).unwrap();
+    }
+}
+
+/// What a scenario saw, for the failure messages: `what` (the clients' answers), the handler
+/// runs, every metric that changed from `before` to `after`, and the hook's events.
+fn report_of(what: &str, probe: &Probe, before: &Snap, after: &Snap) -> String {
+    let what = if what.is_empty() {
+        String::new()
+    } else {
+        format!("{what}, ")
+    };
+    format!(
+        "{what}runs {}, deltas {:#?}, events {:?}",
+        probe.runs(),
+        after.since(before),
+        probe.events()
+    )
+}
+
+/// What the change of a metric must be: exactly a value, or at least one.
+#[derive(Clone, Copy, Debug)]
+enum Want {
+    Is(f64),
+    AtLeast(f64),
+}
+use Want::{AtLeast, Is};
+
+/// An expectation on the change of a metric: the sum of the series named `name` whose labels
+/// include every one of `labels` (as [`delta`]).
+struct Expect {
+    name: &'static str,
+    labels: Vec<(&'static str, String)>,
+    want: Want,
+}
+
+fn metric(name: &'static str, labels: &[(&'static str, &str)], want: Want) -> Expect {
+    Expect {
+        name,
+        labels: labels.iter().map(|(k, v)| (*k, (*v).to_owned())).collect(),
+        want,
+    }
+}
+
+/// Keyed requests counted on `route`, whatever their outcome.
+fn requests(route: &str, want: Want) -> Expect {
+    metric(REQ, &[("route", route)], want)
+}
+
+/// Keyed requests counted on `route` with `outcome`.
+fn counted(route: &str, outcome: &str, want: Want) -> Expect {
+    metric(REQ, &[("outcome", outcome), ("route", route)], want)
+}
+
+/// Calls `op` of `store` timed (observations of the store call histogram).
+fn calls(op: &str, store: &str, want: Want) -> Expect {
+    metric(CALLS, &[("op", op), ("store", store)], want)
+}
+
+/// Complete retries with `result`.
+fn retries(result: &str, want: Want) -> Expect {
+    metric(RETRIES, &[("result", result)], want)
+}
+
+/// The reservations held in `store` back where they were (the gauge changed by 0).
+fn held_back(store: &str) -> Expect {
+    metric(HELD, &[("store", store)], Is(0.0))
+}
+
+/// The checks of one scenario on the change of its metrics from `before` to `after`.
+struct Deltas<'a> {
+    before: &'a Snap,
+    after: &'a Snap,
+    report: &'a str,
+}
+
+impl<'a> Deltas<'a> {
+    fn new(before: &'a Snap, after: &'a Snap, report: &'a str) -> Self {
+        Deltas {
+            before,
+            after,
+            report,
+        }
+    }
+
+    /// Check every expectation; if any fails, panic with all that failed and the report.
+    fn expect(&self, expectations: &[Expect]) {
+        self.noted("", expectations);
+    }
+
+    /// [`Deltas::expect`], the failure message starting with `note`.
+    fn noted(&self, note: &str, expectations: &[Expect]) {
+        let failed: Vec<String> = expectations
+            .iter()
+            .filter_map(|e| {
+                let labels: Vec<(&str, &str)> =
+                    e.labels.iter().map(|(k, v)| (*k, v.as_str())).collect();
+                let got = delta(self.before, self.after, e.name, &labels);
+                let ok = match e.want {
+                    Is(want) => got == want,
+                    AtLeast(want) => got >= want,
+                };
+                (!ok).then(|| {
+                    format!(
+                        "{} {labels:?} changed by {got}, want {:?} (from {} to {})",
+                        e.name,
+                        e.want,
+                        self.before.sum(e.name, &labels),
+                        self.after.sum(e.name, &labels)
+                    )
+                })
+            })
+            .collect();
+        assert!(
+            failed.is_empty(),
+            "{note}{}{} of {} metric expectations failed:\n  {}\n{}",
+            if note.is_empty() { "" } else { ": " },
+            failed.len(),
+            expectations.len(),
+            failed.join("\n  "),
+            self.report
+        );
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Scenarios.
 
@@ -413,69 +643,44 @@ fn route(prefix: &str) -> String {
 #[test]
 fn concurrent_duplicates_are_counted_as_the_clients_saw_them() {
     let _serial = serial();
-    let probe = Probe::default();
-    let server = serve(MemoryStore::new(), "mt_dup", &probe, |b| b);
-    let addr = server.addr.to_string();
+    let (probe, _server, addr) = start(MemoryStore::new(), "mt_dup", |b| b);
     let before = snap();
-    let responses = burst(
-        &addr,
-        &pay("/mt_dup/pay/1?delay_ms=700", "dup-1", r#"{"a":1}"#),
-        12,
-    );
-    let seen = tally(&responses);
+    let request = pay("/mt_dup/pay/1?delay_ms=700", "dup-1", r#"{"a":1}"#);
+    let seen = tally(&burst(&addr, &request, 12));
     // Afterwards: 3 replays and 2 mismatches.
     for _ in 0..3 {
-        let r = send_once(
-            &addr,
-            &pay("/mt_dup/pay/1?delay_ms=700", "dup-1", r#"{"a":1}"#),
-            TIMEOUT,
-        )
-        .unwrap();
+        let r = send(&addr, &request);
         assert!(r.is_replay(), "{}", r.describe());
     }
     for _ in 0..2 {
-        let r = send_once(
+        let r = send(
             &addr,
             &pay("/mt_dup/pay/1?delay_ms=700", "dup-1", r#"{"a":2}"#),
-            TIMEOUT,
-        )
-        .unwrap();
+        );
         assert_eq!(r.status, 422, "{}", r.describe());
     }
     wait_events(&probe, 17);
     let after = snap();
     let r = route("mt_dup");
-    let d = |outcome: &str| delta(&before, &after, REQ, &[("outcome", outcome), ("route", &r)]);
-    let report = format!(
-        "clients {seen:?}, runs {}, deltas {:#?}, events {:?}",
-        probe.runs(),
-        after.since(&before),
-        probe.events()
-    );
+    let report = report_of(&format!("clients {seen:?}"), &probe, &before, &after);
     assert_eq!(probe.runs(), 1, "{report}");
     assert_eq!(seen.fresh, 1, "{report}");
     assert!(seen.other.is_empty(), "{report}");
-    assert_eq!(d("stored"), 1.0, "{report}");
-    assert_eq!(d("conflict"), seen.conflict as f64, "{report}");
-    assert_eq!(d("replay"), (seen.replay + 3) as f64, "{report}");
-    assert_eq!(d("mismatch"), 2.0, "{report}");
-    assert_eq!(
-        delta(&before, &after, REQ, &[("route", &r)]),
-        17.0,
-        "{report}"
-    );
-    assert_eq!(probe.count_events(Outcome::Stored), 1, "{report}");
-    assert_eq!(
-        probe.count_events(Outcome::Conflict),
-        seen.conflict,
-        "{report}"
-    );
-    assert_eq!(
-        probe.count_events(Outcome::Replay),
-        seen.replay + 3,
-        "{report}"
-    );
-    assert_eq!(probe.count_events(Outcome::Mismatch), 2, "{report}");
+    Deltas::new(&before, &after, &report).expect(&[
+        counted(&r, "stored", Is(1.0)),
+        counted(&r, "conflict", Is(seen.conflict as f64)),
+        counted(&r, "replay", Is((seen.replay + 3) as f64)),
+        counted(&r, "mismatch", Is(2.0)),
+        requests(&r, Is(17.0)),
+        calls("reserve", "memory", Is(17.0)),
+        calls("complete", "memory", Is(1.0)),
+        held_back("memory"),
+    ]);
+    let events = |outcome| probe.count_events(outcome);
+    assert_eq!(events(Outcome::Stored), 1, "{report}");
+    assert_eq!(events(Outcome::Conflict), seen.conflict, "{report}");
+    assert_eq!(events(Outcome::Replay), seen.replay + 3, "{report}");
+    assert_eq!(events(Outcome::Mismatch), 2, "{report}");
     assert_eq!(probe.events().len(), 17, "{report}");
     // Hook statuses are the ones sent.
     for e in probe.events() {
@@ -487,31 +692,6 @@ fn concurrent_duplicates_are_counted_as_the_clients_saw_them() {
         assert_eq!(e.status, want, "{e:?} {report}");
         assert_eq!(e.key.as_deref(), Some("dup-1"), "{report}");
     }
-    assert_eq!(
-        delta(
-            &before,
-            &after,
-            CALLS,
-            &[("op", "reserve"), ("store", "memory")]
-        ),
-        17.0,
-        "{report}"
-    );
-    assert_eq!(
-        delta(
-            &before,
-            &after,
-            CALLS,
-            &[("op", "complete"), ("store", "memory")]
-        ),
-        1.0,
-        "{report}"
-    );
-    assert_eq!(
-        after.sum(HELD, &[("store", "memory")]),
-        before.sum(HELD, &[("store", "memory")]),
-        "{report}"
-    );
 }
 
 /// Wait mode: 10 concurrent duplicates wait for the first; the first is `stored`, the others
@@ -519,46 +699,29 @@ fn concurrent_duplicates_are_counted_as_the_clients_saw_them() {
 #[test]
 fn wait_mode_duplicates_are_counted_as_replays() {
     let _serial = serial();
-    let probe = Probe::default();
-    let server = serve(MemoryStore::new(), "mt_wait", &probe, |b| {
+    let (probe, _server, addr) = start(MemoryStore::new(), "mt_wait", |b| {
         b.wait_for_in_flight(Duration::from_secs(10))
     });
-    let addr = server.addr.to_string();
     let before = snap();
-    let responses = burst(
-        &addr,
-        &pay("/mt_wait/pay/1?delay_ms=600", "wait-1", r#"{"a":1}"#),
-        10,
-    );
-    let seen = tally(&responses);
+    let request = pay("/mt_wait/pay/1?delay_ms=600", "wait-1", r#"{"a":1}"#);
+    let seen = tally(&burst(&addr, &request, 10));
     wait_events(&probe, 10);
     let after = snap();
     let r = route("mt_wait");
-    let d = |outcome: &str| delta(&before, &after, REQ, &[("outcome", outcome), ("route", &r)]);
-    let report = format!(
-        "clients {seen:?}, runs {}, deltas {:#?}, events {:?}",
-        probe.runs(),
-        after.since(&before),
-        probe.events()
-    );
+    let report = report_of(&format!("clients {seen:?}"), &probe, &before, &after);
     assert_eq!(probe.runs(), 1, "{report}");
-    assert_eq!(
-        seen,
-        Tally {
-            fresh: 1,
-            replay: 9,
-            conflict: 0,
-            other: vec![]
-        },
-        "{report}"
-    );
-    assert_eq!(d("stored"), 1.0, "{report}");
-    assert_eq!(d("replay"), 9.0, "{report}");
-    assert_eq!(
-        delta(&before, &after, REQ, &[("route", &r)]),
-        10.0,
-        "{report}"
-    );
+    let want = Tally {
+        fresh: 1,
+        replay: 9,
+        conflict: 0,
+        other: vec![],
+    };
+    assert_eq!(seen, want, "{report}");
+    Deltas::new(&before, &after, &report).expect(&[
+        counted(&r, "stored", Is(1.0)),
+        counted(&r, "replay", Is(9.0)),
+        requests(&r, Is(10.0)),
+    ]);
     assert_eq!(probe.events().len(), 10, "{report}");
 }
 
@@ -569,50 +732,32 @@ fn wait_mode_duplicates_are_counted_as_replays() {
 #[test]
 fn labels_stay_bounded_and_passed_through_requests_are_not_counted() {
     let _serial = serial();
-    let probe = Probe::default();
-    let server = serve(MemoryStore::new(), "mt_card", &probe, |b| b);
-    let addr = server.addr.to_string();
+    let (probe, _server, addr) = start(MemoryStore::new(), "mt_card", |b| b);
     let before = snap();
     for i in 0..30 {
         let key = format!("cardkey-{i}-secretish");
-        let r = send_once(
+        let r = send(
             &addr,
             &pay(&format!("/mt_card/pay/raw{i}?x={i}"), &key, r#"{"a":1}"#),
-            TIMEOUT,
-        )
-        .unwrap();
+        );
         assert_eq!(r.status, 201, "{}", r.describe());
-        let r = send_once(
+        let r = send(
             &addr,
             &pay(&format!("/mt_card_nope/raw{i}"), &key, r#"{"a":1}"#),
-            TIMEOUT,
-        )
-        .unwrap();
+        );
         assert_eq!(r.status, 404, "{}", r.describe());
-        let r = send_once(
+        let r = send(
             &addr,
             &Request::new("PURGE", &format!("/mt_card/raw/{i}")).key(&key),
-            TIMEOUT,
-        )
-        .unwrap();
+        );
         assert!(r.status >= 400, "{}", r.describe());
     }
     let keyed_events = probe.events().len();
     // Keyless POST, keyed GET and HEAD: passed through.
     let runs_before = probe.runs();
-    let r = send_once(
-        &addr,
-        &Request::post("/mt_card/pay/k").json(r#"{"a":1}"#),
-        TIMEOUT,
-    )
-    .unwrap();
+    let r = send(&addr, &Request::post("/mt_card/pay/k").json(r#"{"a":1}"#));
     assert_eq!(r.status, 201);
-    let r = send_once(
-        &addr,
-        &Request::get("/mt_card/pay/g").key("get-key"),
-        TIMEOUT,
-    )
-    .unwrap();
+    let r = send(&addr, &Request::get("/mt_card/pay/g").key("get-key"));
     assert_eq!(r.status, 201);
     assert_eq!(probe.runs(), runs_before + 2);
     let after = snap();
@@ -649,23 +794,18 @@ fn labels_stay_bounded_and_passed_through_requests_are_not_counted() {
     );
     // Keyed requests: 30 stored + 30 unmatched (404, not stored) = 60 counted; the passed
     // through keyless POST and keyed GET add nothing.
-    let counted = delta(&before, &after, REQ, &[]);
+    let counted_total = delta(&before, &after, REQ, &[]);
     assert_eq!(
-        counted,
+        counted_total,
         keyed_events as f64,
         "metric total vs hook events; {report} events {:?}",
         probe.events()
     );
-    assert_eq!(
-        delta(
-            &before,
-            &after,
-            REQ,
-            &[("route", "/mt_card/pay/{id}"), ("outcome", "stored")]
-        ),
-        30.0,
-        "{report}"
-    );
+    Deltas::new(&before, &after, &report).expect(&[counted(
+        "/mt_card/pay/{id}",
+        "stored",
+        Is(30.0),
+    )]);
     assert_eq!(
         probe.events().len(),
         keyed_events,
@@ -679,68 +819,26 @@ fn labels_stay_bounded_and_passed_through_requests_are_not_counted() {
 #[test]
 fn too_large_responses_are_counted_not_stored() {
     let _serial = serial();
-    let probe = Probe::default();
-    let server = serve(MemoryStore::new(), "mt_big", &probe, |b| {
-        b.max_response_bytes(1024)
-    });
-    let addr = server.addr.to_string();
+    let (probe, _server, addr) =
+        start(MemoryStore::new(), "mt_big", |b| b.max_response_bytes(1024));
     let before = snap();
     for _ in 0..2 {
-        let r = send_once(
-            &addr,
-            &pay("/mt_big/pay/1?size=5000", "big-1", "{}"),
-            TIMEOUT,
-        )
-        .unwrap();
+        let r = send(&addr, &pay("/mt_big/pay/1?size=5000", "big-1", "{}"));
         assert_eq!(r.status, 201, "{}", r.describe());
         assert_eq!(r.body.len(), 5000);
     }
     wait_events(&probe, 2);
     let after = snap();
     let r = route("mt_big");
-    let report = format!(
-        "runs {}, deltas {:#?}, events {:?}",
-        probe.runs(),
-        after.since(&before),
-        probe.events()
-    );
+    let report = report_of("", &probe, &before, &after);
     assert_eq!(probe.runs(), 2, "{report}");
-    assert_eq!(
-        delta(
-            &before,
-            &after,
-            REQ,
-            &[("outcome", "not_stored"), ("route", &r)]
-        ),
-        2.0,
-        "{report}"
-    );
-    assert_eq!(
-        delta(&before, &after, REQ, &[("route", &r)]),
-        2.0,
-        "{report}"
-    );
     assert_eq!(probe.count_events(Outcome::NotStored), 2, "{report}");
-    assert_eq!(
-        delta(
-            &before,
-            &after,
-            CALLS,
-            &[("op", "release"), ("store", "memory")]
-        ),
-        2.0,
-        "{report}"
-    );
-    assert_eq!(
-        delta(
-            &before,
-            &after,
-            CALLS,
-            &[("op", "complete"), ("store", "memory")]
-        ),
-        0.0,
-        "{report}"
-    );
+    Deltas::new(&before, &after, &report).expect(&[
+        counted(&r, "not_stored", Is(2.0)),
+        requests(&r, Is(2.0)),
+        calls("release", "memory", Is(2.0)),
+        calls("complete", "memory", Is(0.0)),
+    ]);
 }
 
 /// A streamed response is counted once, when it ends (stored); a stream that fails after its
@@ -748,23 +846,12 @@ fn too_large_responses_are_counted_not_stored() {
 #[test]
 fn streamed_responses_are_counted_once() {
     let _serial = serial();
-    let probe = Probe::default();
-    let server = serve(MemoryStore::new(), "mt_stream", &probe, |b| b);
-    let addr = server.addr.to_string();
+    let (probe, _server, addr) = start(MemoryStore::new(), "mt_stream", |b| b);
     let before = snap();
-    let r = send_once(
-        &addr,
-        &pay("/mt_stream/pay/1?stream=1", "s-1", "{}"),
-        TIMEOUT,
-    )
-    .unwrap();
+    let request = pay("/mt_stream/pay/1?stream=1", "s-1", "{}");
+    let r = send(&addr, &request);
     assert_eq!(r.status, 201, "{}", r.describe());
-    let replay = send_once(
-        &addr,
-        &pay("/mt_stream/pay/1?stream=1", "s-1", "{}"),
-        TIMEOUT,
-    )
-    .unwrap();
+    let replay = send(&addr, &request);
     assert!(replay.is_replay(), "{}", replay.describe());
     assert_eq!(replay.body, r.body);
     // The failing stream: the client sees a head then a cut.
@@ -777,54 +864,16 @@ fn streamed_responses_are_counted_once() {
     std::thread::sleep(Duration::from_millis(300));
     let after = snap();
     let r = route("mt_stream");
-    let report = format!(
-        "runs {}, deltas {:#?}, events {:?}",
-        probe.runs(),
-        after.since(&before),
-        probe.events()
-    );
+    let report = report_of("", &probe, &before, &after);
     assert_eq!(probe.runs(), 2, "{report}");
-    assert_eq!(
-        delta(
-            &before,
-            &after,
-            REQ,
-            &[("outcome", "stored"), ("route", &r)]
-        ),
-        1.0,
-        "{report}"
-    );
-    assert_eq!(
-        delta(
-            &before,
-            &after,
-            REQ,
-            &[("outcome", "replay"), ("route", &r)]
-        ),
-        1.0,
-        "{report}"
-    );
-    assert_eq!(
-        delta(
-            &before,
-            &after,
-            REQ,
-            &[("outcome", "body_error"), ("route", &r)]
-        ),
-        1.0,
-        "{report}"
-    );
-    assert_eq!(
-        delta(&before, &after, REQ, &[("route", &r)]),
-        3.0,
-        "{report}"
-    );
     assert_eq!(probe.events().len(), 3, "{report}");
-    assert_eq!(
-        after.sum(HELD, &[("store", "memory")]),
-        before.sum(HELD, &[("store", "memory")]),
-        "{report}"
-    );
+    Deltas::new(&before, &after, &report).expect(&[
+        counted(&r, "stored", Is(1.0)),
+        counted(&r, "replay", Is(1.0)),
+        counted(&r, "body_error", Is(1.0)),
+        requests(&r, Is(3.0)),
+        held_back("memory"),
+    ]);
 }
 
 /// A client that resets its connection while the handler runs: the handler runs once, the
@@ -833,35 +882,24 @@ fn streamed_responses_are_counted_once() {
 #[test]
 fn a_client_reset_mid_handler_is_counted_once() {
     let _serial = serial();
-    let probe = Probe::default();
-    let server = serve(MemoryStore::new(), "mt_reset", &probe, |b| b);
-    let addr = server.addr.to_string();
+    let (probe, _server, addr) = start(MemoryStore::new(), "mt_reset", |b| b);
     let before = snap();
-    let mut conn = Conn::connect(addr.as_str(), TIMEOUT).unwrap();
-    conn.send_raw(&pay("/mt_reset/pay/1?delay_ms=800", "reset-1", "{}").to_bytes())
-        .unwrap();
-    let deadline = Instant::now() + TIMEOUT;
-    while probe.runs() == 0 && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    let request = pay("/mt_reset/pay/1?delay_ms=800", "reset-1", "{}");
+    let conn = open(&addr, &request);
+    wait_runs(&probe, 1);
     conn.reset().unwrap();
     // Let the handler finish (or be cut) and the outcome be reported.
     std::thread::sleep(Duration::from_millis(1500));
     wait_events(&probe, 1);
     let mid = snap();
     let r = route("mt_reset");
-    let report = format!(
-        "runs {} finished {}, deltas {:#?}, events {:?}",
-        probe.runs(),
-        probe.finished.load(Ordering::SeqCst),
-        mid.since(&before),
-        probe.events()
-    );
+    let finished = format!("finished {}", probe.finished.load(Ordering::SeqCst));
+    let report = report_of(&finished, &probe, &before, &mid);
     assert_eq!(probe.runs(), 1, "{report}");
-    assert_eq!(
-        delta(&before, &mid, REQ, &[("route", &r)]),
-        1.0,
-        "the reset request must be counted exactly once: {report}"
+    let d = Deltas::new(&before, &mid, &report);
+    d.noted(
+        "the reset request must be counted exactly once",
+        &[requests(&r, Is(1.0))],
     );
     assert_eq!(probe.events().len(), 1, "{report}");
     let outcome = probe.events()[0].outcome;
@@ -869,25 +907,15 @@ fn a_client_reset_mid_handler_is_counted_once() {
         outcome.ran_handler(),
         "the handler ran but the outcome says it did not: {report}"
     );
-    assert_eq!(
-        mid.sum(HELD, &[("store", "memory")]),
-        before.sum(HELD, &[("store", "memory")]),
-        "gauge: {report}"
-    );
-    let retry = send_once(
-        &addr,
-        &pay("/mt_reset/pay/1?delay_ms=800", "reset-1", "{}"),
-        TIMEOUT,
-    )
-    .unwrap();
+    d.noted("gauge", &[held_back("memory")]);
+    let retry = send(&addr, &request);
     wait_events(&probe, 2);
     let after = snap();
-    let report = format!(
-        "retry {}, runs {}, deltas {:#?}, events {:?}",
-        retry.describe(),
-        probe.runs(),
-        after.since(&before),
-        probe.events()
+    let report = report_of(
+        &format!("retry {}", retry.describe()),
+        &probe,
+        &before,
+        &after,
     );
     let finished = probe.finished.load(Ordering::SeqCst);
     if retry.is_replay() {
@@ -900,11 +928,7 @@ fn a_client_reset_mid_handler_is_counted_once() {
             "stored but the retry ran again: {report}"
         );
     }
-    assert_eq!(
-        delta(&before, &after, REQ, &[("route", &r)]),
-        2.0,
-        "{report}"
-    );
+    Deltas::new(&before, &after, &report).expect(&[requests(&r, Is(2.0))]);
 }
 
 /// The PostgreSQL store down before the handler: every request a 503, counted as
@@ -913,97 +937,35 @@ fn a_client_reset_mid_handler_is_counted_once() {
 #[test]
 fn postgres_down_is_counted_as_store_unavailable_and_fail_open() {
     let _serial = serial();
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let db = rt.block_on(TestDb::new());
-    let proxy = rt.block_on(PgProxy::for_url(&db.url)).unwrap();
-    let url = proxy.url_through(&db.url);
-    let store = rt.block_on(PostgresStore::connect(&url)).expect("connect");
+    let (pg, store) = Pg::start(true);
     for (prefix, fail_open) in [("mt_pgdown", false), ("mt_pgopen", true)] {
-        let probe = Probe::default();
-        let server = serve(store.clone(), prefix, &probe, move |b| {
-            b.fail_open(fail_open)
-        });
-        let addr = server.addr.to_string();
-        let warm = send_once(
-            &addr,
-            &pay(&format!("/{prefix}/pay/0"), &format!("{prefix}-warm"), "{}"),
-            TIMEOUT,
-        )
-        .unwrap();
-        assert_eq!(warm.status, 201, "{}", warm.describe());
-        proxy.stop();
+        let (probe, server, addr) = start(store.clone(), prefix, move |b| b.fail_open(fail_open));
+        warm_up(&addr, prefix, &format!("{prefix}-warm"));
+        pg.stop();
         let before = snap();
-        let mut statuses = Vec::new();
-        for i in 0..5 {
-            let r = send_once(
-                &addr,
-                &pay(
-                    &format!("/{prefix}/pay/{i}"),
-                    &format!("{prefix}-{i}"),
-                    "{}",
-                ),
-                Duration::from_secs(60),
-            )
-            .unwrap();
-            statuses.push(r.status);
-        }
+        let statuses = statuses_of(&addr, prefix, prefix, 0..5);
         wait_events(&probe, 6);
         let after = snap();
         let r = route(prefix);
-        let report = format!(
-            "{prefix}: statuses {statuses:?}, runs {}, deltas {:#?}, events {:?}",
-            probe.runs(),
-            after.since(&before),
-            probe.events()
-        );
+        let what = format!("{prefix}: statuses {statuses:?}");
+        let report = report_of(&what, &probe, &before, &after);
+        let d = Deltas::new(&before, &after, &report);
         if fail_open {
             assert_eq!(statuses, vec![201; 5], "{report}");
             assert_eq!(probe.runs(), 6, "{report}");
-            assert_eq!(
-                delta(
-                    &before,
-                    &after,
-                    REQ,
-                    &[("outcome", "fail_open"), ("route", &r)]
-                ),
-                5.0,
-                "{report}"
-            );
+            d.expect(&[counted(&r, "fail_open", Is(5.0))]);
         } else {
             assert_eq!(statuses, vec![503; 5], "{report}");
             assert_eq!(probe.runs(), 1, "{report}");
-            assert_eq!(
-                delta(
-                    &before,
-                    &after,
-                    REQ,
-                    &[("outcome", "store_unavailable"), ("route", &r)]
-                ),
-                5.0,
-                "{report}"
-            );
+            d.expect(&[counted(&r, "store_unavailable", Is(5.0))]);
         }
-        assert_eq!(
-            delta(&before, &after, REQ, &[("route", &r)]),
-            5.0,
-            "{report}"
-        );
-        assert!(
-            delta(
-                &before,
-                &after,
-                CALLS,
-                &[("op", "reserve"), ("store", "postgres")]
-            ) >= 5.0,
-            "{report}"
-        );
-        assert_eq!(
-            after.sum(HELD, &[("store", "postgres")]),
-            before.sum(HELD, &[("store", "postgres")]),
-            "{report}"
-        );
+        d.expect(&[
+            requests(&r, Is(5.0)),
+            calls("reserve", "postgres", AtLeast(5.0)),
+            held_back("postgres"),
+        ]);
         drop(server);
-        rt.block_on(proxy.resume()).unwrap();
+        pg.resume();
         std::thread::sleep(Duration::from_millis(200));
     }
 }
@@ -1018,69 +980,35 @@ fn redis_down_is_counted_as_store_unavailable() {
     let store = rt
         .block_on(RedisStore::builder().connect(&redis.url()))
         .expect("connect");
-    let probe = Probe::default();
-    let server = serve(store, "mt_rdown", &probe, |b| b);
-    let addr = server.addr.to_string();
-    let warm = send_once(&addr, &pay("/mt_rdown/pay/0", "r-warm", "{}"), TIMEOUT).unwrap();
-    assert_eq!(warm.status, 201, "{}", warm.describe());
+    let (probe, _server, addr) = start(store, "mt_rdown", |b| b);
+    warm_up(&addr, "mt_rdown", "r-warm");
     redis.kill();
     let before = snap();
-    let mut statuses = Vec::new();
-    for i in 0..4 {
-        let r = send_once(
-            &addr,
-            &pay(&format!("/mt_rdown/pay/{i}"), &format!("r-{i}"), "{}"),
-            Duration::from_secs(60),
-        )
-        .unwrap();
-        statuses.push(r.status);
-    }
+    let statuses = statuses_of(&addr, "mt_rdown", "r", 0..4);
     wait_events(&probe, 5);
     let after = snap();
     let r = route("mt_rdown");
-    let report = format!(
-        "statuses {statuses:?}, runs {}, deltas {:#?}, events {:?}",
-        probe.runs(),
-        after.since(&before),
-        probe.events()
-    );
+    let report = report_of(&format!("statuses {statuses:?}"), &probe, &before, &after);
     assert_eq!(statuses, vec![503; 4], "{report}");
     assert_eq!(probe.runs(), 1, "{report}");
-    assert_eq!(
-        delta(
-            &before,
-            &after,
-            REQ,
-            &[("outcome", "store_unavailable"), ("route", &r)]
-        ),
-        4.0,
-        "{report}"
-    );
+    let d = Deltas::new(&before, &after, &report);
+    d.expect(&[
+        counted(&r, "store_unavailable", Is(4.0)),
+        calls("reserve", "redis", AtLeast(4.0)),
+    ]);
     // The alert of docs/operations.md filters nothing by store, but a dashboard per store
     // (`store` label, "a short, fixed name": memory, postgres, cached) must see `redis`.
-    assert_eq!(
-        delta(
-            &before,
-            &after,
-            REQ,
-            &[
-                ("outcome", "store_unavailable"),
-                ("route", &r),
-                ("store", "redis")
-            ]
+    let unavailable = [
+        ("outcome", "store_unavailable"),
+        ("route", r.as_str()),
+        ("store", "redis"),
+    ];
+    d.noted(
+        &format!(
+            "the Redis store is labelled {:?}",
+            after.since(&before).keys().next()
         ),
-        4.0,
-        "the Redis store is labelled {:?}: {report}",
-        after.since(&before).keys().next()
-    );
-    assert!(
-        delta(
-            &before,
-            &after,
-            CALLS,
-            &[("op", "reserve"), ("store", "redis")]
-        ) >= 4.0,
-        "{report}"
+        &[metric(REQ, &unavailable, Is(4.0))],
     );
 }
 
@@ -1091,182 +1019,70 @@ fn redis_down_is_counted_as_store_unavailable() {
 #[test]
 fn a_store_failing_after_the_handler_counts_complete_retries_truthfully() {
     let _serial = serial();
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let db = rt.block_on(TestDb::new());
-    let proxy = rt.block_on(PgProxy::for_url(&db.url)).unwrap();
-    let url = proxy.url_through(&db.url);
-    let store = rt.block_on(PostgresStore::connect(&url)).expect("connect");
-    let probe = Probe::default();
-    let server = serve(store, "mt_after", &probe, |b| {
+    let (pg, store) = Pg::start(true);
+    let (probe, _server, addr) = start(store, "mt_after", |b| {
         b.lock_timeout(Duration::from_secs(4))
     });
-    let addr = server.addr.to_string();
-    let warm = send_once(&addr, &pay("/mt_after/pay/0", "after-warm", "{}"), TIMEOUT).unwrap();
-    assert_eq!(warm.status, 201, "{}", warm.describe());
+    warm_up(&addr, "mt_after", "after-warm");
     wait_events(&probe, 1);
+    let r = route("mt_after");
 
     // 1. Down during the handler, back 1 s later.
     let before = snap();
-    let mut conn = Conn::connect(addr.as_str(), TIMEOUT).unwrap();
-    conn.send_raw(&pay("/mt_after/pay/1?delay_ms=600", "after-1", "{}").to_bytes())
-        .unwrap();
-    let deadline = Instant::now() + TIMEOUT;
-    while probe.runs() < 2 && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    proxy.stop();
+    let request = pay("/mt_after/pay/1?delay_ms=600", "after-1", "{}");
+    let mut conn = open(&addr, &request);
+    wait_runs(&probe, 2);
+    pg.stop();
     let first = conn.read_response("POST").unwrap();
     std::thread::sleep(Duration::from_millis(600));
-    rt.block_on(proxy.resume()).unwrap();
+    pg.resume();
     // Wait for the retry to land.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while snap().sum(RETRIES, &[("result", "succeeded"), ("store", "postgres")])
-        - before.sum(RETRIES, &[("result", "succeeded"), ("store", "postgres")])
-        < 1.0
-        && Instant::now() < deadline
-    {
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let retry = send_once(
-        &addr,
-        &pay("/mt_after/pay/1?delay_ms=600", "after-1", "{}"),
-        TIMEOUT,
-    )
-    .unwrap();
+    let succeeded = [("result", "succeeded"), ("store", "postgres")];
+    let (ten_s, poll) = (Duration::from_secs(10), Duration::from_millis(50));
+    wait_delta(&before, RETRIES, &succeeded, ten_s, poll);
+    let retry = send(&addr, &request);
     let after = snap();
-    let r = route("mt_after");
-    let report = format!(
-        "first {}, retry {}, runs {}, deltas {:#?}, events {:?}",
-        first.status,
-        retry.describe(),
-        probe.runs(),
-        after.since(&before),
-        probe.events()
-    );
+    let what = format!("first {}, retry {}", first.status, retry.describe());
+    let report = report_of(&what, &probe, &before, &after);
     assert_eq!(first.status, 201, "{report}");
     assert!(retry.is_replay(), "{report}");
     assert_eq!(probe.runs(), 2, "{report}");
-    assert_eq!(
-        delta(
-            &before,
-            &after,
-            REQ,
-            &[("outcome", "complete_failed"), ("route", &r)]
-        ),
-        1.0,
-        "{report}"
-    );
-    assert_eq!(
-        delta(
-            &before,
-            &after,
-            REQ,
-            &[("outcome", "replay"), ("route", &r)]
-        ),
-        1.0,
-        "{report}"
-    );
-    assert_eq!(
-        delta(&before, &after, REQ, &[("route", &r)]),
-        2.0,
-        "{report}"
-    );
-    assert_eq!(
-        delta(&before, &after, RETRIES, &[("result", "started")]),
-        1.0,
-        "{report}"
-    );
-    assert_eq!(
-        delta(&before, &after, RETRIES, &[("result", "succeeded")]),
-        1.0,
-        "{report}"
-    );
-    assert_eq!(
-        delta(&before, &after, RETRIES, &[("result", "given_up")]),
-        0.0,
-        "{report}"
-    );
-    assert_eq!(
-        delta(&before, &after, RETRIES, &[("result", "stale")]),
-        0.0,
-        "{report}"
-    );
-    assert_eq!(
-        after.sum(HELD, &[("store", "postgres")]),
-        before.sum(HELD, &[("store", "postgres")]),
-        "held after the retry succeeded: {report}"
-    );
+    let d = Deltas::new(&before, &after, &report);
+    d.expect(&[
+        counted(&r, "complete_failed", Is(1.0)),
+        counted(&r, "replay", Is(1.0)),
+        requests(&r, Is(2.0)),
+        retries("started", Is(1.0)),
+        retries("succeeded", Is(1.0)),
+        retries("given_up", Is(0.0)),
+        retries("stale", Is(0.0)),
+    ]);
+    d.noted("held after the retry succeeded", &[held_back("postgres")]);
 
     // 2. Down past the lease: given up once.
     let before = snap();
-    let mut conn = Conn::connect(addr.as_str(), TIMEOUT).unwrap();
-    conn.send_raw(&pay("/mt_after/pay/2?delay_ms=600", "after-2", "{}").to_bytes())
-        .unwrap();
-    let deadline = Instant::now() + TIMEOUT;
-    while probe.runs() < 3 && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    proxy.stop();
+    let mut conn = open(&addr, &pay("/mt_after/pay/2?delay_ms=600", "after-2", "{}"));
+    wait_runs(&probe, 3);
+    pg.stop();
     let first = conn.read_response("POST").unwrap();
-    let deadline = Instant::now() + Duration::from_secs(15);
-    while snap().sum(RETRIES, &[("result", "given_up"), ("store", "postgres")])
-        - before.sum(RETRIES, &[("result", "given_up"), ("store", "postgres")])
-        < 1.0
-        && Instant::now() < deadline
-    {
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    let given_up = [("result", "given_up"), ("store", "postgres")];
+    let (fifteen_s, poll) = (Duration::from_secs(15), Duration::from_millis(100));
+    wait_delta(&before, RETRIES, &given_up, fifteen_s, poll);
     std::thread::sleep(Duration::from_millis(500));
     let after = snap();
-    let report = format!(
-        "first {}, runs {}, deltas {:#?}, events {:?}",
-        first.status,
-        probe.runs(),
-        after.since(&before),
-        probe.events()
-    );
-    rt.block_on(proxy.resume()).unwrap();
+    let report = report_of(&format!("first {}", first.status), &probe, &before, &after);
+    pg.resume();
     assert_eq!(first.status, 201, "{report}");
-    assert_eq!(
-        delta(
-            &before,
-            &after,
-            REQ,
-            &[("outcome", "complete_failed"), ("route", &r)]
-        ),
-        1.0,
-        "{report}"
-    );
-    assert_eq!(
-        delta(&before, &after, RETRIES, &[("result", "started")]),
-        1.0,
-        "{report}"
-    );
-    assert_eq!(
-        delta(&before, &after, RETRIES, &[("result", "given_up")]),
-        1.0,
-        "{report}"
-    );
-    assert_eq!(
-        delta(&before, &after, RETRIES, &[("result", "succeeded")]),
-        0.0,
-        "{report}"
-    );
-    assert_eq!(
-        after.sum(HELD, &[("store", "postgres")]),
-        before.sum(HELD, &[("store", "postgres")]),
-        "held after giving up: {report}"
-    );
-    // A failed complete is timed too.
-    assert!(
-        delta(
-            &before,
-            &after,
-            CALLS,
-            &[("op", "complete"), ("store", "postgres")]
-        ) >= 1.0,
-        "{report}"
-    );
+    let d = Deltas::new(&before, &after, &report);
+    d.expect(&[
+        counted(&r, "complete_failed", Is(1.0)),
+        retries("started", Is(1.0)),
+        retries("given_up", Is(1.0)),
+        retries("succeeded", Is(0.0)),
+        // A failed complete is timed too.
+        calls("complete", "postgres", AtLeast(1.0)),
+    ]);
+    d.noted("held after giving up", &[held_back("postgres")]);
 }
 
 /// CachedStore over PostgreSQL: one miss and 5 replays (served from the cache after the
@@ -1274,57 +1090,30 @@ fn a_store_failing_after_the_handler_counts_complete_retries_truthfully() {
 #[test]
 fn cached_store_replays_are_counted_once() {
     let _serial = serial();
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let db = rt.block_on(TestDb::new());
-    let inner = rt
-        .block_on(PostgresStore::connect(&db.url))
-        .expect("connect");
-    let probe = Probe::default();
-    let server = serve(CachedStore::new(inner), "mt_cache", &probe, |b| b);
-    let addr = server.addr.to_string();
+    let (_pg, inner) = Pg::start(false);
+    let (probe, _server, addr) = start(CachedStore::new(inner), "mt_cache", |b| b);
     let before = snap();
-    let first = send_once(&addr, &pay("/mt_cache/pay/1", "cache-1", "{}"), TIMEOUT).unwrap();
-    assert_eq!(first.status, 201);
+    let request = pay("/mt_cache/pay/1", "cache-1", "{}");
+    assert_eq!(send(&addr, &request).status, 201);
     for _ in 0..5 {
-        let r = send_once(&addr, &pay("/mt_cache/pay/1", "cache-1", "{}"), TIMEOUT).unwrap();
+        let r = send(&addr, &request);
         assert!(r.is_replay(), "{}", r.describe());
     }
     wait_events(&probe, 6);
     let after = snap();
     let r = route("mt_cache");
-    let report = format!(
-        "runs {}, deltas {:#?}, events {:?}",
-        probe.runs(),
-        after.since(&before),
-        probe.events()
-    );
+    let report = report_of("", &probe, &before, &after);
     assert_eq!(probe.runs(), 1, "{report}");
-    assert_eq!(
-        delta(
-            &before,
-            &after,
-            REQ,
-            &[("outcome", "stored"), ("route", &r)]
-        ),
-        1.0,
-        "{report}"
-    );
-    assert_eq!(
-        delta(
-            &before,
-            &after,
-            REQ,
-            &[("outcome", "replay"), ("route", &r)]
-        ),
-        5.0,
-        "{report}"
-    );
-    assert_eq!(delta(&before, &after, REQ, &[]), 6.0, "{report}");
     assert_eq!(probe.events().len(), 6, "{report}");
-    assert_eq!(
-        delta(&before, &after, CALLS, &[("op", "reserve")]),
-        6.0,
-        "one reserve observation per request: {report}"
+    let d = Deltas::new(&before, &after, &report);
+    d.expect(&[
+        counted(&r, "stored", Is(1.0)),
+        counted(&r, "replay", Is(5.0)),
+        metric(REQ, &[], Is(6.0)),
+    ]);
+    d.noted(
+        "one reserve observation per request",
+        &[metric(CALLS, &[("op", "reserve")], Is(6.0))],
     );
 }
 
@@ -1333,88 +1122,35 @@ fn cached_store_replays_are_counted_once() {
 #[test]
 fn transactional_outcomes_match_what_the_client_got() {
     let _serial = serial();
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let db = rt.block_on(TestDb::new());
-    let store = rt
-        .block_on(PostgresStore::connect(&db.url))
-        .expect("connect");
-    let probe = Probe::default();
-    let server = serve(store, "mt_tx", &probe, |b| {
+    let (_pg, store) = Pg::start(false);
+    let (probe, _server, addr) = start(store, "mt_tx", |b| {
         b.max_response_bytes(1024).transactional()
     });
-    let addr = server.addr.to_string();
     let before = snap();
-    let failed = send_once(
-        &addr,
-        &pay("/mt_tx/pay/1?status=500", "tx-1", "{}"),
-        TIMEOUT,
-    )
-    .unwrap();
-    let ok = send_once(&addr, &pay("/mt_tx/pay/1", "tx-1", "{}"), TIMEOUT).unwrap();
-    let replay = send_once(&addr, &pay("/mt_tx/pay/1", "tx-1", "{}"), TIMEOUT).unwrap();
-    let big = send_once(&addr, &pay("/mt_tx/pay/2?size=5000", "tx-2", "{}"), TIMEOUT).unwrap();
+    let failed = send(&addr, &pay("/mt_tx/pay/1?status=500", "tx-1", "{}"));
+    let ok = send(&addr, &pay("/mt_tx/pay/1", "tx-1", "{}"));
+    let replay = send(&addr, &pay("/mt_tx/pay/1", "tx-1", "{}"));
+    let big = send(&addr, &pay("/mt_tx/pay/2?size=5000", "tx-2", "{}"));
     wait_events(&probe, 4);
     let after = snap();
     let r = route("mt_tx");
-    let report = format!(
-        "statuses {} {} {} {}, runs {}, deltas {:#?}, events {:?}",
-        failed.status,
-        ok.status,
-        replay.status,
-        big.status,
-        probe.runs(),
-        after.since(&before),
-        probe.events()
-    );
+    let statuses = [failed.status, ok.status, replay.status, big.status];
+    let report = report_of(&format!("statuses {statuses:?}"), &probe, &before, &after);
     assert_eq!(failed.status, 500, "{report}");
     assert_eq!(ok.status, 201, "{report}");
     assert!(replay.is_replay(), "{report}");
     assert_eq!(probe.runs(), 3, "{report}");
+    Deltas::new(&before, &after, &report).expect(&[
+        counted(&r, "rolled_back", Is(2.0)),
+        counted(&r, "stored", Is(1.0)),
+        counted(&r, "replay", Is(1.0)),
+        requests(&r, Is(4.0)),
+        held_back("postgres"),
+    ]);
     assert_eq!(
-        delta(
-            &before,
-            &after,
-            REQ,
-            &[("outcome", "rolled_back"), ("route", &r)]
-        ),
-        2.0,
-        "{report}"
-    );
-    assert_eq!(
-        delta(
-            &before,
-            &after,
-            REQ,
-            &[("outcome", "stored"), ("route", &r)]
-        ),
-        1.0,
-        "{report}"
-    );
-    assert_eq!(
-        delta(
-            &before,
-            &after,
-            REQ,
-            &[("outcome", "replay"), ("route", &r)]
-        ),
-        1.0,
-        "{report}"
-    );
-    assert_eq!(
-        delta(&before, &after, REQ, &[("route", &r)]),
-        4.0,
-        "{report}"
-    );
-    let statuses: Vec<u16> = probe.events().iter().map(|e| e.status).collect();
-    assert_eq!(
+        probe.statuses(),
         statuses,
-        vec![failed.status, ok.status, replay.status, big.status],
         "hook statuses vs client statuses: {report}"
-    );
-    assert_eq!(
-        after.sum(HELD, &[("store", "postgres")]),
-        before.sum(HELD, &[("store", "postgres")]),
-        "{report}"
     );
 }
 
@@ -1424,80 +1160,34 @@ fn transactional_outcomes_match_what_the_client_got() {
 #[test]
 fn refused_requests_are_counted_with_the_status_sent() {
     let _serial = serial();
-    let probe = Probe::default();
     let store = MemoryStore::builder().max_entries(1).build();
-    let server = serve(store, "mt_refuse", &probe, |b| {
-        b.required(true).max_body_bytes(64)
-    });
-    let addr = server.addr.to_string();
+    let (probe, _server, addr) = start(store, "mt_refuse", |b| b.required(true).max_body_bytes(64));
     let before = snap();
-    let mut statuses = Vec::new();
+    let too_large = format!("{{\"a\":\"{}\"}}", "x".repeat(200));
     // Fill the store with one live reservation... then one more key: full.
-    statuses.push(
-        send_once(&addr, &pay("/mt_refuse/pay/1", "ref-1", "{}"), TIMEOUT)
-            .unwrap()
-            .status,
-    );
-    statuses.push(
-        send_once(&addr, &pay("/mt_refuse/pay/2", "ref-2", "{}"), TIMEOUT)
-            .unwrap()
-            .status,
-    );
-    statuses.push(
-        send_once(
-            &addr,
-            &Request::post("/mt_refuse/pay/3").json("{}"),
-            TIMEOUT,
-        )
-        .unwrap()
-        .status,
-    );
-    statuses.push(
-        send_once(
-            &addr,
-            &pay("/mt_refuse/pay/4", &"k".repeat(2000), "{}"),
-            TIMEOUT,
-        )
-        .unwrap()
-        .status,
-    );
-    statuses.push(
-        send_once(
-            &addr,
-            &pay(
-                "/mt_refuse/pay/5",
-                "ref-5",
-                &format!("{{\"a\":\"{}\"}}", "x".repeat(200)),
-            ),
-            TIMEOUT,
-        )
-        .unwrap()
-        .status,
-    );
+    let statuses: Vec<u16> = [
+        pay("/mt_refuse/pay/1", "ref-1", "{}"),
+        pay("/mt_refuse/pay/2", "ref-2", "{}"),
+        Request::post("/mt_refuse/pay/3").json("{}"),
+        pay("/mt_refuse/pay/4", &"k".repeat(2000), "{}"),
+        pay("/mt_refuse/pay/5", "ref-5", &too_large),
+    ]
+    .iter()
+    .map(|request| send(&addr, request).status)
+    .collect();
     wait_events(&probe, 5);
     let after = snap();
     let r = route("mt_refuse");
-    let report = format!(
-        "statuses {statuses:?}, runs {}, deltas {:#?}, events {:?}",
-        probe.runs(),
-        after.since(&before),
-        probe.events()
-    );
-    assert_eq!(
-        delta(&before, &after, REQ, &[("route", &r)]),
-        5.0,
-        "{report}"
-    );
-    let hook_statuses: Vec<u16> = probe.events().iter().map(|e| e.status).collect();
-    assert_eq!(hook_statuses, statuses, "{report}");
+    let report = report_of(&format!("statuses {statuses:?}"), &probe, &before, &after);
+    let d = Deltas::new(&before, &after, &report);
+    d.expect(&[requests(&r, Is(5.0))]);
+    assert_eq!(probe.statuses(), statuses, "{report}");
     for e in probe.events() {
-        let counted = delta(
-            &before,
-            &after,
-            REQ,
-            &[("route", &r), ("outcome", e.outcome.as_str())],
+        let outcome = e.outcome.as_str();
+        d.noted(
+            &format!("{e:?} not counted"),
+            &[counted(&r, outcome, AtLeast(1.0))],
         );
-        assert!(counted >= 1.0, "{e:?} not counted: {report}");
         assert_eq!(e.outcome.ran_handler(), e.status == 201, "{e:?}: {report}");
     }
     assert_eq!(
@@ -1505,36 +1195,11 @@ fn refused_requests_are_counted_with_the_status_sent() {
         statuses.iter().filter(|s| **s == 201).count(),
         "{report}"
     );
-    assert_eq!(
-        delta(
-            &before,
-            &after,
-            REQ,
-            &[("route", &r), ("outcome", "missing_key")]
-        ),
-        1.0,
-        "{report}"
-    );
-    assert_eq!(
-        delta(
-            &before,
-            &after,
-            REQ,
-            &[("route", &r), ("outcome", "invalid_key")]
-        ),
-        1.0,
-        "{report}"
-    );
-    assert_eq!(
-        delta(
-            &before,
-            &after,
-            REQ,
-            &[("route", &r), ("outcome", "payload_too_large")]
-        ),
-        1.0,
-        "{report}"
-    );
+    d.expect(&[
+        counted(&r, "missing_key", Is(1.0)),
+        counted(&r, "invalid_key", Is(1.0)),
+        counted(&r, "payload_too_large", Is(1.0)),
+    ]);
 }
 
 /// A panicking handler: 500 to the client, counted once as `handler_panic`, the hook sees 500,
@@ -1542,9 +1207,7 @@ fn refused_requests_are_counted_with_the_status_sent() {
 #[test]
 fn a_panicking_handler_is_counted_once() {
     let _serial = serial();
-    let probe = Probe::default();
-    let server = serve(MemoryStore::new(), "mt_panic", &probe, |b| b);
-    let addr = server.addr.to_string();
+    let (probe, _server, addr) = start(MemoryStore::new(), "mt_panic", |b| b);
     let before = snap();
     let r = send_once(
         &addr,
@@ -1555,38 +1218,18 @@ fn a_panicking_handler_is_counted_once() {
     std::thread::sleep(Duration::from_millis(300));
     let after = snap();
     let rt = route("mt_panic");
-    let report = format!(
-        "client {:?}, runs {}, deltas {:#?}, events {:?}",
-        r.as_ref().map(|r| r.status),
-        probe.runs(),
-        after.since(&before),
-        probe.events()
-    );
+    let client = format!("client {:?}", r.as_ref().map(|r| r.status));
+    let report = report_of(&client, &probe, &before, &after);
     assert_eq!(probe.runs(), 1, "{report}");
-    assert_eq!(
-        delta(&before, &after, REQ, &[("route", &rt)]),
-        1.0,
-        "{report}"
-    );
-    assert_eq!(
-        delta(
-            &before,
-            &after,
-            REQ,
-            &[("route", &rt), ("outcome", "handler_panic")]
-        ),
-        1.0,
-        "{report}"
-    );
     assert_eq!(probe.events().len(), 1, "{report}");
     if let Ok(r) = &r {
         assert_eq!(probe.events()[0].status, r.status, "{report}");
     }
-    assert_eq!(
-        after.sum(HELD, &[("store", "memory")]),
-        before.sum(HELD, &[("store", "memory")]),
-        "{report}"
-    );
+    Deltas::new(&before, &after, &report).expect(&[
+        requests(&rt, Is(1.0)),
+        counted(&rt, "handler_panic", Is(1.0)),
+        held_back("memory"),
+    ]);
 }
 
 /// Wait mode: a waiter whose client resets while it waits is counted once as `abandoned`
@@ -1594,21 +1237,14 @@ fn a_panicking_handler_is_counted_once() {
 #[test]
 fn an_abandoned_waiter_is_counted_once() {
     let _serial = serial();
-    let probe = Probe::default();
-    let server = serve(MemoryStore::new(), "mt_aband", &probe, |b| {
+    let (probe, _server, addr) = start(MemoryStore::new(), "mt_aband", |b| {
         b.wait_for_in_flight(Duration::from_secs(10))
     });
-    let addr = server.addr.to_string();
     let before = snap();
     let request = pay("/mt_aband/pay/1?delay_ms=1000", "ab-1", "{}");
-    let mut first = Conn::connect(addr.as_str(), TIMEOUT).unwrap();
-    first.send_raw(&request.to_bytes()).unwrap();
-    let deadline = Instant::now() + TIMEOUT;
-    while probe.runs() == 0 && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    let mut waiter = Conn::connect(addr.as_str(), TIMEOUT).unwrap();
-    waiter.send_raw(&request.to_bytes()).unwrap();
+    let mut first = open(&addr, &request);
+    wait_runs(&probe, 1);
+    let waiter = open(&addr, &request);
     std::thread::sleep(Duration::from_millis(200));
     waiter.reset().unwrap();
     let first = first.read_response("POST").unwrap();
@@ -1616,40 +1252,14 @@ fn an_abandoned_waiter_is_counted_once() {
     std::thread::sleep(Duration::from_millis(300));
     let after = snap();
     let r = route("mt_aband");
-    let report = format!(
-        "first {}, runs {}, deltas {:#?}, events {:?}",
-        first.status,
-        probe.runs(),
-        after.since(&before),
-        probe.events()
-    );
+    let report = report_of(&format!("first {}", first.status), &probe, &before, &after);
     assert_eq!(first.status, 201, "{report}");
     assert_eq!(probe.runs(), 1, "{report}");
-    assert_eq!(
-        delta(&before, &after, REQ, &[("route", &r)]),
-        2.0,
-        "{report}"
-    );
-    assert_eq!(
-        delta(
-            &before,
-            &after,
-            REQ,
-            &[("route", &r), ("outcome", "stored")]
-        ),
-        1.0,
-        "{report}"
-    );
-    assert_eq!(
-        delta(
-            &before,
-            &after,
-            REQ,
-            &[("route", &r), ("outcome", "abandoned")]
-        ),
-        1.0,
-        "{report}"
-    );
+    Deltas::new(&before, &after, &report).expect(&[
+        requests(&r, Is(2.0)),
+        counted(&r, "stored", Is(1.0)),
+        counted(&r, "abandoned", Is(1.0)),
+    ]);
     assert!(
         probe
             .events()
@@ -1664,9 +1274,7 @@ fn an_abandoned_waiter_is_counted_once() {
 #[test]
 fn a_reset_mid_upload_is_counted_as_a_body_error() {
     let _serial = serial();
-    let probe = Probe::default();
-    let server = serve(MemoryStore::new(), "mt_upload", &probe, |b| b);
-    let addr = server.addr.to_string();
+    let (probe, _server, addr) = start(MemoryStore::new(), "mt_upload", |b| b);
     let before = snap();
     let mut conn = Conn::connect(addr.as_str(), TIMEOUT).unwrap();
     conn.send_raw(b"POST /mt_upload/pay/1 HTTP/1.1\r\nHost: x\r\nIdempotency-Key: up-1\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"a\":\"xxxx").unwrap();
@@ -1675,34 +1283,17 @@ fn a_reset_mid_upload_is_counted_as_a_body_error() {
     std::thread::sleep(Duration::from_millis(700));
     let after = snap();
     let r = route("mt_upload");
-    let report = format!(
-        "runs {}, deltas {:#?}, events {:?}",
-        probe.runs(),
-        after.since(&before),
-        probe.events()
-    );
+    let report = report_of("", &probe, &before, &after);
     assert_eq!(probe.runs(), 0, "{report}");
     let total = delta(&before, &after, REQ, &[("route", &r)]);
     assert!(total <= 1.0, "{report}");
-    assert_eq!(
-        total,
-        delta(
-            &before,
-            &after,
-            REQ,
-            &[("route", &r), ("outcome", "request_body_error")]
-        ),
-        "{report}"
-    );
+    let d = Deltas::new(&before, &after, &report);
+    d.expect(&[counted(&r, "request_body_error", Is(total))]);
     assert_eq!(probe.events().len() as f64, total, "{report}");
     // A retry with the full body runs once and is stored (nothing was reserved).
-    let retry = send_once(&addr, &pay("/mt_upload/pay/1", "up-1", "{}"), TIMEOUT).unwrap();
+    let retry = send(&addr, &pay("/mt_upload/pay/1", "up-1", "{}"));
     assert_eq!(retry.status, 201, "{}", retry.describe());
-    assert_eq!(
-        after.sum(HELD, &[("store", "memory")]),
-        before.sum(HELD, &[("store", "memory")]),
-        "{report}"
-    );
+    d.expect(&[held_back("memory")]);
 }
 
 /// Concurrent duplicates on PostgreSQL (two app workers): conflicts and replays counted as
@@ -1711,95 +1302,33 @@ fn a_reset_mid_upload_is_counted_as_a_body_error() {
 #[test]
 fn postgres_duplicates_and_renewals_are_counted_truthfully() {
     let _serial = serial();
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let db = rt.block_on(TestDb::new());
-    let store = rt
-        .block_on(PostgresStore::connect(&db.url))
-        .expect("connect");
-    let probe = Probe::default();
-    let server = serve(store, "mt_pgdup", &probe, |b| {
+    let (_pg, store) = Pg::start(false);
+    let (probe, _server, addr) = start(store, "mt_pgdup", |b| {
         b.lock_timeout(Duration::from_millis(900))
     });
-    let addr = server.addr.to_string();
     let before = snap();
-    let responses = burst(
-        &addr,
-        &pay("/mt_pgdup/pay/1?delay_ms=1500", "pgdup-1", "{}"),
-        8,
-    );
-    let seen = tally(&responses);
+    let request = pay("/mt_pgdup/pay/1?delay_ms=1500", "pgdup-1", "{}");
+    let seen = tally(&burst(&addr, &request, 8));
     wait_events(&probe, 8);
     let after = snap();
     let r = route("mt_pgdup");
-    let report = format!(
-        "clients {seen:?}, runs {}, deltas {:#?}, events {:?}",
-        probe.runs(),
-        after.since(&before),
-        probe.events()
-    );
+    let report = report_of(&format!("clients {seen:?}"), &probe, &before, &after);
     assert_eq!(probe.runs(), 1, "{report}");
     assert_eq!(seen.fresh, 1, "{report}");
+    let renewed = [("result", "renewed"), ("store", "postgres")];
+    Deltas::new(&before, &after, &report).expect(&[
+        counted(&r, "stored", Is(1.0)),
+        counted(&r, "conflict", Is(seen.conflict as f64)),
+        counted(&r, "replay", Is(seen.replay as f64)),
+        requests(&r, Is(8.0)),
+        metric(RENEW, &renewed, AtLeast(2.0)),
+        metric(RENEW, &[("result", "lost")], Is(0.0)),
+    ]);
+    let renew_calls = [("op", "renew_lease"), ("store", "postgres")];
     assert_eq!(
-        delta(
-            &before,
-            &after,
-            REQ,
-            &[("route", &r), ("outcome", "stored")]
-        ),
-        1.0,
-        "{report}"
-    );
-    assert_eq!(
-        delta(
-            &before,
-            &after,
-            REQ,
-            &[("route", &r), ("outcome", "conflict")]
-        ),
-        seen.conflict as f64,
-        "{report}"
-    );
-    assert_eq!(
-        delta(
-            &before,
-            &after,
-            REQ,
-            &[("route", &r), ("outcome", "replay")]
-        ),
-        seen.replay as f64,
-        "{report}"
-    );
-    assert_eq!(
-        delta(&before, &after, REQ, &[("route", &r)]),
-        8.0,
-        "{report}"
-    );
-    let renewed = delta(
-        &before,
-        &after,
-        "idempotency_lease_renewals_total",
-        &[("result", "renewed"), ("store", "postgres")],
-    );
-    let renew_calls = delta(
-        &before,
-        &after,
-        CALLS,
-        &[("op", "renew_lease"), ("store", "postgres")],
-    );
-    assert!(renewed >= 2.0, "{report}");
-    assert_eq!(
-        renewed, renew_calls,
+        delta(&before, &after, RENEW, &renewed),
+        delta(&before, &after, CALLS, &renew_calls),
         "every renewal timed, every timed renewal counted: {report}"
-    );
-    assert_eq!(
-        delta(
-            &before,
-            &after,
-            "idempotency_lease_renewals_total",
-            &[("result", "lost")]
-        ),
-        0.0,
-        "{report}"
     );
 }
 
@@ -1809,69 +1338,33 @@ fn postgres_duplicates_and_renewals_are_counted_truthfully() {
 #[test]
 fn a_handler_past_the_renewal_limit_is_counted_stale() {
     let _serial = serial();
-    let probe = Probe::default();
-    let server = serve(MemoryStore::new(), "mt_stale", &probe, |b| {
+    let (probe, _server, addr) = start(MemoryStore::new(), "mt_stale", |b| {
         b.lock_timeout(Duration::from_millis(300))
             .renew_lease_up_to(Duration::from_millis(600))
     });
-    let addr = server.addr.to_string();
     let before = snap();
     let request = pay("/mt_stale/pay/1?delay_ms=2000", "stale-1", "{}");
-    let mut first = Conn::connect(addr.as_str(), TIMEOUT).unwrap();
-    first.send_raw(&request.to_bytes()).unwrap();
+    let mut first = open(&addr, &request);
     std::thread::sleep(Duration::from_millis(1200));
-    let second = send_once(&addr, &request, TIMEOUT).unwrap();
+    let second = send(&addr, &request);
     let first = first.read_response("POST").unwrap();
     wait_events(&probe, 2);
     std::thread::sleep(Duration::from_millis(300));
     let after = snap();
     let r = route("mt_stale");
-    let report = format!(
-        "first {} second {}, runs {}, deltas {:#?}, events {:?}",
-        first.status,
-        second.status,
-        probe.runs(),
-        after.since(&before),
-        probe.events()
-    );
+    let what = format!("first {} second {}", first.status, second.status);
+    let report = report_of(&what, &probe, &before, &after);
     assert_eq!(probe.runs(), 2, "{report}");
-    assert_eq!(
-        delta(&before, &after, REQ, &[("route", &r)]),
-        2.0,
-        "{report}"
-    );
-    assert_eq!(
-        delta(&before, &after, REQ, &[("route", &r), ("outcome", "stale")]),
-        1.0,
-        "{report}"
-    );
-    assert_eq!(
-        delta(
-            &before,
-            &after,
-            REQ,
-            &[("route", &r), ("outcome", "stored")]
-        ),
-        1.0,
-        "{report}"
-    );
-    assert!(
-        delta(
-            &before,
-            &after,
-            "idempotency_lease_renewals_total",
-            &[("result", "limit")]
-        ) >= 1.0,
-        "{report}"
-    );
+    Deltas::new(&before, &after, &report).expect(&[
+        requests(&r, Is(2.0)),
+        counted(&r, "stale", Is(1.0)),
+        counted(&r, "stored", Is(1.0)),
+        metric(RENEW, &[("result", "limit")], AtLeast(1.0)),
+        held_back("memory"),
+    ]);
     eprintln!("stale scenario: {report}");
     assert!(
         probe.events().iter().all(|e| e.outcome.ran_handler()),
-        "{report}"
-    );
-    assert_eq!(
-        after.sum(HELD, &[("store", "memory")]),
-        before.sum(HELD, &[("store", "memory")]),
         "{report}"
     );
 }
@@ -1881,13 +1374,10 @@ fn a_handler_past_the_renewal_limit_is_counted_stale() {
 #[test]
 fn a_client_reset_mid_stream_is_counted_once() {
     let _serial = serial();
-    let probe = Probe::default();
-    let server = serve(MemoryStore::new(), "mt_midstream", &probe, |b| b);
-    let addr = server.addr.to_string();
+    let (probe, _server, addr) = start(MemoryStore::new(), "mt_midstream", |b| b);
     let before = snap();
     let request = pay("/mt_midstream/pay/1?stream=slow", "ms-1", "{}");
-    let mut conn = Conn::connect(addr.as_str(), TIMEOUT).unwrap();
-    conn.send_raw(&request.to_bytes()).unwrap();
+    let mut conn = open(&addr, &request);
     let head = conn.read_head().unwrap();
     std::thread::sleep(Duration::from_millis(200));
     conn.reset().unwrap();
@@ -1895,23 +1385,12 @@ fn a_client_reset_mid_stream_is_counted_once() {
     wait_events(&probe, 1);
     let mid = snap();
     let r = route("mt_midstream");
-    let report = format!(
-        "head {:?}, runs {}, deltas {:#?}, events {:?}",
-        head.0,
-        probe.runs(),
-        mid.since(&before),
-        probe.events()
-    );
+    let report = report_of(&format!("head {:?}", head.0), &probe, &before, &mid);
     assert_eq!(probe.runs(), 1, "{report}");
-    assert_eq!(delta(&before, &mid, REQ, &[("route", &r)]), 1.0, "{report}");
     assert_eq!(probe.events().len(), 1, "{report}");
     assert!(probe.events()[0].outcome.ran_handler(), "{report}");
-    assert_eq!(
-        mid.sum(HELD, &[("store", "memory")]),
-        before.sum(HELD, &[("store", "memory")]),
-        "{report}"
-    );
-    let retry = send_once(&addr, &request, TIMEOUT).unwrap();
+    Deltas::new(&before, &mid, &report).expect(&[requests(&r, Is(1.0)), held_back("memory")]);
+    let retry = send(&addr, &request);
     wait_events(&probe, 2);
     let outcome = probe.events()[0].outcome;
     let report = format!(
@@ -1935,16 +1414,9 @@ fn a_client_reset_mid_stream_is_counted_once() {
 #[test]
 fn a_streamed_responses_elapsed_covers_the_stream() {
     let _serial = serial();
-    let probe = Probe::default();
-    let server = serve(MemoryStore::new(), "mt_elapsed", &probe, |b| b);
-    let addr = server.addr.to_string();
+    let (probe, _server, addr) = start(MemoryStore::new(), "mt_elapsed", |b| b);
     let started = Instant::now();
-    let r = send_once(
-        &addr,
-        &pay("/mt_elapsed/pay/1?stream=slow", "el-1", "{}"),
-        TIMEOUT,
-    )
-    .unwrap();
+    let r = send(&addr, &pay("/mt_elapsed/pay/1?stream=slow", "el-1", "{}"));
     let took = started.elapsed();
     wait_events(&probe, 1);
     let events = probe.events();
@@ -1964,39 +1436,27 @@ fn a_streamed_responses_elapsed_covers_the_stream() {
 #[test]
 fn transactional_commit_failure_is_counted_as_the_client_was_told() {
     let _serial = serial();
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let db = rt.block_on(TestDb::new());
-    let proxy = rt.block_on(PgProxy::for_url(&db.url)).unwrap();
-    let url = proxy.url_through(&db.url);
-    let store = rt.block_on(PostgresStore::connect(&url)).expect("connect");
-    let probe = Probe::default();
-    let server = serve(store, "mt_txcut", &probe, |b| b.transactional());
-    let addr = server.addr.to_string();
-    let warm = send_once(&addr, &pay("/mt_txcut/pay/0", "txc-warm", "{}"), TIMEOUT).unwrap();
-    assert_eq!(warm.status, 201, "{}", warm.describe());
+    let (pg, store) = Pg::start(true);
+    let (probe, _server, addr) = start(store, "mt_txcut", |b| b.transactional());
+    warm_up(&addr, "mt_txcut", "txc-warm");
     wait_events(&probe, 1);
     let before = snap();
     let request = pay("/mt_txcut/pay/1?delay_ms=700", "txc-1", "{}");
-    let mut conn = Conn::connect(addr.as_str(), TIMEOUT).unwrap();
-    conn.send_raw(&request.to_bytes()).unwrap();
-    let deadline = Instant::now() + TIMEOUT;
-    while probe.runs() < 2 && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    proxy.stop();
+    let mut conn = open(&addr, &request);
+    wait_runs(&probe, 2);
+    pg.stop();
     let first = conn.read_response("POST").unwrap();
     wait_events(&probe, 2);
     std::thread::sleep(Duration::from_millis(300));
     let mid = snap();
     let r = route("mt_txcut");
-    let report = format!(
-        "client {}, runs {}, deltas {:#?}, events {:?}",
-        first.describe(),
-        probe.runs(),
-        mid.since(&before),
-        probe.events()
+    let report = report_of(
+        &format!("client {}", first.describe()),
+        &probe,
+        &before,
+        &mid,
     );
-    assert_eq!(delta(&before, &mid, REQ, &[("route", &r)]), 1.0, "{report}");
+    Deltas::new(&before, &mid, &report).expect(&[requests(&r, Is(1.0)), held_back("postgres")]);
     let event = probe.events()[1].clone();
     assert_eq!(event.status, first.status, "{report}");
     let want = match first.problem_code().as_deref() {
@@ -2007,14 +1467,9 @@ fn transactional_commit_failure_is_counted_as_the_client_was_told() {
     };
     assert_eq!(event.outcome, want, "{report}");
     assert!(event.outcome.ran_handler(), "{report}");
-    assert_eq!(
-        mid.sum(HELD, &[("store", "postgres")]),
-        before.sum(HELD, &[("store", "postgres")]),
-        "{report}"
-    );
-    rt.block_on(proxy.resume()).unwrap();
+    pg.resume();
     std::thread::sleep(Duration::from_millis(300));
-    let retry = send_once(&addr, &request, TIMEOUT).unwrap();
+    let retry = send(&addr, &request);
     let report = format!("retry {}, {report}", retry.describe());
     assert!(
         !retry.is_replay(),
@@ -2027,83 +1482,36 @@ fn transactional_commit_failure_is_counted_as_the_client_was_told() {
 #[test]
 fn cached_store_over_a_dead_database_counts_store_unavailable_once() {
     let _serial = serial();
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let db = rt.block_on(TestDb::new());
-    let proxy = rt.block_on(PgProxy::for_url(&db.url)).unwrap();
-    let url = proxy.url_through(&db.url);
-    let inner = rt.block_on(PostgresStore::connect(&url)).expect("connect");
-    let probe = Probe::default();
-    let server = serve(CachedStore::new(inner), "mt_cdown", &probe, |b| b);
-    let addr = server.addr.to_string();
-    let warm = send_once(&addr, &pay("/mt_cdown/pay/0", "cd-warm", "{}"), TIMEOUT).unwrap();
-    assert_eq!(warm.status, 201);
+    let (pg, inner) = Pg::start(true);
+    let (probe, _server, addr) = start(CachedStore::new(inner), "mt_cdown", |b| b);
+    warm_up(&addr, "mt_cdown", "cd-warm");
     // The first replay caches the record (CachedStore caches what `reserve` returns completed).
-    let cached = send_once(&addr, &pay("/mt_cdown/pay/0", "cd-warm", "{}"), TIMEOUT).unwrap();
+    let warm = pay("/mt_cdown/pay/0", "cd-warm", "{}");
+    let cached = send(&addr, &warm);
     assert!(cached.is_replay(), "{}", cached.describe());
     wait_events(&probe, 2);
-    proxy.stop();
+    pg.stop();
     let before = snap();
-    let mut statuses = Vec::new();
-    for i in 1..4 {
-        statuses.push(
-            send_once(
-                &addr,
-                &pay(&format!("/mt_cdown/pay/{i}"), &format!("cd-{i}"), "{}"),
-                Duration::from_secs(60),
-            )
-            .unwrap()
-            .status,
-        );
-    }
+    let statuses = statuses_of(&addr, "mt_cdown", "cd", 1..4);
     // The cached record still replays.
-    let replay = send_once(
-        &addr,
-        &pay("/mt_cdown/pay/0", "cd-warm", "{}"),
-        Duration::from_secs(60),
-    )
-    .unwrap();
+    let replay = send_once(&addr, &warm, Duration::from_secs(60)).unwrap();
     wait_events(&probe, 6);
     let after = snap();
     let r = route("mt_cdown");
-    let report = format!(
-        "statuses {statuses:?} replay {}, runs {}, deltas {:#?}, events {:?}",
-        replay.status,
-        probe.runs(),
-        after.since(&before),
-        probe.events()
-    );
+    let what = format!("statuses {statuses:?} replay {}", replay.status);
+    let report = report_of(&what, &probe, &before, &after);
     assert_eq!(statuses, vec![503; 3], "{report}");
     assert_eq!(probe.runs(), 1, "{report}");
-    assert_eq!(
-        delta(
-            &before,
-            &after,
-            REQ,
-            &[("route", &r), ("outcome", "store_unavailable")]
-        ),
-        3.0,
-        "{report}"
-    );
-    assert_eq!(
-        delta(&before, &after, REQ, &[("route", &r)]),
-        4.0,
-        "{report}"
-    );
     assert!(
         replay.is_replay(),
         "a cached record is replayed while the database is down: {report}"
     );
-    assert_eq!(
-        delta(
-            &before,
-            &after,
-            REQ,
-            &[("route", &r), ("outcome", "replay")]
-        ),
-        1.0,
-        "{report}"
-    );
-    rt.block_on(proxy.resume()).unwrap();
+    Deltas::new(&before, &after, &report).expect(&[
+        counted(&r, "store_unavailable", Is(3.0)),
+        requests(&r, Is(4.0)),
+        counted(&r, "replay", Is(1.0)),
+    ]);
+    pg.resume();
 }
 
 /// Transactional mode, concurrent duplicates: one runs and commits; the others are 409 or
@@ -2111,63 +1519,23 @@ fn cached_store_over_a_dead_database_counts_store_unavailable_once() {
 #[test]
 fn transactional_duplicates_are_counted_as_the_clients_saw_them() {
     let _serial = serial();
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let db = rt.block_on(TestDb::new());
-    let store = rt
-        .block_on(PostgresStore::connect(&db.url))
-        .expect("connect");
-    let probe = Probe::default();
-    let server = serve(store, "mt_txdup", &probe, |b| b.transactional());
-    let addr = server.addr.to_string();
+    let (_pg, store) = Pg::start(false);
+    let (probe, _server, addr) = start(store, "mt_txdup", |b| b.transactional());
     let before = snap();
-    let responses = burst(
-        &addr,
-        &pay("/mt_txdup/pay/1?delay_ms=700", "txd-1", "{}"),
-        8,
-    );
-    let seen = tally(&responses);
+    let request = pay("/mt_txdup/pay/1?delay_ms=700", "txd-1", "{}");
+    let seen = tally(&burst(&addr, &request, 8));
     wait_events(&probe, 8);
     let after = snap();
     let r = route("mt_txdup");
-    let report = format!(
-        "clients {seen:?}, runs {}, deltas {:#?}, events {:?}",
-        probe.runs(),
-        after.since(&before),
-        probe.events()
-    );
+    let report = report_of(&format!("clients {seen:?}"), &probe, &before, &after);
     assert_eq!(probe.runs(), 1, "{report}");
     assert_eq!(seen.fresh, 1, "{report}");
     assert!(seen.other.is_empty(), "{report}");
-    assert_eq!(
-        delta(
-            &before,
-            &after,
-            REQ,
-            &[("route", &r), ("outcome", "stored")]
-        ),
-        1.0,
-        "{report}"
-    );
-    assert_eq!(
-        delta(
-            &before,
-            &after,
-            REQ,
-            &[("route", &r), ("outcome", "conflict")]
-        ),
-        seen.conflict as f64,
-        "{report}"
-    );
-    assert_eq!(
-        delta(
-            &before,
-            &after,
-            REQ,
-            &[("route", &r), ("outcome", "replay")]
-        ),
-        seen.replay as f64,
-        "{report}"
-    );
+    Deltas::new(&before, &after, &report).expect(&[
+        counted(&r, "stored", Is(1.0)),
+        counted(&r, "conflict", Is(seen.conflict as f64)),
+        counted(&r, "replay", Is(seen.replay as f64)),
+    ]);
     assert_eq!(probe.events().len(), 8, "{report}");
 }
 
@@ -2247,12 +1615,11 @@ fn http2_duplicates_and_a_reset_stream_are_counted_truthfully() {
     let fresh = answers.iter().filter(|(s, rep)| *s == 201 && !rep).count();
     let replays = answers.iter().filter(|(_, rep)| *rep).count();
     let conflicts = answers.iter().filter(|(s, _)| *s == 409).count();
-    let report = format!(
-        "answers {answers:?}, runs {:?}, deltas {:#?}, events {:?}",
-        probe.runs_by_key.lock().unwrap(),
-        after.since(&before),
-        probe.events()
+    let what = format!(
+        "answers {answers:?}, runs by key {:?}",
+        probe.runs_by_key.lock().unwrap()
     );
+    let report = report_of(&what, &probe, &before, &after);
     assert_eq!(
         probe.runs_by_key.lock().unwrap().get("h2-dup"),
         Some(&1),
@@ -2260,31 +1627,12 @@ fn http2_duplicates_and_a_reset_stream_are_counted_truthfully() {
     );
     assert_eq!(fresh, 1, "{report}");
     assert_eq!(fresh + replays + conflicts, 8, "{report}");
-    assert_eq!(
-        delta(&before, &after, REQ, &[("route", &r)]),
-        9.0,
-        "{report}"
-    );
-    assert_eq!(
-        delta(
-            &before,
-            &after,
-            REQ,
-            &[("route", &r), ("outcome", "conflict")]
-        ),
-        conflicts as f64,
-        "{report}"
-    );
-    assert_eq!(
-        delta(
-            &before,
-            &after,
-            REQ,
-            &[("route", &r), ("outcome", "replay")]
-        ),
-        replays as f64,
-        "{report}"
-    );
+    Deltas::new(&before, &after, &report).expect(&[
+        requests(&r, Is(9.0)),
+        counted(&r, "conflict", Is(conflicts as f64)),
+        counted(&r, "replay", Is(replays as f64)),
+        held_back("memory"),
+    ]);
     let reset_events: Vec<_> = probe
         .events()
         .into_iter()
@@ -2292,11 +1640,6 @@ fn http2_duplicates_and_a_reset_stream_are_counted_truthfully() {
         .collect();
     assert_eq!(reset_events.len(), 1, "{report}");
     assert!(reset_events[0].outcome.ran_handler(), "{report}");
-    assert_eq!(
-        after.sum(HELD, &[("store", "memory")]),
-        before.sum(HELD, &[("store", "memory")]),
-        "{report}"
-    );
 }
 
 /// Wait mode, the first request fails (502, not stored, key released) while 6 duplicates wait:
@@ -2305,17 +1648,12 @@ fn http2_duplicates_and_a_reset_stream_are_counted_truthfully() {
 #[test]
 fn wait_mode_after_a_failed_first_request_counts_truthfully() {
     let _serial = serial();
-    let probe = Probe::default();
-    let server = serve(MemoryStore::new(), "mt_waitfail", &probe, |b| {
+    let (probe, _server, addr) = start(MemoryStore::new(), "mt_waitfail", |b| {
         b.wait_for_in_flight(Duration::from_secs(10))
     });
-    let addr = server.addr.to_string();
     let before = snap();
-    let responses = burst(
-        &addr,
-        &pay("/mt_waitfail/pay/1?delay_ms=500&fail_first=1", "wf-1", "{}"),
-        7,
-    );
+    let request = pay("/mt_waitfail/pay/1?delay_ms=500&fail_first=1", "wf-1", "{}");
+    let responses = burst(&addr, &request, 7);
     wait_events(&probe, 7);
     let after = snap();
     let r = route("mt_waitfail");
@@ -2323,12 +1661,7 @@ fn wait_mode_after_a_failed_first_request_counts_truthfully() {
         .iter()
         .map(|r| (r.status, r.is_replay()))
         .collect();
-    let report = format!(
-        "answers {statuses:?}, runs {}, deltas {:#?}, events {:?}",
-        probe.runs(),
-        after.since(&before),
-        probe.events()
-    );
+    let report = report_of(&format!("answers {statuses:?}"), &probe, &before, &after);
     let ran: usize = probe
         .events()
         .iter()
@@ -2336,42 +1669,15 @@ fn wait_mode_after_a_failed_first_request_counts_truthfully() {
         .count();
     assert_eq!(ran as u64, probe.runs(), "{report}");
     assert_eq!(probe.runs(), 2, "{report}");
-    assert_eq!(
-        delta(&before, &after, REQ, &[("route", &r)]),
-        7.0,
-        "{report}"
-    );
-    assert_eq!(
-        delta(
-            &before,
-            &after,
-            REQ,
-            &[("route", &r), ("outcome", "not_stored")]
-        ),
-        statuses.iter().filter(|(s, _)| *s == 502).count() as f64,
-        "{report}"
-    );
-    assert_eq!(
-        delta(
-            &before,
-            &after,
-            REQ,
-            &[("route", &r), ("outcome", "replay")]
-        ),
-        statuses.iter().filter(|(_, rep)| *rep).count() as f64,
-        "{report}"
-    );
-    assert_eq!(
-        delta(
-            &before,
-            &after,
-            REQ,
-            &[("route", &r), ("outcome", "stored")]
-        ),
-        1.0,
-        "{report}"
-    );
-    let mut hook: Vec<u16> = probe.events().iter().map(|e| e.status).collect();
+    let failed = statuses.iter().filter(|(s, _)| *s == 502).count();
+    let replays = statuses.iter().filter(|(_, rep)| *rep).count();
+    Deltas::new(&before, &after, &report).expect(&[
+        requests(&r, Is(7.0)),
+        counted(&r, "not_stored", Is(failed as f64)),
+        counted(&r, "replay", Is(replays as f64)),
+        counted(&r, "stored", Is(1.0)),
+    ]);
+    let mut hook = probe.statuses();
     let mut got: Vec<u16> = statuses.iter().map(|(s, _)| *s).collect();
     hook.sort_unstable();
     got.sort_unstable();
@@ -2384,74 +1690,50 @@ fn wait_mode_after_a_failed_first_request_counts_truthfully() {
 #[test]
 fn renewals_through_a_short_outage_are_counted_truthfully() {
     let _serial = serial();
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let db = rt.block_on(TestDb::new());
-    let proxy = rt.block_on(PgProxy::for_url(&db.url)).unwrap();
-    let url = proxy.url_through(&db.url);
-    let store = rt.block_on(PostgresStore::connect(&url)).expect("connect");
-    let probe = Probe::default();
-    let server = serve(store, "mt_renew", &probe, |b| {
+    let (pg, store) = Pg::start(true);
+    let (probe, _server, addr) = start(store, "mt_renew", |b| {
         b.lock_timeout(Duration::from_millis(900))
     });
-    let addr = server.addr.to_string();
-    let warm = send_once(&addr, &pay("/mt_renew/pay/0", "rn-warm", "{}"), TIMEOUT).unwrap();
-    assert_eq!(warm.status, 201);
+    warm_up(&addr, "mt_renew", "rn-warm");
     wait_events(&probe, 1);
     let before = snap();
     let request = pay("/mt_renew/pay/1?delay_ms=2500", "rn-1", "{}");
-    let mut conn = Conn::connect(addr.as_str(), TIMEOUT).unwrap();
-    conn.send_raw(&request.to_bytes()).unwrap();
+    let mut conn = open(&addr, &request);
     std::thread::sleep(Duration::from_millis(250));
-    proxy.stop();
+    pg.stop();
     std::thread::sleep(Duration::from_millis(450));
-    rt.block_on(proxy.resume()).unwrap();
+    pg.resume();
     let first = conn.read_response("POST").unwrap();
     wait_events(&probe, 2);
     std::thread::sleep(Duration::from_millis(300));
-    let retry = send_once(&addr, &request, TIMEOUT).unwrap();
+    let retry = send(&addr, &request);
     let after = snap();
-    const RENEW: &str = "idempotency_lease_renewals_total";
-    let report = format!(
-        "first {} retry {}, runs {}, deltas {:#?}, events {:?}",
-        first.status,
-        retry.describe(),
-        probe.runs(),
-        after.since(&before),
-        probe.events()
-    );
+    let what = format!("first {} retry {}", first.status, retry.describe());
+    let report = report_of(&what, &probe, &before, &after);
     assert_eq!(first.status, 201, "{report}");
     assert!(retry.is_replay(), "{report}");
     assert_eq!(probe.runs(), 2, "{report}");
-    let renewed = delta(&before, &after, RENEW, &[("result", "renewed")]);
-    let failed = delta(&before, &after, RENEW, &[("result", "failed")]);
-    let lost = delta(&before, &after, RENEW, &[("result", "lost")]);
+    Deltas::new(&before, &after, &report).expect(&[
+        // The outage is not always seen as `failed`: the store's own reconnect can hold a call
+        // until the database is back, and the call then counts as `renewed`.
+        metric(RENEW, &[("result", "renewed")], AtLeast(1.0)),
+        metric(RENEW, &[("result", "lost")], Is(0.0)),
+        counted(&route("mt_renew"), "stored", Is(1.0)),
+    ]);
+    // Every call is timed; the counter counts the answers the heartbeat acted on. A call still
+    // in flight when the handler ended (at most three run at once) is timed by its own task and
+    // not counted: it failed here once in CI with 10 calls against 9 renewals.
+    let renewals = |result| delta(&before, &after, RENEW, &[("result", result)]);
+    let counted = renewals("renewed") + renewals("failed") + renewals("lost");
     let calls = delta(
         &before,
         &after,
         CALLS,
         &[("op", "renew_lease"), ("store", "postgres")],
     );
-    // The outage is not always seen as `failed`: the store's own reconnect can hold a call
-    // until the database is back, and the call then counts as `renewed`.
-    assert!(renewed >= 1.0, "{report}");
-    assert_eq!(lost, 0.0, "{report}");
-    // Every call is timed; the counter counts the answers the heartbeat acted on. A call still
-    // in flight when the handler ended (at most three run at once) is timed by its own task and
-    // not counted: it failed here once in CI with 10 calls against 9 renewals.
-    let counted = renewed + failed + lost;
     assert!(
         calls >= counted && calls <= counted + 3.0,
         "renewal calls timed {calls} against {counted} counted: {report}"
-    );
-    assert_eq!(
-        delta(
-            &before,
-            &after,
-            REQ,
-            &[("outcome", "stored"), ("route", &route("mt_renew"))]
-        ),
-        1.0,
-        "{report}"
     );
 }
 
@@ -2461,66 +1743,31 @@ fn renewals_through_a_short_outage_are_counted_truthfully() {
 #[test]
 fn tenants_are_counted_but_never_labelled() {
     let _serial = serial();
-    let probe = Probe::default();
-    let server = serve(MemoryStore::new(), "mt_tenant", &probe, |b| {
+    let (probe, _server, addr) = start(MemoryStore::new(), "mt_tenant", |b| {
         b.tenant_header("x-tenant")
     });
-    let addr = server.addr.to_string();
     let before = snap();
-    let no_tenant = send_once(
+    let no_tenant = send(
         &addr,
         &Request::post("/mt_tenant/pay/1").key("t-1").json("{}"),
-        TIMEOUT,
-    )
-    .unwrap();
-    let a = send_once(&addr, &pay("/mt_tenant/pay/1", "t-1", "{}"), TIMEOUT).unwrap();
-    let b = send_once(
-        &addr,
-        &Request::post("/mt_tenant/pay/1")
-            .key("t-1")
-            .header("x-tenant", "tenant_other_zzz")
-            .json("{}"),
-        TIMEOUT,
-    )
-    .unwrap();
+    );
+    let a = send(&addr, &pay("/mt_tenant/pay/1", "t-1", "{}"));
+    let other = Request::post("/mt_tenant/pay/1")
+        .key("t-1")
+        .header("x-tenant", "tenant_other_zzz")
+        .json("{}");
+    let b = send(&addr, &other);
     wait_events(&probe, 3);
     let after = snap();
     let r = route("mt_tenant");
-    let report = format!(
-        "{} {} {}, runs {}, deltas {:#?}, events {:?}",
-        no_tenant.status,
-        a.status,
-        b.status,
-        probe.runs(),
-        after.since(&before),
-        probe.events()
-    );
-    assert_eq!(
-        (no_tenant.status, a.status, b.status),
-        (400, 201, 201),
-        "{report}"
-    );
+    let statuses = (no_tenant.status, a.status, b.status);
+    let report = report_of(&format!("{statuses:?}"), &probe, &before, &after);
+    assert_eq!(statuses, (400, 201, 201), "{report}");
     assert_eq!(probe.runs(), 2, "{report}");
-    assert_eq!(
-        delta(
-            &before,
-            &after,
-            REQ,
-            &[("route", &r), ("outcome", "missing_tenant")]
-        ),
-        1.0,
-        "{report}"
-    );
-    assert_eq!(
-        delta(
-            &before,
-            &after,
-            REQ,
-            &[("route", &r), ("outcome", "stored")]
-        ),
-        2.0,
-        "{report}"
-    );
+    Deltas::new(&before, &after, &report).expect(&[
+        counted(&r, "missing_tenant", Is(1.0)),
+        counted(&r, "stored", Is(2.0)),
+    ]);
     assert!(probe.events()[0].key.is_none(), "{report}");
     for id in after.since(&before).keys() {
         assert!(!id.contains("tenant_"), "{id}");
