@@ -12,7 +12,7 @@
 use std::collections::HashMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, Output, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant, SystemTime};
 
@@ -21,6 +21,67 @@ use crate::TempCluster;
 
 /// How long the example may take to start answering.
 const START_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// `idem-cli`, built next to the test binary (`target/<profile>/idem-cli`); built with
+/// `cargo build -p idempotency-cli` first when it is not there (a test run alone with
+/// `--test`).
+pub fn idem_cli_binary() -> PathBuf {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        let exe = std::env::current_exe().expect("the test binary's path");
+        let bin = exe
+            .parent()
+            .and_then(Path::parent)
+            .expect("test binary inside target/<profile>/deps")
+            .join("idem-cli");
+        if !bin.is_file() {
+            let workspace = Path::new(env!("CARGO_MANIFEST_DIR"))
+                .parent()
+                .expect("workspace root");
+            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+            let _ = Command::new(cargo)
+                .current_dir(workspace)
+                .args(["build", "-p", "idempotency-cli"])
+                .stdin(Stdio::null())
+                .status();
+        }
+        assert!(
+            bin.is_file(),
+            "{} missing: cargo build -p idempotency-cli",
+            bin.display()
+        );
+        bin
+    })
+    .clone()
+}
+
+/// Runs `idem-cli args...` as a process with `var` (`DATABASE_URL` or `REDIS_URL`) = `url` and
+/// neither from the test's own environment; kills it and fails the test after 60 s.
+pub fn run_idem_cli(var: &str, url: &str, args: &[&str]) -> Output {
+    let child = Command::new(idem_cli_binary())
+        .env_remove("DATABASE_URL")
+        .env_remove("REDIS_URL")
+        .env(var, url)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn idem-cli");
+    // Read the output on another thread (a full pipe would block the CLI), with a deadline.
+    let pid = child.id();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    match rx.recv_timeout(Duration::from_secs(60)) {
+        Ok(out) => out.expect("idem-cli output"),
+        Err(_) => {
+            let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+            panic!("idem-cli {args:?} hung (killed after 60 s)");
+        }
+    }
+}
 
 /// The `payments` example binary, built if it is missing or older than its sources.
 ///

@@ -4,9 +4,8 @@
 //! where `docs/contract.md`, `docs/operations.md` and the `CachedStore` rustdoc say they do.
 
 use std::future::Future;
-use std::path::PathBuf;
 use std::pin::Pin;
-use std::process::{Command, Output, Stdio};
+use std::process::Output;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -17,6 +16,7 @@ use idempotency_actix::store::postgres::PostgresStore;
 use idempotency_actix::store::redis::RedisStore;
 use idempotency_actix::store::{CachedStore, IdempotencyStore};
 use idempotency_actix::Idempotency;
+use idempotency_e2e::proc::run_idem_cli;
 use idempotency_e2e::raw_http::{Conn, Request, Response};
 use idempotency_e2e::redis_server::RedisServer;
 use idempotency_e2e::server::ThreadServer;
@@ -186,54 +186,10 @@ fn run_of(r: &Response) -> u64 {
 }
 
 // ---------------------------------------------------------------------------------------------
-// idem-cli as a process (as tests/tests/processes/fleet.rs runs it)
-
-fn cli_binary() -> PathBuf {
-    let exe = std::env::current_exe().expect("test binary");
-    let profile_dir = exe.parent().and_then(|p| p.parent()).expect("profile dir");
-    let bin = profile_dir.join("idem-cli");
-    if !bin.is_file() {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let ws = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .parent()
-            .expect("workspace")
-            .to_owned();
-        let st = Command::new(cargo)
-            .current_dir(ws)
-            .args(["build", "-p", "idempotency-cli"])
-            .status();
-        assert!(matches!(st, Ok(s) if s.success()), "building idem-cli");
-    }
-    bin
-}
-
-fn cli_env(var: &str, url: &str, args: &[&str]) -> Output {
-    let child = Command::new(cli_binary())
-        .env_remove("DATABASE_URL")
-        .env_remove("REDIS_URL")
-        .env(var, url)
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn idem-cli");
-    let pid = child.id();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(child.wait_with_output());
-    });
-    match rx.recv_timeout(Duration::from_secs(60)) {
-        Ok(out) => out.expect("idem-cli output"),
-        Err(_) => {
-            let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
-            panic!("idem-cli {args:?} hung (killed after 60 s)");
-        }
-    }
-}
+// idem-cli as a process (`proc::run_idem_cli`)
 
 fn cli(url: &str, args: &[&str]) -> Output {
-    cli_env("DATABASE_URL", url, args)
+    run_idem_cli("DATABASE_URL", url, args)
 }
 
 fn out_text(o: &Output) -> String {
@@ -373,7 +329,7 @@ fn forced_release_of_completed_then_new_body_on_caching_instances_redis() {
     );
     let u = url.clone();
     forced_release_then_new_body(&fleet, &a, &b, &c, || {
-        let o = cli_env(
+        let o = run_idem_cli(
             "REDIS_URL",
             &u,
             &["release", "force-new-body", "--tenant", "acme", "--force"],

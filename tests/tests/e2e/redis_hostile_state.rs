@@ -5,7 +5,6 @@
 //! through the request path and `idem-cli show`. Every test starts its own `redis-server`.
 
 use super::redis_store::scope;
-use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -19,6 +18,7 @@ use idempotency_actix::store::{
     IdempotencyStore, ReserveOutcome, Scope, StoreError, StoredResponse, WriteOutcome,
 };
 use idempotency_actix::{Fingerprint, Idempotency};
+use idempotency_e2e::proc::idem_cli_binary;
 use idempotency_e2e::raw_http::{Conn, Request, Response};
 use idempotency_e2e::redis_server::{connection as conn, RedisServer};
 use idempotency_e2e::server::ThreadServer;
@@ -38,37 +38,11 @@ fn response(body: &'static [u8]) -> StoredResponse {
 }
 
 // ---------------------------------------------------------------------------------------------
-// idem-cli, the binary built next to this test binary (`cargo build -p idempotency-cli`).
-
-fn idem_cli_bin() -> PathBuf {
-    let exe = std::env::current_exe().expect("test binary path");
-    let profile = exe
-        .parent()
-        .and_then(std::path::Path::parent)
-        .expect("target/<profile>/deps");
-    let bin = profile.join("idem-cli");
-    if !bin.is_file() {
-        let workspace = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .parent()
-            .expect("workspace");
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let _ = Command::new(cargo)
-            .current_dir(workspace)
-            .args(["build", "-p", "idempotency-cli"])
-            .stdin(Stdio::null())
-            .status();
-    }
-    assert!(
-        bin.is_file(),
-        "{} missing: cargo build -p idempotency-cli",
-        bin.display()
-    );
-    bin
-}
+// idem-cli as a process (`proc::idem_cli_binary`).
 
 /// `idem-cli args...` with `REDIS_URL=url` (and no `DATABASE_URL`), run on a blocking thread.
 async fn idem(url: &str, args: &[&str]) -> Output {
-    let bin = idem_cli_bin();
+    let bin = idem_cli_binary();
     let url = url.to_owned();
     let args: Vec<String> = args.iter().map(|s| (*s).to_owned()).collect();
     tokio::task::spawn_blocking(move || {

@@ -4,8 +4,7 @@
 //! Executions are counted from each instance's `GET /stats` and summed per key.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Output};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
@@ -13,7 +12,7 @@ use std::time::{Duration, Instant};
 use idempotency_e2e::faults::{
     self, classify, classify_transactional, serial, shared, wait_until, Seen, Tally, CLIENT_TIMEOUT,
 };
-use idempotency_e2e::proc::PaymentsApp;
+use idempotency_e2e::proc::{run_idem_cli, PaymentsApp};
 use idempotency_e2e::raw_http::{send_once, Request, Response};
 use idempotency_e2e::records::{execute, records_for_key, State};
 use idempotency_e2e::redis_server::RedisServer;
@@ -77,54 +76,8 @@ fn send_bg(addr: &str, request: &Request) -> std::thread::JoinHandle<std::io::Re
 // --------------------------------------------------------------------------------------------
 // idem-cli as a process
 
-fn cli_binary() -> PathBuf {
-    let exe = std::env::current_exe().expect("test binary");
-    let profile_dir = exe.parent().and_then(|p| p.parent()).expect("profile dir");
-    let bin = profile_dir.join("idem-cli");
-    if !bin.is_file() {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let ws = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .parent()
-            .expect("workspace")
-            .to_owned();
-        let st = Command::new(cargo)
-            .current_dir(ws)
-            .args(["build", "-p", "idempotency-cli"])
-            .status();
-        assert!(matches!(st, Ok(s) if s.success()), "building idem-cli");
-    }
-    bin
-}
-
-/// Runs idem-cli with `DATABASE_URL` (or `REDIS_URL` when `redis`) = `url`; kills it after 60 s.
-fn cli_env(var: &str, url: &str, args: &[&str]) -> Output {
-    let child = Command::new(cli_binary())
-        .env_remove("DATABASE_URL")
-        .env_remove("REDIS_URL")
-        .env(var, url)
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn idem-cli");
-    // Read the output on another thread (a full pipe would block the CLI), with a deadline.
-    let pid = child.id();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(child.wait_with_output());
-    });
-    match rx.recv_timeout(Duration::from_secs(60)) {
-        Ok(out) => out.expect("idem-cli output"),
-        Err(_) => {
-            let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
-            panic!("idem-cli {args:?} hung (killed after 60 s)");
-        }
-    }
-}
-
 fn cli(url: &str, args: &[&str]) -> Output {
-    cli_env("DATABASE_URL", url, args)
+    run_idem_cli("DATABASE_URL", url, args)
 }
 
 fn out_text(o: &Output) -> String {
@@ -673,12 +626,12 @@ fn cli_release_forced_of_a_running_key_redis() {
     wait_until(Duration::from_secs(10), "A runs the handler", || {
         a.stats().per_key.contains_key(key)
     });
-    let o = cli_env("REDIS_URL", &url, &["release", key, "--tenant", TENANT]);
+    let o = run_idem_cli("REDIS_URL", &url, &["release", key, "--tenant", TENANT]);
     assert_eq!(o.status.code(), Some(6), "{}", out_text(&o));
     std::thread::sleep(Duration::from_millis(2000));
-    let o = cli_env("REDIS_URL", &url, &["release", key, "--tenant", TENANT]);
+    let o = run_idem_cli("REDIS_URL", &url, &["release", key, "--tenant", TENANT]);
     assert_eq!(o.status.code(), Some(6), "renewed lease: {}", out_text(&o));
-    let o = cli_env(
+    let o = run_idem_cli(
         "REDIS_URL",
         &url,
         &["release", key, "--tenant", TENANT, "--force"],
@@ -686,7 +639,7 @@ fn cli_release_forced_of_a_running_key_redis() {
     assert_eq!(o.status.code(), Some(0), "{}", out_text(&o));
     // Renewals of A must not bring it back.
     for _ in 0..8 {
-        let o = cli_env(
+        let o = run_idem_cli(
             "REDIS_URL",
             &url,
             &["show", key, "--tenant", TENANT, "--format", "json"],
@@ -1238,13 +1191,13 @@ fn cli_release_of_a_frozen_holders_key_then_wake_up_redis() {
     });
     signal(a.pid(), "-STOP");
     std::thread::sleep(Duration::from_millis(2500));
-    let o = cli_env("REDIS_URL", &url, &["release", key, "--tenant", TENANT]);
+    let o = run_idem_cli("REDIS_URL", &url, &["release", key, "--tenant", TENANT]);
     signal(a.pid(), "-CONT");
     assert_eq!(o.status.code(), Some(0), "{}", out_text(&o));
     let a_resp = first.join().expect("client").expect("A answered");
     assert_eq!(a_resp.status, 201);
     std::thread::sleep(Duration::from_millis(1500));
-    let o = cli_env("REDIS_URL", &url, &["show", key, "--tenant", TENANT]);
+    let o = run_idem_cli("REDIS_URL", &url, &["show", key, "--tenant", TENANT]);
     assert_eq!(
         o.status.code(),
         Some(6),
