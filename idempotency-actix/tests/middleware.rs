@@ -1,7 +1,7 @@
 //! The contract (C1-C14, C17) through real requests to an actix service on the memory store.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use actix_web::body::{to_bytes, MessageBody};
@@ -9,18 +9,20 @@ use actix_web::dev::{Service, ServiceResponse};
 use actix_web::http::header::{HeaderName, HeaderValue};
 use actix_web::http::StatusCode;
 use actix_web::test::{call_service, init_service, TestRequest};
-use actix_web::{web, App, HttpRequest, HttpResponse};
+use actix_web::{web, App, HttpRequest, HttpResponse, Route};
 use bytes::Bytes;
 use futures_util::future::join_all;
 use futures_util::StreamExt;
+use idempotency_actix::outcome::OutcomeEvent;
 use idempotency_actix::store::{
     Fingerprint, IdempotencyStore, MemoryStore, ReservationToken, ReserveOutcome, Scope,
     StoreError, StoredResponse, WriteOutcome,
 };
-use idempotency_actix::{Idempotency, IdempotencyBuilder, IdempotencyKey};
+use idempotency_actix::{Idempotency, IdempotencyBuilder, IdempotencyKey, Outcome};
 use serde_json::{json, Value};
 
-/// Counts handler executions; the handler echoes the body and the execution number.
+/// Counts handler executions (or an endless stream's polls); the handler echoes the body and
+/// the execution number.
 #[derive(Clone, Default)]
 struct Counter(Arc<AtomicUsize>);
 
@@ -36,7 +38,7 @@ impl Counter {
 }
 
 async fn echo(counter: web::Data<Counter>, body: Bytes) -> HttpResponse {
-    let n = counter.0.fetch_add(1, Ordering::SeqCst) + 1;
+    let n = counter.bump();
     HttpResponse::Created()
         .insert_header(("x-execution", n.to_string()))
         .insert_header(("set-cookie", "session=secret"))
@@ -46,34 +48,35 @@ async fn echo(counter: web::Data<Counter>, body: Bytes) -> HttpResponse {
 }
 
 async fn slow(counter: web::Data<Counter>) -> HttpResponse {
-    let n = counter.0.fetch_add(1, Ordering::SeqCst) + 1;
+    let n = counter.bump();
     tokio::time::sleep(Duration::from_millis(300)).await;
+    HttpResponse::Ok().body(format!("execution {n}"))
+}
+
+/// The first execution takes `first_ms`; later ones are quick.
+async fn first_run_takes(counter: web::Data<Counter>, first_ms: u64) -> HttpResponse {
+    let n = counter.bump();
+    if n == 1 {
+        tokio::time::sleep(Duration::from_millis(first_ms)).await;
+    }
     HttpResponse::Ok().body(format!("execution {n}"))
 }
 
 /// The first execution outlives its lease; later ones are quick.
 async fn lease_outliving(counter: web::Data<Counter>) -> HttpResponse {
-    let n = counter.0.fetch_add(1, Ordering::SeqCst) + 1;
-    if n == 1 {
-        tokio::time::sleep(Duration::from_millis(700)).await;
-    }
-    HttpResponse::Ok().body(format!("execution {n}"))
+    first_run_takes(counter, 700).await
 }
 
 /// The first execution runs 1.5 s, far past the short leases of the renewal tests, so that a
 /// loaded machine delaying a renewal or a retry by a few hundred milliseconds changes nothing.
 async fn long_first_run(counter: web::Data<Counter>) -> HttpResponse {
-    let n = counter.0.fetch_add(1, Ordering::SeqCst) + 1;
-    if n == 1 {
-        tokio::time::sleep(Duration::from_millis(1500)).await;
-    }
-    HttpResponse::Ok().body(format!("execution {n}"))
+    first_run_takes(counter, 1500).await
 }
 
 /// The first execution answers at once with a streamed body that takes 1.5 s to produce
 /// (a report generated as it is sent); later ones stream it at once.
 async fn long_first_stream(counter: web::Data<Counter>) -> HttpResponse {
-    let n = counter.0.fetch_add(1, Ordering::SeqCst) + 1;
+    let n = counter.bump();
     let pause = if n == 1 { 1500 } else { 0 };
     let chunks = futures_util::stream::iter([0u64, pause]).then(move |wait| async move {
         tokio::time::sleep(Duration::from_millis(wait)).await;
@@ -85,31 +88,49 @@ async fn long_first_stream(counter: web::Data<Counter>) -> HttpResponse {
 /// Answers at once with a 40 KiB body streamed in 1 KiB chunks, all ready (a receipt): more
 /// chunks than a slow client's channel holds.
 async fn receipt_stream(counter: web::Data<Counter>) -> HttpResponse {
-    let n = counter.0.fetch_add(1, Ordering::SeqCst) + 1;
+    let n = counter.bump();
     let digit = b'0' + u8::try_from(n % 10).unwrap_or(0);
     let chunks = (0..40).map(move |_| Ok::<_, std::io::Error>(Bytes::from(vec![digit; 1024])));
     HttpResponse::Ok().streaming(futures_util::stream::iter(chunks))
 }
 
 async fn status_from_query(counter: web::Data<Counter>, req: HttpRequest) -> HttpResponse {
-    counter.0.fetch_add(1, Ordering::SeqCst);
+    counter.bump();
     let status = req.query_string().parse::<u16>().unwrap_or(200);
     HttpResponse::build(StatusCode::from_u16(status).unwrap()).body("status")
 }
 
 async fn json_status(counter: web::Data<Counter>, body: web::Json<Value>) -> HttpResponse {
-    counter.0.fetch_add(1, Ordering::SeqCst);
+    counter.bump();
     HttpResponse::Ok().json(json!({ "status": body["want"] }))
 }
 
 async fn big_stream(counter: web::Data<Counter>) -> HttpResponse {
-    counter.0.fetch_add(1, Ordering::SeqCst);
+    counter.bump();
     let chunks = (0..64).map(|_| Ok::<_, std::io::Error>(Bytes::from(vec![b'x'; 1024])));
     HttpResponse::Ok().streaming(futures_util::stream::iter(chunks))
 }
 
 async fn key_echo(key: Option<IdempotencyKey>) -> HttpResponse {
     HttpResponse::Ok().body(key.map(IdempotencyKey::into_string).unwrap_or_default())
+}
+
+/// A payment that takes `ms`: "charge {run}".
+async fn charge_after(counter: web::Data<Counter>, ms: u64) -> HttpResponse {
+    let n = counter.bump();
+    tokio::time::sleep(Duration::from_millis(ms)).await;
+    HttpResponse::Created().body(format!("charge {n}"))
+}
+
+/// A payment whose provider fails the first run after `first_ms` (a 502: not stored, key
+/// released); later runs charge at once.
+async fn provider_down_first(counter: web::Data<Counter>, first_ms: u64) -> HttpResponse {
+    let n = counter.bump();
+    if n == 1 {
+        tokio::time::sleep(Duration::from_millis(first_ms)).await;
+        return HttpResponse::BadGateway().body("provider down");
+    }
+    HttpResponse::Created().body(format!("charge {n}"))
 }
 
 type Configure = fn(IdempotencyBuilder<MemoryStore>) -> IdempotencyBuilder<MemoryStore>;
@@ -146,10 +167,42 @@ async fn app_with(
     .await
 }
 
+/// An app of one route behind `middleware`, its handler given `data` as `web::Data`.
+async fn one_route<S: IdempotencyStore, D: 'static>(
+    data: D,
+    middleware: Idempotency<S>,
+    path: &str,
+    route: Route,
+) -> impl Service<
+    actix_http::Request,
+    Response = ServiceResponse<impl MessageBody>,
+    Error = actix_web::Error,
+> {
+    init_service(
+        App::new()
+            .app_data(web::Data::new(data))
+            .wrap(middleware)
+            .route(path, route),
+    )
+    .await
+}
+
 fn post(path: &str, key: &str) -> TestRequest {
     TestRequest::post()
         .uri(path)
         .insert_header(("idempotency-key", key))
+}
+
+/// A keyed POST with the body `x`.
+fn post_x(path: &str, key: &str) -> TestRequest {
+    post(path, key).set_payload("x")
+}
+
+/// A keyed POST to /echo from `tenant` (its `x-tenant` header), with the body `a`.
+fn as_tenant(tenant: &str, key: &str) -> TestRequest {
+    post("/echo", key)
+        .insert_header(("x-tenant", tenant))
+        .set_payload("a")
 }
 
 #[derive(Debug)]
@@ -196,6 +249,51 @@ where
     send_raw(app, req.to_request()).await
 }
 
+/// `first`, and `second` sent `after_ms` later (while the first may still run).
+async fn overlapping<S, B>(
+    app: &S,
+    first: TestRequest,
+    second: TestRequest,
+    after_ms: u64,
+) -> (Reply, Reply)
+where
+    S: Service<actix_http::Request, Response = ServiceResponse<B>, Error = actix_web::Error>,
+    B: MessageBody,
+{
+    tokio::join!(send(app, first), async {
+        tokio::time::sleep(Duration::from_millis(after_ms)).await;
+        send(app, second).await
+    })
+}
+
+/// `post_x(path, key)`, and the same request `after_ms` later from a client that gives up
+/// after `gives_up_ms` (its own timeout: the request's future is dropped). The first's reply,
+/// and what `at_drop` says right after the drop.
+async fn with_an_abandoned_duplicate<S, B, T>(
+    app: &S,
+    (path, key): (&str, &str),
+    after_ms: u64,
+    gives_up_ms: u64,
+    at_drop: impl FnOnce() -> T,
+) -> (Reply, T)
+where
+    S: Service<actix_http::Request, Response = ServiceResponse<B>, Error = actix_web::Error>,
+    B: MessageBody,
+{
+    let first = send(app, post_x(path, key));
+    let abandoned = async {
+        tokio::time::sleep(Duration::from_millis(after_ms)).await;
+        let gave_up = tokio::time::timeout(
+            Duration::from_millis(gives_up_ms),
+            call_service(app, post_x(path, key).to_request()),
+        )
+        .await;
+        assert!(gave_up.is_err(), "the waiter answered early");
+        at_drop()
+    };
+    tokio::join!(first, abandoned)
+}
+
 /// The request with its body replaced by a stream of chunks and no Content-Length.
 fn chunked(req: TestRequest, chunks: Vec<Bytes>) -> actix_http::Request {
     let stream = futures_util::stream::iter(chunks.into_iter().map(Ok));
@@ -224,6 +322,134 @@ where
         status,
         headers,
         body,
+    }
+}
+
+/// What an outcome hook saw, in order.
+type Seen<T> = Arc<Mutex<Vec<T>>>;
+
+/// A hook that records `what` of every outcome into `seen`.
+fn recording<T: Send + 'static>(
+    seen: &Seen<T>,
+    what: impl Fn(&OutcomeEvent<'_>) -> T + Send + Sync + 'static,
+) -> impl Fn(&OutcomeEvent<'_>) + Send + Sync + 'static {
+    let seen = Arc::clone(seen);
+    move |event| {
+        if let Ok(mut seen) = seen.lock() {
+            seen.push(what(event));
+        }
+    }
+}
+
+fn outcome_and_status(event: &OutcomeEvent<'_>) -> (Outcome, u16) {
+    (event.outcome, event.status.as_u16())
+}
+
+/// A copy of what the hook saw so far.
+fn seen_so_far<T: Clone>(seen: &Seen<T>) -> Vec<T> {
+    seen.lock().map(|s| s.clone()).unwrap_or_default()
+}
+
+/// A memory store with the faults the flow must survive. It counts its reserves and fails the
+/// `fail_reserve`-th one (from 0) as unavailable; the `slow_reserve.0`-th one takes
+/// `slow_reserve.1` before it is applied (a loaded database: PostgresStore's defaults allow
+/// 2 s + 5 s per call); with `panic_on_complete` it panics in `complete` (the request's task
+/// ends there, as when its worker stops). With `renews` it renews leases (without, it answers
+/// like a store written before renewal existed), counting them, and with
+/// `first_renewal_fails` its first renewal is slow and fails (a store blip).
+#[derive(Clone, Default)]
+struct Faulty {
+    inner: MemoryStore,
+    reserves: Arc<AtomicUsize>,
+    fail_reserve: Option<usize>,
+    slow_reserve: Option<(usize, Duration)>,
+    panic_on_complete: bool,
+    renews: bool,
+    renewals: Arc<AtomicUsize>,
+    first_renewal_fails: bool,
+    /// The backend is down: every call fails. The one place a real part cannot be had in this
+    /// crate.
+    down: bool,
+}
+
+impl Faulty {
+    /// A store whose backend is down.
+    fn down() -> Self {
+        Self {
+            down: true,
+            ..Self::default()
+        }
+    }
+
+    fn check_up(&self) -> Result<(), StoreError> {
+        if self.down {
+            return Err(StoreError::unavailable("connection refused"));
+        }
+        Ok(())
+    }
+}
+
+impl IdempotencyStore for Faulty {
+    async fn reserve(
+        &self,
+        scope: &Scope,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+    ) -> Result<ReserveOutcome, StoreError> {
+        self.check_up()?;
+        let n = self.reserves.fetch_add(1, Ordering::SeqCst);
+        if self.fail_reserve == Some(n) {
+            return Err(StoreError::unavailable("one blip"));
+        }
+        if let Some((slow, delay)) = self.slow_reserve {
+            if n == slow {
+                tokio::time::sleep(delay).await;
+            }
+        }
+        self.inner.reserve(scope, fingerprint, lease).await
+    }
+    async fn complete(
+        &self,
+        scope: &Scope,
+        token: &ReservationToken,
+        response: &StoredResponse,
+        ttl: Duration,
+    ) -> Result<WriteOutcome, StoreError> {
+        self.check_up()?;
+        if self.panic_on_complete {
+            panic!("complete panicked (this test's own panic)");
+        }
+        self.inner.complete(scope, token, response, ttl).await
+    }
+    async fn release(
+        &self,
+        scope: &Scope,
+        token: &ReservationToken,
+    ) -> Result<WriteOutcome, StoreError> {
+        self.check_up()?;
+        self.inner.release(scope, token).await
+    }
+    async fn renew_lease(
+        &self,
+        scope: &Scope,
+        token: &ReservationToken,
+        lease: Duration,
+    ) -> Result<WriteOutcome, StoreError> {
+        if !self.renews {
+            return Ok(WriteOutcome::Stale); // the trait's default
+        }
+        if self.renewals.fetch_add(1, Ordering::SeqCst) == 0 && self.first_renewal_fails {
+            tokio::time::sleep(Duration::from_millis(800)).await;
+            return Err(StoreError::unavailable("timed out"));
+        }
+        self.inner.renew_lease(scope, token, lease).await
+    }
+    fn renews_leases(&self) -> bool {
+        self.renews
+    }
+    async fn purge_expired(&self, grace: Duration) -> Result<u64, StoreError> {
+        self.check_up()?;
+        self.inner.purge_expired(grace).await
     }
 }
 
@@ -334,8 +560,7 @@ async fn same_json_in_another_key_order_replays() {
 async fn concurrent_duplicates_run_the_handler_once_and_get_409() {
     let counter = Counter::default();
     let app = app_with(&counter, default_config).await;
-    let replies =
-        join_all((0..32).map(|_| send(&app, post("/slow", "same").set_payload("x")))).await;
+    let replies = join_all((0..32).map(|_| send(&app, post_x("/slow", "same")))).await;
     assert_eq!(counter.get(), 1, "C5: exactly one execution");
     let ok: Vec<_> = replies
         .iter()
@@ -352,11 +577,13 @@ async fn concurrent_duplicates_run_the_handler_once_and_get_409() {
         );
     }
     // A different body while in flight is a mismatch, not a conflict (C7).
-    let (running, mismatch) =
-        tokio::join!(send(&app, post("/slow", "other").set_payload("x")), async {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            send(&app, post("/slow", "other").set_payload("y")).await
-        });
+    let (running, mismatch) = overlapping(
+        &app,
+        post_x("/slow", "other"),
+        post("/slow", "other").set_payload("y"),
+        50,
+    )
+    .await;
     assert_eq!(running.status, StatusCode::OK);
     mismatch.assert_problem(422, "FINGERPRINT_MISMATCH");
 }
@@ -365,8 +592,7 @@ async fn concurrent_duplicates_run_the_handler_once_and_get_409() {
 async fn wait_mode_replays_to_concurrent_duplicates() {
     let counter = Counter::default();
     let app = app_with(&counter, |b| b.wait_for_in_flight(Duration::from_secs(5))).await;
-    let replies =
-        join_all((0..32).map(|_| send(&app, post("/slow", "same").set_payload("x")))).await;
+    let replies = join_all((0..32).map(|_| send(&app, post_x("/slow", "same")))).await;
     assert_eq!(counter.get(), 1, "C5: exactly one execution");
     assert!(replies
         .iter()
@@ -381,10 +607,7 @@ async fn wait_mode_gives_up_with_409_after_the_wait() {
         b.wait_for_in_flight(Duration::from_millis(100))
     })
     .await;
-    let (first, second) = tokio::join!(send(&app, post("/slow", "w").set_payload("x")), async {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        send(&app, post("/slow", "w").set_payload("x")).await
-    });
+    let (first, second) = overlapping(&app, post_x("/slow", "w"), post_x("/slow", "w"), 20).await;
     assert_eq!(first.status, StatusCode::OK);
     second.assert_problem(409, "CONFLICT");
 }
@@ -399,10 +622,8 @@ async fn expired_lease_is_taken_over_and_the_stale_completion_is_discarded() {
             .renew_lease_up_to(Duration::ZERO)
     })
     .await;
-    let (first, second) = tokio::join!(send(&app, post("/lease", "l").set_payload("x")), async {
-        tokio::time::sleep(Duration::from_millis(400)).await;
-        send(&app, post("/lease", "l").set_payload("x")).await
-    });
+    let (first, second) =
+        overlapping(&app, post_x("/lease", "l"), post_x("/lease", "l"), 400).await;
     assert_eq!(
         counter.get(),
         2,
@@ -413,7 +634,7 @@ async fn expired_lease_is_taken_over_and_the_stale_completion_is_discarded() {
         first.body, "execution 1",
         "the stale holder's client still gets its response"
     );
-    let replay = send(&app, post("/lease", "l").set_payload("x")).await;
+    let replay = send(&app, post_x("/lease", "l")).await;
     assert!(replay.replayed());
     assert_eq!(
         replay.body, "execution 2",
@@ -422,28 +643,35 @@ async fn expired_lease_is_taken_over_and_the_stale_completion_is_discarded() {
     assert_eq!(counter.get(), 2);
 }
 
+/// A first run on `path` (keyed `key`) that answers `body` long after its 600 ms lease, and a
+/// retry 800 ms in: the retry gets 409, never a second run, and the first response is stored
+/// (else `not_stored`) and replayed.
+async fn keeps_its_key_past_the_lease(path: &str, key: &str, body: &str, not_stored: &str) {
+    let counter = Counter::default();
+    // Renewals every 200 ms; the retry comes after the first lease ended.
+    let app = app_with(&counter, |b| b.lock_timeout(Duration::from_millis(600))).await;
+    let (first, second) = overlapping(&app, post_x(path, key), post_x(path, key), 800).await;
+    second.assert_problem(409, "CONFLICT");
+    assert_eq!(first.body, body);
+    assert_eq!(counter.get(), 1, "the retry ran the handler a second time");
+    let replay = send(&app, post_x(path, key)).await;
+    assert!(replay.replayed(), "{not_stored}");
+    assert_eq!(replay.body, body);
+    assert_eq!(counter.get(), 1);
+}
+
 /// C9: a handler that runs past its lease in a live process keeps its key, because the
 /// middleware renews the lease while it runs: the retry gets 409, never a second run, and
 /// the first response is stored and replayed.
 #[actix_web::test]
 async fn a_running_handler_keeps_its_key_past_the_lease() {
-    let counter = Counter::default();
-    // Renewals every 200 ms; the retry comes after the first lease ended.
-    let app = app_with(&counter, |b| b.lock_timeout(Duration::from_millis(600))).await;
-    let (first, second) = tokio::join!(send(&app, post("/long", "r").set_payload("x")), async {
-        tokio::time::sleep(Duration::from_millis(800)).await;
-        send(&app, post("/long", "r").set_payload("x")).await
-    });
-    second.assert_problem(409, "CONFLICT");
-    assert_eq!(first.body, "execution 1");
-    assert_eq!(counter.get(), 1, "the retry ran the handler a second time");
-    let replay = send(&app, post("/long", "r").set_payload("x")).await;
-    assert!(
-        replay.replayed(),
-        "the renewed holder's response was not stored"
-    );
-    assert_eq!(replay.body, "execution 1");
-    assert_eq!(counter.get(), 1);
+    keeps_its_key_past_the_lease(
+        "/long",
+        "r",
+        "execution 1",
+        "the renewed holder's response was not stored",
+    )
+    .await;
 }
 
 /// C9, C24: a handler that returns at once with a body it produces for longer than the lease
@@ -452,22 +680,13 @@ async fn a_running_handler_keeps_its_key_past_the_lease() {
 /// handler a second time.
 #[actix_web::test]
 async fn a_streamed_body_keeps_its_key_past_the_lease() {
-    let counter = Counter::default();
-    let app = app_with(&counter, |b| b.lock_timeout(Duration::from_millis(600))).await;
-    let (first, second) = tokio::join!(
-        send(&app, post("/long-stream", "s").set_payload("x")),
-        async {
-            tokio::time::sleep(Duration::from_millis(800)).await;
-            send(&app, post("/long-stream", "s").set_payload("x")).await
-        }
-    );
-    second.assert_problem(409, "CONFLICT");
-    assert_eq!(first.body, "execution 1;execution 1;");
-    assert_eq!(counter.get(), 1, "the retry ran the handler a second time");
-    let replay = send(&app, post("/long-stream", "s").set_payload("x")).await;
-    assert!(replay.replayed(), "the streamed response was not stored");
-    assert_eq!(replay.body, "execution 1;execution 1;");
-    assert_eq!(counter.get(), 1);
+    keeps_its_key_past_the_lease(
+        "/long-stream",
+        "s",
+        "execution 1;execution 1;",
+        "the streamed response was not stored",
+    )
+    .await;
 }
 
 /// C9, C24: a client that stops reading a streamed response does not hold up its record. The
@@ -482,11 +701,11 @@ async fn a_client_that_stops_reading_does_not_hold_up_the_record() {
     })
     .await;
     // The first client gets the head and reads nothing of the body.
-    let stalled = call_service(&app, post("/receipt", "c").set_payload("x").to_request()).await;
+    let stalled = call_service(&app, post_x("/receipt", "c").to_request()).await;
     assert_eq!(stalled.status(), StatusCode::OK);
     // Past the last lease renewal would give the key.
     tokio::time::sleep(Duration::from_millis(1200)).await;
-    let retry = send(&app, post("/receipt", "c").set_payload("x")).await;
+    let retry = send(&app, post_x("/receipt", "c")).await;
     assert_eq!(counter.get(), 1, "the retry ran the handler a second time");
     assert!(retry.replayed(), "not a replay: {:?}", retry.status);
     assert_eq!(retry.body, Bytes::from(vec![b'1'; 40 * 1024]));
@@ -495,16 +714,11 @@ async fn a_client_that_stops_reading_does_not_hold_up_the_record() {
     assert_eq!(body, Some(retry.body));
 }
 
-/// A handler body polled until it is dropped, counting its polls.
-#[derive(Clone, Default)]
-struct Polls(Arc<AtomicUsize>);
-
-/// An endless stream (server-sent events): a tick every 20 ms.
-async fn endless(polls: web::Data<Polls>) -> HttpResponse {
-    let polls = Arc::clone(&polls.0);
+/// An endless stream (server-sent events): a tick every 20 ms, each poll counted.
+async fn endless(polls: web::Data<Counter>) -> HttpResponse {
     let ticks = futures_util::stream::unfold(polls, |polls| async move {
         tokio::time::sleep(Duration::from_millis(20)).await;
-        polls.fetch_add(1, Ordering::SeqCst);
+        polls.bump();
         Some((
             Ok::<_, std::io::Error>(Bytes::from_static(b"data: tick\n\n")),
             polls,
@@ -513,84 +727,45 @@ async fn endless(polls: web::Data<Polls>) -> HttpResponse {
     HttpResponse::Ok().streaming(ticks)
 }
 
+/// How often an endless stream behind `middleware`, whose client hangs up at once, has been
+/// read `first_ms` after the request, and 500 ms after that.
+async fn endless_stream_reads<S: IdempotencyStore>(
+    middleware: Idempotency<S>,
+    key: &str,
+    first_ms: u64,
+) -> (usize, usize) {
+    let polls = Counter::default();
+    let app = one_route(
+        polls.clone(),
+        middleware,
+        "/events",
+        web::post().to(endless),
+    )
+    .await;
+    let gone = call_service(&app, post_x("/events", key).to_request()).await;
+    drop(gone); // the client hangs up
+    tokio::time::sleep(Duration::from_millis(first_ms)).await;
+    let read = polls.get();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    (read, polls.get())
+}
+
 /// C24: an endless stream whose client left is read for the record no longer than its key is
 /// held (`renew_lease_up_to`), then dropped. It used to be read until the copy passed
 /// `max_response_bytes`, days for a slow stream: a task and up to a megabyte per abandoned
 /// request.
 #[actix_web::test]
 async fn an_endless_stream_whose_client_left_is_dropped_with_its_key() {
-    let polls = Polls::default();
-    let app = init_service(
-        App::new()
-            .app_data(web::Data::new(polls.clone()))
-            .wrap(
-                Idempotency::builder(MemoryStore::new())
-                    .lock_timeout(Duration::from_millis(200))
-                    .renew_lease_up_to(Duration::from_millis(600))
-                    .build(),
-            )
-            .route("/events", web::post().to(endless)),
-    )
-    .await;
-    let gone = call_service(&app, post("/events", "e").set_payload("x").to_request()).await;
-    drop(gone); // the client hangs up
-    tokio::time::sleep(Duration::from_millis(1200)).await;
-    let read = polls.0.load(Ordering::SeqCst);
+    let middleware = Idempotency::builder(MemoryStore::new())
+        .lock_timeout(Duration::from_millis(200))
+        .renew_lease_up_to(Duration::from_millis(600))
+        .build();
+    let (read, later) = endless_stream_reads(middleware, "e", 1200).await;
     assert!(read > 0, "the stream was never read for the record");
-    tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(
-        polls.0.load(Ordering::SeqCst),
-        read,
+        later, read,
         "the stream is still being read after its key's last lease"
     );
-}
-
-/// A memory store with the faults the flow must survive: it counts its reserves, fails the
-/// `fail_reserve`-th one (from 0) as unavailable, and with `panic_on_complete` panics in
-/// `complete` (the request's task ends there, as when its worker stops).
-#[derive(Clone, Default)]
-struct Faulty {
-    inner: MemoryStore,
-    reserves: Arc<AtomicUsize>,
-    fail_reserve: Option<usize>,
-    panic_on_complete: bool,
-}
-
-impl IdempotencyStore for Faulty {
-    async fn reserve(
-        &self,
-        scope: &Scope,
-        fingerprint: &Fingerprint,
-        lease: Duration,
-    ) -> Result<ReserveOutcome, StoreError> {
-        let n = self.reserves.fetch_add(1, Ordering::SeqCst);
-        if self.fail_reserve == Some(n) {
-            return Err(StoreError::unavailable("one blip"));
-        }
-        self.inner.reserve(scope, fingerprint, lease).await
-    }
-    async fn complete(
-        &self,
-        scope: &Scope,
-        token: &ReservationToken,
-        response: &StoredResponse,
-        ttl: Duration,
-    ) -> Result<WriteOutcome, StoreError> {
-        if self.panic_on_complete {
-            panic!("complete panicked (this test's own panic)");
-        }
-        self.inner.complete(scope, token, response, ttl).await
-    }
-    async fn release(
-        &self,
-        scope: &Scope,
-        token: &ReservationToken,
-    ) -> Result<WriteOutcome, StoreError> {
-        self.inner.release(scope, token).await
-    }
-    async fn purge_expired(&self, grace: Duration) -> Result<u64, StoreError> {
-        self.inner.purge_expired(grace).await
-    }
 }
 
 /// C24: a streamed response whose task ends before it finished the body (here a store whose
@@ -599,18 +774,19 @@ impl IdempotencyStore for Faulty {
 /// a panicking `store_if`, which is now caught.)
 #[actix_web::test]
 async fn a_stream_cut_before_its_record_is_stored_never_looks_whole() {
-    let counter = Counter::default();
-    let app = init_service(
-        App::new()
-            .app_data(web::Data::new(counter.clone()))
-            .wrap(Idempotency::new(Faulty {
-                panic_on_complete: true,
-                ..Faulty::default()
-            }))
-            .route("/receipt", web::post().to(receipt_stream)),
+    let store = Faulty {
+        panic_on_complete: true,
+        ..Faulty::default()
+    };
+    let route = web::post().to(receipt_stream);
+    let app = one_route(
+        Counter::default(),
+        Idempotency::new(store),
+        "/receipt",
+        route,
     )
     .await;
-    let response = call_service(&app, post("/receipt", "cut").set_payload("x").to_request()).await;
+    let response = call_service(&app, post_x("/receipt", "cut").to_request()).await;
     assert_eq!(response.status(), StatusCode::OK);
     let body = to_bytes(response.into_body()).await;
     assert!(
@@ -649,13 +825,9 @@ async fn empty_chunk_inside() -> HttpResponse {
 /// before the rest, and before the record is stored.
 #[actix_web::test]
 async fn an_empty_chunk_is_never_forwarded() {
-    let app = init_service(
-        App::new()
-            .wrap(Idempotency::new(MemoryStore::new()))
-            .route("/empty", web::post().to(empty_chunk_inside)),
-    )
-    .await;
-    let response = call_service(&app, post("/empty", "e").set_payload("x").to_request()).await;
+    let middleware = Idempotency::new(MemoryStore::new());
+    let app = one_route((), middleware, "/empty", web::post().to(empty_chunk_inside)).await;
+    let response = call_service(&app, post_x("/empty", "e").to_request()).await;
     let mut body = std::pin::pin!(response.into_body());
     let mut chunks = Vec::new();
     while let Some(chunk) = std::future::poll_fn(|cx| body.as_mut().poll_next(cx)).await {
@@ -669,7 +841,7 @@ async fn an_empty_chunk_is_never_forwarded() {
     );
     let all: Vec<u8> = chunks.into_iter().flatten().flatten().collect();
     assert_eq!(all, b"ab");
-    let replay = send(&app, post("/empty", "e").set_payload("x")).await;
+    let replay = send(&app, post_x("/empty", "e")).await;
     assert!(replay.replayed());
     assert_eq!(replay.body, "ab");
 }
@@ -705,14 +877,10 @@ async fn one_event_then_quiet(dropped: web::Data<Dropped>) -> HttpResponse {
 /// dropped within `within`, with the middleware as `configure` makes it.
 async fn quiet_stream_dropped_within(configure: Configure, within: Duration) -> bool {
     let dropped = Dropped::default();
-    let app = init_service(
-        App::new()
-            .app_data(web::Data::new(dropped.clone()))
-            .wrap(configure(Idempotency::builder(MemoryStore::new())).build())
-            .route("/events", web::post().to(one_event_then_quiet)),
-    )
-    .await;
-    let gone = call_service(&app, post("/events", "q").set_payload("x").to_request()).await;
+    let middleware = configure(Idempotency::builder(MemoryStore::new())).build();
+    let route = web::post().to(one_event_then_quiet);
+    let app = one_route(dropped.clone(), middleware, "/events", route).await;
+    let gone = call_service(&app, post_x("/events", "q").to_request()).await;
     drop(gone); // the client hangs up
     tokio::time::sleep(within).await;
     dropped.0.load(Ordering::SeqCst)
@@ -739,29 +907,15 @@ async fn a_quiet_stream_whose_client_left_is_dropped_with_its_key() {
 /// default), for a record its key no longer guards (found by review, 2026-12-04).
 #[actix_web::test]
 async fn an_endless_stream_is_dropped_with_its_key_when_the_store_cannot_renew() {
-    let polls = Polls::default();
-    let store = Faulty::default(); // no `renew_lease`: `renews_leases()` is false
+    let store = Faulty::default(); // `renews` off: `renews_leases()` is false
     assert!(!store.renews_leases());
-    let app = init_service(
-        App::new()
-            .app_data(web::Data::new(polls.clone()))
-            .wrap(
-                Idempotency::builder(store)
-                    .lock_timeout(Duration::from_millis(200))
-                    .renew_lease_up_to(Duration::from_secs(4))
-                    .build(),
-            )
-            .route("/events", web::post().to(endless)),
-    )
-    .await;
-    let gone = call_service(&app, post("/events", "nr").set_payload("x").to_request()).await;
-    drop(gone); // the client hangs up
-                // The key's only lease ended 200 ms after the reservation.
-    tokio::time::sleep(Duration::from_millis(1000)).await;
-    let read = polls.0.load(Ordering::SeqCst);
+    let middleware = Idempotency::builder(store)
+        .lock_timeout(Duration::from_millis(200))
+        .renew_lease_up_to(Duration::from_secs(4))
+        .build();
+    // The key's only lease ended 200 ms after the reservation; read at 1 s and at 1.5 s.
+    let (read, later) = endless_stream_reads(middleware, "nr", 1000).await;
     assert!(read > 0, "the stream was never read for the record");
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let later = polls.0.load(Ordering::SeqCst);
     assert_eq!(
         later,
         read,
@@ -793,70 +947,17 @@ async fn lease_renewal_stops_at_its_limit() {
     })
     .await;
     // The first run lasts 1.5 s; its last lease ends 600 ms after the reservation.
-    let (first, (before, after)) =
-        tokio::join!(send(&app, post("/long", "h").set_payload("x")), async {
-            tokio::time::sleep(Duration::from_millis(450)).await;
-            let before = send(&app, post("/long", "h").set_payload("x")).await;
-            tokio::time::sleep(Duration::from_millis(600)).await;
-            let after = send(&app, post("/long", "h").set_payload("x")).await;
-            (before, after)
-        });
+    let (first, (before, after)) = tokio::join!(send(&app, post_x("/long", "h")), async {
+        tokio::time::sleep(Duration::from_millis(450)).await;
+        let before = send(&app, post_x("/long", "h")).await;
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        let after = send(&app, post_x("/long", "h")).await;
+        (before, after)
+    });
     before.assert_problem(409, "CONFLICT");
     assert_eq!(after.body, "execution 2", "the key was held past the limit");
     assert_eq!(first.body, "execution 1");
     assert_eq!(counter.get(), 2);
-}
-
-/// A memory store whose first lease renewal is slow and fails (a store blip).
-#[derive(Clone, Default)]
-struct FirstRenewalFails {
-    inner: MemoryStore,
-    renewals: Arc<AtomicUsize>,
-}
-
-impl IdempotencyStore for FirstRenewalFails {
-    async fn reserve(
-        &self,
-        scope: &Scope,
-        fingerprint: &Fingerprint,
-        lease: Duration,
-    ) -> Result<ReserveOutcome, StoreError> {
-        self.inner.reserve(scope, fingerprint, lease).await
-    }
-    async fn complete(
-        &self,
-        scope: &Scope,
-        token: &ReservationToken,
-        response: &StoredResponse,
-        ttl: Duration,
-    ) -> Result<WriteOutcome, StoreError> {
-        self.inner.complete(scope, token, response, ttl).await
-    }
-    async fn release(
-        &self,
-        scope: &Scope,
-        token: &ReservationToken,
-    ) -> Result<WriteOutcome, StoreError> {
-        self.inner.release(scope, token).await
-    }
-    async fn renew_lease(
-        &self,
-        scope: &Scope,
-        token: &ReservationToken,
-        lease: Duration,
-    ) -> Result<WriteOutcome, StoreError> {
-        if self.renewals.fetch_add(1, Ordering::SeqCst) == 0 {
-            tokio::time::sleep(Duration::from_millis(800)).await;
-            return Err(StoreError::unavailable("timed out"));
-        }
-        self.inner.renew_lease(scope, token, lease).await
-    }
-    fn renews_leases(&self) -> bool {
-        true
-    }
-    async fn purge_expired(&self, grace: Duration) -> Result<u64, StoreError> {
-        self.inner.purge_expired(grace).await
-    }
 }
 
 /// C9: a failed renewal is tried again soon, not a whole interval later. Lease 1.5 s, so a
@@ -866,32 +967,23 @@ impl IdempotencyStore for FirstRenewalFails {
 #[actix_web::test]
 async fn a_failed_renewal_is_retried_before_the_lease_ends() {
     let counter = Counter::default();
-    let store = FirstRenewalFails::default();
-    let app = init_service(
-        App::new()
-            .app_data(web::Data::new(counter.clone()))
-            .wrap(
-                Idempotency::builder(store.clone())
-                    .lock_timeout(Duration::from_millis(1500))
-                    .build(),
-            )
-            .route(
-                "/slow-run",
-                web::post().to(|counter: web::Data<Counter>| async move {
-                    let n = counter.0.fetch_add(1, Ordering::SeqCst) + 1;
-                    if n == 1 {
-                        tokio::time::sleep(Duration::from_millis(3000)).await;
-                    }
-                    HttpResponse::Ok().body(format!("execution {n}"))
-                }),
-            ),
+    let store = Faulty {
+        renews: true,
+        first_renewal_fails: true,
+        ..Faulty::default()
+    };
+    let middleware = Idempotency::builder(store.clone())
+        .lock_timeout(Duration::from_millis(1500))
+        .build();
+    let route = web::post().to(|counter: web::Data<Counter>| first_run_takes(counter, 3000));
+    let app = one_route(counter.clone(), middleware, "/slow-run", route).await;
+    let (first, second) = overlapping(
+        &app,
+        post_x("/slow-run", "f"),
+        post_x("/slow-run", "f"),
+        1650,
     )
     .await;
-    let (first, second) =
-        tokio::join!(send(&app, post("/slow-run", "f").set_payload("x")), async {
-            tokio::time::sleep(Duration::from_millis(1650)).await;
-            send(&app, post("/slow-run", "f").set_payload("x")).await
-        });
     second.assert_problem(409, "CONFLICT");
     assert_eq!(first.body, "execution 1");
     assert_eq!(counter.get(), 1, "the retry ran the handler a second time");
@@ -902,48 +994,18 @@ async fn a_failed_renewal_is_retried_before_the_lease_ends() {
 async fn tenants_never_see_each_others_records() {
     let counter = Counter::default();
     let app = app_with(&counter, |b| b.tenant_header("x-tenant")).await;
-    let a = send(
-        &app,
-        post("/echo", "k")
-            .insert_header(("x-tenant", "A"))
-            .set_payload("a"),
-    )
-    .await;
+    let a = send(&app, as_tenant("A", "k")).await;
     assert_eq!(a.status, StatusCode::CREATED);
     // Same key and body from tenant B: its own execution, not A's replay.
-    let b = send(
-        &app,
-        post("/echo", "k")
-            .insert_header(("x-tenant", "B"))
-            .set_payload("a"),
-    )
-    .await;
+    let b = send(&app, as_tenant("B", "k")).await;
     assert!(!b.replayed());
     assert_eq!(b.header("x-execution"), Some("2"));
     // Built to collide if tenant and key were joined with a delimiter.
-    let c = send(
-        &app,
-        post("/echo", "B:k")
-            .insert_header(("x-tenant", "A"))
-            .set_payload("a"),
-    )
-    .await;
-    let d = send(
-        &app,
-        post("/echo", "k")
-            .insert_header(("x-tenant", "A:B"))
-            .set_payload("a"),
-    )
-    .await;
+    let c = send(&app, as_tenant("A", "B:k")).await;
+    let d = send(&app, as_tenant("A:B", "k")).await;
     assert!(!c.replayed() && !d.replayed());
     assert_eq!(counter.get(), 4);
-    let again = send(
-        &app,
-        post("/echo", "k")
-            .insert_header(("x-tenant", "B"))
-            .set_payload("a"),
-    )
-    .await;
+    let again = send(&app, as_tenant("B", "k")).await;
     assert!(again.replayed());
     assert_eq!(again.header("x-execution"), Some("2"));
 }
@@ -958,13 +1020,7 @@ async fn keyed_requests_without_a_tenant_are_refused() {
     let app = app_with(&counter, |b| b.tenant_header("X-Tenant")).await;
     let missing = send(&app, post("/echo", "k").set_payload("a")).await;
     missing.assert_problem(400, "MISSING_TENANT");
-    let empty = send(
-        &app,
-        post("/echo", "k")
-            .insert_header(("x-tenant", ""))
-            .set_payload("a"),
-    )
-    .await;
+    let empty = send(&app, as_tenant("", "k")).await;
     empty.assert_problem(400, "MISSING_TENANT");
     assert_eq!(counter.get(), 0, "a request without a tenant ran");
     let keyless = send(&app, TestRequest::post().uri("/echo").set_payload("a")).await;
@@ -979,13 +1035,7 @@ async fn keyed_requests_without_a_tenant_are_refused() {
 async fn a_tenant_header_sent_twice_is_no_tenant() {
     let counter = Counter::default();
     let app = app_with(&counter, |b| b.tenant_header("X-Tenant")).await;
-    let victim = send(
-        &app,
-        post("/echo", "k")
-            .insert_header(("x-tenant", "victim"))
-            .set_payload("a"),
-    )
-    .await;
+    let victim = send(&app, as_tenant("victim", "k")).await;
     assert_eq!(victim.status, StatusCode::CREATED);
     let twice = send(
         &app,
@@ -1014,13 +1064,7 @@ async fn the_global_scope_for_missing_tenants_is_an_opt_in() {
     assert_eq!(first.status, StatusCode::CREATED);
     let retry = send(&app, post("/echo", "k").set_payload("a")).await;
     assert!(retry.replayed());
-    let tenant = send(
-        &app,
-        post("/echo", "k")
-            .insert_header(("x-tenant", "A"))
-            .set_payload("a"),
-    )
-    .await;
+    let tenant = send(&app, as_tenant("A", "k")).await;
     assert!(!tenant.replayed());
     assert_eq!(counter.get(), 2);
 }
@@ -1074,6 +1118,13 @@ fn invalid_header_names_fail_at_build_time() {
     assert!(panic.is_err(), "build() must refuse an invalid header name");
 }
 
+/// A POST to /echo with `value` as its raw Idempotency-Key header.
+fn raw_key(value: HeaderValue) -> TestRequest {
+    TestRequest::post()
+        .uri("/echo")
+        .insert_header(("idempotency-key", value))
+}
+
 #[actix_web::test]
 async fn keys_are_parsed_as_sf_strings_or_bare_tokens() {
     let counter = Counter::default();
@@ -1084,38 +1135,26 @@ async fn keys_are_parsed_as_sf_strings_or_bare_tokens() {
         "C17: the handler sees the parsed key"
     );
     // The bare token k and the sf-string "k" are the same key.
-    send(&app, post("/echo", "k").set_payload("x")).await;
-    assert!(send(&app, post("/echo", "\"k\"").set_payload("x"))
-        .await
-        .replayed());
+    send(&app, post_x("/echo", "k")).await;
+    assert!(send(&app, post_x("/echo", "\"k\"")).await.replayed());
 
     let long = "a".repeat(256);
     send(&app, post("/echo", &long))
         .await
         .assert_problem(400, "KEY_TOO_LONG");
     let multibyte = HeaderValue::from_bytes("é".repeat(200).as_bytes()).unwrap();
-    send(
-        &app,
-        TestRequest::post()
-            .uri("/echo")
-            .insert_header(("idempotency-key", multibyte)),
-    )
-    .await
-    .assert_problem(400, "KEY_TOO_LONG");
+    send(&app, raw_key(multibyte))
+        .await
+        .assert_problem(400, "KEY_TOO_LONG");
     for bad in ["\"\"", "\"abc", r#""a\q""#, "a b", "\"a\"x"] {
         send(&app, post("/echo", bad))
             .await
             .assert_problem(400, "INVALID_KEY");
     }
     let control = HeaderValue::from_bytes(b"a\tb").unwrap(); // HTAB is the one control char HTTP lets through
-    send(
-        &app,
-        TestRequest::post()
-            .uri("/echo")
-            .insert_header(("idempotency-key", control)),
-    )
-    .await
-    .assert_problem(400, "INVALID_KEY");
+    send(&app, raw_key(control))
+        .await
+        .assert_problem(400, "INVALID_KEY");
     let twice = TestRequest::post()
         .uri("/echo")
         .append_header(("idempotency-key", "a"))
@@ -1157,14 +1196,12 @@ async fn missing_key_passes_through_unless_required() {
 async fn non_2xx_is_released_so_the_key_can_be_retried() {
     let counter = Counter::default();
     let app = app_with(&counter, default_config).await;
-    assert_eq!(
-        send(&app, post("/status?500", "s")).await.status.as_u16(),
-        500
-    );
-    assert_eq!(
-        send(&app, post("/status?500", "s")).await.status.as_u16(),
-        500
-    );
+    for _ in 0..2 {
+        assert_eq!(
+            send(&app, post("/status?500", "s")).await.status.as_u16(),
+            500
+        );
+    }
     assert_eq!(counter.get(), 2, "C10: a 5xx is not stored");
     let ok = send(&app, post("/status?200", "s2")).await;
     assert!(!ok.replayed());
@@ -1193,24 +1230,22 @@ async fn store_if_keeps_partial_results_out_of_the_store() {
         })
     })
     .await;
-    let partial = || {
-        post("/json-status", "p")
+    let want = |key: &str, want: &'static str| {
+        post("/json-status", key)
             .insert_header(("content-type", "application/json"))
-            .set_payload(r#"{"want":"partial"}"#)
+            .set_payload(format!(r#"{{"want":"{want}"}}"#))
     };
-    assert_eq!(send(&app, partial()).await.json()["status"], "partial");
+    assert_eq!(
+        send(&app, want("p", "partial")).await.json()["status"],
+        "partial"
+    );
     assert!(
-        !send(&app, partial()).await.replayed(),
+        !send(&app, want("p", "partial")).await.replayed(),
         "a partial result is not stored"
     );
     assert_eq!(counter.get(), 2);
-    let done = || {
-        post("/json-status", "d")
-            .insert_header(("content-type", "application/json"))
-            .set_payload(r#"{"want":"succeeded"}"#)
-    };
-    send(&app, done()).await;
-    assert!(send(&app, done()).await.replayed());
+    send(&app, want("d", "succeeded")).await;
+    assert!(send(&app, want("d", "succeeded")).await.replayed());
     assert_eq!(counter.get(), 3);
 }
 
@@ -1290,48 +1325,15 @@ async fn problems_use_the_configured_type_base_and_renderer() {
     assert_eq!(reply.json()["error"], "MISSING_KEY");
 }
 
-/// A store whose backend is down: the one place a real part cannot be had in this crate.
-#[derive(Clone, Default)]
-struct DownStore;
-
-impl IdempotencyStore for DownStore {
-    async fn reserve(
-        &self,
-        _: &Scope,
-        _: &Fingerprint,
-        _: Duration,
-    ) -> Result<ReserveOutcome, StoreError> {
-        Err(StoreError::unavailable("connection refused"))
-    }
-    async fn complete(
-        &self,
-        _: &Scope,
-        _: &ReservationToken,
-        _: &StoredResponse,
-        _: Duration,
-    ) -> Result<WriteOutcome, StoreError> {
-        Err(StoreError::unavailable("connection refused"))
-    }
-    async fn release(&self, _: &Scope, _: &ReservationToken) -> Result<WriteOutcome, StoreError> {
-        Err(StoreError::unavailable("connection refused"))
-    }
-    async fn purge_expired(&self, _: Duration) -> Result<u64, StoreError> {
-        Err(StoreError::unavailable("connection refused"))
-    }
-}
-
 #[actix_web::test]
 async fn store_down_fails_closed_with_503_or_open_when_asked() {
     for fail_open in [false, true] {
         let counter = Counter::default();
-        let app = init_service(
-            App::new()
-                .app_data(web::Data::new(counter.clone()))
-                .wrap(Idempotency::builder(DownStore).fail_open(fail_open).build())
-                .route("/echo", web::post().to(echo)),
-        )
-        .await;
-        let reply = send(&app, post("/echo", "k").set_payload("x")).await;
+        let middleware = Idempotency::builder(Faulty::down())
+            .fail_open(fail_open)
+            .build();
+        let app = one_route(counter.clone(), middleware, "/echo", web::post().to(echo)).await;
+        let reply = send(&app, post_x("/echo", "k")).await;
         if fail_open {
             assert_eq!(reply.status, StatusCode::CREATED);
             assert_eq!(counter.get(), 1);
@@ -1363,61 +1365,39 @@ async fn streaming_request_bodies_reach_the_handler_intact() {
 /// panicking hook never breaks the request (it is caught and logged).
 #[actix_web::test]
 async fn the_outcome_hook_sees_every_outcome_and_cannot_break_a_request() {
-    use idempotency_actix::Outcome;
-    use std::sync::Mutex;
-
-    type Seen = Vec<(Outcome, u16, Option<String>)>;
-    let seen: Arc<Mutex<Seen>> = Arc::default();
-    let record = Arc::clone(&seen);
+    let seen = Seen::default();
+    let record = recording(&seen, |event| {
+        let (outcome, status) = outcome_and_status(event);
+        (outcome, status, event.scope.map(|s| s.key.clone()))
+    });
     let counter = Counter::default();
     let middleware = Idempotency::builder(MemoryStore::new())
         .on_outcome(move |event| {
-            if let Ok(mut seen) = record.lock() {
-                seen.push((
-                    event.outcome,
-                    event.status.as_u16(),
-                    event.scope.map(|s| s.key.clone()),
-                ));
-            }
+            record(event);
             if event.scope.is_some_and(|s| s.key == "boom") {
                 panic!("a hook that panics");
             }
         })
         .build();
-    let app = init_service(
-        App::new()
-            .app_data(web::Data::new(counter.clone()))
-            .wrap(middleware)
-            .route("/echo", web::post().to(echo)),
-    )
-    .await;
-    assert_eq!(
-        send(&app, post("/echo", "h1").set_payload("a"))
-            .await
-            .status,
-        StatusCode::CREATED
-    );
-    assert!(send(&app, post("/echo", "h1").set_payload("a"))
-        .await
-        .replayed());
-    send(&app, post("/echo", "h1").set_payload("b"))
+    let app = one_route(counter.clone(), middleware, "/echo", web::post().to(echo)).await;
+    let req = |key: &str, body: &'static str| post("/echo", key).set_payload(body);
+    assert_eq!(send(&app, req("h1", "a")).await.status, StatusCode::CREATED);
+    assert!(send(&app, req("h1", "a")).await.replayed());
+    send(&app, req("h1", "b"))
         .await
         .assert_problem(422, "FINGERPRINT_MISMATCH");
-    send(&app, post("/echo", "\"bad").set_payload("a"))
+    send(&app, req("\"bad", "a"))
         .await
         .assert_problem(400, "INVALID_KEY");
-    let boom = send(&app, post("/echo", "boom").set_payload("a")).await;
+    let boom = send(&app, req("boom", "a")).await;
     assert_eq!(
         boom.status,
         StatusCode::CREATED,
         "a panicking hook broke the request"
     );
-    assert!(send(&app, post("/echo", "boom").set_payload("a"))
-        .await
-        .replayed());
-    let seen = seen.lock().map(|s| s.clone()).unwrap_or_default();
+    assert!(send(&app, req("boom", "a")).await.replayed());
     assert_eq!(
-        seen,
+        seen_so_far(&seen),
         vec![
             (Outcome::Stored, 201, Some("h1".to_owned())),
             (Outcome::Replay, 201, Some("h1".to_owned())),
@@ -1432,7 +1412,7 @@ async fn the_outcome_hook_sees_every_outcome_and_cannot_break_a_request() {
 
 /// A handler that waits for the test to open its gate, then answers 201.
 async fn gated(counter: web::Data<Counter>, gate: web::Data<tokio::sync::Notify>) -> HttpResponse {
-    counter.0.fetch_add(1, Ordering::SeqCst);
+    counter.bump();
     gate.notified().await;
     HttpResponse::Created().body("through the gate")
 }
@@ -1526,13 +1506,9 @@ async fn a_panicking_handler_gets_an_opaque_500_and_keeps_the_key() {
 async fn a_failed_open_request_still_gives_the_handler_its_key() {
     // With the store down and fail_open on, the handler runs unprotected; the key it forwards
     // to a payment provider is then the only protection left, so it must still see it (C17).
-    let app = init_service(
-        App::new()
-            .wrap(Idempotency::builder(DownStore).fail_open(true).build())
-            .route("/key", web::post().to(key_echo)),
-    )
-    .await;
-    let reply = send(&app, post("/key", "pay-7").set_payload("x")).await;
+    let middleware = Idempotency::builder(Faulty::down()).fail_open(true).build();
+    let app = one_route((), middleware, "/key", web::post().to(key_echo)).await;
+    let reply = send(&app, post_x("/key", "pay-7")).await;
     assert_eq!(reply.status, StatusCode::OK);
     assert_eq!(reply.body, "pay-7");
 }
@@ -1544,26 +1520,14 @@ async fn a_header_denied_after_it_was_stored_is_not_replayed() {
     // holds it; the replay must drop it.
     let store = MemoryStore::new();
     let counter = Counter::default();
-    let before = init_service(
-        App::new()
-            .app_data(web::Data::new(counter.clone()))
-            .wrap(Idempotency::new(store.clone()))
-            .route("/echo", web::post().to(echo)),
-    )
-    .await;
+    let middleware = Idempotency::new(store.clone());
+    let before = one_route(counter.clone(), middleware, "/echo", web::post().to(echo)).await;
     let first = send(&before, post("/echo", "k").set_payload("a")).await;
     assert_eq!(first.header("x-secret"), Some("do-not-store"));
-    let after = init_service(
-        App::new()
-            .app_data(web::Data::new(counter.clone()))
-            .wrap(
-                Idempotency::builder(store)
-                    .deny_headers([HeaderName::from_static("x-secret")])
-                    .build(),
-            )
-            .route("/echo", web::post().to(echo)),
-    )
-    .await;
+    let middleware = Idempotency::builder(store)
+        .deny_headers([HeaderName::from_static("x-secret")])
+        .build();
+    let after = one_route(counter.clone(), middleware, "/echo", web::post().to(echo)).await;
     let retry = send(&after, post("/echo", "k").set_payload("a")).await;
     assert!(retry.replayed());
     assert_eq!(retry.header("x-execution"), Some("1"));
@@ -1571,7 +1535,7 @@ async fn a_header_denied_after_it_was_stored_is_not_replayed() {
 }
 
 async fn name_echo(counter: web::Data<Counter>, name: web::Path<String>) -> HttpResponse {
-    counter.0.fetch_add(1, Ordering::SeqCst);
+    counter.bump();
     HttpResponse::Created().body(name.into_inner())
 }
 
@@ -1582,13 +1546,9 @@ async fn escapes_the_router_keeps_are_one_scope_whatever_their_case() {
     // `a/b`, and so do `a+b` and `a%2Bb`. One key must not run the handler once per spelling:
     // the second spelling is the same record (422, its path as sent differs), never a second run.
     let counter = Counter::default();
-    let app = init_service(
-        App::new()
-            .app_data(web::Data::new(counter.clone()))
-            .wrap(Idempotency::new(MemoryStore::new()))
-            .route("/items/{name}", web::post().to(name_echo)),
-    )
-    .await;
+    let middleware = Idempotency::new(MemoryStore::new());
+    let route = web::post().to(name_echo);
+    let app = one_route(counter.clone(), middleware, "/items/{name}", route).await;
     for (first, second) in [
         ("/items/a%2Fb", "/items/a%2fb"),
         ("/items/c%2bd", "/items/c%2Bd"),
@@ -1596,10 +1556,10 @@ async fn escapes_the_router_keeps_are_one_scope_whatever_their_case() {
         ("/items/g%25h", "/items/g%25h"),
     ] {
         let key = format!("k-{first}");
-        let reply = send(&app, post(first, &key).set_payload("x")).await;
+        let reply = send(&app, post_x(first, &key)).await;
         assert_eq!(reply.status, StatusCode::CREATED, "{first}");
         let before = counter.get();
-        let again = send(&app, post(second, &key).set_payload("x")).await;
+        let again = send(&app, post_x(second, &key)).await;
         assert_eq!(counter.get(), before, "{second} ran the handler again");
         if first == second {
             assert!(again.replayed());
@@ -1608,11 +1568,7 @@ async fn escapes_the_router_keeps_are_one_scope_whatever_their_case() {
         }
     }
     // Different names stay different records.
-    let other = send(
-        &app,
-        post("/items/a%2Fc", "k-/items/a%2Fb").set_payload("x"),
-    )
-    .await;
+    let other = send(&app, post_x("/items/a%2Fc", "k-/items/a%2Fb")).await;
     assert_eq!(other.status, StatusCode::CREATED);
 }
 
@@ -1642,36 +1598,17 @@ async fn a_huge_declared_length_is_not_reserved_ahead() {
     }
 }
 
-/// Every outcome the hook sees, in order.
-type SeenOutcomes = Arc<std::sync::Mutex<Vec<(idempotency_actix::Outcome, u16)>>>;
-
-fn recording(seen: &SeenOutcomes) -> impl Fn(&idempotency_actix::outcome::OutcomeEvent<'_>) {
-    let seen = Arc::clone(seen);
-    move |event| {
-        if let Ok(mut seen) = seen.lock() {
-            seen.push((event.outcome, event.status.as_u16()));
-        }
-    }
-}
-
 #[actix_web::test]
 async fn a_panicking_problem_renderer_still_answers_the_problem_once() {
     // A renderer bug is the user's, like a hook's: the client still gets the status, the
     // problem document and Retry-After, and the request counts once, not as a handler panic.
-    let seen = SeenOutcomes::default();
+    let seen = Seen::default();
     let counter = Counter::default();
-    let app = init_service(
-        App::new()
-            .app_data(web::Data::new(counter.clone()))
-            .wrap(
-                Idempotency::builder(MemoryStore::new())
-                    .problem_renderer(|_| panic!("a renderer bug"))
-                    .on_outcome(recording(&seen))
-                    .build(),
-            )
-            .route("/slow", web::post().to(slow)),
-    )
-    .await;
+    let middleware = Idempotency::builder(MemoryStore::new())
+        .problem_renderer(|_| panic!("a renderer bug"))
+        .on_outcome(recording(&seen, outcome_and_status))
+        .build();
+    let app = one_route(counter.clone(), middleware, "/slow", web::post().to(slow)).await;
     // Refused before the request's task (an invalid key), and on it (a concurrent duplicate).
     let invalid = send(&app, post("/slow", "\"unterminated")).await;
     invalid.assert_problem(400, "INVALID_KEY");
@@ -1687,12 +1624,10 @@ async fn a_panicking_problem_renderer_still_answers_the_problem_once() {
     };
     conflict.assert_problem(409, "CONFLICT");
     assert_eq!(conflict.header("retry-after"), Some("1"));
-    let seen = seen.lock().map(|s| s.clone()).unwrap_or_default();
+    let seen = seen_so_far(&seen);
     assert_eq!(seen.len(), 3, "one outcome per request: {seen:?}");
     assert!(
-        !seen
-            .iter()
-            .any(|(o, _)| *o == idempotency_actix::Outcome::HandlerPanic),
+        !seen.iter().any(|(o, _)| *o == Outcome::HandlerPanic),
         "{seen:?}"
     );
     assert_eq!(counter.get(), 1);
@@ -1714,74 +1649,67 @@ async fn panicking_stream() -> HttpResponse {
 async fn a_body_that_panics_aborts_the_response_and_is_counted() {
     // Without the middleware actix drops the connection; through it, the client's chunked
     // body must fail too, never end cleanly as if "part" were the whole response.
-    let seen = SeenOutcomes::default();
-    let app = init_service(
-        App::new()
-            .wrap(
-                Idempotency::builder(MemoryStore::new())
-                    .on_outcome(recording(&seen))
-                    .build(),
-            )
-            .route("/stream", web::post().to(panicking_stream)),
-    )
-    .await;
+    let seen = Seen::default();
+    let middleware = Idempotency::builder(MemoryStore::new())
+        .on_outcome(recording(&seen, outcome_and_status))
+        .build();
+    let route = web::post().to(panicking_stream);
+    let app = one_route((), middleware, "/stream", route).await;
     let response = call_service(&app, post("/stream", "p").to_request()).await;
     assert_eq!(response.status(), StatusCode::OK);
     assert!(
         to_bytes(response.into_body()).await.is_err(),
         "a truncated body read as complete"
     );
-    let seen = seen.lock().map(|s| s.clone()).unwrap_or_default();
-    assert_eq!(seen, vec![(idempotency_actix::Outcome::BodyError, 200)]);
+    assert_eq!(seen_so_far(&seen), vec![(Outcome::BodyError, 200)]);
 }
 
 /// Found by a review of the request flow (2026-12-04); each test failed before its fix.
 mod request_flow {
     use std::sync::atomic::Ordering;
-    use std::sync::Arc;
+    use std::sync::{Arc, Mutex, PoisonError};
     use std::time::Duration;
 
     use actix_web::http::StatusCode;
-    use actix_web::test::{call_service, init_service};
-    use actix_web::{web, App, HttpResponse};
+    use actix_web::{web, HttpResponse};
     use idempotency_actix::store::MemoryStore;
-    use idempotency_actix::Idempotency;
+    use idempotency_actix::{Idempotency, Outcome};
 
-    use super::{post, send, Counter, Faulty};
+    use super::{
+        charge_after, one_route, outcome_and_status, overlapping, post_x, provider_down_first,
+        recording, seen_so_far, send, with_an_abandoned_duplicate, Counter, Faulty, Seen,
+    };
+
+    /// Counts a handler's runs and keeps the path value each run got.
+    #[derive(Clone, Default)]
+    struct ValueLog {
+        counter: Counter,
+        seen: Arc<Mutex<Vec<String>>>,
+    }
+
+    async fn charge_value(log: web::Data<ValueLog>, value: web::Path<String>) -> HttpResponse {
+        let n = log.counter.bump();
+        log.seen
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(value.clone());
+        HttpResponse::Created().body(format!("charged {} (run {n})", *value))
+    }
 
     /// A lone `%` and `%25` reach the handler as the same path parameter, but were two scopes:
     /// the same key ran the handler twice (C3).
     #[actix_web::test]
     async fn a_lone_percent_and_its_escape_are_one_scope() {
-        let counter = Counter::default();
-        let seen = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
-        let app = init_service(
-            App::new()
-                .app_data(web::Data::new(counter.clone()))
-                .app_data(web::Data::new(seen.clone()))
-                .wrap(Idempotency::new(MemoryStore::new()))
-                .route(
-                    "/items/{name}",
-                    web::post().to(
-                        |counter: web::Data<Counter>,
-                         seen: web::Data<Arc<std::sync::Mutex<Vec<String>>>>,
-                         name: web::Path<String>| async move {
-                            let n = counter.bump();
-                            seen.lock().unwrap().push(name.clone());
-                            HttpResponse::Created().body(format!("charged {} (run {n})", *name))
-                        },
-                    ),
-                ),
-        )
-        .await;
-        let first = send(&app, post("/items/100%", "k").set_payload("x"))
-            .await
-            .status;
-        let second = send(&app, post("/items/100%25", "k").set_payload("x")).await;
+        let log = ValueLog::default();
+        let middleware = Idempotency::new(MemoryStore::new());
+        let route = web::post().to(charge_value);
+        let app = one_route(log.clone(), middleware, "/items/{name}", route).await;
+        let first = send(&app, post_x("/items/100%", "k")).await.status;
+        let second = send(&app, post_x("/items/100%25", "k")).await;
         assert_eq!(first, StatusCode::CREATED);
-        let seen = seen.lock().unwrap().clone();
+        let seen = log.seen.lock().unwrap().clone();
         assert_eq!(
-            counter.get(),
+            log.counter.get(),
             1,
             "the same key and the same handler value ({seen:?}) ran twice; second answer {} {:?}",
             second.status,
@@ -1794,32 +1722,17 @@ mod request_flow {
     #[actix_web::test]
     async fn a_store_blip_while_waiting_does_not_run_a_known_in_flight_duplicate() {
         let counter = Counter::default();
-        let app = init_service(
-            App::new()
-                .app_data(web::Data::new(counter.clone()))
-                .wrap(
-                    Idempotency::builder(Faulty {
-                        fail_reserve: Some(2),
-                        ..Faulty::default()
-                    })
-                    .fail_open(true)
-                    .wait_for_in_flight(Duration::from_secs(2))
-                    .build(),
-                )
-                .route(
-                    "/pay",
-                    web::post().to(|counter: web::Data<Counter>| async move {
-                        let n = counter.bump();
-                        tokio::time::sleep(Duration::from_millis(400)).await;
-                        HttpResponse::Created().body(format!("charge {n}"))
-                    }),
-                ),
-        )
-        .await;
-        let (first, second) = tokio::join!(send(&app, post("/pay", "k").set_payload("x")), async {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            send(&app, post("/pay", "k").set_payload("x")).await
-        });
+        let store = Faulty {
+            fail_reserve: Some(2),
+            ..Faulty::default()
+        };
+        let middleware = Idempotency::builder(store)
+            .fail_open(true)
+            .wait_for_in_flight(Duration::from_secs(2))
+            .build();
+        let route = web::post().to(|counter: web::Data<Counter>| charge_after(counter, 400));
+        let app = one_route(counter.clone(), middleware, "/pay", route).await;
+        let (first, second) = overlapping(&app, post_x("/pay", "k"), post_x("/pay", "k"), 50).await;
         assert_eq!(first.body, "charge 1");
         assert_eq!(
             counter.get(),
@@ -1833,41 +1746,18 @@ mod request_flow {
     async fn a_waiter_whose_client_left_stops_waiting() {
         let counter = Counter::default();
         let store = Faulty::default();
-        let app = init_service(
-            App::new()
-                .app_data(web::Data::new(counter.clone()))
-                .wrap(
-                    Idempotency::builder(store.clone())
-                        .wait_for_in_flight(Duration::from_secs(30))
-                        .build(),
-                )
-                .route(
-                    "/pay",
-                    web::post().to(|counter: web::Data<Counter>| async move {
-                        let n = counter.bump();
-                        if n == 1 {
-                            // The provider fails after a while: not stored, key released.
-                            tokio::time::sleep(Duration::from_millis(600)).await;
-                            return HttpResponse::BadGateway().body("provider down");
-                        }
-                        HttpResponse::Created().body(format!("charge {n}"))
-                    }),
-                ),
-        )
-        .await;
-        let first = send(&app, post("/pay", "k").set_payload("x"));
-        let abandoned = async {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            // The client gives up after 100 ms (its own timeout): the request's future is dropped.
-            let gave_up = tokio::time::timeout(
-                Duration::from_millis(100),
-                call_service(&app, post("/pay", "k").set_payload("x").to_request()),
-            )
+        let middleware = Idempotency::builder(store.clone())
+            .wait_for_in_flight(Duration::from_secs(30))
+            .build();
+        // The provider fails after a while: not stored, key released.
+        let route = web::post().to(|counter: web::Data<Counter>| provider_down_first(counter, 600));
+        let app = one_route(counter.clone(), middleware, "/pay", route).await;
+        // The client gives up after 100 ms (its own timeout): the request's future is dropped.
+        let (first, polls_at_drop) =
+            with_an_abandoned_duplicate(&app, ("/pay", "k"), 50, 100, || {
+                store.reserves.load(Ordering::SeqCst)
+            })
             .await;
-            assert!(gave_up.is_err(), "the waiter answered early");
-            store.reserves.load(Ordering::SeqCst)
-        };
-        let (first, polls_at_drop) = tokio::join!(first, abandoned);
         assert_eq!(first.status, StatusCode::BAD_GATEWAY);
         tokio::time::sleep(Duration::from_millis(800)).await;
         let polls_later = store.reserves.load(Ordering::SeqCst);
@@ -1887,32 +1777,23 @@ mod request_flow {
     #[actix_web::test]
     async fn a_panicking_store_if_neither_hides_nor_repeats_a_completed_payment() {
         let counter = Counter::default();
-        let app = init_service(
-            App::new()
-                .app_data(web::Data::new(counter.clone()))
-                .wrap(
-                    Idempotency::builder(MemoryStore::new())
-                        .lock_timeout(Duration::from_millis(300))
-                        .store_if(|response| {
-                            let json: serde_json::Value = serde_json::from_slice(response.body)
-                                .expect("handlers answer JSON");
-                            json["status"] != "partial"
-                        })
-                        .build(),
-                )
-                .route(
-                    "/pay",
-                    web::post().to(|counter: web::Data<Counter>| async move {
-                        let n = counter.bump();
-                        HttpResponse::Created().body(format!("receipt {n} (not JSON)"))
-                    }),
-                ),
-        )
-        .await;
-        let first_status = send(&app, post("/pay", "k").set_payload("x")).await.status;
-        let retry = send(&app, post("/pay", "k").set_payload("x")).await.status;
+        let middleware = Idempotency::builder(MemoryStore::new())
+            .lock_timeout(Duration::from_millis(300))
+            .store_if(|response| {
+                let json: serde_json::Value =
+                    serde_json::from_slice(response.body).expect("handlers answer JSON");
+                json["status"] != "partial"
+            })
+            .build();
+        let route = web::post().to(|counter: web::Data<Counter>| async move {
+            let n = counter.bump();
+            HttpResponse::Created().body(format!("receipt {n} (not JSON)"))
+        });
+        let app = one_route(counter.clone(), middleware, "/pay", route).await;
+        let first_status = send(&app, post_x("/pay", "k")).await.status;
+        let retry = send(&app, post_x("/pay", "k")).await.status;
         tokio::time::sleep(Duration::from_millis(400)).await;
-        let after_lease = send(&app, post("/pay", "k").set_payload("x")).await;
+        let after_lease = send(&app, post_x("/pay", "k")).await;
         assert_eq!(
             (first_status, counter.get()),
             (StatusCode::CREATED, 1),
@@ -1936,39 +1817,19 @@ mod request_flow {
             ("/items/{name}", "/items/%FF", "/items/%%46%46"),
             ("/files/{path:.*}", "/files/a/b", "/files/a%2Fb"),
         ] {
-            let counter = Counter::default();
-            let seen = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
-            let app = init_service(
-                App::new()
-                    .app_data(web::Data::new(counter.clone()))
-                    .app_data(web::Data::new(seen.clone()))
-                    .wrap(Idempotency::new(MemoryStore::new()))
-                    .route(
-                        route,
-                        web::post().to(
-                            |counter: web::Data<Counter>,
-                             seen: web::Data<Arc<std::sync::Mutex<Vec<String>>>>,
-                             value: web::Path<String>| async move {
-                                counter.bump();
-                                if let Ok(mut seen) = seen.lock() {
-                                    seen.push(value.clone());
-                                }
-                                HttpResponse::Created().body(value.into_inner())
-                            },
-                        ),
-                    ),
-            )
-            .await;
+            let log = ValueLog::default();
+            let middleware = Idempotency::new(MemoryStore::new());
+            let app = one_route(log.clone(), middleware, route, web::post().to(charge_value)).await;
             let mut statuses = Vec::new();
             for path in [plain, crafted] {
-                statuses.push(send(&app, post(path, "k").set_payload("x")).await.status);
+                statuses.push(send(&app, post_x(path, "k")).await.status);
             }
-            let seen = seen.lock().map(|s| s.clone()).unwrap_or_default();
+            let seen = seen_so_far(&log.seen);
             if let [a, b] = seen.as_slice() {
                 assert_eq!(a, b, "premise: one value for the handler");
             }
             assert_eq!(
-                counter.get(),
+                log.counter.get(),
                 1,
                 "{plain} and {crafted}: one value ({seen:?}), one key, two runs ({statuses:?})"
             );
@@ -1979,51 +1840,22 @@ mod request_flow {
     /// keyed request (found by review, 2026-12-04: the hook heard nothing).
     #[actix_web::test]
     async fn an_abandoned_waiter_reports_an_outcome() {
-        type Seen = Arc<std::sync::Mutex<Vec<(idempotency_actix::Outcome, u16)>>>;
-        let seen: Seen = Arc::default();
-        let hook = {
-            let seen = Arc::clone(&seen);
-            move |event: &idempotency_actix::outcome::OutcomeEvent<'_>| {
-                if let Ok(mut seen) = seen.lock() {
-                    seen.push((event.outcome, event.status.as_u16()));
-                }
-            }
-        };
-        let app = init_service(
-            App::new()
-                .wrap(
-                    Idempotency::builder(MemoryStore::new())
-                        .wait_for_in_flight(Duration::from_secs(30))
-                        .on_outcome(hook)
-                        .build(),
-                )
-                .route(
-                    "/pay",
-                    web::post().to(|| async {
-                        tokio::time::sleep(Duration::from_millis(400)).await;
-                        HttpResponse::Created().body("charged")
-                    }),
-                ),
-        )
-        .await;
-        let first = send(&app, post("/pay", "k").set_payload("x"));
-        let abandoned = async {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            let request = post("/pay", "k").set_payload("x").to_request();
-            let gave_up =
-                tokio::time::timeout(Duration::from_millis(100), call_service(&app, request)).await;
-            assert!(gave_up.is_err(), "the waiter answered early");
-        };
-        let (first, ()) = tokio::join!(first, abandoned);
+        let seen = Seen::default();
+        let middleware = Idempotency::builder(MemoryStore::new())
+            .wait_for_in_flight(Duration::from_secs(30))
+            .on_outcome(recording(&seen, outcome_and_status))
+            .build();
+        let route = web::post().to(|| async {
+            tokio::time::sleep(Duration::from_millis(400)).await;
+            HttpResponse::Created().body("charged")
+        });
+        let app = one_route((), middleware, "/pay", route).await;
+        let (first, ()) = with_an_abandoned_duplicate(&app, ("/pay", "k"), 50, 100, || ()).await;
         assert_eq!(first.status, StatusCode::CREATED);
         tokio::time::sleep(Duration::from_millis(300)).await;
-        let seen = seen.lock().map(|s| s.clone()).unwrap_or_default();
         assert_eq!(
-            seen,
-            vec![
-                (idempotency_actix::Outcome::Abandoned, 499),
-                (idempotency_actix::Outcome::Stored, 201)
-            ],
+            seen_so_far(&seen),
+            vec![(Outcome::Abandoned, 499), (Outcome::Stored, 201)],
             "two keyed requests, two outcomes"
         );
     }
@@ -2034,32 +1866,18 @@ mod request_flow {
 /// held until its lease ends, so an audit hook must be able to tell which key and tenant.
 #[actix_web::test]
 async fn the_hook_sees_the_scope_of_a_request_whose_handler_panicked() {
-    use idempotency_actix::Outcome;
-    type Seen = Vec<(Outcome, u16, Option<(String, String)>)>;
-    let seen: Arc<std::sync::Mutex<Seen>> = Arc::default();
-    let record = Arc::clone(&seen);
-    let app = init_service(
-        App::new()
-            .wrap(
-                Idempotency::builder(MemoryStore::new())
-                    .on_outcome(move |event| {
-                        if let Ok(mut seen) = record.lock() {
-                            seen.push((
-                                event.outcome,
-                                event.status.as_u16(),
-                                event.scope.map(|s| (s.path.clone(), s.key.clone())),
-                            ));
-                        }
-                    })
-                    .build(),
-            )
-            .route("/panics", web::post().to(panicking)),
-    )
-    .await;
+    let seen = Seen::default();
+    let middleware = Idempotency::builder(MemoryStore::new())
+        .on_outcome(recording(&seen, |event| {
+            let (outcome, status) = outcome_and_status(event);
+            let scope = event.scope.map(|s| (s.path.clone(), s.key.clone()));
+            (outcome, status, scope)
+        }))
+        .build();
+    let app = one_route((), middleware, "/panics", web::post().to(panicking)).await;
     assert!(app.call(post("/panics", "p1").to_request()).await.is_err());
-    let seen = seen.lock().map(|s| s.clone()).unwrap_or_default();
     assert_eq!(
-        seen,
+        seen_so_far(&seen),
         vec![(
             Outcome::HandlerPanic,
             500,
@@ -2071,20 +1889,18 @@ async fn the_hook_sees_the_scope_of_a_request_whose_handler_panicked() {
 /// Found by the review of the request flow under timing (2026-12-05): each test failed on the
 /// code before its fix.
 mod flow_timing_review {
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    use std::sync::Arc;
+    use std::sync::atomic::Ordering;
     use std::time::Duration;
 
     use actix_web::http::StatusCode;
-    use actix_web::test::{call_service, init_service};
-    use actix_web::{web, App, HttpResponse};
-    use idempotency_actix::store::{
-        Fingerprint, IdempotencyStore, MemoryStore, ReservationToken, ReserveOutcome, Scope,
-        StoreError, StoredResponse, WriteOutcome,
-    };
+    use actix_web::web;
+    use idempotency_actix::store::MemoryStore;
     use idempotency_actix::Idempotency;
 
-    use super::{post, send, Counter};
+    use super::{
+        charge_after, one_route, overlapping, post_x, provider_down_first,
+        with_an_abandoned_duplicate, Counter, Faulty,
+    };
 
     /// A `lock_timeout` under what the heartbeat needs was accepted silently and renewal was
     /// then skipped: a concurrent duplicate took the key over and ran while the first still
@@ -2097,28 +1913,12 @@ mod flow_timing_review {
             .try_build()
             .is_err());
         let counter = Counter::default();
-        let app = init_service(
-            App::new()
-                .app_data(web::Data::new(counter.clone()))
-                .wrap(
-                    Idempotency::builder(MemoryStore::new())
-                        .lock_timeout(idempotency_actix::MIN_LOCK_TIMEOUT)
-                        .build(),
-                )
-                .route(
-                    "/pay",
-                    web::post().to(|counter: web::Data<Counter>| async move {
-                        let n = counter.bump();
-                        tokio::time::sleep(Duration::from_millis(300)).await;
-                        HttpResponse::Created().body(format!("charge {n}"))
-                    }),
-                ),
-        )
-        .await;
-        let (first, second) = tokio::join!(send(&app, post("/pay", "k").set_payload("x")), async {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            send(&app, post("/pay", "k").set_payload("x")).await
-        });
+        let middleware = Idempotency::builder(MemoryStore::new())
+            .lock_timeout(idempotency_actix::MIN_LOCK_TIMEOUT)
+            .build();
+        let route = web::post().to(|counter: web::Data<Counter>| charge_after(counter, 300));
+        let app = one_route(counter.clone(), middleware, "/pay", route).await;
+        let (first, second) = overlapping(&app, post_x("/pay", "k"), post_x("/pay", "k"), 50).await;
         assert_eq!(
             counter.get(),
             1,
@@ -2128,60 +1928,6 @@ mod flow_timing_review {
             second.status,
             second.body
         );
-    }
-
-    /// A memory store whose `reserve` number `slow_call` (from 0) takes `delay` before it is
-    /// applied (a loaded database: PostgresStore's defaults allow 2 s + 5 s per call).
-    #[derive(Clone, Default)]
-    struct SlowReserve {
-        inner: MemoryStore,
-        calls: Arc<AtomicUsize>,
-        slow_call: usize,
-        delay: Duration,
-    }
-
-    impl IdempotencyStore for SlowReserve {
-        async fn reserve(
-            &self,
-            scope: &Scope,
-            fingerprint: &Fingerprint,
-            lease: Duration,
-        ) -> Result<ReserveOutcome, StoreError> {
-            if self.calls.fetch_add(1, Ordering::SeqCst) == self.slow_call {
-                tokio::time::sleep(self.delay).await;
-            }
-            self.inner.reserve(scope, fingerprint, lease).await
-        }
-        async fn complete(
-            &self,
-            scope: &Scope,
-            token: &ReservationToken,
-            response: &StoredResponse,
-            ttl: Duration,
-        ) -> Result<WriteOutcome, StoreError> {
-            self.inner.complete(scope, token, response, ttl).await
-        }
-        async fn release(
-            &self,
-            scope: &Scope,
-            token: &ReservationToken,
-        ) -> Result<WriteOutcome, StoreError> {
-            self.inner.release(scope, token).await
-        }
-        async fn renew_lease(
-            &self,
-            scope: &Scope,
-            token: &ReservationToken,
-            lease: Duration,
-        ) -> Result<WriteOutcome, StoreError> {
-            self.inner.renew_lease(scope, token, lease).await
-        }
-        fn renews_leases(&self) -> bool {
-            true
-        }
-        async fn purge_expired(&self, grace: Duration) -> Result<u64, StoreError> {
-            self.inner.purge_expired(grace).await
-        }
     }
 
     /// Wait mode (C8): the waiter saw the first request in flight, then its client left while
@@ -2194,48 +1940,22 @@ mod flow_timing_review {
     async fn a_waiter_whose_client_left_during_its_last_reserve_runs_nothing() {
         let counter = Counter::default();
         // Calls: 0 the first request, 1 the waiter (in flight), 2 the waiter again (slow).
-        let store = SlowReserve {
-            slow_call: 2,
-            delay: Duration::from_millis(500),
-            ..SlowReserve::default()
+        let store = Faulty {
+            renews: true,
+            slow_reserve: Some((2, Duration::from_millis(500))),
+            ..Faulty::default()
         };
-        let app = init_service(
-            App::new()
-                .app_data(web::Data::new(counter.clone()))
-                .wrap(
-                    Idempotency::builder(store.clone())
-                        .wait_for_in_flight(Duration::from_secs(30))
-                        .build(),
-                )
-                .route(
-                    "/pay",
-                    web::post().to(|counter: web::Data<Counter>| async move {
-                        let n = counter.bump();
-                        if n == 1 {
-                            tokio::time::sleep(Duration::from_millis(200)).await;
-                            return HttpResponse::BadGateway().body("provider down");
-                        }
-                        HttpResponse::Created().body(format!("charge {n}"))
-                    }),
-                ),
-        )
-        .await;
-        let first = send(&app, post("/pay", "k").set_payload("x"));
-        let abandoned = async {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-            // The client gives up after 200 ms, while the waiter's third reserve is on its way.
-            let gave_up = tokio::time::timeout(
-                Duration::from_millis(200),
-                call_service(&app, post("/pay", "k").set_payload("x").to_request()),
-            )
-            .await;
-            assert!(gave_up.is_err(), "the waiter answered early");
-        };
-        let (first, ()) = tokio::join!(first, abandoned);
+        let middleware = Idempotency::builder(store.clone())
+            .wait_for_in_flight(Duration::from_secs(30))
+            .build();
+        let route = web::post().to(|counter: web::Data<Counter>| provider_down_first(counter, 200));
+        let app = one_route(counter.clone(), middleware, "/pay", route).await;
+        // The client gives up after 200 ms, while the waiter's third reserve is on its way.
+        let (first, ()) = with_an_abandoned_duplicate(&app, ("/pay", "k"), 20, 200, || ()).await;
         assert_eq!(first.status, StatusCode::BAD_GATEWAY);
         tokio::time::sleep(Duration::from_millis(800)).await;
         assert_eq!(
-            store.calls.load(Ordering::SeqCst),
+            store.reserves.load(Ordering::SeqCst),
             3,
             "the scenario: three reserves"
         );
@@ -2249,7 +1969,7 @@ mod flow_timing_review {
 
 /// Log lines captured on this thread (the test runtime's tasks run on it too).
 #[derive(Clone, Default)]
-struct CapturedLogs(Arc<std::sync::Mutex<Vec<u8>>>);
+struct CapturedLogs(Arc<Mutex<Vec<u8>>>);
 
 impl std::io::Write for CapturedLogs {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
@@ -2322,21 +2042,16 @@ async fn declared_empty_open_stream() -> HttpResponse {
 /// nothing for the client until `renew_lease_up_to`, 10 min by default, then a 500).
 #[actix_web::test]
 async fn a_declared_empty_stream_that_stays_open_is_answered_at_once() {
-    let app = init_service(
-        App::new()
-            .wrap(
-                Idempotency::builder(MemoryStore::new())
-                    .lock_timeout(Duration::from_millis(300))
-                    .renew_lease_up_to(Duration::from_secs(5))
-                    .build(),
-            )
-            .route("/open", web::post().to(declared_empty_open_stream)),
-    )
-    .await;
+    let middleware = Idempotency::builder(MemoryStore::new())
+        .lock_timeout(Duration::from_millis(300))
+        .renew_lease_up_to(Duration::from_secs(5))
+        .build();
+    let route = web::post().to(declared_empty_open_stream);
+    let app = one_route((), middleware, "/open", route).await;
     let started = std::time::Instant::now();
     let answered = tokio::time::timeout(
         Duration::from_secs(2),
-        app.call(post("/open", "open-1").set_payload("x").to_request()),
+        app.call(post_x("/open", "open-1").to_request()),
     )
     .await;
     assert!(
