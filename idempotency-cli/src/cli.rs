@@ -8,7 +8,7 @@ use crate::duration::HumanDuration;
 const EXIT_CODES: &str = "\
 Exit codes:
   0  success (also: purge skipped because another purge holds the lock)
-  1  unexpected error (a query failed, a stored record is corrupt)
+  1  unexpected error (a query failed for another reason)
   2  bad arguments, or no --database-url / DATABASE_URL
   3  database unavailable: unreachable, wrong credentials, unknown database, TLS failure
   4  database not provisioned (table idempotency_keys missing): run `idem-cli migrate`
