@@ -198,9 +198,11 @@ async fn send(h2: &mut H2, req: http::Request<()>, body: &'static str) -> Answer
     let client = h2.client.clone();
     let mut client = client.ready().await.expect("ready");
     let (resp, mut stream) = client.send_request(req, false).expect("send_request");
-    stream
-        .send_data(Bytes::from_static(body.as_bytes()), true)
-        .expect("data");
+    // A request refused on its headers (a 400 for the key) may be answered, and its stream
+    // closed, before the body goes out: the client then refuses the DATA frame
+    // (`InactiveStreamId`, seen once in CI under load). The answer is what the test checks,
+    // and reading it fails if the body was refused for any other reason.
+    let _ = stream.send_data(Bytes::from_static(body.as_bytes()), true);
     tokio::time::timeout(TIMEOUT, read(resp))
         .await
         .expect("answer in time")
