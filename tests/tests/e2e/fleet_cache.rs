@@ -556,26 +556,45 @@ fn two_tenants_same_key_across_caching_instances_and_a_scoped_forced_release() {
 // ---------------------------------------------------------------------------------------------
 // 4. A transactional instance and a caching default-mode instance on one table (C25).
 
+/// Instance T in transactional mode and instance B, default mode with a cache (entries up to
+/// 60 s, records of an hour), on one table.
+fn transactional_and_caching(fleet: &Fleet, url: &str) -> (Arc<ThreadServer>, ThreadServer) {
+    let t = Arc::new(instance(fleet, "T", transactional_pg(url)));
+    let b = instance(
+        fleet,
+        "B",
+        cached_pg(url, Duration::from_secs(3600), Duration::from_secs(60)),
+    );
+    (t, b)
+}
+
+/// A keyed POST of tenant `acme` to `target`.
+fn acme(target: &str, key: &str, body: &str) -> Request {
+    Request::post(target)
+        .header(TENANT_HEADER, "acme")
+        .key(key)
+        .json(body)
+}
+
+/// `send` on a thread of its own: the answer when joined.
+fn send_in_background(
+    server: &Arc<ThreadServer>,
+    request: &Request,
+) -> std::thread::JoinHandle<Response> {
+    let (server, request) = (Arc::clone(server), request.clone());
+    std::thread::spawn(move || send(&server, &request))
+}
+
 /// T's handler is slow and answers 500: its transaction rolls back. Meanwhile the same key on
 /// caching B gets 409 (never a hang, never a replay); after the rollback B runs it, once.
 #[test]
 fn transactional_rollback_leaves_nothing_a_caching_instance_replays() {
     let db = new_db();
     let fleet = Fleet::default();
-    let t = Arc::new(instance(&fleet, "T", transactional_pg(&db.url)));
-    let b = instance(
-        &fleet,
-        "B",
-        cached_pg(&db.url, Duration::from_secs(3600), Duration::from_secs(60)),
-    );
+    let (t, b) = transactional_and_caching(&fleet, &db.url);
     let key = "tx-rollback";
-    let failing = Request::post("/slow?ms=1500&status=500")
-        .header(TENANT_HEADER, "acme")
-        .key(key)
-        .json("{}");
-    let t2 = Arc::clone(&t);
-    let f2 = failing.clone();
-    let first = std::thread::spawn(move || send(&t2, &f2));
+    let failing = acme("/slow?ms=1500&status=500", key, "{}");
+    let first = send_in_background(&t, &failing);
     std::thread::sleep(Duration::from_millis(500));
     let during = send(&b, &failing);
     assert_eq!(
@@ -593,10 +612,7 @@ fn transactional_rollback_leaves_nothing_a_caching_instance_replays() {
         "record left after rollback: {}",
         out_text(&o)
     );
-    let ok = Request::post("/slow?ms=0&status=201")
-        .header(TENANT_HEADER, "acme")
-        .key(key)
-        .json("{}");
+    let ok = acme("/slow?ms=0&status=201", key, "{}");
     // Another target (query) is another fingerprint but the same scope: it must run, the
     // rolled-back request left nothing.
     let after = send(&b, &ok);
@@ -623,24 +639,11 @@ fn transactional_rollback_leaves_nothing_a_caching_instance_replays() {
 fn transactional_commit_then_caching_instance_agrees() {
     let db = new_db();
     let fleet = Fleet::default();
-    let t = Arc::new(instance(&fleet, "T", transactional_pg(&db.url)));
-    let b = instance(
-        &fleet,
-        "B",
-        cached_pg(&db.url, Duration::from_secs(3600), Duration::from_secs(60)),
-    );
+    let (t, b) = transactional_and_caching(&fleet, &db.url);
     let key = "tx-commit";
-    let good = Request::post("/slow?ms=1500")
-        .header(TENANT_HEADER, "acme")
-        .key(key)
-        .json(r#"{"a":1}"#);
-    let other = Request::post("/slow?ms=1500")
-        .header(TENANT_HEADER, "acme")
-        .key(key)
-        .json(r#"{"a":2}"#);
-    let t2 = Arc::clone(&t);
-    let g2 = good.clone();
-    let first = std::thread::spawn(move || send(&t2, &g2));
+    let good = acme("/slow?ms=1500", key, r#"{"a":1}"#);
+    let other = acme("/slow?ms=1500", key, r#"{"a":2}"#);
+    let first = send_in_background(&t, &good);
     std::thread::sleep(Duration::from_millis(500));
     let during = send(&b, &other);
     assert_eq!(during.status, 409, "{}", during.describe());

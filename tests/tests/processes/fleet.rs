@@ -670,37 +670,61 @@ fn cli_release_forced_of_a_running_key_redis() {
     assert_eq!(executions_of(&[&a, &b], key), vec![1, 1]);
 }
 
-/// A frozen A whose lease ended: `release` without --force is allowed (lease ended). When A
-/// wakes it must neither store nor renew the released record back into existence.
-#[test]
-fn cli_release_of_a_frozen_holders_key_then_wake_up_postgres() {
-    let _s = shared();
+/// A holder (instance A, PostgreSQL, lease 1.5 s) frozen with SIGSTOP mid-handler until its
+/// lease has ended; meanwhile the operator runs `idem-cli args`, and `check` judges its output
+/// (right after A is woken). A's client still gets its 201; `what` the operator did must stay
+/// done: A, awake, neither stores nor renews the record back into existence.
+fn operator_acts_while_the_holder_is_frozen(
+    key: &str,
+    amount: u64,
+    args: &[&str],
+    what: &str,
+    check: impl FnOnce(&Output),
+) {
     let db = new_db();
     let env = [
         ("DATABASE_URL", db.url.as_str()),
         ("IDEMPOTENCY_LOCK_TIMEOUT_MS", "1500"),
     ];
     let a = PaymentsApp::start(&env);
-    let key = "rel-frozen";
-    let request = pay(key, 902, Some(800));
+    let request = pay(key, amount, Some(800));
     let first = send_bg(&a.addr, &request);
     wait_until(Duration::from_secs(10), "A runs the handler", || {
         a.stats().per_key.contains_key(key)
     });
     signal(a.pid(), "-STOP");
     std::thread::sleep(Duration::from_millis(2500));
-    let o = cli(&db.url, &["release", key, "--tenant", TENANT]);
-    let released = o.status.code() == Some(0);
+    let o = cli(&db.url, args);
     signal(a.pid(), "-CONT");
-    assert!(released, "release after the lease ended: {}", out_text(&o));
+    check(&o);
     let a_resp = first.join().expect("client").expect("A answered");
     assert_eq!(a_resp.status, 201);
     std::thread::sleep(Duration::from_millis(1500));
     let rows = records_for_key(&db.url, key);
     assert!(
         rows.is_empty(),
-        "after release, the woken holder wrote the record back: {:?}",
+        "after {what}, the woken holder wrote the record back: {:?}",
         rows.iter().map(|r| (r.state, r.token)).collect::<Vec<_>>()
+    );
+}
+
+/// A frozen A whose lease ended: `release` without --force is allowed (lease ended). When A
+/// wakes it must neither store nor renew the released record back into existence.
+#[test]
+fn cli_release_of_a_frozen_holders_key_then_wake_up_postgres() {
+    let _s = shared();
+    operator_acts_while_the_holder_is_frozen(
+        "rel-frozen",
+        902,
+        &["release", "rel-frozen", "--tenant", TENANT],
+        "release",
+        |o| {
+            assert!(
+                o.status.code() == Some(0),
+                "release after the lease ended: {}",
+                out_text(o)
+            )
+        },
     );
 }
 
@@ -1026,33 +1050,16 @@ fn sigkill_mid_handler_retries_on_two_others_run_once_after_the_lease() {
 #[test]
 fn purge_of_a_frozen_holders_reservation_then_wake_up_postgres() {
     let _s = shared();
-    let db = new_db();
-    let env = [
-        ("DATABASE_URL", db.url.as_str()),
-        ("IDEMPOTENCY_LOCK_TIMEOUT_MS", "1500"),
-    ];
-    let a = PaymentsApp::start(&env);
-    let key = "purge-frozen";
-    let request = pay(key, 903, Some(800));
-    let first = send_bg(&a.addr, &request);
-    wait_until(Duration::from_secs(10), "A runs the handler", || {
-        a.stats().per_key.contains_key(key)
-    });
-    signal(a.pid(), "-STOP");
-    std::thread::sleep(Duration::from_millis(2500));
-    let o = cli(&db.url, &["purge", "--grace", "0s"]);
-    signal(a.pid(), "-CONT");
-    assert_eq!(o.status.code(), Some(0), "{}", out_text(&o));
-    let purged = String::from_utf8_lossy(&o.stdout).to_string();
-    assert!(purged.contains("1 in-flight"), "{purged}");
-    let a_resp = first.join().expect("client").expect("A answered");
-    assert_eq!(a_resp.status, 201);
-    std::thread::sleep(Duration::from_millis(1500));
-    let rows = records_for_key(&db.url, key);
-    assert!(
-        rows.is_empty(),
-        "after purge, the woken holder wrote the record back: {:?}",
-        rows.iter().map(|r| (r.state, r.token)).collect::<Vec<_>>()
+    operator_acts_while_the_holder_is_frozen(
+        "purge-frozen",
+        903,
+        &["purge", "--grace", "0s"],
+        "purge",
+        |o| {
+            assert_eq!(o.status.code(), Some(0), "{}", out_text(o));
+            let purged = String::from_utf8_lossy(&o.stdout).to_string();
+            assert!(purged.contains("1 in-flight"), "{purged}");
+        },
     );
 }
 
