@@ -13,7 +13,8 @@ use diesel::sql_types::{BigInt, Bool};
 use diesel::QueryableByName;
 use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use idempotency_actix::store::{
-    postgres, IdempotencyStore, PostgresStore, ReserveOutcome, Scope, StoredResponse, WriteOutcome,
+    postgres, IdempotencyStore, PostgresStore, ReservationToken, ReserveOutcome, Scope,
+    StoredResponse, WriteOutcome,
 };
 use idempotency_actix::Fingerprint;
 use idempotency_e2e::records::{self, State};
@@ -93,6 +94,74 @@ fn json_one(out: &Output) -> Value {
     lines.remove(0)
 }
 
+/// Run `idem-cli args...` against `url` ([`idem`]) and assert its exit code ([`expect_code`]).
+#[track_caller]
+fn idem_code(url: &str, args: &[&str], code: i32) -> Output {
+    let out = idem(url, args);
+    expect_code(&out, code);
+    out
+}
+
+/// Run `idem-cli args...` against `url`, expecting exit 0 and one JSON line: that line.
+#[track_caller]
+fn idem_json(url: &str, args: &[&str]) -> Value {
+    json_one(&idem_code(url, args, 0))
+}
+
+/// Run `idem-cli args...` with no `DATABASE_URL` at all (none passed, the test's own removed).
+fn idem_without_url(args: &[&str]) -> Output {
+    Command::new(BIN)
+        .args(args)
+        .env_remove("DATABASE_URL")
+        .output()
+        .expect("run")
+}
+
+/// Assert that `out`'s stdout contains `needle`.
+#[track_caller]
+fn assert_stdout_has(out: &Output, needle: &str) {
+    let text = stdout(out);
+    assert!(text.contains(needle), "stdout lacks {needle:?}: {text}");
+}
+
+/// Assert that `out`'s stderr contains `needle`.
+#[track_caller]
+fn assert_stderr_has(out: &Output, needle: &str) {
+    let text = stderr(out);
+    assert!(text.contains(needle), "stderr lacks {needle:?}: {text}");
+}
+
+/// Run each of `commands` on `url`: each exits 4 and says to run `idem-cli migrate`.
+#[track_caller]
+fn assert_each_not_provisioned(url: &str, commands: &[&[&str]]) {
+    for args in commands {
+        let out = idem_code(url, args, NOT_PROVISIONED);
+        assert!(
+            stderr(&out).contains("idem-cli migrate"),
+            "{args:?}: {}",
+            stderr(&out)
+        );
+    }
+}
+
+/// `idem-cli migrate --partitioned --interval <interval>` on `url`, expecting exit 0.
+#[track_caller]
+fn migrate_partitioned(url: &str, interval: &str) -> Output {
+    idem_code(
+        url,
+        &["migrate", "--partitioned", "--interval", interval],
+        0,
+    )
+}
+
+/// A port on 127.0.0.1 that nothing listens on: one we just had and closed.
+fn closed_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("free port")
+        .port()
+}
+
 async fn connect(db: &TestDb) -> AsyncPgConnection {
     postgres::establish(&db.url)
         .await
@@ -108,11 +177,7 @@ const COVERING_THE_HORIZON: &str = "SELECT count(*) AS n FROM idempotency_partit
 /// A database migrated to the hourly partitioned layout, with [`add_past_partition`].
 async fn hourly_partitioned_with_a_past_partition() -> (TestDb, AsyncPgConnection) {
     let db = TestDb::new_unmigrated().await;
-    let out = idem(
-        &db.url,
-        &["migrate", "--partitioned", "--interval", "hourly"],
-    );
-    expect_code(&out, 0);
+    migrate_partitioned(&db.url, "hourly");
     let mut conn = connect(&db).await;
     add_past_partition(&mut conn).await;
     (db, conn)
@@ -171,48 +236,87 @@ fn fingerprint(body: &str) -> Fingerprint {
     Fingerprint::of_request("POST", "/payments", "", true, body.as_bytes())
 }
 
+/// `store.reserve` with a lease of `lease_secs`; the store must answer.
+async fn reserve(
+    store: &PostgresStore,
+    scope: &Scope,
+    fingerprint: &Fingerprint,
+    lease_secs: u64,
+) -> ReserveOutcome {
+    store
+        .reserve(scope, fingerprint, Duration::from_secs(lease_secs))
+        .await
+        .expect("reserve")
+}
+
+/// Reserve a key that must be free and return the reservation's token (`what` says which
+/// reservation failed).
+async fn reserve_token(
+    store: &PostgresStore,
+    scope: &Scope,
+    fingerprint: &Fingerprint,
+    lease_secs: u64,
+    what: &str,
+) -> ReservationToken {
+    match reserve(store, scope, fingerprint, lease_secs).await {
+        ReserveOutcome::Reserved { token } => token,
+        other => panic!("{what}: {other:?}"),
+    }
+}
+
+/// `store.complete` with a TTL of `ttl_secs`; the store must answer.
+async fn complete(
+    store: &PostgresStore,
+    scope: &Scope,
+    token: &ReservationToken,
+    response: &StoredResponse,
+    ttl_secs: u64,
+) -> WriteOutcome {
+    store
+        .complete(scope, token, response, Duration::from_secs(ttl_secs))
+        .await
+        .expect("complete")
+}
+
+/// A response with `status`, no headers and `body`.
+fn stored(status: u16, body: impl Into<Bytes>) -> StoredResponse {
+    StoredResponse {
+        status,
+        headers: vec![],
+        body: body.into(),
+    }
+}
+
 #[tokio::test]
 async fn migrate_twice_and_check_gates_deploys() {
     let db = TestDb::new_unmigrated().await;
 
-    let out = idem(&db.url, &["migrate", "--check"]);
-    expect_code(&out, PENDING);
-    assert!(
-        stdout(&out).contains("pending 2026-11-30-000001_create_idempotency_keys"),
-        "{}",
-        stdout(&out)
-    );
-    assert!(
-        stdout(&out).contains("pending 2026-11-30-000002_reserve_function"),
-        "{}",
-        stdout(&out)
-    );
-    assert!(stderr(&out).contains("pending"), "{}", stderr(&out));
+    let out = idem_code(&db.url, &["migrate", "--check"], PENDING);
+    assert_stdout_has(&out, "pending 2026-11-30-000001_create_idempotency_keys");
+    assert_stdout_has(&out, "pending 2026-11-30-000002_reserve_function");
+    assert_stderr_has(&out, "pending");
 
-    let out = idem(&db.url, &["migrate", "--check", "--format", "json"]);
-    expect_code(&out, PENDING);
+    let out = idem_code(
+        &db.url,
+        &["migrate", "--check", "--format", "json"],
+        PENDING,
+    );
     assert_eq!(json_one(&out)["up_to_date"], Value::Bool(false));
 
     // --check applied nothing: every other command still says "not provisioned".
-    for args in [
-        &["list"][..],
-        &["stats"],
-        &["purge"],
-        &["purge", "--dry-run"],
-        &["show", "k"],
-        &["release", "k"],
-    ] {
-        let out = idem(&db.url, args);
-        expect_code(&out, NOT_PROVISIONED);
-        assert!(
-            stderr(&out).contains("idem-cli migrate"),
-            "{args:?}: {}",
-            stderr(&out)
-        );
-    }
+    assert_each_not_provisioned(
+        &db.url,
+        &[
+            &["list"],
+            &["stats"],
+            &["purge"],
+            &["purge", "--dry-run"],
+            &["show", "k"],
+            &["release", "k"],
+        ],
+    );
 
-    let out = idem(&db.url, &["migrate"]);
-    expect_code(&out, 0);
+    let out = idem_code(&db.url, &["migrate"], 0);
     assert_eq!(
         stdout(&out),
         "applied 2026-11-30-000001_create_idempotency_keys\n\
@@ -230,27 +334,18 @@ async fn migrate_twice_and_check_gates_deploys() {
          layout: plain\n"
     );
 
-    let out = idem(&db.url, &["migrate"]);
-    expect_code(&out, 0);
-    assert!(
-        stdout(&out).contains("nothing to apply"),
-        "{}",
-        stdout(&out)
-    );
+    let out = idem_code(&db.url, &["migrate"], 0);
+    assert_stdout_has(&out, "nothing to apply");
 
-    let out = idem(&db.url, &["migrate", "--check"]);
-    expect_code(&out, 0);
-    assert!(stdout(&out).contains("up to date"), "{}", stdout(&out));
+    let out = idem_code(&db.url, &["migrate", "--check"], 0);
+    assert_stdout_has(&out, "up to date");
 
-    let out = idem(&db.url, &["--format", "json", "migrate", "--check"]);
-    expect_code(&out, 0);
-    let v = json_one(&out);
+    let v = idem_json(&db.url, &["--format", "json", "migrate", "--check"]);
     assert_eq!(v["up_to_date"], Value::Bool(true));
     assert_eq!(v["pending"], Value::Array(vec![]));
 
-    let out = idem(&db.url, &["stats", "--format", "json"]);
-    expect_code(&out, 0);
-    assert_eq!(json_one(&out)["total"], 0);
+    let stats = idem_json(&db.url, &["stats", "--format", "json"]);
+    assert_eq!(stats["total"], 0);
 }
 
 /// A table or function dropped by hand under a provisioned database: the other commands say
@@ -271,17 +366,11 @@ async fn migrate_does_not_call_a_schema_dropped_by_hand_up_to_date() {
             &["migrate"],
             &["--format", "json", "migrate", "--check"],
         ] {
-            let out = idem(&db.url, args);
-            expect_code(&out, NOT_PROVISIONED);
+            let out = idem_code(&db.url, args, NOT_PROVISIONED);
             let err = stderr(&out);
-            assert!(
-                err.contains("recorded as applied"),
-                "{drop}, {args:?}: {err}"
-            );
-            assert!(
-                err.contains("docs/operations.md"),
-                "{drop}, {args:?}: {err}"
-            );
+            for needle in ["recorded as applied", "docs/operations.md"] {
+                assert!(err.contains(needle), "{drop}, {args:?}: {err}");
+            }
             assert!(
                 !stdout(&out).contains("up to date"),
                 "{drop}, {args:?}: {}",
@@ -295,38 +384,33 @@ async fn migrate_does_not_call_a_schema_dropped_by_hand_up_to_date() {
 async fn purge_fixture(conn: &mut AsyncPgConnection) {
     let two_days = -2 * DAY;
     let five_days = -5 * DAY;
-    // Expired completed records: 3 in tenant a (one created 5 days ago), 2 in tenant b.
-    seed(conn, "a", "exp-a1", State::Completed, two_days, -HOUR).await;
-    seed(conn, "a", "exp-a2", State::Completed, two_days, -1).await;
-    seed(conn, "a", "exp-a3", State::Completed, five_days, -4 * DAY).await;
-    seed(conn, "b", "exp-b1", State::Completed, two_days, -DAY).await;
-    seed(conn, "b", "exp-b2", State::Completed, two_days, -DAY).await;
-    // Live completed records: never purged.
-    seed(conn, "a", "live-a1", State::Completed, 0, DAY).await;
-    seed(conn, "b", "live-b1", State::Completed, 0, DAY).await;
-    seed(conn, "b", "live-b2", State::Completed, two_days, MINUTE).await;
-    // Reservations: lease ended 2 days ago (beyond the default 24h grace), 10 minutes ago
-    // (within it), and one still running.
-    seed(conn, "a", "stuck-old", State::InFlight, five_days, -2 * DAY).await;
-    seed(
-        conn,
-        "b",
-        "stuck-old-b",
-        State::InFlight,
-        five_days,
-        -2 * DAY,
-    )
-    .await;
-    seed(
-        conn,
-        "a",
-        "stuck-new",
-        State::InFlight,
-        -11 * MINUTE,
-        -10 * MINUTE,
-    )
-    .await;
-    seed(conn, "a", "running", State::InFlight, 0, MINUTE).await;
+    let rows = [
+        // Expired completed records: 3 in tenant a (one created 5 days ago), 2 in tenant b.
+        ("a", "exp-a1", State::Completed, two_days, -HOUR),
+        ("a", "exp-a2", State::Completed, two_days, -1),
+        ("a", "exp-a3", State::Completed, five_days, -4 * DAY),
+        ("b", "exp-b1", State::Completed, two_days, -DAY),
+        ("b", "exp-b2", State::Completed, two_days, -DAY),
+        // Live completed records: never purged.
+        ("a", "live-a1", State::Completed, 0, DAY),
+        ("b", "live-b1", State::Completed, 0, DAY),
+        ("b", "live-b2", State::Completed, two_days, MINUTE),
+        // Reservations: lease ended 2 days ago (beyond the default 24h grace), 10 minutes ago
+        // (within it), and one still running.
+        ("a", "stuck-old", State::InFlight, five_days, -2 * DAY),
+        ("b", "stuck-old-b", State::InFlight, five_days, -2 * DAY),
+        (
+            "a",
+            "stuck-new",
+            State::InFlight,
+            -11 * MINUTE,
+            -10 * MINUTE,
+        ),
+        ("a", "running", State::InFlight, 0, MINUTE),
+    ];
+    for (tenant, key, state, created, expires) in rows {
+        seed(conn, tenant, key, state, created, expires).await;
+    }
 }
 
 #[tokio::test]
@@ -340,9 +424,7 @@ async fn purge_counts_and_deletes_exactly_the_expired_records() {
     let dry = |args: &[&str]| {
         let mut full = vec!["purge", "--dry-run", "--format", "json"];
         full.extend_from_slice(args);
-        let out = idem(&db.url, &full);
-        expect_code(&out, 0);
-        let v = json_one(&out);
+        let v = idem_json(&db.url, &full);
         assert_eq!(v["dry_run"], Value::Bool(true));
         assert_eq!(v["purged"], 0);
         (
@@ -360,8 +442,7 @@ async fn purge_counts_and_deletes_exactly_the_expired_records() {
     assert_eq!(dry(&["--older-than", "3d", "--tenant", "b"]), (1, 0, 1));
 
     // Text dry run: one line, and nothing deleted.
-    let out = idem(&db.url, &["purge", "--dry-run"]);
-    expect_code(&out, 0);
+    let out = idem_code(&db.url, &["purge", "--dry-run"], 0);
     assert_eq!(
         stdout(&out).lines().count(),
         1,
@@ -372,7 +453,7 @@ async fn purge_counts_and_deletes_exactly_the_expired_records() {
     assert_eq!(keys(&mut conn).await, all, "dry run deleted something");
 
     // Tenant b only, in batches of one.
-    let out = idem(
+    let v = idem_json(
         &db.url,
         &[
             "purge",
@@ -384,15 +465,12 @@ async fn purge_counts_and_deletes_exactly_the_expired_records() {
             "json",
         ],
     );
-    expect_code(&out, 0);
-    let v = json_one(&out);
     assert_eq!(v["purged"], 3);
     assert_eq!(v["dry_run"], Value::Bool(false));
     assert_eq!(v["batches"], 4, "3 full batches of 1, then an empty one");
 
     // The rest, in batches of two: one summary line in the documented form.
-    let out = idem(&db.url, &["purge", "--batch-size", "2"]);
-    expect_code(&out, 0);
+    let out = idem_code(&db.url, &["purge", "--batch-size", "2"], 0);
     let text = stdout(&out);
     assert_eq!(text.lines().count(), 1, "{text}");
     assert!(
@@ -407,13 +485,13 @@ async fn purge_counts_and_deletes_exactly_the_expired_records() {
         ["live-a1", "live-b1", "live-b2", "running", "stuck-new"]
     );
 
-    let out = idem(&db.url, &["purge", "--format", "json"]);
-    expect_code(&out, 0);
-    assert_eq!(json_one(&out)["purged"], 0);
+    assert_eq!(
+        idem_json(&db.url, &["purge", "--format", "json"])["purged"],
+        0
+    );
 
     // A shorter grace lets the recently stuck reservation go too; the running one stays.
-    let out = idem(&db.url, &["purge", "--grace", "1m"]);
-    expect_code(&out, 0);
+    let out = idem_code(&db.url, &["purge", "--grace", "1m"], 0);
     assert!(
         stdout(&out).starts_with("purged 1 records in "),
         "{}",
@@ -450,40 +528,35 @@ async fn purge_lock_visible(conn: &mut AsyncPgConnection) -> bool {
     .unwrap_or(false)
 }
 
+/// `SELECT function(PURGE_LOCK)` (`pg_try_advisory_lock`, `pg_advisory_unlock`) on `conn`:
+/// the boolean it answers.
+async fn call_on_purge_lock(conn: &mut AsyncPgConnection, function: &str) -> bool {
+    let answer: Flag = diesel::sql_query(format!("SELECT {function}({PURGE_LOCK}) AS flag"))
+        .get_result(conn)
+        .await
+        .unwrap_or_else(|e| panic!("{function}: {e}"));
+    answer.flag
+}
+
+/// Seed a completed record `key` of tenant `t`, created 2 days ago and expired a day ago.
+async fn seed_expired(conn: &mut AsyncPgConnection, key: &str) {
+    seed(conn, "t", key, State::Completed, -2 * DAY, -DAY).await;
+}
+
 #[tokio::test]
 async fn overlapping_purges_do_not_both_work() {
     let db = TestDb::new().await;
     let mut conn = connect(&db).await;
     for i in 0..6 {
-        seed(
-            &mut conn,
-            "t",
-            &format!("exp-{i}"),
-            State::Completed,
-            -2 * DAY,
-            -DAY,
-        )
-        .await;
+        seed_expired(&mut conn, &format!("exp-{i}")).await;
     }
 
     // 1. The lock is held elsewhere (a purge on another host): skip, say so, exit 0.
     let mut holder = connect(&db).await;
-    let locked: Flag =
-        diesel::sql_query(format!("SELECT pg_try_advisory_lock({PURGE_LOCK}) AS flag"))
-            .get_result(&mut holder)
-            .await
-            .expect("take lock");
-    assert!(locked.flag);
-    let out = idem(&db.url, &["purge"]);
-    expect_code(&out, 0);
-    assert!(
-        stdout(&out).contains("another purge is running"),
-        "{}",
-        stdout(&out)
-    );
-    let out = idem(&db.url, &["purge", "--format", "json"]);
-    expect_code(&out, 0);
-    let v = json_one(&out);
+    assert!(call_on_purge_lock(&mut holder, "pg_try_advisory_lock").await);
+    let out = idem_code(&db.url, &["purge"], 0);
+    assert_stdout_has(&out, "another purge is running");
+    let v = idem_json(&db.url, &["purge", "--format", "json"]);
     assert_eq!(v["skipped"], Value::Bool(true));
     assert_eq!(v["purged"], 0);
     assert_eq!(
@@ -493,18 +566,13 @@ async fn overlapping_purges_do_not_both_work() {
     );
     // Unlock explicitly: a dropped connection's session (and its lock) ends asynchronously, and
     // the next step must see only the first purge's lock.
-    let unlocked: Flag =
-        diesel::sql_query(format!("SELECT pg_advisory_unlock({PURGE_LOCK}) AS flag"))
-            .get_result(&mut holder)
-            .await
-            .expect("unlock");
-    assert!(unlocked.flag);
+    assert!(call_on_purge_lock(&mut holder, "pg_advisory_unlock").await);
     assert!(!purge_lock_visible(&mut conn).await);
     drop(holder);
 
     // 2. Two real purges at once: the first is slowed down (batches of one, pauses) and the
     // second starts while the first visibly holds the lock.
-    let first = command(
+    let first = spawn_idem(
         &db.url,
         &[
             "purge",
@@ -515,11 +583,7 @@ async fn overlapping_purges_do_not_both_work() {
             "--format",
             "json",
         ],
-    )
-    .stdout(Stdio::piped())
-    .stderr(Stdio::piped())
-    .spawn()
-    .expect("spawn first purge");
+    );
     let started = Instant::now();
     while !purge_lock_visible(&mut conn).await {
         assert!(
@@ -538,9 +602,8 @@ async fn overlapping_purges_do_not_both_work() {
     assert!(keys(&mut conn).await.is_empty());
 
     // The lock was released: the next run works normally.
-    let out = idem(&db.url, &["purge", "--format", "json"]);
-    expect_code(&out, 0);
-    assert_eq!(json_one(&out).get("skipped"), None);
+    let v = idem_json(&db.url, &["purge", "--format", "json"]);
+    assert_eq!(v.get("skipped"), None);
 }
 
 #[tokio::test]
@@ -551,16 +614,8 @@ async fn list_show_and_stats_in_json() {
     // A completed record written by the store itself, with a JSON body and headers.
     let body = r#"{"id":"pay_1","amount":100,"currency":"EUR"}"#;
     let paid = scope("acme", "order-1");
-    let token = match store
-        .reserve(&paid, &fingerprint(body), Duration::from_secs(60))
-        .await
-        .expect("reserve")
-    {
-        ReserveOutcome::Reserved { token } => token,
-        other => panic!("{other:?}"),
-    };
+    let token = reserve_token(&store, &paid, &fingerprint(body), 60, "acme/order-1").await;
     let response = StoredResponse {
-        status: 201,
         headers: vec![
             (
                 "content-type".into(),
@@ -568,67 +623,29 @@ async fn list_show_and_stats_in_json() {
             ),
             ("x-raw".into(), Bytes::from_static(&[0xff, 0x00])),
         ],
-        body: Bytes::from(body),
+        ..stored(201, body)
     };
-    let written = store
-        .complete(&paid, &token, &response, Duration::from_secs(86_400))
-        .await
-        .expect("complete");
+    let written = complete(&store, &paid, &token, &response, 86_400).await;
     assert_eq!(written, WriteOutcome::Applied);
 
     // A completed record with a binary body, in another tenant.
     let binary = scope("globex", "order-1");
-    let token = match store
-        .reserve(&binary, &fingerprint("x"), Duration::from_secs(60))
-        .await
-        .expect("reserve")
-    {
-        ReserveOutcome::Reserved { token } => token,
-        other => panic!("{other:?}"),
-    };
+    let token = reserve_token(&store, &binary, &fingerprint("x"), 60, "globex/order-1").await;
     let bin_body: Vec<u8> = (0u8..=255).cycle().take(600).collect();
-    let bin_response = StoredResponse {
-        status: 200,
-        headers: vec![],
-        body: Bytes::from(bin_body.clone()),
-    };
-    store
-        .complete(&binary, &token, &bin_response, Duration::from_secs(86_400))
-        .await
-        .expect("complete");
+    complete(&store, &binary, &token, &stored(200, bin_body), 86_400).await;
 
     // A running reservation, an old stuck one and an expired completed record.
-    store
-        .reserve(
-            &scope("acme", "order-2"),
-            &fingerprint("y"),
-            Duration::from_secs(60),
-        )
-        .await
-        .expect("reserve");
+    reserve(&store, &scope("acme", "order-2"), &fingerprint("y"), 60).await;
     let mut conn = connect(&db).await;
-    seed(
-        &mut conn,
-        "acme",
-        "stuck-1",
-        State::InFlight,
-        -3 * HOUR,
-        -2 * HOUR,
-    )
-    .await;
-    seed(
-        &mut conn,
-        "acme",
-        "old-1",
-        State::Completed,
-        -3 * DAY,
-        -2 * DAY,
-    )
-    .await;
+    for (key, state, created, expires) in [
+        ("stuck-1", State::InFlight, -3 * HOUR, -2 * HOUR),
+        ("old-1", State::Completed, -3 * DAY, -2 * DAY),
+    ] {
+        seed(&mut conn, "acme", key, state, created, expires).await;
+    }
 
     // list: every record, oldest first, one JSON object per line.
-    let out = idem(&db.url, &["list", "--format", "json"]);
-    expect_code(&out, 0);
+    let out = idem_code(&db.url, &["list", "--format", "json"], 0);
     let all = json_lines(&out);
     assert_eq!(all.len(), 5);
     assert_eq!(all[0]["key"], "old-1");
@@ -636,8 +653,7 @@ async fn list_show_and_stats_in_json() {
     let keys_of = |args: &[&str]| -> Vec<String> {
         let mut full = vec!["list", "--format", "json"];
         full.extend_from_slice(args);
-        let out = idem(&db.url, &full);
-        expect_code(&out, 0);
+        let out = idem_code(&db.url, &full, 0);
         let mut keys: Vec<String> = json_lines(&out)
             .iter()
             .map(|v| {
@@ -677,25 +693,20 @@ async fn list_show_and_stats_in_json() {
     assert_eq!(stuck["expired"], Value::Bool(true));
 
     // The table form: a header and one row per record.
-    let out = idem(&db.url, &["list"]);
-    expect_code(&out, 0);
-    let table = stdout(&out);
+    let table = stdout(&idem_code(&db.url, &["list"], 0));
     assert!(table.starts_with("TENANT"), "{table}");
     assert_eq!(table.lines().count(), 6, "{table}");
-    let out = idem(&db.url, &["list", "--limit", "1"]);
-    expect_code(&out, 0);
+    let out = idem_code(&db.url, &["list", "--limit", "1"], 0);
     assert!(
         stderr(&out).contains("--limit"),
         "truncation is said on stderr"
     );
 
     // show: the whole record with its decoded headers and parsed body.
-    let out = idem(
+    let v = idem_json(
         &db.url,
         &["show", "order-1", "--tenant", "acme", "--format", "json"],
     );
-    expect_code(&out, 0);
-    let v = json_one(&out);
     assert_eq!(v["tenant"], "acme");
     assert_eq!(v["state"], "completed");
     assert_eq!(v["fingerprint"], fingerprint(body).to_hex());
@@ -711,23 +722,21 @@ async fn list_show_and_stats_in_json() {
     );
 
     // Without --tenant the key matches in both tenants: both are shown.
-    let out = idem(&db.url, &["show", "order-1", "--format", "json"]);
-    expect_code(&out, 0);
+    let out = idem_code(&db.url, &["show", "order-1", "--format", "json"], 0);
     assert_eq!(json_lines(&out).len(), 2);
 
     // Text: JSON bodies pretty-printed in their stored key order; binary bodies as hex.
-    let out = idem(
+    let text = stdout(&idem_code(
         &db.url,
         &["show", "order-1", "--tenant", "acme", "--method", "post"],
-    );
-    expect_code(&out, 0);
-    let text = stdout(&out);
+        0,
+    ));
     assert!(
         text.contains("  {\n    \"id\": \"pay_1\",\n    \"amount\": 100,"),
         "{text}"
     );
     assert!(text.contains("content-type: application/json"), "{text}");
-    let out = idem(
+    let text = stdout(&idem_code(
         &db.url,
         &[
             "show",
@@ -737,18 +746,15 @@ async fn list_show_and_stats_in_json() {
             "--path",
             "/payments",
         ],
-    );
-    expect_code(&out, 0);
-    let text = stdout(&out);
+        0,
+    ));
     assert!(text.contains("600 bytes"), "{text}");
     assert!(text.contains("00000000  00 01 02 03"), "{text}");
     assert!(text.contains("344 more bytes"), "{text}");
-    let out = idem(
+    let v = idem_json(
         &db.url,
         &["show", "order-1", "--tenant", "globex", "--format", "json"],
     );
-    expect_code(&out, 0);
-    let v = json_one(&out);
     assert_eq!(v["response"]["body_bytes"], 600);
     assert_eq!(v["response"]["body_json"], Value::Null);
     assert!(v["response"]["body_base64"]
@@ -756,22 +762,21 @@ async fn list_show_and_stats_in_json() {
         .is_some_and(|b| b.starts_with("AAECAwQF")));
 
     // An in-flight record has no response yet.
-    let out = idem(&db.url, &["show", "order-2", "--format", "json"]);
-    expect_code(&out, 0);
-    let v = json_one(&out);
+    let v = idem_json(&db.url, &["show", "order-2", "--format", "json"]);
     assert_eq!(v["state"], "in_flight");
     assert_eq!(v["lease_live"], Value::Bool(true));
     assert_eq!(v.get("response"), None);
 
     // No such record: exit 6, one line.
-    let out = idem(&db.url, &["show", "order-1", "--tenant", "initech"]);
-    expect_code(&out, NOT_FOUND_OR_REFUSED);
-    assert!(stderr(&out).contains("no record"), "{}", stderr(&out));
+    let out = idem_code(
+        &db.url,
+        &["show", "order-1", "--tenant", "initech"],
+        NOT_FOUND_OR_REFUSED,
+    );
+    assert_stderr_has(&out, "no record");
 
     // stats: counts by state, expired-but-not-purged, oldest in-flight, sizes.
-    let out = idem(&db.url, &["stats", "--format", "json"]);
-    expect_code(&out, 0);
-    let s = json_one(&out);
+    let s = idem_json(&db.url, &["stats", "--format", "json"]);
     assert_eq!(s["total"], 5);
     assert_eq!(s["in_flight"], 2);
     assert_eq!(s["in_flight_lease_live"], 1);
@@ -786,9 +791,7 @@ async fn list_show_and_stats_in_json() {
         .is_some_and(|a| a > 3.0 * 3600.0 - 60.0));
     assert!(s["table_bytes"].as_i64().is_some_and(|b| b > 0));
     assert!(s["index_bytes"].as_i64().is_some_and(|b| b > 0));
-    let out = idem(&db.url, &["stats"]);
-    expect_code(&out, 0);
-    assert!(stdout(&out).contains("stuck-1"), "{}", stdout(&out));
+    assert_stdout_has(&idem_code(&db.url, &["stats"], 0), "stuck-1");
 }
 
 /// From review R2 (2026-12-05): an expired completed record was refused with "removing it
@@ -799,27 +802,13 @@ async fn release_of_an_expired_completed_record_says_it_is_expired() {
     let db = TestDb::new().await;
     let store = PostgresStore::connect(&db.url).await.expect("store");
     let key = scope("acme", "charge-9");
-    let token = match store
-        .reserve(&key, &fingerprint("{}"), Duration::from_secs(60))
-        .await
-        .expect("reserve")
-    {
-        ReserveOutcome::Reserved { token } => token,
-        other => panic!("a new key was not reserved: {other:?}"),
-    };
-    let response = StoredResponse {
-        status: 201,
-        headers: vec![],
-        body: Bytes::from_static(b"{}"),
-    };
-    store
-        .complete(&key, &token, &response, Duration::from_secs(1))
-        .await
-        .expect("complete");
+    let new_key = "a new key was not reserved";
+    let token = reserve_token(&store, &key, &fingerprint("{}"), 60, new_key).await;
+    complete(&store, &key, &token, &stored(201, "{}"), 1).await;
     tokio::time::sleep(Duration::from_millis(1500)).await;
 
-    let out = idem(&db.url, &["release", "charge-9", "--tenant", "acme"]);
-    expect_code(&out, NOT_FOUND_OR_REFUSED);
+    let release = ["release", "charge-9", "--tenant", "acme"];
+    let out = idem_code(&db.url, &release, NOT_FOUND_OR_REFUSED);
     let err = stderr(&out);
     assert!(err.contains("expired"), "{err}");
     assert!(err.contains("runs again whether or not"), "{err}");
@@ -834,55 +823,33 @@ async fn release_unsticks_a_key_for_the_store() {
     let key = scope("acme", "charge-7");
     let original = fingerprint(r#"{"amount":100}"#);
     let changed = fingerprint(r#"{"amount":200}"#);
+    let release = ["release", "charge-7", "--tenant", "acme"];
+    let force = ["release", "charge-7", "--tenant", "acme", "--force"];
 
     // A request holds the key (its process then "hangs"): the key is blocked.
-    let reserved = store
-        .reserve(&key, &original, Duration::from_secs(60))
-        .await
-        .expect("reserve");
+    let reserved = reserve(&store, &key, &original, 60).await;
     assert!(matches!(reserved, ReserveOutcome::Reserved { .. }));
-    assert!(matches!(
-        store
-            .reserve(&key, &changed, Duration::from_secs(60))
-            .await
-            .expect("reserve"),
-        ReserveOutcome::InFlight { .. }
-    ));
+    let blocked = reserve(&store, &key, &changed, 60).await;
+    assert!(matches!(blocked, ReserveOutcome::InFlight { .. }));
 
     // Its lease is still running: release refuses without --force (exit 6), nothing removed.
-    let out = idem(&db.url, &["release", "charge-7", "--tenant", "acme"]);
-    expect_code(&out, NOT_FOUND_OR_REFUSED);
-    assert!(stderr(&out).contains("--force"), "{}", stderr(&out));
-    assert!(matches!(
-        store
-            .reserve(&key, &changed, Duration::from_secs(60))
-            .await
-            .expect("reserve"),
-        ReserveOutcome::InFlight { .. }
-    ));
+    let out = idem_code(&db.url, &release, NOT_FOUND_OR_REFUSED);
+    assert_stderr_has(&out, "--force");
+    let blocked = reserve(&store, &key, &changed, 60).await;
+    assert!(matches!(blocked, ReserveOutcome::InFlight { .. }));
 
     // --force removes it and says what it removed; the key can be reserved again at once.
-    let out = idem(
-        &db.url,
-        &["release", "charge-7", "--tenant", "acme", "--force"],
-    );
-    expect_code(&out, 0);
-    let text = stdout(&out);
+    let text = stdout(&idem_code(&db.url, &force, 0));
     assert!(
         text.starts_with("released in_flight tenant=\"acme\" POST /payments key=\"charge-7\""),
         "{text}"
     );
-    assert!(matches!(
-        store
-            .reserve(&key, &changed, Duration::from_secs(1))
-            .await
-            .expect("reserve"),
-        ReserveOutcome::Reserved { .. }
-    ));
+    let again = reserve(&store, &key, &changed, 1).await;
+    assert!(matches!(again, ReserveOutcome::Reserved { .. }));
 
     // A reservation whose lease ended is released without --force (JSON output).
     tokio::time::sleep(Duration::from_millis(1200)).await;
-    let out = idem(
+    let v = idem_json(
         &db.url,
         &[
             "release",
@@ -897,110 +864,51 @@ async fn release_unsticks_a_key_for_the_store() {
             "json",
         ],
     );
-    expect_code(&out, 0);
-    let v = json_one(&out);
     assert_eq!(v["released"], Value::Bool(true));
     assert_eq!(v["state"], "in_flight");
-    let token = match store
-        .reserve(&key, &original, Duration::from_secs(60))
-        .await
-        .expect("reserve")
-    {
-        ReserveOutcome::Reserved { token } => token,
-        other => panic!("the released key was not accepted again: {other:?}"),
-    };
+    let not_again = "the released key was not accepted again";
+    let token = reserve_token(&store, &key, &original, 60, not_again).await;
 
     // A completed record is refused without --force, released with it.
-    let response = StoredResponse {
-        status: 201,
-        headers: vec![],
-        body: Bytes::from_static(b"{}"),
-    };
-    store
-        .complete(&key, &token, &response, Duration::from_secs(3600))
-        .await
-        .expect("complete");
-    let out = idem(&db.url, &["release", "charge-7", "--tenant", "acme"]);
-    expect_code(&out, NOT_FOUND_OR_REFUSED);
-    assert!(stderr(&out).contains("completed"), "{}", stderr(&out));
-    assert!(matches!(
-        store
-            .reserve(&key, &original, Duration::from_secs(60))
-            .await
-            .expect("reserve"),
-        ReserveOutcome::Completed { .. }
-    ));
-    let out = idem(
-        &db.url,
-        &["release", "charge-7", "--tenant", "acme", "--force"],
-    );
-    expect_code(&out, 0);
+    complete(&store, &key, &token, &stored(201, "{}"), 3600).await;
+    let out = idem_code(&db.url, &release, NOT_FOUND_OR_REFUSED);
+    assert_stderr_has(&out, "completed");
+    let replayed = reserve(&store, &key, &original, 60).await;
+    assert!(matches!(replayed, ReserveOutcome::Completed { .. }));
+    let out = idem_code(&db.url, &force, 0);
     assert!(
         stdout(&out).starts_with("released completed "),
         "{}",
         stdout(&out)
     );
-    assert!(matches!(
-        store
-            .reserve(&key, &original, Duration::from_secs(60))
-            .await
-            .expect("reserve"),
-        ReserveOutcome::Reserved { .. }
-    ));
+    let again = reserve(&store, &key, &original, 60).await;
+    assert!(matches!(again, ReserveOutcome::Reserved { .. }));
 
     // Unknown keys and ambiguous keys are refused; several keys are handled one by one.
-    let out = idem(&db.url, &["release", "no-such-key"]);
-    expect_code(&out, NOT_FOUND_OR_REFUSED);
-    assert!(stderr(&out).contains("no record"), "{}", stderr(&out));
-    store
-        .reserve(
-            &scope("globex", "charge-7"),
-            &original,
-            Duration::from_secs(60),
-        )
-        .await
-        .expect("reserve");
-    let out = idem(&db.url, &["release", "charge-7", "--force"]);
-    expect_code(&out, NOT_FOUND_OR_REFUSED);
-    assert!(
-        stderr(&out).contains("matches 2 records"),
-        "{}",
-        stderr(&out)
+    let out = idem_code(&db.url, &["release", "no-such-key"], NOT_FOUND_OR_REFUSED);
+    assert_stderr_has(&out, "no record");
+    reserve(&store, &scope("globex", "charge-7"), &original, 60).await;
+    let out = idem_code(
+        &db.url,
+        &["release", "charge-7", "--force"],
+        NOT_FOUND_OR_REFUSED,
     );
+    assert_stderr_has(&out, "matches 2 records");
 
     let mut conn = connect(&db).await;
-    seed(
-        &mut conn,
-        "",
-        "dead-1",
-        State::InFlight,
-        -HOUR,
-        -50 * MINUTE,
-    )
-    .await;
-    seed(
-        &mut conn,
-        "",
-        "dead-2",
-        State::InFlight,
-        -HOUR,
-        -50 * MINUTE,
-    )
-    .await;
-    let out = idem(&db.url, &["release", "dead-1", "dead-2", "--tenant", ""]);
-    expect_code(&out, 0);
+    for dead in ["dead-1", "dead-2"] {
+        seed(&mut conn, "", dead, State::InFlight, -HOUR, -50 * MINUTE).await;
+    }
+    let out = idem_code(&db.url, &["release", "dead-1", "dead-2", "--tenant", ""], 0);
     assert_eq!(stdout(&out).lines().count(), 2, "{}", stdout(&out));
-    assert!(stdout(&out).contains("tenant=(global)"), "{}", stdout(&out));
+    assert_stdout_has(&out, "tenant=(global)");
     assert_eq!(keys(&mut conn).await, ["charge-7", "charge-7"]);
 }
 
 #[tokio::test]
 async fn failures_have_one_line_and_distinct_exit_codes() {
     // Nothing listens on a port we just had and closed.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("free port")
-        .port();
+    let port = closed_port();
     let closed = format!("postgres://postgres@127.0.0.1:{port}/postgres");
     for args in [
         &["list"][..],
@@ -1009,20 +917,21 @@ async fn failures_have_one_line_and_distinct_exit_codes() {
         &["migrate"],
         &["migrate", "--check"],
     ] {
-        let out = idem(&closed, args);
-        expect_code(&out, UNAVAILABLE);
-        assert!(stderr(&out).contains("cannot connect"), "{}", stderr(&out));
+        let out = idem_code(&closed, args, UNAVAILABLE);
+        assert!(
+            stderr(&out).contains("cannot connect"),
+            "{args:?}: {}",
+            stderr(&out)
+        );
     }
 
     // A database that does not exist, and a role that does not exist (the server refuses the
     // login, which is what wrong credentials look like under trust authentication).
     let db = TestDb::new().await;
     let missing_db = idempotency_e2e::with_database(&db.url, "idem_cli_no_such_database");
-    let out = idem(&missing_db, &["stats"]);
-    expect_code(&out, UNAVAILABLE);
+    idem_code(&missing_db, &["stats"], UNAVAILABLE);
     let bad_role = with_user(&db.url, "idem_cli_no_such_role", Some("wrong-password"));
-    let out = idem(&bad_role, &["list"]);
-    expect_code(&out, UNAVAILABLE);
+    let out = idem_code(&bad_role, &["list"], UNAVAILABLE);
     assert!(
         !stderr(&out).contains("wrong-password"),
         "password printed: {}",
@@ -1034,21 +943,16 @@ async fn failures_have_one_line_and_distinct_exit_codes() {
     conn.batch_execute("DROP TABLE idempotency_keys")
         .await
         .expect("drop");
-    for args in [
-        &["list"][..],
-        &["stats"],
-        &["purge"],
-        &["show", "k"],
-        &["release", "k"],
-    ] {
-        let out = idem(&db.url, args);
-        expect_code(&out, NOT_PROVISIONED);
-        assert!(
-            stderr(&out).contains("idem-cli migrate"),
-            "{}",
-            stderr(&out)
-        );
-    }
+    assert_each_not_provisioned(
+        &db.url,
+        &[
+            &["list"],
+            &["stats"],
+            &["purge"],
+            &["show", "k"],
+            &["release", "k"],
+        ],
+    );
 
     // Bad arguments: exit 2 before any connection is attempted.
     for args in [
@@ -1065,34 +969,19 @@ async fn failures_have_one_line_and_distinct_exit_codes() {
         &["--format", "yaml", "stats"],
         &[],
     ] {
-        let out = idem(&closed, args);
-        expect_code(&out, USAGE);
+        idem_code(&closed, args, USAGE);
     }
-    let out = idem("mysql://localhost/db", &["stats"]);
+    idem_code("mysql://localhost/db", &["stats"], USAGE);
+    let out = idem_code(&format!("{}?sslmode=bogus", db.url), &["stats"], USAGE);
+    assert_stderr_has(&out, "sslmode");
+    let out = idem_without_url(&["stats"]);
     expect_code(&out, USAGE);
-    let out = idem(&format!("{}?sslmode=bogus", db.url), &["stats"]);
-    expect_code(&out, USAGE);
-    assert!(stderr(&out).contains("sslmode"), "{}", stderr(&out));
-    let out = Command::new(BIN)
-        .arg("stats")
-        .env_remove("DATABASE_URL")
-        .output()
-        .expect("run");
-    expect_code(&out, USAGE);
-    assert!(stderr(&out).contains("DATABASE_URL"), "{}", stderr(&out));
+    assert_stderr_has(&out, "DATABASE_URL");
     // A bare `idem-cli` (no arguments at all, no environment) is one line too, not a page of help.
-    let out = Command::new(BIN)
-        .env_remove("DATABASE_URL")
-        .output()
-        .expect("run");
+    let out = idem_without_url(&[]);
     expect_code(&out, USAGE);
-    assert!(
-        stderr(&out).contains("no command given"),
-        "{}",
-        stderr(&out)
-    );
-    let out = idem(&closed, &["show"]);
-    assert!(stderr(&out).contains("<KEY>"), "{}", stderr(&out));
+    assert_stderr_has(&out, "no command given");
+    assert_stderr_has(&idem(&closed, &["show"]), "<KEY>");
 }
 
 /// A zero `--connect-timeout` can never be met: it is a usage error (exit 2, one line), as a
@@ -1108,9 +997,12 @@ async fn zero_timeouts_are_usage_errors() {
         ("--statement-timeout", "30d"),
     ] {
         for command in ["stats", "migrate"] {
-            let out = idem(&db.url, &[flag, value, command]);
-            expect_code(&out, USAGE);
-            assert!(stderr(&out).contains(flag), "{}", stderr(&out));
+            let out = idem_code(&db.url, &[flag, value, command], USAGE);
+            assert!(
+                stderr(&out).contains(flag),
+                "{flag} {value} {command}: {}",
+                stderr(&out)
+            );
         }
     }
     let out = Command::new(BIN)
@@ -1121,25 +1013,17 @@ async fn zero_timeouts_are_usage_errors() {
         .output()
         .expect("run");
     expect_code(&out, USAGE);
-    assert!(
-        stderr(&out).contains("--connect-timeout"),
-        "{}",
-        stderr(&out)
-    );
+    assert_stderr_has(&out, "--connect-timeout");
 }
 
 #[test]
 fn help_and_version_read_well() {
-    let out = Command::new(BIN).arg("--version").output().expect("run");
-    assert_eq!(out.status.code(), Some(0));
     assert_eq!(
-        stdout(&out).trim(),
+        idem_succeeds(&["--version"]).trim(),
         format!("idem-cli {}", env!("CARGO_PKG_VERSION"))
     );
 
-    let out = Command::new(BIN).arg("--help").output().expect("run");
-    assert_eq!(out.status.code(), Some(0));
-    let help = stdout(&out);
+    let help = idem_succeeds(&["--help"]);
     for needle in [
         "Examples:",
         "Exit codes:",
@@ -1151,18 +1035,21 @@ fn help_and_version_read_well() {
         assert!(help.contains(needle), "--help lacks {needle}: {help}");
     }
     for sub in ["migrate", "purge", "list", "show", "stats", "release"] {
-        let out = Command::new(BIN)
-            .args([sub, "--help"])
-            .output()
-            .expect("run");
-        assert_eq!(out.status.code(), Some(0), "{sub} --help");
-        let help = stdout(&out);
+        let help = idem_succeeds(&[sub, "--help"]);
         assert!(
             help.contains("Examples:"),
             "{sub} --help has no example: {help}"
         );
         assert!(help.contains(&format!("idem-cli {sub}")), "{sub}: {help}");
     }
+}
+
+/// Run `idem-cli args...` in the test's own environment, expecting exit 0: its stdout.
+#[track_caller]
+fn idem_succeeds(args: &[&str]) -> String {
+    let out = Command::new(BIN).args(args).output().expect("run");
+    assert_eq!(out.status.code(), Some(0), "{args:?}");
+    stdout(&out)
 }
 
 /// `url` with its user (and password) replaced.
@@ -1181,7 +1068,7 @@ async fn purge_skips_rows_a_request_holds_instead_of_waiting() {
     let db = TestDb::new().await;
     let mut conn = connect(&db).await;
     for key in ["exp-1", "exp-2", "exp-3"] {
-        seed(&mut conn, "t", key, State::Completed, -2 * DAY, -DAY).await;
+        seed_expired(&mut conn, key).await;
     }
     // Another session (a request taking the key over) holds a row lock on exp-2.
     let mut request = connect(&db).await;
@@ -1192,8 +1079,7 @@ async fn purge_skips_rows_a_request_holds_instead_of_waiting() {
     assert_eq!(locked, 1);
 
     let started = Instant::now();
-    let out = idem(&db.url, &["purge", "--format", "json"]);
-    expect_code(&out, 0);
+    let out = idem_code(&db.url, &["purge", "--format", "json"], 0);
     assert!(
         started.elapsed() < Duration::from_secs(4),
         "purge waited for the row lock"
@@ -1203,9 +1089,10 @@ async fn purge_skips_rows_a_request_holds_instead_of_waiting() {
 
     // Once the request is done, the next run gets it.
     request.batch_execute("COMMIT").await.expect("commit");
-    let out = idem(&db.url, &["purge", "--format", "json"]);
-    expect_code(&out, 0);
-    assert_eq!(json_one(&out)["purged"], 1);
+    assert_eq!(
+        idem_json(&db.url, &["purge", "--format", "json"])["purged"],
+        1
+    );
     assert!(keys(&mut conn).await.is_empty());
 }
 
@@ -1232,10 +1119,7 @@ fn assert_no_secret(out: &Output, what: &str) {
 /// URLs (raw and percent-encoded specials), key=value strings and strings nobody can parse.
 #[test]
 fn passwords_never_appear_in_any_output() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("free port")
-        .port();
+    let port = closed_port();
     let [a, b] = SECRET_HALVES;
     let host = format!("127.0.0.1:{port}");
     let cases = [
@@ -1276,11 +1160,7 @@ fn passwords_never_appear_in_any_output() {
             assert_eq!(stderr(&out).lines().count(), 1, "{}", stderr(&out));
         }
         // The same through the flag, as operators type it.
-        let out = Command::new(BIN)
-            .args(["--database-url", url, "list"])
-            .env_remove("DATABASE_URL")
-            .output()
-            .expect("run");
+        let out = idem_without_url(&["--database-url", url, "list"]);
         assert!(matches!(out.status.code(), Some(USAGE | UNAVAILABLE)));
         assert_no_secret(&out, "--database-url");
     }
@@ -1318,11 +1198,50 @@ fn sslmode_require_with_a_question_mark_in_the_password_never_falls_back() {
         "postgres://postgres:{a}?{b}@127.0.0.1:{}/postgres",
         cluster.port
     );
-    let out = idem(&format!("{base}?sslmode=require"), &["stats"]);
-    expect_code(&out, UNAVAILABLE);
+    let out = idem_code(&format!("{base}?sslmode=require"), &["stats"], UNAVAILABLE);
     assert_no_secret(&out, "sslmode=require without TLS");
-    let out = idem(&format!("{base}?sslmode=disable"), &["stats"]);
-    expect_code(&out, NOT_PROVISIONED);
+    idem_code(
+        &format!("{base}?sslmode=disable"),
+        &["stats"],
+        NOT_PROVISIONED,
+    );
+}
+
+/// Open a transaction on `conn` that takes `lock` (a `LOCK TABLE` statement) and keeps it.
+async fn hold_in_transaction(conn: &mut AsyncPgConnection, lock: &str) {
+    conn.batch_execute(&format!("BEGIN; {lock}"))
+        .await
+        .unwrap_or_else(|e| panic!("{lock}: {e}"));
+}
+
+/// Assert what a purge whose drop step failed says on stderr (`err`: the drop step, each of
+/// `also`, the partitions the create step still made) and that they cover the horizon.
+fn assert_drop_failed_but_created(url: &str, err: &str, also: &[&str]) {
+    assert!(
+        err.contains("dropping past partitions") && also.iter().all(|a| err.contains(a)),
+        "{err}"
+    );
+    assert!(
+        err.contains("idempotency_responses_p"),
+        "the created partitions are reported: {err}"
+    );
+    assert_eq!(
+        records::count(url, COVERING_THE_HORIZON),
+        1,
+        "create step skipped"
+    );
+}
+
+/// `idem-cli --format json purge extra...` on `url`, expecting exit 0 and the past partition
+/// ([`add_past_partition`]) dropped: the JSON summary.
+#[track_caller]
+fn purge_drops_the_past_partition(url: &str, extra: &[&str]) -> Value {
+    let summary = idem_json(url, &[&["--format", "json", "purge"][..], extra].concat());
+    assert_eq!(
+        summary["partitions_dropped"],
+        serde_json::json!(["idempotency_responses_past"])
+    );
+    summary
 }
 
 /// Review of issue 15, finding 2: a drop step that fails (its lock timeout, while a reader
@@ -1338,11 +1257,9 @@ async fn partitioned_purge_creates_ahead_even_when_the_drop_fails() {
 
     // A reader of the past partition alone: the drop leaves it, and fails nothing.
     let mut reader = connect(&db).await;
-    reader
-        .batch_execute("BEGIN; LOCK TABLE idempotency_responses_past IN ACCESS SHARE MODE")
-        .await
-        .unwrap();
-    let out = idem(
+    let past_alone = "LOCK TABLE idempotency_responses_past IN ACCESS SHARE MODE";
+    hold_in_transaction(&mut reader, past_alone).await;
+    let v = idem_json(
         &db.url,
         &[
             "--format",
@@ -1354,59 +1271,42 @@ async fn partitioned_purge_creates_ahead_even_when_the_drop_fails() {
             "1",
         ],
     );
-    expect_code(&out, 0);
-    assert_eq!(json_one(&out)["partitions_dropped"], serde_json::json!([]));
+    assert_eq!(v["partitions_dropped"], serde_json::json!([]));
     reader.batch_execute("ROLLBACK").await.unwrap();
 
     // A reader of the response table (what a request holds), in an open transaction: the drop
     // waits for it and times out.
-    reader
-        .batch_execute("BEGIN; LOCK TABLE ONLY idempotency_responses IN ACCESS SHARE MODE")
-        .await
-        .unwrap();
-    let out = idem(&db.url, &["purge", "--lock-timeout", "200ms"]);
-    expect_code(&out, 1);
-    assert!(
-        stderr(&out).contains("dropping past partitions"),
-        "{}",
-        stderr(&out)
-    );
-    assert!(
-        stderr(&out).contains("idempotency_responses_p"),
-        "the created partitions are reported: {}",
-        stderr(&out)
-    );
-    assert_eq!(
-        records::count(&db.url, COVERING_THE_HORIZON),
-        1,
-        "create step skipped"
-    );
+    let as_a_request = "LOCK TABLE ONLY idempotency_responses IN ACCESS SHARE MODE";
+    hold_in_transaction(&mut reader, as_a_request).await;
+    let out = idem_code(&db.url, &["purge", "--lock-timeout", "200ms"], 1);
+    assert_drop_failed_but_created(&db.url, &stderr(&out), &[]);
 
     reader.batch_execute("ROLLBACK").await.unwrap();
-    let out = idem(&db.url, &["--format", "json", "purge"]);
-    expect_code(&out, 0);
-    let purge = json_one(&out);
-    assert_eq!(
-        purge["partitions_dropped"],
-        serde_json::json!(["idempotency_responses_past"])
-    );
+    purge_drops_the_past_partition(&db.url, &[]);
 
-    let out = idem(
-        &db.url,
-        &["purge", "--horizon", "2h", "--partitions-ahead", "2"],
-    );
-    expect_code(&out, USAGE);
+    let too_short = ["purge", "--horizon", "2h", "--partitions-ahead", "2"];
+    idem_code(&db.url, &too_short, USAGE);
 
     // C19: one summary line per run, the partition work included (cron logs read a run as one
     // line).
-    let out = idem(&db.url, &["purge"]);
-    expect_code(&out, 0);
-    let text = stdout(&out);
+    let text = stdout(&idem_code(&db.url, &["purge"], 0));
     assert_eq!(text.lines().count(), 1, "{text}");
     assert!(
         text.starts_with("purged ") && text.contains("; partitions: dropped "),
         "{text}"
     );
+}
+
+/// Run `idem-cli args...` (a purge) on `url`, expecting it to end within 60 s with exit 1 and
+/// no password text (`what` names the case): its stderr and how long it ran.
+fn purge_fails_within_a_minute(url: &str, args: &[&str], what: &str) -> (String, Duration) {
+    let started = Instant::now();
+    let out = idem_within(url, args, Duration::from_secs(60))
+        .unwrap_or_else(|| panic!("{what}: the purge still ran after 60s"));
+    let took = started.elapsed();
+    expect_code(&out, 1);
+    assert_no_secret(&out, what);
+    (stderr(&out), took)
 }
 
 /// The partitioned layout's drop and create steps are bounded by `--statement-timeout`, like
@@ -1426,17 +1326,9 @@ async fn partitioned_purge_steps_are_bounded_by_the_statement_timeout() {
 
     // 1. The whole table (LOCK TABLE takes every partition too): each partition step waits,
     // and the statement timeout ends each one.
-    holder
-        .batch_execute("BEGIN; LOCK TABLE idempotency_responses IN ACCESS EXCLUSIVE MODE")
-        .await
-        .unwrap();
-    let started = Instant::now();
-    let out = idem_within(&url, &bounded, Duration::from_secs(60))
-        .expect("purge waited for the table lock past 60s");
-    let took = started.elapsed();
-    expect_code(&out, 1);
-    assert_no_secret(&out, "purge behind a table lock");
-    let err = stderr(&out);
+    let whole_table = "LOCK TABLE idempotency_responses IN ACCESS EXCLUSIVE MODE";
+    hold_in_transaction(&mut holder, whole_table).await;
+    let (err, took) = purge_fails_within_a_minute(&url, &bounded, "purge behind a table lock");
     assert!(err.contains("dropping past partitions"), "{err}");
     assert!(err.contains("statement timeout"), "{err}");
     assert!(took < Duration::from_secs(15), "purge took {took:?}");
@@ -1455,52 +1347,22 @@ async fn partitioned_purge_steps_are_bounded_by_the_statement_timeout() {
 
     // 2. The response table alone, as a request holds it: the drop times out, the create step
     // (which takes the table in a mode readers do not block) still runs.
-    holder
-        .batch_execute("BEGIN; LOCK TABLE ONLY idempotency_responses IN ACCESS SHARE MODE")
-        .await
-        .unwrap();
-    let out = idem_within(&url, &bounded, Duration::from_secs(60))
-        .expect("purge waited for the partition lock past 60s");
-    expect_code(&out, 1);
-    assert_no_secret(&out, "purge behind a partition lock");
-    let err = stderr(&out);
-    assert!(
-        err.contains("dropping past partitions") && err.contains("statement timeout"),
-        "{err}"
-    );
-    assert!(
-        err.contains("idempotency_responses_p"),
-        "the created partitions are reported: {err}"
-    );
-    assert_eq!(
-        records::count(&db.url, COVERING_THE_HORIZON),
-        1,
-        "create step skipped"
-    );
+    let as_a_request = "LOCK TABLE ONLY idempotency_responses IN ACCESS SHARE MODE";
+    hold_in_transaction(&mut holder, as_a_request).await;
+    let (err, _) = purge_fails_within_a_minute(&url, &bounded, "purge behind a partition lock");
+    assert_drop_failed_but_created(&db.url, &err, &["statement timeout"]);
     holder.batch_execute("ROLLBACK").await.unwrap();
 
     // Released: the next purge drops the past partition.
-    let out = idem(&url, &["--format", "json", "purge"]);
-    expect_code(&out, 0);
-    assert_eq!(
-        json_one(&out)["partitions_dropped"],
-        serde_json::json!(["idempotency_responses_past"])
-    );
+    purge_drops_the_past_partition(&url, &[]);
 
     // 3. The default partition, which ATTACH takes ACCESS EXCLUSIVE on: the create step times
     // out (more partitions ahead than the horizon made, so there is one to attach).
-    holder
-        .batch_execute("BEGIN; LOCK TABLE idempotency_responses_default IN ACCESS SHARE MODE")
-        .await
-        .unwrap();
+    let default = "LOCK TABLE idempotency_responses_default IN ACCESS SHARE MODE";
+    hold_in_transaction(&mut holder, default).await;
     let ahead = [&bounded[..], &["--partitions-ahead", "40"]].concat();
-    let started = Instant::now();
-    let out = idem_within(&url, &ahead, Duration::from_secs(60))
-        .expect("purge waited for the default partition past 60s");
-    let took = started.elapsed();
-    expect_code(&out, 1);
-    assert_no_secret(&out, "purge behind the default partition's lock");
-    let err = stderr(&out);
+    let what = "purge behind the default partition's lock";
+    let (err, took) = purge_fails_within_a_minute(&url, &ahead, what);
     assert!(
         err.contains("creating partitions ahead") && err.contains("statement timeout"),
         "{err}"
@@ -1512,12 +1374,11 @@ async fn partitioned_purge_steps_are_bounded_by_the_statement_timeout() {
     assert!(took < Duration::from_secs(15), "purge took {took:?}");
     holder.batch_execute("ROLLBACK").await.unwrap();
 
-    let out = idem(
+    let v = idem_json(
         &url,
         &["--format", "json", "purge", "--partitions-ahead", "40"],
     );
-    expect_code(&out, 0);
-    let created = json_one(&out)["partitions_created"].clone();
+    let created = v["partitions_created"].clone();
     assert!(
         created.as_array().is_some_and(|c| !c.is_empty()),
         "{created}"
@@ -1531,75 +1392,40 @@ async fn partitioned_purge_steps_are_bounded_by_the_statement_timeout() {
 #[tokio::test]
 async fn partitioned_layout_migrate_check_stats_show_and_purge() {
     let db = TestDb::new_unmigrated().await;
-    let out = idem(
-        &db.url,
-        &["migrate", "--partitioned", "--interval", "hourly"],
-    );
-    expect_code(&out, 0);
-    assert!(
-        stdout(&out).contains("layout: partitioned (hourly)"),
-        "{}",
-        stdout(&out)
-    );
-    let out = idem(&db.url, &["--format", "json", "migrate", "--check"]);
-    expect_code(&out, 0);
-    assert_eq!(json_one(&out)["layout"], "partitioned (hourly)");
+    let out = migrate_partitioned(&db.url, "hourly");
+    assert_stdout_has(&out, "layout: partitioned (hourly)");
+    let v = idem_json(&db.url, &["--format", "json", "migrate", "--check"]);
+    assert_eq!(v["layout"], "partitioned (hourly)");
 
     let store = PostgresStore::connect(&db.url).await.unwrap();
     let live = scope("acme", "live-1");
-    let ReserveOutcome::Reserved { token } = store
-        .reserve(&live, &fingerprint("a"), Duration::from_secs(60))
-        .await
-        .unwrap()
-    else {
-        panic!("reserve");
-    };
-    let response = StoredResponse {
-        status: 201,
-        headers: vec![],
-        body: Bytes::from_static(b"charged"),
-    };
-    assert_eq!(
-        store
-            .complete(&live, &token, &response, Duration::from_secs(1800))
-            .await
-            .unwrap(),
-        WriteOutcome::Applied
-    );
+    let token = reserve_token(&store, &live, &fingerprint("a"), 60, "reserve").await;
+    let written = complete(&store, &live, &token, &stored(201, "charged"), 1800).await;
+    assert_eq!(written, WriteOutcome::Applied);
     let mut conn = connect(&db).await;
     add_past_partition(&mut conn).await;
 
-    let out = idem(&db.url, &["--format", "json", "stats"]);
-    expect_code(&out, 0);
-    let stats = json_one(&out);
+    let stats = idem_json(&db.url, &["--format", "json", "stats"]);
     assert_eq!(stats["layout"], "partitioned");
     assert_eq!(stats["partition_interval"], "hourly");
     assert_eq!(stats["completed_live"], 1);
     // The four made by the migration, the past one, the default.
     assert_eq!(stats["partitions"].as_array().map(Vec::len), Some(6));
 
-    let out = idem(
-        &db.url,
-        &["--format", "json", "show", "live-1", "--tenant", "acme"],
-    );
-    expect_code(&out, 0);
-    assert!(stdout(&out).contains("charged"), "{}", stdout(&out));
+    let show = ["--format", "json", "show", "live-1", "--tenant", "acme"];
+    assert_stdout_has(&idem_code(&db.url, &show, 0), "charged");
 
     // A dry run names the partition the run will drop, and drops nothing.
-    let out = idem(&db.url, &["--format", "json", "purge", "--dry-run"]);
-    expect_code(&out, 0);
-    let dry = json_one(&out);
+    let dry = idem_json(&db.url, &["--format", "json", "purge", "--dry-run"]);
     assert_eq!(
         dry["would_drop_partitions"],
         serde_json::json!(["idempotency_responses_past"])
     );
     assert_eq!(dry["partitions_dropped"], Value::Null);
-    let out = idem(&db.url, &["purge", "--dry-run"]);
-    expect_code(&out, 0);
-    assert!(
-        stdout(&out).contains("partitions: would drop 1 [idempotency_responses_past]"),
-        "{}",
-        stdout(&out)
+    let out = idem_code(&db.url, &["purge", "--dry-run"], 0);
+    assert_stdout_has(
+        &out,
+        "partitions: would drop 1 [idempotency_responses_past]",
     );
     let out = idem(&db.url, &["--format", "json", "stats"]);
     assert_eq!(
@@ -1607,33 +1433,19 @@ async fn partitioned_layout_migrate_check_stats_show_and_purge() {
         Some(6)
     );
 
-    let out = idem(
-        &db.url,
-        &["--format", "json", "purge", "--partitions-ahead", "5"],
-    );
-    expect_code(&out, 0);
-    let purge = json_one(&out);
-    assert_eq!(
-        purge["partitions_dropped"],
-        serde_json::json!(["idempotency_responses_past"])
-    );
+    let purge = purge_drops_the_past_partition(&db.url, &["--partitions-ahead", "5"]);
     assert_eq!(
         purge["partitions_created"].as_array().map(Vec::len),
         Some(2)
     );
-    match store
-        .reserve(&live, &fingerprint("a"), Duration::from_secs(60))
-        .await
-        .unwrap()
-    {
+    match reserve(&store, &live, &fingerprint("a"), 60).await {
         ReserveOutcome::Completed { response, .. } => assert_eq!(&response.body[..], b"charged"),
         other => panic!("the live record did not survive purge: {other:?}"),
     }
 
     let plain = TestDb::new().await;
-    let out = idem(&plain.url, &["migrate", "--partitioned"]);
-    expect_code(&out, 1);
-    assert!(stderr(&out).contains("plain layout"), "{}", stderr(&out));
+    let out = idem_code(&plain.url, &["migrate", "--partitioned"], 1);
+    assert_stderr_has(&out, "plain layout");
 }
 
 /// The interval is chosen when the layout is provisioned, like the layout: `migrate
@@ -1642,17 +1454,13 @@ async fn partitioned_layout_migrate_check_stats_show_and_purge() {
 #[tokio::test]
 async fn migrate_refuses_another_partition_interval() {
     let db = TestDb::new_unmigrated().await;
-    let out = idem(
-        &db.url,
-        &["migrate", "--partitioned", "--interval", "daily"],
-    );
-    expect_code(&out, 0);
+    migrate_partitioned(&db.url, "daily");
 
-    let out = idem(
+    let out = idem_code(
         &db.url,
         &["migrate", "--partitioned", "--interval", "hourly"],
+        1,
     );
-    expect_code(&out, 1);
     let err = stderr(&out);
     assert!(
         err.contains("daily") && err.contains("hourly"),
@@ -1664,8 +1472,7 @@ async fn migrate_refuses_another_partition_interval() {
         &["migrate", "--partitioned"],
         &["migrate"],
     ] {
-        let out = idem(&db.url, args);
-        expect_code(&out, 0);
+        let out = idem_code(&db.url, args, 0);
         assert!(
             stdout(&out).contains("layout: partitioned (daily)"),
             "{args:?}: {}",
@@ -1675,22 +1482,21 @@ async fn migrate_refuses_another_partition_interval() {
 
     // And the other way round: no --interval on an hourly database is not a request for daily.
     let hourly = TestDb::new_unmigrated().await;
-    let out = idem(
-        &hourly.url,
-        &["migrate", "--partitioned", "--interval", "hourly"],
-    );
-    expect_code(&out, 0);
-    let out = idem(&hourly.url, &["migrate", "--partitioned"]);
-    expect_code(&out, 0);
-    assert!(
-        stdout(&out).contains("layout: partitioned (hourly)"),
-        "{}",
-        stdout(&out)
-    );
+    migrate_partitioned(&hourly.url, "hourly");
+    let out = idem_code(&hourly.url, &["migrate", "--partitioned"], 0);
+    assert_stdout_has(&out, "layout: partitioned (hourly)");
 }
 
 /// The migration advisory lock key ("idemmigr"), as the library and the CLI take it.
 const MIGRATION_LOCK: &str = "x'6964656d6d696772'::bigint";
+
+/// `SELECT function(MIGRATION_LOCK)` on `conn`: `pg_advisory_lock` holds the migration lock,
+/// `pg_advisory_unlock` releases it.
+async fn call_on_migration_lock(conn: &mut AsyncPgConnection, function: &str) {
+    conn.batch_execute(&format!("SELECT {function}({MIGRATION_LOCK})"))
+        .await
+        .unwrap_or_else(|e| panic!("{function} on the migration lock: {e}"));
+}
 
 /// Run `idem-cli args...` against `url`, killing it if it is still running after `limit`
 /// (`None` then), so a hang fails the test instead of stalling the suite.
@@ -1732,10 +1538,7 @@ fn wait_within(mut child: Child, limit: Duration) -> Option<Output> {
 async fn migrate_never_waits_long_for_the_migration_lock() {
     let db = TestDb::new_unmigrated().await;
     let mut holder = connect(&db).await;
-    holder
-        .batch_execute(&format!("SELECT pg_advisory_lock({MIGRATION_LOCK})"))
-        .await
-        .expect("take the migration lock");
+    call_on_migration_lock(&mut holder, "pg_advisory_lock").await;
 
     let started = Instant::now();
     let out = idem_within(&db.url, &["migrate", "--check"], Duration::from_secs(20))
@@ -1752,25 +1555,16 @@ async fn migrate_never_waits_long_for_the_migration_lock() {
         .expect("migrate waited on the migration lock past 30s");
     let waited = started.elapsed();
     expect_code(&out, UNAVAILABLE);
-    assert!(
-        stderr(&out).contains("another migration holds the lock"),
-        "{}",
-        stderr(&out)
-    );
+    assert_stderr_has(&out, "another migration holds the lock");
     assert!(
         waited >= Duration::from_secs(4) && waited < Duration::from_secs(15),
         "gave up after {waited:?}"
     );
-    let out = idem(&db.url, &["migrate", "--check"]);
-    expect_code(&out, PENDING);
+    idem_code(&db.url, &["migrate", "--check"], PENDING);
 
-    holder
-        .batch_execute(&format!("SELECT pg_advisory_unlock({MIGRATION_LOCK})"))
-        .await
-        .expect("release the migration lock");
-    let out = idem(&db.url, &["migrate"]);
-    expect_code(&out, 0);
-    assert!(stdout(&out).contains("layout: plain"), "{}", stdout(&out));
+    call_on_migration_lock(&mut holder, "pg_advisory_unlock").await;
+    let out = idem_code(&db.url, &["migrate"], 0);
+    assert_stdout_has(&out, "layout: plain");
 }
 
 /// Terminate the backend of the `idem-cli` connected to `conn`'s database that matches
@@ -1798,6 +1592,20 @@ async fn terminate_cli_backend(conn: &mut AsyncPgConnection, condition: &str) {
     }
 }
 
+/// Start `idem-cli args...` (a `migrate`) on `url`, end its backend once one matches
+/// `condition` ([`terminate_cli_backend`]) and expect "database unavailable" (exit 3).
+async fn migrate_cut_off(url: &str, admin: &mut AsyncPgConnection, args: &[&str], condition: &str) {
+    let child = spawn_idem(url, args);
+    terminate_cli_backend(admin, condition).await;
+    let out = wait_within(child, Duration::from_secs(30)).expect("migrate hung");
+    expect_code(&out, UNAVAILABLE);
+    assert!(
+        stderr(&out).starts_with("idem-cli: database unavailable: "),
+        "{condition}: {}",
+        stderr(&out)
+    );
+}
+
 /// `migrate` whose connection is lost mid-migration (an administrator or a failover ended the
 /// session) exits 3, "unavailable" (retry later), with one line, not 1 as if a migration were
 /// broken: while it waits for the migration lock, while diesel's harness reads which
@@ -1814,26 +1622,12 @@ async fn migrate_that_loses_its_connection_is_unavailable() {
 
     // 1. Waiting for the migration lock another session holds (`migrate` polls it and gives up
     // after 5s; the termination comes well before).
-    holder
-        .batch_execute(&format!("SELECT pg_advisory_lock({MIGRATION_LOCK})"))
-        .await
-        .expect("take the migration lock");
-    let child = spawn_idem(&db.url, &["migrate"]);
-    terminate_cli_backend(&mut admin, "query LIKE '%pg_try_advisory_lock%'").await;
-    let out = wait_within(child, Duration::from_secs(30)).expect("migrate hung");
-    expect_code(&out, UNAVAILABLE);
-    assert!(
-        stderr(&out).starts_with("idem-cli: database unavailable: "),
-        "{}",
-        stderr(&out)
-    );
-    holder
-        .batch_execute(&format!("SELECT pg_advisory_unlock({MIGRATION_LOCK})"))
-        .await
-        .expect("release the migration lock");
-    let out = idem(&db.url, &["migrate"]);
-    expect_code(&out, 0);
-    assert!(stdout(&out).contains("layout: plain"), "{}", stdout(&out));
+    call_on_migration_lock(&mut holder, "pg_advisory_lock").await;
+    let waiting = "query LIKE '%pg_try_advisory_lock%'";
+    migrate_cut_off(&db.url, &mut admin, &["migrate"], waiting).await;
+    call_on_migration_lock(&mut holder, "pg_advisory_unlock").await;
+    let out = idem_code(&db.url, &["migrate"], 0);
+    assert_stdout_has(&out, "layout: plain");
 
     // Make 000005 and the later ones pending again (on the plain layout they changed nothing,
     // and each can run again): `migrate --partitioned` then has work to do.
@@ -1844,73 +1638,34 @@ async fn migrate_that_loses_its_connection_is_unavailable() {
 
     // 2. Reading the applied versions: another session holds diesel's bookkeeping table. Each
     // wait for a lock is bounded by the CLI's lock_timeout (5s): terminate well before.
-    holder
-        .batch_execute("BEGIN; LOCK TABLE __diesel_schema_migrations IN ACCESS EXCLUSIVE MODE")
-        .await
-        .expect("lock the bookkeeping table");
-    let child = spawn_idem(
+    let partitioned = ["migrate", "--partitioned", "--interval", "hourly"];
+    let bookkeeping = "LOCK TABLE __diesel_schema_migrations IN ACCESS EXCLUSIVE MODE";
+    hold_in_transaction(&mut holder, bookkeeping).await;
+    migrate_cut_off(
         &db.url,
-        &["migrate", "--partitioned", "--interval", "hourly"],
-    );
-    terminate_cli_backend(&mut admin, "wait_event_type = 'Lock'").await;
-    let out = wait_within(child, Duration::from_secs(30)).expect("migrate hung");
-    expect_code(&out, UNAVAILABLE);
-    assert!(
-        stderr(&out).starts_with("idem-cli: database unavailable: "),
-        "{}",
-        stderr(&out)
-    );
+        &mut admin,
+        &partitioned,
+        "wait_event_type = 'Lock'",
+    )
+    .await;
     holder.batch_execute("ROLLBACK").await.expect("unlock");
 
     // 3. Inside a migration: 000005, asked for the partitioned layout, reads and alters
     // idempotency_keys, which another session holds.
-    holder
-        .batch_execute("BEGIN; LOCK TABLE idempotency_keys IN ACCESS EXCLUSIVE MODE")
-        .await
-        .expect("lock idempotency_keys");
-    let child = spawn_idem(
-        &db.url,
-        &["migrate", "--partitioned", "--interval", "hourly"],
-    );
-    terminate_cli_backend(
-        &mut admin,
-        "wait_event_type = 'Lock' AND query LIKE '%idempotency_keys%'",
-    )
-    .await;
-    let out = wait_within(child, Duration::from_secs(30)).expect("migrate hung");
-    expect_code(&out, UNAVAILABLE);
-    assert!(
-        stderr(&out).starts_with("idem-cli: database unavailable: "),
-        "{}",
-        stderr(&out)
-    );
+    let keys_table = "LOCK TABLE idempotency_keys IN ACCESS EXCLUSIVE MODE";
+    hold_in_transaction(&mut holder, keys_table).await;
+    let waiting = "wait_event_type = 'Lock' AND query LIKE '%idempotency_keys%'";
+    migrate_cut_off(&db.url, &mut admin, &partitioned, waiting).await;
     holder.batch_execute("ROLLBACK").await.expect("unlock");
 
     // Rolled back: 000005 is still pending and the layout still plain.
-    let out = idem(&db.url, &["migrate", "--check"]);
-    expect_code(&out, PENDING);
-    assert!(
-        stdout(&out).contains("pending 2026-12-01-000005_partitioned_layout"),
-        "{}",
-        stdout(&out)
-    );
+    let out = idem_code(&db.url, &["migrate", "--check"], PENDING);
+    assert_stdout_has(&out, "pending 2026-12-01-000005_partitioned_layout");
     let responses = "SELECT count(*) AS n FROM pg_class WHERE relname = 'idempotency_responses'";
     assert_eq!(records::count(&db.url, responses), 0, "000005 half-applied");
-    let out = idem(
-        &db.url,
-        &["migrate", "--partitioned", "--interval", "hourly"],
-    );
-    expect_code(&out, 0);
-    assert!(
-        stdout(&out).contains("applied 2026-12-01-000005_partitioned_layout"),
-        "{}",
-        stdout(&out)
-    );
-    assert!(
-        stdout(&out).contains("layout: partitioned (hourly)"),
-        "{}",
-        stdout(&out)
-    );
+    let out = migrate_partitioned(&db.url, "hourly");
+    assert_stdout_has(&out, "applied 2026-12-01-000005_partitioned_layout");
+    assert_stdout_has(&out, "layout: partitioned (hourly)");
 }
 
 /// Review item 2: after the first `migrate`, `SELECT` is enough for `migrate --check` (docs/
@@ -1955,10 +1710,9 @@ async fn migrate_check_needs_only_select() {
     );
     assert!(up_to_date_out.contains("up to date"), "{up_to_date_out}");
     expect_code(&pending, PENDING);
-    assert!(
-        stdout(&pending).contains("pending 2026-12-05-000012_partition_drop_waits_once"),
-        "{}",
-        stdout(&pending)
+    assert_stdout_has(
+        &pending,
+        "pending 2026-12-05-000012_partition_drop_waits_once",
     );
 }
 
@@ -1977,6 +1731,21 @@ async fn idem_frozen_at(
         .await
         .expect("runner");
     (out, started.elapsed())
+}
+
+/// [`idem_frozen_at`], expecting the run to end in time (`what` says which one hung) with
+/// exit 3: its stderr and how long it ran.
+async fn unavailable_when_frozen_at(
+    db: &TestDb,
+    marker: &'static [u8],
+    args: &'static [&'static str],
+    limit: Duration,
+    what: &str,
+) -> (String, Duration) {
+    let (out, took) = idem_frozen_at(db, marker, args, limit).await;
+    let out = out.unwrap_or_else(|| panic!("{what} ({took:?})"));
+    expect_code(&out, UNAVAILABLE);
+    (stderr(&out), took)
 }
 
 /// A TCP proxy to `upstream` that forwards both ways until the client sends bytes containing
@@ -2039,24 +1808,19 @@ async fn a_server_silent_after_login_is_unavailable() {
     let db = TestDb::new().await;
 
     // Silent from the CLI's session settings on (the first statement after login).
-    let (out, took) = idem_frozen_at(
+    let (err, took) = unavailable_when_frozen_at(
         &db,
         b"application_name",
         &["--connect-timeout", "2s", "stats"],
         Duration::from_secs(40),
+        "stats hung on a server silent after login",
     )
     .await;
-    let out = out.expect("stats hung on a server silent after login");
-    expect_code(&out, UNAVAILABLE);
     assert!(took < Duration::from_secs(15), "{took:?}");
-    assert!(
-        stderr(&out).contains("no answer within 2s"),
-        "{}",
-        stderr(&out)
-    );
+    assert!(err.contains("no answer within 2s"), "{err}");
 
     // Silent from the first query on the table on.
-    let (out, took) = idem_frozen_at(
+    let (err, took) = unavailable_when_frozen_at(
         &db,
         b"idempotency_keys",
         &[
@@ -2067,11 +1831,10 @@ async fn a_server_silent_after_login_is_unavailable() {
             "stats",
         ],
         Duration::from_secs(40),
+        "stats hung on a server silent mid-session",
     )
     .await;
-    let out = out.expect("stats hung on a server silent mid-session");
-    expect_code(&out, UNAVAILABLE);
-    assert!(stderr(&out).contains("no answer"), "{}", stderr(&out));
+    assert!(err.contains("no answer"), "{err}");
     assert!(took < Duration::from_secs(20), "{took:?}");
 }
 
@@ -2117,11 +1880,7 @@ async fn a_frozen_first_host_leaves_the_next_one_its_turn() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_silent_during_a_partition_step_is_unavailable() {
     let db = TestDb::new_unmigrated().await;
-    let out = idem(
-        &db.url,
-        &["migrate", "--partitioned", "--interval", "hourly"],
-    );
-    expect_code(&out, 0);
+    migrate_partitioned(&db.url, "hourly");
     let mut admin = connect(&db).await;
     for (marker, step) in [
         (
@@ -2133,16 +1892,14 @@ async fn a_server_silent_during_a_partition_step_is_unavailable() {
             "dropping past partitions",
         ),
     ] {
-        let (out, took) = idem_frozen_at(
+        let (err, took) = unavailable_when_frozen_at(
             &db,
             marker,
             &["--statement-timeout", "1s", "purge"],
             Duration::from_secs(60),
+            &format!("purge hung on a server silent while {step}"),
         )
         .await;
-        let out = out.unwrap_or_else(|| panic!("purge hung on a server silent while {step}"));
-        expect_code(&out, UNAVAILABLE);
-        let err = stderr(&out);
         assert!(err.contains(step), "{err}");
         assert!(err.contains("no answer within 6s"), "{err}");
         assert!(
@@ -2172,17 +1929,11 @@ fn with_port(url: &str, port: u16) -> String {
 #[tokio::test]
 async fn purge_stops_creating_partitions_at_the_lock_budget() {
     let db = TestDb::new_unmigrated().await;
-    let out = idem(
-        &db.url,
-        &["migrate", "--partitioned", "--interval", "hourly"],
-    );
-    expect_code(&out, 0);
-    let out = idem(
+    migrate_partitioned(&db.url, "hourly");
+    let summary = idem_json(
         &db.url,
         &["--format", "json", "purge", "--partitions-ahead", "1000"],
     );
-    expect_code(&out, 0);
-    let summary = json_one(&out);
     let capped = summary["partitions_capped_at"].as_u64();
     assert!(capped.is_some_and(|n| n < 1000), "{summary}");
     let leaves = records::count(
@@ -2191,13 +1942,8 @@ async fn purge_stops_creating_partitions_at_the_lock_budget() {
          WHERE inhparent = 'idempotency_responses'::regclass",
     );
     assert_eq!(Some(leaves as u64), capped, "{summary}");
-    let out = idem(&db.url, &["purge", "--partitions-ahead", "1000"]);
-    expect_code(&out, 0);
-    assert!(
-        stdout(&out).contains("max_locks_per_transaction"),
-        "{}",
-        stdout(&out)
-    );
+    let out = idem_code(&db.url, &["purge", "--partitions-ahead", "1000"], 0);
+    assert_stdout_has(&out, "max_locks_per_transaction");
 }
 
 /// `purge --older-than` keeps the default partition's responses as it keeps the range
@@ -2207,16 +1953,11 @@ async fn purge_stops_creating_partitions_at_the_lock_budget() {
 #[tokio::test]
 async fn older_than_keeps_the_response_of_a_kept_record() {
     let db = TestDb::new_unmigrated().await;
-    let out = idem(
-        &db.url,
-        &["migrate", "--partitioned", "--interval", "hourly"],
-    );
-    expect_code(&out, 0);
+    migrate_partitioned(&db.url, "hourly");
     records::seed_partitioned_completed(&db.url, "kept-", 1, "now() - interval '1 hour'");
     let in_default = "SELECT count(*) AS n FROM idempotency_responses_default";
     assert_eq!(records::count(&db.url, in_default), 1);
-    let out = idem(&db.url, &["purge", "--older-than", "7d"]);
-    expect_code(&out, 0);
+    let out = idem_code(&db.url, &["purge", "--older-than", "7d"], 0);
     assert_eq!(
         records::count(&db.url, "SELECT count(*) AS n FROM idempotency_keys"),
         1,
@@ -2229,8 +1970,7 @@ async fn older_than_keeps_the_response_of_a_kept_record() {
         stdout(&out)
     );
     // Without --older-than both go.
-    let out = idem(&db.url, &["purge"]);
-    expect_code(&out, 0);
+    let out = idem_code(&db.url, &["purge"], 0);
     assert_eq!(records::count(&db.url, in_default), 0, "{}", stdout(&out));
 }
 
@@ -2245,11 +1985,7 @@ async fn older_than_keeps_the_response_of_a_kept_record() {
 #[tokio::test]
 async fn purge_rejects_a_bad_horizon_before_deleting_anything() {
     let db = TestDb::new_unmigrated().await;
-    let out = idem(
-        &db.url,
-        &["migrate", "--partitioned", "--interval", "daily"],
-    );
-    expect_code(&out, 0);
+    migrate_partitioned(&db.url, "daily");
     records::seed_partitioned_completed(&db.url, "old-", 3, "now() - interval '1 hour'");
     let claims = "SELECT count(*) AS n FROM idempotency_keys";
     assert_eq!(records::count(&db.url, claims), 3);
@@ -2277,6 +2013,18 @@ async fn purge_rejects_a_bad_horizon_before_deleting_anything() {
     );
 }
 
+/// SQL inserting a completed record `key` of tenant `t` into the plain layout, with `status`,
+/// `body` (an SQL expression) and `times` (created, completed and expiry, in SQL).
+fn insert_completed(key: &str, status: u16, body: &str, times: &str) -> String {
+    format!(
+        "INSERT INTO idempotency_keys (tenant, method, path, idempotency_key, fingerprint, \
+             state, token, response_status, response_headers, response_body, created_at, \
+             completed_at, expires_at) \
+         VALUES ('t', 'POST', '/payments', '{key}', decode(repeat('ab', 32), 'hex'), \
+             'completed', gen_random_uuid(), {status}, '\\x0100000000', {body}, {times})"
+    )
+}
+
 /// The purge lock was one advisory lock key for the whole database, not per table: a purge of
 /// the table in one schema made the purge of another schema's table (docs/operations.md,
 /// "Moving an existing deployment": a new schema via `search_path` in the URL) skip, exit 0,
@@ -2293,19 +2041,17 @@ async fn purge_of_one_schema_does_not_skip_the_purge_of_another() {
     let sep = if db.url.contains('?') { '&' } else { '?' };
     let in_schema = |schema: &str| format!("{}{sep}options=-c%20search_path%3D{schema}", db.url);
     for schema in ["old_layout", "new_layout"] {
-        let out = idem(&in_schema(schema), &["migrate"]);
-        expect_code(&out, 0);
+        idem_code(&in_schema(schema), &["migrate"], 0);
     }
-    conn.batch_execute(
-        "SET search_path = new_layout; \
-         INSERT INTO idempotency_keys (tenant, method, path, idempotency_key, fingerprint, \
-             state, token, response_status, response_headers, response_body, created_at, \
-             completed_at, expires_at) \
-         VALUES ('t', 'POST', '/payments', 'expired', decode(repeat('ab', 32), 'hex'), \
-             'completed', gen_random_uuid(), 201, '\\x0100000000', '{}', \
-             now() - interval '2 days', now() - interval '2 days', now() - interval '1 day'); \
-         RESET search_path",
-    )
+    let expired = insert_completed(
+        "expired",
+        201,
+        "'{}'",
+        "now() - interval '2 days', now() - interval '2 days', now() - interval '1 day'",
+    );
+    conn.batch_execute(&format!(
+        "SET search_path = new_layout; {expired}; RESET search_path"
+    ))
     .await
     .unwrap();
     // A purge of the old schema's table is running (its session holds the purge lock).
@@ -2315,9 +2061,7 @@ async fn purge_of_one_schema_does_not_skip_the_purge_of_another() {
         .await
         .unwrap();
 
-    let out = idem(&in_schema("new_layout"), &["purge", "--format", "json"]);
-    expect_code(&out, 0);
-    let summary = json_one(&out);
+    let summary = idem_json(&in_schema("new_layout"), &["purge", "--format", "json"]);
     assert_ne!(
         summary["skipped"],
         Value::Bool(true),
@@ -2337,7 +2081,7 @@ async fn migrate_on_a_server_silent_mid_migration_is_unavailable() {
     // limits (5 s + 4 x 6 s); the harness still takes the migration lock first.
     let db = TestDb::new().await;
     // Silent from the migration lock's statement on (the first statement of the harness).
-    let (out, took) = idem_frozen_at(
+    let (err, took) = unavailable_when_frozen_at(
         &db,
         b"pg_try_advisory_lock",
         &[
@@ -2348,11 +2092,10 @@ async fn migrate_on_a_server_silent_mid_migration_is_unavailable() {
             "migrate",
         ],
         Duration::from_secs(40),
+        "migrate hung on a silent server",
     )
     .await;
-    let out = out.unwrap_or_else(|| panic!("migrate hung on a silent server ({took:?})"));
-    expect_code(&out, UNAVAILABLE);
-    assert!(stderr(&out).contains("did not finish"), "{}", stderr(&out));
+    assert!(err.contains("did not finish"), "{err}");
     assert!(took < Duration::from_secs(36), "{took:?}");
 }
 
@@ -2364,20 +2107,15 @@ async fn migrate_on_a_server_silent_mid_migration_is_unavailable() {
 async fn show_text_output_of_a_json_body_is_bounded() {
     let db = TestDb::new().await;
     let mut conn = connect(&db).await;
-    conn.batch_execute(
-        "INSERT INTO idempotency_keys (tenant, method, path, idempotency_key, fingerprint, \
-             state, token, response_status, response_headers, response_body, created_at, \
-             completed_at, expires_at) \
-         VALUES ('t', 'POST', '/payments', 'deep', decode(repeat('ab', 32), 'hex'), \
-             'completed', gen_random_uuid(), 200, '\\x0100000000', \
-             convert_to(repeat('[', 120) || repeat('1,', 50000) || '1' || repeat(']', 120), 'UTF8'), \
-             now(), now(), now() + interval '1 day')",
-    )
-    .await
-    .unwrap();
+    let deep = insert_completed(
+        "deep",
+        200,
+        "convert_to(repeat('[', 120) || repeat('1,', 50000) || '1' || repeat(']', 120), 'UTF8')",
+        "now(), now(), now() + interval '1 day'",
+    );
+    conn.batch_execute(&deep).await.unwrap();
     let body_len = 120 + 2 * 50000 + 1 + 120;
-    let out = idem(&db.url, &["show", "deep"]);
-    expect_code(&out, 0);
+    let out = idem_code(&db.url, &["show", "deep"], 0);
     assert!(
         out.stdout.len() < 4 * body_len + 64 * 1024,
         "a {body_len}-byte body printed as {} bytes",
