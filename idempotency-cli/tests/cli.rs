@@ -525,7 +525,7 @@ async fn purge_lock_visible(conn: &mut AsyncPgConnection) -> bool {
     .get_result::<Count>(conn)
     .await
     .map(|c| c.n > 0)
-    .unwrap_or(false)
+    .unwrap_or_else(|e| panic!("reading pg_locks: {e}"))
 }
 
 /// `SELECT function(PURGE_LOCK)` (`pg_try_advisory_lock`, `pg_advisory_unlock`) on `conn`:
@@ -1427,11 +1427,8 @@ async fn partitioned_layout_migrate_check_stats_show_and_purge() {
         &out,
         "partitions: would drop 1 [idempotency_responses_past]",
     );
-    let out = idem(&db.url, &["--format", "json", "stats"]);
-    assert_eq!(
-        json_one(&out)["partitions"].as_array().map(Vec::len),
-        Some(6)
-    );
+    let stats = idem_json(&db.url, &["--format", "json", "stats"]);
+    assert_eq!(stats["partitions"].as_array().map(Vec::len), Some(6));
 
     let purge = purge_drops_the_past_partition(&db.url, &["--partitions-ahead", "5"]);
     assert_eq!(
