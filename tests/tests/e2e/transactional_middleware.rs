@@ -5,6 +5,7 @@
 //! through `IdempotentTx` and behaves as its query string says (`status`, `fail`, `sleep_ms`,
 //! `big`, `savepoint`, `account`, `open_savepoint`, `stream_fail`).
 
+use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -15,7 +16,7 @@ use actix_web::{test, web, App, HttpResponse};
 use diesel::sql_types::{BigInt, Nullable, Text};
 use diesel_async::{AsyncConnection, RunQueryDsl, SimpleAsyncConnection};
 use idempotency_actix::store::postgres::schema::State;
-use idempotency_actix::store::postgres::PostgresStore;
+use idempotency_actix::store::postgres::{IsolationLevel, PostgresStore};
 use idempotency_actix::store::{Fingerprint, IdempotencyStore, ReserveOutcome, Scope};
 use idempotency_actix::{Idempotency, IdempotentTx};
 use idempotency_e2e::records::{count, execute, records_for_key};
@@ -269,21 +270,32 @@ where
     S: Service<actix_http::Request, Response = ServiceResponse<B>, Error = actix_web::Error>,
     B: actix_web::body::MessageBody + 'static,
 {
+    send_as(app, Some(key), query, amount).await
+}
+
+/// A `POST /payments{query}` of `{"amount": amount}`, keyed with `key` if there is one.
+async fn send_as<S, B>(app: &S, key: Option<&str>, query: &str, amount: i64) -> Answer
+where
+    S: Service<actix_http::Request, Response = ServiceResponse<B>, Error = actix_web::Error>,
+    B: actix_web::body::MessageBody + 'static,
+{
     call(
         app,
-        post(Some(key), query, serde_json::json!({ "amount": amount })),
+        post(key, query, serde_json::json!({ "amount": amount })),
     )
     .await
 }
 
 /// A problem answer of `code` (503 for both commit codes): never the handler's response.
+#[track_caller]
 fn assert_problem(answer: &Answer, code: &str, what: &str) {
-    assert_eq!(
-        answer.status,
-        StatusCode::SERVICE_UNAVAILABLE,
-        "{what}: {}",
-        answer.body
-    );
+    assert_code(answer, StatusCode::SERVICE_UNAVAILABLE, code, what);
+}
+
+/// A problem answer of `status` and `code`.
+#[track_caller]
+fn assert_code(answer: &Answer, status: StatusCode, code: &str, what: &str) {
+    assert_eq!(answer.status, status, "{what}: {}", answer.body);
     assert_eq!(answer.body["code"], code, "{what}: {}", answer.body);
 }
 
@@ -351,16 +363,144 @@ fn payments(db: &TestDb) -> i64 {
     count(&db.url, "SELECT count(*) AS n FROM payments")
 }
 
+/// The number of idempotency records in `db`.
+fn idempotency_keys(db: &TestDb) -> i64 {
+    count(&db.url, "SELECT count(*) AS n FROM idempotency_keys")
+}
+
+/// The number of sessions on `db` left idle inside a transaction.
+fn idle_in_transaction(db: &TestDb) -> i64 {
+    count(
+        &db.url,
+        "SELECT count(*) AS n FROM pg_stat_activity WHERE datname = current_database() AND state LIKE 'idle in transaction%'",
+    )
+}
+
+/// Makes SERIALIZABLE the default transaction isolation of `db`.
+fn serializable_by_default(db: &TestDb) {
+    execute(
+        &db.url,
+        &format!(
+            "ALTER DATABASE {} SET default_transaction_isolation = 'serializable'",
+            db.name
+        ),
+    );
+}
+
+/// The transactional middleware of these tests, SERIALIZABLE.
+fn serializable(store: &PostgresStore) -> idempotency_actix::IdempotencyBuilder<PostgresStore> {
+    tx_builder(store).isolation_level(IsolationLevel::Serializable)
+}
+
+/// A run counter, and the `pay` app (POST and GET) on `middleware` with that counter.
+async fn pay_app(
+    middleware: Idempotency<PostgresStore>,
+) -> (
+    Runs,
+    impl Service<
+        actix_http::Request,
+        Response = ServiceResponse<impl actix_web::body::MessageBody>,
+        Error = actix_web::Error,
+    >,
+) {
+    let runs = Runs::default();
+    let app = app!(middleware, runs);
+    (runs, app)
+}
+
+/// `setup`, then `pay_app` on the middleware `build` makes of the store: the database, the
+/// store, the run counter and the app.
+async fn setup_pay(
+    build: impl FnOnce(&PostgresStore) -> Idempotency<PostgresStore>,
+) -> (
+    TestDb,
+    PostgresStore,
+    Runs,
+    impl Service<
+        actix_http::Request,
+        Response = ServiceResponse<impl actix_web::body::MessageBody>,
+        Error = actix_web::Error,
+    >,
+) {
+    let (db, store) = setup().await;
+    let (runs, app) = pay_app(build(&store)).await;
+    (db, store, runs, app)
+}
+
+/// `second` started `ms` milliseconds from now.
+async fn after<T>(ms: u64, second: impl Future<Output = T>) -> T {
+    tokio::time::sleep(Duration::from_millis(ms)).await;
+    second.await
+}
+
+/// A keyed `POST` of amount 1 for `key_a` and, 50 ms into it, one of amount 2 for `key_b`.
+async fn two_keys_50ms_apart<S, B>(app: &S, key_a: &str, key_b: &str) -> (Answer, Answer)
+where
+    S: Service<actix_http::Request, Response = ServiceResponse<B>, Error = actix_web::Error>,
+    B: actix_web::body::MessageBody + 'static,
+{
+    futures_util::future::join(send(app, key_a, "", 1), after(50, send(app, key_b, "", 2))).await
+}
+
+/// A connection of its own to `db` (outside the app's pool) that has run `sql`.
+async fn outside_transaction(db: &TestDb, sql: &str) -> diesel_async::AsyncPgConnection {
+    let mut conn = idempotency_actix::store::postgres::establish(&db.url)
+        .await
+        .unwrap();
+    conn.batch_execute(sql).await.unwrap();
+    conn
+}
+
+/// The answer is the handler's 201.
+#[track_caller]
+fn assert_created(answer: &Answer) {
+    assert_eq!(answer.status, StatusCode::CREATED, "{}", answer.body);
+}
+
+/// `what` ran the handler afresh: a 201 that is not a replay.
+#[track_caller]
+fn assert_ran(answer: &Answer, what: &str) {
+    assert_eq!(
+        answer.status,
+        StatusCode::CREATED,
+        "{what}: {}",
+        answer.body
+    );
+    assert!(!answer.replayed, "{what}: {}", answer.body);
+}
+
+/// `what` is a replay of `first`: marked replayed, with the stored body.
+#[track_caller]
+fn assert_replays(answer: &Answer, first: &Answer, what: &str) {
+    assert!(answer.replayed, "{what}: {} {}", answer.status, answer.body);
+    assert_eq!(answer.body, first.body, "{what}: not the stored response");
+}
+
+/// The handler ran `handler_runs` times and `payments_left` payments are in the table.
+#[track_caller]
+fn assert_counts(db: &TestDb, runs: &Runs, handler_runs: usize, payments_left: i64) {
+    assert_eq!(runs.get(), handler_runs, "handler runs");
+    assert_eq!(payments(db), payments_left, "payments");
+}
+
+/// The record of `key` is the completed one.
+#[track_caller]
+fn assert_completed(db: &TestDb, key: &str) {
+    assert_eq!(
+        records_for_key(&db.url, key)[0].state,
+        State::Completed,
+        "{key}"
+    );
+}
+
 /// A miss commits the row and the record together; the retry replays byte for byte without
 /// running the handler or adding a row; another body gets 422.
 #[actix_web::test]
 async fn miss_commits_row_and_record_together_then_replays() {
-    let (db, store) = setup().await;
-    let runs = Runs::default();
-    let app = app!(tx_middleware(&store), runs);
+    let (db, _store, runs, app) = setup_pay(tx_middleware).await;
 
     let first = send(&app, "k1", "", 10).await;
-    assert_eq!(first.status, StatusCode::CREATED, "{}", first.body);
+    assert_created(&first);
     assert_eq!(payments(&db), 1);
     let records = records_for_key(&db.url, "k1");
     assert_eq!(records.len(), 1);
@@ -368,14 +508,16 @@ async fn miss_commits_row_and_record_together_then_replays() {
 
     let retry = send(&app, "k1", "", 10).await;
     assert_eq!(retry.status, StatusCode::CREATED);
-    assert!(retry.replayed);
-    assert_eq!(retry.body, first.body, "the replay is the stored response");
-    assert_eq!(runs.get(), 1);
-    assert_eq!(payments(&db), 1);
+    assert_replays(&retry, &first, "the replay is the stored response");
+    assert_counts(&db, &runs, 1, 1);
 
     let other = send(&app, "k1", "", 11).await;
-    assert_eq!(other.status, StatusCode::UNPROCESSABLE_ENTITY);
-    assert_eq!(other.body["code"], "FINGERPRINT_MISMATCH");
+    assert_code(
+        &other,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "FINGERPRINT_MISMATCH",
+        "another body",
+    );
     assert_eq!(payments(&db), 1);
 }
 
@@ -383,35 +525,30 @@ async fn miss_commits_row_and_record_together_then_replays() {
 /// left, and the retry runs the handler again (from a clean slate).
 #[actix_web::test]
 async fn non_storable_response_and_handler_error_roll_back_the_handlers_writes() {
-    let (db, store) = setup().await;
-    let runs = Runs::default();
-    let app = app!(tx_middleware(&store), runs);
+    let (db, _store, runs, app) = setup_pay(tx_middleware).await;
 
-    let rejected = send(&app, "k4", "?status=400", 1).await;
-    assert_eq!(rejected.status, StatusCode::BAD_REQUEST);
-    assert_nothing_kept(&db, "k4", 0);
-
-    let failed = send(&app, "k4", "?fail=true", 1).await;
-    assert_eq!(failed.status, StatusCode::INTERNAL_SERVER_ERROR);
-    assert_nothing_kept(&db, "k4", 0);
+    for (query, status) in [
+        ("?status=400", StatusCode::BAD_REQUEST),
+        ("?fail=true", StatusCode::INTERNAL_SERVER_ERROR),
+    ] {
+        let answer = send(&app, "k4", query, 1).await;
+        assert_eq!(answer.status, status, "{query}");
+        assert_nothing_kept(&db, "k4", 0);
+    }
 
     let ok = send(&app, "k4", "", 1).await;
-    assert_eq!(ok.status, StatusCode::CREATED);
-    assert!(!ok.replayed);
-    assert_eq!(runs.get(), 3);
-    assert_eq!(payments(&db), 1);
+    assert_ran(&ok, "the retry");
+    assert_counts(&db, &runs, 3, 1);
 }
 
 /// The handler's own `transaction()` is a savepoint inside the request's transaction: its
 /// rollback undoes only its part, and it never commits the outer transaction.
 #[actix_web::test]
 async fn handler_transaction_is_a_savepoint() {
-    let (db, store) = setup().await;
-    let runs = Runs::default();
-    let app = app!(tx_middleware(&store), runs);
+    let (db, _store, _runs, app) = setup_pay(tx_middleware).await;
 
     let ok = send(&app, "s1", "?savepoint=true", 5).await;
-    assert_eq!(ok.status, StatusCode::CREATED, "{}", ok.body);
+    assert_created(&ok);
     assert_eq!(
         count(
             &db.url,
@@ -432,20 +569,10 @@ async fn handler_transaction_is_a_savepoint() {
 /// the same table is not blocked either; after the commit the duplicate replays.
 #[actix_web::test]
 async fn duplicate_while_open_gets_409_at_once_then_replays() {
-    let (db, store) = setup().await;
-    let runs = Runs::default();
-    let app = app!(tx_middleware(&store), runs);
+    let (db, store, runs, app) = setup_pay(tx_middleware).await;
 
-    let first = call(
-        &app,
-        post(
-            Some("d1"),
-            "?sleep_ms=1500",
-            serde_json::json!({"amount": 7}),
-        ),
-    );
-    let probes = async {
-        tokio::time::sleep(Duration::from_millis(300)).await;
+    let first = send(&app, "d1", "?sleep_ms=1500", 7);
+    let probes = after(300, async {
         let started = Instant::now();
         let same = send(&app, "d1", "?sleep_ms=1500", 7).await;
         let other = send(&app, "d1", "?sleep_ms=1500", 8).await;
@@ -461,7 +588,7 @@ async fn duplicate_while_open_gets_409_at_once_then_replays() {
             .await
             .unwrap();
         (same, other, plain, started.elapsed())
-    };
+    });
     let (first, (same, other, plain, took)) = futures_util::future::join(first, probes).await;
     assert_eq!(first.status, StatusCode::CREATED);
     assert_eq!(same.status, StatusCode::CONFLICT);
@@ -480,46 +607,35 @@ async fn duplicate_while_open_gets_409_at_once_then_replays() {
         "not blocked behind the open transaction: {took:?}"
     );
 
-    let after = send(&app, "d1", "?sleep_ms=1500", 7).await;
-    assert!(after.replayed);
-    assert_eq!(after.body, first.body);
+    let later = send(&app, "d1", "?sleep_ms=1500", 7).await;
+    assert_replays(&later, &first, "after the commit");
     let mismatch = send(&app, "d1", "", 8).await;
     assert_eq!(
         mismatch.status,
         StatusCode::UNPROCESSABLE_ENTITY,
         "422 once committed"
     );
-    assert_eq!(runs.get(), 1);
-    assert_eq!(payments(&db), 1);
+    assert_counts(&db, &runs, 1, 1);
 }
 
 /// With `wait_for_in_flight`, the duplicate waits for the first transaction and replays it.
 #[actix_web::test]
 async fn wait_mode_replays_after_the_first_commits() {
-    let (db, store) = setup().await;
-    let runs = Runs::default();
-    let middleware = Idempotency::builder(store.clone())
-        .tenant_header("x-account-id")
-        .wait_for_in_flight(Duration::from_secs(5))
-        .transactional()
-        .build();
-    let app = app!(middleware, runs);
-    let first = call(
-        &app,
-        post(
-            Some("w1"),
-            "?sleep_ms=500",
-            serde_json::json!({"amount": 7}),
-        ),
-    );
-    let second = async {
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        send(&app, "w1", "?sleep_ms=500", 7).await
-    };
-    let (first, second) = futures_util::future::join(first, second).await;
+    let (db, _store, _runs, app) = setup_pay(|store| {
+        Idempotency::builder(store.clone())
+            .tenant_header("x-account-id")
+            .wait_for_in_flight(Duration::from_secs(5))
+            .transactional()
+            .build()
+    })
+    .await;
+    let (first, second) = futures_util::future::join(
+        send(&app, "w1", "?sleep_ms=500", 7),
+        after(100, send(&app, "w1", "?sleep_ms=500", 7)),
+    )
+    .await;
     assert_eq!(first.status, StatusCode::CREATED);
-    assert!(second.replayed);
-    assert_eq!(second.body, first.body);
+    assert_replays(&second, &first, "the waiting duplicate");
     assert_eq!(payments(&db), 1);
 }
 
@@ -529,25 +645,22 @@ async fn wait_mode_replays_after_the_first_commits() {
 /// PostgreSQL ended the session, everything rolled back, and the retry ran the handler again.
 #[actix_web::test]
 async fn a_handler_idle_past_the_lease_keeps_its_transaction() {
-    let (db, store) = setup().await;
-    let runs = Runs::default();
-    let middleware = tx_builder(&store)
-        .lock_timeout(Duration::from_millis(500))
-        .build();
-    let app = app!(middleware, runs);
-    let first = send(&app, "idle1", "?sleep_ms=1500", 3);
-    let retry = async {
-        tokio::time::sleep(Duration::from_millis(1000)).await;
-        send(&app, "idle1", "?sleep_ms=1500", 3).await
-    };
-    let (first, retry) = futures_util::future::join(first, retry).await;
-    assert_eq!(first.status, StatusCode::CREATED, "{}", first.body);
+    let (db, _store, runs, app) = setup_pay(|store| {
+        tx_builder(store)
+            .lock_timeout(Duration::from_millis(500))
+            .build()
+    })
+    .await;
+    let (first, retry) = futures_util::future::join(
+        send(&app, "idle1", "?sleep_ms=1500", 3),
+        after(1000, send(&app, "idle1", "?sleep_ms=1500", 3)),
+    )
+    .await;
+    assert_created(&first);
     assert_eq!(retry.status, StatusCode::CONFLICT, "{}", retry.body);
     let replay = send(&app, "idle1", "?sleep_ms=1500", 3).await;
-    assert!(replay.replayed, "{}", replay.body);
-    assert_eq!(replay.body, first.body);
-    assert_eq!(runs.get(), 1);
-    assert_eq!(payments(&db), 1);
+    assert_replays(&replay, &first, "after the commit");
+    assert_counts(&db, &runs, 1, 1);
 }
 
 /// C12 in transactional mode: the stored response lives its TTL from its commit, not from the
@@ -556,21 +669,13 @@ async fn a_handler_idle_past_the_lease_keeps_its_transaction() {
 /// retry right after ran the handler again.
 #[actix_web::test]
 async fn a_stored_response_lives_its_ttl_from_the_commit() {
-    let (db, store) = setup().await;
-    let runs = Runs::default();
-    let middleware = tx_builder(&store).ttl(Duration::from_secs(1)).build();
-    let app = app!(middleware, runs);
+    let (db, _store, runs, app) =
+        setup_pay(|store| tx_builder(store).ttl(Duration::from_secs(1)).build()).await;
     let first = send(&app, "ttl1", "?sleep_ms=1500", 4).await;
-    assert_eq!(first.status, StatusCode::CREATED, "{}", first.body);
+    assert_created(&first);
     let retry = send(&app, "ttl1", "?sleep_ms=1500", 4).await;
-    assert!(
-        retry.replayed,
-        "the record had expired at its commit: {}",
-        retry.body
-    );
-    assert_eq!(retry.body, first.body);
-    assert_eq!(runs.get(), 1);
-    assert_eq!(payments(&db), 1);
+    assert_replays(&retry, &first, "the record had expired at its commit");
+    assert_counts(&db, &runs, 1, 1);
 }
 
 /// A table whose foreign key is checked at COMMIT: a handler that inserts a row naming a
@@ -587,17 +692,10 @@ const DEFERRED_FOREIGN_KEY: &str = "CREATE TABLE accounts (id bigint PRIMARY KEY
 async fn failed_commit_answers_a_problem_and_leaves_nothing() {
     let (db, store) = setup().await;
     execute(&db.url, DEFERRED_FOREIGN_KEY);
-    let runs = Runs::default();
-    let app = app!(tx_middleware(&store), runs);
+    let (runs, app) = pay_app(tx_middleware(&store)).await;
 
     let failed = send(&app, "c1", "?account=42", 3).await;
-    assert_eq!(
-        failed.status,
-        StatusCode::SERVICE_UNAVAILABLE,
-        "{}",
-        failed.body
-    );
-    assert_eq!(failed.body["code"], "COMMIT_FAILED");
+    assert_problem(&failed, "COMMIT_FAILED", "the failed commit");
     assert!(failed.retry_after);
     assert!(
         failed.body.get("id").is_none(),
@@ -607,14 +705,9 @@ async fn failed_commit_answers_a_problem_and_leaves_nothing() {
 
     execute(&db.url, "INSERT INTO accounts VALUES (42)");
     let retry = send(&app, "c1", "?account=42", 3).await;
-    assert_eq!(retry.status, StatusCode::CREATED);
-    assert!(
-        !retry.replayed,
-        "the retry runs (nothing was committed before)"
-    );
-    assert_eq!(runs.get(), 2);
-    assert_eq!(payments(&db), 1);
-    assert_eq!(records_for_key(&db.url, "c1")[0].state, State::Completed);
+    assert_ran(&retry, "the retry runs (nothing was committed before)");
+    assert_counts(&db, &runs, 2, 1);
+    assert_completed(&db, "c1");
 }
 
 /// A session that dies during COMMIT (a FATAL such as a terminated backend or a server
@@ -640,23 +733,16 @@ async fn a_session_that_dies_during_commit_is_an_unknown_outcome() {
          CREATE CONSTRAINT TRIGGER at_commit AFTER INSERT ON payments
              DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION at_commit()",
     );
-    let runs = Runs::default();
-    let app = app!(tx_middleware(&store), runs);
+    let (_runs, app) = pay_app(tx_middleware(&store)).await;
     for key in [Some("d1"), None] {
-        let died = call(&app, post(key, "", serde_json::json!({"amount": 666}))).await;
+        let died = send_as(&app, key, "", 666).await;
         assert_problem(&died, "COMMIT_OUTCOME_UNKNOWN", &format!("{key:?}"));
-        let refused = call(&app, post(key, "", serde_json::json!({"amount": 667}))).await;
-        assert_eq!(
-            refused.status,
-            StatusCode::SERVICE_UNAVAILABLE,
-            "{}",
-            refused.body
-        );
+        let refused = send_as(&app, key, "", 667).await;
         // (keyed: the first request's record went with its transaction, so this one ran)
-        assert_eq!(refused.body["code"], "COMMIT_FAILED", "{}", refused.body);
+        assert_problem(&refused, "COMMIT_FAILED", &format!("{key:?}"));
     }
     assert_nothing_kept(&db, "d1", 0);
-    let ok = call(&app, post(None, "", serde_json::json!({"amount": 1}))).await;
+    let ok = send_as(&app, None, "", 1).await;
     assert_eq!(
         ok.status,
         StatusCode::CREATED,
@@ -670,27 +756,22 @@ async fn a_session_that_dies_during_commit_is_an_unknown_outcome() {
 /// back, answered with RESPONSE_TOO_LARGE.
 #[actix_web::test]
 async fn storable_response_over_the_limit_is_rolled_back() {
-    let (db, store) = setup().await;
-    let runs = Runs::default();
-    let middleware = Idempotency::builder(store.clone())
-        .tenant_header("x-account-id")
-        .max_response_bytes(1024)
-        .transactional()
-        .build();
-    let app = app!(middleware, runs);
+    let (db, _store, _runs, app) = setup_pay(|store| {
+        Idempotency::builder(store.clone())
+            .tenant_header("x-account-id")
+            .max_response_bytes(1024)
+            .transactional()
+            .build()
+    })
+    .await;
     let big = send(&app, "b1", "?big=4096", 3).await;
-    assert_eq!(big.status, StatusCode::INTERNAL_SERVER_ERROR);
-    assert_eq!(big.body["code"], "RESPONSE_TOO_LARGE");
+    let too_large = StatusCode::INTERNAL_SERVER_ERROR;
+    assert_code(&big, too_large, "RESPONSE_TOO_LARGE", "keyed");
     assert_nothing_kept(&db, "b1", 0);
     // Without a key it is rolled back too (nothing may reach the client before COMMIT, and
     // the limit bounds that buffer), and the problem does not speak of a key it never had.
-    let keyless = call(
-        &app,
-        post(None, "?big=4096", serde_json::json!({"amount": 3})),
-    )
-    .await;
-    assert_eq!(keyless.status, StatusCode::INTERNAL_SERVER_ERROR);
-    assert_eq!(keyless.body["code"], "RESPONSE_TOO_LARGE");
+    let keyless = send_as(&app, None, "?big=4096", 3).await;
+    assert_code(&keyless, too_large, "RESPONSE_TOO_LARGE", "keyless");
     let detail = keyless.body["detail"].as_str().unwrap_or_default();
     assert!(
         detail.contains("retrying is safe") && !detail.contains("key"),
@@ -703,31 +784,20 @@ async fn storable_response_over_the_limit_is_rolled_back() {
 /// rolled back with a 4xx; no record either way.
 #[actix_web::test]
 async fn keyless_requests_get_a_plain_transaction() {
-    let (db, store) = setup().await;
-    let runs = Runs::default();
-    let app = app!(tx_middleware(&store), runs);
-    let ok = call(&app, post(None, "", serde_json::json!({"amount": 3}))).await;
-    assert_eq!(ok.status, StatusCode::CREATED, "{}", ok.body);
-    let rejected = call(
-        &app,
-        post(None, "?status=400", serde_json::json!({"amount": 3})),
-    )
-    .await;
+    let (db, _store, _runs, app) = setup_pay(tx_middleware).await;
+    let ok = send_as(&app, None, "", 3).await;
+    assert_created(&ok);
+    let rejected = send_as(&app, None, "?status=400", 3).await;
     assert_eq!(rejected.status, StatusCode::BAD_REQUEST);
     assert_eq!(payments(&db), 1);
-    assert_eq!(
-        count(&db.url, "SELECT count(*) AS n FROM idempotency_keys"),
-        0
-    );
+    assert_eq!(idempotency_keys(&db), 0);
 }
 
 /// Outside a transactional scope (a method the middleware does not cover, or no middleware
 /// at all) the extractor answers 500 and the handler does not run.
 #[actix_web::test]
 async fn extractor_outside_a_transactional_scope_is_a_500() {
-    let (db, store) = setup().await;
-    let runs = Runs::default();
-    let app = app!(tx_middleware(&store), runs);
+    let (db, store, runs, app) = setup_pay(tx_middleware).await;
     let get = call(
         &app,
         test::TestRequest::get()
@@ -740,8 +810,7 @@ async fn extractor_outside_a_transactional_scope_is_a_500() {
     let plain = app!(Idempotency::new(store.clone()), runs);
     let keyed = send(&plain, "x1", "", 1).await;
     assert_eq!(keyed.status, StatusCode::INTERNAL_SERVER_ERROR);
-    assert_eq!(runs.get(), 0);
-    assert_eq!(payments(&db), 0);
+    assert_counts(&db, &runs, 0, 0);
 }
 
 /// A store whose pool has one connection, given up on after 300 ms.
@@ -752,6 +821,13 @@ async fn one_connection_store(db: &TestDb) -> PostgresStore {
         .build()
         .await
         .unwrap()
+}
+
+/// `setup`, its store dropped for a `one_connection_store`.
+async fn setup_one_connection() -> (TestDb, PostgresStore) {
+    let (db, _) = setup().await;
+    let store = one_connection_store(&db).await;
+    (db, store)
 }
 
 /// Send `second` 200 ms into a keyed request that holds the pool's only connection for 1.2 s;
@@ -786,18 +862,14 @@ where
 /// the connection timeout and its handler does not run.
 #[actix_web::test]
 async fn exhausted_pool_answers_503_without_running_the_handler() {
-    let (db, _) = setup().await;
-    let store = one_connection_store(&db).await;
-    let runs = Runs::default();
-    let app = app!(tx_middleware(&store), runs);
+    let (db, store) = setup_one_connection().await;
+    let (runs, app) = pay_app(tx_middleware(&store)).await;
     let keyed = post(Some("p2"), "", serde_json::json!({ "amount": 1 }));
     let (first, second, took) = behind_the_only_connection(&app, keyed).await;
     assert_eq!(first.status, StatusCode::CREATED);
-    assert_eq!(second.status, StatusCode::SERVICE_UNAVAILABLE);
-    assert_eq!(second.body["code"], "STORAGE_UNAVAILABLE");
+    assert_problem(&second, "STORAGE_UNAVAILABLE", "keyed, behind the holder");
     assert!(took < Duration::from_millis(1000), "{took:?}");
-    assert_eq!(runs.get(), 1);
-    assert_eq!(payments(&db), 1);
+    assert_counts(&db, &runs, 1, 1);
 }
 
 /// Serialization retries re-run the handler after a serialization failure at COMMIT (a
@@ -807,11 +879,9 @@ async fn exhausted_pool_answers_503_without_running_the_handler() {
 async fn serializable_conflicts_are_retried_when_enabled() {
     let (db, store) = setup().await;
     let runs = Runs::default();
-    let middleware = tx_builder(&store)
-        .isolation_level(idempotency_actix::store::postgres::IsolationLevel::Serializable)
-        .retry_serialization_failures(3);
+    let middleware = serializable(&store).retry_serialization_failures(3);
     let app = app!(middleware.build(), runs, post skew);
-    let request = call(&app, post(Some("z1"), "", serde_json::json!({"amount": 1})));
+    let request = send(&app, "z1", "", 1);
     let external = async {
         // Reads and writes the same table as the handler, and commits while the handler's
         // transaction is open: the handler's COMMIT then fails with 40001.
@@ -829,11 +899,11 @@ async fn serializable_conflicts_are_retried_when_enabled() {
         conn.batch_execute("COMMIT").await.unwrap();
     };
     let (answer, ()) = futures_util::future::join(request, external).await;
-    assert_eq!(answer.status, StatusCode::CREATED, "{}", answer.body);
+    assert_created(&answer);
     assert_eq!(runs.get(), 2, "run once more after the failed COMMIT");
     assert_eq!(answer.body["seen"], 1, "the re-run saw the external row");
     assert_eq!(payments(&db), 2);
-    assert_eq!(records_for_key(&db.url, "z1")[0].state, State::Completed);
+    assert_completed(&db, "z1");
 }
 
 /// A serialization failure of one of the handler's own statements (not the COMMIT) is seen
@@ -848,10 +918,14 @@ async fn a_serialization_failure_inside_the_handler_is_retried() {
     let app = app!(middleware.build(), runs, post fails_first_run);
     for key in ["w1", "w2"] {
         let before = runs.get();
-        let answer = call(&app, post(Some(key), "", serde_json::json!({"amount": 1}))).await;
-        assert_eq!(answer.status, StatusCode::CREATED, "{}", answer.body);
-        assert_eq!(runs.get(), before + 2, "run once more after the 40001");
-        assert_eq!(records_for_key(&db.url, key)[0].state, State::Completed);
+        let answer = send(&app, key, "", 1).await;
+        assert_created(&answer);
+        assert_eq!(
+            runs.get(),
+            before + 2,
+            "{key}: run once more after the 40001"
+        );
+        assert_completed(&db, key);
     }
     assert_eq!(
         payments(&db),
@@ -889,26 +963,16 @@ async fn a_request_its_handler_kept_is_not_run_again_and_the_key_stays_free() {
     let (db, store) = setup().await;
     let runs = Runs::default();
     let middleware = tx_builder(&store).retry_serialization_failures(2);
-    let app = test::init_service(App::new().app_data(web::Data::new(runs.clone())).service(
-        web::scope("").wrap(middleware.build()).route(
-            "/payments",
-            web::post().to(keeps_request_and_fails_first_run),
-        ),
-    ))
-    .await;
-    let body = serde_json::json!({"amount": 1});
-    let answer = call(&app, post(Some("h1"), "", body.clone())).await;
+    let app = app!(middleware.build(), runs, post keeps_request_and_fails_first_run);
+    let answer = send(&app, "h1", "", 1).await;
     assert_problem(&answer, "COMMIT_FAILED", "answer");
     assert!(answer.retry_after);
     assert_eq!(runs.get(), 1, "not run again");
-    assert_eq!(payments(&db), 0, "nothing committed");
-    assert!(
-        records_for_key(&db.url, "h1").is_empty(),
-        "the claim rolled back"
-    );
+    // Nothing committed, and the claim rolled back.
+    assert_nothing_kept(&db, "h1", 0);
     // The key is free: a retry runs (an even run, which succeeds).
-    let retry = call(&app, post(Some("h1"), "", body)).await;
-    assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.body);
+    let retry = send(&app, "h1", "", 1).await;
+    assert_created(&retry);
     assert_eq!(payments(&db), 1);
 }
 
@@ -930,11 +994,9 @@ async fn keeps_request_and_fails_first_run(
 async fn serializable_conflict_without_retries_is_commit_failed() {
     let (db, store) = setup().await;
     let runs = Runs::default();
-    let middleware = tx_builder(&store)
-        .isolation_level(idempotency_actix::store::postgres::IsolationLevel::Serializable);
-    let app = app!(middleware.build(), runs, post skew);
-    let a = call(&app, post(Some("z1"), "", serde_json::json!({"amount": 1})));
-    let b = call(&app, post(Some("z2"), "", serde_json::json!({"amount": 2})));
+    let app = app!(serializable(&store).build(), runs, post skew);
+    let a = send(&app, "z1", "", 1);
+    let b = send(&app, "z2", "", 2);
     let (a, b) = futures_util::future::join(a, b).await;
     // The loser fails at COMMIT (COMMIT_FAILED) or at its own INSERT (the handler's 500),
     // depending on timing; either way nothing of it remains.
@@ -951,10 +1013,7 @@ async fn serializable_conflict_without_retries_is_commit_failed() {
         loser.body
     );
     assert_eq!(payments(&db), 1);
-    assert_eq!(
-        count(&db.url, "SELECT count(*) AS n FROM idempotency_keys"),
-        1
-    );
+    assert_eq!(idempotency_keys(&db), 1);
 }
 
 #[derive(diesel::QueryableByName)]
@@ -990,12 +1049,12 @@ async fn skew(tx: IdempotentTx, runs: web::Data<Runs>) -> actix_web::Result<Http
 /// handler's row and the reservation) is rolled back: the retry runs the handler again.
 #[actix_web::test]
 async fn store_if_refusal_rolls_back_and_sends_the_response() {
-    let (db, store) = setup().await;
-    let runs = Runs::default();
-    let middleware = tx_builder(&store)
-        .store_if(|parts| parts.status != StatusCode::ACCEPTED)
-        .build();
-    let app = app!(middleware, runs);
+    let (db, _store, runs, app) = setup_pay(|store| {
+        tx_builder(store)
+            .store_if(|parts| parts.status != StatusCode::ACCEPTED)
+            .build()
+    })
+    .await;
     let refused = send(&app, "si1", "?status=202", 1).await;
     assert_eq!(refused.status, StatusCode::ACCEPTED);
     assert!(refused.body["id"].is_i64(), "{}", refused.body);
@@ -1011,9 +1070,7 @@ async fn store_if_refusal_rolls_back_and_sends_the_response() {
 /// handler's error text, and nothing is committed.
 #[actix_web::test]
 async fn failing_response_body_rolls_back() {
-    let (db, store) = setup().await;
-    let runs = Runs::default();
-    let app = app!(tx_middleware(&store), runs);
+    let (db, _store, runs, app) = setup_pay(tx_middleware).await;
     let failed = send(&app, "sf1", "?stream_fail=true", 1).await;
     assert_eq!(failed.status, StatusCode::INTERNAL_SERVER_ERROR);
     assert!(
@@ -1024,20 +1081,16 @@ async fn failing_response_body_rolls_back() {
     assert_nothing_kept(&db, "sf1", 0);
     let retry = send(&app, "sf1", "", 1).await;
     assert_eq!(retry.status, StatusCode::CREATED);
-    assert_eq!(runs.get(), 2);
-    assert_eq!(payments(&db), 1);
+    assert_counts(&db, &runs, 2, 1);
 }
 
 /// A handler that leaves a savepoint open would turn our COMMIT into a savepoint release:
 /// nothing is committed, the client gets 503 COMMIT_FAILED, and a retry is safe.
 #[actix_web::test]
 async fn an_open_savepoint_is_never_committed() {
-    let (db, store) = setup().await;
-    let runs = Runs::default();
-    let app = app!(tx_middleware(&store), runs);
+    let (db, _store, _runs, app) = setup_pay(tx_middleware).await;
     let failed = send(&app, "os1", "?open_savepoint=true", 1).await;
-    assert_eq!(failed.status, StatusCode::SERVICE_UNAVAILABLE);
-    assert_eq!(failed.body["code"], "COMMIT_FAILED", "{}", failed.body);
+    assert_problem(&failed, "COMMIT_FAILED", "open savepoint");
     assert!(failed.retry_after);
     assert_nothing_kept(&db, "os1", 0);
     let retry = send(&app, "os1", "", 1).await;
@@ -1052,21 +1105,20 @@ async fn an_open_savepoint_is_never_committed() {
 /// done", and re-run); a non-storable one releases the key (C10), as the default mode does.
 #[actix_web::test]
 async fn a_handler_that_commits_itself_finishes_as_the_default_mode() {
-    let (db, store) = setup().await;
-    let runs = Runs::default();
-    let middleware = tx_builder(&store)
-        .lock_timeout(Duration::from_millis(300))
-        .build();
-    let app = app!(middleware, runs);
+    let (db, _store, runs, app) = setup_pay(|store| {
+        tx_builder(store)
+            .lock_timeout(Duration::from_millis(300))
+            .build()
+    })
+    .await;
     let first = send(&app, "sc1", "?self_commit=true", 1).await;
-    assert_eq!(first.status, StatusCode::CREATED, "{}", first.body);
+    assert_created(&first);
     tokio::time::sleep(Duration::from_millis(400)).await; // past the lease
     let retry = send(&app, "sc1", "?self_commit=true", 1).await;
-    assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.body);
-    assert!(retry.replayed, "the retry ran the handler again");
-    assert_eq!(retry.body, first.body);
+    assert_created(&retry);
+    assert_replays(&retry, &first, "the retry ran the handler again");
     assert_eq!(runs.get(), 1);
-    assert_eq!(records_for_key(&db.url, "sc1")[0].state, State::Completed);
+    assert_completed(&db, "sc1");
     assert_eq!(payments(&db), 1);
 
     let refused = send(&app, "sc2", "?self_commit=true&status=409", 1).await;
@@ -1079,15 +1131,12 @@ async fn a_handler_that_commits_itself_finishes_as_the_default_mode() {
 /// reservation: nothing is kept, its own answer goes out, and a retry runs it.
 #[actix_web::test]
 async fn a_handler_that_rolls_back_itself_leaves_nothing() {
-    let (db, store) = setup().await;
-    let runs = Runs::default();
-    let app = app!(tx_middleware(&store), runs);
+    let (db, _store, _runs, app) = setup_pay(tx_middleware).await;
     let first = send(&app, "sr1", "?self_rollback=true", 1).await;
-    assert_eq!(first.status, StatusCode::CREATED, "{}", first.body);
+    assert_created(&first);
     assert_nothing_kept(&db, "sr1", 0);
     let retry = send(&app, "sr1", "", 1).await;
-    assert_eq!(retry.status, StatusCode::CREATED);
-    assert!(!retry.replayed);
+    assert_ran(&retry, "the retry");
     assert_eq!(payments(&db), 1);
 }
 
@@ -1097,18 +1146,8 @@ async fn a_handler_that_rolls_back_itself_leaves_nothing() {
 /// back to a savepoint (diesel's nested transaction) leaves the transaction usable: committed.
 #[actix_web::test]
 async fn a_transaction_aborted_by_an_ignored_error_is_never_answered_as_done() {
-    let (db, store) = setup().await;
-    let runs = Runs::default();
-    let app = app!(tx_middleware(&store), runs);
-    let keyless = call(
-        &app,
-        post(
-            None,
-            "?swallow_error=true",
-            serde_json::json!({"amount": 1}),
-        ),
-    )
-    .await;
+    let (db, _store, runs, app) = setup_pay(tx_middleware).await;
+    let keyless = send_as(&app, None, "?swallow_error=true", 1).await;
     assert_problem(&keyless, "COMMIT_FAILED", "keyless");
     assert_eq!(payments(&db), 0);
 
@@ -1116,30 +1155,21 @@ async fn a_transaction_aborted_by_an_ignored_error_is_never_answered_as_done() {
     assert_problem(&keyed, "COMMIT_FAILED", "keyed");
     assert_nothing_kept(&db, "ab1", 0);
     let retry = send(&app, "ab1", "", 1).await;
-    assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.body);
-    assert!(!retry.replayed);
+    assert_ran(&retry, "the retry");
     assert_eq!(payments(&db), 1);
     assert_eq!(runs.get(), 3);
 
     for key in [None, Some("ab2")] {
-        let recovered = call(
-            &app,
-            post(
-                key,
-                "?savepoint_error=true",
-                serde_json::json!({"amount": 1}),
-            ),
-        )
-        .await;
-        assert_eq!(recovered.status, StatusCode::CREATED, "{}", recovered.body);
+        let recovered = send_as(&app, key, "?savepoint_error=true", 1).await;
+        assert_created(&recovered);
     }
     assert_eq!(payments(&db), 3);
-    assert_eq!(records_for_key(&db.url, "ab2")[0].state, State::Completed);
+    assert_completed(&db, "ab2");
 
     // Failures no instrumentation event reports: a failing statement whose future the handler
     // dropped, and the error of a row-returning statement (it comes in the row stream).
     for query in ["?abandon_failing=true", "?swallow_row_error=true"] {
-        let unseen = call(&app, post(None, query, serde_json::json!({"amount": 1}))).await;
+        let unseen = send_as(&app, None, query, 1).await;
         assert_problem(&unseen, "COMMIT_FAILED", query);
     }
     assert_eq!(payments(&db), 3);
@@ -1158,12 +1188,11 @@ async fn an_ignored_error_is_seen_on_a_pool_the_app_built() {
         .await
         .unwrap();
     let store = PostgresStore::new(pool);
-    let runs = Runs::default();
-    let app = app!(tx_middleware(&store), runs);
-    let first = call(&app, post(None, "", serde_json::json!({"amount": 1}))).await;
-    assert_eq!(first.status, StatusCode::CREATED, "{}", first.body);
+    let (_runs, app) = pay_app(tx_middleware(&store)).await;
+    let first = send_as(&app, None, "", 1).await;
+    assert_created(&first);
     for query in ["?swallow_error=true", "?abandon_failing=true"] {
-        let aborted = call(&app, post(None, query, serde_json::json!({"amount": 1}))).await;
+        let aborted = send_as(&app, None, query, 1).await;
         assert_problem(&aborted, "COMMIT_FAILED", query);
     }
     assert_eq!(payments(&db), 1);
@@ -1242,8 +1271,7 @@ async fn tenant_seen(
 /// connection (row-level security keyed on it then shows it nothing).
 #[actix_web::test]
 async fn a_keyless_request_without_a_tenant_never_sees_a_leaked_one() {
-    let (db, _) = setup().await;
-    let store = one_connection_store(&db).await;
+    let (_db, store) = setup_one_connection().await;
     let app = app!(tx_middleware(&store), post tenant_seen);
     let leaking = call(&app, post(Some("l1"), "?leak=1", serde_json::json!({}))).await;
     assert_eq!(leaking.status, StatusCode::CREATED);
@@ -1251,7 +1279,7 @@ async fn a_keyless_request_without_a_tenant_never_sees_a_leaked_one() {
         .uri("/payments")
         .set_json(serde_json::json!({}));
     let answer = call(&app, keyless).await;
-    assert_eq!(answer.status, StatusCode::CREATED, "{}", answer.body);
+    assert_created(&answer);
     assert_eq!(
         answer.body,
         serde_json::json!(""),
@@ -1263,18 +1291,14 @@ async fn a_keyless_request_without_a_tenant_never_sees_a_leaked_one() {
 /// had in time it is a 503 and its handler does not run.
 #[actix_web::test]
 async fn keyless_request_on_an_exhausted_pool_is_503() {
-    let (db, _) = setup().await;
-    let store = one_connection_store(&db).await;
-    let runs = Runs::default();
-    let app = app!(tx_middleware(&store), runs);
+    let (db, store) = setup_one_connection().await;
+    let (runs, app) = pay_app(tx_middleware(&store)).await;
     let keyless = post(None, "", serde_json::json!({"amount": 2}));
     let (first, second, _) = behind_the_only_connection(&app, keyless).await;
     assert_eq!(first.status, StatusCode::CREATED);
-    assert_eq!(second.status, StatusCode::SERVICE_UNAVAILABLE);
-    assert_eq!(second.body["code"], "STORAGE_UNAVAILABLE");
+    assert_problem(&second, "STORAGE_UNAVAILABLE", "keyless, behind the holder");
     assert!(second.retry_after);
-    assert_eq!(runs.get(), 1);
-    assert_eq!(payments(&db), 1);
+    assert_counts(&db, &runs, 1, 1);
 }
 
 /// REPEATABLE READ and a store without a query timeout (the statements are awaited without a
@@ -1287,20 +1311,17 @@ async fn repeatable_read_without_a_query_timeout() {
         .build()
         .await
         .unwrap();
-    let runs = Runs::default();
     let middleware = tx_builder(&store)
-        .isolation_level(idempotency_actix::store::postgres::IsolationLevel::RepeatableRead)
+        .isolation_level(IsolationLevel::RepeatableRead)
         .build();
-    let app = app!(middleware, runs);
+    let (runs, app) = pay_app(middleware).await;
     let first = send(&app, "rr1", "", 3).await;
-    assert_eq!(first.status, StatusCode::CREATED, "{}", first.body);
+    assert_created(&first);
     let replay = send(&app, "rr1", "", 3).await;
-    assert!(replay.replayed);
-    assert_eq!(replay.body, first.body);
-    let keyless = call(&app, post(None, "", serde_json::json!({"amount": 4}))).await;
+    assert_replays(&replay, &first, "the retry");
+    let keyless = send_as(&app, None, "", 4).await;
     assert_eq!(keyless.status, StatusCode::CREATED);
-    assert_eq!(runs.get(), 2);
-    assert_eq!(payments(&db), 2);
+    assert_counts(&db, &runs, 2, 2);
 }
 
 /// A handler that panics on a keyless request: the request's task ends without an answer, the
@@ -1308,21 +1329,15 @@ async fn repeatable_read_without_a_query_timeout() {
 /// keeps serving.
 #[actix_web::test]
 async fn a_panicking_keyless_handler_is_a_500_and_rolls_back() {
-    let (db, store) = setup().await;
-    let runs = Runs::default();
-    let app = app!(tx_middleware(&store), runs);
-    let panicked = call(
-        &app,
-        post(None, "?panic=true", serde_json::json!({"amount": 1})),
-    )
-    .await;
+    let (db, _store, runs, app) = setup_pay(tx_middleware).await;
+    let panicked = send_as(&app, None, "?panic=true", 1).await;
     assert_eq!(panicked.status, StatusCode::INTERNAL_SERVER_ERROR);
     assert!(
         !panicked.body.to_string().contains("on purpose"),
         "{}",
         panicked.body
     );
-    let next = call(&app, post(None, "", serde_json::json!({"amount": 2}))).await;
+    let next = send_as(&app, None, "", 2).await;
     assert_eq!(next.status, StatusCode::CREATED);
     assert_eq!(runs.get(), 2);
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -1342,11 +1357,9 @@ async fn a_panicking_keyless_handler_is_a_500_and_rolls_back() {
 async fn a_database_without_the_claim_function_is_not_provisioned() {
     let (db, store) = setup().await;
     execute(&db.url, "DROP FUNCTION idempotency_tx_claim");
-    let runs = Runs::default();
-    let app = app!(tx_middleware(&store), runs);
+    let (runs, app) = pay_app(tx_middleware(&store)).await;
     let refused = send(&app, "np1", "", 1).await;
-    assert_eq!(refused.status, StatusCode::SERVICE_UNAVAILABLE);
-    assert_eq!(refused.body["code"], "STORAGE_UNAVAILABLE");
+    assert_problem(&refused, "STORAGE_UNAVAILABLE", "not provisioned");
     let detail = refused.body["detail"].as_str().unwrap_or_default();
     assert!(
         detail.contains(idempotency_actix::store::postgres::TX_MIGRATE_HINT),
@@ -1363,44 +1376,68 @@ async fn no_statement(tx: IdempotentTx) -> HttpResponse {
     HttpResponse::Created().json(serde_json::json!({ "ok": true }))
 }
 
+/// A keyless `POST /payments` with the tests' tenant.
+fn keyless_post() -> test::TestRequest {
+    test::TestRequest::post()
+        .uri("/payments")
+        .insert_header(("x-account-id", "acct_1"))
+}
+
+/// `request` with `chunks` streamed as its body.
+fn streamed(
+    request: test::TestRequest,
+    chunks: impl futures_util::Stream<Item = Result<bytes::Bytes, actix_web::error::PayloadError>>
+        + 'static,
+) -> actix_http::Request {
+    let chunks: std::pin::Pin<
+        Box<dyn futures_util::Stream<Item = Result<bytes::Bytes, actix_web::error::PayloadError>>>,
+    > = Box::pin(chunks);
+    request
+        .to_request()
+        .replace_payload(actix_http::Payload::from(chunks))
+        .0
+}
+
+/// A keyless JSON body that sends `head`, then `tail` 1.5 s later, and 200 ms into it a keyed
+/// `POST` of amount 1 for `key`: the keyless request's status and the keyed answer.
+async fn behind_a_slow_keyless_upload<S, B>(
+    app: &S,
+    head: &'static [u8],
+    tail: &'static [u8],
+    key: &str,
+) -> (StatusCode, Answer)
+where
+    S: Service<actix_http::Request, Response = ServiceResponse<B>, Error = actix_web::Error>,
+    B: actix_web::body::MessageBody + 'static,
+{
+    let slow_body = futures_util::stream::unfold(0u8, move |sent| async move {
+        match sent {
+            0 => Some((Ok(bytes::Bytes::from_static(head)), 1)),
+            1 => {
+                tokio::time::sleep(Duration::from_millis(1500)).await;
+                Some((Ok(bytes::Bytes::from_static(tail)), 2))
+            }
+            _ => None,
+        }
+    });
+    let keyless = streamed(
+        keyless_post().insert_header(("content-type", "application/json")),
+        slow_body,
+    );
+    let first = async { app.call(keyless).await.unwrap().status() };
+    futures_util::future::join(first, after(200, send(app, key, "", 1))).await
+}
+
 /// A keyless request whose client sends its body slowly (1.5 s here) used to hold the pool's
 /// connection, in an open transaction, for the whole upload: a keyed request for another key
 /// meanwhile got 503 STORAGE_UNAVAILABLE. Its body is now read before the transaction opens,
 /// as a keyed request's is (found by review, 2026-12-04).
 #[actix_web::test]
 async fn a_slow_keyless_upload_does_not_hold_a_connection() {
-    let (db, _) = setup().await;
-    let store = one_connection_store(&db).await;
-    let runs = Runs::default();
-    let app = app!(tx_middleware(&store), runs);
-    let slow_body = futures_util::stream::unfold(0u8, |sent| async move {
-        match sent {
-            0 => Some((Ok(bytes::Bytes::from_static(b"{\"amount\"")), 1)),
-            1 => {
-                tokio::time::sleep(Duration::from_millis(1500)).await;
-                Some((Ok(bytes::Bytes::from_static(b": 5}")), 2))
-            }
-            _ => None,
-        }
-    });
-    let slow_body: std::pin::Pin<
-        Box<dyn futures_util::Stream<Item = Result<bytes::Bytes, actix_web::error::PayloadError>>>,
-    > = Box::pin(slow_body);
-    let keyless = test::TestRequest::post()
-        .uri("/payments")
-        .insert_header(("x-account-id", "acct_1"))
-        .insert_header(("content-type", "application/json"))
-        .to_request();
-    let (keyless, _) = keyless.replace_payload(actix_http::Payload::from(slow_body));
-    let first = async {
-        let response = app.call(keyless).await.unwrap();
-        response.status()
-    };
-    let second = async {
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        send(&app, "other-key", "", 1).await
-    };
-    let (first, second) = futures_util::future::join(first, second).await;
+    let (_db, store) = setup_one_connection().await;
+    let (_runs, app) = pay_app(tx_middleware(&store)).await;
+    let (first, second) =
+        behind_a_slow_keyless_upload(&app, b"{\"amount\"", b": 5}", "other-key").await;
     assert_eq!(first, StatusCode::CREATED);
     assert_eq!(
         second.status,
@@ -1439,25 +1476,21 @@ async fn a_claim_serialization_failure_is_claimed_again() {
          END IF;
          END $$",
     );
-    let runs = Runs::default();
     let middleware = tx_builder(&store)
-        .isolation_level(idempotency_actix::store::postgres::IsolationLevel::RepeatableRead)
+        .isolation_level(IsolationLevel::RepeatableRead)
         .build();
-    let app = app!(middleware, runs);
-    let mut purge = idempotency_actix::store::postgres::establish(&db.url)
-        .await
-        .unwrap();
-    purge
-        .batch_execute("BEGIN; DELETE FROM idempotency_keys WHERE idempotency_key = 'rrp'")
-        .await
-        .unwrap();
+    let (_runs, app) = pay_app(middleware).await;
+    let mut purge = outside_transaction(
+        &db,
+        "BEGIN; DELETE FROM idempotency_keys WHERE idempotency_key = 'rrp'",
+    )
+    .await;
     let request = send(&app, "rrp", "", 1);
-    let commit_purge = async {
-        tokio::time::sleep(Duration::from_millis(300)).await;
+    let commit_purge = after(300, async {
         purge.batch_execute("COMMIT").await.unwrap();
-    };
+    });
     let (answer, ()) = futures_util::future::join(request, commit_purge).await;
-    assert_eq!(answer.status, StatusCode::CREATED, "{}", answer.body);
+    assert_created(&answer);
     assert_eq!(payments(&db), 1);
 }
 
@@ -1465,25 +1498,16 @@ async fn a_claim_serialization_failure_is_claimed_again() {
 /// transaction still commits (detached), and the retry replays.
 #[actix_web::test]
 async fn a_client_that_leaves_mid_handler_still_gets_one_commit() {
-    let (db, store) = setup().await;
-    let runs = Runs::default();
-    let app = app!(tx_middleware(&store), runs);
-    let cut = tokio::time::timeout(
-        Duration::from_millis(150),
-        send(&app, "gone1", "?sleep_ms=600", 1),
-    )
-    .await;
-    assert!(cut.is_err(), "the request should have been cut");
-    // Keyless too.
-    let cut = tokio::time::timeout(
-        Duration::from_millis(150),
-        call(
-            &app,
-            post(None, "?sleep_ms=600", serde_json::json!({"amount": 2})),
-        ),
-    )
-    .await;
-    assert!(cut.is_err());
+    let (db, _store, runs, app) = setup_pay(tx_middleware).await;
+    // Keyed, then keyless too.
+    for (key, amount) in [(Some("gone1"), 1), (None, 2)] {
+        let cut = tokio::time::timeout(
+            Duration::from_millis(150),
+            send_as(&app, key, "?sleep_ms=600", amount),
+        )
+        .await;
+        assert!(cut.is_err(), "{key:?}: the request should have been cut");
+    }
     tokio::time::sleep(Duration::from_millis(1200)).await;
     assert_eq!(payments(&db), 2, "both detached runs committed");
     let retry = send(&app, "gone1", "?sleep_ms=600", 1).await;
@@ -1521,14 +1545,10 @@ async fn a_txconn_held_by_a_spawned_task_is_rolled_back_and_frees_the_key() {
         first.body
     );
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    assert_eq!(payments(&db), 0);
-    assert!(records_for_key(&db.url, "held1").is_empty());
-    let pg_idle_in_tx = count(
-        &db.url,
-        "SELECT count(*) AS n FROM pg_stat_activity WHERE datname = current_database() AND state LIKE 'idle in transaction%'",
-    );
+    assert_nothing_kept(&db, "held1", 0);
     assert_eq!(
-        pg_idle_in_tx, 0,
+        idle_in_transaction(&db),
+        0,
         "a session is still in the request's transaction"
     );
 }
@@ -1541,24 +1561,13 @@ async fn a_txconn_held_by_a_spawned_task_is_rolled_back_and_frees_the_key() {
 #[actix_web::test]
 async fn a_named_read_committed_overrides_a_stricter_database_default() {
     let db = TestDb::new().await;
-    execute(
-        &db.url,
-        &format!(
-            "ALTER DATABASE {} SET default_transaction_isolation = 'serializable'",
-            db.name
-        ),
-    );
+    serializable_by_default(&db);
     let store = PostgresStore::connect(&db.url).await.unwrap();
     let middleware = tx_builder(&store)
-        .isolation_level(idempotency_actix::store::postgres::IsolationLevel::ReadCommitted)
+        .isolation_level(IsolationLevel::ReadCommitted)
         .build();
     let app = app!(middleware, post no_statement);
-    let a = send(&app, "di-a", "", 1);
-    let b = async {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        send(&app, "di-b", "", 2).await
-    };
-    let (a, b) = futures_util::future::join(a, b).await;
+    let (a, b) = two_keys_50ms_apart(&app, "di-a", "di-b").await;
     assert_eq!(a.status, StatusCode::CREATED, "a: {}", a.body);
     assert_eq!(b.status, StatusCode::CREATED, "b: {}", b.body);
 }
@@ -1572,10 +1581,7 @@ async fn a_named_read_committed_overrides_a_stricter_database_default() {
 async fn serializable_requests_with_different_keys_do_not_fail_each_other() {
     let (db, store) = setup().await;
     let runs = Runs::default();
-    let middleware = tx_builder(&store)
-        .isolation_level(idempotency_actix::store::postgres::IsolationLevel::Serializable)
-        .build();
-    let app = app!(middleware, runs, post pay);
+    let app = app!(serializable(&store).build(), runs, post pay);
     // All eight transactions are open at once: each handler sleeps after its insert.
     let keys: Vec<String> = (0..8).map(|i| format!("ser-{i}")).collect();
     let answers = futures_util::future::join_all(
@@ -1609,29 +1615,20 @@ async fn serializable_requests_with_different_keys_do_not_fail_each_other() {
 /// 2026-12-04).
 #[actix_web::test]
 async fn a_serializable_replay_is_not_a_409_while_another_replay_of_the_key_runs() {
-    let (db, store) = setup().await;
-    let runs = Runs::default();
-    let middleware = tx_builder(&store)
-        .isolation_level(idempotency_actix::store::postgres::IsolationLevel::Serializable)
-        .build();
-    let app = app!(middleware, runs);
+    let (db, _store, runs, app) = setup_pay(|store| serializable(store).build()).await;
     let first = send(&app, "held-replay", "", 10).await;
-    assert_eq!(first.status, StatusCode::CREATED, "{}", first.body);
+    assert_created(&first);
     // Another replay of the same request, exactly as the middleware sends it: BEGIN, the
     // claim (which answers the completed record), and its ROLLBACK still to come.
-    let mut other = idempotency_actix::store::postgres::establish(&db.url)
-        .await
-        .unwrap();
-    other
-        .batch_execute(
-            "BEGIN ISOLATION LEVEL SERIALIZABLE;
+    let mut other = outside_transaction(
+        &db,
+        "BEGIN ISOLATION LEVEL SERIALIZABLE;
              SELECT * FROM idempotency_tx_claim('app.tenant_id', 'acct_1', 'acct_1', 'POST',
                  '/payments', 'held-replay',
                  (SELECT fingerprint FROM idempotency_keys WHERE idempotency_key = 'held-replay'),
                  gen_random_uuid(), 60000000)",
-        )
-        .await
-        .unwrap();
+    )
+    .await;
     let retry = send(&app, "held-replay", "", 10).await;
     let other_body = send(&app, "held-replay", "", 11).await;
     other.batch_execute("ROLLBACK").await.unwrap();
@@ -1655,14 +1652,9 @@ async fn a_serializable_replay_is_not_a_409_while_another_replay_of_the_key_runs
 /// replays (26 to 30 of 40 got 409 with migration 000010's first claim).
 #[actix_web::test]
 async fn serializable_concurrent_replays_all_replay() {
-    let (db, store) = setup().await;
-    let runs = Runs::default();
-    let middleware = tx_builder(&store)
-        .isolation_level(idempotency_actix::store::postgres::IsolationLevel::Serializable)
-        .build();
-    let app = app!(middleware, runs);
+    let (db, _store, runs, app) = setup_pay(|store| serializable(store).build()).await;
     let first = send(&app, "burst", "", 10).await;
-    assert_eq!(first.status, StatusCode::CREATED, "{}", first.body);
+    assert_created(&first);
     let mut conflicts = 0;
     let mut statuses = Vec::new();
     for _round in 0..5 {
@@ -1675,8 +1667,7 @@ async fn serializable_concurrent_replays_all_replay() {
             }
         }
     }
-    assert_eq!(runs.get(), 1);
-    assert_eq!(payments(&db), 1);
+    assert_counts(&db, &runs, 1, 1);
     assert_eq!(
         conflicts, 0,
         "40 concurrent retries of a completed key, not all replays: {statuses:?}"
@@ -1688,12 +1679,7 @@ async fn serializable_concurrent_replays_all_replay() {
 /// COMMIT, and each of the others gets its own answer.
 #[actix_web::test]
 async fn serializable_mixed_flows_do_not_fail_each_other() {
-    let (db, store) = setup().await;
-    let runs = Runs::default();
-    let middleware = tx_builder(&store)
-        .isolation_level(idempotency_actix::store::postgres::IsolationLevel::Serializable)
-        .build();
-    let app = app!(middleware, runs);
+    let (db, _store, runs, app) = setup_pay(|store| serializable(store).build()).await;
     let done: Vec<String> = (0..4).map(|i| format!("mix-done-{i}")).collect();
     for key in &done {
         assert_eq!(send(&app, key, "", 5).await.status, StatusCode::CREATED);
@@ -1701,14 +1687,13 @@ async fn serializable_mixed_flows_do_not_fail_each_other() {
     let misses: Vec<String> = (0..6).map(|i| format!("mix-miss-{i}")).collect();
     let miss_requests =
         futures_util::future::join_all(misses.iter().map(|k| send(&app, k, "?sleep_ms=400", 7)));
-    let others = async {
-        tokio::time::sleep(Duration::from_millis(100)).await;
+    let others = after(100, async {
         let replays = futures_util::future::join_all(done.iter().map(|k| send(&app, k, "", 5)));
         let duplicates =
             futures_util::future::join_all(misses.iter().map(|k| send(&app, k, "", 7)));
         let mismatch = send(&app, &done[0], "", 6);
         futures_util::future::join3(replays, duplicates, mismatch).await
-    };
+    });
     let (miss_answers, (replays, duplicates, mismatch)) =
         futures_util::future::join(miss_requests, others).await;
     let statuses = |v: &[Answer]| v.iter().map(|a| a.status.as_u16()).collect::<Vec<_>>();
@@ -1722,8 +1707,7 @@ async fn serializable_mixed_flows_do_not_fail_each_other() {
     assert!(replays.iter().all(|a| a.replayed));
     assert_eq!(statuses(&duplicates), vec![409; 6]);
     assert_eq!(mismatch.status, StatusCode::UNPROCESSABLE_ENTITY);
-    assert_eq!(runs.get(), 10);
-    assert_eq!(payments(&db), 10);
+    assert_counts(&db, &runs, 10, 10);
 }
 
 #[derive(diesel::QueryableByName)]
@@ -1764,21 +1748,10 @@ async fn at_most_one_payment(tx: IdempotentTx) -> HttpResponse {
 async fn the_database_default_isolation_applies_unless_one_is_named() {
     let db = TestDb::new().await;
     execute(&db.url, PAYMENTS);
-    execute(
-        &db.url,
-        &format!(
-            "ALTER DATABASE {} SET default_transaction_isolation = 'serializable'",
-            db.name
-        ),
-    );
+    serializable_by_default(&db);
     let store = PostgresStore::connect(&db.url).await.unwrap();
     let app = app!(tx_middleware(&store), post at_most_one_payment);
-    let a = send(&app, "iso-a", "", 1);
-    let b = async {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        send(&app, "iso-b", "", 2).await
-    };
-    let (a, b) = futures_util::future::join(a, b).await;
+    let (a, b) = two_keys_50ms_apart(&app, "iso-a", "iso-b").await;
     assert!(
         payments(&db) <= 1,
         "the database's SERIALIZABLE default was overridden: {} payments committed (a: {}, b: {})",
@@ -1814,10 +1787,7 @@ async fn a_panicking_handler_that_kept_its_request_does_not_hold_the_key() {
     let first = send(&app, "kp1", "", 1).await;
     assert_eq!(first.status, StatusCode::INTERNAL_SERVER_ERROR);
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let open = count(
-        &db.url,
-        "SELECT count(*) AS n FROM pg_stat_activity WHERE datname = current_database() AND state LIKE 'idle in transaction%'",
-    );
+    let open = idle_in_transaction(&db);
     let retry = send(&app, "kp1", "", 1).await;
     assert_ne!(
         retry.status,
@@ -1835,15 +1805,10 @@ async fn echo_body(tx: IdempotentTx, body: web::Bytes) -> HttpResponse {
 
 /// A keyless request's body in chunks, as a client sends it.
 fn chunked_keyless(chunks: Vec<bytes::Bytes>) -> actix_http::Request {
-    let chunks = futures_util::stream::iter(chunks.into_iter().map(Ok));
-    let chunks: std::pin::Pin<
-        Box<dyn futures_util::Stream<Item = Result<bytes::Bytes, actix_web::error::PayloadError>>>,
-    > = Box::pin(chunks);
-    let request = test::TestRequest::post()
-        .uri("/payments")
-        .insert_header(("x-account-id", "acct_1"))
-        .to_request();
-    request.replace_payload(actix_http::Payload::from(chunks)).0
+    streamed(
+        keyless_post(),
+        futures_util::stream::iter(chunks.into_iter().map(Ok)),
+    )
 }
 
 /// A keyless body within `max_body_bytes` reaches the handler whole and in order, read before
@@ -1882,40 +1847,11 @@ async fn a_keyless_body_is_read_whole_before_its_transaction_or_refused() {
 /// morning, `a_slow_keyless_upload_does_not_hold_a_connection`).
 #[actix_web::test]
 async fn a_slow_keyless_upload_over_the_limit_does_not_hold_a_connection() {
-    let (db, _) = setup().await;
-    let store = one_connection_store(&db).await;
-    let runs = Runs::default();
-    let app = app!(tx_builder(&store).max_body_bytes(16).build(), runs);
-    let slow_body = futures_util::stream::unfold(0u8, |sent| async move {
-        match sent {
-            // 20 bytes: over the 16-byte limit.
-            0 => Some((
-                Ok(bytes::Bytes::from_static(b"{\"amount\": 5, \"pad\":")),
-                1,
-            )),
-            1 => {
-                tokio::time::sleep(Duration::from_millis(1500)).await;
-                Some((Ok(bytes::Bytes::from_static(b" \"x\"}")), 2))
-            }
-            _ => None,
-        }
-    });
-    let slow_body: std::pin::Pin<
-        Box<dyn futures_util::Stream<Item = Result<bytes::Bytes, actix_web::error::PayloadError>>>,
-    > = Box::pin(slow_body);
-    let keyless = test::TestRequest::post()
-        .uri("/payments")
-        .insert_header(("x-account-id", "acct_1"))
-        .insert_header(("content-type", "application/json"))
-        .to_request();
-    let (keyless, _) = keyless.replace_payload(actix_http::Payload::from(slow_body));
-    let first = async { app.call(keyless).await.unwrap().status() };
-    let second = async {
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        // A small keyed body, within the limit.
-        send(&app, "k", "", 1).await
-    };
-    let (first, second) = futures_util::future::join(first, second).await;
+    let (_db, store) = setup_one_connection().await;
+    let (runs, app) = pay_app(tx_builder(&store).max_body_bytes(16).build()).await;
+    // The keyless body is 20 bytes, over the 16-byte limit; the keyed one is small, within it.
+    let (first, second) =
+        behind_a_slow_keyless_upload(&app, b"{\"amount\": 5, \"pad\":", b" \"x\"}", "k").await;
     assert_eq!(first, StatusCode::PAYLOAD_TOO_LARGE);
     assert_eq!(
         second.status,
@@ -1935,34 +1871,24 @@ async fn a_slow_keyless_upload_over_the_limit_does_not_hold_a_connection() {
 /// `COMMIT_OUTCOME_UNKNOWN` here until the batch's first poll told "never sent" apart.)
 #[actix_web::test]
 async fn a_session_ended_while_idle_is_a_known_rollback_for_a_keyless_request() {
-    let (db, store) = setup().await;
-    let runs = Runs::default();
     // The idle limit is the larger of lock_timeout and renew_lease_up_to: 300 ms.
-    let middleware = tx_builder(&store)
-        .lock_timeout(Duration::from_millis(300))
-        .renew_lease_up_to(Duration::ZERO)
-        .build();
-    let app = app!(middleware, runs);
+    let (db, _store, _runs, app) = setup_pay(|store| {
+        tx_builder(store)
+            .lock_timeout(Duration::from_millis(300))
+            .renew_lease_up_to(Duration::ZERO)
+            .build()
+    })
+    .await;
 
     let keyed = send(&app, "idle-keyed", "?sleep_ms=1200", 1).await;
     assert_problem(&keyed, "COMMIT_FAILED", "keyed");
 
-    let keyless = call(
-        &app,
-        post(None, "?sleep_ms=1200", serde_json::json!({"amount": 1})),
-    )
-    .await;
+    let keyless = send_as(&app, None, "?sleep_ms=1200", 1).await;
     assert_eq!(payments(&db), 0, "nothing was committed");
-    assert_eq!(
-        keyless.status,
-        StatusCode::SERVICE_UNAVAILABLE,
-        "{}",
-        keyless.body
-    );
-    assert_eq!(
-        keyless.body["code"], "COMMIT_FAILED",
-        "the session was gone before COMMIT was sent: {}",
-        keyless.body
+    assert_problem(
+        &keyless,
+        "COMMIT_FAILED",
+        "keyless: the session was gone before COMMIT was sent",
     );
 }
 
@@ -1975,8 +1901,7 @@ async fn check_and_commit_leaves_the_only_connection_clean() {
     let (db, _) = setup().await;
     execute(&db.url, DEFERRED_FOREIGN_KEY);
     let store = one_connection_store(&db).await;
-    let runs = Runs::default();
-    let app = app!(tx_middleware(&store), runs);
+    let (_runs, app) = pay_app(tx_middleware(&store)).await;
     let cases = [
         ("", "201"),
         ("?swallow_error=true", "COMMIT_FAILED"),
@@ -1990,7 +1915,7 @@ async fn check_and_commit_leaves_the_only_connection_clean() {
     ];
     let mut committed = 0;
     for (query, expected) in cases {
-        let answer = call(&app, post(None, query, serde_json::json!({"amount": 1}))).await;
+        let answer = send_as(&app, None, query, 1).await;
         let got = match answer.body.get("code") {
             Some(code) => code.as_str().unwrap().to_owned(),
             None => answer.status.as_u16().to_string(),
