@@ -3,25 +3,34 @@
 //! to an actix server with the middleware). Each test names the doc line it checks.
 
 use std::future::Future;
-use std::pin::Pin;
+use std::io;
+use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use actix_web::dev::Server;
 use actix_web::http::{Method, StatusCode};
 use actix_web::{web, App, HttpRequest, HttpResponse, HttpServer};
 use bytes::Bytes;
-use idempotency_actix::store::{IdempotencyStore, MemoryStore};
+use futures_util::StreamExt;
+use idempotency_actix::store::postgres::PostgresStore;
+use idempotency_actix::store::redis::RedisStore;
+use idempotency_actix::store::{CachedStore, IdempotencyStore, MemoryStore};
 use idempotency_actix::Idempotency;
 use idempotency_e2e::raw_http::{Body, Conn, Request, Response};
+use idempotency_e2e::redis_server::RedisServer;
 use idempotency_e2e::server::ThreadServer;
+use idempotency_e2e::{block_on_fresh_thread, TestDb};
 
 const TIMEOUT: Duration = Duration::from_secs(20);
 
 type Counter = web::Data<AtomicU64>;
 
-/// A server with the audit app behind the middleware `make` builds (on the server's thread,
-/// so a store may connect there), and its handler-run counter.
+type Builder<S> = idempotency_actix::IdempotencyBuilder<S>;
+
+/// A running test server and its handler-run counter.
 struct Srv {
     server: ThreadServer,
     runs: Arc<AtomicU64>,
@@ -36,20 +45,62 @@ impl Srv {
         let mut c = Conn::connect(self.server.addr, TIMEOUT).expect("connect");
         c.send(request).expect("response")
     }
+
+    /// Sends `request` twice, each on a new connection: the first and the second response.
+    fn send_twice(&self, request: &Request) -> (Response, Response) {
+        (self.send(request), self.send(request))
+    }
+
+    /// Sends `request` on a new connection from another thread.
+    fn send_in_background(&self, request: &Request) -> JoinHandle<io::Result<Response>> {
+        send_in_background(self.server.addr, request.clone())
+    }
 }
 
-type Make<S> = Box<dyn FnOnce() -> Pin<Box<dyn Future<Output = Idempotency<S>>>> + Send>;
-
-fn serve<S>(make: Make<S>) -> Srv
+/// Sends `request` to `addr` on a new connection from another thread.
+fn send_in_background<A>(addr: A, request: Request) -> JoinHandle<io::Result<Response>>
 where
-    S: IdempotencyStore + Send + Sync + 'static,
+    A: ToSocketAddrs + Send + 'static,
+{
+    std::thread::spawn(move || Conn::connect(addr, TIMEOUT).unwrap().send(&request))
+}
+
+/// `HttpServer::new($factory)`, one worker, no signals, on a loopback port: (address, server).
+macro_rules! one_worker {
+    ($factory:expr) => {{
+        let server = HttpServer::new($factory)
+            .workers(1)
+            .disable_signals()
+            .bind(("127.0.0.1", 0))
+            .expect("bind");
+        (server.addrs()[0], server.run())
+    }};
+}
+
+/// Starts the server `bind` binds (on its own thread), handing it the handler-run counter.
+fn start<F, Fut>(bind: F) -> Srv
+where
+    F: FnOnce(Counter) -> Fut + Send + 'static,
+    Fut: Future<Output = (SocketAddr, Server)>,
 {
     let runs = Arc::new(AtomicU64::new(0));
     let counter = Arc::clone(&runs);
-    let server = ThreadServer::start(move || async move {
-        let middleware = make().await;
-        let counter = web::Data::from(counter);
-        let server = HttpServer::new(move || {
+    let server = ThreadServer::start(move || bind(web::Data::from(counter)));
+    Srv { server, runs }
+}
+
+/// The audit app behind the middleware `configure` sets up over the store `connect` makes
+/// (`connect` runs on the server's thread, so a store may connect there).
+fn serve<S, F, Fut, C>(connect: F, configure: C) -> Srv
+where
+    S: IdempotencyStore + Send + Sync + 'static,
+    F: FnOnce() -> Fut + Send + 'static,
+    Fut: Future<Output = S>,
+    C: FnOnce(Builder<S>) -> Builder<S> + Send + 'static,
+{
+    start(move |counter| async move {
+        let middleware = configure(Idempotency::builder(connect().await)).build();
+        one_worker!(move || {
             App::new()
                 .app_data(counter.clone())
                 .wrap(middleware.clone())
@@ -68,27 +119,75 @@ where
                 .route("/key", web::post().to(key_echo))
                 .route("/slowstream", web::post().to(slow_stream))
         })
-        .workers(1)
-        .disable_signals()
-        .bind(("127.0.0.1", 0))
-        .expect("bind");
-        (server.addrs()[0], server.run())
-    });
-    Srv { server, runs }
+    })
 }
 
+/// The audit app over a new `MemoryStore`, the middleware configured by `configure`.
 fn memory(
-    configure: fn(
-        idempotency_actix::IdempotencyBuilder<MemoryStore>,
-    ) -> idempotency_actix::IdempotencyBuilder<MemoryStore>,
+    configure: impl FnOnce(Builder<MemoryStore>) -> Builder<MemoryStore> + Send + 'static,
 ) -> Srv {
-    serve::<MemoryStore>(Box::new(move || {
-        Box::pin(async move { configure(Idempotency::builder(MemoryStore::new())).build() })
-    }))
+    serve(|| async { MemoryStore::new() }, configure)
 }
 
 fn defaults() -> Srv {
     memory(|b| b)
+}
+
+/// A new PostgreSQL test database.
+fn test_db() -> TestDb {
+    block_on_fresh_thread(TestDb::new()).expect("test database")
+}
+
+/// Connects a PostgreSQL store to `url`.
+async fn postgres_store(url: String) -> PostgresStore {
+    PostgresStore::connect(&url).await.expect("store")
+}
+
+/// The audit app over a PostgreSQL store on `db`, the middleware configured by `configure`.
+fn postgres_srv(
+    db: &TestDb,
+    configure: fn(Builder<PostgresStore>) -> Builder<PostgresStore>,
+) -> Srv {
+    let url = db.url.clone();
+    serve(move || postgres_store(url), configure)
+}
+
+/// The audit app over a `CachedStore` over PostgreSQL on `db`, configured by `configure`.
+fn cached_postgres_srv(
+    db: &TestDb,
+    configure: fn(Builder<CachedStore<PostgresStore>>) -> Builder<CachedStore<PostgresStore>>,
+) -> Srv {
+    let url = db.url.clone();
+    serve(
+        move || async move { CachedStore::new(postgres_store(url).await) },
+        configure,
+    )
+}
+
+/// The audit app over a Redis store on `redis`, the middleware configured by `configure`.
+fn redis_srv(
+    redis: &RedisServer,
+    configure: fn(Builder<RedisStore>) -> Builder<RedisStore>,
+) -> Srv {
+    let url = redis.url();
+    serve(
+        move || async move { RedisStore::connect(&url).await.expect("store") },
+        configure,
+    )
+}
+
+/// `POST target` with `Idempotency-Key: key` and the JSON body `{}`.
+fn keyed_post(target: &str, key: impl AsRef<[u8]>) -> Request {
+    Request::post(target).key(key).json("{}")
+}
+
+/// `POST target` with `Idempotency-Key: key`, an `x-account-id` header per tenant and `body`.
+fn tenant_post(target: &str, key: &str, tenants: &[&str], body: &str) -> Request {
+    let mut request = Request::post(target).key(key);
+    for tenant in tenants {
+        request = request.header("x-account-id", tenant);
+    }
+    request.json(body)
 }
 
 fn run_no(n: &Counter) -> u64 {
@@ -191,8 +290,6 @@ async fn partial(n: Counter) -> HttpResponse {
         .body(format!(r#"{{"status":"partial","run":{run}}}"#))
 }
 
-use futures_util::StreamExt;
-
 async fn panics(n: Counter) -> HttpResponse {
     run_no(&n);
     panic!("handler panic with secret-state-42");
@@ -262,15 +359,31 @@ fn assert_problem(r: &Response, status: u16, code: &str) {
 // ---------------------------------------------------------------------------------------------
 // C6 / C11: what a replay contains and omits.
 
+/// The headers `/headers` sends that are never replayed (C11) besides the hop-by-hop framing.
+const NEVER_REPLAYED: [&str; 8] = [
+    "set-cookie",
+    "keep-alive",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "upgrade",
+    "proxy-authenticate",
+    "x-internal-token",
+];
+
+/// Denies `X-Internal-Token`, the handler's secret header.
+fn deny_internal<S>(b: Builder<S>) -> Builder<S> {
+    b.deny_headers(["X-Internal-Token"])
+}
+
 /// C6 (docs/contract.md:55): "the stored response byte for byte (status, headers, body, binary
 /// bodies intact) plus `Idempotent-Replayed: true`"; C11 (docs/contract.md:75) and
 /// docs/security.md:88: `Set-Cookie`, `Connection`, `Keep-Alive`, `Proxy-Connection`,
 /// `Transfer-Encoding`, `TE`, `Trailer`, `Upgrade`, `Proxy-Authenticate` and denied headers are
 /// never replayed; `Content-Length` recomputed.
 fn check_replay_is_byte_for_byte(srv: &Srv) {
-    let request = Request::post("/headers").key("hdr-1").json(r#"{"a":1}"#);
-    let first = srv.send(&request);
-    let replay = srv.send(&request);
+    let (first, replay) =
+        srv.send_twice(&Request::post("/headers").key("hdr-1").json(r#"{"a":1}"#));
     eprintln!("first  {:?}", first.headers);
     eprintln!("replay {:?}", replay.headers);
     assert_eq!(srv.runs(), 1, "the handler ran again");
@@ -297,17 +410,7 @@ fn check_replay_is_byte_for_byte(srv: &Srv) {
         replay.header("content-type").as_deref(),
         Some("application/octet-stream")
     );
-    for never in [
-        "set-cookie",
-        "keep-alive",
-        "proxy-connection",
-        "te",
-        "trailer",
-        "upgrade",
-        "proxy-authenticate",
-        "x-internal-token",
-        "transfer-encoding",
-    ] {
+    for never in NEVER_REPLAYED.into_iter().chain(["transfer-encoding"]) {
         assert!(
             replay.header(never).is_none(),
             "{never} was replayed: {:?}",
@@ -317,20 +420,7 @@ fn check_replay_is_byte_for_byte(srv: &Srv) {
     // Every header of the first response that is storable comes back, and nothing else.
     let storable: Vec<_> = comparable_headers(&first)
         .into_iter()
-        .filter(|(n, _)| {
-            ![
-                "set-cookie",
-                "keep-alive",
-                "proxy-connection",
-                "te",
-                "trailer",
-                "upgrade",
-                "proxy-authenticate",
-                "x-internal-token",
-                "connection",
-            ]
-            .contains(&n.as_str())
-        })
+        .filter(|(n, _)| !NEVER_REPLAYED.contains(&n.as_str()) && n != "connection")
         .collect();
     let mut got = comparable_headers(&replay);
     got.retain(|(n, _)| n != "connection");
@@ -345,51 +435,26 @@ fn check_replay_is_byte_for_byte(srv: &Srv) {
 
 #[test]
 fn claims_c6_c11_replay_is_byte_for_byte_minus_never_stored_headers_memory() {
-    let srv = memory(|b| b.deny_headers(["X-Internal-Token"]));
-    check_replay_is_byte_for_byte(&srv);
+    check_replay_is_byte_for_byte(&memory(deny_internal));
 }
 
 #[test]
 fn claims_c6_c11_replay_is_byte_for_byte_minus_never_stored_headers_postgres() {
-    use idempotency_actix::store::postgres::PostgresStore;
-    use idempotency_e2e::{block_on_fresh_thread, TestDb};
-    let db = block_on_fresh_thread(TestDb::new()).expect("test database");
-    let url = db.url.clone();
-    let srv = serve::<PostgresStore>(Box::new(move || {
-        Box::pin(async move {
-            let store = PostgresStore::connect(&url).await.expect("store");
-            Idempotency::builder(store)
-                .deny_headers(["X-Internal-Token"])
-                .build()
-        })
-    }));
-    check_replay_is_byte_for_byte(&srv);
+    let db = test_db();
+    check_replay_is_byte_for_byte(&postgres_srv(&db, deny_internal));
 }
 
 #[test]
 fn claims_c6_c11_replay_is_byte_for_byte_minus_never_stored_headers_redis() {
-    use idempotency_actix::store::redis::RedisStore;
-    use idempotency_e2e::redis_server::RedisServer;
     let redis = RedisServer::start();
-    let url = redis.url();
-    let srv = serve::<RedisStore>(Box::new(move || {
-        Box::pin(async move {
-            let store = RedisStore::connect(&url).await.expect("store");
-            Idempotency::builder(store)
-                .deny_headers(["X-Internal-Token"])
-                .build()
-        })
-    }));
-    check_replay_is_byte_for_byte(&srv);
+    check_replay_is_byte_for_byte(&redis_srv(&redis, deny_internal));
 }
 
 /// C6 for a 204: the replay is a 204 with no body and the handler's headers.
 #[test]
 fn claims_c6_a_204_is_replayed_as_a_204_without_body() {
     let srv = defaults();
-    let request = Request::post("/no-content").key("nc-1").json("{}");
-    let first = srv.send(&request);
-    let replay = srv.send(&request);
+    let (first, replay) = srv.send_twice(&keyed_post("/no-content", "nc-1"));
     eprintln!("first {:?} / replay {:?}", first.headers, replay.headers);
     assert_eq!(srv.runs(), 1);
     assert_eq!(first.status, 204);
@@ -408,9 +473,7 @@ fn claims_c6_a_204_is_replayed_as_a_204_without_body() {
 #[test]
 fn claims_c24_a_streamed_response_is_replayed_whole() {
     let srv = defaults();
-    let request = Request::post("/stream").key("st-1").json("{}");
-    let first = srv.send(&request);
-    let replay = srv.send(&request);
+    let (first, replay) = srv.send_twice(&keyed_post("/stream", "st-1"));
     assert_eq!(
         srv.runs(),
         1,
@@ -434,14 +497,18 @@ fn claims_c24_a_streamed_response_is_replayed_whole() {
 #[test]
 fn claims_c1_default_methods_post_patch_covered_others_pass_through() {
     let srv = defaults();
-    for method in ["PUT", "DELETE", "GET", "OPTIONS"] {
+    // `method` on /echo twice with one key: both responses and how many runs they made.
+    let twice = |method: &str| {
         let before = srv.runs();
         let request = Request::new(method, "/echo")
             .key(format!("m-{method}"))
             .json("{}");
-        let a = srv.send(&request);
-        let b = srv.send(&request);
-        assert_eq!(srv.runs() - before, 2, "{method} was not passed through");
+        let (a, b) = srv.send_twice(&request);
+        (a, b, srv.runs() - before)
+    };
+    for method in ["PUT", "DELETE", "GET", "OPTIONS"] {
+        let (a, b, ran) = twice(method);
+        assert_eq!(ran, 2, "{method} was not passed through");
         assert!(!a.is_replay() && !b.is_replay(), "{method} replayed");
     }
     // A malformed key on an uncovered method is not the middleware's business either.
@@ -452,13 +519,8 @@ fn claims_c1_default_methods_post_patch_covered_others_pass_through() {
         get.describe()
     );
     for method in ["POST", "PATCH"] {
-        let before = srv.runs();
-        let request = Request::new(method, "/echo")
-            .key(format!("m-{method}"))
-            .json("{}");
-        let a = srv.send(&request);
-        let b = srv.send(&request);
-        assert_eq!(srv.runs() - before, 1, "{method} ran twice");
+        let (a, b, ran) = twice(method);
+        assert_eq!(ran, 1, "{method} ran twice");
         assert!(
             !a.is_replay() && b.is_replay(),
             "{method}: {}",
@@ -471,14 +533,10 @@ fn claims_c1_default_methods_post_patch_covered_others_pass_through() {
 #[test]
 fn claims_c1_configured_methods_replace_the_default() {
     let srv = memory(|b| b.methods([Method::PUT, Method::DELETE]));
-    let put = Request::new("PUT", "/echo").key("cm-1").json("{}");
-    srv.send(&put);
-    let again = srv.send(&put);
+    let (_, again) = srv.send_twice(&Request::new("PUT", "/echo").key("cm-1").json("{}"));
     assert_eq!(srv.runs(), 1);
     assert!(again.is_replay());
-    let post = Request::post("/echo").key("cm-2").json("{}");
-    srv.send(&post);
-    let again = srv.send(&post);
+    let (_, again) = srv.send_twice(&keyed_post("/echo", "cm-2"));
     assert_eq!(
         srv.runs(),
         3,
@@ -486,9 +544,7 @@ fn claims_c1_configured_methods_replace_the_default() {
     );
     assert!(!again.is_replay());
     // DELETE without a body is covered too.
-    let del = Request::new("DELETE", "/echo").key("cm-3");
-    let a = srv.send(&del);
-    let b = srv.send(&del);
+    let (a, b) = srv.send_twice(&Request::new("DELETE", "/echo").key("cm-3"));
     assert_eq!(srv.runs(), 4, "{} / {}", a.describe(), b.describe());
     assert!(b.is_replay());
 }
@@ -497,10 +553,10 @@ fn claims_c1_configured_methods_replace_the_default() {
 #[test]
 fn claims_same_key_other_method_or_route_is_another_record() {
     let srv = defaults();
-    let a = srv.send(&Request::post("/pay/1").key("shared").json("{}"));
-    let b = srv.send(&Request::post("/pay/2").key("shared").json("{}"));
+    let a = srv.send(&keyed_post("/pay/1", "shared"));
+    let b = srv.send(&keyed_post("/pay/2", "shared"));
     let c = srv.send(&Request::new("PATCH", "/echo").key("shared").json("{}"));
-    let d = srv.send(&Request::post("/echo").key("shared").json("{}"));
+    let d = srv.send(&keyed_post("/echo", "shared"));
     for r in [&a, &b, &c, &d] {
         assert_eq!(r.status, 201, "{}", r.describe());
         assert!(!r.is_replay());
@@ -517,25 +573,25 @@ fn claims_same_key_other_method_or_route_is_another_record() {
 fn claims_c2_key_limits_and_spellings() {
     let srv = defaults();
     let k255 = "k".repeat(255);
-    let ok = srv.send(&Request::post("/echo").key(&k255).json("{}"));
+    let ok = srv.send(&keyed_post("/echo", &k255));
     assert_eq!(ok.status, 201, "255-byte key: {}", ok.describe());
-    let long = srv.send(&Request::post("/echo").key("k".repeat(256)).json("{}"));
+    let long = srv.send(&keyed_post("/echo", "k".repeat(256)));
     assert_problem(&long, 400, "KEY_TOO_LONG");
     // 255 bytes after unquoting: 257 bytes on the wire as an sf-string.
     let quoted = format!("\"{}\"", "q".repeat(255));
-    let ok = srv.send(&Request::post("/echo").key(&quoted).json("{}"));
+    let ok = srv.send(&keyed_post("/echo", &quoted));
     assert_eq!(ok.status, 201, "quoted 255-byte key: {}", ok.describe());
     let quoted_long = format!("\"{}\"", "q".repeat(256));
-    let long = srv.send(&Request::post("/echo").key(&quoted_long).json("{}"));
+    let long = srv.send(&keyed_post("/echo", &quoted_long));
     assert_problem(&long, 400, "KEY_TOO_LONG");
     // Escapes: 255 unescaped bytes from 510 escaped ones.
     let escaped = format!("\"{}\"", "\\\\".repeat(255));
-    let ok = srv.send(&Request::post("/echo").key(&escaped).json("{}"));
+    let ok = srv.send(&keyed_post("/echo", &escaped));
     assert_eq!(ok.status, 201, "escaped 255-byte key: {}", ok.describe());
     // The two spellings of one key are one key.
     let runs = srv.runs();
-    let bare = srv.send(&Request::post("/echo").key("spell-1").json("{}"));
-    let sf = srv.send(&Request::post("/echo").key("\"spell-1\"").json("{}"));
+    let bare = srv.send(&keyed_post("/echo", "spell-1"));
+    let sf = srv.send(&keyed_post("/echo", "\"spell-1\""));
     assert_eq!(bare.status, 201);
     assert!(
         sf.is_replay(),
@@ -546,29 +602,14 @@ fn claims_c2_key_limits_and_spellings() {
     // Invalid: empty, "", sent twice, a space in a bare token, non-ASCII, bad escape.
     let runs = srv.runs();
     for (what, request) in [
-        ("empty", Request::post("/echo").key("").json("{}")),
-        (
-            "empty sf-string",
-            Request::post("/echo").key("\"\"").json("{}"),
-        ),
+        ("empty", keyed_post("/echo", "")),
+        ("empty sf-string", keyed_post("/echo", "\"\"")),
         ("twice", Request::post("/echo").key("a").key("a").json("{}")),
-        ("space", Request::post("/echo").key("a b").json("{}")),
-        (
-            "non-ascii",
-            Request::post("/echo").key("caf\u{e9}").json("{}"),
-        ),
-        (
-            "bad escape",
-            Request::post("/echo").key("\"a\\n\"").json("{}"),
-        ),
-        (
-            "unterminated",
-            Request::post("/echo").key("\"abc").json("{}"),
-        ),
-        (
-            "parameter",
-            Request::post("/echo").key("\"k\";a=1").json("{}"),
-        ),
+        ("space", keyed_post("/echo", "a b")),
+        ("non-ascii", keyed_post("/echo", "caf\u{e9}")),
+        ("bad escape", keyed_post("/echo", "\"a\\n\"")),
+        ("unterminated", keyed_post("/echo", "\"abc")),
+        ("parameter", keyed_post("/echo", "\"k\";a=1")),
     ] {
         let r = srv.send(&request);
         eprintln!("{what}: {}", r.describe());
@@ -585,13 +626,12 @@ fn claims_c2_custom_header_name_and_required() {
     let missing = srv.send(&Request::post("/echo").json("{}"));
     assert_problem(&missing, 400, "MISSING_KEY");
     // The default header name is no longer the key.
-    let other = srv.send(&Request::post("/echo").key("k").json("{}"));
+    let other = srv.send(&keyed_post("/echo", "k"));
     assert_problem(&other, 400, "MISSING_KEY");
     let request = Request::post("/echo")
         .header("x-request-key", "ck-1")
         .json("{}");
-    srv.send(&request);
-    let replay = srv.send(&request);
+    let (_, replay) = srv.send_twice(&request);
     assert!(replay.is_replay(), "{}", replay.describe());
     let get = srv.send(&Request::get("/echo"));
     assert_eq!(get.status, 201, "GET without a key: {}", get.describe());
@@ -606,46 +646,23 @@ fn claims_c2_custom_header_name_and_required() {
 #[test]
 fn claims_c3_tenants_never_share_a_record() {
     let srv = memory(|b| b.tenant_header("X-Account-Id"));
-    let a = srv.send(
-        &Request::post("/echo")
-            .key("t-1")
-            .header("x-account-id", "acct_a")
-            .json(r#"{"amount":1}"#),
-    );
-    let b = srv.send(
-        &Request::post("/echo")
-            .key("t-1")
-            .header("x-account-id", "acct_b")
-            .json(r#"{"amount":1}"#),
-    );
-    let c = srv.send(
-        &Request::post("/echo")
-            .key("t-1")
-            .header("x-account-id", "acct_c")
-            .json(r#"{"amount":999}"#),
-    );
+    let a = srv.send(&tenant_post("/echo", "t-1", &["acct_a"], r#"{"amount":1}"#));
+    let b = srv.send(&tenant_post("/echo", "t-1", &["acct_b"], r#"{"amount":1}"#));
+    let c = srv.send(&tenant_post(
+        "/echo",
+        "t-1",
+        &["acct_c"],
+        r#"{"amount":999}"#,
+    ));
     for r in [&a, &b, &c] {
         assert_eq!(r.status, 201, "{}", r.describe());
         assert!(!r.is_replay(), "cross-tenant replay: {}", r.describe());
     }
     assert_eq!(srv.runs(), 3);
     // In flight: tenant A's slow request does not block tenant B.
-    let addr = srv.server.addr;
-    let slow = std::thread::spawn(move || {
-        Conn::connect(addr, TIMEOUT).unwrap().send(
-            &Request::post("/slow?ms=1500")
-                .key("t-2")
-                .header("x-account-id", "acct_a")
-                .json("{}"),
-        )
-    });
+    let slow = srv.send_in_background(&tenant_post("/slow?ms=1500", "t-2", &["acct_a"], "{}"));
     std::thread::sleep(Duration::from_millis(300));
-    let other = srv.send(
-        &Request::post("/slow?ms=10")
-            .key("t-2")
-            .header("x-account-id", "acct_b")
-            .json("{}"),
-    );
+    let other = srv.send(&tenant_post("/slow?ms=10", "t-2", &["acct_b"], "{}"));
     assert_eq!(
         other.status,
         201,
@@ -660,33 +677,13 @@ fn claims_c3_tenants_never_share_a_record() {
 #[test]
 fn claims_c23_no_tenant_no_run() {
     let srv = memory(|b| b.tenant_header("X-Account-Id"));
-    for (what, request) in [
-        ("missing", Request::post("/echo").key("nt-1").json("{}")),
-        (
-            "empty",
-            Request::post("/echo")
-                .key("nt-1")
-                .header("x-account-id", "")
-                .json("{}"),
-        ),
-        (
-            "twice",
-            Request::post("/echo")
-                .key("nt-1")
-                .header("x-account-id", "acct_a")
-                .header("x-account-id", "acct_b")
-                .json("{}"),
-        ),
-        (
-            "twice, same value",
-            Request::post("/echo")
-                .key("nt-1")
-                .header("x-account-id", "acct_a")
-                .header("x-account-id", "acct_a")
-                .json("{}"),
-        ),
+    for (what, tenants) in [
+        ("missing", &[][..]),
+        ("empty", &[""]),
+        ("twice", &["acct_a", "acct_b"]),
+        ("twice, same value", &["acct_a", "acct_a"]),
     ] {
-        let r = srv.send(&request);
+        let r = srv.send(&tenant_post("/echo", "nt-1", tenants, "{}"));
         eprintln!("{what}: {}", r.describe());
         assert_problem(&r, 400, "MISSING_TENANT");
     }
@@ -792,20 +789,12 @@ fn claims_c7_c8_in_flight_mismatch_is_422_duplicate_is_409_with_retry_after() {
         b.retry_after(Duration::from_secs(7))
             .problem_type_base("https://api.example.com/problems/")
     });
-    let addr = srv.server.addr;
-    let first = std::thread::spawn(move || {
-        Conn::connect(addr, TIMEOUT).unwrap().send(
-            &Request::post("/slow?ms=1500")
-                .key("if-1")
-                .json(r#"{"n":1}"#),
-        )
-    });
+    let request = Request::post("/slow?ms=1500")
+        .key("if-1")
+        .json(r#"{"n":1}"#);
+    let first = srv.send_in_background(&request);
     std::thread::sleep(Duration::from_millis(400));
-    let dup = srv.send(
-        &Request::post("/slow?ms=1500")
-            .key("if-1")
-            .json(r#"{"n":1}"#),
-    );
+    let dup = srv.send(&request);
     let other = srv.send(
         &Request::post("/slow?ms=1500")
             .key("if-1")
@@ -831,11 +820,7 @@ fn claims_c7_c8_in_flight_mismatch_is_422_duplicate_is_409_with_retry_after() {
     );
     assert_eq!(srv.runs(), 1);
     assert_eq!(first.status, 201);
-    let replay = srv.send(
-        &Request::post("/slow?ms=1500")
-            .key("if-1")
-            .json(r#"{"n":1}"#),
-    );
+    let replay = srv.send(&request);
     assert!(replay.is_replay());
     assert_eq!(replay.body, first.body);
 }
@@ -845,27 +830,20 @@ fn claims_c7_c8_in_flight_mismatch_is_422_duplicate_is_409_with_retry_after() {
 #[test]
 fn claims_c8_wait_for_in_flight_replays_and_times_out() {
     let srv = memory(|b| b.wait_for_in_flight(Duration::from_millis(700)));
-    let addr = srv.server.addr;
-    let first = std::thread::spawn(move || {
-        Conn::connect(addr, TIMEOUT)
-            .unwrap()
-            .send(&Request::post("/slow?ms=300").key("w-1").json("{}"))
-    });
+    let request = keyed_post("/slow?ms=300", "w-1");
+    let first = srv.send_in_background(&request);
     std::thread::sleep(Duration::from_millis(100));
-    let waited = srv.send(&Request::post("/slow?ms=300").key("w-1").json("{}"));
+    let waited = srv.send(&request);
     let first = first.join().unwrap().unwrap();
     assert_eq!(srv.runs(), 1);
     assert!(waited.is_replay(), "{}", waited.describe());
     assert_eq!(waited.body, first.body);
 
-    let first = std::thread::spawn(move || {
-        Conn::connect(addr, TIMEOUT)
-            .unwrap()
-            .send(&Request::post("/slow?ms=3000").key("w-2").json("{}"))
-    });
+    let request = keyed_post("/slow?ms=3000", "w-2");
+    let first = srv.send_in_background(&request);
     std::thread::sleep(Duration::from_millis(200));
     let started = Instant::now();
-    let gave_up = srv.send(&Request::post("/slow?ms=3000").key("w-2").json("{}"));
+    let gave_up = srv.send(&request);
     let took = started.elapsed();
     eprintln!("gave up after {took:?}: {}", gave_up.describe());
     assert_problem(&gave_up, 409, "CONFLICT");
@@ -885,26 +863,22 @@ fn claims_c8_wait_for_in_flight_replays_and_times_out() {
 #[test]
 fn claims_c10_only_2xx_is_stored_by_default() {
     let srv = defaults();
-    for code in [200u16, 201, 202, 299] {
-        let request = Request::post(&format!("/status/{code}"))
-            .key(format!("s-{code}"))
-            .json("{}");
+    // `/status/{code}` twice with one key: both responses and how many runs they made.
+    let twice = |code: u16| {
         let runs = srv.runs();
-        srv.send(&request);
-        let again = srv.send(&request);
-        assert_eq!(srv.runs(), runs + 1, "{code} was not stored");
+        let (a, b) = srv.send_twice(&keyed_post(&format!("/status/{code}"), format!("s-{code}")));
+        (a, b, srv.runs() - runs)
+    };
+    for code in [200u16, 201, 202, 299] {
+        let (_, again, ran) = twice(code);
+        assert_eq!(ran, 1, "{code} was not stored");
         assert_eq!(again.status, code);
         assert!(again.is_replay());
     }
     for code in [301u16, 302, 400, 404, 409, 422, 429, 500, 502, 503] {
-        let request = Request::post(&format!("/status/{code}"))
-            .key(format!("s-{code}"))
-            .json("{}");
-        let runs = srv.runs();
-        let a = srv.send(&request);
-        let b = srv.send(&request);
+        let (a, b, ran) = twice(code);
         assert_eq!(a.status, code);
-        assert_eq!(srv.runs(), runs + 2, "{code} was stored: {}", b.describe());
+        assert_eq!(ran, 2, "{code} was stored: {}", b.describe());
         assert!(!b.is_replay(), "{code} replayed");
     }
 }
@@ -917,17 +891,22 @@ fn claims_c10_store_if_and_store_statuses() {
         b.store_statuses(|s| s.is_success() || s == StatusCode::CONFLICT)
             .store_if(|response| !String::from_utf8_lossy(response.body).contains("\"partial\""))
     });
-    let partial = Request::post("/partial").key("si-1").json("{}");
-    srv.send(&partial);
-    let again = srv.send(&partial);
+    let (_, again) = srv.send_twice(&keyed_post("/partial", "si-1"));
     assert_eq!(srv.runs(), 2, "a store_if refusal was stored");
     assert!(!again.is_replay());
-    let conflict = Request::post("/status/409").key("si-2").json("{}");
-    srv.send(&conflict);
-    let again = srv.send(&conflict);
+    let (_, again) = srv.send_twice(&keyed_post("/status/409", "si-2"));
     assert_eq!(srv.runs(), 3, "store_statuses(409) not stored");
     assert!(again.is_replay());
     assert_eq!(again.status, 409);
+}
+
+/// `target` (1001 bytes, one over a 1000 limit) twice with `key`: both run, neither is stored.
+fn check_one_byte_over_the_limit_is_not_stored(srv: &Srv, target: &str, key: &str) {
+    let (a, b) = srv.send_twice(&keyed_post(target, key));
+    assert_eq!(a.body.len(), 1001, "{target}");
+    assert_eq!(b.body.len(), 1001, "{target}");
+    assert!(!b.is_replay(), "{target}");
+    assert_eq!(srv.runs(), 3, "{target}: an over-limit response was stored");
 }
 
 /// config.rs:383 "Largest response that is stored; larger ones are passed through unbuffered
@@ -935,22 +914,14 @@ fn claims_c10_store_if_and_store_statuses() {
 #[test]
 fn claims_c10_max_response_bytes_boundary() {
     let srv = memory(|b| b.max_response_bytes(1000));
-    let at = Request::post("/big/1000").key("rb-1").json("{}");
-    let a = srv.send(&at);
-    let b = srv.send(&at);
+    let (a, b) = srv.send_twice(&keyed_post("/big/1000", "rb-1"));
     assert_eq!(a.body.len(), 1000);
     assert!(
         b.is_replay(),
         "a response of exactly the limit was not stored"
     );
     assert_eq!(srv.runs(), 1);
-    let over = Request::post("/big/1001").key("rb-2").json("{}");
-    let a = srv.send(&over);
-    let b = srv.send(&over);
-    assert_eq!(a.body.len(), 1001);
-    assert_eq!(b.body.len(), 1001);
-    assert!(!b.is_replay());
-    assert_eq!(srv.runs(), 3, "an over-limit response was stored");
+    check_one_byte_over_the_limit_is_not_stored(&srv, "/big/1001", "rb-2");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -968,9 +939,8 @@ fn claims_c12_ttl_minimum_and_expiry() {
         "a TTL under 1 s was accepted"
     );
     let srv = memory(|b| b.ttl(Duration::from_secs(1)));
-    let request = Request::post("/echo").key("ttl-1").json("{}");
-    srv.send(&request);
-    let replay = srv.send(&request);
+    let request = keyed_post("/echo", "ttl-1");
+    let (_, replay) = srv.send_twice(&request);
     assert!(replay.is_replay());
     std::thread::sleep(Duration::from_millis(1300));
     let after = srv.send(&request);
@@ -982,42 +952,30 @@ fn claims_c12_ttl_minimum_and_expiry() {
     assert_eq!(srv.runs(), 2);
 }
 
+/// `POST /echo` with `key` and `body` as `application/octet-stream`.
+fn octet_post(key: &str, body: Body) -> Request {
+    Request::post("/echo")
+        .key(key)
+        .header("content-type", "application/octet-stream")
+        .body(body)
+}
+
 /// C14 (docs/contract.md:104): 413 PAYLOAD_TOO_LARGE over the limit, from Content-Length
 /// first and from the bytes read when chunked; exactly the limit is accepted; nothing runs.
 #[test]
 fn claims_c14_body_limit_boundary() {
     let srv = memory(|b| b.max_body_bytes(1024));
-    let at = srv.send(
-        &Request::post("/echo")
-            .key("bl-1")
-            .header("content-type", "application/octet-stream")
-            .body(Body::Sized(vec![b'x'; 1024])),
-    );
+    let at = srv.send(&octet_post("bl-1", Body::Sized(vec![b'x'; 1024])));
     assert_eq!(at.status, 201, "{}", at.describe());
-    let over = srv.send(
-        &Request::post("/echo")
-            .key("bl-2")
-            .header("content-type", "application/octet-stream")
-            .body(Body::Sized(vec![b'x'; 1025])),
-    );
+    let over = srv.send(&octet_post("bl-2", Body::Sized(vec![b'x'; 1025])));
     assert_problem(&over, 413, "PAYLOAD_TOO_LARGE");
-    let chunked = srv.send(
-        &Request::post("/echo")
-            .key("bl-3")
-            .header("content-type", "application/octet-stream")
-            .body(Body::Chunked(vec![b'x'; 1025], 100)),
-    );
+    let chunked = srv.send(&octet_post("bl-3", Body::Chunked(vec![b'x'; 1025], 100)));
     assert_problem(&chunked, 413, "PAYLOAD_TOO_LARGE");
-    let chunked_at = srv.send(
-        &Request::post("/echo")
-            .key("bl-4")
-            .header("content-type", "application/octet-stream")
-            .body(Body::Chunked(vec![b'x'; 1024], 100)),
-    );
+    let chunked_at = srv.send(&octet_post("bl-4", Body::Chunked(vec![b'x'; 1024], 100)));
     assert_eq!(chunked_at.status, 201, "{}", chunked_at.describe());
     assert_eq!(srv.runs(), 2);
     // The refused keys are not held: the same key with a body within the limit runs.
-    let retry = srv.send(&Request::post("/echo").key("bl-2").json("{}"));
+    let retry = srv.send(&keyed_post("/echo", "bl-2"));
     assert_eq!(retry.status, 201, "{}", retry.describe());
     assert!(!retry.is_replay());
 }
@@ -1029,25 +987,21 @@ fn claims_c14_body_limit_boundary() {
 /// Retry-After (the configured one), the handler not run; `fail_open` runs it.
 #[test]
 fn claims_c15_store_down_is_503_with_retry_after_and_fail_open_runs() {
-    use idempotency_actix::store::postgres::PostgresStore;
     let port = idempotency_e2e::raw_http::free_port();
     for fail_open in [false, true] {
         let url = format!("postgres://postgres@127.0.0.1:{port}/nothing");
-        let srv = serve::<PostgresStore>(Box::new(move || {
-            Box::pin(async move {
-                let store = PostgresStore::builder(url)
+        let srv = serve(
+            move || async move {
+                PostgresStore::builder(url)
                     .connection_timeout(Duration::from_secs(1))
                     .build()
                     .await
-                    .expect("a lazy pool builds without a server");
-                Idempotency::builder(store)
-                    .retry_after(Duration::from_secs(5))
-                    .fail_open(fail_open)
-                    .build()
-            })
-        }));
+                    .expect("a lazy pool builds without a server")
+            },
+            move |b| b.retry_after(Duration::from_secs(5)).fail_open(fail_open),
+        );
         let started = Instant::now();
-        let r = srv.send(&Request::post("/echo").key("down-1").json("{}"));
+        let r = srv.send(&keyed_post("/echo", "down-1"));
         eprintln!(
             "fail_open={fail_open}: {} after {:?}",
             r.describe(),
@@ -1072,16 +1026,15 @@ fn claims_c15_store_down_is_503_with_retry_after_and_fail_open_runs() {
 /// handler not run; no live record is ever dropped".
 #[test]
 fn claims_c22_full_memory_store_answers_503_and_keeps_records() {
-    let srv = serve::<MemoryStore>(Box::new(|| {
-        Box::pin(async {
-            Idempotency::builder(MemoryStore::builder().max_entries(2).build()).build()
-        })
-    }));
-    let a = Request::post("/echo").key("full-a").json("{}");
-    let b = Request::post("/echo").key("full-b").json("{}");
+    let srv = serve(
+        || async { MemoryStore::builder().max_entries(2).build() },
+        |b| b,
+    );
+    let a = keyed_post("/echo", "full-a");
+    let b = keyed_post("/echo", "full-b");
     srv.send(&a);
     srv.send(&b);
-    let c = srv.send(&Request::post("/echo").key("full-c").json("{}"));
+    let c = srv.send(&keyed_post("/echo", "full-c"));
     assert_problem(&c, 503, "STORAGE_UNAVAILABLE");
     assert!(c.header("retry-after").is_some());
     assert_eq!(srv.runs(), 2);
@@ -1098,7 +1051,7 @@ fn claims_c22_full_memory_store_answers_503_and_keeps_records() {
 #[test]
 fn claims_c13_default_problem_type_is_base_plus_slug() {
     let srv = defaults();
-    let r = srv.send(&Request::post("/echo").key("a b").json("{}"));
+    let r = srv.send(&keyed_post("/echo", "a b"));
     assert_problem(&r, 400, "INVALID_KEY");
     assert_eq!(
         r.header("content-type").as_deref(),
@@ -1119,7 +1072,7 @@ fn claims_c13_default_problem_type_is_base_plus_slug() {
 #[test]
 fn claims_c13_panic_is_an_empty_500_and_keeps_the_key_for_its_lease() {
     let srv = memory(|b| b.lock_timeout(Duration::from_millis(900)));
-    let request = Request::post("/panic").key("pn-1").json("{}");
+    let request = keyed_post("/panic", "pn-1");
     let first = srv.send(&request);
     eprintln!("panic: {} {:?}", first.describe(), first.headers);
     assert_eq!(first.status, 500);
@@ -1143,9 +1096,7 @@ fn claims_c13_panic_is_an_empty_500_and_keeps_the_key_for_its_lease() {
 #[test]
 fn claims_c10_a_handler_error_releases_the_key() {
     let srv = defaults();
-    let request = Request::post("/err").key("er-1").json("{}");
-    let a = srv.send(&request);
-    let b = srv.send(&request);
+    let (a, b) = srv.send_twice(&keyed_post("/err", "er-1"));
     eprintln!("{} / {}", a.describe(), b.describe());
     assert_eq!(a.status, 500);
     assert_eq!(b.status, 500);
@@ -1153,28 +1104,40 @@ fn claims_c10_a_handler_error_releases_the_key() {
     assert_eq!(srv.runs(), 2, "an Err response held or replayed the key");
 }
 
+/// Sends `request` in the background and again `times` times `every` apart: (first, retries).
+fn retry_while_running(
+    srv: &Srv,
+    request: &Request,
+    times: usize,
+    every: Duration,
+) -> (Response, Vec<String>) {
+    let first = srv.send_in_background(request);
+    let mut seen = Vec::new();
+    for _ in 0..times {
+        std::thread::sleep(every);
+        seen.push(srv.send(request).describe());
+    }
+    let first = first.join().unwrap().unwrap();
+    eprintln!("{seen:#?}");
+    (first, seen)
+}
+
 /// C9 (docs/contract.md:66-72): while the handler runs its lease is renewed (every third), so
 /// retries get 409 well past `lock_timeout`, never a second run.
 #[test]
 fn claims_c9_a_slow_handler_keeps_its_key_past_the_lease() {
     let srv = memory(|b| b.lock_timeout(Duration::from_millis(300)));
-    let addr = srv.server.addr;
-    let first = std::thread::spawn(move || {
-        Conn::connect(addr, TIMEOUT)
-            .unwrap()
-            .send(&Request::post("/slow?ms=2000").key("ls-1").json("{}"))
-    });
-    let mut seen = Vec::new();
-    for _ in 0..5 {
-        std::thread::sleep(Duration::from_millis(330));
-        let r = srv.send(&Request::post("/slow?ms=2000").key("ls-1").json("{}"));
-        seen.push(r.describe());
-    }
-    let first = first.join().unwrap().unwrap();
-    eprintln!("{seen:#?}");
+    let request = keyed_post("/slow?ms=2000", "ls-1");
+    let (first, seen) = retry_while_running(&srv, &request, 5, Duration::from_millis(330));
     assert_eq!(first.status, 201);
     assert_eq!(srv.runs(), 1, "taken over while running: {seen:#?}");
     assert!(seen.iter().all(|s| s.starts_with("409")), "{seen:#?}");
+}
+
+/// A 300 ms lease that is never renewed.
+fn no_renewal<S>(b: Builder<S>) -> Builder<S> {
+    b.lock_timeout(Duration::from_millis(300))
+        .renew_lease_up_to(Duration::ZERO)
 }
 
 /// C9: "When the lease has run out ... a retry with the same fingerprint may take the key over;
@@ -1183,20 +1146,16 @@ fn claims_c9_a_slow_handler_keeps_its_key_past_the_lease() {
 /// longer than its lease is taken over; the record then holds the SECOND run's response, and
 /// the first holder's late completion must not overwrite it.
 fn check_takeover_is_fenced(srv: &Srv) {
-    let addr = srv.server.addr;
-    let first = std::thread::spawn(move || {
-        Conn::connect(addr, TIMEOUT)
-            .unwrap()
-            .send(&Request::post("/slow?ms=1500").key("fence-1").json("{}"))
-    });
+    let request = keyed_post("/slow?ms=1500", "fence-1");
+    let first = srv.send_in_background(&request);
     std::thread::sleep(Duration::from_millis(700));
     // The first still runs (until ~1.5 s); its 300 ms lease is long gone.
-    let second = srv.send(&Request::post("/slow?ms=1500").key("fence-1").json("{}"));
+    let second = srv.send(&request);
     let first = first.join().unwrap().unwrap();
     eprintln!("first {} / second {}", first.describe(), second.describe());
     assert_eq!(srv.runs(), 2, "the documented takeover did not happen");
     std::thread::sleep(Duration::from_millis(200));
-    let replay = srv.send(&Request::post("/slow?ms=1500").key("fence-1").json("{}"));
+    let replay = srv.send(&request);
     eprintln!("replay {}", replay.describe());
     assert!(replay.is_replay(), "{}", replay.describe());
     assert_eq!(
@@ -1209,29 +1168,13 @@ fn check_takeover_is_fenced(srv: &Srv) {
 
 #[test]
 fn claims_c9_takeover_is_fenced_memory() {
-    let srv = memory(|b| {
-        b.lock_timeout(Duration::from_millis(300))
-            .renew_lease_up_to(Duration::ZERO)
-    });
-    check_takeover_is_fenced(&srv);
+    check_takeover_is_fenced(&memory(no_renewal));
 }
 
 #[test]
 fn claims_c9_takeover_is_fenced_postgres() {
-    use idempotency_actix::store::postgres::PostgresStore;
-    use idempotency_e2e::{block_on_fresh_thread, TestDb};
-    let db = block_on_fresh_thread(TestDb::new()).expect("test database");
-    let url = db.url.clone();
-    let srv = serve::<PostgresStore>(Box::new(move || {
-        Box::pin(async move {
-            let store = PostgresStore::connect(&url).await.expect("store");
-            Idempotency::builder(store)
-                .lock_timeout(Duration::from_millis(300))
-                .renew_lease_up_to(Duration::ZERO)
-                .build()
-        })
-    }));
-    check_takeover_is_fenced(&srv);
+    let db = test_db();
+    check_takeover_is_fenced(&postgres_srv(&db, no_renewal));
 }
 
 /// config.rs:341-352: "Renewal ends `limit` after the reservation (the last lease ends then),
@@ -1243,22 +1186,18 @@ fn claims_c9_renewal_stops_at_renew_lease_up_to() {
         b.lock_timeout(Duration::from_millis(300))
             .renew_lease_up_to(Duration::from_millis(900))
     });
-    let addr = srv.server.addr;
-    let first = std::thread::spawn(move || {
-        Conn::connect(addr, TIMEOUT)
-            .unwrap()
-            .send(&Request::post("/slow?ms=3000").key("rl-1").json("{}"))
-    });
+    let request = keyed_post("/slow?ms=3000", "rl-1");
+    let first = srv.send_in_background(&request);
     std::thread::sleep(Duration::from_millis(600));
-    let inside = srv.send(&Request::post("/slow?ms=10").key("rl-1").json("{}"));
+    let inside = srv.send(&keyed_post("/slow?ms=10", "rl-1"));
     // The slow query differs: that is another fingerprint. Use the same request.
     eprintln!("inside (other query): {}", inside.describe());
-    let inside = srv.send(&Request::post("/slow?ms=3000").key("rl-1").json("{}"));
+    let inside = srv.send(&request);
     eprintln!("inside: {}", inside.describe());
     assert_problem(&inside, 409, "CONFLICT");
     std::thread::sleep(Duration::from_millis(1000));
     let started = Instant::now();
-    let after = srv.send(&Request::post("/slow?ms=3000").key("rl-1").json("{}"));
+    let after = srv.send(&request);
     eprintln!(
         "after the limit: {} in {:?}",
         after.describe(),
@@ -1277,14 +1216,11 @@ fn claims_c9_renewal_stops_at_renew_lease_up_to() {
 #[test]
 fn claims_c8_wait_mode_runs_after_a_release_and_refuses_mismatch_at_once() {
     let srv = memory(|b| b.wait_for_in_flight(Duration::from_secs(5)));
-    let addr = srv.server.addr;
-    let first = std::thread::spawn(move || {
-        Conn::connect(addr, TIMEOUT).unwrap().send(
-            &Request::post("/slow?ms=1500")
-                .key("wr-1")
-                .json(r#"{"a":1}"#),
-        )
-    });
+    let first = srv.send_in_background(
+        &Request::post("/slow?ms=1500")
+            .key("wr-1")
+            .json(r#"{"a":1}"#),
+    );
     std::thread::sleep(Duration::from_millis(300));
     let started = Instant::now();
     let other = srv.send(
@@ -1306,14 +1242,10 @@ fn claims_c8_wait_mode_runs_after_a_release_and_refuses_mismatch_at_once() {
         b.wait_for_in_flight(Duration::from_secs(5))
             .store_statuses(|s| s == StatusCode::ACCEPTED)
     });
-    let addr = srv.server.addr;
-    let first = std::thread::spawn(move || {
-        Conn::connect(addr, TIMEOUT)
-            .unwrap()
-            .send(&Request::post("/slow?ms=800").key("wr-2").json("{}"))
-    });
+    let request = keyed_post("/slow?ms=800", "wr-2");
+    let first = srv.send_in_background(&request);
     std::thread::sleep(Duration::from_millis(200));
-    let waiter = srv.send(&Request::post("/slow?ms=800").key("wr-2").json("{}"));
+    let waiter = srv.send(&request);
     let first = first.join().unwrap().unwrap();
     eprintln!("first {} / waiter {}", first.describe(), waiter.describe());
     assert_eq!(first.status, 201);
@@ -1330,19 +1262,11 @@ fn claims_c8_wait_mode_runs_after_a_release_and_refuses_mismatch_at_once() {
 #[test]
 fn claims_c24_streamed_response_limit_boundary() {
     let srv = memory(|b| b.max_response_bytes(1000));
-    let at = Request::post("/bigstream/1000").key("bs-1").json("{}");
-    let a = srv.send(&at);
-    let b = srv.send(&at);
+    let (a, b) = srv.send_twice(&keyed_post("/bigstream/1000", "bs-1"));
     assert_eq!(a.body.len(), 1000);
     assert!(b.is_replay(), "{}", b.describe());
     assert_eq!(b.body, a.body);
-    let over = Request::post("/bigstream/1001").key("bs-2").json("{}");
-    let a = srv.send(&over);
-    let b = srv.send(&over);
-    assert_eq!(a.body.len(), 1001);
-    assert_eq!(b.body.len(), 1001);
-    assert!(!b.is_replay());
-    assert_eq!(srv.runs(), 3);
+    check_one_byte_over_the_limit_is_not_stored(&srv, "/bigstream/1001", "bs-2");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1352,22 +1276,21 @@ fn claims_c24_streamed_response_limit_boundary() {
 #[test]
 fn claims_c2_c17_max_key_len_and_the_extractor_sees_the_unquoted_key() {
     let srv = memory(|b| b.max_key_len(10));
-    let ok = srv.send(&Request::post("/key").key("0123456789").json("{}"));
+    let ok = srv.send(&keyed_post("/key", "0123456789"));
     assert_eq!(ok.status, 201);
     assert_eq!(ok.text(), "0123456789");
-    let long = srv.send(&Request::post("/key").key("0123456789a").json("{}"));
+    let long = srv.send(&keyed_post("/key", "0123456789a"));
     assert_problem(&long, 400, "KEY_TOO_LONG");
-    let quoted = srv.send(&Request::post("/key").key("\"a\\\"b\"").json("{}"));
+    let quoted = srv.send(&keyed_post("/key", "\"a\\\"b\""));
     assert_eq!(quoted.text(), "a\"b", "{}", quoted.describe());
 }
 
 // ---------------------------------------------------------------------------------------------
 // C12 on every store, and CachedStore.
 
+/// A record replays until its 1 s TTL is over, then runs again (`what` names the store).
 fn check_ttl_expiry(srv: &Srv, what: &str) {
-    let request = Request::post("/echo")
-        .key(format!("ttl-{}", what.replace(' ', "-")))
-        .json("{}");
+    let request = keyed_post("/echo", format!("ttl-{}", what.replace(' ', "-")));
     let first = srv.send(&request);
     assert_eq!(first.status, 201, "{what}: {}", first.describe());
     assert!(!first.is_replay(), "{what}: {}", first.describe());
@@ -1386,75 +1309,44 @@ fn check_ttl_expiry(srv: &Srv, what: &str) {
     assert_eq!(srv.runs(), 2, "{what}");
 }
 
+/// A TTL of one second.
+fn one_second_ttl<S>(b: Builder<S>) -> Builder<S> {
+    b.ttl(Duration::from_secs(1))
+}
+
 /// C12 (docs/contract.md:78) on PostgreSQL, Redis and `CachedStore` over PostgreSQL (cached.rs:
 /// "An entry lives at most until the record expires").
 #[test]
 fn claims_c12_ttl_expiry_postgres_redis_cached() {
-    use idempotency_actix::store::postgres::PostgresStore;
-    use idempotency_actix::store::redis::RedisStore;
-    use idempotency_actix::store::CachedStore;
-    use idempotency_e2e::redis_server::RedisServer;
-    use idempotency_e2e::{block_on_fresh_thread, TestDb};
-    let db = block_on_fresh_thread(TestDb::new()).expect("test database");
-    let url = db.url.clone();
-    let srv = serve::<PostgresStore>(Box::new(move || {
-        Box::pin(async move {
-            let store = PostgresStore::connect(&url).await.expect("store");
-            Idempotency::builder(store)
-                .ttl(Duration::from_secs(1))
-                .build()
-        })
-    }));
+    let db = test_db();
+    let srv = postgres_srv(&db, one_second_ttl);
     check_ttl_expiry(&srv, "postgres");
     drop(srv);
-    let url = db.url.clone();
-    let srv = serve::<CachedStore<PostgresStore>>(Box::new(move || {
-        Box::pin(async move {
-            let store = PostgresStore::connect(&url).await.expect("store");
-            Idempotency::builder(CachedStore::new(store))
-                .ttl(Duration::from_secs(1))
-                .build()
-        })
-    }));
+    let srv = cached_postgres_srv(&db, one_second_ttl);
     check_ttl_expiry(&srv, "cached postgres");
     drop(srv);
     let redis = RedisServer::start();
-    let rurl = redis.url();
-    let srv = serve::<RedisStore>(Box::new(move || {
-        Box::pin(async move {
-            let store = RedisStore::connect(&rurl).await.expect("store");
-            Idempotency::builder(store)
-                .ttl(Duration::from_secs(1))
-                .build()
-        })
-    }));
+    let srv = redis_srv(&redis, one_second_ttl);
     check_ttl_expiry(&srv, "redis");
 }
 
 /// C3 through `CachedStore`: a cached replay of tenant A is never served to tenant B.
 #[test]
 fn claims_c3_cached_store_keeps_tenants_apart() {
-    use idempotency_actix::store::CachedStore;
-    let srv = serve::<CachedStore<MemoryStore>>(Box::new(|| {
-        Box::pin(async {
-            Idempotency::builder(CachedStore::new(MemoryStore::new()))
-                .tenant_header("x-account-id")
-                .build()
-        })
-    }));
-    let a = Request::post("/echo")
-        .key("cache-t")
-        .header("x-account-id", "acct_a")
-        .json(r#"{"amount":5}"#);
+    let srv = serve(
+        || async { CachedStore::new(MemoryStore::new()) },
+        |b| b.tenant_header("x-account-id"),
+    );
+    let a = tenant_post("/echo", "cache-t", &["acct_a"], r#"{"amount":5}"#);
     srv.send(&a);
     assert!(srv.send(&a).is_replay());
     assert!(srv.send(&a).is_replay(), "cached replay");
-    let b = srv.send(
-        &Request::post("/echo")
-            .key("cache-t")
-            .header("x-account-id", "acct_b")
-            .json(r#"{"amount":5}"#),
-    );
+    let b = srv.send(&tenant_post(
+        "/echo",
+        "cache-t",
+        &["acct_b"],
+        r#"{"amount":5}"#,
+    ));
     assert!(
         !b.is_replay(),
         "tenant B got A's cached record: {}",
@@ -1501,12 +1393,13 @@ fn claims_readme_demo_session_is_what_the_example_answers() {
             .send(r)
             .unwrap()
     };
-    let pay = |key: &str, body: &str| {
-        Request::post("/payments")
+    let pay_at = |target: &str, key: &str, body: &str| {
+        Request::post(target)
             .key(key)
             .header("X-Account-Id", "acct_1")
             .json(body)
     };
+    let pay = |key: &str, body: &str| pay_at("/payments", key, body);
     let json = |s: &str| serde_json::from_str::<serde_json::Value>(s).unwrap();
 
     let first = send(&pay("k1", r#"{"amount":1000,"currency":"EUR"}"#));
@@ -1540,22 +1433,14 @@ fn claims_readme_demo_session_is_what_the_example_answers() {
         )
     );
 
-    let addr = app.addr.clone();
-    let slow = std::thread::spawn(move || {
-        Conn::connect(addr.as_str(), TIMEOUT).unwrap().send(
-            &Request::post("/payments?delay_ms=3000")
-                .key("k2")
-                .header("X-Account-Id", "acct_1")
-                .json(r#"{"amount":5,"currency":"EUR"}"#),
-        )
-    });
-    std::thread::sleep(Duration::from_millis(500));
-    let conflict = send(
-        &Request::post("/payments?delay_ms=3000")
-            .key("k2")
-            .header("X-Account-Id", "acct_1")
-            .json(r#"{"amount":5,"currency":"EUR"}"#),
+    let slow_payment = pay_at(
+        "/payments?delay_ms=3000",
+        "k2",
+        r#"{"amount":5,"currency":"EUR"}"#,
     );
+    let slow = send_in_background(app.addr.clone(), slow_payment.clone());
+    std::thread::sleep(Duration::from_millis(500));
+    let conflict = send(&slow_payment);
     assert_eq!(conflict.status, 409, "{}", conflict.describe());
     assert_eq!(conflict.header("retry-after").as_deref(), Some("1"));
     assert_eq!(
@@ -1598,23 +1483,20 @@ fn claims_readme_demo_session_is_what_the_example_answers() {
 // ---------------------------------------------------------------------------------------------
 // "Durations saturate" (README.md:152, config.rs:23) on every store.
 
-fn forever<S: IdempotencyStore>(b: idempotency_actix::IdempotencyBuilder<S>) -> Idempotency<S> {
+/// Every duration at `Duration::MAX`.
+fn forever<S: IdempotencyStore>(b: Builder<S>) -> Builder<S> {
     b.ttl(Duration::MAX)
         .lock_timeout(Duration::MAX)
         .renew_lease_up_to(Duration::MAX)
         .wait_for_in_flight(Duration::MAX)
-        .build()
 }
 
+/// A duplicate that waits for a running request gets its replay (`what` names the store).
 fn check_forever(srv: &Srv, what: &str) {
-    let addr = srv.server.addr;
-    let first = std::thread::spawn(move || {
-        Conn::connect(addr, TIMEOUT)
-            .unwrap()
-            .send(&Request::post("/slow?ms=600").key("forever").json("{}"))
-    });
+    let request = keyed_post("/slow?ms=600", "forever");
+    let first = srv.send_in_background(&request);
     std::thread::sleep(Duration::from_millis(150));
-    let waited = srv.send(&Request::post("/slow?ms=600").key("forever").json("{}"));
+    let waited = srv.send(&request);
     let first = first.join().unwrap().unwrap();
     eprintln!(
         "{what}: first {} / waited {}",
@@ -1630,50 +1512,18 @@ fn check_forever(srv: &Srv, what: &str) {
 /// "`Duration::MAX` means as long as the store can keep it", never a failure while serving.
 #[test]
 fn claims_forever_durations_serve_on_every_store() {
-    use idempotency_actix::store::postgres::PostgresStore;
-    use idempotency_actix::store::redis::RedisStore;
-    use idempotency_actix::store::CachedStore;
-    use idempotency_e2e::redis_server::RedisServer;
-    use idempotency_e2e::{block_on_fresh_thread, TestDb};
-    let srv = serve::<MemoryStore>(Box::new(|| {
-        Box::pin(async { forever(Idempotency::builder(MemoryStore::new())) })
-    }));
+    let srv = memory(forever);
     check_forever(&srv, "memory");
-    let db = block_on_fresh_thread(TestDb::new()).expect("test database");
-    let url = db.url.clone();
-    let srv = serve::<CachedStore<PostgresStore>>(Box::new(move || {
-        Box::pin(async move {
-            let store = PostgresStore::connect(&url).await.expect("store");
-            forever(Idempotency::builder(CachedStore::new(store)))
-        })
-    }));
+    let db = test_db();
+    let srv = cached_postgres_srv(&db, forever);
     check_forever(&srv, "cached postgres");
     let redis = RedisServer::start();
-    let rurl = redis.url();
-    let srv = serve::<RedisStore>(Box::new(move || {
-        Box::pin(async move {
-            let store = RedisStore::connect(&rurl).await.expect("store");
-            forever(Idempotency::builder(store))
-        })
-    }));
+    let srv = redis_srv(&redis, forever);
     check_forever(&srv, "redis");
 }
 
 // ---------------------------------------------------------------------------------------------
 // A client that has the whole response and retries at once (C6, C24) on PostgreSQL.
-
-fn postgres_srv(db: &idempotency_e2e::TestDb) -> Srv {
-    use idempotency_actix::store::postgres::PostgresStore;
-    let url = db.url.clone();
-    serve::<PostgresStore>(Box::new(move || {
-        Box::pin(async move {
-            let store = PostgresStore::connect(&url).await.expect("store");
-            Idempotency::builder(store)
-                .lock_timeout(Duration::from_millis(600))
-                .build()
-        })
-    }))
-}
 
 /// C24 (docs/contract.md:157, middleware/mod.rs "The end of the body reaches the client only
 /// after the record is stored ... a client that read the whole response and retries at once
@@ -1681,13 +1531,12 @@ fn postgres_srv(db: &idempotency_e2e::TestDb) -> Srv {
 /// connection and on a new one.
 #[test]
 fn claims_c24_an_immediate_retry_after_the_whole_response_is_a_replay_postgres() {
-    use idempotency_e2e::{block_on_fresh_thread, TestDb};
-    let db = block_on_fresh_thread(TestDb::new()).expect("test database");
-    let srv = postgres_srv(&db);
+    let db = test_db();
+    let srv = postgres_srv(&db, |b| b.lock_timeout(Duration::from_millis(600)));
     let mut bad = Vec::new();
     for i in 0..15 {
         for target in ["/echo", "/slowstream?ms=1", "/stream", "/big/5000"] {
-            let request = Request::post(target).key(format!("imm-{i}")).json("{}");
+            let request = keyed_post(target, format!("imm-{i}"));
             let mut c = Conn::connect(srv.server.addr, TIMEOUT).unwrap();
             let first = c.send(&request).unwrap();
             let same_conn = c.send(&request).unwrap();
@@ -1713,25 +1562,11 @@ fn claims_c24_an_immediate_retry_after_the_whole_response_is_a_replay_postgres()
 #[test]
 fn claims_c9_c24_lease_renewed_while_a_stream_is_produced() {
     let srv = memory(|b| b.lock_timeout(Duration::from_millis(300)));
-    let addr = srv.server.addr;
-    let first = std::thread::spawn(move || {
-        Conn::connect(addr, TIMEOUT)
-            .unwrap()
-            .send(&Request::post("/slowstream?ms=150").key("ss-1").json("{}"))
-    });
-    let mut seen = Vec::new();
-    for _ in 0..4 {
-        std::thread::sleep(Duration::from_millis(300));
-        seen.push(
-            srv.send(&Request::post("/slowstream?ms=150").key("ss-1").json("{}"))
-                .describe(),
-        );
-    }
-    let first = first.join().unwrap().unwrap();
-    eprintln!("{seen:#?}");
+    let request = keyed_post("/slowstream?ms=150", "ss-1");
+    let (first, seen) = retry_while_running(&srv, &request, 4, Duration::from_millis(300));
     assert_eq!(first.status, 200);
     assert_eq!(srv.runs(), 1, "a second run during the stream: {seen:#?}");
-    let replay = srv.send(&Request::post("/slowstream?ms=150").key("ss-1").json("{}"));
+    let replay = srv.send(&request);
     assert!(replay.is_replay());
     assert_eq!(replay.body, first.body);
 }
@@ -1751,11 +1586,8 @@ fn claims_c23_tenant_from_an_auth_extension_outside_and_inside() {
     use actix_web::dev::Service as _;
     use actix_web::HttpMessage as _;
     for auth_outside in [true, false] {
-        let runs = Arc::new(AtomicU64::new(0));
-        let counter = Arc::clone(&runs);
-        let server = ThreadServer::start(move || async move {
+        let srv = start(move |counter| async move {
             let store = MemoryStore::new();
-            let counter = web::Data::from(counter);
             macro_rules! auth {
                 () => {
                     |req: actix_web::dev::ServiceRequest, srv| {
@@ -1776,45 +1608,31 @@ fn claims_c23_tenant_from_an_auth_extension_outside_and_inside() {
                     .tenant(|req| req.extensions().get::<Principal>().map(|p| p.0.clone()))
                     .build()
             };
-            let server = if auth_outside {
-                let server = HttpServer::new(move || {
+            if auth_outside {
+                one_worker!(move || {
                     App::new()
                         .app_data(counter.clone())
                         .route("/echo", web::post().to(echo))
                         .wrap(middleware())
                         .wrap_fn(auth!())
                 })
-                .workers(1)
-                .disable_signals()
-                .bind(("127.0.0.1", 0))
-                .expect("bind");
-                (server.addrs()[0], server.run())
             } else {
-                let server = HttpServer::new(move || {
+                one_worker!(move || {
                     App::new()
                         .app_data(counter.clone())
                         .route("/echo", web::post().to(echo))
                         .wrap_fn(auth!())
                         .wrap(middleware())
                 })
-                .workers(1)
-                .disable_signals()
-                .bind(("127.0.0.1", 0))
-                .expect("bind");
-                (server.addrs()[0], server.run())
-            };
-            server
+            }
         });
         let send = |user: &str| {
-            Conn::connect(server.addr, TIMEOUT)
-                .unwrap()
-                .send(
-                    &Request::post("/echo")
-                        .key("auth-1")
-                        .header("authorization", format!("Bearer {user}"))
-                        .json(r#"{"amount":1}"#),
-                )
-                .unwrap()
+            srv.send(
+                &Request::post("/echo")
+                    .key("auth-1")
+                    .header("authorization", format!("Bearer {user}"))
+                    .json(r#"{"amount":1}"#),
+            )
         };
         let alice = send("alice");
         let bob = send("bob");
@@ -1829,12 +1647,12 @@ fn claims_c23_tenant_from_an_auth_extension_outside_and_inside() {
             assert_eq!(alice.status, 201);
             assert!(!bob.is_replay(), "bob got alice's record");
             assert!(alice_again.is_replay());
-            assert_eq!(runs.load(Ordering::SeqCst), 2);
+            assert_eq!(srv.runs(), 2);
         } else {
             for r in [&alice, &bob, &alice_again] {
                 assert_problem(r, 400, "MISSING_TENANT");
             }
-            assert_eq!(runs.load(Ordering::SeqCst), 0);
+            assert_eq!(srv.runs(), 0);
         }
     }
 }
@@ -1848,19 +1666,16 @@ fn claims_c4_same_bytes_with_and_without_content_encoding_are_one_request() {
     gz.write_all(br#"{"amount":7}"#).unwrap();
     let bytes = gz.finish().unwrap();
     let srv = defaults();
+    let json_request = Request::post("/echo")
+        .key("ce-1")
+        .header("Content-Type", "application/json");
     let first = srv.send(
-        &Request::post("/echo")
-            .key("ce-1")
-            .header("Content-Type", "application/json")
+        &json_request
+            .clone()
             .header("Content-Encoding", "gzip")
             .body(Body::Sized(bytes.clone())),
     );
-    let second = srv.send(
-        &Request::post("/echo")
-            .key("ce-1")
-            .header("Content-Type", "application/json")
-            .body(Body::Sized(bytes)),
-    );
+    let second = srv.send(&json_request.body(Body::Sized(bytes)));
     eprintln!("{} / {}", first.describe(), second.describe());
     assert_eq!(first.status, 201);
     assert!(second.is_replay(), "{}", second.describe());
@@ -1872,12 +1687,9 @@ fn claims_c4_same_bytes_with_and_without_content_encoding_are_one_request() {
 /// two records (two runs), never account 2 replayed account 1's payment.
 #[test]
 fn claims_c3_wrapped_on_a_dynamic_scope_keeps_paths_apart() {
-    let runs = Arc::new(AtomicU64::new(0));
-    let counter = Arc::clone(&runs);
-    let server = ThreadServer::start(move || async move {
+    let srv = start(move |counter| async move {
         let store = MemoryStore::new();
-        let counter = web::Data::from(counter);
-        let server = HttpServer::new(move || {
+        one_worker!(move || {
             App::new().app_data(counter.clone()).service(
                 web::scope("/accounts/{acct}")
                     .wrap(Idempotency::new(store.clone()))
@@ -1885,18 +1697,8 @@ fn claims_c3_wrapped_on_a_dynamic_scope_keeps_paths_apart() {
                     .service(web::scope("/cards/{card}").route("/charge", web::post().to(echo))),
             )
         })
-        .workers(1)
-        .disable_signals()
-        .bind(("127.0.0.1", 0))
-        .expect("bind");
-        (server.addrs()[0], server.run())
     });
-    let send = |path: &str| {
-        Conn::connect(server.addr, TIMEOUT)
-            .unwrap()
-            .send(&Request::post(path).key("scope-k").json(r#"{"amount":1}"#))
-            .unwrap()
-    };
+    let send = |path: &str| srv.send(&Request::post(path).key("scope-k").json(r#"{"amount":1}"#));
     let mut seen = Vec::new();
     for path in [
         "/accounts/1/payments",
@@ -1910,7 +1712,7 @@ fn claims_c3_wrapped_on_a_dynamic_scope_keeps_paths_apart() {
         assert_eq!(r.status, 201, "{seen:#?}");
         assert!(!r.is_replay(), "{seen:#?}");
     }
-    assert_eq!(runs.load(Ordering::SeqCst), 5);
+    assert_eq!(srv.runs(), 5);
     let again = send("/accounts/2/cards/a/charge");
     assert!(again.is_replay());
     assert!(
