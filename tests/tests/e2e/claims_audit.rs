@@ -1189,9 +1189,9 @@ fn claims_c9_renewal_stops_at_renew_lease_up_to() {
     let request = keyed_post("/slow?ms=3000", "rl-1");
     let first = srv.send_in_background(&request);
     std::thread::sleep(Duration::from_millis(600));
-    let inside = srv.send(&keyed_post("/slow?ms=10", "rl-1"));
-    // The slow query differs: that is another fingerprint. Use the same request.
-    eprintln!("inside (other query): {}", inside.describe());
+    // Another query is another fingerprint: 422 while the first still runs (C7), not run.
+    let other = srv.send(&keyed_post("/slow?ms=10", "rl-1"));
+    assert_problem(&other, 422, "FINGERPRINT_MISMATCH");
     let inside = srv.send(&request);
     eprintln!("inside: {}", inside.describe());
     assert_problem(&inside, 409, "CONFLICT");
@@ -1211,8 +1211,8 @@ fn claims_c9_renewal_stops_at_renew_lease_up_to() {
 // ---------------------------------------------------------------------------------------------
 // C8 in wait mode.
 
-/// config.rs:488: a waiting duplicate of a request whose key is released (a non-2xx) runs
-/// itself; a waiting request with another body gets 422 at once, not after the wait.
+/// config.rs:488: a waiting duplicate of a request whose key is released (a response not
+/// stored) runs itself; a waiting request with another body gets 422 at once, not after the wait.
 #[test]
 fn claims_c8_wait_mode_runs_after_a_release_and_refuses_mismatch_at_once() {
     let srv = memory(|b| b.wait_for_in_flight(Duration::from_secs(5)));
@@ -1237,7 +1237,8 @@ fn claims_c8_wait_mode_runs_after_a_release_and_refuses_mismatch_at_once() {
     assert!(took < Duration::from_millis(700), "422 came after {took:?}");
     let _ = first.join();
 
-    // Released first request (a 500) then a waiting duplicate runs.
+    // A first request whose response is released (its 201 is not stored: only 202 is, here),
+    // then a waiting duplicate runs.
     let srv = memory(|b| {
         b.wait_for_in_flight(Duration::from_secs(5))
             .store_statuses(|s| s == StatusCode::ACCEPTED)
