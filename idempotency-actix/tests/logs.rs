@@ -9,10 +9,11 @@
 //! with its span fields missing). Here every test sets the same capturing subscriber before it
 //! does anything, so whichever test reaches a call site first, the answer is the same.
 
+mod common;
+
 use std::io::Write;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use actix_web::body::to_bytes;
 use actix_web::http::StatusCode;
@@ -20,10 +21,11 @@ use actix_web::test::{call_service, init_service, TestRequest};
 use actix_web::{web, App, HttpResponse};
 use bytes::Bytes;
 use idempotency_actix::store::{
-    Fingerprint, IdempotencyStore, MemoryStore, ReservationToken, ReserveOutcome, Scope,
-    StoreError, StoredResponse, WriteOutcome,
+    IdempotencyStore, MemoryStore, ReserveOutcome, StoreError, WriteOutcome,
 };
 use idempotency_actix::Idempotency;
+
+use common::{reserved, scope, small, FP_A, FP_B, MINUTE};
 
 /// A `Write` into a shared buffer, for capturing log lines.
 #[derive(Clone, Default)]
@@ -65,39 +67,6 @@ fn capture_logs() -> (Captured, tracing::subscriber::DefaultGuard) {
     // was decided against nobody; decide every known call site again, against this one.
     tracing::callsite::rebuild_interest_cache();
     (logs, guard)
-}
-
-fn scope(key: &str) -> Scope {
-    Scope {
-        tenant: "t".into(),
-        method: "POST".into(),
-        path: "/pay".into(),
-        key: key.into(),
-    }
-}
-
-const FP_A: Fingerprint = Fingerprint([0xAA; 32]);
-const FP_B: Fingerprint = Fingerprint([0xBB; 32]);
-const MINUTE: Duration = Duration::from_secs(60);
-
-async fn reserved(
-    store: &MemoryStore,
-    key: &str,
-    fp: &Fingerprint,
-    lease: Duration,
-) -> ReservationToken {
-    match store.reserve(&scope(key), fp, lease).await {
-        Ok(ReserveOutcome::Reserved { token }) => token,
-        other => panic!("expected Reserved for {key}, got {other:?}"),
-    }
-}
-
-fn small(body: &'static [u8]) -> StoredResponse {
-    StoredResponse {
-        status: 201,
-        headers: vec![("content-type".into(), Bytes::from_static(b"text/plain"))],
-        body: Bytes::from_static(body),
-    }
 }
 
 /// The opt-in (`evict_live_completed_when_full(true)`): a full store evicts its oldest live

@@ -1,5 +1,7 @@
 //! The memory store's bounds and grace (C9, C22) through its public API and the real middleware.
 
+mod common;
+
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -11,10 +13,11 @@ use actix_web::test::{call_service, init_service, TestRequest};
 use actix_web::{web, App, HttpResponse};
 use bytes::Bytes;
 use idempotency_actix::store::{
-    Fingerprint, IdempotencyStore, MemoryStore, ReservationToken, ReserveOutcome, Scope,
-    StoreError, StoredResponse, WriteOutcome,
+    IdempotencyStore, MemoryStore, ReserveOutcome, StoreError, StoredResponse, WriteOutcome,
 };
 use idempotency_actix::Idempotency;
+
+use common::{reserved, scope, small, FP_A, FP_B, MINUTE};
 use serde_json::Value;
 
 /// Counts handler executions; the handler answers 201 with a body of `?size=` bytes (default a
@@ -113,39 +116,6 @@ fn assert_unavailable(reply: &Reply, what: &str) {
         Some("STORAGE_UNAVAILABLE"),
         "{what}: {reply:?}"
     );
-}
-
-fn scope(key: &str) -> Scope {
-    Scope {
-        tenant: "t".into(),
-        method: "POST".into(),
-        path: "/pay".into(),
-        key: key.into(),
-    }
-}
-
-const FP_A: Fingerprint = Fingerprint([0xAA; 32]);
-const FP_B: Fingerprint = Fingerprint([0xBB; 32]);
-const MINUTE: Duration = Duration::from_secs(60);
-
-async fn reserved(
-    store: &MemoryStore,
-    key: &str,
-    fp: &Fingerprint,
-    lease: Duration,
-) -> ReservationToken {
-    match store.reserve(&scope(key), fp, lease).await {
-        Ok(ReserveOutcome::Reserved { token }) => token,
-        other => panic!("expected Reserved for {key}, got {other:?}"),
-    }
-}
-
-fn small(body: &'static [u8]) -> StoredResponse {
-    StoredResponse {
-        status: 201,
-        headers: vec![("content-type".into(), Bytes::from_static(b"text/plain"))],
-        body: Bytes::from_static(body),
-    }
 }
 
 /// Issue 9 item 2, the reproduction: with `max_entries(2)` and otherwise default settings,
