@@ -27,7 +27,7 @@ use idempotency_actix::store::Scope;
 use serde_json::json;
 
 use crate::cli::{Command, Format, ListArgs, ReleaseArgs, ScopeArgs, ShowArgs, StateFilter};
-use crate::commands::release::{check, refuse};
+use crate::commands::release::{check, refuse, release_exit, released};
 use crate::commands::show::{detail_json, detail_text, method, scope_words};
 use crate::duration::format_age_secs;
 use crate::error::CliError;
@@ -745,35 +745,8 @@ async fn release(
             refuse(out, format, key, &reason, &mut refusals)?;
             continue;
         }
-        match format {
-            Format::Json => {
-                let mut value = row.to_json();
-                value["released"] = json!(true);
-                out.json(&value)?;
-            }
-            Format::Text => out.line(format!(
-                "released {} {} (token {}, created {} ago, {})",
-                row.state,
-                row.scope_label(),
-                row.token_text(),
-                format_age_secs(row.age_secs()),
-                row.expiry_words()
-            ))?,
-        }
+        released(out, format, row)?;
     }
     out.flush()?;
-    match refusals.len() {
-        0 => Ok(()),
-        1 if args.keys.len() == 1 => Err(CliError::NotFoundOrRefused(refusals.remove(0))),
-        n => {
-            for reason in &refusals {
-                // Best effort, as in the PostgreSQL `release`: the exit code still says it.
-                let _ = writeln!(std::io::stderr(), "idem-cli: {reason}");
-            }
-            Err(CliError::NotFoundOrRefused(format!(
-                "{n} of {} keys not released (see above)",
-                args.keys.len()
-            )))
-        }
-    }
+    release_exit(refusals, args.keys.len())
 }

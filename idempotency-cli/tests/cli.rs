@@ -816,6 +816,66 @@ async fn release_of_an_expired_completed_record_says_it_is_expired() {
     assert!(!err.contains("removing it makes"), "{err}");
 }
 
+/// Several keys in one `release`: each released key is reported, each refused one gives its
+/// reason on stderr, and the exit says how many were not released (exit 6); in JSON every
+/// key gets its object, `"released": false` with the reason for a refused one.
+#[tokio::test]
+async fn release_of_several_keys_reports_each_and_counts_the_refused() {
+    let db = TestDb::new().await;
+    let store = PostgresStore::connect(&db.url).await.expect("store");
+    for key in ["r-1", "r-2"] {
+        reserve_token(&store, &scope("acme", key), &fingerprint("{}"), 1, key).await;
+    }
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+
+    let text = ["release", "r-1", "missing-1", "--tenant", "acme"];
+    // Not `idem_code`: its "one stderr line" is for one error; here each refusal has its line.
+    let out = idem(&db.url, &text);
+    assert_eq!(
+        out.status.code(),
+        Some(NOT_FOUND_OR_REFUSED),
+        "{}",
+        stderr(&out)
+    );
+    assert!(
+        stdout(&out).starts_with("released in_flight "),
+        "{}",
+        stdout(&out)
+    );
+    assert_stderr_has(&out, "no record with key \"missing-1\"");
+    assert_stderr_has(&out, "1 of 2 keys not released (see above)");
+
+    let json = [
+        "--format",
+        "json",
+        "release",
+        "missing-2",
+        "r-2",
+        "--tenant",
+        "acme",
+    ];
+    let out = idem(&db.url, &json);
+    assert_eq!(
+        out.status.code(),
+        Some(NOT_FOUND_OR_REFUSED),
+        "{}",
+        stderr(&out)
+    );
+    let lines = json_lines(&out);
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    assert_eq!(lines[0]["key"], "missing-2");
+    assert_eq!(lines[0]["released"], false);
+    assert!(
+        lines[0]["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("no record")),
+        "{lines:?}"
+    );
+    assert_eq!(lines[1]["released"], true);
+    assert_eq!(lines[1]["state"], "in_flight");
+    assert_stderr_has(&out, "1 of 2 keys not released (see above)");
+}
+
 #[tokio::test]
 async fn release_unsticks_a_key_for_the_store() {
     let db = TestDb::new().await;

@@ -68,36 +68,10 @@ pub async fn run(
             refuse(out, format, key, &reason, &mut refusals)?;
             continue;
         }
-        match format {
-            Format::Json => {
-                let mut value = row.to_json();
-                value["released"] = json!(true);
-                out.json(&value)?;
-            }
-            Format::Text => out.line(format!(
-                "released {} {} (token {}, created {} ago, {})",
-                row.state,
-                row.scope_label(),
-                row.token_text(),
-                format_age_secs(row.age_secs()),
-                row.expiry_words()
-            ))?,
-        }
+        released(out, format, row)?;
     }
     out.flush()?;
-    match refusals.len() {
-        0 => Ok(()),
-        1 if args.keys.len() == 1 => Err(CliError::NotFoundOrRefused(refusals.remove(0))),
-        n => {
-            for reason in &refusals {
-                let _ = writeln!(std::io::stderr(), "idem-cli: {reason}");
-            }
-            Err(CliError::NotFoundOrRefused(format!(
-                "{n} of {} keys not released (see above)",
-                args.keys.len()
-            )))
-        }
-    }
+    release_exit(refusals, args.keys.len())
 }
 
 /// Why this record may not be released without `--force`, if it may not.
@@ -134,6 +108,45 @@ pub(crate) fn check(row: &Record, force: bool) -> Result<(), String> {
     Ok(())
 }
 
+/// Say that `row` was released (a JSON object with `"released": true`, or a line of text).
+pub(crate) fn released(out: &mut Out, format: Format, row: &Record) -> Result<(), CliError> {
+    match format {
+        Format::Json => {
+            let mut value = row.to_json();
+            value["released"] = json!(true);
+            out.json(&value)
+        }
+        Format::Text => out.line(format!(
+            "released {} {} (token {}, created {} ago, {})",
+            row.state,
+            row.scope_label(),
+            row.token_text(),
+            format_age_secs(row.age_secs()),
+            row.expiry_words()
+        )),
+    }
+}
+
+/// The exit of a `release` of `asked` keys: success when none was refused; one refused key of
+/// one asked is that key's reason; otherwise each reason on stderr and a count.
+pub(crate) fn release_exit(mut refusals: Vec<String>, asked: usize) -> Result<(), CliError> {
+    match refusals.len() {
+        0 => Ok(()),
+        1 if asked == 1 => Err(CliError::NotFoundOrRefused(refusals.remove(0))),
+        n => {
+            for reason in &refusals {
+                // Best effort: the exit code still says it.
+                let _ = writeln!(std::io::stderr(), "idem-cli: {reason}");
+            }
+            Err(CliError::NotFoundOrRefused(format!(
+                "{n} of {asked} keys not released (see above)"
+            )))
+        }
+    }
+}
+
+/// Record a key that was not released: its reason (reported by [`release_exit`]) and, in JSON, an
+/// object with `"released": false` at once.
 pub(crate) fn refuse(
     out: &mut Out,
     format: Format,
