@@ -4,7 +4,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use actix_web::{test, web, App, HttpResponse};
+use actix_http::Request;
+use actix_web::dev::{Service, ServiceResponse};
+use actix_web::{test, web, App, HttpResponse, Route};
 use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
 use idempotency_actix::store::postgres::{self, PostgresStore};
 use idempotency_actix::{Idempotency, IdempotentTx};
@@ -33,10 +35,93 @@ async fn charge(
     Ok(HttpResponse::Created().body("charged"))
 }
 
-async fn body_text(resp: actix_web::dev::ServiceResponse) -> (u16, String) {
+/// The status and body (as text) of a response.
+async fn body_text(resp: ServiceResponse) -> (u16, String) {
     let status = resp.status().as_u16();
     let body = test::read_body(resp).await;
     (status, String::from_utf8_lossy(&body).into_owned())
+}
+
+/// A store on `url` whose pool holds one connection.
+async fn one_connection_store(url: &str) -> PostgresStore {
+    PostgresStore::builder(url.to_owned())
+        .max_size(1)
+        .build()
+        .await
+        .unwrap()
+}
+
+/// An app serving `routes` in a scope behind the transactional middleware on `store`, with
+/// `provider_calls` (if any) as app data.
+async fn transactional_app<const N: usize>(
+    store: &PostgresStore,
+    lock_timeout: Duration,
+    provider_calls: Option<&Arc<AtomicUsize>>,
+    routes: [(&str, Route); N],
+) -> impl Service<Request, Response = ServiceResponse, Error = actix_web::Error> {
+    let mut app = App::new();
+    if let Some(calls) = provider_calls {
+        app = app.app_data(web::Data::new(calls.clone()));
+    }
+    let scope = web::scope("").wrap(
+        Idempotency::builder(store.clone())
+            .lock_timeout(lock_timeout)
+            .transactional()
+            .build(),
+    );
+    let scope = routes
+        .into_iter()
+        .fold(scope, |scope, (path, route)| scope.route(path, route));
+    test::init_service(app.service(scope)).await
+}
+
+/// The transactional app with `charge` at POST /payments (500 ms lock timeout), counting into
+/// `calls`.
+async fn payments_app(
+    store: &PostgresStore,
+    calls: &Arc<AtomicUsize>,
+) -> impl Service<Request, Response = ServiceResponse, Error = actix_web::Error> {
+    transactional_app(
+        store,
+        Duration::from_millis(500),
+        Some(calls),
+        [("/payments", web::post().to(charge))],
+    )
+    .await
+}
+
+/// A JSON POST /payments of 100 under the Idempotency-Key `key`.
+fn payment_request(key: &str) -> Request {
+    test::TestRequest::post()
+        .uri("/payments")
+        .insert_header(("idempotency-key", key))
+        .insert_header(("content-type", "application/json"))
+        .set_payload(r#"{"amount":100}"#)
+        .to_request()
+}
+
+/// Sends one keyless JSON POST /pay to `handler` (transactional, 2 s lock timeout, a
+/// one-connection pool) and asserts that it is not answered "nothing was done" while its
+/// payment row tagged `tag` is committed.
+async fn assert_keyless_pay_not_answered_nothing_was_done(handler: Route, tag: &str) {
+    let db = TestDb::new().await;
+    execute(&db.url, PAYMENTS);
+    let store = one_connection_store(&db.url).await;
+    let app = transactional_app(&store, Duration::from_secs(2), None, [("/pay", handler)]).await;
+    let req = test::TestRequest::post()
+        .uri("/pay")
+        .set_payload("{}")
+        .insert_header(("content-type", "application/json"))
+        .to_request();
+    let (status, body) = body_text(test::call_service(&app, req).await).await;
+    let rows = count(
+        &db.url,
+        &format!("SELECT count(*) AS n FROM public.payments WHERE tag = '{tag}'"),
+    );
+    assert!(
+        !(rows == 1 && body.contains("nothing was done")),
+        "tag {tag}: answered {status} {body} while the handler's row is committed ({rows} row)"
+    );
 }
 
 /// Finding 1. The fix makes the default mode refuse (503 before the handler) on a database
@@ -56,28 +141,10 @@ async fn transactional_mode_on_a_half_schema_never_runs_a_handler_twice() {
     let store = PostgresStore::connect(&db.url).await.unwrap();
     let check = store.check().await;
     let calls = Arc::new(AtomicUsize::new(0));
-    let app = test::init_service(
-        App::new().app_data(web::Data::new(calls.clone())).service(
-            web::scope("")
-                .wrap(
-                    Idempotency::builder(store.clone())
-                        .lock_timeout(Duration::from_millis(500))
-                        .transactional()
-                        .build(),
-                )
-                .route("/payments", web::post().to(charge)),
-        ),
-    )
-    .await;
+    let app = payments_app(&store, &calls).await;
     let mut answers = Vec::new();
     for _ in 0..2 {
-        let req = test::TestRequest::post()
-            .uri("/payments")
-            .insert_header(("idempotency-key", "k-1"))
-            .insert_header(("content-type", "application/json"))
-            .set_payload(r#"{"amount":100}"#)
-            .to_request();
-        let resp = test::call_service(&app, req).await;
+        let resp = test::call_service(&app, payment_request("k-1")).await;
         answers.push(body_text(resp).await);
     }
     assert!(check.is_err(), "check() on a database at 000003: {check:?}");
@@ -99,13 +166,6 @@ async fn transactional_mode_on_a_half_schema_never_runs_a_handler_twice() {
 /// its 201 and a stored response.)
 #[actix_web::test]
 async fn a_keyless_raw_commit_is_not_answered_nothing_was_done() {
-    let db = TestDb::new().await;
-    execute(&db.url, PAYMENTS);
-    let store = PostgresStore::builder(db.url.clone())
-        .max_size(1)
-        .build()
-        .await
-        .unwrap();
     async fn commits_itself(tx: IdempotentTx) -> actix_web::Result<HttpResponse> {
         let mut conn = tx.conn();
         diesel::sql_query("INSERT INTO public.payments (tag, amount) VALUES ('raw-commit', 1)")
@@ -117,33 +177,8 @@ async fn a_keyless_raw_commit_is_not_answered_nothing_was_done() {
             .map_err(actix_web::error::ErrorInternalServerError)?;
         Ok(HttpResponse::Created().body("done"))
     }
-    let app = test::init_service(
-        App::new().service(
-            web::scope("")
-                .wrap(
-                    Idempotency::builder(store.clone())
-                        .lock_timeout(Duration::from_secs(2))
-                        .transactional()
-                        .build(),
-                )
-                .route("/pay", web::post().to(commits_itself)),
-        ),
-    )
-    .await;
-    let req = test::TestRequest::post()
-        .uri("/pay")
-        .set_payload("{}")
-        .insert_header(("content-type", "application/json"))
-        .to_request();
-    let (status, body) = body_text(test::call_service(&app, req).await).await;
-    let rows = count(
-        &db.url,
-        "SELECT count(*) AS n FROM public.payments WHERE tag = 'raw-commit'",
-    );
-    assert!(
-        !(rows == 1 && body.contains("nothing was done")),
-        "answered {status} {body} while the handler's row is committed ({rows} row)"
-    );
+    assert_keyless_pay_not_answered_nothing_was_done(web::post().to(commits_itself), "raw-commit")
+        .await;
 }
 
 /// Finding 3. `ClaimExists` now also answers true when `idempotency_tx_claim` exists in any
@@ -167,26 +202,8 @@ async fn a_claim_function_in_another_schema_does_not_hide_the_migrate_hint() {
     execute(&db.url, PAYMENTS);
     let store = PostgresStore::connect(&db.url).await.unwrap();
     let calls = Arc::new(AtomicUsize::new(0));
-    let app = test::init_service(
-        App::new().app_data(web::Data::new(calls.clone())).service(
-            web::scope("")
-                .wrap(
-                    Idempotency::builder(store.clone())
-                        .lock_timeout(Duration::from_millis(500))
-                        .transactional()
-                        .build(),
-                )
-                .route("/payments", web::post().to(charge)),
-        ),
-    )
-    .await;
-    let req = test::TestRequest::post()
-        .uri("/payments")
-        .insert_header(("idempotency-key", "k-1"))
-        .insert_header(("content-type", "application/json"))
-        .set_payload(r#"{"amount":100}"#)
-        .to_request();
-    let (status, body) = body_text(test::call_service(&app, req).await).await;
+    let app = payments_app(&store, &calls).await;
+    let (status, body) = body_text(test::call_service(&app, payment_request("k-1")).await).await;
     assert_eq!(status, 503, "{body}");
     assert_eq!(AtomicUsize::load(&calls, Ordering::SeqCst), 0);
     assert!(
@@ -225,16 +242,8 @@ async fn a_schema_rebuilt_at_an_older_migration_after_the_first_request_never_ru
             ),
     )
     .await;
-    let send = |key: &'static str| {
-        test::TestRequest::post()
-            .uri("/payments")
-            .insert_header(("idempotency-key", key))
-            .insert_header(("content-type", "application/json"))
-            .set_payload(r#"{"amount":100}"#)
-            .to_request()
-    };
     // A first request on the complete schema: the flag is set.
-    let first = test::call_service(&app, send("warm")).await;
+    let first = test::call_service(&app, payment_request("warm")).await;
     assert_eq!(first.status().as_u16(), 201);
     // The schema is rebuilt at migration 000003 (docs/operations.md, "A schema dropped by
     // hand": the down.sql of every migration, newest first, then the bookkeeping).
@@ -255,7 +264,7 @@ async fn a_schema_rebuilt_at_an_older_migration_after_the_first_request_never_ru
     runs.store(0, Ordering::SeqCst);
     let mut statuses = Vec::new();
     for _ in 0..2 {
-        let resp = test::call_service(&app, send("k-1")).await;
+        let resp = test::call_service(&app, payment_request("k-1")).await;
         statuses.push(resp.status().as_u16());
         actix_web::rt::time::sleep(Duration::from_millis(2500)).await;
     }
@@ -273,13 +282,6 @@ async fn a_schema_rebuilt_at_an_older_migration_after_the_first_request_never_ru
 /// and the client is told "nothing was done".
 #[actix_web::test]
 async fn a_keyless_raw_rollback_then_a_write_is_not_answered_nothing_was_done() {
-    let db = TestDb::new().await;
-    execute(&db.url, PAYMENTS);
-    let store = PostgresStore::builder(db.url.clone())
-        .max_size(1)
-        .build()
-        .await
-        .unwrap();
     async fn rolls_back_then_writes(tx: IdempotentTx) -> actix_web::Result<HttpResponse> {
         let mut conn = tx.conn();
         conn.batch_execute("ROLLBACK")
@@ -291,39 +293,25 @@ async fn a_keyless_raw_rollback_then_a_write_is_not_answered_nothing_was_done() 
             .map_err(actix_web::error::ErrorInternalServerError)?;
         Ok(HttpResponse::Created().body("done"))
     }
-    let app = test::init_service(
-        App::new().service(
-            web::scope("")
-                .wrap(
-                    Idempotency::builder(store.clone())
-                        .lock_timeout(Duration::from_secs(2))
-                        .transactional()
-                        .build(),
-                )
-                .route("/pay", web::post().to(rolls_back_then_writes)),
-        ),
+    assert_keyless_pay_not_answered_nothing_was_done(
+        web::post().to(rolls_back_then_writes),
+        "after-rb",
     )
     .await;
-    let req = test::TestRequest::post()
-        .uri("/pay")
-        .set_payload("{}")
-        .insert_header(("content-type", "application/json"))
-        .to_request();
-    let (status, body) = body_text(test::call_service(&app, req).await).await;
-    let rows = count(
-        &db.url,
-        "SELECT count(*) AS n FROM public.payments WHERE tag = 'after-rb'",
-    );
-    assert!(
-        !(rows == 1 && body.contains("nothing was done")),
-        "answered {status} {body} while the handler's row is committed ({rows} row)"
-    );
 }
 
 #[derive(diesel::QueryableByName)]
 struct Pid {
     #[diesel(sql_type = diesel::sql_types::BigInt)]
     n: i64,
+}
+
+/// A keyless POST /pid with an empty JSON object (no content type).
+fn pid_request() -> Request {
+    test::TestRequest::post()
+        .uri("/pid")
+        .set_payload("{}")
+        .to_request()
 }
 
 /// Finding 5. `sql::discard` after any non-serialization claim failure includes failures a
@@ -335,11 +323,7 @@ struct Pid {
 #[actix_web::test]
 async fn a_client_chosen_claim_error_does_not_cost_a_new_database_session() {
     let db = TestDb::new().await;
-    let store = PostgresStore::builder(db.url.clone())
-        .max_size(1)
-        .build()
-        .await
-        .unwrap();
+    let store = one_connection_store(&db.url).await;
     async fn pid(tx: IdempotentTx) -> actix_web::Result<HttpResponse> {
         let mut conn = tx.conn();
         let p: Pid = diesel::sql_query("SELECT pg_backend_pid()::bigint AS n")
@@ -348,18 +332,14 @@ async fn a_client_chosen_claim_error_does_not_cost_a_new_database_session() {
             .map_err(actix_web::error::ErrorInternalServerError)?;
         Ok(HttpResponse::Ok().body(p.n.to_string()))
     }
-    let app = test::init_service(
-        App::new().service(
-            web::scope("")
-                .wrap(
-                    Idempotency::builder(store.clone())
-                        .lock_timeout(Duration::from_secs(2))
-                        .transactional()
-                        .build(),
-                )
-                .route("/pid", web::post().to(pid))
-                .route("/items/{name}", web::post().to(pid)),
-        ),
+    let app = transactional_app(
+        &store,
+        Duration::from_secs(2),
+        None,
+        [
+            ("/pid", web::post().to(pid)),
+            ("/items/{name}", web::post().to(pid)),
+        ],
     )
     .await;
     let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
@@ -375,22 +355,18 @@ async fn a_client_chosen_claim_error_does_not_cost_a_new_database_session() {
     // Control: without a hostile request in between, the pool's one connection is kept.
     let mut control = Vec::new();
     for _ in 0..3 {
-        let req = test::TestRequest::post()
-            .uri("/pid")
-            .set_payload("{}")
-            .to_request();
-        control.push(body_text(test::call_service(&app, req).await).await.1);
+        control.push(
+            body_text(test::call_service(&app, pid_request()).await)
+                .await
+                .1,
+        );
     }
     control.dedup();
     assert_eq!(control.len(), 1, "control: {control:?}");
     let mut pids = Vec::new();
     let mut statuses = Vec::new();
     for i in 0..5 {
-        let req = test::TestRequest::post()
-            .uri("/pid")
-            .set_payload("{}")
-            .to_request();
-        let (status, body) = body_text(test::call_service(&app, req).await).await;
+        let (status, body) = body_text(test::call_service(&app, pid_request()).await).await;
         assert_eq!(status, 200, "{body}");
         pids.push(body);
         let req = test::TestRequest::post()
