@@ -7,13 +7,16 @@ use std::time::Duration;
 use bytes::Bytes;
 use idempotency_actix::store::conformance;
 use idempotency_actix::store::redis::redis;
-use idempotency_actix::store::redis::{parse_record_key, record_key, EvictionCheck, RedisStore};
+use idempotency_actix::store::redis::redis::aio::MultiplexedConnection;
+use idempotency_actix::store::redis::{
+    parse_record_key, record_key, EvictionCheck, RedisStore, RedisStoreBuilder,
+};
 use idempotency_actix::store::{
     IdempotencyStore, ReservationToken, ReserveOutcome, Scope, StoreError, StoredResponse,
     WriteOutcome,
 };
 use idempotency_actix::Fingerprint;
-use idempotency_e2e::redis_server::{command_calls, RedisServer};
+use idempotency_e2e::redis_server::{command_calls, connection, RedisServer};
 
 const FP_A: Fingerprint = Fingerprint([0xAA; 32]);
 const FP_B: Fingerprint = Fingerprint([0xBB; 32]);
@@ -31,6 +34,7 @@ pub(super) fn scope(tenant: &str, key: &str) -> Scope {
     }
 }
 
+/// A 201 with `body` and a header value that is not text.
 fn response(body: &'static [u8]) -> StoredResponse {
     StoredResponse {
         status: 201,
@@ -39,6 +43,7 @@ fn response(body: &'static [u8]) -> StoredResponse {
     }
 }
 
+/// A store with the defaults on `redis`.
 async fn store(redis: &RedisServer) -> RedisStore {
     match RedisStore::connect(&redis.url()).await {
         Ok(store) => store,
@@ -46,12 +51,157 @@ async fn store(redis: &RedisServer) -> RedisStore {
     }
 }
 
-async fn redis_conn(redis: &RedisServer) -> redis::aio::MultiplexedConnection {
-    let client = redis::Client::open(redis.url()).expect("test URL parses");
-    client
-        .get_multiplexed_async_connection()
+/// A fresh server, a store with the defaults on it and a connection of the test's own to it.
+async fn server_store_conn() -> (RedisServer, RedisStore, MultiplexedConnection) {
+    let redis = RedisServer::start();
+    let store = store(&redis).await;
+    let conn = connection(&redis.url()).await;
+    (redis, store, conn)
+}
+
+/// The store `builder` makes on `redis`.
+async fn connect(builder: RedisStoreBuilder, redis: &RedisServer) -> RedisStore {
+    builder.connect(&redis.url()).await.expect("connect")
+}
+
+/// A store on `redis` that refuses an evicting `maxmemory-policy`.
+async fn connect_refusing(redis: &RedisServer) -> Result<RedisStore, StoreError> {
+    RedisStore::builder()
+        .eviction_check(EvictionCheck::Refuse)
+        .connect(&redis.url())
         .await
-        .expect("test redis-server accepts connections")
+}
+
+/// Run the command `args` (its name first) on `conn`; an error panics with the command.
+async fn cmd<T: redis::FromRedisValue>(conn: &mut MultiplexedConnection, args: &[&str]) -> T {
+    let mut command = redis::cmd(args[0]);
+    for arg in &args[1..] {
+        command.arg(*arg);
+    }
+    command
+        .query_async(conn)
+        .await
+        .unwrap_or_else(|e| panic!("{}: {e}", args.join(" ")))
+}
+
+/// `CONFIG SET name value`.
+async fn config_set(conn: &mut MultiplexedConnection, name: &str, value: &str) {
+    cmd::<()>(conn, &["CONFIG", "SET", name, value]).await;
+}
+
+/// Zero Redis's command counts (`CONFIG RESETSTAT`).
+async fn reset_stats(conn: &mut MultiplexedConnection) {
+    cmd::<()>(conn, &["CONFIG", "RESETSTAT"]).await;
+}
+
+/// The key's remaining life in milliseconds.
+async fn pttl(conn: &mut MultiplexedConnection, key: &str) -> i64 {
+    cmd(conn, &["PTTL", key]).await
+}
+
+/// The record's bytes.
+async fn raw_record(conn: &mut MultiplexedConnection, key: &str) -> Vec<u8> {
+    cmd(conn, &["GET", key]).await
+}
+
+/// Whether `key` exists.
+async fn key_exists(conn: &mut MultiplexedConnection, key: &str) -> bool {
+    cmd::<i64>(conn, &["EXISTS", key]).await == 1
+}
+
+/// Reserve `scope` with `fp` for `lease`, which must be a fresh reservation: its token.
+async fn reserved<S: IdempotencyStore>(
+    store: &S,
+    scope: &Scope,
+    fp: &Fingerprint,
+    lease: Duration,
+) -> ReservationToken {
+    match store.reserve(scope, fp, lease).await {
+        Ok(ReserveOutcome::Reserved { token }) => token,
+        other => panic!("expected Reserved for {scope:?}, got {other:?}"),
+    }
+}
+
+/// Reserve `s` with `fp`: in flight (else panic with `what`), its fingerprint and lease left.
+async fn in_flight(
+    store: &RedisStore,
+    s: &Scope,
+    fp: &Fingerprint,
+    what: &str,
+) -> (Fingerprint, Duration) {
+    match store.reserve(s, fp, LEASE).await {
+        Ok(ReserveOutcome::InFlight {
+            fingerprint,
+            lease_remaining,
+        }) => (fingerprint, lease_remaining),
+        other => panic!("{what}, got {other:?}"),
+    }
+}
+
+/// Reserve `s` with `fp`: a replay (else panic with `what`), its fingerprint, response, TTL.
+async fn replayed(
+    store: &RedisStore,
+    s: &Scope,
+    fp: &Fingerprint,
+    what: &str,
+) -> (Fingerprint, StoredResponse, Option<Duration>) {
+    match store.reserve(s, fp, LEASE).await {
+        Ok(ReserveOutcome::Completed {
+            fingerprint,
+            response,
+            expires_in,
+        }) => (fingerprint, response, expires_in),
+        other => panic!("{what}, got {other:?}"),
+    }
+}
+
+/// Assert `left` is at most `full` and less than `slack` short of it.
+fn assert_left(left: Duration, full: Duration, slack: Duration, what: &str) {
+    assert!(left <= full && left > full - slack, "{what}: {left:?}");
+}
+
+/// Assert another body (`FP_B`) finds `s` an ended reservation of `FP_A` (no lease left).
+async fn assert_ended_reservation(store: &RedisStore, s: &Scope) {
+    let (fingerprint, lease_remaining) = in_flight(
+        store,
+        s,
+        &FP_B,
+        "another body must see the ended reservation",
+    )
+    .await;
+    assert_eq!(fingerprint, FP_A, "{s:?}");
+    assert_eq!(lease_remaining, Duration::ZERO, "{s:?}");
+}
+
+/// Complete `s` with `token`, storing `body` for `ttl`: it must apply.
+async fn complete_applied(
+    store: &impl IdempotencyStore,
+    s: &Scope,
+    token: &ReservationToken,
+    body: &StoredResponse,
+    ttl: Duration,
+) {
+    assert_eq!(
+        store.complete(s, token, body, ttl).await.ok(),
+        Some(WriteOutcome::Applied),
+        "complete {s:?}"
+    );
+}
+
+/// Renew `s`'s lease to `lease` with `token`: it must apply.
+async fn renew_applied(store: &RedisStore, s: &Scope, token: &ReservationToken, lease: Duration) {
+    assert_eq!(
+        store.renew_lease(s, token, lease).await.ok(),
+        Some(WriteOutcome::Applied),
+        "renew {s:?} to {lease:?}"
+    );
+}
+
+/// Assert the commands since `reset_stats` were one `SET` and one `TIME`, and no script.
+async fn assert_native_only(conn: &mut MultiplexedConnection, what: &str) {
+    assert_eq!(command_calls(conn, "set").await, 1, "{what}");
+    assert_eq!(command_calls(conn, "time").await, 1, "{what}");
+    assert_eq!(command_calls(conn, "evalsha").await, 0, "{what}: no script");
 }
 
 /// C26: the whole store conformance suite, on a store with the default 24 h grace.
@@ -62,59 +212,35 @@ async fn redis_store_conforms() {
     conformance::run_all(&store).await;
 }
 
-async fn reset_stats(conn: &mut redis::aio::MultiplexedConnection) {
-    let _: () = redis::cmd("CONFIG")
-        .arg("RESETSTAT")
-        .query_async(conn)
-        .await
-        .expect("RESETSTAT");
-}
-
 /// C26 without a script where none is needed: a miss reserves with one native `SET NX GET`
 /// (and `TIME`, pipelined), a replay is the same two native commands, byte-exact and with the
 /// record's remaining TTL; only a live reservation (a concurrent duplicate) goes on to the
 /// reserve script.
 #[tokio::test]
 async fn misses_and_replays_use_native_commands_only() {
-    let redis = RedisServer::start();
-    let store = store(&redis).await;
-    let mut conn = redis_conn(&redis).await;
+    let (_redis, store, mut conn) = server_store_conn().await;
     let s = scope("t", "native");
     let stored = response(b"\x00body\xff");
 
     reset_stats(&mut conn).await;
     let token = reserved(&store, &s, &FP_A, LEASE).await;
-    assert_eq!(command_calls(&mut conn, "set").await, 1);
-    assert_eq!(command_calls(&mut conn, "time").await, 1);
-    assert_eq!(command_calls(&mut conn, "evalsha").await, 0, "no script");
+    assert_native_only(&mut conn, "the miss").await;
     store
         .complete(&s, &token, &stored, TTL)
         .await
         .expect("complete");
 
     reset_stats(&mut conn).await;
-    match store.reserve(&s, &FP_B, LEASE).await {
-        Ok(ReserveOutcome::Completed {
-            fingerprint,
-            response,
-            expires_in,
-        }) => {
-            assert_eq!(
-                fingerprint, FP_A,
-                "the stored fingerprint, not the caller's"
-            );
-            assert_eq!(response, stored);
-            let left = expires_in.expect("remaining TTL");
-            assert!(
-                left <= TTL && left > TTL - Duration::from_secs(60),
-                "{left:?}"
-            );
-        }
-        other => panic!("expected the replay, got {other:?}"),
-    }
-    assert_eq!(command_calls(&mut conn, "set").await, 1);
-    assert_eq!(command_calls(&mut conn, "time").await, 1);
-    assert_eq!(command_calls(&mut conn, "evalsha").await, 0, "no script");
+    let (fingerprint, replay, expires_in) =
+        replayed(&store, &s, &FP_B, "expected the replay").await;
+    assert_eq!(
+        fingerprint, FP_A,
+        "the stored fingerprint, not the caller's"
+    );
+    assert_eq!(replay, stored);
+    let left = expires_in.expect("remaining TTL");
+    assert_left(left, TTL, Duration::from_secs(60), "the replay's TTL");
+    assert_native_only(&mut conn, "the replay").await;
 
     // A live reservation: the script decides (it may not be taken over).
     let busy = scope("t", "busy");
@@ -134,43 +260,26 @@ async fn misses_and_replays_use_native_commands_only() {
 #[tokio::test]
 async fn expiry_replaces_purge() {
     let redis = RedisServer::start();
-    let store = RedisStore::builder()
-        .in_flight_grace(Duration::from_millis(200))
-        .connect(&redis.url())
-        .await
-        .expect("connect");
+    let builder = RedisStore::builder().in_flight_grace(Duration::from_millis(200));
+    let store = connect(builder, &redis).await;
     let short = Duration::from_millis(200);
     let done = scope("t", "done");
     let dead = scope("t", "dead");
     let live = scope("t", "live");
     let token = reserved(&store, &done, &FP_A, LEASE).await;
-    assert_eq!(
-        store
-            .complete(&done, &token, &response(b"d"), short)
-            .await
-            .ok(),
-        Some(WriteOutcome::Applied)
-    );
+    complete_applied(&store, &done, &token, &response(b"d"), short).await;
     reserved(&store, &dead, &FP_A, short).await;
     reserved(&store, &live, &FP_A, LEASE).await;
-    let mut conn = redis_conn(&redis).await;
-    let pttl: i64 = redis::cmd("PTTL")
-        .arg(store.key_of(&dead))
-        .query_async(&mut conn)
-        .await
-        .expect("PTTL");
+    let mut conn = connection(&redis.url()).await;
+    let left = pttl(&mut conn, &store.key_of(&dead)).await;
     assert!(
-        pttl > 200 && pttl <= 400,
-        "a reservation lives lease + grace (400 ms), PTTL {pttl}"
+        left > 200 && left <= 400,
+        "a reservation lives lease + grace (400 ms), PTTL {left}"
     );
     tokio::time::sleep(Duration::from_millis(700)).await;
     assert_eq!(store.purge_expired(Duration::ZERO).await.ok(), Some(0));
     for gone in [&done, &dead] {
-        let exists: i64 = redis::cmd("EXISTS")
-            .arg(store.key_of(gone))
-            .query_async(&mut conn)
-            .await
-            .expect("EXISTS");
+        let exists: i64 = cmd(&mut conn, &["EXISTS", &store.key_of(gone)]).await;
         assert_eq!(exists, 0, "{gone:?} should have expired in Redis");
     }
     reserved(&store, &dead, &FP_B, LEASE).await;
@@ -189,54 +298,18 @@ async fn ended_reservation_refuses_other_body_and_accepts_late_complete() {
     let s = scope("t", "late");
     let token = reserved(&store, &s, &FP_A, Duration::from_millis(100)).await;
     tokio::time::sleep(Duration::from_millis(250)).await;
-    match store.reserve(&s, &FP_B, LEASE).await {
-        Ok(ReserveOutcome::InFlight {
-            fingerprint,
-            lease_remaining,
-        }) => {
-            assert_eq!(fingerprint, FP_A);
-            assert_eq!(lease_remaining, Duration::ZERO);
-        }
-        other => panic!("another body must see the ended reservation, got {other:?}"),
-    }
+    assert_ended_reservation(&store, &s).await;
     let late = response(b"late but mine");
-    assert_eq!(
-        store.complete(&s, &token, &late, TTL).await.ok(),
-        Some(WriteOutcome::Applied)
+    complete_applied(&store, &s, &token, &late, TTL).await;
+    let (_, replay, expires_in) = replayed(&store, &s, &FP_A, "expected the late completion").await;
+    assert_eq!(replay, late);
+    let left = expires_in.expect("Redis reports the time left");
+    assert_left(
+        left,
+        TTL,
+        Duration::from_secs(5),
+        "the late completion's TTL",
     );
-    match store.reserve(&s, &FP_A, LEASE).await {
-        Ok(ReserveOutcome::Completed {
-            response,
-            expires_in,
-            ..
-        }) => {
-            assert_eq!(response, late);
-            let left = expires_in.expect("Redis reports the time left");
-            assert!(
-                left > TTL - Duration::from_secs(5) && left <= TTL,
-                "{left:?}"
-            );
-        }
-        other => panic!("expected the late completion, got {other:?}"),
-    }
-}
-
-/// The key's remaining life in milliseconds.
-async fn pttl(conn: &mut redis::aio::MultiplexedConnection, key: &str) -> i64 {
-    redis::cmd("PTTL")
-        .arg(key)
-        .query_async(conn)
-        .await
-        .expect("PTTL")
-}
-
-/// The record's bytes.
-async fn raw_record(conn: &mut redis::aio::MultiplexedConnection, key: &str) -> Vec<u8> {
-    redis::cmd("GET")
-        .arg(key)
-        .query_async(conn)
-        .await
-        .expect("GET")
 }
 
 /// C9 on Redis: a renewal moves the key's expiry and nothing else. The key lives the new lease
@@ -248,12 +321,8 @@ async fn raw_record(conn: &mut redis::aio::MultiplexedConnection, key: &str) -> 
 async fn a_renewal_moves_the_keys_expiry_and_nothing_else() {
     let redis = RedisServer::start();
     let grace = Duration::from_secs(3600);
-    let store = RedisStore::builder()
-        .in_flight_grace(grace)
-        .connect(&redis.url())
-        .await
-        .expect("connect");
-    let mut conn = redis_conn(&redis).await;
+    let store = connect(RedisStore::builder().in_flight_grace(grace), &redis).await;
+    let mut conn = connection(&redis.url()).await;
     let s = scope("t", "renewed");
     let key = store.key_of(&s);
     let ms = |d: Duration| i64::try_from(d.as_millis()).unwrap_or(i64::MAX);
@@ -261,25 +330,16 @@ async fn a_renewal_moves_the_keys_expiry_and_nothing_else() {
     let before = raw_record(&mut conn, &key).await;
     assert!(pttl(&mut conn, &key).await <= ms(Duration::from_secs(1) + grace));
 
-    assert_eq!(
-        store.renew_lease(&s, &token, LEASE).await.ok(),
-        Some(WriteOutcome::Applied)
-    );
+    renew_applied(&store, &s, &token, LEASE).await;
     let life = pttl(&mut conn, &key).await;
     assert!(
         life <= ms(LEASE + grace) && life > ms(LEASE + grace - Duration::from_secs(5)),
         "the key lives lease + grace from now: {life} ms"
     );
     assert_eq!(raw_record(&mut conn, &key).await, before, "bytes untouched");
-    match store.reserve(&s, &FP_A, LEASE).await {
-        Ok(ReserveOutcome::InFlight {
-            lease_remaining, ..
-        }) => assert!(
-            lease_remaining <= LEASE && lease_remaining > LEASE - Duration::from_secs(5),
-            "{lease_remaining:?}"
-        ),
-        other => panic!("expected the renewed reservation, got {other:?}"),
-    }
+    let renewed = "expected the renewed reservation";
+    let (_, lease_remaining) = in_flight(&store, &s, &FP_A, renewed).await;
+    assert_left(lease_remaining, LEASE, Duration::from_secs(5), "the lease");
 
     // A foreign token: stale, and the expiry is not moved (a longer lease would show).
     assert_eq!(
@@ -293,29 +353,14 @@ async fn a_renewal_moves_the_keys_expiry_and_nothing_else() {
 
     // "For ever": about 100 years, like a reserve with `Duration::MAX`.
     let century = Duration::from_secs(100 * 365 * 24 * 3600);
-    assert_eq!(
-        store.renew_lease(&s, &token, Duration::MAX).await.ok(),
-        Some(WriteOutcome::Applied)
-    );
+    renew_applied(&store, &s, &token, Duration::MAX).await;
     assert!(pttl(&mut conn, &key).await > ms(century));
-    match store.reserve(&s, &FP_A, LEASE).await {
-        Ok(ReserveOutcome::InFlight {
-            lease_remaining, ..
-        }) => assert!(
-            lease_remaining <= century && lease_remaining > century - Duration::from_secs(60),
-            "{lease_remaining:?}"
-        ),
-        other => panic!("expected the renewed reservation, got {other:?}"),
-    }
+    let (_, lease_remaining) = in_flight(&store, &s, &FP_A, renewed).await;
+    let slack = Duration::from_secs(60);
+    assert_left(lease_remaining, century, slack, "the century lease");
     assert_eq!(raw_record(&mut conn, &key).await, before, "bytes untouched");
     // And it still completes.
-    assert_eq!(
-        store
-            .complete(&s, &token, &response(b"at last"), TTL)
-            .await
-            .ok(),
-        Some(WriteOutcome::Applied)
-    );
+    complete_applied(&store, &s, &token, &response(b"at last"), TTL).await;
 }
 
 /// A second `complete` by the token that completed the record answers `Applied` and changes
@@ -335,21 +380,13 @@ async fn a_repeated_complete_by_its_token_is_applied_and_changes_nothing() {
             "attempt {attempt}"
         );
     }
-    match store.reserve(&s, &FP_A, LEASE).await {
-        Ok(ReserveOutcome::Completed { response, .. }) => assert_eq!(response, first),
-        other => panic!("expected the first response, got {other:?}"),
-    }
+    let (_, replay, _) = replayed(&store, &s, &FP_A, "expected the first response").await;
+    assert_eq!(replay, first);
     // A takeover (here: the completed record expired and a new request reserved) fences the
     // old token out again.
     let short = scope("t", "again-expired");
     let old = reserved(&store, &short, &FP_A, LEASE).await;
-    assert_eq!(
-        store
-            .complete(&short, &old, &first, Duration::from_millis(50))
-            .await
-            .ok(),
-        Some(WriteOutcome::Applied)
-    );
+    complete_applied(&store, &short, &old, &first, Duration::from_millis(50)).await;
     tokio::time::sleep(Duration::from_millis(150)).await;
     let _new = reserved(&store, &short, &FP_A, LEASE).await;
     assert_eq!(
@@ -445,16 +482,13 @@ async fn stores_under_nested_prefixes_keep_to_their_own_records() {
     // Each store finds its own ended reservations, never the other's.
     for (store, mine, name) in [(&outer, FP_A, "idem:"), (&inner, FP_B, "idem:x:")] {
         for one in [&s, &x] {
-            match store.reserve(one, &FP_Z, LEASE).await {
-                Ok(ReserveOutcome::InFlight { fingerprint, .. }) => {
-                    assert_eq!(fingerprint, mine, "{name} {one:?}")
-                }
-                other => panic!("{name} {one:?}: expected its own reservation, got {other:?}"),
-            }
+            let what = format!("{name} {one:?}: expected its own reservation");
+            let (fingerprint, _) = in_flight(store, one, &FP_Z, &what).await;
+            assert_eq!(fingerprint, mine, "{name} {one:?}");
         }
     }
 
-    let mut conn = redis_conn(&redis).await;
+    let mut conn = connection(&redis.url()).await;
     assert_eq!(
         outer.purge_expired(Duration::ZERO).await.ok(),
         Some(2),
@@ -483,9 +517,7 @@ async fn stores_under_nested_prefixes_keep_to_their_own_records() {
 /// transparently (NOSCRIPT).
 #[tokio::test]
 async fn each_operation_is_one_command_and_noscript_reloads() {
-    let redis = RedisServer::start();
-    let store = store(&redis).await;
-    let mut conn = redis_conn(&redis).await;
+    let (_redis, store, mut conn) = server_store_conn().await;
     // Warm up: load the four scripts.
     let warm = scope("warm", "k");
     let t = reserved(&store, &warm, &FP_A, LEASE).await;
@@ -505,14 +537,8 @@ async fn each_operation_is_one_command_and_noscript_reloads() {
         Some(WriteOutcome::Applied)
     );
     let token = reserved(&store, &s, &FP_A, LEASE).await;
-    assert_eq!(
-        store.renew_lease(&s, &token, LEASE).await.ok(),
-        Some(WriteOutcome::Applied)
-    );
-    assert_eq!(
-        store.complete(&s, &token, &response(b"c"), TTL).await.ok(),
-        Some(WriteOutcome::Applied)
-    );
+    renew_applied(&store, &s, &token, LEASE).await;
+    complete_applied(&store, &s, &token, &response(b"c"), TTL).await;
     assert!(matches!(
         store.reserve(&s, &FP_A, LEASE).await,
         Ok(ReserveOutcome::Completed { .. })
@@ -537,25 +563,12 @@ async fn each_operation_is_one_command_and_noscript_reloads() {
         );
     }
 
-    let _: () = redis::cmd("SCRIPT")
-        .arg("FLUSH")
-        .query_async(&mut conn)
-        .await
-        .expect("SCRIPT FLUSH");
+    cmd::<()>(&mut conn, &["SCRIPT", "FLUSH"]).await;
     // The renew and complete scripts are reloaded on NOSCRIPT.
     let after = scope("t", "after-flush");
     let token = reserved(&store, &after, &FP_A, LEASE).await;
-    assert_eq!(
-        store.renew_lease(&after, &token, LEASE).await.ok(),
-        Some(WriteOutcome::Applied)
-    );
-    assert_eq!(
-        store
-            .complete(&after, &token, &response(b"f"), TTL)
-            .await
-            .ok(),
-        Some(WriteOutcome::Applied)
-    );
+    renew_applied(&store, &after, &token, LEASE).await;
+    complete_applied(&store, &after, &token, &response(b"f"), TTL).await;
 }
 
 /// C15: Redis down is `StoreError::Unavailable` within the timeout, not a hang; the store
@@ -563,12 +576,10 @@ async fn each_operation_is_one_command_and_noscript_reloads() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_down_is_unavailable_and_the_store_recovers() {
     let mut redis = RedisServer::start();
-    let store = RedisStore::builder()
+    let builder = RedisStore::builder()
         .response_timeout(Duration::from_millis(500))
-        .connection_timeout(Duration::from_millis(500))
-        .connect(&redis.url())
-        .await
-        .expect("connect");
+        .connection_timeout(Duration::from_millis(500));
+    let store = connect(builder, &redis).await;
     reserved(&store, &scope("t", "before"), &FP_A, LEASE).await;
     redis.kill();
     let started = std::time::Instant::now();
@@ -598,11 +609,7 @@ async fn redis_down_is_unavailable_and_the_store_recovers() {
 #[tokio::test]
 async fn evicting_policy_is_detected() {
     let lru = RedisServer::start_with(&["--maxmemory-policy", "allkeys-lru"]);
-    let refused = RedisStore::builder()
-        .eviction_check(EvictionCheck::Refuse)
-        .connect(&lru.url())
-        .await;
-    match refused {
+    match connect_refusing(&lru).await {
         Err(StoreError::Backend(e)) => assert!(e.to_string().contains("noeviction"), "{e}"),
         other => panic!("expected a refusal, got {other:?}"),
     }
@@ -611,17 +618,12 @@ async fn evicting_policy_is_detected() {
         "Warn connects"
     );
     let volatile = RedisServer::start_with(&["--maxmemory-policy", "volatile-ttl"]);
-    assert!(RedisStore::builder()
-        .eviction_check(EvictionCheck::Refuse)
-        .connect(&volatile.url())
-        .await
-        .is_err());
+    assert!(
+        connect_refusing(&volatile).await.is_err(),
+        "volatile-ttl is refused"
+    );
     let safe = RedisServer::start();
-    assert!(RedisStore::builder()
-        .eviction_check(EvictionCheck::Refuse)
-        .connect(&safe.url())
-        .await
-        .is_ok());
+    assert!(connect_refusing(&safe).await.is_ok(), "noeviction connects");
 }
 
 /// C22 after start: `check()` (the readiness probe) asks for the policy again, so a policy
@@ -630,48 +632,28 @@ async fn evicting_policy_is_detected() {
 #[tokio::test]
 async fn a_policy_changed_after_connect_fails_the_readiness_check() {
     let server = RedisServer::start();
-    let refusing = RedisStore::builder()
-        .eviction_check(EvictionCheck::Refuse)
-        .connect(&server.url())
+    let refusing = connect_refusing(&server)
         .await
         .expect("noeviction connects");
     let warning = RedisStore::connect(&server.url()).await.expect("connects");
     assert!(refusing.check().await.is_ok());
-    let mut admin = idempotency_e2e::redis_server::connection(&server.url()).await;
-    let _: () = redis::cmd("CONFIG")
-        .arg("SET")
-        .arg("maxmemory-policy")
-        .arg("allkeys-lru")
-        .query_async(&mut admin)
-        .await
-        .expect("CONFIG SET");
+    let mut admin = connection(&server.url()).await;
+    config_set(&mut admin, "maxmemory-policy", "allkeys-lru").await;
     match refusing.check().await {
         Err(StoreError::Backend(e)) => assert!(e.to_string().contains("allkeys-lru"), "{e}"),
         other => panic!("expected the readiness check to fail, got {other:?}"),
     }
     assert!(warning.check().await.is_ok(), "Warn only warns");
-    let _: () = redis::cmd("CONFIG")
-        .arg("SET")
-        .arg("maxmemory-policy")
-        .arg("noeviction")
-        .query_async(&mut admin)
-        .await
-        .expect("CONFIG SET");
+    config_set(&mut admin, "maxmemory-policy", "noeviction").await;
     assert!(refusing.check().await.is_ok(), "ready again once fixed");
 }
 
 /// Fill Redis (`noeviction`, `maxmemory 1`): from now on it refuses every command that may
 /// grow memory with `OOM`, as a Redis that ran out of memory does. Checked with a plain `SET`,
 /// so a test that relies on it proves something.
-async fn fill_redis(conn: &mut redis::aio::MultiplexedConnection) {
+async fn fill_redis(conn: &mut MultiplexedConnection) {
     for (name, value) in [("maxmemory-policy", "noeviction"), ("maxmemory", "1")] {
-        let _: () = redis::cmd("CONFIG")
-            .arg("SET")
-            .arg(name)
-            .arg(value)
-            .query_async(conn)
-            .await
-            .expect("CONFIG SET");
+        config_set(conn, name, value).await;
     }
     let refused = redis::cmd("SET")
         .arg("probe")
@@ -684,16 +666,6 @@ async fn fill_redis(conn: &mut redis::aio::MultiplexedConnection) {
     );
 }
 
-/// Whether `key` exists.
-async fn key_exists(conn: &mut redis::aio::MultiplexedConnection, key: &str) -> bool {
-    let n: i64 = redis::cmd("EXISTS")
-        .arg(key)
-        .query_async(conn)
-        .await
-        .expect("EXISTS");
-    n == 1
-}
-
 /// C22 with `noeviction`: a full Redis fails closed for new keys only, as the memory store
 /// does (`full_store_refuses_new_keys_by_default`). A key it already holds still answers: a
 /// completed record replays (or, with another body, carries its fingerprint for the 422) and a
@@ -703,16 +675,11 @@ async fn key_exists(conn: &mut redis::aio::MultiplexedConnection, key: &str) -> 
 /// `Unavailable`, so a client retrying a completed payment got 503 until memory was freed).
 #[tokio::test]
 async fn a_full_redis_refuses_new_keys_and_still_answers_existing_ones() {
-    let redis = RedisServer::start();
-    let store = store(&redis).await;
-    let mut conn = redis_conn(&redis).await;
+    let (_redis, store, mut conn) = server_store_conn().await;
     let (done, busy, ended) = (scope("t", "done"), scope("t", "busy"), scope("t", "ended"));
     let stored = response(b"paid once");
     let token = reserved(&store, &done, &FP_A, LEASE).await;
-    assert_eq!(
-        store.complete(&done, &token, &stored, TTL).await.ok(),
-        Some(WriteOutcome::Applied)
-    );
+    complete_applied(&store, &done, &token, &stored, TTL).await;
     let busy_token = reserved(&store, &busy, &FP_A, LEASE).await;
     reserved(&store, &ended, &FP_A, Duration::from_millis(100)).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -720,48 +687,23 @@ async fn a_full_redis_refuses_new_keys_and_still_answers_existing_ones() {
     fill_redis(&mut conn).await;
 
     for (fp, what) in [(FP_A, "the same body"), (FP_B, "another body")] {
-        match store.reserve(&done, &fp, LEASE).await {
-            Ok(ReserveOutcome::Completed {
-                fingerprint,
-                response,
-                expires_in,
-            }) => {
-                assert_eq!(fingerprint, FP_A, "{what}: the stored fingerprint");
-                assert_eq!(response, stored, "{what}");
-                let left = expires_in.expect("Redis reports the time left");
-                assert!(
-                    left <= TTL && left > TTL - Duration::from_secs(60),
-                    "{what}: {left:?}"
-                );
-            }
-            other => panic!("{what}: a full Redis must still replay, got {other:?}"),
-        }
-        match store.reserve(&busy, &fp, LEASE).await {
-            Ok(ReserveOutcome::InFlight {
-                fingerprint,
-                lease_remaining,
-            }) => {
-                assert_eq!(fingerprint, FP_A, "{what}");
-                assert!(
-                    lease_remaining > Duration::ZERO,
-                    "{what}: the lease is live"
-                );
-            }
-            other => panic!("{what}: a full Redis must still see the reservation, got {other:?}"),
-        }
+        let must = format!("{what}: a full Redis must still replay");
+        let (fingerprint, replay, expires_in) = replayed(&store, &done, &fp, &must).await;
+        assert_eq!(fingerprint, FP_A, "{what}: the stored fingerprint");
+        assert_eq!(replay, stored, "{what}");
+        let left = expires_in.expect("Redis reports the time left");
+        assert_left(left, TTL, Duration::from_secs(60), what);
+        let must = format!("{what}: a full Redis must still see the reservation");
+        let (fingerprint, lease_remaining) = in_flight(&store, &busy, &fp, &must).await;
+        assert_eq!(fingerprint, FP_A, "{what}");
+        assert!(
+            lease_remaining > Duration::ZERO,
+            "{what}: the lease is live"
+        );
     }
     // An ended reservation refuses another body without a write; its own body would take it
     // over, which is a write: refused, and the reservation stays as it was.
-    match store.reserve(&ended, &FP_B, LEASE).await {
-        Ok(ReserveOutcome::InFlight {
-            fingerprint,
-            lease_remaining,
-        }) => {
-            assert_eq!(fingerprint, FP_A);
-            assert_eq!(lease_remaining, Duration::ZERO);
-        }
-        other => panic!("another body must see the ended reservation, got {other:?}"),
-    }
+    assert_ended_reservation(&store, &ended).await;
     let takeover = store.reserve(&ended, &FP_A, LEASE).await;
     assert!(
         matches!(takeover, Err(StoreError::Unavailable(_))),
@@ -796,13 +738,7 @@ async fn a_full_redis_refuses_new_keys_and_still_answers_existing_ones() {
     ));
 
     // Memory freed: the new key reserves.
-    let _: () = redis::cmd("CONFIG")
-        .arg("SET")
-        .arg("maxmemory")
-        .arg("0")
-        .query_async(&mut conn)
-        .await
-        .expect("CONFIG SET");
+    config_set(&mut conn, "maxmemory", "0").await;
     reserved(&store, &fresh, &FP_A, LEASE).await;
 }
 
@@ -810,31 +746,16 @@ async fn a_full_redis_refuses_new_keys_and_still_answers_existing_ones() {
 #[tokio::test]
 async fn from_connection_uses_the_apps_connection() {
     let redis = RedisServer::start();
-    let conn = redis_conn(&redis).await;
+    let conn = connection(&redis.url()).await;
     let store = RedisStore::from_connection(conn);
     let s = scope("t", "own-conn");
     let token = reserved(&store, &s, &FP_A, LEASE).await;
-    assert_eq!(
-        store.complete(&s, &token, &response(b"x"), TTL).await.ok(),
-        Some(WriteOutcome::Applied)
-    );
+    complete_applied(&store, &s, &token, &response(b"x"), TTL).await;
     let stranger = ReservationToken::random();
     assert_eq!(
         store.release(&s, &stranger).await.ok(),
         Some(WriteOutcome::Stale)
     );
-}
-
-async fn reserved<S: IdempotencyStore>(
-    store: &S,
-    scope: &Scope,
-    fp: &Fingerprint,
-    lease: Duration,
-) -> ReservationToken {
-    match store.reserve(scope, fp, lease).await {
-        Ok(ReserveOutcome::Reserved { token }) => token,
-        other => panic!("expected Reserved for {scope:?}, got {other:?}"),
-    }
 }
 
 /// A user that may not run `INFO` (an ACL such as managed Redis services hand out) still
@@ -864,23 +785,10 @@ async fn connect_works_for_a_user_without_info() {
 /// miss.
 #[tokio::test]
 async fn a_key_that_is_not_a_record_is_an_error_and_left_alone() {
-    let redis = RedisServer::start();
-    let store = store(&redis).await;
-    let mut conn = redis_conn(&redis).await;
+    let (_redis, store, mut conn) = server_store_conn().await;
     let (hash, text) = (scope("t", "hash"), scope("t", "text"));
-    let _: () = redis::cmd("HSET")
-        .arg(store.key_of(&hash))
-        .arg("st")
-        .arg("c")
-        .query_async(&mut conn)
-        .await
-        .expect("HSET");
-    let _: () = redis::cmd("SET")
-        .arg(store.key_of(&text))
-        .arg("not a record")
-        .query_async(&mut conn)
-        .await
-        .expect("SET");
+    cmd::<()>(&mut conn, &["HSET", &store.key_of(&hash), "st", "c"]).await;
+    cmd::<()>(&mut conn, &["SET", &store.key_of(&text), "not a record"]).await;
     for s in [&hash, &text] {
         let result = store.reserve(s, &FP_A, LEASE).await;
         assert!(
@@ -888,27 +796,15 @@ async fn a_key_that_is_not_a_record_is_an_error_and_left_alone() {
             "{s:?}: {result:?}"
         );
     }
-    let kind: String = redis::cmd("TYPE")
-        .arg(store.key_of(&hash))
-        .query_async(&mut conn)
-        .await
-        .expect("TYPE");
+    let kind: String = cmd(&mut conn, &["TYPE", &store.key_of(&hash)]).await;
     assert_eq!(kind, "hash");
-    let value: String = redis::cmd("GET")
-        .arg(store.key_of(&text))
-        .query_async(&mut conn)
-        .await
-        .expect("GET");
+    let value: String = cmd(&mut conn, &["GET", &store.key_of(&text)]).await;
     assert_eq!(value, "not a record");
 }
 
 /// Redis's count of connected clients.
 async fn connected_clients(redis: &RedisServer) -> usize {
-    let info: String = redis::cmd("INFO")
-        .arg("clients")
-        .query_async(&mut redis_conn(redis).await)
-        .await
-        .expect("INFO clients");
+    let info: String = cmd(&mut connection(&redis.url()).await, &["INFO", "clients"]).await;
     info.lines()
         .find_map(|l| l.trim().strip_prefix("connected_clients:"))
         .and_then(|n| n.parse::<usize>().ok())
@@ -933,6 +829,24 @@ async fn reserve_until_clients(store: &RedisStore, redis: &RedisServer, clients:
     );
 }
 
+/// A one-worker runtime whose idle blocking threads exit after `keep_alive` (default if `None`).
+fn home_runtime(keep_alive: Option<Duration>) -> tokio::runtime::Runtime {
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    builder.worker_threads(1);
+    if let Some(keep_alive) = keep_alive {
+        builder.thread_keep_alive(keep_alive);
+    }
+    builder.enable_all().build().expect("runtime")
+}
+
+/// A current-thread runtime.
+fn current_thread_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
 /// `connect`'s store gives each calling thread a connection of its own, made on that thread's
 /// runtime (so an actix worker's commands do not cross to the thread that made the store).
 /// A thread whose runtime shut down and that runs another gets a new connection: no call
@@ -941,25 +855,15 @@ async fn reserve_until_clients(store: &RedisStore, redis: &RedisServer, clients:
 #[test]
 fn each_thread_gets_a_connection_of_its_own_and_a_new_one_with_a_new_runtime() {
     let redis = RedisServer::start();
-    let home = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .expect("runtime");
+    let home = home_runtime(None);
     let store = home.block_on(store(&redis));
     // The shared connection only.
     assert_eq!(home.block_on(connected_clients(&redis)), 1);
     let worker = std::thread::spawn(move || {
-        let first = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("runtime");
+        let first = current_thread_runtime();
         first.block_on(reserve_until_clients(&store, &redis, 2, "first"));
         drop(first);
-        let second = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("runtime");
+        let second = current_thread_runtime();
         // Every call succeeds from the first on; the thread gets a connection again (the
         // first runtime's closed with it).
         second.block_on(reserve_until_clients(&store, &redis, 2, "second"));
@@ -975,11 +879,7 @@ fn each_thread_gets_a_connection_of_its_own_and_a_new_one_with_a_new_runtime() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connection_per_thread_off_keeps_one_connection() {
     let redis = RedisServer::start();
-    let store = RedisStore::builder()
-        .connection_per_thread(false)
-        .connect(&redis.url())
-        .await
-        .expect("connect");
+    let store = connect(RedisStore::builder().connection_per_thread(false), &redis).await;
     let calls = (0..50).map(|i| {
         let store = store.clone();
         tokio::spawn(
@@ -999,12 +899,7 @@ async fn connection_per_thread_off_keeps_one_connection() {
 #[test]
 fn a_threads_connection_closes_when_the_thread_exits() {
     let redis = std::sync::Arc::new(RedisServer::start());
-    let home = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .thread_keep_alive(Duration::from_millis(100))
-        .enable_all()
-        .build()
-        .expect("runtime");
+    let home = home_runtime(Some(Duration::from_millis(100)));
     let store = home.block_on(store(&redis));
     let (s, r, h) = (store.clone(), redis.clone(), home.handle().clone());
     home.block_on(
@@ -1034,12 +929,10 @@ fn a_threads_connection_closes_when_the_thread_exits() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_timed_out_reserve_does_not_leave_the_key_held_by_nobody() {
     let redis = RedisServer::start();
-    let store = RedisStore::builder()
+    let builder = RedisStore::builder()
         .response_timeout(Duration::from_millis(300))
-        .connection_per_thread(false)
-        .connect(&redis.url())
-        .await
-        .expect("connect");
+        .connection_per_thread(false);
+    let store = connect(builder, &redis).await;
     let s = scope("t", "timed-out");
     // Redis frozen: the SET is sent and queued, its reply never comes in time.
     redis.signal("STOP");
@@ -1065,17 +958,11 @@ async fn a_timed_out_reserve_does_not_leave_the_key_held_by_nobody() {
 /// 2026-12-05). A key with no expiry says nothing about the lease: it is read as not ended.
 #[tokio::test]
 async fn a_reservation_without_expiry_is_not_taken_over() {
-    let redis = RedisServer::start();
-    let store = store(&redis).await;
-    let mut conn = redis_conn(&redis).await;
+    let (_redis, store, mut conn) = server_store_conn().await;
     let s = scope("t", "persisted");
     let holder = reserved(&store, &s, &FP_A, LEASE).await;
     let key = store.key_of(&s);
-    let persisted: i64 = redis::cmd("PERSIST")
-        .arg(&key)
-        .query_async(&mut conn)
-        .await
-        .expect("PERSIST");
+    let persisted: i64 = cmd(&mut conn, &["PERSIST", &key]).await;
     assert_eq!(persisted, 1);
     assert_eq!(pttl(&mut conn, &key).await, -1);
     // The holder's lease (60 s) has not ended by anyone's clock.
