@@ -14,6 +14,7 @@
 //! Everything else here passes: C21 (runs once under RST_STREAM / connection loss), storms of
 //! one key over multiplexed streams, and the header and framing edge cases.
 
+use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -21,7 +22,8 @@ use std::time::{Duration, Instant};
 
 use actix_web::{web, App, HttpRequest, HttpResponse, HttpServer};
 use bytes::Bytes;
-use h2::client::SendRequest;
+use h2::client::{ResponseFuture, SendRequest};
+use h2::SendStream;
 use http02 as http;
 use idempotency_actix::store::postgres::PostgresStore;
 use idempotency_actix::store::MemoryStore;
@@ -31,12 +33,50 @@ use idempotency_e2e::{block_on_fresh_thread, TestDb};
 
 const TIMEOUT: Duration = Duration::from_secs(15);
 
+/// Bind the `HttpServer` of app factory `$factory` for h2c (and HTTP/1.1) on a loopback port with
+/// one worker; gives the address and the running server.
+macro_rules! serve_h2c {
+    ($factory:expr) => {{
+        let server = HttpServer::new($factory)
+            .workers(1)
+            .disable_signals()
+            .bind_auto_h2c(("127.0.0.1", 0))
+            .expect("bind");
+        (server.addrs()[0], server.run())
+    }};
+}
+
 /// Which store and mode the server runs.
 #[derive(Clone, Debug)]
 enum Mode {
     Memory,
     Postgres(String),
     Transactional(String),
+}
+
+/// The `(database kept alive, Mode)` of a `Mode` variant's name; a fresh test database for the
+/// PostgreSQL modes.
+macro_rules! test_mode {
+    (Memory) => {
+        (None::<TestDb>, Mode::Memory)
+    };
+    ($pg:ident) => {{
+        let db = block_on_fresh_thread(TestDb::new()).expect("db");
+        let mode = Mode::$pg(db.url.clone());
+        (Some(db), mode)
+    }};
+}
+
+/// One `#[test]` a line, `name: runner(ModeVariant, more args);`: it calls `runner` with that
+/// mode (and its test database, kept until `runner` returns).
+macro_rules! mode_tests {
+    ($($name:ident: $run:ident($mode:ident $(, $arg:expr)*);)*) => {$(
+        #[test]
+        fn $name() {
+            let (_db, mode) = test_mode!($mode);
+            $run(mode $(, $arg)*);
+        }
+    )*};
 }
 
 /// What the keyed handler does.
@@ -57,6 +97,18 @@ struct Server {
 impl Server {
     fn runs(&self) -> u64 {
         self.executions.load(Ordering::SeqCst)
+    }
+
+    /// Run `client` (given the address and the run counter) on a new runtime, then stop the
+    /// server; returns what `client` returned and the handler's runs.
+    fn session<T, F>(self, client: impl FnOnce(SocketAddr, Arc<AtomicU64>) -> F) -> (T, u64)
+    where
+        F: Future<Output = T>,
+    {
+        let out = rt().block_on(client(self.addr, Arc::clone(&self.executions)));
+        let runs = self.runs();
+        drop(self);
+        (out, runs)
     }
 }
 
@@ -95,7 +147,7 @@ fn start(mode: Mode, behaviour: Behaviour, lease: Duration, wait: Option<Duratio
         macro_rules! serve {
             ($store:expr, $tx:expr) => {{
                 let store = $store;
-                let server = HttpServer::new(move || {
+                serve_h2c!(move || {
                     let mut builder = Idempotency::builder(store.clone()).lock_timeout(lease);
                     if let Some(wait) = wait {
                         builder = builder.wait_for_in_flight(wait);
@@ -105,11 +157,6 @@ fn start(mode: Mode, behaviour: Behaviour, lease: Duration, wait: Option<Duratio
                         .wrap(builder.build())
                         .route("/pay", web::post().to(handler.clone()))
                 })
-                .workers(1)
-                .disable_signals()
-                .bind_auto_h2c(("127.0.0.1", 0))
-                .expect("bind");
-                (server.addrs()[0], server.run())
             }};
         }
         match mode {
@@ -129,6 +176,21 @@ fn start(mode: Mode, behaviour: Behaviour, lease: Duration, wait: Option<Duratio
         executions,
         addr,
     }
+}
+
+/// A memory-store server whose keyed handler answers 201 at once, with lease `lease`.
+fn instant_server(lease: Duration) -> Server {
+    start(Mode::Memory, Behaviour::Slow(0), lease, None)
+}
+
+/// A wait-mode server (wait 30 s, lease 60 s) whose first keyed run fails (`FirstFails`).
+fn waiting_server(mode: Mode) -> Server {
+    start(
+        mode,
+        Behaviour::FirstFails,
+        Duration::from_secs(60),
+        Some(Duration::from_secs(30)),
+    )
 }
 
 /// One HTTP/2 connection (prior knowledge).
@@ -164,6 +226,11 @@ fn request(key: Option<&str>) -> http::request::Builder {
     b
 }
 
+/// The request of `request(Some(key))`, built.
+fn keyed(key: &str) -> http::Request<()> {
+    request(Some(key)).body(()).unwrap()
+}
+
 /// An answer: status, replayed?, body, problem code if any.
 #[derive(Debug, Clone)]
 struct Answer {
@@ -172,7 +239,7 @@ struct Answer {
     body: String,
 }
 
-async fn read(resp: h2::client::ResponseFuture) -> Result<Answer, h2::Error> {
+async fn read(resp: ResponseFuture) -> Result<Answer, h2::Error> {
     let resp = resp.await?;
     let status = resp.status().as_u16();
     let replayed = resp
@@ -193,32 +260,50 @@ async fn read(resp: h2::client::ResponseFuture) -> Result<Answer, h2::Error> {
     })
 }
 
+/// `read` the answer, failing the test if it does not come within `TIMEOUT`.
+async fn read_in_time(resp: ResponseFuture) -> Result<Answer, h2::Error> {
+    tokio::time::timeout(TIMEOUT, read(resp))
+        .await
+        .expect("answer in time")
+}
+
+/// `read` the answer, failing the test on a timeout or a stream error.
+async fn answer(resp: ResponseFuture) -> Answer {
+    read_in_time(resp).await.expect("answer")
+}
+
+/// Open a stream for `req` on `client` once it is ready (no END_STREAM yet).
+async fn open(
+    client: &SendRequest<Bytes>,
+    req: http::Request<()>,
+) -> (ResponseFuture, SendStream<Bytes>) {
+    let mut client = client.clone().ready().await.expect("ready");
+    client.send_request(req, false).expect("send_request")
+}
+
 /// Send a request with `body` in one DATA frame with END_STREAM, and read its answer.
 async fn send(h2: &mut H2, req: http::Request<()>, body: &'static str) -> Answer {
-    let client = h2.client.clone();
-    let mut client = client.ready().await.expect("ready");
-    let (resp, mut stream) = client.send_request(req, false).expect("send_request");
+    let (resp, mut stream) = open(&h2.client, req).await;
     // A request refused on its headers (a 400 for the key) may be answered, and its stream
     // closed, before the body goes out: the client then refuses the DATA frame
     // (`InactiveStreamId`, seen once in CI under load). The answer is what the test checks,
     // and reading it fails if the body was refused for any other reason.
     let _ = stream.send_data(Bytes::from_static(body.as_bytes()), true);
-    tokio::time::timeout(TIMEOUT, read(resp))
-        .await
-        .expect("answer in time")
-        .expect("answer")
+    answer(resp).await
 }
 
-/// Start a request and return its stream (to reset it) without reading the answer.
+/// `send` the keyed request with the body `{}`.
+async fn send_key(h2: &mut H2, key: &str) -> Answer {
+    send(h2, keyed(key), "{}").await
+}
+
+/// Start a keyed request (body `{}`) and return its stream (to reset it) without reading the
+/// answer.
 async fn start_request(
-    h2: &mut H2,
+    client: &SendRequest<Bytes>,
     key: &str,
-) -> (h2::client::ResponseFuture, h2::SendStream<Bytes>) {
-    let client = h2.client.clone();
-    let mut client = client.ready().await.expect("ready");
-    let (resp, mut stream) = client
-        .send_request(request(Some(key)).body(()).unwrap(), false)
-        .expect("send_request");
+) -> (ResponseFuture, SendStream<Bytes>) {
+    let (resp, mut stream) = open(client, keyed(key)).await;
     stream
         .send_data(Bytes::from_static(b"{}"), true)
         .expect("data");
@@ -231,6 +316,11 @@ async fn until(what: &str, mut cond: impl FnMut() -> bool) {
         assert!(Instant::now() < deadline, "timed out waiting for {what}");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
+}
+
+/// Wait (`until`) for `counter` to count a first run.
+async fn until_started(what: &str, counter: &AtomicU64) {
+    until(what, || counter.load(Ordering::SeqCst) >= 1).await;
 }
 
 fn rt() -> tokio::runtime::Runtime {
@@ -265,24 +355,17 @@ enum Cut {
 /// again after the lease; one run in all.
 fn cut_after_reservation(mode: Mode, cut: Cut) {
     let server = start(mode, Behaviour::Slow(1500), Duration::from_secs(1), None);
-    let addr = server.addr;
-    let executions = Arc::clone(&server.executions);
-    let log = rt().block_on(async move {
+    let (log, runs) = server.session(|addr, executions| async move {
         warm(addr).await;
         let mut log = Vec::new();
-        let mut c1 = H2::connect(addr).await;
-        let (resp, mut stream) = start_request(&mut c1, "cut-1").await;
-        until("the handler to start", || {
-            executions.load(Ordering::SeqCst) >= 1
-        })
-        .await;
+        let c1 = H2::connect(addr).await;
+        let (resp, mut stream) = start_request(&c1.client, "cut-1").await;
+        until_started("the handler to start", &executions).await;
         tokio::time::sleep(Duration::from_millis(100)).await;
         let mut same = match cut {
             Cut::Reset => {
                 stream.send_reset(h2::Reason::CANCEL);
-                let r = tokio::time::timeout(TIMEOUT, read(resp))
-                    .await
-                    .expect("in time");
+                let r = read_in_time(resp).await;
                 assert!(r.is_err(), "a reset stream has no answer: {r:?}");
                 Some(c1)
             }
@@ -295,29 +378,23 @@ fn cut_after_reservation(mode: Mode, cut: Cut) {
         };
         // During the handler: 409 on the same connection (if it still exists) and a new one.
         if let Some(same) = same.as_mut() {
-            let a = send(same, request(Some("cut-1")).body(()).unwrap(), "{}").await;
-            log.push(("same connection, during", a));
+            log.push(("same connection, during", send_key(same, "cut-1").await));
         }
         let mut c2 = H2::connect(addr).await;
-        let a = send(&mut c2, request(Some("cut-1")).body(()).unwrap(), "{}").await;
-        log.push(("new connection, during", a));
+        log.push(("new connection, during", send_key(&mut c2, "cut-1").await));
         // Past the first lease (1 s) but still inside the handler (1.5 s): renewal keeps it.
         tokio::time::sleep(Duration::from_millis(1100)).await;
-        let a = send(&mut c2, request(Some("cut-1")).body(()).unwrap(), "{}").await;
+        let a = send_key(&mut c2, "cut-1").await;
         log.push(("new connection, past the first lease, handler running", a));
         // After the handler and well past the lease.
         tokio::time::sleep(Duration::from_millis(2500)).await;
         if let Some(same) = same.as_mut() {
-            let a = send(same, request(Some("cut-1")).body(()).unwrap(), "{}").await;
-            log.push(("same connection, after", a));
+            log.push(("same connection, after", send_key(same, "cut-1").await));
         }
         let mut c3 = H2::connect(addr).await;
-        let a = send(&mut c3, request(Some("cut-1")).body(()).unwrap(), "{}").await;
-        log.push(("third connection, after", a));
+        log.push(("third connection, after", send_key(&mut c3, "cut-1").await));
         log
     });
-    let runs = server.runs();
-    drop(server);
     eprintln!("{log:#?}\nruns: {runs}");
     assert_eq!(runs, 1, "{log:#?}");
     for (when, a) in &log {
@@ -330,38 +407,14 @@ fn cut_after_reservation(mode: Mode, cut: Cut) {
     }
 }
 
-#[test]
-fn reset_after_reservation_memory() {
-    cut_after_reservation(Mode::Memory, Cut::Reset);
-}
-
-#[test]
-fn connection_drop_after_reservation_memory() {
-    cut_after_reservation(Mode::Memory, Cut::Connection);
-}
-
-#[test]
-fn reset_after_reservation_postgres() {
-    let db = block_on_fresh_thread(TestDb::new()).expect("db");
-    cut_after_reservation(Mode::Postgres(db.url.clone()), Cut::Reset);
-}
-
-#[test]
-fn connection_drop_after_reservation_postgres() {
-    let db = block_on_fresh_thread(TestDb::new()).expect("db");
-    cut_after_reservation(Mode::Postgres(db.url.clone()), Cut::Connection);
-}
-
-#[test]
-fn reset_after_reservation_transactional() {
-    let db = block_on_fresh_thread(TestDb::new()).expect("db");
-    cut_after_reservation(Mode::Transactional(db.url.clone()), Cut::Reset);
-}
-
-#[test]
-fn connection_drop_after_reservation_transactional() {
-    let db = block_on_fresh_thread(TestDb::new()).expect("db");
-    cut_after_reservation(Mode::Transactional(db.url.clone()), Cut::Connection);
+mode_tests! {
+    reset_after_reservation_memory: cut_after_reservation(Memory, Cut::Reset);
+    connection_drop_after_reservation_memory: cut_after_reservation(Memory, Cut::Connection);
+    reset_after_reservation_postgres: cut_after_reservation(Postgres, Cut::Reset);
+    connection_drop_after_reservation_postgres: cut_after_reservation(Postgres, Cut::Connection);
+    reset_after_reservation_transactional: cut_after_reservation(Transactional, Cut::Reset);
+    connection_drop_after_reservation_transactional:
+        cut_after_reservation(Transactional, Cut::Connection);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -369,89 +422,64 @@ fn connection_drop_after_reservation_transactional() {
 // anything later (C8; reliability.md bug 15 has the HTTP/1 version in wait_mode_clients.rs).
 // ---------------------------------------------------------------------------------------------
 
-fn runs_after_waiter_leaves(mode: Mode, cut: Cut) -> u64 {
-    let server = start(
-        mode,
-        Behaviour::FirstFails,
-        Duration::from_secs(60),
-        Some(Duration::from_secs(30)),
-    );
-    let addr = server.addr;
-    let executions = Arc::clone(&server.executions);
-    rt().block_on(async move {
+/// A waiter cut (`cut`) while the first run goes on; the first fails (502), releasing the key:
+/// one run in all.
+fn a_leaving_waiter_runs_nothing(mode: Mode, cut: Cut) {
+    let case = format!("{mode:?}, {cut:?}");
+    let ((), runs) = waiting_server(mode).session(|addr, executions| async move {
         warm(addr).await;
         let mut c1 = H2::connect(addr).await;
         let first = tokio::spawn(async move {
-            let a = send(&mut c1, request(Some("w")).body(()).unwrap(), "{}").await;
+            let a = send_key(&mut c1, "w").await;
             (a, c1)
         });
-        until("the first run", || executions.load(Ordering::SeqCst) >= 1).await;
+        until_started("the first run", &executions).await;
         tokio::time::sleep(Duration::from_millis(100)).await;
         // The waiter, on its own connection, then gives up.
-        let mut c2 = H2::connect(addr).await;
-        let (resp, mut stream) = start_request(&mut c2, "w").await;
+        let c2 = H2::connect(addr).await;
+        let (resp, mut stream) = start_request(&c2.client, "w").await;
         tokio::time::sleep(Duration::from_millis(200)).await;
-        match cut {
+        let still_open = match cut {
             Cut::Reset => {
                 stream.send_reset(h2::Reason::CANCEL);
                 drop(resp);
                 // c2 stays open.
-                let (a, _c1) = first.await.unwrap();
-                assert_eq!(a.status, 502, "{a:?}");
-                tokio::time::sleep(Duration::from_millis(1500)).await;
-                drop(c2);
+                Some(c2)
             }
             Cut::Connection => {
                 drop(stream);
                 drop(resp);
                 c2.drop_connection();
-                let (a, _c1) = first.await.unwrap();
-                assert_eq!(a.status, 502, "{a:?}");
-                tokio::time::sleep(Duration::from_millis(1500)).await;
+                None
             }
-        }
+        };
+        let (a, _c1) = first.await.unwrap();
+        assert_eq!(a.status, 502, "{a:?}");
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        drop(still_open);
     });
-    let runs = server.runs();
-    drop(server);
-    runs
+    assert_eq!(runs, 1, "{case}");
 }
 
-#[test]
-fn a_waiter_whose_stream_is_reset_runs_nothing_memory() {
-    assert_eq!(runs_after_waiter_leaves(Mode::Memory, Cut::Reset), 1);
-}
-
-#[test]
-fn a_waiter_whose_connection_is_dropped_runs_nothing_memory() {
-    assert_eq!(runs_after_waiter_leaves(Mode::Memory, Cut::Connection), 1);
-}
-
-#[test]
-fn a_waiter_whose_stream_is_reset_runs_nothing_postgres() {
-    let db = block_on_fresh_thread(TestDb::new()).expect("db");
-    assert_eq!(
-        runs_after_waiter_leaves(Mode::Postgres(db.url.clone()), Cut::Reset),
-        1
-    );
-}
-
-#[test]
-fn a_waiter_whose_stream_is_reset_runs_nothing_transactional() {
-    let db = block_on_fresh_thread(TestDb::new()).expect("db");
-    assert_eq!(
-        runs_after_waiter_leaves(Mode::Transactional(db.url.clone()), Cut::Reset),
-        1
-    );
+mode_tests! {
+    a_waiter_whose_stream_is_reset_runs_nothing_memory:
+        a_leaving_waiter_runs_nothing(Memory, Cut::Reset);
+    a_waiter_whose_connection_is_dropped_runs_nothing_memory:
+        a_leaving_waiter_runs_nothing(Memory, Cut::Connection);
+    a_waiter_whose_stream_is_reset_runs_nothing_postgres:
+        a_leaving_waiter_runs_nothing(Postgres, Cut::Reset);
+    a_waiter_whose_stream_is_reset_runs_nothing_transactional:
+        a_leaving_waiter_runs_nothing(Transactional, Cut::Reset);
 }
 
 // ---------------------------------------------------------------------------------------------
 // 3. Many concurrent streams with one key, on one connection and across two.
 // ---------------------------------------------------------------------------------------------
 
+/// 60 concurrent streams of one key over `connections` connections, then a replay: one run.
 fn storm(mode: Mode, connections: usize) {
     let server = start(mode, Behaviour::Slow(300), Duration::from_secs(5), None);
-    let addr = server.addr;
-    let answers = rt().block_on(async move {
+    let (answers, runs) = server.session(|addr, _| async move {
         warm(addr).await;
         let mut conns = Vec::new();
         for _ in 0..connections {
@@ -461,17 +489,8 @@ fn storm(mode: Mode, connections: usize) {
         for i in 0..60 {
             let client = conns[i % connections].client.clone();
             tasks.push(tokio::spawn(async move {
-                let mut client = client.ready().await.expect("ready");
-                let (resp, mut stream) = client
-                    .send_request(request(Some("storm")).body(()).unwrap(), false)
-                    .expect("send_request");
-                stream
-                    .send_data(Bytes::from_static(b"{}"), true)
-                    .expect("data");
-                tokio::time::timeout(TIMEOUT, read(resp))
-                    .await
-                    .expect("in time")
-                    .expect("answer")
+                let (resp, _stream) = start_request(&client, "storm").await;
+                answer(resp).await
             }));
         }
         let mut answers = Vec::new();
@@ -480,12 +499,10 @@ fn storm(mode: Mode, connections: usize) {
         }
         // And after: a replay.
         let mut c = H2::connect(addr).await;
-        answers.push(send(&mut c, request(Some("storm")).body(()).unwrap(), "{}").await);
+        answers.push(send_key(&mut c, "storm").await);
         drop(conns);
         answers
     });
-    let runs = server.runs();
-    drop(server);
     let fresh = answers
         .iter()
         .filter(|a| a.status == 201 && !a.replayed)
@@ -500,26 +517,11 @@ fn storm(mode: Mode, connections: usize) {
     assert!(answers.last().unwrap().replayed);
 }
 
-#[test]
-fn storm_one_connection_memory() {
-    storm(Mode::Memory, 1);
-}
-
-#[test]
-fn storm_two_connections_memory() {
-    storm(Mode::Memory, 2);
-}
-
-#[test]
-fn storm_one_connection_postgres() {
-    let db = block_on_fresh_thread(TestDb::new()).expect("db");
-    storm(Mode::Postgres(db.url.clone()), 1);
-}
-
-#[test]
-fn storm_two_connections_transactional() {
-    let db = block_on_fresh_thread(TestDb::new()).expect("db");
-    storm(Mode::Transactional(db.url.clone()), 2);
+mode_tests! {
+    storm_one_connection_memory: storm(Memory, 1);
+    storm_two_connections_memory: storm(Memory, 2);
+    storm_one_connection_postgres: storm(Postgres, 1);
+    storm_two_connections_transactional: storm(Transactional, 2);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -536,14 +538,7 @@ fn problem_code(a: &Answer) -> String {
 /// C2: the header sent twice is a 400, also as two HPACK fields (same value and two values).
 #[test]
 fn two_key_fields_are_a_400() {
-    let server = start(
-        Mode::Memory,
-        Behaviour::Slow(0),
-        Duration::from_secs(5),
-        None,
-    );
-    let addr = server.addr;
-    let answers = rt().block_on(async move {
+    let (answers, runs) = instant_server(Duration::from_secs(5)).session(|addr, _| async move {
         let mut c = H2::connect(addr).await;
         let mut out = Vec::new();
         for (a, b) in [("dup", "dup"), ("one", "two")] {
@@ -556,8 +551,6 @@ fn two_key_fields_are_a_400() {
         }
         out
     });
-    let runs = server.runs();
-    drop(server);
     for a in &answers {
         assert_eq!(a.status, 400, "{a:?}");
         assert_eq!(problem_code(a), "INVALID_KEY", "{a:?}");
@@ -579,11 +572,7 @@ async fn send_framed(
     if content_length {
         b = b.header("content-length", total.to_string());
     }
-    let client = h2.client.clone();
-    let mut client = client.ready().await.expect("ready");
-    let (resp, mut stream) = client
-        .send_request(b.body(()).unwrap(), false)
-        .expect("send");
+    let (resp, mut stream) = open(&h2.client, b.body(()).unwrap()).await;
     for p in parts {
         stream
             .send_data(Bytes::from_static(p.as_bytes()), false)
@@ -597,10 +586,7 @@ async fn send_framed(
     } else {
         stream.send_data(Bytes::new(), true).expect("end");
     }
-    tokio::time::timeout(TIMEOUT, read(resp))
-        .await
-        .expect("in time")
-        .expect("answer")
+    answer(resp).await
 }
 
 /// A body over many DATA frames ending on an empty one, with and without `content-length`, and
@@ -608,16 +594,9 @@ async fn send_framed(
 /// whole body.
 #[test]
 fn split_bodies_are_one_request() {
-    let server = start(
-        Mode::Memory,
-        Behaviour::Slow(0),
-        Duration::from_secs(5),
-        None,
-    );
-    let addr = server.addr;
-    let answers = rt().block_on(async move {
+    const WHOLE: &str = r#"{"amount":100,"currency":"EUR"}"#;
+    let (answers, runs) = instant_server(Duration::from_secs(5)).session(|addr, _| async move {
         let mut c = H2::connect(addr).await;
-        let whole = r#"{"amount":100,"currency":"EUR"}"#;
         let parts: [&'static str; 5] = [
             r#"{"amo"#,
             r#"unt":1"#,
@@ -625,25 +604,23 @@ fn split_bodies_are_one_request() {
             r#"rency":"E"#,
             r#"UR"}"#,
         ];
-        assert_eq!(parts.concat(), whole);
+        assert_eq!(parts.concat(), WHOLE);
         let mut out = Vec::new();
-        out.push(send(&mut c, request(Some("split")).body(()).unwrap(), whole).await);
+        out.push(send(&mut c, keyed("split"), WHOLE).await);
         out.push(send_framed(&mut c, "split", &parts, true, false).await);
         out.push(send_framed(&mut c, "split", &parts, false, false).await);
         out.push(send_framed(&mut c, "split", &parts, false, true).await);
         // A new key, first sent split without content-length, then whole.
         out.push(send_framed(&mut c, "split2", &parts, false, false).await);
-        out.push(send(&mut c, request(Some("split2")).body(()).unwrap(), whole).await);
+        out.push(send(&mut c, keyed("split2"), WHOLE).await);
         // A new key, first with trailers.
         out.push(send_framed(&mut c, "split3", &parts, true, true).await);
-        out.push(send(&mut c, request(Some("split3")).body(()).unwrap(), whole).await);
+        out.push(send(&mut c, keyed("split3"), WHOLE).await);
         out
     });
-    let runs = server.runs();
-    drop(server);
     eprintln!("{answers:#?}");
     assert_eq!(runs, 3, "{answers:#?}");
-    let len = format!("len {}", r#"{"amount":100,"currency":"EUR"}"#.len());
+    let len = format!("len {}", WHOLE.len());
     for (i, a) in answers.iter().enumerate() {
         assert_eq!(a.status, 201, "{i}: {a:?}");
         assert!(a.body.ends_with(&len), "{i}: {a:?}");
@@ -655,14 +632,7 @@ fn split_bodies_are_one_request() {
 /// A very large header list (many fields, a large value) beside a valid key: one run, replay.
 #[test]
 fn large_header_lists() {
-    let server = start(
-        Mode::Memory,
-        Behaviour::Slow(0),
-        Duration::from_secs(5),
-        None,
-    );
-    let addr = server.addr;
-    let answers = rt().block_on(async move {
+    let (answers, runs) = instant_server(Duration::from_secs(5)).session(|addr, _| async move {
         let mut c = H2::connect(addr).await;
         let mut out = Vec::new();
         for _ in 0..2 {
@@ -675,8 +645,6 @@ fn large_header_lists() {
         }
         out
     });
-    let runs = server.runs();
-    drop(server);
     eprintln!("{answers:#?}");
     assert_eq!(runs, 1, "{answers:#?}");
     assert_eq!(answers[0].status, 201);
@@ -688,41 +656,24 @@ fn large_header_lists() {
 /// `content-length`: 413, nothing run.
 #[test]
 fn reset_mid_upload_and_oversized_body_without_length() {
-    let server = start(
-        Mode::Memory,
-        Behaviour::Slow(0),
-        Duration::from_secs(60),
-        None,
-    );
-    let addr = server.addr;
-    let executions = Arc::clone(&server.executions);
-    let (after, big) = rt().block_on(async move {
+    let server = instant_server(Duration::from_secs(60));
+    let ((after, big), runs) = server.session(|addr, executions| async move {
         let mut c = H2::connect(addr).await;
         {
-            let client = c.client.clone();
-            let mut client = client.ready().await.expect("ready");
-            let (resp, mut stream) = client
-                .send_request(request(Some("mid")).body(()).unwrap(), false)
-                .expect("send");
+            let (resp, mut stream) = open(&c.client, keyed("mid")).await;
             stream
                 .send_data(Bytes::from_static(b"{\"amo"), false)
                 .expect("data");
             tokio::time::sleep(Duration::from_millis(200)).await;
             stream.send_reset(h2::Reason::CANCEL);
-            let r = tokio::time::timeout(TIMEOUT, read(resp))
-                .await
-                .expect("in time");
+            let r = read_in_time(resp).await;
             assert!(r.is_err(), "{r:?}");
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
         assert_eq!(executions.load(Ordering::SeqCst), 0);
-        let after = send(&mut c, request(Some("mid")).body(()).unwrap(), "{}").await;
+        let after = send_key(&mut c, "mid").await;
         // 2 MiB in 16 KiB DATA frames, no content-length (limit 1 MiB).
-        let client = c.client.clone();
-        let mut client = client.ready().await.expect("ready");
-        let (resp, mut stream) = client
-            .send_request(request(Some("big-body")).body(()).unwrap(), false)
-            .expect("send");
+        let (resp, mut stream) = open(&c.client, keyed("big-body")).await;
         let sender = tokio::spawn(async move {
             let chunk = Bytes::from(vec![b'a'; 16 * 1024]);
             for _ in 0..128 {
@@ -737,14 +688,10 @@ fn reset_mid_upload_and_oversized_body_without_length() {
             }
             let _ = stream.send_data(Bytes::new(), true);
         });
-        let big = tokio::time::timeout(TIMEOUT, read(resp))
-            .await
-            .expect("in time");
+        let big = read_in_time(resp).await;
         sender.abort();
         (after, big)
     });
-    let runs = server.runs();
-    drop(server);
     assert_eq!(after.status, 201, "{after:?}");
     assert!(!after.replayed);
     // The server answers 413 before the upload ends and then resets the request stream with
@@ -761,14 +708,7 @@ fn reset_mid_upload_and_oversized_body_without_length() {
 /// on a connection whose dynamic table already holds it are the same key.
 #[test]
 fn hpack_spellings_of_one_key_are_one_record() {
-    let server = start(
-        Mode::Memory,
-        Behaviour::Slow(0),
-        Duration::from_secs(60),
-        None,
-    );
-    let addr = server.addr;
-    let answers = rt().block_on(async move {
+    let (answers, runs) = instant_server(Duration::from_secs(60)).session(|addr, _| async move {
         let mut c = H2::connect(addr).await;
         let mut out = Vec::new();
         let mut v = http::HeaderValue::from_static("hp-1");
@@ -777,14 +717,12 @@ fn hpack_spellings_of_one_key_are_one_record() {
         req.headers_mut().insert("idempotency-key", v);
         out.push(send(&mut c, req, "{}").await);
         // Indexed now (same connection), then quoted.
-        out.push(send(&mut c, request(Some("hp-1")).body(()).unwrap(), "{}").await);
-        out.push(send(&mut c, request(Some("\"hp-1\"")).body(()).unwrap(), "{}").await);
+        out.push(send_key(&mut c, "hp-1").await);
+        out.push(send_key(&mut c, "\"hp-1\"").await);
         let mut c2 = H2::connect(addr).await;
-        out.push(send(&mut c2, request(Some("\"hp-1\"")).body(()).unwrap(), "{}").await);
+        out.push(send_key(&mut c2, "\"hp-1\"").await);
         out
     });
-    let runs = server.runs();
-    drop(server);
     assert_eq!(runs, 1, "{answers:#?}");
     assert!(
         answers[1..].iter().all(|a| a.status == 201 && a.replayed),
@@ -798,38 +736,21 @@ fn hpack_spellings_of_one_key_are_one_record() {
 /// attempt fails and charges too: two successful charges for one payment.
 #[test]
 fn a_reset_waiter_charges_beside_the_clients_new_key() {
-    let server = start(
-        Mode::Memory,
-        Behaviour::FirstFails,
-        Duration::from_secs(60),
-        Some(Duration::from_secs(30)),
-    );
-    let addr = server.addr;
-    let executions = Arc::clone(&server.executions);
-    let new_key = rt().block_on(async move {
+    let (new_key, runs) = waiting_server(Mode::Memory).session(|addr, executions| async move {
         warm(addr).await;
         let mut c1 = H2::connect(addr).await;
-        let first = tokio::spawn(async move {
-            send(&mut c1, request(Some("pay-1")).body(()).unwrap(), "{}").await
-        });
-        until("the first run", || executions.load(Ordering::SeqCst) >= 1).await;
+        let first = tokio::spawn(async move { send_key(&mut c1, "pay-1").await });
+        until_started("the first run", &executions).await;
         let mut c2 = H2::connect(addr).await;
-        let (resp, mut stream) = start_request(&mut c2, "pay-1").await;
+        let (resp, mut stream) = start_request(&c2.client, "pay-1").await;
         tokio::time::sleep(Duration::from_millis(200)).await;
         stream.send_reset(h2::Reason::CANCEL);
         drop(resp);
-        let again = send(
-            &mut c2,
-            request(Some("pay-1-retry")).body(()).unwrap(),
-            "{}",
-        )
-        .await;
+        let again = send_key(&mut c2, "pay-1-retry").await;
         assert_eq!(first.await.unwrap().status, 502);
         tokio::time::sleep(Duration::from_millis(1500)).await;
         again
     });
-    let runs = server.runs();
-    drop(server);
     assert_eq!(new_key.status, 201, "{new_key:?}");
     // Runs: the failed first attempt and the client's new key; nothing for the reset waiter.
     assert_eq!(runs, 2, "successful charges for one payment: {}", runs - 1);
@@ -858,7 +779,7 @@ fn an_http2_stream_reset_does_not_drop_the_requests_future() {
     let (d, s) = (Arc::clone(&dropped), Arc::clone(&started));
     let server = ThreadServer::start(move || async move {
         let store = MemoryStore::new();
-        let server = HttpServer::new(move || {
+        serve_h2c!(move || {
             let d = Arc::clone(&d);
             let s = Arc::clone(&s);
             App::new()
@@ -885,17 +806,12 @@ fn an_http2_stream_reset_does_not_drop_the_requests_future() {
                     }),
                 )
         })
-        .workers(1)
-        .disable_signals()
-        .bind_auto_h2c(("127.0.0.1", 0))
-        .expect("bind");
-        (server.addrs()[0], server.run())
     });
     let addr = server.addr;
     rt().block_on(async move {
-        let mut c = H2::connect(addr).await;
-        let (resp, mut stream) = start_request(&mut c, "probe").await;
-        until("the handler", || started.load(Ordering::SeqCst) >= 1).await;
+        let c = H2::connect(addr).await;
+        let (resp, mut stream) = start_request(&c.client, "probe").await;
+        until_started("the handler", &started).await;
         stream.send_reset(h2::Reason::CANCEL);
         drop(resp);
         tokio::time::sleep(Duration::from_millis(500)).await;
@@ -914,12 +830,7 @@ fn an_http2_stream_reset_does_not_drop_the_requests_future() {
 #[test]
 fn http1_counterpart_a_waiter_whose_client_resets_runs_nothing() {
     use idempotency_e2e::raw_http::{Conn, Request};
-    let server = start(
-        Mode::Memory,
-        Behaviour::FirstFails,
-        Duration::from_secs(60),
-        Some(Duration::from_secs(30)),
-    );
+    let server = waiting_server(Mode::Memory);
     let addr = server.addr;
     let request = Request::post("/pay").key("w").json("{}");
     let first = {
@@ -965,7 +876,7 @@ fn premise(cut: Cut) {
     let seen = Arc::new(AtomicU64::new(0)); // 1: None after the body; 2: error after the reset
     let s = Arc::clone(&seen);
     let server = ThreadServer::start(move || async move {
-        let server = HttpServer::new(move || {
+        serve_h2c!(move || {
             let s = Arc::clone(&s);
             App::new().route(
                 "/pay",
@@ -991,17 +902,12 @@ fn premise(cut: Cut) {
                 }),
             )
         })
-        .workers(1)
-        .disable_signals()
-        .bind_auto_h2c(("127.0.0.1", 0))
-        .expect("bind");
-        (server.addrs()[0], server.run())
     });
     let addr = server.addr;
     let seen2 = Arc::clone(&seen);
     let (before, after) = rt().block_on(async move {
-        let mut c = H2::connect(addr).await;
-        let (resp, mut stream) = start_request(&mut c, "premise").await;
+        let c = H2::connect(addr).await;
+        let (resp, mut stream) = start_request(&c.client, "premise").await;
         tokio::time::sleep(Duration::from_millis(300)).await;
         let before = seen2.load(Ordering::SeqCst);
         match cut {
@@ -1023,27 +929,16 @@ fn premise(cut: Cut) {
 /// fails and is released, the waiter runs); with the first stored, the waiter replays.
 #[test]
 fn a_live_waiter_over_http2_is_answered() {
-    let server = start(
-        Mode::Memory,
-        Behaviour::FirstFails,
-        Duration::from_secs(60),
-        Some(Duration::from_secs(30)),
-    );
-    let addr = server.addr;
-    let executions = Arc::clone(&server.executions);
-    let (first, waiter, again) = rt().block_on(async move {
+    let server = waiting_server(Mode::Memory);
+    let ((first, waiter, again), runs) = server.session(|addr, executions| async move {
         let mut c1 = H2::connect(addr).await;
         let mut c2 = H2::connect(addr).await;
-        let first = tokio::spawn(async move {
-            send(&mut c1, request(Some("lw")).body(()).unwrap(), "{}").await
-        });
-        until("the first run", || executions.load(Ordering::SeqCst) >= 1).await;
-        let waiter = send(&mut c2, request(Some("lw")).body(()).unwrap(), "{}").await;
-        let again = send(&mut c2, request(Some("lw")).body(()).unwrap(), "{}").await;
+        let first = tokio::spawn(async move { send_key(&mut c1, "lw").await });
+        until_started("the first run", &executions).await;
+        let waiter = send_key(&mut c2, "lw").await;
+        let again = send_key(&mut c2, "lw").await;
         (first.await.unwrap(), waiter, again)
     });
-    let runs = server.runs();
-    drop(server);
     assert_eq!(first.status, 502);
     assert_eq!((waiter.status, waiter.replayed), (201, false), "{waiter:?}");
     assert_eq!((again.status, again.replayed), (201, true), "{again:?}");
@@ -1058,7 +953,7 @@ fn a_stream_reset_mid_streamed_response_still_stores_it() {
     let e = Arc::clone(&executions);
     let server = ThreadServer::start(move || async move {
         let store = MemoryStore::new();
-        let server = HttpServer::new(move || {
+        serve_h2c!(move || {
             let e = Arc::clone(&e);
             App::new()
                 .wrap(
@@ -1094,16 +989,11 @@ fn a_stream_reset_mid_streamed_response_still_stores_it() {
                     }),
                 )
         })
-        .workers(1)
-        .disable_signals()
-        .bind_auto_h2c(("127.0.0.1", 0))
-        .expect("bind");
-        (server.addrs()[0], server.run())
     });
     let addr = server.addr;
     let retry = rt().block_on(async move {
         let mut c = H2::connect(addr).await;
-        let (resp, mut stream) = start_request(&mut c, "sse").await;
+        let (resp, mut stream) = start_request(&c.client, "sse").await;
         let resp = tokio::time::timeout(TIMEOUT, resp)
             .await
             .expect("head")
@@ -1115,7 +1005,7 @@ fn a_stream_reset_mid_streamed_response_still_stores_it() {
         stream.send_reset(h2::Reason::CANCEL);
         drop(body);
         tokio::time::sleep(Duration::from_millis(1500)).await;
-        send(&mut c, request(Some("sse")).body(()).unwrap(), "{}").await
+        send_key(&mut c, "sse").await
     });
     let runs = executions.load(Ordering::SeqCst);
     drop(server);
