@@ -4,8 +4,8 @@
 //! `http2`, a dev-dependency feature of this crate); client: the `h2` crate (the one actix-http
 //! uses), which can reset a stream and send what HTTP/1 cannot.
 //!
-//! Finding (the `a_waiter_*`, `a_reset_waiter_*` and `an_http2_stream_reset_*` tests fail on the
-//! reviewed code): actix-http's HTTP/2 dispatcher runs each stream's service future on a task of
+//! Finding (the `a_waiter_*`, `a_reset_waiter_*` and `an_http2_stream_reset_*` tests failed on
+//! the reviewed code; they pass since the fix): actix-http's HTTP/2 dispatcher runs each stream's service future on a task of
 //! its own and never drops it, so a wait-mode waiter (C8) never sees its client leave
 //! (`answer.is_closed()` stays false) and runs the handler for nobody once the key is released.
 //! The docs' claim that "an HTTP/2 stream reset drops the request's future" is wrong. The
@@ -292,6 +292,16 @@ async fn send(h2: &mut H2, req: http::Request<()>, body: &'static str) -> Answer
     answer(resp).await
 }
 
+/// Send `req` without a body (END_STREAM on its HEADERS frame) and read its answer. For a
+/// request refused on its headers: sent with a body, the server may answer and then reset the
+/// stream with NO_ERROR to stop the upload, and the h2 client then sometimes reports that reset
+/// instead of the answer (`two_key_fields_are_a_400` failed so about one run in ten).
+async fn send_headers_only(h2: &mut H2, req: http::Request<()>) -> Answer {
+    let mut client = h2.client.clone().ready().await.expect("ready");
+    let (resp, _stream) = client.send_request(req, true).expect("send_request");
+    answer(resp).await
+}
+
 /// `send` the keyed request with the body `{}`.
 async fn send_key(h2: &mut H2, key: &str) -> Answer {
     send(h2, keyed(key), "{}").await
@@ -547,7 +557,7 @@ fn two_key_fields_are_a_400() {
                 .header("idempotency-key", b)
                 .body(())
                 .unwrap();
-            out.push(send(&mut c, req, "{}").await);
+            out.push(send_headers_only(&mut c, req).await);
         }
         out
     });
