@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use std::process::{Command, Output};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use idempotency_e2e::faults::{
@@ -19,6 +20,23 @@ use idempotency_e2e::redis_server::RedisServer;
 use idempotency_e2e::{block_on_fresh_thread, server_url, TestDb};
 
 const TENANT: &str = "acct_fleet";
+/// The app's variable for its lease, in milliseconds.
+const LEASE_MS: &str = "IDEMPOTENCY_LOCK_TIMEOUT_MS";
+/// The example in transactional mode.
+const TRANSACTIONAL: (&str, &str) = ("PAYMENTS_TRANSACTIONAL", "1");
+
+/// One `#[test]` per `name => body;`: each takes the `shared()` lock, then runs `body`.
+macro_rules! shared_tests {
+    ($($name:ident => $body:expr;)+) => {
+        $(
+            #[test]
+            fn $name() {
+                let _s = shared();
+                $body;
+            }
+        )+
+    };
+}
 
 fn new_db() -> TestDb {
     block_on_fresh_thread(TestDb::new()).expect("creating a test database")
@@ -28,8 +46,64 @@ fn pay(key: &str, amount: u64, delay_ms: Option<u64>) -> Request {
     faults::pay(TENANT, key, amount, delay_ms)
 }
 
+/// The store the instances share: a fresh PostgreSQL database or a private redis-server.
+enum Store {
+    Postgres(TestDb),
+    /// The server (killed when dropped) and its URL.
+    Redis {
+        _server: RedisServer,
+        url: String,
+    },
+}
+
+impl Store {
+    /// A fresh test database.
+    fn postgres() -> Store {
+        Store::Postgres(new_db())
+    }
+
+    /// A private redis-server, with its URL.
+    fn redis() -> Store {
+        let redis = RedisServer::start();
+        let url = redis.url();
+        Store::Redis {
+            _server: redis,
+            url,
+        }
+    }
+
+    /// The variable that names this store (for the app and `idem-cli`), and its URL.
+    fn var(&self) -> (&'static str, &str) {
+        match self {
+            Store::Postgres(db) => ("DATABASE_URL", &db.url),
+            Store::Redis { url, .. } => ("REDIS_URL", url),
+        }
+    }
+
+    /// The database URL (to read the table directly) on PostgreSQL; `None` on Redis.
+    fn pg_url(&self) -> Option<&str> {
+        match self {
+            Store::Postgres(db) => Some(&db.url),
+            Store::Redis { .. } => None,
+        }
+    }
+
+    /// An app's environment: the store's variable, then `extra`.
+    fn env<'a>(&'a self, extra: &[(&'a str, &'a str)]) -> Vec<(&'a str, &'a str)> {
+        let mut env = vec![self.var()];
+        env.extend_from_slice(extra);
+        env
+    }
+
+    /// Runs `idem-cli args...` against this store.
+    fn cli(&self, args: &[&str]) -> Output {
+        let (var, url) = self.var();
+        run_idem_cli(var, url, args)
+    }
+}
+
 /// Executions per key summed over every instance.
-fn executions(apps: &[&PaymentsApp]) -> HashMap<String, u64> {
+fn executions(apps: &[PaymentsApp]) -> HashMap<String, u64> {
     let mut per_key: HashMap<String, u64> = HashMap::new();
     for app in apps {
         for (k, n) in app.stats().per_key {
@@ -39,10 +113,19 @@ fn executions(apps: &[&PaymentsApp]) -> HashMap<String, u64> {
     per_key
 }
 
+/// Executions of `key` on each instance, in order.
 fn executions_of(apps: &[&PaymentsApp], key: &str) -> Vec<u64> {
     apps.iter()
         .map(|a| a.stats().per_key.get(key).copied().unwrap_or(0))
         .collect()
+}
+
+/// Rows in the example's `payments` table for `key`.
+fn payment_rows(url: &str, key: &str) -> i64 {
+    idempotency_e2e::records::count(
+        url,
+        &format!("SELECT count(*) AS n FROM payments WHERE idempotency_key = '{key}'"),
+    )
 }
 
 /// Send unkeyed payments so this instance's payment ids differ from the others' (the example
@@ -67,10 +150,30 @@ fn signal(pid: u32, sig: &str) {
     assert!(ok, "kill {sig} {pid}");
 }
 
+/// A response still to come, from a request sent on its own thread.
+type Pending = JoinHandle<std::io::Result<Response>>;
+
 /// Sends `request` on its own thread.
-fn send_bg(addr: &str, request: &Request) -> std::thread::JoinHandle<std::io::Result<Response>> {
+fn send_bg(addr: &str, request: &Request) -> Pending {
     let (addr, request) = (addr.to_owned(), request.clone());
     std::thread::spawn(move || send_once(&addr, &request, Duration::from_secs(30)))
+}
+
+/// Sends `request` to `app` on its own thread and waits until `app` (`name`: "A", "B") runs
+/// the handler for `key`.
+fn send_bg_until_running(app: &PaymentsApp, name: &str, key: &str, request: &Request) -> Pending {
+    let handle = send_bg(&app.addr, request);
+    wait_until(
+        Duration::from_secs(10),
+        &format!("{name} runs the handler"),
+        || app.stats().per_key.contains_key(key),
+    );
+    handle
+}
+
+/// The response a [`send_bg`] thread got; panics with `what` if it got none.
+fn answer(handle: Pending, what: &str) -> Response {
+    handle.join().expect("client").expect(what)
 }
 
 // --------------------------------------------------------------------------------------------
@@ -92,14 +195,33 @@ fn out_text(o: &Output) -> String {
 // --------------------------------------------------------------------------------------------
 // 1. The same key sent at the same moment to three instances.
 
+/// Starts three instances with the same environment.
+fn three_apps(env: &[(&str, &str)]) -> [PaymentsApp; 3] {
+    [
+        PaymentsApp::start(env),
+        PaymentsApp::start(env),
+        PaymentsApp::start(env),
+    ]
+}
+
+/// Sends each of 120 keys `{name}-{k}` to the three instances at once, then checks that every
+/// key resolves to its one fresh response and ran exactly once.
 fn same_key_to_three_instances(
     name: &str,
-    apps: [&PaymentsApp; 3],
+    apps: &[PaymentsApp; 3],
     classify: fn(&Response) -> Result<Seen, String>,
 ) {
     const KEYS: usize = 120;
     const BATCH: usize = 10;
     let addrs: Vec<String> = apps.iter().map(|a| a.addr.clone()).collect();
+    // Every fifth key has a slow handler, so the others arrive while it runs.
+    let request = |k: usize| {
+        pay(
+            &format!("{name}-{k}"),
+            100 + k as u64,
+            k.is_multiple_of(5).then_some(300),
+        )
+    };
     let mut created_bodies: HashMap<usize, Vec<u8>> = HashMap::new();
     let mut seen_all: HashMap<String, u64> = HashMap::new();
     for batch in 0..KEYS / BATCH {
@@ -109,9 +231,7 @@ fn same_key_to_three_instances(
             let k = batch * BATCH + i;
             for addr in &addrs {
                 let (barrier, addr) = (Arc::clone(&barrier), addr.clone());
-                // Every fifth key has a slow handler, so the others arrive while it runs.
-                let delay = k.is_multiple_of(5).then_some(300);
-                let request = pay(&format!("{name}-{k}"), 100 + k as u64, delay);
+                let request = request(k);
                 threads.push(std::thread::spawn(move || {
                     barrier.wait();
                     (k, send_once(&addr, &request, CLIENT_TIMEOUT))
@@ -135,15 +255,9 @@ fn same_key_to_three_instances(
     // every concurrent request got 409/503 and nothing ran).
     for k in 0..KEYS {
         let key = format!("{name}-{k}");
-        let delay = k.is_multiple_of(5).then_some(300);
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
-            let r = send_once(
-                &addrs[k % 3],
-                &pay(&key, 100 + k as u64, delay),
-                CLIENT_TIMEOUT,
-            )
-            .expect("resolve");
+            let r = send_once(&addrs[k % 3], &request(k), CLIENT_TIMEOUT).expect("resolve");
             match classify(&r) {
                 Ok(Seen::Replay) => {
                     let first = created_bodies
@@ -168,7 +282,7 @@ fn same_key_to_three_instances(
             std::thread::sleep(Duration::from_millis(100));
         }
     }
-    let per_key = executions(&apps);
+    let per_key = executions(apps);
     let wrong: Vec<_> = (0..KEYS)
         .map(|k| format!("{name}-{k}"))
         .filter(|k| per_key.get(k).copied().unwrap_or(0) != 1)
@@ -183,37 +297,19 @@ fn same_key_to_three_instances(
     println!("COUNTS {name}: keys={KEYS} x3 instances at once: {seen:?}");
 }
 
-#[test]
-fn same_key_at_once_on_three_instances_postgres() {
-    let _s = shared();
-    let db = new_db();
-    let env = [("DATABASE_URL", db.url.as_str())];
-    let apps = [
-        PaymentsApp::start(&env),
-        PaymentsApp::start(&env),
-        PaymentsApp::start(&env),
-    ];
-    same_key_to_three_instances("pg3", [&apps[0], &apps[1], &apps[2]], classify);
+shared_tests! {
+    same_key_at_once_on_three_instances_postgres =>
+        same_key_to_three_instances("pg3", &three_apps(&Store::postgres().env(&[])), classify);
+    same_key_at_once_on_three_instances_redis =>
+        same_key_to_three_instances("rd3", &three_apps(&Store::redis().env(&[])), classify);
 }
 
 #[test]
 fn same_key_at_once_on_three_instances_postgres_transactional() {
     let _s = shared();
     let db = new_db();
-    let env = [
-        ("DATABASE_URL", db.url.as_str()),
-        ("PAYMENTS_TRANSACTIONAL", "1"),
-    ];
-    let apps = [
-        PaymentsApp::start(&env),
-        PaymentsApp::start(&env),
-        PaymentsApp::start(&env),
-    ];
-    same_key_to_three_instances(
-        "tx3",
-        [&apps[0], &apps[1], &apps[2]],
-        classify_transactional,
-    );
+    let apps = three_apps(&[("DATABASE_URL", db.url.as_str()), TRANSACTIONAL]);
+    same_key_to_three_instances("tx3", &apps, classify_transactional);
     // The table is the truth about effects: one payment row per key.
     let dup = idempotency_e2e::records::count(
         &db.url,
@@ -223,32 +319,18 @@ fn same_key_at_once_on_three_instances_postgres_transactional() {
     assert_eq!(dup, 0, "keys with other than one payments row");
 }
 
-#[test]
-fn same_key_at_once_on_three_instances_redis() {
-    let _s = shared();
-    let redis = RedisServer::start();
-    let url = redis.url();
-    let env = [("REDIS_URL", url.as_str())];
-    let apps = [
-        PaymentsApp::start(&env),
-        PaymentsApp::start(&env),
-        PaymentsApp::start(&env),
-    ];
-    same_key_to_three_instances("rd3", [&apps[0], &apps[1], &apps[2]], classify);
-}
-
 // --------------------------------------------------------------------------------------------
 // 2. A slow handler on A (longer than its lease: renewals must keep it) while B gets retries.
 
-fn slow_on_a_retries_on_b(env: &[(&str, &str)]) {
-    let a = PaymentsApp::start(env);
-    let b = PaymentsApp::start(env);
+/// A's handler takes 3.5 s with a 1.2 s lease; retries on B get 409 until B replays A's
+/// response, and the handler runs once.
+fn slow_on_a_retries_on_b(store: &Store) {
+    let env = store.env(&[(LEASE_MS, "1200")]);
+    let a = PaymentsApp::start(&env);
+    let b = PaymentsApp::start(&env);
     bump_ids(&b, 3);
     let request = pay("slow-1", 555, Some(3500));
-    let first = send_bg(&a.addr, &request);
-    wait_until(Duration::from_secs(10), "A runs the handler", || {
-        a.stats().per_key.contains_key("slow-1")
-    });
+    let first = send_bg_until_running(&a, "A", "slow-1", &request);
     let mut conflicts = 0;
     let deadline = Instant::now() + Duration::from_secs(20);
     let replay = loop {
@@ -264,7 +346,7 @@ fn slow_on_a_retries_on_b(env: &[(&str, &str)]) {
         assert!(Instant::now() < deadline, "never replayed");
         std::thread::sleep(Duration::from_millis(150));
     };
-    let original = first.join().expect("client").expect("A answered");
+    let original = answer(first, "A answered");
     assert_eq!(original.status, 201, "{}", original.describe());
     assert_eq!(replay.body, original.body, "B replays A's response");
     assert!(conflicts > 5, "B saw only {conflicts} 409s");
@@ -272,42 +354,28 @@ fn slow_on_a_retries_on_b(env: &[(&str, &str)]) {
     println!("COUNTS slow_on_a: conflicts_on_b={conflicts} then replay");
 }
 
-#[test]
-fn slow_handler_past_its_lease_on_a_retries_on_b_get_409_then_replay_postgres() {
-    let _s = shared();
-    let db = new_db();
-    slow_on_a_retries_on_b(&[
-        ("DATABASE_URL", db.url.as_str()),
-        ("IDEMPOTENCY_LOCK_TIMEOUT_MS", "1200"),
-    ]);
-}
-
-#[test]
-fn slow_handler_past_its_lease_on_a_retries_on_b_get_409_then_replay_redis() {
-    let _s = shared();
-    let redis = RedisServer::start();
-    let url = redis.url();
-    slow_on_a_retries_on_b(&[
-        ("REDIS_URL", url.as_str()),
-        ("IDEMPOTENCY_LOCK_TIMEOUT_MS", "1200"),
-    ]);
+shared_tests! {
+    slow_handler_past_its_lease_on_a_retries_on_b_get_409_then_replay_postgres =>
+        slow_on_a_retries_on_b(&Store::postgres());
+    slow_handler_past_its_lease_on_a_retries_on_b_get_409_then_replay_redis =>
+        slow_on_a_retries_on_b(&Store::redis());
 }
 
 // --------------------------------------------------------------------------------------------
 // 3. SIGSTOP of A past its lease; B takes over; A wakes up.
 
 /// `b_completes_first`: A is woken only after B's takeover completed; otherwise A is woken
-/// while B's handler still runs.
-fn frozen_instance(env: &[(&str, &str)], pg_url: Option<&str>, b_completes_first: bool) {
-    let a = PaymentsApp::start(env);
-    let b = PaymentsApp::start(env);
+/// while B's handler still runs. The lease is 2 s; on PostgreSQL the table's tokens are
+/// checked too.
+fn frozen_instance(store: &Store, b_completes_first: bool) {
+    let env = store.env(&[(LEASE_MS, "2000")]);
+    let pg_url = store.pg_url();
+    let a = PaymentsApp::start(&env);
+    let b = PaymentsApp::start(&env);
     bump_ids(&b, 5);
     let key = "frozen-1";
     let request = pay(key, 4242, Some(1500));
-    let first = send_bg(&a.addr, &request);
-    wait_until(Duration::from_secs(10), "A runs the handler", || {
-        a.stats().per_key.contains_key(key)
-    });
+    let first = send_bg_until_running(&a, "A", key, &request);
     let a_token = pg_url.map(|u| records_for_key(u, key)[0].token);
     signal(a.pid(), "-STOP");
     let stopped = Instant::now();
@@ -361,10 +429,7 @@ fn frozen_instance(env: &[(&str, &str)], pg_url: Option<&str>, b_completes_first
         None
     };
     signal(a.pid(), "-CONT");
-    let a_response = first
-        .join()
-        .expect("client")
-        .expect("A answers after SIGCONT");
+    let a_response = answer(first, "A answers after SIGCONT");
     assert_eq!(a_response.status, 201, "{}", a_response.describe());
     assert!(!a_response.is_replay());
     if !b_completes_first {
@@ -411,62 +476,31 @@ fn frozen_instance(env: &[(&str, &str)], pg_url: Option<&str>, b_completes_first
     );
 }
 
-#[test]
-fn sigstop_past_the_lease_woken_while_b_runs_postgres() {
-    let _s = shared();
-    let db = new_db();
-    frozen_instance(
-        &[
-            ("DATABASE_URL", db.url.as_str()),
-            ("IDEMPOTENCY_LOCK_TIMEOUT_MS", "2000"),
-        ],
-        Some(&db.url),
-        false,
-    );
+shared_tests! {
+    sigstop_past_the_lease_woken_while_b_runs_postgres =>
+        frozen_instance(&Store::postgres(), false);
+    sigstop_past_the_lease_woken_after_b_completed_postgres =>
+        frozen_instance(&Store::postgres(), true);
+    sigstop_past_the_lease_woken_while_b_runs_redis => frozen_instance(&Store::redis(), false);
+    sigstop_past_the_lease_woken_after_b_completed_redis => frozen_instance(&Store::redis(), true);
 }
 
-#[test]
-fn sigstop_past_the_lease_woken_after_b_completed_postgres() {
-    let _s = shared();
-    let db = new_db();
-    frozen_instance(
-        &[
-            ("DATABASE_URL", db.url.as_str()),
-            ("IDEMPOTENCY_LOCK_TIMEOUT_MS", "2000"),
-        ],
-        Some(&db.url),
-        true,
-    );
-}
-
-#[test]
-fn sigstop_past_the_lease_woken_while_b_runs_redis() {
-    let _s = shared();
-    let redis = RedisServer::start();
-    let url = redis.url();
-    frozen_instance(
-        &[
-            ("REDIS_URL", url.as_str()),
-            ("IDEMPOTENCY_LOCK_TIMEOUT_MS", "2000"),
-        ],
-        None,
-        false,
-    );
-}
-
-#[test]
-fn sigstop_past_the_lease_woken_after_b_completed_redis() {
-    let _s = shared();
-    let redis = RedisServer::start();
-    let url = redis.url();
-    frozen_instance(
-        &[
-            ("REDIS_URL", url.as_str()),
-            ("IDEMPOTENCY_LOCK_TIMEOUT_MS", "2000"),
-        ],
-        None,
-        true,
-    );
+/// Starts transactional instances A and B on `db` (lease 2 s) and sends `request` (for `key`)
+/// to A until its handler runs; returns A, B and A's pending answer.
+fn transactional_a_and_b(
+    db: &TestDb,
+    key: &str,
+    request: &Request,
+) -> (PaymentsApp, PaymentsApp, Pending) {
+    let env = [
+        ("DATABASE_URL", db.url.as_str()),
+        TRANSACTIONAL,
+        (LEASE_MS, "2000"),
+    ];
+    let a = PaymentsApp::start(&env);
+    let b = PaymentsApp::start(&env);
+    let first = send_bg_until_running(&a, "A", key, request);
+    (a, b, first)
 }
 
 /// SIGSTOP in transactional mode: A's transaction (with its claim and payments row) is open
@@ -478,19 +512,9 @@ fn sigstop_past_the_lease_woken_after_b_completed_redis() {
 fn sigstop_past_the_lease_transactional_one_payment_row() {
     let _s = shared();
     let db = new_db();
-    let env = [
-        ("DATABASE_URL", db.url.as_str()),
-        ("PAYMENTS_TRANSACTIONAL", "1"),
-        ("IDEMPOTENCY_LOCK_TIMEOUT_MS", "2000"),
-    ];
-    let a = PaymentsApp::start(&env);
-    let b = PaymentsApp::start(&env);
     let key = "frozen-tx";
     let request = pay(key, 777, Some(1500));
-    let first = send_bg(&a.addr, &request);
-    wait_until(Duration::from_secs(10), "A runs the handler", || {
-        a.stats().per_key.contains_key(key)
-    });
+    let (a, b, first) = transactional_a_and_b(&db, key, &request);
     signal(a.pid(), "-STOP");
     let stopped = Instant::now();
     let mut seen = Vec::new();
@@ -502,10 +526,7 @@ fn sigstop_past_the_lease_transactional_one_payment_row() {
         std::thread::sleep(Duration::from_millis(200));
     }
     signal(a.pid(), "-CONT");
-    let a_resp = first
-        .join()
-        .expect("client")
-        .expect("A answers after SIGCONT");
+    let a_resp = answer(first, "A answers after SIGCONT");
     let deadline = Instant::now() + Duration::from_secs(15);
     let b_final = loop {
         let r = send_once(&b.addr, &request, CLIENT_TIMEOUT).expect("B answers");
@@ -516,10 +537,7 @@ fn sigstop_past_the_lease_transactional_one_payment_row() {
         assert!(Instant::now() < deadline, "B never resolved after A woke");
         std::thread::sleep(Duration::from_millis(200));
     };
-    let rows = idempotency_e2e::records::count(
-        &db.url,
-        &format!("SELECT count(*) AS n FROM payments WHERE idempotency_key = '{key}'"),
-    );
+    let rows = payment_rows(&db.url, key);
     let ex = executions_of(&[&a, &b], key);
     println!(
         "COUNTS frozen_tx: B saw while A frozen {:?}; A answered {}; payments rows={rows}; executions={ex:?}",
@@ -540,172 +558,132 @@ fn sigstop_past_the_lease_transactional_one_payment_row() {
 // --------------------------------------------------------------------------------------------
 // 4. idem-cli release of an in-flight key while its handler runs on A.
 
-#[test]
-fn cli_release_of_a_running_key_refused_then_forced_postgres() {
-    let _s = shared();
-    let db = new_db();
-    let env = [
-        ("DATABASE_URL", db.url.as_str()),
-        ("IDEMPOTENCY_LOCK_TIMEOUT_MS", "1500"),
-    ];
+/// A's handler (4 s, lease 1.5 s) runs; `idem-cli release` is refused while A renews its lease
+/// and succeeds with --force; A's renewals must not bring the record back. A retry on B then
+/// runs the handler a second time (documented in operations.md) and B's response is stored.
+/// On PostgreSQL the table is checked between the steps too.
+fn release_of_a_running_key(store: &Store, key: &str, amount: u64) {
+    let env = store.env(&[(LEASE_MS, "1500")]);
+    let pg_url = store.pg_url();
     let a = PaymentsApp::start(&env);
     let b = PaymentsApp::start(&env);
     bump_ids(&b, 7);
-    let key = "rel-1";
-    let request = pay(key, 900, Some(4000));
-    let first = send_bg(&a.addr, &request);
-    wait_until(Duration::from_secs(10), "A runs the handler", || {
-        a.stats().per_key.contains_key(key)
-    });
+    let request = pay(key, amount, Some(4000));
+    let first = send_bg_until_running(&a, "A", key, &request);
     // Without --force: refused, exit 6, record untouched.
-    let o = cli(&db.url, &["release", key, "--tenant", TENANT]);
+    let o = store.cli(&["release", key, "--tenant", TENANT]);
     assert_eq!(o.status.code(), Some(6), "{}", out_text(&o));
-    assert_eq!(records_for_key(&db.url, key).len(), 1);
+    if let Some(u) = pg_url {
+        assert_eq!(records_for_key(u, key).len(), 1);
+    }
     // After A's own lease would have ended without renewal (1.5 s): still refused (renewed).
     std::thread::sleep(Duration::from_millis(2000));
-    let o = cli(&db.url, &["release", key, "--tenant", TENANT]);
+    let o = store.cli(&["release", key, "--tenant", TENANT]);
     assert_eq!(
         o.status.code(),
         Some(6),
-        "a renewed lease must still be refused: {}",
+        "{key}: a renewed lease must still be refused: {}",
         out_text(&o)
     );
     // --force: released.
-    let o = cli(&db.url, &["release", key, "--tenant", TENANT, "--force"]);
+    let o = store.cli(&["release", key, "--tenant", TENANT, "--force"]);
     assert_eq!(o.status.code(), Some(0), "{}", out_text(&o));
     // A's renewals (every 0.5 s) keep running until its handler returns: they must not bring
     // the record back.
     for _ in 0..8 {
-        assert!(
-            records_for_key(&db.url, key).is_empty(),
-            "the released reservation came back (renewal resurrected it)"
-        );
-        std::thread::sleep(Duration::from_millis(150));
+        if let Some(u) = pg_url {
+            assert!(
+                records_for_key(u, key).is_empty(),
+                "the released reservation came back (renewal resurrected it)"
+            );
+            std::thread::sleep(Duration::from_millis(150));
+        } else {
+            let o = store.cli(&["show", key, "--tenant", TENANT, "--format", "json"]);
+            assert_eq!(
+                o.status.code(),
+                Some(6),
+                "the released reservation came back: {}",
+                out_text(&o)
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
     }
     // A retry on B runs the handler a second time (documented in operations.md).
-    let second = send_bg(&b.addr, &request);
-    wait_until(Duration::from_secs(10), "B runs the handler", || {
-        b.stats().per_key.contains_key(key)
-    });
-    let b_token = records_for_key(&db.url, key)[0].token;
-    let a_resp = first.join().expect("client").expect("A answered");
+    let second = send_bg_until_running(&b, "B", key, &request);
+    let b_token = pg_url.map(|u| records_for_key(u, key)[0].token);
+    let a_resp = answer(first, "A answered");
     assert_eq!(a_resp.status, 201);
-    std::thread::sleep(Duration::from_millis(300));
-    let rows = records_for_key(&db.url, key);
-    assert_eq!(rows.len(), 1);
-    assert_eq!(
-        rows[0].state,
-        State::InFlight,
-        "A's response stored after the release"
-    );
-    assert_eq!(rows[0].token, b_token);
-    let b_resp = second.join().expect("client").expect("B answered");
-    assert_eq!(b_resp.status, 201);
-    std::thread::sleep(Duration::from_millis(300));
-    let replay = send_once(&a.addr, &request, CLIENT_TIMEOUT).expect("replay");
-    assert!(replay.is_replay(), "{}", replay.describe());
-    assert_eq!(replay.body, b_resp.body, "the stored response is B's");
-    assert_eq!(executions_of(&[&a, &b], key), vec![1, 1]);
-}
-
-#[test]
-fn cli_release_forced_of_a_running_key_redis() {
-    let _s = shared();
-    let redis = RedisServer::start();
-    let url = redis.url();
-    let env = [
-        ("REDIS_URL", url.as_str()),
-        ("IDEMPOTENCY_LOCK_TIMEOUT_MS", "1500"),
-    ];
-    let a = PaymentsApp::start(&env);
-    let b = PaymentsApp::start(&env);
-    bump_ids(&b, 7);
-    let key = "rel-r";
-    let request = pay(key, 901, Some(4000));
-    let first = send_bg(&a.addr, &request);
-    wait_until(Duration::from_secs(10), "A runs the handler", || {
-        a.stats().per_key.contains_key(key)
-    });
-    let o = run_idem_cli("REDIS_URL", &url, &["release", key, "--tenant", TENANT]);
-    assert_eq!(o.status.code(), Some(6), "{}", out_text(&o));
-    std::thread::sleep(Duration::from_millis(2000));
-    let o = run_idem_cli("REDIS_URL", &url, &["release", key, "--tenant", TENANT]);
-    assert_eq!(o.status.code(), Some(6), "renewed lease: {}", out_text(&o));
-    let o = run_idem_cli(
-        "REDIS_URL",
-        &url,
-        &["release", key, "--tenant", TENANT, "--force"],
-    );
-    assert_eq!(o.status.code(), Some(0), "{}", out_text(&o));
-    // Renewals of A must not bring it back.
-    for _ in 0..8 {
-        let o = run_idem_cli(
-            "REDIS_URL",
-            &url,
-            &["show", key, "--tenant", TENANT, "--format", "json"],
-        );
+    if let (Some(u), Some(bt)) = (pg_url, b_token) {
+        std::thread::sleep(Duration::from_millis(300));
+        let rows = records_for_key(u, key);
+        assert_eq!(rows.len(), 1);
         assert_eq!(
-            o.status.code(),
-            Some(6),
-            "the released reservation came back: {}",
-            out_text(&o)
+            rows[0].state,
+            State::InFlight,
+            "A's response stored after the release"
         );
-        std::thread::sleep(Duration::from_millis(100));
+        assert_eq!(rows[0].token, bt);
     }
-    let second = send_bg(&b.addr, &request);
-    wait_until(Duration::from_secs(10), "B runs the handler", || {
-        b.stats().per_key.contains_key(key)
-    });
-    let a_resp = first.join().expect("client").expect("A answered");
-    assert_eq!(a_resp.status, 201);
-    let b_resp = second.join().expect("client").expect("B answered");
+    let b_resp = answer(second, "B answered");
     assert_eq!(b_resp.status, 201);
     std::thread::sleep(Duration::from_millis(300));
     let replay = send_once(&a.addr, &request, CLIENT_TIMEOUT).expect("replay");
     assert!(replay.is_replay(), "{}", replay.describe());
     assert_eq!(
         replay.body, b_resp.body,
-        "the stored response is B's, not A's"
+        "{key}: the stored response is B's, not A's"
     );
     assert_eq!(executions_of(&[&a, &b], key), vec![1, 1]);
 }
 
-/// A holder (instance A, PostgreSQL, lease 1.5 s) frozen with SIGSTOP mid-handler until its
-/// lease has ended; meanwhile the operator runs `idem-cli args`, and `check` judges its output
-/// (right after A is woken). A's client still gets its 201; `what` the operator did must stay
-/// done: A, awake, neither stores nor renews the record back into existence.
+shared_tests! {
+    cli_release_of_a_running_key_refused_then_forced_postgres =>
+        release_of_a_running_key(&Store::postgres(), "rel-1", 900);
+    cli_release_forced_of_a_running_key_redis =>
+        release_of_a_running_key(&Store::redis(), "rel-r", 901);
+}
+
+/// A holder (instance A, lease 1.5 s) frozen with SIGSTOP mid-handler until its lease has
+/// ended; meanwhile the operator runs `idem-cli args`, and `check` judges its output (right
+/// after A is woken). A's client still gets its 201; `what` the operator did must stay done:
+/// A, awake, neither stores nor renews the record back into existence (PostgreSQL: no row for
+/// the key; Redis: `idem-cli show` finds none).
 fn operator_acts_while_the_holder_is_frozen(
+    store: &Store,
     key: &str,
     amount: u64,
     args: &[&str],
     what: &str,
     check: impl FnOnce(&Output),
 ) {
-    let db = new_db();
-    let env = [
-        ("DATABASE_URL", db.url.as_str()),
-        ("IDEMPOTENCY_LOCK_TIMEOUT_MS", "1500"),
-    ];
+    let env = store.env(&[(LEASE_MS, "1500")]);
     let a = PaymentsApp::start(&env);
     let request = pay(key, amount, Some(800));
-    let first = send_bg(&a.addr, &request);
-    wait_until(Duration::from_secs(10), "A runs the handler", || {
-        a.stats().per_key.contains_key(key)
-    });
+    let first = send_bg_until_running(&a, "A", key, &request);
     signal(a.pid(), "-STOP");
     std::thread::sleep(Duration::from_millis(2500));
-    let o = cli(&db.url, args);
+    let o = store.cli(args);
     signal(a.pid(), "-CONT");
     check(&o);
-    let a_resp = first.join().expect("client").expect("A answered");
+    let a_resp = answer(first, "A answered");
     assert_eq!(a_resp.status, 201);
     std::thread::sleep(Duration::from_millis(1500));
-    let rows = records_for_key(&db.url, key);
-    assert!(
-        rows.is_empty(),
-        "after {what}, the woken holder wrote the record back: {:?}",
-        rows.iter().map(|r| (r.state, r.token)).collect::<Vec<_>>()
-    );
+    if let Some(u) = store.pg_url() {
+        let rows = records_for_key(u, key);
+        assert!(
+            rows.is_empty(),
+            "after {what}, the woken holder wrote the record back: {:?}",
+            rows.iter().map(|r| (r.state, r.token)).collect::<Vec<_>>()
+        );
+    } else {
+        let o = store.cli(&["show", key, "--tenant", TENANT]);
+        assert_eq!(
+            o.status.code(),
+            Some(6),
+            "after {what}, the woken holder wrote the record back: {}",
+            out_text(&o)
+        );
+    }
 }
 
 /// A frozen A whose lease ended: `release` without --force is allowed (lease ended). When A
@@ -714,6 +692,7 @@ fn operator_acts_while_the_holder_is_frozen(
 fn cli_release_of_a_frozen_holders_key_then_wake_up_postgres() {
     let _s = shared();
     operator_acts_while_the_holder_is_frozen(
+        &Store::postgres(),
         "rel-frozen",
         902,
         &["release", "rel-frozen", "--tenant", TENANT],
@@ -731,14 +710,20 @@ fn cli_release_of_a_frozen_holders_key_then_wake_up_postgres() {
 // --------------------------------------------------------------------------------------------
 // 5. The operator's commands while traffic runs on two instances.
 
+/// The request for key `op-{k}`; every fourth has a slow handler.
+fn op_request(k: usize) -> Request {
+    pay(
+        &format!("op-{k}"),
+        10 + k as u64,
+        k.is_multiple_of(4).then_some(400),
+    )
+}
+
 #[test]
 fn cli_purge_list_show_stats_while_traffic_runs_never_lose_a_live_record() {
     let _s = serial();
     let db = new_db();
-    let env = [
-        ("DATABASE_URL", db.url.as_str()),
-        ("IDEMPOTENCY_LOCK_TIMEOUT_MS", "5000"),
-    ];
+    let env = [("DATABASE_URL", db.url.as_str()), (LEASE_MS, "5000")];
     let apps = [PaymentsApp::start(&env), PaymentsApp::start(&env)];
     let stop = Arc::new(AtomicBool::new(false));
     let next = Arc::new(AtomicUsize::new(0));
@@ -751,8 +736,7 @@ fn cli_purge_list_show_stats_while_traffic_runs_never_lose_a_live_record() {
             while !stop.load(Ordering::SeqCst) {
                 let k = next.fetch_add(1, Ordering::SeqCst);
                 mine.push(k);
-                let delay = (k % 4 == 0).then_some(400);
-                let req = pay(&format!("op-{k}"), 10 + k as u64, delay);
+                let req = op_request(k);
                 // The original and two retries, on alternating instances.
                 for attempt in 0..3 {
                     let r = send_once(&addrs[(c + attempt) % 2], &req, CLIENT_TIMEOUT)
@@ -795,20 +779,14 @@ fn cli_purge_list_show_stats_while_traffic_runs_never_lose_a_live_record() {
     // Everything still there: one replay per key, one run per key.
     for &k in &sent {
         let key = format!("op-{k}");
-        let delay = (k % 4 == 0).then_some(400);
-        let r = send_once(
-            &apps[k % 2].addr,
-            &pay(&key, 10 + k as u64, delay),
-            CLIENT_TIMEOUT,
-        )
-        .expect("replay");
+        let r = send_once(&apps[k % 2].addr, &op_request(k), CLIENT_TIMEOUT).expect("replay");
         assert!(
             r.is_replay(),
             "{key}: record lost during the operator's commands: {}",
             r.describe()
         );
     }
-    let per_key = executions(&[&apps[0], &apps[1]]);
+    let per_key = executions(&apps);
     let wrong: Vec<_> = per_key.iter().filter(|(_, n)| **n != 1).collect();
     assert!(wrong.is_empty(), "keys run more than once: {wrong:?}");
     assert_eq!(per_key.len(), sent.len());
@@ -902,10 +880,7 @@ fn operator_output_and_app_never_print_the_password() {
         "host=127.0.0.1 port=5432 user={name} password='{PASSWORD}' dbname={} connect_timeout=2",
         db.name
     );
-    let app = PaymentsApp::start(&[
-        ("DATABASE_URL", urls[0].as_str()),
-        ("IDEMPOTENCY_LOCK_TIMEOUT_MS", "3000"),
-    ]);
+    let app = PaymentsApp::start(&[("DATABASE_URL", urls[0].as_str()), (LEASE_MS, "3000")]);
     // Some completed and one in-flight key.
     for k in 0..3 {
         let r =
@@ -984,19 +959,13 @@ fn operator_output_and_app_never_print_the_password() {
 fn sigkill_mid_handler_retries_on_two_others_run_once_after_the_lease() {
     let _s = shared();
     let db = new_db();
-    let env = [
-        ("DATABASE_URL", db.url.as_str()),
-        ("IDEMPOTENCY_LOCK_TIMEOUT_MS", "3000"),
-    ];
+    let env = [("DATABASE_URL", db.url.as_str()), (LEASE_MS, "3000")];
     let mut a = PaymentsApp::start(&env);
     let b = PaymentsApp::start(&env);
     let c = PaymentsApp::start(&env);
     let request = pay("kill-3", 333, Some(2000));
     let sent = Instant::now();
-    let first = send_bg(&a.addr, &request);
-    wait_until(Duration::from_secs(10), "A runs the handler", || {
-        a.stats().per_key.contains_key("kill-3")
-    });
+    let first = send_bg_until_running(&a, "A", "kill-3", &request);
     a.kill();
     let _ = first.join();
     // B and C hammer concurrently: 409 until the lease ends, then exactly one takes over, and
@@ -1051,6 +1020,7 @@ fn sigkill_mid_handler_retries_on_two_others_run_once_after_the_lease() {
 fn purge_of_a_frozen_holders_reservation_then_wake_up_postgres() {
     let _s = shared();
     operator_acts_while_the_holder_is_frozen(
+        &Store::postgres(),
         "purge-frozen",
         903,
         &["purge", "--grace", "0s"],
@@ -1070,19 +1040,9 @@ fn purge_of_a_frozen_holders_reservation_then_wake_up_postgres() {
 fn cli_release_of_an_open_transactional_claim() {
     let _s = shared();
     let db = new_db();
-    let env = [
-        ("DATABASE_URL", db.url.as_str()),
-        ("PAYMENTS_TRANSACTIONAL", "1"),
-        ("IDEMPOTENCY_LOCK_TIMEOUT_MS", "2000"),
-    ];
-    let a = PaymentsApp::start(&env);
-    let b = PaymentsApp::start(&env);
     let key = "rel-tx";
     let request = pay(key, 904, Some(6000));
-    let first = send_bg(&a.addr, &request);
-    wait_until(Duration::from_secs(10), "A runs the handler", || {
-        a.stats().per_key.contains_key(key)
-    });
+    let (a, b, first) = transactional_a_and_b(&db, key, &request);
     let mut log = Vec::new();
     for args in [
         &["release", key, "--tenant", TENANT][..],
@@ -1107,7 +1067,7 @@ fn cli_release_of_an_open_transactional_claim() {
         "B during A's open claim after release: {}",
         r.describe()
     );
-    let a_resp = first.join().expect("client").expect("A answered");
+    let a_resp = answer(first, "A answered");
     println!(
         "COUNTS release_open_tx_claim:\n{}\nA: {}",
         log.join("\n"),
@@ -1126,37 +1086,25 @@ fn cli_release_of_an_open_transactional_claim() {
 fn mixed_modes_frozen_default_holder_taken_over_by_transactional_instance() {
     let _s = shared();
     let db = new_db();
-    let a = PaymentsApp::start(&[
-        ("DATABASE_URL", db.url.as_str()),
-        ("IDEMPOTENCY_LOCK_TIMEOUT_MS", "1500"),
-    ]);
+    let a = PaymentsApp::start(&[("DATABASE_URL", db.url.as_str()), (LEASE_MS, "1500")]);
     let b = PaymentsApp::start(&[
         ("DATABASE_URL", db.url.as_str()),
-        ("PAYMENTS_TRANSACTIONAL", "1"),
-        ("IDEMPOTENCY_LOCK_TIMEOUT_MS", "1500"),
+        TRANSACTIONAL,
+        (LEASE_MS, "1500"),
     ]);
     let key = "mixed-1";
     let request = pay(key, 905, Some(1000));
-    let first = send_bg(&a.addr, &request);
-    wait_until(Duration::from_secs(10), "A runs the handler", || {
-        a.stats().per_key.contains_key(key)
-    });
+    let first = send_bg_until_running(&a, "A", key, &request);
     signal(a.pid(), "-STOP");
     std::thread::sleep(Duration::from_millis(2500));
-    let second = send_bg(&b.addr, &request);
-    wait_until(Duration::from_secs(10), "B runs the handler", || {
-        b.stats().per_key.contains_key(key)
-    });
+    let second = send_bg_until_running(&b, "B", key, &request);
     signal(a.pid(), "-CONT");
-    let a_resp = first.join().expect("client").expect("A answered");
-    let b_resp = second.join().expect("client").expect("B answered");
+    let a_resp = answer(first, "A answered");
+    let b_resp = answer(second, "B answered");
     std::thread::sleep(Duration::from_millis(1500));
     let ra = send_once(&a.addr, &request, CLIENT_TIMEOUT).expect("replay A");
     let rb = send_once(&b.addr, &request, CLIENT_TIMEOUT).expect("replay B");
-    let rows = idempotency_e2e::records::count(
-        &db.url,
-        &format!("SELECT count(*) AS n FROM payments WHERE idempotency_key = '{key}'"),
-    );
+    let rows = payment_rows(&db.url, key);
     println!(
         "COUNTS mixed: A {} B {} payments rows {rows} executions {:?}",
         a_resp.status,
@@ -1183,32 +1131,12 @@ fn mixed_modes_frozen_default_holder_taken_over_by_transactional_instance() {
 #[test]
 fn cli_release_of_a_frozen_holders_key_then_wake_up_redis() {
     let _s = shared();
-    let redis = RedisServer::start();
-    let url = redis.url();
-    let env = [
-        ("REDIS_URL", url.as_str()),
-        ("IDEMPOTENCY_LOCK_TIMEOUT_MS", "1500"),
-    ];
-    let a = PaymentsApp::start(&env);
-    let key = "rel-frozen-r";
-    let request = pay(key, 906, Some(800));
-    let first = send_bg(&a.addr, &request);
-    wait_until(Duration::from_secs(10), "A runs the handler", || {
-        a.stats().per_key.contains_key(key)
-    });
-    signal(a.pid(), "-STOP");
-    std::thread::sleep(Duration::from_millis(2500));
-    let o = run_idem_cli("REDIS_URL", &url, &["release", key, "--tenant", TENANT]);
-    signal(a.pid(), "-CONT");
-    assert_eq!(o.status.code(), Some(0), "{}", out_text(&o));
-    let a_resp = first.join().expect("client").expect("A answered");
-    assert_eq!(a_resp.status, 201);
-    std::thread::sleep(Duration::from_millis(1500));
-    let o = run_idem_cli("REDIS_URL", &url, &["show", key, "--tenant", TENANT]);
-    assert_eq!(
-        o.status.code(),
-        Some(6),
-        "after release, the woken holder wrote the record back: {}",
-        out_text(&o)
+    operator_acts_while_the_holder_is_frozen(
+        &Store::redis(),
+        "rel-frozen-r",
+        906,
+        &["release", "rel-frozen-r", "--tenant", TENANT],
+        "release",
+        |o| assert_eq!(o.status.code(), Some(0), "{}", out_text(o)),
     );
 }
