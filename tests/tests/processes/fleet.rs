@@ -1057,6 +1057,9 @@ fn cli_release_of_an_open_transactional_claim() {
             "{args:?} took {:?}",
             t.elapsed()
         );
+        // The open claim is an uncommitted row: invisible to the operator, so "no record"
+        // (exit 6) for each, and nothing removed.
+        assert_eq!(o.status.code(), Some(6), "{args:?}: {}", out_text(&o));
     }
     // B, meanwhile: only 409, never a run.
     let r = send_once(&b.addr, &request, CLIENT_TIMEOUT).expect("B");
