@@ -631,9 +631,13 @@ fn streamed_response_copy_memory_is_bounded_by_the_response_size() {
             "stream {kind:7} {mw_len:>7} B body: +{plain_kb} KiB peak without the middleware, +{mw_kb} KiB with it: {added_kb} KiB added, {per_byte:.0} B per body byte"
         );
         // Two copies of the body (the record's and the store's) plus slack; for slices, the
-        // client channel's 16 queued chunks of 1 MiB buffers on top.
+        // client channel's 16 queued chunks of 1 MiB buffers on top. The slack is 8 MiB: peak
+        // RSS moves with the scheduling of the reader and the allocator's arenas, and with 4
+        // MiB a run beside a full test run and two builds measured 6,536 KiB (`tiny`) and
+        // 21,204 KiB (`sliced`), just over. The bug this guards against is well beyond it:
+        // about 28 MiB for `tiny` and 67 MiB for `sliced`.
         let channel = if kind == "sliced" { 16 << 20 } else { 0 };
-        if added_kb * 1024 > 8 * mw_len + channel + (4 << 20) {
+        if added_kb * 1024 > 8 * mw_len + channel + (8 << 20) {
             failures.push(format!(
                 "{kind}: the middleware added {added_kb} KiB peak RSS for a {mw_len} B streamed response ({per_byte:.0} B per byte)"
             ));
