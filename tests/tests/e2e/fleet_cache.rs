@@ -109,59 +109,56 @@ where
     })
 }
 
+/// Boxes the async `make` as a [`Make`].
+fn boxed<S, F>(make: impl FnOnce() -> F + Send + 'static) -> Make<S>
+where
+    F: Future<Output = Idempotency<S>> + 'static,
+{
+    Box::new(move || Box::pin(make()))
+}
+
+/// The middleware over `store`: the fleet's tenant header, records of `ttl`, a 3 s lock timeout.
+fn middleware<S: IdempotencyStore>(store: S, ttl: Duration) -> Idempotency<S> {
+    Idempotency::builder(store)
+        .tenant_header(TENANT_HEADER)
+        .ttl(ttl)
+        .lock_timeout(Duration::from_secs(3))
+        .build()
+}
+
 fn plain_pg(url: &str, ttl: Duration) -> Make<PostgresStore> {
     let url = url.to_owned();
-    Box::new(move || {
-        Box::pin(async move {
-            let store = PostgresStore::connect(&url).await.expect("store");
-            Idempotency::builder(store)
-                .tenant_header(TENANT_HEADER)
-                .ttl(ttl)
-                .lock_timeout(Duration::from_secs(3))
-                .build()
-        })
+    boxed(move || async move {
+        let store = PostgresStore::connect(&url).await.expect("store");
+        middleware(store, ttl)
     })
 }
 
 fn transactional_pg(url: &str) -> Make<PostgresStore> {
     let url = url.to_owned();
-    Box::new(move || {
-        Box::pin(async move {
-            let store = PostgresStore::connect(&url).await.expect("store");
-            Idempotency::builder(store)
-                .tenant_header(TENANT_HEADER)
-                .lock_timeout(Duration::from_secs(3))
-                .transactional()
-                .build()
-        })
+    boxed(move || async move {
+        let store = PostgresStore::connect(&url).await.expect("store");
+        Idempotency::builder(store)
+            .tenant_header(TENANT_HEADER)
+            .lock_timeout(Duration::from_secs(3))
+            .transactional()
+            .build()
     })
 }
 
 fn cached_pg(url: &str, ttl: Duration, max_ttl: Duration) -> Make<CachedStore<PostgresStore>> {
     let url = url.to_owned();
-    Box::new(move || {
-        Box::pin(async move {
-            let store = PostgresStore::connect(&url).await.expect("store");
-            Idempotency::builder(CachedStore::builder(store).max_ttl(max_ttl).build())
-                .tenant_header(TENANT_HEADER)
-                .ttl(ttl)
-                .lock_timeout(Duration::from_secs(3))
-                .build()
-        })
+    boxed(move || async move {
+        let store = PostgresStore::connect(&url).await.expect("store");
+        middleware(CachedStore::builder(store).max_ttl(max_ttl).build(), ttl)
     })
 }
 
 fn cached_redis(url: &str, ttl: Duration, max_ttl: Duration) -> Make<CachedStore<RedisStore>> {
     let url = url.to_owned();
-    Box::new(move || {
-        Box::pin(async move {
-            let store = RedisStore::connect(&url).await.expect("store");
-            Idempotency::builder(CachedStore::builder(store).max_ttl(max_ttl).build())
-                .tenant_header(TENANT_HEADER)
-                .ttl(ttl)
-                .lock_timeout(Duration::from_secs(3))
-                .build()
-        })
+    boxed(move || async move {
+        let store = RedisStore::connect(&url).await.expect("store");
+        middleware(CachedStore::builder(store).max_ttl(max_ttl).build(), ttl)
     })
 }
 
@@ -205,6 +202,102 @@ fn stdout(o: &Output) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
 }
 
+/// Asserts idem-cli's exit code `code`; `what` names the case.
+fn assert_exit(o: &Output, code: i32, what: &str) {
+    assert_eq!(o.status.code(), Some(code), "{what}: {}", out_text(o));
+}
+
+/// Runs idem-cli with `args` against the database at `url` and asserts exit 0.
+fn cli_ok(url: &str, args: &[&str]) -> Output {
+    let o = cli(url, args);
+    assert_exit(&o, 0, &format!("idem-cli {args:?}"));
+    o
+}
+
+/// Runs `idem-cli release KEY --tenant TENANT --force` against the store at `url` (`var` names
+/// its environment variable) and asserts exit 0.
+fn force_release(var: &str, url: &str, tenant: &str, key: &str) {
+    let o = run_idem_cli(var, url, &["release", key, "--tenant", tenant, "--force"]);
+    assert_exit(&o, 0, &format!("release {key} --tenant {tenant} --force"));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Instances and answers
+
+/// Starts caching instance `name` on the table at `url`: records of `ttl`, entries up to `max_ttl`.
+fn caching_pg(
+    fleet: &Fleet,
+    name: &'static str,
+    url: &str,
+    ttl: Duration,
+    max_ttl: Duration,
+) -> ThreadServer {
+    instance(fleet, name, cached_pg(url, ttl, max_ttl))
+}
+
+/// Starts uncached A, then caching B and C (entries up to `max_ttl_b` / `max_ttl_c`), on the
+/// table at `url`, all with records of `ttl`.
+fn uncached_a_caching_b_c(
+    fleet: &Fleet,
+    url: &str,
+    ttl: Duration,
+    max_ttl_b: Duration,
+    max_ttl_c: Duration,
+) -> [ThreadServer; 3] {
+    [
+        instance(fleet, "A", plain_pg(url, ttl)),
+        caching_pg(fleet, "B", url, ttl, max_ttl_b),
+        caching_pg(fleet, "C", url, ttl, max_ttl_c),
+    ]
+}
+
+/// Asserts `r` is a 201 that ran the handler (not a replay); `what` names the case.
+fn assert_run(r: &Response, what: &str) {
+    assert_eq!(r.status, 201, "{what}: {}", r.describe());
+    assert!(!r.is_replay(), "{what}: replayed: {}", r.describe());
+}
+
+/// Asserts `r` is a replay; `what` names the case.
+fn assert_replay(r: &Response, what: &str) {
+    assert!(r.is_replay(), "{what}: not a replay: {}", r.describe());
+}
+
+/// Asserts `r` is a replay of `original`'s body; `what` names the case.
+fn assert_replay_of(r: &Response, original: &Response, what: &str) {
+    assert!(
+        r.is_replay() && r.body == original.body,
+        "{what}: expected the replay of {}, got {}",
+        original.describe(),
+        r.describe()
+    );
+}
+
+/// Asserts `r` is the problem answer `code`; `what` names the case.
+fn assert_problem(r: &Response, code: &str, what: &str) {
+    assert_eq!(
+        r.problem_code().as_deref(),
+        Some(code),
+        "{what}: {}",
+        r.describe()
+    );
+}
+
+/// Sends `request` to `first` (asserting a 201), then to each of the named `replaying`
+/// instances in turn (asserting a replay); `first`'s answer.
+fn run_then_replay(
+    first: &ThreadServer,
+    replaying: &[(&str, &ThreadServer)],
+    request: &Request,
+    what: &str,
+) -> Response {
+    let r = send(first, request);
+    assert_eq!(r.status, 201, "{what}, first send: {}", r.describe());
+    for (name, srv) in replaying {
+        assert_replay(&send(srv, request), &format!("{what} on {name}"));
+    }
+    r
+}
+
 // ---------------------------------------------------------------------------------------------
 // 1. release --force of a completed key, then the key reused with another body.
 
@@ -212,49 +305,32 @@ fn stdout(o: &Output) -> String {
 /// instance asks the store whenever its cached record has another fingerprint." Two caching
 /// instances both hold the old record; the new body runs exactly once fleet-wide, and from then
 /// on every instance answers the new body with its replay and the old body with 422 (C7).
+/// `release` is given the key to release.
 fn forced_release_then_new_body(
     fleet: &Fleet,
-    a: &ThreadServer,
-    b: &ThreadServer,
-    c: &ThreadServer,
-    release: impl FnOnce(),
+    [a, b, c]: [&ThreadServer; 3],
+    release: impl FnOnce(&str),
 ) {
     let key = "force-new-body";
     let old = req("acme", key, r#"{"amount":100}"#);
     let new = req("acme", key, r#"{"amount":999}"#);
     let first = send(a, &old);
     assert_eq!(first.status, 201, "{}", first.describe());
-    for srv in [b, c, b, c] {
-        let r = send(srv, &old);
-        assert!(r.is_replay(), "old replay before release: {}", r.describe());
-        assert_eq!(r.body, first.body);
+    for (name, srv) in [("B", b), ("C", c), ("B", b), ("C", c)] {
+        let what = format!("old body on {name} before release");
+        assert_replay_of(&send(srv, &old), &first, &what);
     }
-    release();
+    release(key);
     let runs_before = fleet.runs();
     let on_b = send(b, &new);
-    assert_eq!(
-        on_b.status,
-        201,
-        "new body on caching B: {}",
-        on_b.describe()
-    );
-    assert!(
-        !on_b.is_replay(),
-        "new body on caching B replayed: {}",
-        on_b.describe()
-    );
+    assert_run(&on_b, "new body on caching B");
     assert!(
         on_b.text().contains("999"),
         "new body on B answered with another request's response: {}",
         on_b.describe()
     );
     for (name, srv) in [("C", c), ("A", a), ("B", b), ("C", c)] {
-        let r = send(srv, &new);
-        assert!(
-            r.is_replay() && r.body == on_b.body,
-            "new body on {name}: expected the replay of B's run, got {}",
-            r.describe()
-        );
+        assert_replay_of(&send(srv, &new), &on_b, &format!("new body on {name}"));
     }
     assert_eq!(
         fleet.runs(),
@@ -264,12 +340,10 @@ fn forced_release_then_new_body(
     // The old request: C7, the key now holds another request's record. A caching instance
     // whose entry is the old record would replay the old response instead (documented for
     // retries of the old request until max_ttl: checked in `forced_release_old_body_...`).
-    let a_old = send(a, &old);
-    assert_eq!(
-        a_old.problem_code().as_deref(),
-        Some("FINGERPRINT_MISMATCH"),
-        "old body on uncached A after the new request completed: {}",
-        a_old.describe()
+    assert_problem(
+        &send(a, &old),
+        "FINGERPRINT_MISMATCH",
+        "old body on uncached A after the new request completed",
     );
 }
 
@@ -277,32 +351,12 @@ fn forced_release_then_new_body(
 fn forced_release_of_completed_then_new_body_on_caching_instances_postgres() {
     let db = new_db();
     let fleet = Fleet::default();
-    let ttl = Duration::from_secs(3600);
-    let a = instance(&fleet, "A", plain_pg(&db.url, ttl));
-    let b = instance(
-        &fleet,
-        "B",
-        cached_pg(&db.url, ttl, Duration::from_secs(60)),
-    );
-    let c = instance(
-        &fleet,
-        "C",
-        cached_pg(&db.url, ttl, Duration::from_secs(60)),
-    );
-    let url = db.url.clone();
-    forced_release_then_new_body(&fleet, &a, &b, &c, || {
-        let o = cli(&url, &["release", "force-new-body", "--tenant", "acme"]);
-        assert_eq!(
-            o.status.code(),
-            Some(6),
-            "release of completed without --force: {}",
-            out_text(&o)
-        );
-        let o = cli(
-            &url,
-            &["release", "force-new-body", "--tenant", "acme", "--force"],
-        );
-        assert_eq!(o.status.code(), Some(0), "{}", out_text(&o));
+    let long = Duration::from_secs(60);
+    let [a, b, c] = uncached_a_caching_b_c(&fleet, &db.url, Duration::from_secs(3600), long, long);
+    forced_release_then_new_body(&fleet, [&a, &b, &c], |key| {
+        let o = cli(&db.url, &["release", key, "--tenant", "acme"]);
+        assert_exit(&o, 6, "release of completed without --force");
+        force_release("DATABASE_URL", &db.url, "acme", key);
     });
 }
 
@@ -312,29 +366,11 @@ fn forced_release_of_completed_then_new_body_on_caching_instances_redis() {
     let url = redis.url();
     let fleet = Fleet::default();
     let ttl = Duration::from_secs(3600);
-    let a = instance(
-        &fleet,
-        "A",
-        cached_redis(&url, ttl, Duration::from_millis(1)),
-    );
-    let b = instance(
-        &fleet,
-        "B",
-        cached_redis(&url, ttl, Duration::from_secs(60)),
-    );
-    let c = instance(
-        &fleet,
-        "C",
-        cached_redis(&url, ttl, Duration::from_secs(60)),
-    );
-    let u = url.clone();
-    forced_release_then_new_body(&fleet, &a, &b, &c, || {
-        let o = run_idem_cli(
-            "REDIS_URL",
-            &u,
-            &["release", "force-new-body", "--tenant", "acme", "--force"],
-        );
-        assert_eq!(o.status.code(), Some(0), "{}", out_text(&o));
+    let long = Duration::from_secs(60);
+    let [a, b, c] = [("A", Duration::from_millis(1)), ("B", long), ("C", long)]
+        .map(|(name, max_ttl)| instance(&fleet, name, cached_redis(&url, ttl, max_ttl)));
+    forced_release_then_new_body(&fleet, [&a, &b, &c], |key| {
+        force_release("REDIS_URL", &url, "acme", key);
     });
 }
 
@@ -345,42 +381,32 @@ fn forced_release_of_completed_then_new_body_on_caching_instances_redis() {
 fn forced_release_old_body_runs_again_after_max_ttl_postgres() {
     let db = new_db();
     let fleet = Fleet::default();
-    let ttl = Duration::from_secs(3600);
     let max_ttl = Duration::from_secs(2);
-    let a = instance(&fleet, "A", plain_pg(&db.url, ttl));
-    let b = instance(&fleet, "B", cached_pg(&db.url, ttl, max_ttl));
-    let c = instance(&fleet, "C", cached_pg(&db.url, ttl, max_ttl));
+    let [a, b, c] =
+        uncached_a_caching_b_c(&fleet, &db.url, Duration::from_secs(3600), max_ttl, max_ttl);
     let key = "force-same-body";
     let old = req("acme", key, r#"{"amount":5}"#);
-    let first = send(&a, &old);
-    assert_eq!(first.status, 201);
-    assert!(send(&b, &old).is_replay());
-    assert!(send(&c, &old).is_replay());
-    let o = cli(&db.url, &["release", key, "--tenant", "acme", "--force"]);
-    assert_eq!(o.status.code(), Some(0), "{}", out_text(&o));
+    run_then_replay(&a, &[("B", &b), ("C", &c)], &old, "old body");
+    force_release("DATABASE_URL", &db.url, "acme", key);
     std::thread::sleep(max_ttl + Duration::from_millis(700));
     let again = send(&b, &old);
-    assert_eq!(again.status, 201, "{}", again.describe());
-    assert!(
-        !again.is_replay(),
-        "B replayed a released record after max_ttl ({max_ttl:?}): {}",
-        again.describe()
+    assert_run(
+        &again,
+        &format!("B, a released record after max_ttl ({max_ttl:?})"),
     );
     assert_eq!(run_of(&again), 2);
     for (name, srv) in [("A", &a), ("C", &c), ("B", &b)] {
-        let r = send(srv, &old);
-        assert!(
-            r.is_replay() && r.body == again.body,
-            "{name} after the re-run: {}",
-            r.describe()
+        assert_replay_of(
+            &send(srv, &old),
+            &again,
+            &format!("{name} after the re-run"),
         );
     }
     assert_eq!(fleet.runs(), 2);
-    let o = cli(
+    let o = cli_ok(
         &db.url,
         &["show", key, "--tenant", "acme", "--format", "json"],
     );
-    assert_eq!(o.status.code(), Some(0), "{}", out_text(&o));
     assert!(
         stdout(&o).contains(r#"\"run\":2"#) || stdout(&o).contains(r#""run":2"#),
         "show does not hold the re-run's response: {}",
@@ -399,38 +425,23 @@ fn forced_release_old_body_runs_again_after_max_ttl_postgres() {
 fn expired_record_reused_with_another_body_across_caching_instances() {
     let db = new_db();
     let fleet = Fleet::default();
-    let ttl = Duration::from_secs(1);
     let long = Duration::from_secs(60);
-    let a = instance(&fleet, "A", plain_pg(&db.url, ttl));
-    let b = instance(&fleet, "B", cached_pg(&db.url, ttl, long));
-    let c = instance(&fleet, "C", cached_pg(&db.url, ttl, long));
+    let [a, b, c] = uncached_a_caching_b_c(&fleet, &db.url, Duration::from_secs(1), long, long);
     let key = "expiry-reuse";
     let old = req("acme", key, r#"{"amount":1}"#);
     let new = req("acme", key, r#"{"amount":2}"#);
-    let first = send(&a, &old);
-    assert_eq!(first.status, 201);
-    for srv in [&b, &c, &b, &c] {
-        let r = send(srv, &old);
-        assert!(r.is_replay(), "{}", r.describe());
-    }
+    let replaying = [("B", &b), ("C", &c), ("B", &b), ("C", &c)];
+    run_then_replay(&a, &replaying, &old, "old body");
     std::thread::sleep(Duration::from_millis(1500));
     let on_b = send(&b, &new);
-    assert_eq!(on_b.status, 201, "{}", on_b.describe());
-    assert!(!on_b.is_replay(), "{}", on_b.describe());
+    assert_run(&on_b, "new body on B after expiry");
     assert!(on_b.text().contains(r#"amount\":2"#), "{}", on_b.describe());
-    let c_old = send(&c, &old);
-    assert_eq!(
-        c_old.problem_code().as_deref(),
-        Some("FINGERPRINT_MISMATCH"),
-        "old body on C after the key was reused: {}",
-        c_old.describe()
+    assert_problem(
+        &send(&c, &old),
+        "FINGERPRINT_MISMATCH",
+        "old body on C after the key was reused",
     );
-    let c_new = send(&c, &new);
-    assert!(
-        c_new.is_replay() && c_new.body == on_b.body,
-        "{}",
-        c_new.describe()
-    );
+    assert_replay_of(&send(&c, &new), &on_b, "new body on C");
     assert_eq!(fleet.runs(), 2);
 }
 
@@ -440,37 +451,28 @@ fn expired_record_reused_with_another_body_across_caching_instances() {
 fn purge_after_expiry_then_retry_at_once_on_three_instances_runs_once() {
     let db = new_db();
     let fleet = Fleet::default();
-    let ttl = Duration::from_secs(1);
     let long = Duration::from_secs(60);
-    let a = Arc::new(instance(&fleet, "A", plain_pg(&db.url, ttl)));
-    let b = Arc::new(instance(&fleet, "B", cached_pg(&db.url, ttl, long)));
-    let c = Arc::new(instance(&fleet, "C", cached_pg(&db.url, ttl, long)));
+    let [a, b, c] =
+        uncached_a_caching_b_c(&fleet, &db.url, Duration::from_secs(1), long, long).map(Arc::new);
     let keys: Vec<String> = (0..5).map(|i| format!("purge-{i}")).collect();
     for key in &keys {
-        let r = send(&a, &req("acme", key, "{}"));
-        assert_eq!(r.status, 201);
-        assert!(send(&b, &req("acme", key, "{}")).is_replay());
-        assert!(send(&c, &req("acme", key, "{}")).is_replay());
+        run_then_replay(&a, &[("B", &b), ("C", &c)], &req("acme", key, "{}"), key);
     }
     assert_eq!(fleet.runs(), 5);
     std::thread::sleep(Duration::from_millis(1500));
-    let o = cli(&db.url, &["list", "--state", "expired", "--format", "json"]);
-    assert_eq!(o.status.code(), Some(0), "{}", out_text(&o));
+    let o = cli_ok(&db.url, &["list", "--state", "expired", "--format", "json"]);
     assert_eq!(
         stdout(&o).lines().count(),
         5,
         "list --state expired: {}",
         out_text(&o)
     );
-    let o = cli(&db.url, &["purge"]);
-    assert_eq!(o.status.code(), Some(0), "{}", out_text(&o));
+    let o = cli_ok(&db.url, &["purge"]);
     assert!(stdout(&o).contains("purged 5 records"), "{}", out_text(&o));
     let mut handles = Vec::new();
     for key in &keys {
         for srv in [&a, &b, &c] {
-            let srv = Arc::clone(srv);
-            let request = req("acme", key, "{}");
-            handles.push(std::thread::spawn(move || send(&srv, &request)));
+            handles.push(send_in_background(srv, &req("acme", key, "{}")));
         }
     }
     let answers: Vec<Response> = handles.into_iter().map(|h| h.join().unwrap()).collect();
@@ -495,8 +497,7 @@ fn purge_after_expiry_then_retry_at_once_on_three_instances_runs_once() {
             r.describe()
         );
     }
-    let o = cli(&db.url, &["stats", "--format", "json"]);
-    assert_eq!(o.status.code(), Some(0), "{}", out_text(&o));
+    let o = cli_ok(&db.url, &["stats", "--format", "json"]);
     eprintln!("stats: {}", stdout(&o));
 }
 
@@ -509,46 +510,35 @@ fn two_tenants_same_key_across_caching_instances_and_a_scoped_forced_release() {
     let fleet = Fleet::default();
     let ttl = Duration::from_secs(3600);
     let long = Duration::from_secs(60);
-    let a = instance(&fleet, "A", cached_pg(&db.url, ttl, long));
-    let b = instance(&fleet, "B", cached_pg(&db.url, ttl, long));
+    let a = caching_pg(&fleet, "A", &db.url, ttl, long);
+    let b = caching_pg(&fleet, "B", &db.url, ttl, long);
     let key = "shared-key";
     let body = r#"{"amount":7}"#;
     let x = send(&a, &req("tenant-x", key, body));
     let y = send(&b, &req("tenant-y", key, body));
     assert_eq!(x.status, 201);
-    assert_eq!(
-        y.status,
-        201,
-        "tenant-y blocked by tenant-x: {}",
-        y.describe()
-    );
-    assert!(!y.is_replay(), "tenant-y got a replay: {}", y.describe());
+    assert_run(&y, "tenant-y after tenant-x took the same key");
     for _ in 0..2 {
-        for srv in [&a, &b] {
+        for (name, srv) in [("A", &a), ("B", &b)] {
             let rx = send(srv, &req("tenant-x", key, body));
             let ry = send(srv, &req("tenant-y", key, body));
-            assert!(rx.is_replay() && rx.body == x.body, "{}", rx.describe());
-            assert!(ry.is_replay() && ry.body == y.body, "{}", ry.describe());
+            assert_replay_of(&rx, &x, &format!("tenant-x on {name}"));
+            assert_replay_of(&ry, &y, &format!("tenant-y on {name}"));
         }
     }
     // Without --tenant the key is ambiguous: refused.
     let o = cli(&db.url, &["release", key, "--force"]);
-    assert_eq!(o.status.code(), Some(6), "{}", out_text(&o));
-    let o = cli(
-        &db.url,
-        &["release", key, "--tenant", "tenant-x", "--force"],
-    );
-    assert_eq!(o.status.code(), Some(0), "{}", out_text(&o));
+    assert_exit(&o, 6, "release of a key two tenants hold, without --tenant");
+    force_release("DATABASE_URL", &db.url, "tenant-x", key);
     // tenant-y still replayed everywhere; tenant-x with a new body runs on B.
     let x2 = send(&b, &req("tenant-x", key, r#"{"amount":8}"#));
-    assert_eq!(x2.status, 201, "{}", x2.describe());
-    assert!(!x2.is_replay(), "{}", x2.describe());
+    assert_run(&x2, "tenant-x, new body on B after the release");
     assert_eq!(x2.json()["tenant"], "tenant-x");
-    for srv in [&a, &b] {
+    for (name, srv) in [("A", &a), ("B", &b)] {
         let ry = send(srv, &req("tenant-y", key, body));
-        assert!(ry.is_replay() && ry.body == y.body, "{}", ry.describe());
+        assert_replay_of(&ry, &y, &format!("tenant-y on {name} after the release"));
         let rx = send(srv, &req("tenant-x", key, r#"{"amount":8}"#));
-        assert!(rx.is_replay() && rx.body == x2.body, "{}", rx.describe());
+        assert_replay_of(&rx, &x2, &format!("tenant-x on {name} after its re-run"));
     }
     assert_eq!(fleet.runs(), 3);
 }
@@ -560,10 +550,12 @@ fn two_tenants_same_key_across_caching_instances_and_a_scoped_forced_release() {
 /// 60 s, records of an hour), on one table.
 fn transactional_and_caching(fleet: &Fleet, url: &str) -> (Arc<ThreadServer>, ThreadServer) {
     let t = Arc::new(instance(fleet, "T", transactional_pg(url)));
-    let b = instance(
+    let b = caching_pg(
         fleet,
         "B",
-        cached_pg(url, Duration::from_secs(3600), Duration::from_secs(60)),
+        url,
+        Duration::from_secs(3600),
+        Duration::from_secs(60),
     );
     (t, b)
 }
@@ -585,6 +577,19 @@ fn send_in_background(
     std::thread::spawn(move || send(&server, &request))
 }
 
+/// Sends `first` to T in the background, and 500 ms later (T's handler still running) `second`
+/// to B: T's answer to join, and B's answer.
+fn send_during(
+    t: &Arc<ThreadServer>,
+    first: &Request,
+    b: &ThreadServer,
+    second: &Request,
+) -> (std::thread::JoinHandle<Response>, Response) {
+    let first = send_in_background(t, first);
+    std::thread::sleep(Duration::from_millis(500));
+    (first, send(b, second))
+}
+
 /// T's handler is slow and answers 500: its transaction rolls back. Meanwhile the same key on
 /// caching B gets 409 (never a hang, never a replay); after the rollback B runs it, once.
 #[test]
@@ -594,42 +599,19 @@ fn transactional_rollback_leaves_nothing_a_caching_instance_replays() {
     let (t, b) = transactional_and_caching(&fleet, &db.url);
     let key = "tx-rollback";
     let failing = acme("/slow?ms=1500&status=500", key, "{}");
-    let first = send_in_background(&t, &failing);
-    std::thread::sleep(Duration::from_millis(500));
-    let during = send(&b, &failing);
-    assert_eq!(
-        during.problem_code().as_deref(),
-        Some("CONFLICT"),
-        "B during T's open transaction: {}",
-        during.describe()
-    );
+    let (first, during) = send_during(&t, &failing, &b, &failing);
+    assert_problem(&during, "CONFLICT", "B during T's open transaction");
     let first = first.join().unwrap();
     assert_eq!(first.status, 500, "{}", first.describe());
     let o = cli(&db.url, &["show", key, "--tenant", "acme"]);
-    assert_eq!(
-        o.status.code(),
-        Some(6),
-        "record left after rollback: {}",
-        out_text(&o)
-    );
+    assert_exit(&o, 6, "record left after rollback");
     let ok = acme("/slow?ms=0&status=201", key, "{}");
     // Another target (query) is another fingerprint but the same scope: it must run, the
     // rolled-back request left nothing.
     let after = send(&b, &ok);
-    assert_eq!(after.status, 201, "{}", after.describe());
-    assert!(!after.is_replay(), "{}", after.describe());
-    let again = send(&t, &ok);
-    assert!(
-        again.is_replay() && again.body == after.body,
-        "{}",
-        again.describe()
-    );
-    let again = send(&b, &ok);
-    assert!(
-        again.is_replay() && again.body == after.body,
-        "{}",
-        again.describe()
-    );
+    assert_run(&after, "B after the rollback");
+    assert_replay_of(&send(&t, &ok), &after, "T after B's run");
+    assert_replay_of(&send(&b, &ok), &after, "B after its run");
     assert_eq!(fleet.runs(), 2);
 }
 
@@ -643,21 +625,16 @@ fn transactional_commit_then_caching_instance_agrees() {
     let key = "tx-commit";
     let good = acme("/slow?ms=1500", key, r#"{"a":1}"#);
     let other = acme("/slow?ms=1500", key, r#"{"a":2}"#);
-    let first = send_in_background(&t, &good);
-    std::thread::sleep(Duration::from_millis(500));
-    let during = send(&b, &other);
+    let (first, during) = send_during(&t, &good, &b, &other);
     assert_eq!(during.status, 409, "{}", during.describe());
     let first = first.join().unwrap();
     assert_eq!(first.status, 201, "{}", first.describe());
     for _ in 0..2 {
-        let r = send(&b, &good);
-        assert!(r.is_replay() && r.body == first.body, "{}", r.describe());
-        let r = send(&b, &other);
-        assert_eq!(
-            r.problem_code().as_deref(),
-            Some("FINGERPRINT_MISMATCH"),
-            "{}",
-            r.describe()
+        assert_replay_of(&send(&b, &good), &first, "same body on B after T's commit");
+        assert_problem(
+            &send(&b, &other),
+            "FINGERPRINT_MISMATCH",
+            "another body on B after T's commit",
         );
     }
     assert_eq!(fleet.runs(), 1);
@@ -673,57 +650,37 @@ fn forced_release_then_rerun_on_the_partitioned_layout() {
     let db = block_on_fresh_thread(TestDb::new_partitioned(PartitionInterval::Daily))
         .expect("test database");
     let fleet = Fleet::default();
-    let ttl = Duration::from_secs(3600);
-    let a = instance(&fleet, "A", plain_pg(&db.url, ttl));
-    let b = instance(
+    let [a, b, c] = uncached_a_caching_b_c(
         &fleet,
-        "B",
-        cached_pg(&db.url, ttl, Duration::from_millis(500)),
+        &db.url,
+        Duration::from_secs(3600),
+        Duration::from_millis(500),
+        Duration::from_secs(60),
     );
-    let c = instance(
-        &fleet,
-        "C",
-        cached_pg(&db.url, ttl, Duration::from_secs(60)),
-    );
-    forced_release_then_new_body(&fleet, &a, &b, &c, || {
-        let o = cli(
-            &db.url,
-            &["release", "force-new-body", "--tenant", "acme", "--force"],
-        );
-        assert_eq!(o.status.code(), Some(0), "{}", out_text(&o));
+    forced_release_then_new_body(&fleet, [&a, &b, &c], |key| {
+        force_release("DATABASE_URL", &db.url, "acme", key);
     });
     // The same body run again after a forced release (on uncached A, then B after its entry).
     let key = "force-same-part";
     let r1 = req("acme", key, r#"{"amount":3}"#);
-    let first = send(&a, &r1);
-    assert_eq!(first.status, 201);
-    assert!(send(&b, &r1).is_replay());
-    let o = cli(&db.url, &["release", key, "--tenant", "acme", "--force"]);
-    assert_eq!(o.status.code(), Some(0), "{}", out_text(&o));
+    run_then_replay(&a, &[("B", &b)], &r1, "before the release");
+    force_release("DATABASE_URL", &db.url, "acme", key);
     let runs = fleet.runs();
     let again = send(&a, &r1);
-    assert_eq!(again.status, 201, "{}", again.describe());
-    assert!(!again.is_replay(), "{}", again.describe());
+    assert_run(&again, "A after the release on the partitioned layout");
     assert_eq!(fleet.runs(), runs + 1);
     std::thread::sleep(Duration::from_millis(700));
     for (name, srv) in [("A", &a), ("B", &b)] {
-        let r = send(srv, &r1);
-        assert!(
-            r.is_replay() && r.body == again.body,
-            "{name} after the re-run on the partitioned layout: {}",
-            r.describe()
-        );
+        let what = format!("{name} after the re-run on the partitioned layout");
+        assert_replay_of(&send(srv, &r1), &again, &what);
     }
-    let o = cli(
+    let o = cli_ok(
         &db.url,
         &["show", key, "--tenant", "acme", "--format", "json"],
     );
-    assert_eq!(o.status.code(), Some(0), "{}", out_text(&o));
     assert_eq!(stdout(&o).lines().count(), 1, "{}", out_text(&o));
-    let o = cli(&db.url, &["purge"]);
-    assert_eq!(o.status.code(), Some(0), "{}", out_text(&o));
-    let r = send(&c, &r1);
-    assert!(r.is_replay(), "after purge: {}", r.describe());
+    cli_ok(&db.url, &["purge"]);
+    assert_replay(&send(&c, &r1), "C after purge");
 }
 
 /// C19/C20: after the TTL, `stats`, `list --state expired` and the instances agree: the
@@ -735,19 +692,13 @@ fn expired_records_cli_counts_agree_with_the_instances() {
     let fleet = Fleet::default();
     let ttl = Duration::from_secs(1);
     let a = instance(&fleet, "A", plain_pg(&db.url, ttl));
-    let b = instance(
-        &fleet,
-        "B",
-        cached_pg(&db.url, ttl, Duration::from_secs(60)),
-    );
+    let b = caching_pg(&fleet, "B", &db.url, ttl, Duration::from_secs(60));
     for i in 0..3 {
-        let r = req("acme", &format!("exp-{i}"), "{}");
-        assert_eq!(send(&a, &r).status, 201);
-        assert!(send(&b, &r).is_replay());
+        let key = format!("exp-{i}");
+        run_then_replay(&a, &[("B", &b)], &req("acme", &key, "{}"), &key);
     }
     std::thread::sleep(Duration::from_millis(1500));
-    let o = cli(&db.url, &["stats", "--format", "json"]);
-    assert_eq!(o.status.code(), Some(0), "{}", out_text(&o));
+    let o = cli_ok(&db.url, &["stats", "--format", "json"]);
     let stats: serde_json::Value = serde_json::from_str(stdout(&o).trim()).expect("stats json");
     eprintln!("stats: {stats}");
     assert_eq!(stats["expired_not_purged"], 3, "{stats}");
@@ -765,11 +716,7 @@ fn expired_records_cli_counts_agree_with_the_instances() {
     eprintln!("release of an expired completed record: {}", out_text(&o));
     for i in 0..3 {
         let r = send(&b, &req("acme", &format!("exp-{i}"), "{}"));
-        assert!(
-            !r.is_replay() && r.status == 201,
-            "exp-{i}: {}",
-            r.describe()
-        );
+        assert_run(&r, &format!("exp-{i} on B after expiry"));
     }
     assert_eq!(fleet.runs(), 6);
 }
