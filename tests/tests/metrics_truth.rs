@@ -445,6 +445,13 @@ where
     (probe, server, addr)
 }
 
+/// [`start`] over a new memory store in wait mode (duplicates wait up to 10 s for the first).
+fn start_waiting(prefix: &'static str) -> (Probe, ThreadServer, String) {
+    start(MemoryStore::new(), prefix, |b| {
+        b.wait_for_in_flight(Duration::from_secs(10))
+    })
+}
+
 /// `request` sent on a connection of its own, waiting at most [`TIMEOUT`]: the response.
 fn send(addr: &str, request: &Request) -> Response {
     send_once(addr, request, TIMEOUT).unwrap()
@@ -473,6 +480,84 @@ fn statuses_of(addr: &str, prefix: &str, key: &str, ids: std::ops::Range<u32>) -
             .status
     })
     .collect()
+}
+
+/// Wait until the hook saw `n` events, snapshot: the snapshot and the report of `what` from
+/// `before` to it.
+fn settle(probe: &Probe, n: usize, before: &Snap, what: &str) -> (Snap, String) {
+    settle_after(probe, n, Duration::ZERO, before, what)
+}
+
+/// [`settle`], sleeping `pause` (if not zero) between the events and the snapshot.
+fn settle_after(
+    probe: &Probe,
+    n: usize,
+    pause: Duration,
+    before: &Snap,
+    what: &str,
+) -> (Snap, String) {
+    wait_events(probe, n);
+    if !pause.is_zero() {
+        std::thread::sleep(pause);
+    }
+    let after = snap();
+    let report = report_of(what, probe, before, &after);
+    (after, report)
+}
+
+/// [`warm_up`], then wait for its outcome: the snapshot taken after it.
+fn warmed_up(addr: &str, probe: &Probe, prefix: &str, key: &str) -> Snap {
+    warm_up(addr, prefix, key);
+    wait_events(probe, 1);
+    snap()
+}
+
+/// `request` sent, PostgreSQL cut once the handler has started its `runs`-th run: the response.
+fn cut_mid_handler(addr: &str, probe: &Probe, pg: &Pg, request: &Request, runs: u64) -> Response {
+    let mut conn = open(addr, request);
+    wait_runs(probe, runs);
+    pg.stop();
+    conn.read_response("POST").unwrap()
+}
+
+/// `request` retried once the store is back: the snapshot after the retry and the report.
+/// Asserts that `first` was a 201, the retry a replay, and the handler ran twice (the warm-up
+/// and `first`).
+fn retry_replays(
+    addr: &str,
+    probe: &Probe,
+    request: &Request,
+    first: &Response,
+    before: &Snap,
+) -> (Snap, String) {
+    let retry = send(addr, request);
+    let after = snap();
+    let what = format!("first {}, retry {}", first.status, retry.describe());
+    let report = report_of(&what, probe, before, &after);
+    assert_eq!(first.status, 201, "{report}");
+    assert!(retry.is_replay(), "{report}");
+    assert_eq!(probe.runs(), 2, "{report}");
+    (after, report)
+}
+
+/// The first request of a burst of duplicates (`seen`) ran once and was the one fresh answer.
+fn assert_one_ran(probe: &Probe, seen: &Tally, report: &str) {
+    assert_eq!(probe.runs(), 1, "{report}");
+    assert_eq!(seen.fresh, 1, "{report}");
+}
+
+/// A retry after a reset is answered coherently with the first request's `outcome`: a replay
+/// only if it was counted stored.
+fn assert_retry_agrees(retry: &Response, outcome: Outcome, report: &str) {
+    if retry.is_replay() {
+        assert_eq!(outcome, Outcome::Stored, "{report}");
+    } else {
+        assert_ne!(
+            outcome,
+            Outcome::Stored,
+            "counted stored but the retry ran again: {report}"
+        );
+    }
 }
 
 /// A Postgres test database, the runtime it was made on and (for the scenarios that cut the
@@ -539,6 +624,7 @@ use Want::{AtLeast, Is};
 
 /// An expectation on the change of a metric: the sum of the series named `name` whose labels
 /// include every one of `labels` (as [`delta`]).
+#[derive(Clone)]
 struct Expect {
     name: &'static str,
     labels: Vec<(&'static str, String)>,
@@ -597,6 +683,19 @@ impl<'a> Deltas<'a> {
     /// Check every expectation; if any fails, panic with all that failed and the report.
     fn expect(&self, expectations: &[Expect]) {
         self.noted("", expectations);
+    }
+
+    /// [`Deltas::expect`] of what a burst of duplicates on `route` must count (`stored` once,
+    /// `conflict` and `replay` as the clients `seen` them, plus `later_replays` replays), then
+    /// of `more`.
+    fn expect_burst(&self, route: &str, seen: &Tally, later_replays: usize, more: &[Expect]) {
+        let mut all = vec![
+            counted(route, "stored", Is(1.0)),
+            counted(route, "conflict", Is(seen.conflict as f64)),
+            counted(route, "replay", Is((seen.replay + later_replays) as f64)),
+        ];
+        all.extend_from_slice(more);
+        self.expect(&all);
     }
 
     /// [`Deltas::expect`], the failure message starting with `note`.
@@ -659,23 +758,22 @@ fn concurrent_duplicates_are_counted_as_the_clients_saw_them() {
         );
         assert_eq!(r.status, 422, "{}", r.describe());
     }
-    wait_events(&probe, 17);
-    let after = snap();
+    let (after, report) = settle(&probe, 17, &before, &format!("clients {seen:?}"));
     let r = route("mt_dup");
-    let report = report_of(&format!("clients {seen:?}"), &probe, &before, &after);
-    assert_eq!(probe.runs(), 1, "{report}");
-    assert_eq!(seen.fresh, 1, "{report}");
+    assert_one_ran(&probe, &seen, &report);
     assert!(seen.other.is_empty(), "{report}");
-    Deltas::new(&before, &after, &report).expect(&[
-        counted(&r, "stored", Is(1.0)),
-        counted(&r, "conflict", Is(seen.conflict as f64)),
-        counted(&r, "replay", Is((seen.replay + 3) as f64)),
-        counted(&r, "mismatch", Is(2.0)),
-        requests(&r, Is(17.0)),
-        calls("reserve", "memory", Is(17.0)),
-        calls("complete", "memory", Is(1.0)),
-        held_back("memory"),
-    ]);
+    Deltas::new(&before, &after, &report).expect_burst(
+        &r,
+        &seen,
+        3,
+        &[
+            counted(&r, "mismatch", Is(2.0)),
+            requests(&r, Is(17.0)),
+            calls("reserve", "memory", Is(17.0)),
+            calls("complete", "memory", Is(1.0)),
+            held_back("memory"),
+        ],
+    );
     let events = |outcome| probe.count_events(outcome);
     assert_eq!(events(Outcome::Stored), 1, "{report}");
     assert_eq!(events(Outcome::Conflict), seen.conflict, "{report}");
@@ -699,16 +797,12 @@ fn concurrent_duplicates_are_counted_as_the_clients_saw_them() {
 #[test]
 fn wait_mode_duplicates_are_counted_as_replays() {
     let _serial = serial();
-    let (probe, _server, addr) = start(MemoryStore::new(), "mt_wait", |b| {
-        b.wait_for_in_flight(Duration::from_secs(10))
-    });
+    let (probe, _server, addr) = start_waiting("mt_wait");
     let before = snap();
     let request = pay("/mt_wait/pay/1?delay_ms=600", "wait-1", r#"{"a":1}"#);
     let seen = tally(&burst(&addr, &request, 10));
-    wait_events(&probe, 10);
-    let after = snap();
+    let (after, report) = settle(&probe, 10, &before, &format!("clients {seen:?}"));
     let r = route("mt_wait");
-    let report = report_of(&format!("clients {seen:?}"), &probe, &before, &after);
     assert_eq!(probe.runs(), 1, "{report}");
     let want = Tally {
         fresh: 1,
@@ -827,10 +921,8 @@ fn too_large_responses_are_counted_not_stored() {
         assert_eq!(r.status, 201, "{}", r.describe());
         assert_eq!(r.body.len(), 5000);
     }
-    wait_events(&probe, 2);
-    let after = snap();
+    let (after, report) = settle(&probe, 2, &before, "");
     let r = route("mt_big");
-    let report = report_of("", &probe, &before, &after);
     assert_eq!(probe.runs(), 2, "{report}");
     assert_eq!(probe.count_events(Outcome::NotStored), 2, "{report}");
     Deltas::new(&before, &after, &report).expect(&[
@@ -860,11 +952,8 @@ fn streamed_responses_are_counted_once() {
         &pay("/mt_stream/pay/2?stream=fail", "s-2", "{}"),
         TIMEOUT,
     );
-    wait_events(&probe, 3);
-    std::thread::sleep(Duration::from_millis(300));
-    let after = snap();
+    let (after, report) = settle_after(&probe, 3, Duration::from_millis(300), &before, "");
     let r = route("mt_stream");
-    let report = report_of("", &probe, &before, &after);
     assert_eq!(probe.runs(), 2, "{report}");
     assert_eq!(probe.events().len(), 3, "{report}");
     Deltas::new(&before, &after, &report).expect(&[
@@ -909,24 +998,11 @@ fn a_client_reset_mid_handler_is_counted_once() {
     );
     d.noted("gauge", &[held_back("memory")]);
     let retry = send(&addr, &request);
-    wait_events(&probe, 2);
-    let after = snap();
-    let report = report_of(
-        &format!("retry {}", retry.describe()),
-        &probe,
-        &before,
-        &after,
-    );
+    let (after, report) = settle(&probe, 2, &before, &format!("retry {}", retry.describe()));
     let finished = probe.finished.load(Ordering::SeqCst);
+    assert_retry_agrees(&retry, outcome, &report);
     if retry.is_replay() {
-        assert_eq!(outcome, Outcome::Stored, "{report}");
         assert_eq!(finished, 1, "{report}");
-    } else {
-        assert_ne!(
-            outcome,
-            Outcome::Stored,
-            "stored but the retry ran again: {report}"
-        );
     }
     Deltas::new(&before, &after, &report).expect(&[requests(&r, Is(2.0))]);
 }
@@ -944,11 +1020,9 @@ fn postgres_down_is_counted_as_store_unavailable_and_fail_open() {
         pg.stop();
         let before = snap();
         let statuses = statuses_of(&addr, prefix, prefix, 0..5);
-        wait_events(&probe, 6);
-        let after = snap();
-        let r = route(prefix);
         let what = format!("{prefix}: statuses {statuses:?}");
-        let report = report_of(&what, &probe, &before, &after);
+        let (after, report) = settle(&probe, 6, &before, &what);
+        let r = route(prefix);
         let d = Deltas::new(&before, &after, &report);
         if fail_open {
             assert_eq!(statuses, vec![201; 5], "{report}");
@@ -985,10 +1059,8 @@ fn redis_down_is_counted_as_store_unavailable() {
     redis.kill();
     let before = snap();
     let statuses = statuses_of(&addr, "mt_rdown", "r", 0..4);
-    wait_events(&probe, 5);
-    let after = snap();
+    let (after, report) = settle(&probe, 5, &before, &format!("statuses {statuses:?}"));
     let r = route("mt_rdown");
-    let report = report_of(&format!("statuses {statuses:?}"), &probe, &before, &after);
     assert_eq!(statuses, vec![503; 4], "{report}");
     assert_eq!(probe.runs(), 1, "{report}");
     let d = Deltas::new(&before, &after, &report);
@@ -1023,30 +1095,19 @@ fn a_store_failing_after_the_handler_counts_complete_retries_truthfully() {
     let (probe, _server, addr) = start(store, "mt_after", |b| {
         b.lock_timeout(Duration::from_secs(4))
     });
-    warm_up(&addr, "mt_after", "after-warm");
-    wait_events(&probe, 1);
     let r = route("mt_after");
 
     // 1. Down during the handler, back 1 s later.
-    let before = snap();
+    let before = warmed_up(&addr, &probe, "mt_after", "after-warm");
     let request = pay("/mt_after/pay/1?delay_ms=600", "after-1", "{}");
-    let mut conn = open(&addr, &request);
-    wait_runs(&probe, 2);
-    pg.stop();
-    let first = conn.read_response("POST").unwrap();
+    let first = cut_mid_handler(&addr, &probe, &pg, &request, 2);
     std::thread::sleep(Duration::from_millis(600));
     pg.resume();
     // Wait for the retry to land.
     let succeeded = [("result", "succeeded"), ("store", "postgres")];
     let (ten_s, poll) = (Duration::from_secs(10), Duration::from_millis(50));
     wait_delta(&before, RETRIES, &succeeded, ten_s, poll);
-    let retry = send(&addr, &request);
-    let after = snap();
-    let what = format!("first {}, retry {}", first.status, retry.describe());
-    let report = report_of(&what, &probe, &before, &after);
-    assert_eq!(first.status, 201, "{report}");
-    assert!(retry.is_replay(), "{report}");
-    assert_eq!(probe.runs(), 2, "{report}");
+    let (after, report) = retry_replays(&addr, &probe, &request, &first, &before);
     let d = Deltas::new(&before, &after, &report);
     d.expect(&[
         counted(&r, "complete_failed", Is(1.0)),
@@ -1061,10 +1122,8 @@ fn a_store_failing_after_the_handler_counts_complete_retries_truthfully() {
 
     // 2. Down past the lease: given up once.
     let before = snap();
-    let mut conn = open(&addr, &pay("/mt_after/pay/2?delay_ms=600", "after-2", "{}"));
-    wait_runs(&probe, 3);
-    pg.stop();
-    let first = conn.read_response("POST").unwrap();
+    let request = pay("/mt_after/pay/2?delay_ms=600", "after-2", "{}");
+    let first = cut_mid_handler(&addr, &probe, &pg, &request, 3);
     let given_up = [("result", "given_up"), ("store", "postgres")];
     let (fifteen_s, poll) = (Duration::from_secs(15), Duration::from_millis(100));
     wait_delta(&before, RETRIES, &given_up, fifteen_s, poll);
@@ -1099,10 +1158,8 @@ fn cached_store_replays_are_counted_once() {
         let r = send(&addr, &request);
         assert!(r.is_replay(), "{}", r.describe());
     }
-    wait_events(&probe, 6);
-    let after = snap();
+    let (after, report) = settle(&probe, 6, &before, "");
     let r = route("mt_cache");
-    let report = report_of("", &probe, &before, &after);
     assert_eq!(probe.runs(), 1, "{report}");
     assert_eq!(probe.events().len(), 6, "{report}");
     let d = Deltas::new(&before, &after, &report);
@@ -1131,11 +1188,9 @@ fn transactional_outcomes_match_what_the_client_got() {
     let ok = send(&addr, &pay("/mt_tx/pay/1", "tx-1", "{}"));
     let replay = send(&addr, &pay("/mt_tx/pay/1", "tx-1", "{}"));
     let big = send(&addr, &pay("/mt_tx/pay/2?size=5000", "tx-2", "{}"));
-    wait_events(&probe, 4);
-    let after = snap();
-    let r = route("mt_tx");
     let statuses = [failed.status, ok.status, replay.status, big.status];
-    let report = report_of(&format!("statuses {statuses:?}"), &probe, &before, &after);
+    let (after, report) = settle(&probe, 4, &before, &format!("statuses {statuses:?}"));
+    let r = route("mt_tx");
     assert_eq!(failed.status, 500, "{report}");
     assert_eq!(ok.status, 201, "{report}");
     assert!(replay.is_replay(), "{report}");
@@ -1175,10 +1230,8 @@ fn refused_requests_are_counted_with_the_status_sent() {
     .iter()
     .map(|request| send(&addr, request).status)
     .collect();
-    wait_events(&probe, 5);
-    let after = snap();
+    let (after, report) = settle(&probe, 5, &before, &format!("statuses {statuses:?}"));
     let r = route("mt_refuse");
-    let report = report_of(&format!("statuses {statuses:?}"), &probe, &before, &after);
     let d = Deltas::new(&before, &after, &report);
     d.expect(&[requests(&r, Is(5.0))]);
     assert_eq!(probe.statuses(), statuses, "{report}");
@@ -1214,12 +1267,9 @@ fn a_panicking_handler_is_counted_once() {
         &pay("/mt_panic/pay/1?panic=1", "panic-1", "{}"),
         TIMEOUT,
     );
-    wait_events(&probe, 1);
-    std::thread::sleep(Duration::from_millis(300));
-    let after = snap();
-    let rt = route("mt_panic");
     let client = format!("client {:?}", r.as_ref().map(|r| r.status));
-    let report = report_of(&client, &probe, &before, &after);
+    let (after, report) = settle_after(&probe, 1, Duration::from_millis(300), &before, &client);
+    let rt = route("mt_panic");
     assert_eq!(probe.runs(), 1, "{report}");
     assert_eq!(probe.events().len(), 1, "{report}");
     if let Ok(r) = &r {
@@ -1237,9 +1287,7 @@ fn a_panicking_handler_is_counted_once() {
 #[test]
 fn an_abandoned_waiter_is_counted_once() {
     let _serial = serial();
-    let (probe, _server, addr) = start(MemoryStore::new(), "mt_aband", |b| {
-        b.wait_for_in_flight(Duration::from_secs(10))
-    });
+    let (probe, _server, addr) = start_waiting("mt_aband");
     let before = snap();
     let request = pay("/mt_aband/pay/1?delay_ms=1000", "ab-1", "{}");
     let mut first = open(&addr, &request);
@@ -1248,11 +1296,9 @@ fn an_abandoned_waiter_is_counted_once() {
     std::thread::sleep(Duration::from_millis(200));
     waiter.reset().unwrap();
     let first = first.read_response("POST").unwrap();
-    wait_events(&probe, 2);
-    std::thread::sleep(Duration::from_millis(300));
-    let after = snap();
+    let what = format!("first {}", first.status);
+    let (after, report) = settle_after(&probe, 2, Duration::from_millis(300), &before, &what);
     let r = route("mt_aband");
-    let report = report_of(&format!("first {}", first.status), &probe, &before, &after);
     assert_eq!(first.status, 201, "{report}");
     assert_eq!(probe.runs(), 1, "{report}");
     Deltas::new(&before, &after, &report).expect(&[
@@ -1309,21 +1355,20 @@ fn postgres_duplicates_and_renewals_are_counted_truthfully() {
     let before = snap();
     let request = pay("/mt_pgdup/pay/1?delay_ms=1500", "pgdup-1", "{}");
     let seen = tally(&burst(&addr, &request, 8));
-    wait_events(&probe, 8);
-    let after = snap();
+    let (after, report) = settle(&probe, 8, &before, &format!("clients {seen:?}"));
     let r = route("mt_pgdup");
-    let report = report_of(&format!("clients {seen:?}"), &probe, &before, &after);
-    assert_eq!(probe.runs(), 1, "{report}");
-    assert_eq!(seen.fresh, 1, "{report}");
+    assert_one_ran(&probe, &seen, &report);
     let renewed = [("result", "renewed"), ("store", "postgres")];
-    Deltas::new(&before, &after, &report).expect(&[
-        counted(&r, "stored", Is(1.0)),
-        counted(&r, "conflict", Is(seen.conflict as f64)),
-        counted(&r, "replay", Is(seen.replay as f64)),
-        requests(&r, Is(8.0)),
-        metric(RENEW, &renewed, AtLeast(2.0)),
-        metric(RENEW, &[("result", "lost")], Is(0.0)),
-    ]);
+    Deltas::new(&before, &after, &report).expect_burst(
+        &r,
+        &seen,
+        0,
+        &[
+            requests(&r, Is(8.0)),
+            metric(RENEW, &renewed, AtLeast(2.0)),
+            metric(RENEW, &[("result", "lost")], Is(0.0)),
+        ],
+    );
     let renew_calls = [("op", "renew_lease"), ("store", "postgres")];
     assert_eq!(
         delta(&before, &after, RENEW, &renewed),
@@ -1348,12 +1393,9 @@ fn a_handler_past_the_renewal_limit_is_counted_stale() {
     std::thread::sleep(Duration::from_millis(1200));
     let second = send(&addr, &request);
     let first = first.read_response("POST").unwrap();
-    wait_events(&probe, 2);
-    std::thread::sleep(Duration::from_millis(300));
-    let after = snap();
-    let r = route("mt_stale");
     let what = format!("first {} second {}", first.status, second.status);
-    let report = report_of(&what, &probe, &before, &after);
+    let (after, report) = settle_after(&probe, 2, Duration::from_millis(300), &before, &what);
+    let r = route("mt_stale");
     assert_eq!(probe.runs(), 2, "{report}");
     Deltas::new(&before, &after, &report).expect(&[
         requests(&r, Is(2.0)),
@@ -1382,10 +1424,8 @@ fn a_client_reset_mid_stream_is_counted_once() {
     std::thread::sleep(Duration::from_millis(200));
     conn.reset().unwrap();
     std::thread::sleep(Duration::from_millis(2000));
-    wait_events(&probe, 1);
-    let mid = snap();
+    let (mid, report) = settle(&probe, 1, &before, &format!("head {:?}", head.0));
     let r = route("mt_midstream");
-    let report = report_of(&format!("head {:?}", head.0), &probe, &before, &mid);
     assert_eq!(probe.runs(), 1, "{report}");
     assert_eq!(probe.events().len(), 1, "{report}");
     assert!(probe.events()[0].outcome.ran_handler(), "{report}");
@@ -1398,15 +1438,7 @@ fn a_client_reset_mid_stream_is_counted_once() {
         retry.describe(),
         probe.events()
     );
-    if retry.is_replay() {
-        assert_eq!(outcome, Outcome::Stored, "{report}");
-    } else {
-        assert_ne!(
-            outcome,
-            Outcome::Stored,
-            "counted stored but the retry ran again: {report}"
-        );
-    }
+    assert_retry_agrees(&retry, outcome, &report);
 }
 
 /// The hook's `elapsed` of a streamed response runs "to the end of the stream" (OutcomeEvent
@@ -1438,24 +1470,12 @@ fn transactional_commit_failure_is_counted_as_the_client_was_told() {
     let _serial = serial();
     let (pg, store) = Pg::start(true);
     let (probe, _server, addr) = start(store, "mt_txcut", |b| b.transactional());
-    warm_up(&addr, "mt_txcut", "txc-warm");
-    wait_events(&probe, 1);
-    let before = snap();
+    let before = warmed_up(&addr, &probe, "mt_txcut", "txc-warm");
     let request = pay("/mt_txcut/pay/1?delay_ms=700", "txc-1", "{}");
-    let mut conn = open(&addr, &request);
-    wait_runs(&probe, 2);
-    pg.stop();
-    let first = conn.read_response("POST").unwrap();
-    wait_events(&probe, 2);
-    std::thread::sleep(Duration::from_millis(300));
-    let mid = snap();
+    let first = cut_mid_handler(&addr, &probe, &pg, &request, 2);
+    let what = format!("client {}", first.describe());
+    let (mid, report) = settle_after(&probe, 2, Duration::from_millis(300), &before, &what);
     let r = route("mt_txcut");
-    let report = report_of(
-        &format!("client {}", first.describe()),
-        &probe,
-        &before,
-        &mid,
-    );
     Deltas::new(&before, &mid, &report).expect(&[requests(&r, Is(1.0)), held_back("postgres")]);
     let event = probe.events()[1].clone();
     assert_eq!(event.status, first.status, "{report}");
@@ -1495,11 +1515,9 @@ fn cached_store_over_a_dead_database_counts_store_unavailable_once() {
     let statuses = statuses_of(&addr, "mt_cdown", "cd", 1..4);
     // The cached record still replays.
     let replay = send_once(&addr, &warm, Duration::from_secs(60)).unwrap();
-    wait_events(&probe, 6);
-    let after = snap();
-    let r = route("mt_cdown");
     let what = format!("statuses {statuses:?} replay {}", replay.status);
-    let report = report_of(&what, &probe, &before, &after);
+    let (after, report) = settle(&probe, 6, &before, &what);
+    let r = route("mt_cdown");
     assert_eq!(statuses, vec![503; 3], "{report}");
     assert_eq!(probe.runs(), 1, "{report}");
     assert!(
@@ -1524,18 +1542,11 @@ fn transactional_duplicates_are_counted_as_the_clients_saw_them() {
     let before = snap();
     let request = pay("/mt_txdup/pay/1?delay_ms=700", "txd-1", "{}");
     let seen = tally(&burst(&addr, &request, 8));
-    wait_events(&probe, 8);
-    let after = snap();
+    let (after, report) = settle(&probe, 8, &before, &format!("clients {seen:?}"));
     let r = route("mt_txdup");
-    let report = report_of(&format!("clients {seen:?}"), &probe, &before, &after);
-    assert_eq!(probe.runs(), 1, "{report}");
-    assert_eq!(seen.fresh, 1, "{report}");
+    assert_one_ran(&probe, &seen, &report);
     assert!(seen.other.is_empty(), "{report}");
-    Deltas::new(&before, &after, &report).expect(&[
-        counted(&r, "stored", Is(1.0)),
-        counted(&r, "conflict", Is(seen.conflict as f64)),
-        counted(&r, "replay", Is(seen.replay as f64)),
-    ]);
+    Deltas::new(&before, &after, &report).expect_burst(&r, &seen, 0, &[]);
     assert_eq!(probe.events().len(), 8, "{report}");
 }
 
@@ -1648,20 +1659,16 @@ fn http2_duplicates_and_a_reset_stream_are_counted_truthfully() {
 #[test]
 fn wait_mode_after_a_failed_first_request_counts_truthfully() {
     let _serial = serial();
-    let (probe, _server, addr) = start(MemoryStore::new(), "mt_waitfail", |b| {
-        b.wait_for_in_flight(Duration::from_secs(10))
-    });
+    let (probe, _server, addr) = start_waiting("mt_waitfail");
     let before = snap();
     let request = pay("/mt_waitfail/pay/1?delay_ms=500&fail_first=1", "wf-1", "{}");
     let responses = burst(&addr, &request, 7);
-    wait_events(&probe, 7);
-    let after = snap();
-    let r = route("mt_waitfail");
     let statuses: Vec<(u16, bool)> = responses
         .iter()
         .map(|r| (r.status, r.is_replay()))
         .collect();
-    let report = report_of(&format!("answers {statuses:?}"), &probe, &before, &after);
+    let (after, report) = settle(&probe, 7, &before, &format!("answers {statuses:?}"));
+    let r = route("mt_waitfail");
     let ran: usize = probe
         .events()
         .iter()
@@ -1694,9 +1701,7 @@ fn renewals_through_a_short_outage_are_counted_truthfully() {
     let (probe, _server, addr) = start(store, "mt_renew", |b| {
         b.lock_timeout(Duration::from_millis(900))
     });
-    warm_up(&addr, "mt_renew", "rn-warm");
-    wait_events(&probe, 1);
-    let before = snap();
+    let before = warmed_up(&addr, &probe, "mt_renew", "rn-warm");
     let request = pay("/mt_renew/pay/1?delay_ms=2500", "rn-1", "{}");
     let mut conn = open(&addr, &request);
     std::thread::sleep(Duration::from_millis(250));
@@ -1706,13 +1711,7 @@ fn renewals_through_a_short_outage_are_counted_truthfully() {
     let first = conn.read_response("POST").unwrap();
     wait_events(&probe, 2);
     std::thread::sleep(Duration::from_millis(300));
-    let retry = send(&addr, &request);
-    let after = snap();
-    let what = format!("first {} retry {}", first.status, retry.describe());
-    let report = report_of(&what, &probe, &before, &after);
-    assert_eq!(first.status, 201, "{report}");
-    assert!(retry.is_replay(), "{report}");
-    assert_eq!(probe.runs(), 2, "{report}");
+    let (after, report) = retry_replays(&addr, &probe, &request, &first, &before);
     Deltas::new(&before, &after, &report).expect(&[
         // The outage is not always seen as `failed`: the store's own reconnect can hold a call
         // until the database is back, and the call then counts as `renewed`.
@@ -1757,11 +1756,9 @@ fn tenants_are_counted_but_never_labelled() {
         .header("x-tenant", "tenant_other_zzz")
         .json("{}");
     let b = send(&addr, &other);
-    wait_events(&probe, 3);
-    let after = snap();
-    let r = route("mt_tenant");
     let statuses = (no_tenant.status, a.status, b.status);
-    let report = report_of(&format!("{statuses:?}"), &probe, &before, &after);
+    let (after, report) = settle(&probe, 3, &before, &format!("{statuses:?}"));
+    let r = route("mt_tenant");
     assert_eq!(statuses, (400, 201, 201), "{report}");
     assert_eq!(probe.runs(), 2, "{report}");
     Deltas::new(&before, &after, &report).expect(&[
