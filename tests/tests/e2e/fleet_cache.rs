@@ -685,7 +685,7 @@ fn forced_release_then_rerun_on_the_partitioned_layout() {
 
 /// C19/C20: after the TTL, `stats`, `list --state expired` and the instances agree: the
 /// records are counted as expired, no instance replays them (each runs again, once), and a
-/// release without --force of such an expired completed record is refused or harmless.
+/// release without --force of such an expired completed record is refused as expired.
 #[test]
 fn expired_records_cli_counts_agree_with_the_instances() {
     let db = new_db();
@@ -702,7 +702,7 @@ fn expired_records_cli_counts_agree_with_the_instances() {
     let stats: serde_json::Value = serde_json::from_str(stdout(&o).trim()).expect("stats json");
     eprintln!("stats: {stats}");
     assert_eq!(stats["expired_not_purged"], 3, "{stats}");
-    let o = cli(
+    let o = cli_ok(
         &db.url,
         &["list", "--state", "completed", "--format", "json"],
     );
@@ -712,8 +712,18 @@ fn expired_records_cli_counts_agree_with_the_instances() {
         "expired listed as completed: {}",
         out_text(&o)
     );
+    // Refused (exit 6), saying the record is expired: it runs again either way.
     let o = cli(&db.url, &["release", "exp-0", "--tenant", "acme"]);
-    eprintln!("release of an expired completed record: {}", out_text(&o));
+    assert_exit(
+        &o,
+        6,
+        "release of an expired completed record without --force",
+    );
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("expired"),
+        "{}",
+        out_text(&o)
+    );
     for i in 0..3 {
         let r = send(&b, &req("acme", &format!("exp-{i}"), "{}"));
         assert_run(&r, &format!("exp-{i} on B after expiry"));
