@@ -139,6 +139,13 @@ fn default_config(b: IdempotencyBuilder<MemoryStore>) -> IdempotencyBuilder<Memo
     b
 }
 
+/// A 200 ms lease renewed up to 600 ms after the reservation: what the tests of the renewal
+/// limit and of abandoned streams wait out.
+fn short_renewal(b: IdempotencyBuilder<MemoryStore>) -> IdempotencyBuilder<MemoryStore> {
+    b.lock_timeout(Duration::from_millis(200))
+        .renew_lease_up_to(Duration::from_millis(600))
+}
+
 async fn app_with(
     counter: &Counter,
     configure: Configure,
@@ -695,11 +702,7 @@ async fn a_streamed_body_keeps_its_key_past_the_lease() {
 #[actix_web::test]
 async fn a_client_that_stops_reading_does_not_hold_up_the_record() {
     let counter = Counter::default();
-    let app = app_with(&counter, |b| {
-        b.lock_timeout(Duration::from_millis(200))
-            .renew_lease_up_to(Duration::from_millis(600))
-    })
-    .await;
+    let app = app_with(&counter, short_renewal).await;
     // The first client gets the head and reads nothing of the body.
     let stalled = call_service(&app, post_x("/receipt", "c").to_request()).await;
     assert_eq!(stalled.status(), StatusCode::OK);
@@ -756,10 +759,7 @@ async fn endless_stream_reads<S: IdempotencyStore>(
 /// request.
 #[actix_web::test]
 async fn an_endless_stream_whose_client_left_is_dropped_with_its_key() {
-    let middleware = Idempotency::builder(MemoryStore::new())
-        .lock_timeout(Duration::from_millis(200))
-        .renew_lease_up_to(Duration::from_millis(600))
-        .build();
+    let middleware = short_renewal(Idempotency::builder(MemoryStore::new())).build();
     let (read, later) = endless_stream_reads(middleware, "e", 1200).await;
     assert!(read > 0, "the stream was never read for the record");
     assert_eq!(
@@ -891,12 +891,8 @@ async fn quiet_stream_dropped_within(configure: Configure, within: Duration) -> 
 /// kept (with its task and its copy) until the next chunk, or for ever.
 #[actix_web::test]
 async fn a_quiet_stream_whose_client_left_is_dropped_with_its_key() {
-    let short_lease = |b: IdempotencyBuilder<MemoryStore>| {
-        b.lock_timeout(Duration::from_millis(200))
-            .renew_lease_up_to(Duration::from_millis(600))
-    };
     assert!(
-        quiet_stream_dropped_within(short_lease, Duration::from_millis(1500)).await,
+        quiet_stream_dropped_within(short_renewal, Duration::from_millis(1500)).await,
         "the quiet stream outlived its key's last lease"
     );
 }
@@ -941,11 +937,7 @@ async fn a_stream_over_the_limit_whose_client_left_is_dropped_at_once() {
 #[actix_web::test]
 async fn lease_renewal_stops_at_its_limit() {
     let counter = Counter::default();
-    let app = app_with(&counter, |b| {
-        b.lock_timeout(Duration::from_millis(200))
-            .renew_lease_up_to(Duration::from_millis(600))
-    })
-    .await;
+    let app = app_with(&counter, short_renewal).await;
     // The first run lasts 1.5 s; its last lease ends 600 ms after the reservation.
     let (first, (before, after)) = tokio::join!(send(&app, post_x("/long", "h")), async {
         tokio::time::sleep(Duration::from_millis(450)).await;

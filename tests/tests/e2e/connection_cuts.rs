@@ -327,6 +327,18 @@ impl Rig {
         .await
     }
 
+    /// The app of most tests: `handler(mode)` behind `middleware(mode)`.
+    async fn mode_app(
+        &self,
+        mode: Mode,
+    ) -> impl Service<
+        actix_http::Request,
+        Response = ServiceResponse<impl MessageBody>,
+        Error = actix_web::Error,
+    > {
+        self.app(self.middleware(mode), handler(mode)).await
+    }
+
     /// Rows in `payments`.
     fn rows(&self) -> i64 {
         count(&self.db.url, "SELECT count(*) AS n FROM payments")
@@ -483,7 +495,7 @@ impl Keyed {
         } = self;
         let rig = Rig::with_store(mode, fast_path, pool_per_thread).await;
         let (proxy, state) = (&rig.proxy, &rig.state);
-        let app = rig.app(rig.middleware(mode), handler(mode)).await;
+        let app = rig.mode_app(mode).await;
         let what = format!("{mode:?} cut {cut:?} at {needle:?}");
         // Warm: connections open and statements prepared.
         for warm in ["warm-1", "warm-2"] {
@@ -692,12 +704,7 @@ cut_tests! {
 
 async fn keyless_cut(needle: &str, cut: Cut, expect_code: &str, rows_after: i64) {
     let rig = Rig::new(Mode::Transactional).await;
-    let app = rig
-        .app(
-            rig.middleware(Mode::Transactional),
-            handler(Mode::Transactional),
-        )
-        .await;
+    let app = rig.mode_app(Mode::Transactional).await;
     let what = format!("keyless cut {cut:?} at {needle:?}");
     created(&app, None, &what).await;
     assert_eq!(rig.rows(), 1);
@@ -925,12 +932,7 @@ cut_tests! {
 #[actix_web::test]
 async fn tx_many_cuts_on_one_pool() {
     let rig = Rig::new(Mode::Transactional).await;
-    let app = rig
-        .app(
-            rig.middleware(Mode::Transactional),
-            handler(Mode::Transactional),
-        )
-        .await;
+    let app = rig.mode_app(Mode::Transactional).await;
     let needles = [BEGIN, CLAIM, INSERT, COMPLETE, "COMMIT"];
     let mut n = 0;
     for round in 0..3 {
