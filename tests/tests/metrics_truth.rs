@@ -1415,6 +1415,18 @@ fn a_handler_past_the_renewal_limit_is_counted_stale() {
         probe.events().iter().all(|e| e.outcome.ran_handler()),
         "{report}"
     );
+    // Both clients got their handler's answer: the first's was not stored (stale), the
+    // second's (the takeover's) was, and a retry replays it without a third run.
+    assert_eq!((first.status, second.status), (201, 201), "{report}");
+    let retry = send(&addr, &request);
+    assert_eq!(retry.status, 201, "retry {}; {report}", retry.describe());
+    assert_eq!(
+        retry.body,
+        second.body,
+        "retry {}; {report}",
+        retry.describe()
+    );
+    assert_eq!(probe.runs(), 2, "the retry ran the handler: {report}");
 }
 
 /// A client that resets while a slow streamed response is being sent: one outcome, once,
