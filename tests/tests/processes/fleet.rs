@@ -1144,7 +1144,11 @@ fn mixed_modes_frozen_default_holder_taken_over_by_transactional_instance() {
         b_resp.status,
         executions_of(&[&a, &b], key)
     );
+    // A's handler ran to its end once the process woke: its client gets that answer (its
+    // complete found the token changed and stored nothing); B ran once, for the takeover.
+    assert_eq!(a_resp.status, 201, "{}", a_resp.describe());
     assert_eq!(b_resp.status, 201, "{}", b_resp.describe());
+    assert_eq!(executions_of(&[&a, &b], key), vec![1, 1]);
     assert!(
         ra.is_replay() && rb.is_replay(),
         "{} / {}",
