@@ -525,6 +525,17 @@ fn storm(mode: Mode, connections: usize) {
     assert_eq!(fresh, 1, "{answers:#?}");
     assert!(other.is_empty(), "{other:#?}");
     assert!(answers.last().unwrap().replayed);
+    // Every 201 (the run's, the replays among the 60 once it was stored, the last) carries
+    // the one stored body.
+    let ran = answers.iter().find(|a| a.status == 201 && !a.replayed);
+    let ran = &ran.expect("one fresh 201, asserted above").body;
+    assert!(
+        answers
+            .iter()
+            .filter(|a| a.status == 201)
+            .all(|a| &a.body == ran),
+        "{answers:#?}"
+    );
 }
 
 mode_tests! {
