@@ -11,6 +11,7 @@
 use std::net::TcpStream;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use idempotency_actix::store::redis::redis;
@@ -61,8 +62,13 @@ impl RedisServer {
     /// how a port taken between [`free_port`] and the server's bind shows (another test's
     /// server or connection got it first), so the caller can try another.
     pub fn try_start_with(extra: &[&str]) -> Result<RedisServer, String> {
+        // One directory per start, never shared: a start that lost its port to another of
+        // this process's servers removes its directory on drop, and must not remove theirs.
+        static STARTS: AtomicU64 = AtomicU64::new(0);
+        let start = STARTS.fetch_add(1, Ordering::Relaxed);
         let port = free_port();
-        let dir = std::env::temp_dir().join(format!("idem-redis-{}-{port}", std::process::id()));
+        let dir =
+            std::env::temp_dir().join(format!("idem-redis-{}-{port}-{start}", std::process::id()));
         if let Err(e) = std::fs::create_dir_all(&dir) {
             panic!("cannot create {}: {e}", dir.display());
         }
@@ -162,9 +168,14 @@ impl RedisServer {
                  or put it on PATH"
             ),
         };
+        let pid = child.id();
         self.child = Some(child);
         loop {
-            if TcpStream::connect(("127.0.0.1", self.port)).is_ok() {
+            // Ours, not merely something on the port: between `free_port` and our bind another
+            // test's server (or a cluster node's bus port) can take it, and a plain connect
+            // would then pass (CI once built a cluster on a non-cluster node that way). Ours
+            // exits when its bind fails, and the caller tries another port.
+            if answering_pid(self.port) == Some(pid) {
                 return Ok(());
             }
             if let Some(child) = self.child.as_mut() {
@@ -183,6 +194,31 @@ impl RedisServer {
             std::thread::sleep(Duration::from_millis(20));
         }
     }
+}
+
+/// The `process_id` of the Redis server answering on `port` (`INFO server`, sent as an inline
+/// command), or `None` when nothing answers there as Redis does.
+fn answering_pid(port: u16) -> Option<u32> {
+    use std::io::{Read, Write};
+    let mut stream = TcpStream::connect(("127.0.0.1", port)).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(1))).ok()?;
+    stream.write_all(b"INFO server\r\n").ok()?;
+    let mut reply = Vec::new();
+    let mut chunk = [0u8; 4096];
+    while reply.len() < 64 * 1024 {
+        let n = stream.read(&mut chunk).ok()?;
+        if n == 0 {
+            break;
+        }
+        reply.extend_from_slice(&chunk[..n]);
+        let text = String::from_utf8_lossy(&reply);
+        if let Some(line) = text.lines().find_map(|l| l.strip_prefix("process_id:")) {
+            if text.contains(&format!("process_id:{line}\r\n")) {
+                return line.trim().parse().ok();
+            }
+        }
+    }
+    None
 }
 
 impl Drop for RedisServer {
@@ -513,5 +549,39 @@ pub async fn replica_of(primary: &RedisServer) -> RedisServer {
             "the replica did not come online:\n{info}"
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A server is known by its own pid, and nothing that is not Redis passes for one.
+    #[test]
+    fn a_server_answers_with_its_own_pid() {
+        let server = RedisServer::start();
+        let pid = server.child.as_ref().map(Child::id);
+        assert_eq!(answering_pid(server.port()), pid);
+        let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = silent.local_addr().unwrap().port();
+        assert_eq!(answering_pid(port), None);
+    }
+
+    /// The CI failure this guards against: our server cannot bind a port another one took
+    /// meanwhile, and a start that only connected took the other for ours. It must fail, so
+    /// the caller tries another port.
+    #[test]
+    fn a_port_another_server_holds_is_not_taken_for_ours() {
+        let other = RedisServer::start();
+        let dir = std::env::temp_dir().join(format!("idem-redis-taken-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut ours = RedisServer {
+            child: None,
+            port: other.port(),
+            extra: Vec::new(),
+            dir,
+        };
+        let started = ours.try_spawn();
+        assert!(started.is_err(), "took another server's port for ours");
     }
 }
