@@ -1018,3 +1018,54 @@ async fn concurrent_replays_survive_the_partitions_purge_allows() {
         errors.first()
     );
 }
+
+/// A write is done when its transaction commits, not when its row comes back. In the extended
+/// protocol a one-statement write commits at `Sync`, after its `DataRow` and `CommandComplete`:
+/// a commit that then fails (the server shutting down, a serialization failure at commit, a
+/// deferred constraint) must not be taken for success. CI caught it: a `complete` reported
+/// stored, the database stopping under it lost the write, and after the lease the retry ran
+/// the handler again. A deferred constraint trigger that refuses at commit stands in for the
+/// failure here: `complete` and `purge_expired` must answer with an error, and the
+/// reservation and the expired record must still be there.
+#[tokio::test]
+async fn a_write_whose_commit_fails_is_not_reported_done() {
+    let db = TestDb::new().await;
+    let store = PostgresStore::connect(&db.url).await.unwrap();
+    let ReserveOutcome::Reserved { token } = store.reserve(&scope("c"), &FP, LEASE).await.unwrap()
+    else {
+        panic!("reserve");
+    };
+    store
+        .reserve(&scope("expired"), &FP, Duration::from_millis(1))
+        .await
+        .unwrap();
+    let mut conn = postgres::establish(&db.url).await.unwrap();
+    diesel_async::SimpleAsyncConnection::batch_execute(
+        &mut conn,
+        "CREATE FUNCTION refuse_at_commit() RETURNS trigger LANGUAGE plpgsql AS \
+             $$ BEGIN RAISE EXCEPTION 'refused at commit'; END $$; \
+         CREATE CONSTRAINT TRIGGER refuse_at_commit AFTER UPDATE OR DELETE ON idempotency_keys \
+             DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION refuse_at_commit();",
+    )
+    .await
+    .unwrap();
+
+    let completed = store
+        .complete(&scope("c"), &token, &ok_response(b"{}"), LEASE)
+        .await;
+    assert!(
+        completed.is_err(),
+        "a complete whose commit failed was reported {completed:?}"
+    );
+    assert!(matches!(
+        store.reserve(&scope("c"), &FP, LEASE).await.unwrap(),
+        ReserveOutcome::InFlight { .. }
+    ));
+
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let purged = store.purge_expired(Duration::ZERO).await;
+    assert!(
+        purged.is_err(),
+        "a purge whose commit failed was reported {purged:?}"
+    );
+}

@@ -376,14 +376,31 @@ struct CompletedRow {
 }
 
 /// Store the response, fenced by the token ([`Complete`]). 1 when applied, 0 when stale (the
-/// token no longer holds an in-flight reservation).
+/// token no longer holds an in-flight reservation). Read with `load`: see [`committed`].
 pub(crate) async fn complete(
     conn: &mut AsyncPgConnection,
     scope: &ScopeBinds<'_>,
     completion: &Completion<'_>,
 ) -> QueryResult<usize> {
-    let row: CompletedRow = Complete { scope, completion }.get_result(conn).await?;
-    Ok(usize::from(row.applied))
+    let rows: Vec<CompletedRow> = Complete { scope, completion }.load(conn).await?;
+    Ok(usize::from(committed(rows)?.applied))
+}
+
+/// The one row a write answered, once its transaction has committed.
+///
+/// Why writes are read with `load` and never with `get_result`: a statement sent outside a
+/// transaction block commits when the server processes the `Sync` that follows it, *after*
+/// its `DataRow` and `CommandComplete` have gone out. diesel-async's `get_result` resolves at
+/// the first `DataRow`, so a commit that then fails (the server shutting down or crashing, a
+/// serialization failure at commit, a deferred constraint) was taken for success: a
+/// `complete` reported stored while the record stayed in flight, and after the lease a retry
+/// ran the handler again (CI caught it, `postgres_store::a_write_whose_commit_fails_is_not_reported_done`).
+/// `load` reads to `ReadyForQuery`, where such a failure arrives as an error. The same
+/// messages, no extra round trip.
+fn committed<T>(rows: Vec<T>) -> QueryResult<T> {
+    rows.into_iter()
+        .next()
+        .ok_or(diesel::result::Error::NotFound)
 }
 
 /// Whether `token` completed `scope`'s record: one primary-key lookup, asked only after a
@@ -692,7 +709,7 @@ pub(crate) async fn purge(
         rows: Purgeable::new(filter),
         limit: i64::from(limit),
     };
-    let row: PurgedRow = query.get_result(conn).await?;
+    let row = committed::<PurgedRow>(query.load(conn).await?)?;
     Ok(Purged {
         completed: non_negative(row.completed),
         in_flight: non_negative(row.in_flight),
@@ -1198,12 +1215,13 @@ pub(crate) async fn purge_default_partition(
     limit: i32,
     older_than_us: i64,
 ) -> QueryResult<u64> {
-    let row: DeletedRow = diesel::sql_query("SELECT idempotency_purge_default($1, $2) AS deleted")
-        .bind::<diesel::sql_types::Integer, _>(limit)
-        .bind::<BigInt, _>(older_than_us)
-        .get_result(conn)
-        .await?;
-    Ok(non_negative(row.deleted))
+    let rows: Vec<DeletedRow> =
+        diesel::sql_query("SELECT idempotency_purge_default($1, $2) AS deleted")
+            .bind::<diesel::sql_types::Integer, _>(limit)
+            .bind::<BigInt, _>(older_than_us)
+            .load(conn)
+            .await?;
+    Ok(non_negative(committed(rows)?.deleted))
 }
 
 // Checked at compile time: without a static id diesel-async would not cache the prepared
