@@ -8,7 +8,6 @@
 //! # let _ = url;
 //! ```
 
-use std::net::TcpStream;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -196,29 +195,16 @@ impl RedisServer {
     }
 }
 
-/// The `process_id` of the Redis server answering on `port` (`INFO server`, sent as an inline
-/// command), or `None` when nothing answers there as Redis does.
+/// The `process_id` of the Redis server answering on `port` (`INFO server`), or `None` when
+/// nothing answers there as Redis does.
 fn answering_pid(port: u16) -> Option<u32> {
-    use std::io::{Read, Write};
-    let mut stream = TcpStream::connect(("127.0.0.1", port)).ok()?;
-    stream.set_read_timeout(Some(Duration::from_secs(1))).ok()?;
-    stream.write_all(b"INFO server\r\n").ok()?;
-    let mut reply = Vec::new();
-    let mut chunk = [0u8; 4096];
-    while reply.len() < 64 * 1024 {
-        let n = stream.read(&mut chunk).ok()?;
-        if n == 0 {
-            break;
-        }
-        reply.extend_from_slice(&chunk[..n]);
-        let text = String::from_utf8_lossy(&reply);
-        if let Some(line) = text.lines().find_map(|l| l.strip_prefix("process_id:")) {
-            if text.contains(&format!("process_id:{line}\r\n")) {
-                return line.trim().parse().ok();
-            }
-        }
-    }
-    None
+    let client = redis::Client::open(format!("redis://127.0.0.1:{port}/")).ok()?;
+    let mut conn = client
+        .get_connection_with_timeout(Duration::from_secs(1))
+        .ok()?;
+    conn.set_read_timeout(Some(Duration::from_secs(1))).ok()?;
+    let info: redis::InfoDict = redis::cmd("INFO").arg("server").query(&mut conn).ok()?;
+    info.get("process_id")
 }
 
 impl Drop for RedisServer {
