@@ -16,7 +16,8 @@
 # Settings (environment): MODE (postgres; any bench_server mode), EXTRA (more `serve` options,
 # for both builds, e.g. "--pool-per-thread on"), POOL (16), WORKERS (2), SCRIPTS ("miss
 # replay": bench/<name>.lua), ROUNDS (5), DURATION (8 s), CONNECTIONS (64), ORDER ("anchor old
-# new": the order within a round; reverse it to check for an order effect).
+# new": the order within a round; reverse it to check for an order effect), ANCHOR (raw: the
+# anchor's bench_server mode; `bare` for the memory-store cases, with MODE=memory).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ $# -ne 2 ]; then
@@ -38,11 +39,12 @@ ROUNDS=${ROUNDS:-5}
 DURATION=${DURATION:-8}
 CONNECTIONS=${CONNECTIONS:-64}
 ORDER=${ORDER:-anchor old new}
+ANCHOR=${ANCHOR:-raw}
 RUN=ab_$$
 declare -A DB=([old]=idem_${RUN}_old [new]=idem_${RUN}_new)
 DB[anchor]=${DB[old]}
 declare -A PORT=([anchor]=18401 [old]=18402 [new]=18403)
-declare -A SERVE_MODE=([anchor]=raw [old]=$MODE [new]=$MODE)
+declare -A SERVE_MODE=([anchor]=$ANCHOR [old]=$MODE [new]=$MODE)
 PIDS=()
 WORK=$(mktemp -d)
 

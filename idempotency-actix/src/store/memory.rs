@@ -52,7 +52,10 @@ pub const DEFAULT_SWEEP_INTERVAL: Duration = Duration::from_secs(30);
 /// the scope is packed in one allocation (`docs/benchmarks.md`). A review (2026-12-05, 50,000
 /// records of three shapes, `tests/tests/e2e/exhaustion.rs`) found the resident memory 36-43
 /// bytes per record above the charge at 384, so the charge is 432: the bound errs on its own
-/// side.
+/// side. Since a completed record keeps its response in one allocation (`Compact`), the same
+/// test measures about 100 bytes less per record in each shape (small: 482 resident against
+/// 588 charged, was 580); the charge was not lowered with it, because a table just past a
+/// doubling holds up to twice the slots per record that a table near full does.
 pub const RECORD_OVERHEAD: usize = 432;
 
 /// `now + d`, or a far-future instant when that is not representable (`Duration::MAX` is
@@ -573,15 +576,25 @@ struct Inner {
     next_event: Option<Instant>,
 }
 
-/// A stored response as kept in memory: its headers encoded with
-/// [`StoredResponse::encode_headers`] and followed by the body in the same buffer, so a
-/// record's response is one allocation, not one per header name and value, and the record
-/// owns exactly the bytes it is charged for.
+/// A stored response as kept in memory, inside its record: its headers encoded with
+/// [`StoredResponse::encode_headers`] and followed by the body in one buffer, so a record's
+/// response is one allocation (not one per header name and value), and the record owns exactly
+/// the bytes it is charged for.
+///
+/// Why held in the record rather than behind an `Arc`, as it was: the `Arc` and the two
+/// `Bytes` it held were three allocations per completed record (the buffer, `Bytes`' shared
+/// header once sliced, the `Arc`), some 130 bytes of a record's resident memory; inline, the
+/// record's slot grows by 16 bytes and the buffer is the only allocation until a replay shares
+/// it (`docs/benchmarks.md`, "A completed record in one allocation"). A replay clones the
+/// `Bytes` under the lock (a reference count, as the `Arc` was) and slices it after.
+#[derive(Clone)]
 struct Compact {
+    /// The encoded headers, then the body. Built from a `Vec` without spare capacity, which
+    /// `Bytes` keeps without another allocation until its first clone.
+    buf: bytes::Bytes,
+    /// Where the body starts in `buf`.
+    headers_len: u32,
     status: u16,
-    /// Shared, so that a replay's header values are slices of it, not copies.
-    headers: bytes::Bytes,
-    body: bytes::Bytes,
 }
 
 impl Compact {
@@ -589,37 +602,46 @@ impl Compact {
     /// to the handler's body: that may be a slice of a larger buffer (a chunk of a read
     /// buffer, a `Vec` with spare capacity), which a shared `Bytes` would keep alive whole
     /// while only its length is charged against the bound.
-    fn new(response: &StoredResponse) -> Self {
+    ///
+    /// Encoded headers of 4 GiB or more are refused as larger than any bound.
+    fn new(response: &StoredResponse) -> Result<Self, StoreError> {
         let headers_len = response.encoded_headers_len();
+        let headers_len_u32 =
+            u32::try_from(headers_len).map_err(|_| StoreError::ByteCapacity(headers_len))?;
         let mut buf = Vec::with_capacity(headers_len.saturating_add(response.body.len()));
         response.encode_headers_into(&mut buf);
         buf.extend_from_slice(&response.body);
-        let buf = bytes::Bytes::from(buf);
-        Self {
+        Ok(Self {
+            buf: bytes::Bytes::from(buf),
+            headers_len: headers_len_u32,
             status: response.status,
-            headers: buf.slice(..headers_len),
-            body: buf.slice(headers_len..),
-        }
+        })
     }
 
     /// The bytes charged for the response.
     fn size(&self) -> usize {
-        self.headers.len().saturating_add(self.body.len())
+        self.buf.len()
     }
 
-    fn expand(&self) -> Result<StoredResponse, StoreError> {
+    fn body_len(&self) -> usize {
+        self.buf.len().saturating_sub(self.headers_len as usize)
+    }
+
+    /// The response, its header values and body slices of the shared buffer.
+    fn expand(self) -> Result<StoredResponse, StoreError> {
+        let split = (self.headers_len as usize).min(self.buf.len());
         Ok(StoredResponse {
             status: self.status,
-            headers: StoredResponse::decode_headers_shared(&self.headers)
+            headers: StoredResponse::decode_headers_shared(&self.buf.slice(..split))
                 .map_err(|e| StoreError::Backend(Box::new(e)))?,
-            body: self.body.clone(),
+            body: self.buf.slice(split..),
         })
     }
 }
 
 /// What `reserve` found for a scope, decided under the lock.
 enum Found {
-    Completed(Fingerprint, Arc<Compact>, Duration),
+    Completed(Fingerprint, Compact, Duration),
     InFlight(Fingerprint, Duration),
     /// A reservation of the same request whose lease ended: a retry takes it over.
     TakeOver,
@@ -644,7 +666,7 @@ enum State {
     Completed {
         /// The response in one allocation (status, encoded headers, body), shared so a replay
         /// decodes it after the lock is released.
-        response: Arc<Compact>,
+        response: Compact,
         expires_at: Instant,
     },
 }
@@ -942,7 +964,7 @@ impl IdempotencyStore for MemoryStore {
                     expires_at,
                 } => Found::Completed(
                     record.fingerprint,
-                    Arc::clone(response),
+                    response.clone(),
                     expires_at.saturating_duration_since(now),
                 ),
                 State::InFlight { lease_until, .. }
@@ -1023,7 +1045,7 @@ impl IdempotencyStore for MemoryStore {
         ttl: Duration,
     ) -> Result<WriteOutcome, StoreError> {
         // Copied before taking the lock (wasted only when the write turns out stale).
-        let response = Arc::new(Compact::new(response));
+        let response = Compact::new(response)?;
         let charge = scope_charge(scope).saturating_add(response.size());
         let mut evicted = Vec::new();
         let probe = self.probe(scope);
@@ -1046,7 +1068,7 @@ impl IdempotencyStore for MemoryStore {
             // request), nor for headers larger than that: those need room like any growth,
             // and failing leaves the reservation as it is; the middleware retries (C16).
             let secured =
-                allowance > 0 && response.body.len() <= allowance && charge - old <= allowance;
+                allowance > 0 && response.body_len() <= allowance && charge - old <= allowance;
             if secured {
                 // Expired records are still swept to make the room; live ones are not evicted.
                 let _ = inner.room_without_evicting(now, false, charge - old);
@@ -1401,7 +1423,7 @@ mod tests {
         );
         assert_eq!(store.bytes_used(), 0);
         reserve_and_complete(&store, "a").await;
-        let size = Compact::new(&response()).size();
+        let size = Compact::new(&response()).unwrap().size();
         assert_eq!(store.bytes_used(), base + size);
         assert_eq!(store.purge_expired(Duration::ZERO).await.unwrap(), 0);
         assert_eq!(store.bytes_used(), base + size);
