@@ -134,6 +134,9 @@ async fn stats(ledger: web::Data<Ledger>) -> HttpResponse {
     HttpResponse::Ok().json(json!({
         "handler_executions": ledger.total_executions.load(Ordering::SeqCst),
         "per_key": per_key,
+        // Which process answered: the fault tests start instances on free ports, and must
+        // know that the one answering on a port is the one they started.
+        "pid": std::process::id(),
     }))
 }
 

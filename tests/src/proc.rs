@@ -22,6 +22,10 @@ use crate::TempCluster;
 /// How long the example may take to start answering.
 const START_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// How many free ports [`PaymentsApp::start`] tries: a port can be taken between
+/// [`free_port`] and the example's bind (another test's server got it first).
+const START_ATTEMPTS: usize = 5;
+
 /// `idem-cli`, built next to the test binary (`target/<profile>/idem-cli`); built with
 /// `cargo build -p idempotency-cli` first when it is not there (a test run alone with
 /// `--test`).
@@ -189,11 +193,24 @@ pub struct Stats {
 impl PaymentsApp {
     /// Start the example with `env` (e.g. `DATABASE_URL`) and wait until it answers.
     pub fn start(env: &[(&str, &str)]) -> PaymentsApp {
-        Self::start_on(free_port(), env)
+        let mut failed = String::new();
+        for _ in 0..START_ATTEMPTS {
+            match Self::try_start_on(free_port(), env) {
+                Ok(app) => return app,
+                Err(why) => failed = why,
+            }
+        }
+        panic!("{failed} ({START_ATTEMPTS} attempts)");
     }
 
     /// Start it on a given port (e.g. the port a killed instance used).
     pub fn start_on(port: u16, env: &[(&str, &str)]) -> PaymentsApp {
+        Self::try_start_on(port, env).unwrap_or_else(|why| panic!("{why}"))
+    }
+
+    /// As [`PaymentsApp::start_on`], once: `Err` (with its log) when the example exited before
+    /// it answered, which is how a port taken by another process shows.
+    fn try_start_on(port: u16, env: &[(&str, &str)]) -> Result<PaymentsApp, String> {
         let bin = payments_binary();
         let addr = format!("127.0.0.1:{port}");
         let log_path = std::env::temp_dir().join(format!(
@@ -224,27 +241,34 @@ impl PaymentsApp {
             addr,
             log_path,
         };
-        app.wait_ready();
-        app
+        app.wait_ready()?;
+        Ok(app)
     }
 
-    fn wait_ready(&mut self) {
+    /// Until this instance answers `GET /stats` with its own process id: anything else on its
+    /// port (another test's instance that took the port first) is not it.
+    fn wait_ready(&mut self) -> Result<(), String> {
         let deadline = Instant::now() + START_TIMEOUT;
+        let pid = u64::from(self.child.id());
         loop {
             if let Ok(Some(status)) = self.child.try_wait() {
-                panic!(
-                    "the payments example exited early ({status}); log:\n{}",
+                return Err(format!(
+                    "the payments example on {} exited early ({status}); log:\n{}",
+                    self.addr,
                     self.log()
-                );
+                ));
             }
-            let ok = send_once(
+            let answered_pid = send_once(
                 &self.addr,
                 &Request::get("/stats"),
                 Duration::from_millis(500),
             )
-            .is_ok_and(|r| r.status == 200);
-            if ok {
-                return;
+            .ok()
+            .filter(|r| r.status == 200)
+            .and_then(|r| serde_json::from_slice::<serde_json::Value>(&r.body).ok())
+            .and_then(|json| json["pid"].as_u64());
+            if answered_pid == Some(pid) {
+                return Ok(());
             }
             if Instant::now() > deadline {
                 panic!(
