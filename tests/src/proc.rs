@@ -494,3 +494,32 @@ fn pg_command(program: &Path) -> Command {
     command.args(["-u", user, "--"]).arg(program);
     command
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Read, Write};
+
+    /// The failure this guards against: another process took the port between `free_port`
+    /// and the example's bind, and answers `/stats` with 200 (another test's instance). A
+    /// start that only looked for a 200 took it for ours; ours has exited on its failed bind.
+    #[test]
+    fn a_port_another_server_answers_on_is_not_taken_for_ours() {
+        let impostor = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = impostor.local_addr().unwrap().port();
+        std::thread::spawn(move || {
+            for mut stream in impostor.incoming().flatten() {
+                let mut request = [0u8; 1024];
+                let _ = stream.read(&mut request);
+                let body = r#"{"handler_executions":0,"per_key":{},"pid":1}"#;
+                let _ = write!(
+                    stream,
+                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+            }
+        });
+        let started = PaymentsApp::try_start_on(port, &[]);
+        assert!(started.is_err(), "took another server's port for ours");
+    }
+}
