@@ -583,10 +583,10 @@ struct Inner {
 ///
 /// Why held in the record rather than behind an `Arc`, as it was: the `Arc` and the two
 /// `Bytes` it held were three allocations per completed record (the buffer, `Bytes`' shared
-/// header once sliced, the `Arc`), some 130 bytes of a record's resident memory; inline, the
-/// record's slot grows by 16 bytes and the buffer is the only allocation until a replay shares
-/// it (`docs/benchmarks.md`, "A completed record in one allocation"). A replay clones the
-/// `Bytes` under the lock (a reference count, as the `Arc` was) and slices it after.
+/// header once sliced, the `Arc`); inline, the record's table slot grows by 16 bytes and the
+/// buffer is the only allocation until a replay shares it, about 100 bytes less resident
+/// memory per record (`docs/benchmarks.md`, "A completed record in one allocation"). A replay
+/// clones the `Bytes` under the lock (a reference count, as the `Arc` was) and slices it after.
 #[derive(Clone)]
 struct Compact {
     /// The encoded headers, then the body. Built from a `Vec` without spare capacity, which
