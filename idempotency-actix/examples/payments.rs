@@ -131,13 +131,14 @@ async fn stats(ledger: web::Data<Ledger>) -> HttpResponse {
         .lock()
         .map(|e| e.clone())
         .unwrap_or_default();
-    HttpResponse::Ok().json(json!({
-        "handler_executions": ledger.total_executions.load(Ordering::SeqCst),
-        "per_key": per_key,
+    HttpResponse::Ok()
         // Which process answered: the fault tests start instances on free ports, and must
         // know that the one answering on a port is the one they started.
-        "pid": std::process::id(),
-    }))
+        .insert_header(("x-process-id", std::process::id().to_string()))
+        .json(json!({
+            "handler_executions": ledger.total_executions.load(Ordering::SeqCst),
+            "per_key": per_key,
+        }))
 }
 
 async fn metrics(handle: web::Data<PrometheusHandle>) -> HttpResponse {

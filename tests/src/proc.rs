@@ -245,11 +245,11 @@ impl PaymentsApp {
         Ok(app)
     }
 
-    /// Until this instance answers `GET /stats` with its own process id: anything else on its
-    /// port (another test's instance that took the port first) is not it.
+    /// Until this instance answers `GET /stats` with its own process id (`x-process-id`):
+    /// anything else on its port (another test's instance that took the port first) is not it.
     fn wait_ready(&mut self) -> Result<(), String> {
         let deadline = Instant::now() + START_TIMEOUT;
-        let pid = u64::from(self.child.id());
+        let pid = self.child.id();
         loop {
             if let Ok(Some(status)) = self.child.try_wait() {
                 return Err(format!(
@@ -265,8 +265,8 @@ impl PaymentsApp {
             )
             .ok()
             .filter(|r| r.status == 200)
-            .and_then(|r| serde_json::from_slice::<serde_json::Value>(&r.body).ok())
-            .and_then(|json| json["pid"].as_u64());
+            .and_then(|r| r.header("x-process-id"))
+            .and_then(|id| id.parse::<u32>().ok());
             if answered_pid == Some(pid) {
                 return Ok(());
             }
@@ -511,10 +511,10 @@ mod tests {
             for mut stream in impostor.incoming().flatten() {
                 let mut request = [0u8; 1024];
                 let _ = stream.read(&mut request);
-                let body = r#"{"handler_executions":0,"per_key":{},"pid":1}"#;
+                let body = r#"{"handler_executions":0,"per_key":{}}"#;
                 let _ = write!(
                     stream,
-                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                    "HTTP/1.1 200 OK\r\nx-process-id: 1\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
                     body.len()
                 );
             }
