@@ -9,11 +9,13 @@
 //! with its span fields missing). Here every test sets the same capturing subscriber before it
 //! does anything, so whichever test reaches a call site first, the answer is the same.
 
+#[allow(dead_code)]
+#[path = "support/captured.rs"]
+mod captured;
 mod common;
 
-use std::io::Write;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use actix_web::body::to_bytes;
 use actix_web::http::StatusCode;
@@ -25,31 +27,8 @@ use idempotency_actix::store::{
 };
 use idempotency_actix::Idempotency;
 
+use captured::Captured;
 use common::{reserved, scope, small, FP_A, FP_B, MINUTE};
-
-/// A `Write` into a shared buffer, for capturing log lines.
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .extend_from_slice(buf);
-        Ok(buf.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl Captured {
-    fn text(&self) -> String {
-        String::from_utf8_lossy(&self.0.lock().unwrap_or_else(|p| p.into_inner())).into_owned()
-    }
-}
 
 /// This thread's log events from here on (info and above, no colours), until the guard drops.
 /// Every test here uses this one filter, so no test can leave a call site switched off for

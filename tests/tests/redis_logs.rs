@@ -8,30 +8,17 @@
 //! with tests that run the store without a subscriber can lose its lines
 //! (`idempotency-actix/tests/logs.rs` has the story).
 
-use std::io::Write;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::OnceLock;
 
 use idempotency_actix::store::redis::redis;
 use idempotency_actix::store::RedisStore;
 use idempotency_e2e::redis_server::{connection, RedisServer};
 
-/// A `Write` into a shared buffer, for capturing log lines.
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .extend_from_slice(buf);
-        Ok(buf.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
+// Shared with the library's own log tests (see the file's docs).
+#[allow(dead_code)]
+#[path = "../../idempotency-actix/tests/support/captured.rs"]
+mod captured;
+use captured::Captured;
 
 /// Everything logged in this process (warn and above), from the first call on.
 fn logs() -> &'static Captured {
@@ -51,12 +38,11 @@ fn logs() -> &'static Captured {
 
 /// The log lines written since `from` bytes.
 fn since(from: usize) -> String {
-    let bytes = logs().0.lock().unwrap_or_else(|p| p.into_inner());
-    String::from_utf8_lossy(&bytes[from.min(bytes.len())..]).into_owned()
+    logs().text_from(from)
 }
 
 fn mark() -> usize {
-    logs().0.lock().unwrap_or_else(|p| p.into_inner()).len()
+    logs().written()
 }
 
 /// C22, default (`EvictionCheck::Warn`): an evicting policy connects, with one warning that
