@@ -418,19 +418,9 @@ async fn a_wait_resent_to_the_promoted_replica_does_not_acknowledge_a_lost_reser
         Ok(store) => store,
         Err(e) => panic!("connect_cluster: {e}"),
     };
-    // A key of node 2 (the primary killed): the node answers `MOVED` for the others.
+    // A key of node 2 (the primary killed).
     let mut node = node_conn(&urls[2]).await;
-    let mut key = None;
-    for i in 0..1000 {
-        let s = scope(&format!("lost-{i}"));
-        let name = idempotency_actix::store::redis::record_key("idem:", &s);
-        let owned: Result<i64, _> = redis::cmd("EXISTS").arg(&name).query_async(&mut node).await;
-        if owned.is_ok() {
-            key = Some(s);
-            break;
-        }
-    }
-    let key = key.expect("a key of node 2");
+    let key = key_of(&mut node, "lost").await;
     let failover = tokio::task::spawn_blocking(move || {
         let mut cluster = cluster;
         // The cut, then the primary alone for 3 s, then the kill and the failover.
@@ -462,6 +452,21 @@ async fn a_wait_resent_to_the_promoted_replica_does_not_acknowledge_a_lost_reser
         Err(e) => panic!("fail_over: {e}"),
     };
     assert!(promoted >= 3, "a replica took over: node {promoted}");
+    // Just after a failover the cluster client may still be refreshing its slot map or
+    // reconnecting (it backs off at least 1.28 s between attempts), so a call may time out as
+    // unavailable for a while, as a client's retry after a 503 may. Wait until another key of
+    // the same node answers (a timed-out probe may still land late: on the probe's key, not
+    // ours), then retry ours once: it must find no reservation.
+    let mut promoted_node = node_conn(&urls[promoted]).await;
+    let probe = key_of(&mut promoted_node, "probe").await;
+    let answering = tokio::time::Instant::now();
+    while let Err(StoreError::Unavailable(e)) = store.reserve(&probe, &FP, LEASE).await {
+        assert!(
+            answering.elapsed() < Duration::from_secs(30),
+            "the store stayed unavailable after the failover: {e}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     let again = store.reserve(&key, &FP, LEASE).await;
     match (&first, &again) {
         (Err(StoreError::Unavailable(_)), Ok(ReserveOutcome::Reserved { .. })) => {}
@@ -470,6 +475,20 @@ async fn a_wait_resent_to_the_promoted_replica_does_not_acknowledge_a_lost_reser
              first {first:?}, again {again:?}"
         ),
     }
+}
+
+/// A scope (`<prefix>-0`, `<prefix>-1`, ...) whose record the node behind `node` holds: the
+/// node answers `MOVED` for the others.
+async fn key_of(node: &mut redis::aio::MultiplexedConnection, prefix: &str) -> Scope {
+    for i in 0..1000 {
+        let s = scope(&format!("{prefix}-{i}"));
+        let name = idempotency_actix::store::redis::record_key("idem:", &s);
+        let owned: Result<i64, _> = redis::cmd("EXISTS").arg(&name).query_async(node).await;
+        if owned.is_ok() {
+            return s;
+        }
+    }
+    panic!("no key of the node among 1000")
 }
 
 /// Four clients race two by two on fresh keys (`r-0`, `r-1`, ...) with `lease`, each until it
