@@ -454,9 +454,10 @@ async fn a_wait_resent_to_the_promoted_replica_does_not_acknowledge_a_lost_reser
     assert!(promoted >= 3, "a replica took over: node {promoted}");
     // Just after a failover a call may still time out as unavailable, as a client's retry
     // after a 503 may (CI once saw the retry of the key time out at 2 s; not reproduced here
-    // in 14 runs, where the first call after a failover answers in milliseconds). Wait until
-    // another key of the same node answers (a timed-out probe may still land late: on the
-    // probe's key, not ours), then retry ours once: it must find no reservation.
+    // in 17 runs of this suite, where the first call after a failover answers in
+    // milliseconds). Wait until another key of the same node answers (a timed-out probe may
+    // still land late: on the probe's key, not ours), then retry ours once: it must find no
+    // reservation.
     let mut promoted_node = node_conn(&urls[promoted]).await;
     let probe = key_of(&mut promoted_node, "probe").await;
     let answering = tokio::time::Instant::now();
