@@ -5,7 +5,7 @@
 use std::error::Error as StdError;
 use std::future::Future;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::pin::Pin;
+use std::pin::{pin, Pin};
 use std::rc::Rc;
 use std::sync::Arc;
 use std::task::Poll;
@@ -571,8 +571,14 @@ where
         match body.try_into_bytes() {
             // One buffer (most handlers): store it, then send it.
             Ok(bytes) => {
+                // Pinned here, in this statement: `storing` says why.
                 let outcome = renewal
-                    .storing(self.store_or_release(scope, &token, head.head(), &bytes))
+                    .storing(pin!(self.store_or_release(
+                        scope,
+                        &token,
+                        head.head(),
+                        &bytes
+                    )))
                     .await;
                 report.outcome(outcome, status, Some(scope));
                 let response = ServiceResponse::new(request, head.set_body(BoxBody::new(bytes)));
@@ -586,8 +592,14 @@ where
             Err(body) if matches!(body.size(), BodySize::Sized(0) | BodySize::None) => {
                 drop(body);
                 let bytes = Bytes::new();
+                // Pinned here, in this statement: `storing` says why.
                 let outcome = renewal
-                    .storing(self.store_or_release(scope, &token, head.head(), &bytes))
+                    .storing(pin!(self.store_or_release(
+                        scope,
+                        &token,
+                        head.head(),
+                        &bytes
+                    )))
                     .await;
                 report.outcome(outcome, status, Some(scope));
                 let response = ServiceResponse::new(request, head.set_body(BoxBody::new(bytes)));
@@ -636,7 +648,7 @@ where
             .then(|| forward::Client::new(sender));
         let mut copy: Option<BodyCopy> = Some(BodyCopy::default());
         let mut read = 0usize;
-        let mut body = std::pin::pin!(body);
+        let mut body = pin!(body);
         let hold_until = renewal.hold_until();
         loop {
             let next = loop {
@@ -754,9 +766,10 @@ where
             Some(kept) => {
                 let body = kept.into_bytes();
                 let head = stored_head.as_head();
-                renewal
-                    .storing(self.store_or_release(scope, &token, &head, &body))
-                    .await
+                let store = pin!(self.store_or_release(scope, &token, &head, &body));
+                // Bound, not the block's value: the future borrows this block's locals.
+                let outcome = renewal.storing(store).await;
+                outcome
             }
             None => {
                 renewal.stop();

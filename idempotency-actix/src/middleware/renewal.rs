@@ -34,7 +34,7 @@
 
 use std::cell::Cell;
 use std::future::{poll_fn, Future};
-use std::pin::pin;
+use std::pin::{pin, Pin};
 use std::rc::Rc;
 use std::sync::Arc;
 use std::task::Poll;
@@ -165,7 +165,12 @@ impl<'a, S: IdempotencyStore> Renewal<'a, S> {
     /// timeout (7 s with `PostgresStore`'s defaults) could outlast what is left of the lease,
     /// and a retry after it would run the handler again (found by review, 2026-12-04). A
     /// renewal that meets the stored record answers `Stale`, which is then no alarm.
-    pub(super) async fn storing<F: Future>(&mut self, store: F) -> F::Output {
+    ///
+    /// `store` comes pinned, in the caller's state: taken by value, the future was held three
+    /// times in this one's (the argument, the pinned copy polled, the argument awaited on the
+    /// other path), 1,152 bytes where 192 do, in the work of every keyed request
+    /// (`docs/benchmarks.md`, "The storing future held three times").
+    pub(super) async fn storing<F: Future>(&mut self, mut store: Pin<&mut F>) -> F::Output {
         self.storing = true;
         if let Some(shared) = &self.storing_shared {
             shared.set(true);
@@ -179,7 +184,6 @@ impl<'a, S: IdempotencyStore> Renewal<'a, S> {
             // still goes on when the first renewal is due (a stuck call), not a task for
             // every request that stores at once.
             Some(first_due) => {
-                let mut store = pin!(store);
                 // Most stores answer on the first poll (memory, cache): no timer for those.
                 match poll_fn(|cx| Poll::Ready(store.as_mut().poll(cx))).await {
                     Poll::Ready(stored) => stored,
@@ -684,10 +688,10 @@ mod tests {
             assert!(renewal.running.is_none());
             // What a retry of the same request gets at the end of storing.
             let retried = renewal
-                .storing(async {
+                .storing(pin!(async {
                     tokio::time::sleep(storing_for).await;
                     store.reserve(&scope, &fingerprint, lease).await
-                })
+                }))
                 .await;
             assert_eq!(
                 store.renewals() > before,
