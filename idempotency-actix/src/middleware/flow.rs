@@ -568,22 +568,9 @@ where
             let _ = answer.send(Ok(response.map_into_left_body()));
             return;
         }
-        match body.try_into_bytes() {
+        let bytes = match body.try_into_bytes() {
             // One buffer (most handlers): store it, then send it.
-            Ok(bytes) => {
-                // Pinned here, in this statement: `storing` says why.
-                let outcome = renewal
-                    .storing(pin!(self.store_or_release(
-                        scope,
-                        &token,
-                        head.head(),
-                        &bytes
-                    )))
-                    .await;
-                report.outcome(outcome, status, Some(scope));
-                let response = ServiceResponse::new(request, head.set_body(BoxBody::new(bytes)));
-                let _ = answer.send(Ok(response.map_into_right_body()));
-            }
+            Ok(bytes) => bytes,
             // A stream declared empty (or bodiless): actix writes such a body with the head and
             // never polls it, so the client holds the whole response at once, and an immediate
             // retry must replay it (C24). Stored as the empty body the client gets, before the
@@ -591,19 +578,7 @@ where
             // that stays open, a long poll, must not hold the answer back).
             Err(body) if matches!(body.size(), BodySize::Sized(0) | BodySize::None) => {
                 drop(body);
-                let bytes = Bytes::new();
-                // Pinned here, in this statement: `storing` says why.
-                let outcome = renewal
-                    .storing(pin!(self.store_or_release(
-                        scope,
-                        &token,
-                        head.head(),
-                        &bytes
-                    )))
-                    .await;
-                report.outcome(outcome, status, Some(scope));
-                let response = ServiceResponse::new(request, head.set_body(BoxBody::new(bytes)));
-                let _ = answer.send(Ok(response.map_into_right_body()));
+                Bytes::new()
             }
             Err(body) => {
                 // Boxed: a streamed body is rare; its state need not size every request's.
@@ -611,8 +586,21 @@ where
                 let stream = Box::pin(stream);
                 let outcome = stream.await;
                 report.outcome(outcome, status, Some(scope));
+                return;
             }
-        }
+        };
+        // Pinned here, in this statement: `storing` says why.
+        let outcome = renewal
+            .storing(pin!(self.store_or_release(
+                scope,
+                &token,
+                head.head(),
+                &bytes
+            )))
+            .await;
+        report.outcome(outcome, status, Some(scope));
+        let response = ServiceResponse::new(request, head.set_body(BoxBody::new(bytes)));
+        let _ = answer.send(Ok(response.map_into_right_body()));
     }
 
     /// A streamed body (C24): send the head now, forward every chunk as it comes while keeping
@@ -766,9 +754,11 @@ where
             Some(kept) => {
                 let body = kept.into_bytes();
                 let head = stored_head.as_head();
-                let store = pin!(self.store_or_release(scope, &token, &head, &body));
-                // Bound, not the block's value: the future borrows this block's locals.
-                let outcome = renewal.storing(store).await;
+                // Pinned here, in this statement: `storing` says why. Bound, not the block's
+                // value: the future borrows this block's locals.
+                let outcome = renewal
+                    .storing(pin!(self.store_or_release(scope, &token, &head, &body)))
+                    .await;
                 outcome
             }
             None => {
