@@ -107,6 +107,44 @@ impl<B> Answer<B> {
     }
 }
 
+/// What the request's own future keeps while its detached work runs: where the answer comes
+/// from, and what it needs to report a work that ended without one. (Awaited by `run` itself,
+/// not by an `async fn` of its own: that future would hold all of this twice, in every keyed
+/// request's future.)
+struct Pending<B> {
+    answered: oneshot::Receiver<FlowResult<B>>,
+    /// The request's span (the work runs in it too).
+    span: tracing::Span,
+    report: Report,
+    /// What a panic leaves behind, for the log ([`Config::what_a_panic_leaves`]).
+    on_panic: &'static str,
+    /// The scope, for the `on_outcome` hook (cloned only when there is one; boxed, so that
+    /// it takes 8 bytes of the request's future, not 96, when there is none).
+    panic_scope: Option<Box<Scope>>,
+}
+
+impl<B> Pending<B> {
+    /// The response, from what the work answered.
+    fn answer(self, answered: Result<FlowResult<B>, oneshot::error::RecvError>) -> FlowResult<B> {
+        match answered {
+            Ok(result) => result,
+            // The task ended without an answer: the handler panicked. Its reservation stays
+            // until the lease ends (its effects may exist), or in transactional mode is rolled
+            // back with them; the client gets an opaque 500.
+            Err(_) => {
+                let _in_span = self.span.enter();
+                tracing::error!(target: "idempotency_actix", outcome = "handler_panic", left = self.on_panic, "the request's task ended without a response");
+                self.report.outcome(
+                    Outcome::HandlerPanic,
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    self.panic_scope.as_deref(),
+                );
+                Err(opaque_500("the request's task ended without a response"))
+            }
+        }
+    }
+}
+
 /// The path of a request's scope (C3): the value the handler sees, in one spelling, so one key
 /// never runs once per spelling of the same request.
 ///
@@ -211,25 +249,27 @@ where
 {
     /// Check the request (key, tenant, body), then hand it to [`Self::settle`], detached.
     pub(super) async fn run(self, mut req: ServiceRequest) -> FlowResult<B> {
-        let key = self.key_of(&req);
-        if let Ok(None) = key {
+        // Matched where it is made: bound across the awaits below, the key's `Result` (72
+        // bytes) would take room in every request's future.
+        let key = match self.key_of(&req) {
+            Ok(key) => key,
+            Err(problem) => {
+                let report = self.report(&req);
+                return Ok(self.refuse(req, problem, &report, None));
+            }
+        };
+        let Some(key) = key else {
             #[cfg(feature = "postgres")]
             if let Some(tx) = self.config.transactional.clone() {
-                // A plain transaction for the handler's IdempotentTx, without a record.
-                return super::transactional::run_keyless(self, tx, req).await;
+                // A plain transaction for the handler's IdempotentTx, without a record. Boxed:
+                // awaited in place, its state (312 bytes) set the size of every request's
+                // future, keyed or not, in every mode (`docs/benchmarks.md`, "Futures by
+                // the kilobyte"); this path runs a database transaction anyway.
+                return Box::pin(super::transactional::run_keyless(self, tx, req)).await;
             }
             return pass_through(self.service, req).await;
-        }
-        let report = self.meters.report(
-            req.method(),
-            req.match_pattern(),
-            self.config.on_outcome.clone(),
-        );
-        let key = match key {
-            Ok(Some(key)) => key,
-            Ok(None) => return pass_through(self.service, req).await,
-            Err(problem) => return Ok(self.refuse(req, problem, &report, None)),
         };
+        let report = self.report(&req);
         let tenant = match self.tenant_of(&req) {
             Ok(tenant) => tenant,
             Err(problem) => {
@@ -241,6 +281,35 @@ where
             Ok(read) => read,
             Err(problem) => return Ok(self.refuse(req, problem, &report, None)),
         };
+        let (work, mut pending) = self.start(req, key, tenant, body, stream, report);
+        detach(work).await;
+        let answered = (&mut pending.answered).await;
+        pending.answer(answered)
+    }
+
+    /// The report of a keyed request: its route's counters and the `on_outcome` hook.
+    fn report(&self, req: &ServiceRequest) -> Report {
+        self.meters.report(
+            req.method(),
+            req.match_pattern(),
+            self.config.on_outcome.clone(),
+        )
+    }
+
+    /// Take the request's scope and fingerprint and build its detached work (no `.await`:
+    /// nothing here can be cut short). A plain function, not part of `run`'s body, so that
+    /// what it moves into the work (the request, the scope, the body) takes no room in
+    /// `run`'s future, which every keyed request allocates (`docs/benchmarks.md`, "Futures
+    /// by the kilobyte").
+    fn start(
+        self,
+        mut req: ServiceRequest,
+        key: String,
+        tenant: String,
+        body: Bytes,
+        stream: Payload,
+        report: Report,
+    ) -> (impl Future<Output = ()> + Unpin + 'static, Pending<B>) {
         // Only a waiting request needs to know whether its client left (see `Answer`).
         let stream = (req.version() == Version::HTTP_2 && self.config.wait_for_in_flight.is_some())
             .then_some(stream);
@@ -277,27 +346,22 @@ where
         );
         let on_panic = self.config.what_a_panic_leaves();
         // The hook learns which key a panic left held; cloned only for a hook.
-        let panic_scope = self.config.on_outcome.is_some().then(|| scope.clone());
+        let panic_scope = self
+            .config
+            .on_outcome
+            .is_some()
+            .then(|| Box::new(scope.clone()));
         let (answer, answered) = oneshot::channel();
         let answer = Answer::new(answer, stream);
         let work = self.settle(req, scope, fingerprint, body, report.clone(), answer);
-        detach(work.instrument(span.clone())).await;
-        match answered.await {
-            Ok(result) => result,
-            // The task ended without an answer: the handler panicked. Its reservation stays
-            // until the lease ends (its effects may exist), or in transactional mode is rolled
-            // back with them; the client gets an opaque 500.
-            Err(_) => {
-                let _in_span = span.enter();
-                tracing::error!(target: "idempotency_actix", outcome = "handler_panic", left = on_panic, "the request's task ended without a response");
-                report.outcome(
-                    Outcome::HandlerPanic,
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    panic_scope.as_ref(),
-                );
-                Err(opaque_500("the request's task ended without a response"))
-            }
-        }
+        let pending = Pending {
+            answered,
+            span: span.clone(),
+            report,
+            on_panic,
+            panic_scope,
+        };
+        (work.instrument(span), pending)
     }
 
     /// Reserve, run the handler, store or release, and answer; detached from the request.
