@@ -592,79 +592,90 @@ where
     /// After the handler: store or release, and send the response on; `renewal` keeps the
     /// lease while a streamed body is produced. Also how transactional mode finishes a request
     /// whose handler ended its transaction itself.
-    pub(super) async fn finish(
-        &self,
-        scope: &Scope,
+    ///
+    /// A plain function returning an `async move` block, not an `async fn`: an `async fn`
+    /// moves its arguments from the future's fields into locals of its own, so its state held
+    /// each of them twice (the response, the answer, the renewal: 344 bytes) in the work of
+    /// every keyed request.
+    #[allow(
+        clippy::manual_async_fn,
+        reason = "an async fn would hold its arguments twice (see above)"
+    )]
+    pub(super) fn finish<'a>(
+        &'a self,
+        scope: &'a Scope,
         token: ReservationToken,
         result: Result<ServiceResponse<B>, Error>,
-        report: &Report,
+        report: &'a Report,
         answer: Answer<B>,
-        mut renewal: Renewal<'_, S>,
-    ) {
-        let response = match result {
-            Ok(response) if self.config.stores_status(response.status()) => response,
-            Ok(response) => {
+        mut renewal: Renewal<'a, S>,
+    ) -> impl Future<Output = ()> + 'a {
+        async move {
+            let response = match result {
+                Ok(response) if self.config.stores_status(response.status()) => response,
+                Ok(response) => {
+                    renewal.stop();
+                    let status = response.status();
+                    self.release(scope, &token, status.as_str()).await;
+                    report.outcome(Outcome::NotStored, status, Some(scope));
+                    let _ = answer.send(Ok(response.map_into_left_body()));
+                    return;
+                }
+                Err(error) => {
+                    renewal.stop();
+                    self.release(scope, &token, "handler error").await;
+                    let status = error.as_response_error().status_code();
+                    report.outcome(Outcome::NotStored, status, Some(scope));
+                    let _ = answer.send(Err(error));
+                    return;
+                }
+            };
+            let max = self.config.max_response_bytes;
+            let (request, response) = response.into_parts();
+            let (head, body) = response.into_parts();
+            let status = head.status();
+            if matches!(body.size(), BodySize::Sized(len) if len > max as u64) {
                 renewal.stop();
-                let status = response.status();
-                self.release(scope, &token, status.as_str()).await;
+                self.release_too_large(scope, &token).await;
                 report.outcome(Outcome::NotStored, status, Some(scope));
+                let response = ServiceResponse::new(request, head.set_body(body));
                 let _ = answer.send(Ok(response.map_into_left_body()));
                 return;
             }
-            Err(error) => {
-                renewal.stop();
-                self.release(scope, &token, "handler error").await;
-                let status = error.as_response_error().status_code();
-                report.outcome(Outcome::NotStored, status, Some(scope));
-                let _ = answer.send(Err(error));
-                return;
-            }
-        };
-        let max = self.config.max_response_bytes;
-        let (request, response) = response.into_parts();
-        let (head, body) = response.into_parts();
-        let status = head.status();
-        if matches!(body.size(), BodySize::Sized(len) if len > max as u64) {
-            renewal.stop();
-            self.release_too_large(scope, &token).await;
-            report.outcome(Outcome::NotStored, status, Some(scope));
-            let response = ServiceResponse::new(request, head.set_body(body));
-            let _ = answer.send(Ok(response.map_into_left_body()));
-            return;
+            let bytes = match body.try_into_bytes() {
+                // One buffer (most handlers): store it, then send it.
+                Ok(bytes) => bytes,
+                // A stream declared empty (or bodiless): actix writes such a body with the head and
+                // never polls it, so the client holds the whole response at once, and an immediate
+                // retry must replay it (C24). Stored as the empty body the client gets, before the
+                // head goes out; the stream itself is dropped unread, as actix would leave it (one
+                // that stays open, a long poll, must not hold the answer back).
+                Err(body) if matches!(body.size(), BodySize::Sized(0) | BodySize::None) => {
+                    drop(body);
+                    Bytes::new()
+                }
+                Err(body) => {
+                    // Boxed: a streamed body is rare; its state need not size every request's.
+                    let stream = self.stream(scope, token, request, head, body, answer, renewal);
+                    let stream = Box::pin(stream);
+                    let outcome = stream.await;
+                    report.outcome(outcome, status, Some(scope));
+                    return;
+                }
+            };
+            // Pinned here, in this statement: `storing` says why.
+            let outcome = renewal
+                .storing(pin!(self.store_or_release(
+                    scope,
+                    &token,
+                    head.head(),
+                    &bytes
+                )))
+                .await;
+            report.outcome(outcome, status, Some(scope));
+            let response = ServiceResponse::new(request, head.set_body(BoxBody::new(bytes)));
+            let _ = answer.send(Ok(response.map_into_right_body()));
         }
-        let bytes = match body.try_into_bytes() {
-            // One buffer (most handlers): store it, then send it.
-            Ok(bytes) => bytes,
-            // A stream declared empty (or bodiless): actix writes such a body with the head and
-            // never polls it, so the client holds the whole response at once, and an immediate
-            // retry must replay it (C24). Stored as the empty body the client gets, before the
-            // head goes out; the stream itself is dropped unread, as actix would leave it (one
-            // that stays open, a long poll, must not hold the answer back).
-            Err(body) if matches!(body.size(), BodySize::Sized(0) | BodySize::None) => {
-                drop(body);
-                Bytes::new()
-            }
-            Err(body) => {
-                // Boxed: a streamed body is rare; its state need not size every request's.
-                let stream = self.stream(scope, token, request, head, body, answer, renewal);
-                let stream = Box::pin(stream);
-                let outcome = stream.await;
-                report.outcome(outcome, status, Some(scope));
-                return;
-            }
-        };
-        // Pinned here, in this statement: `storing` says why.
-        let outcome = renewal
-            .storing(pin!(self.store_or_release(
-                scope,
-                &token,
-                head.head(),
-                &bytes
-            )))
-            .await;
-        report.outcome(outcome, status, Some(scope));
-        let response = ServiceResponse::new(request, head.set_body(BoxBody::new(bytes)));
-        let _ = answer.send(Ok(response.map_into_right_body()));
     }
 
     /// A streamed body (C24): send the head now, forward every chunk as it comes while keeping
