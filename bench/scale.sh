@@ -65,26 +65,9 @@ scale_pgbench() { # label script rows
 # --- 1. PostgreSQL with N rows ---------------------------------------------------------------
 if [[ $SCALE_SECTIONS == *" rows "* ]]; then
 log "scale: PostgreSQL table sizes $SCALE_ROWS"
-# Two scratch tables of their own, not the store's: today's key layout (scale_text) against a
-# hashed key (scale_hash). Their columns are named like the store's on purpose, so the two
-# layouts store the same bytes and compare like for like; the store's table is filled through
-# bench/rows.sh.
-psql "$DB_URL" -XAtq >/dev/null <<'SQL'
-CREATE TABLE scale_text (
-    tenant text NOT NULL, method text NOT NULL, path text NOT NULL, idempotency_key text NOT NULL,
-    fingerprint bytea NOT NULL, state text NOT NULL, response_status smallint,
-    response_headers bytea, response_body bytea, created_at timestamptz NOT NULL,
-    expires_at timestamptz NOT NULL,
-    PRIMARY KEY (tenant, method, path, idempotency_key));
-CREATE TABLE scale_hash (
-    scope_hash bytea PRIMARY KEY,
-    tenant text NOT NULL, method text NOT NULL, path text NOT NULL, idempotency_key text NOT NULL,
-    fingerprint bytea NOT NULL, state text NOT NULL, response_status smallint,
-    response_headers bytea, response_body bytea, created_at timestamptz NOT NULL,
-    expires_at timestamptz NOT NULL);
--- The CLI's --tenant filter: today the primary key's leading column serves it.
-CREATE INDEX scale_hash_tenant ON scale_hash (tenant);
-SQL
+# Two scratch tables of their own, not the store's (bench/scale_tables.sql); the store's table
+# is filled through bench/rows.sh.
+psql "$DB_URL" -XAtq -v ON_ERROR_STOP=1 -f bench/scale_tables.sql >/dev/null
 scale_server scale-pg 18191 --mode postgres
 SCALE_PG_PID=$SCALE_PID
 wrk -t"$THREADS" -c"$CONNECTIONS" -d3s -s bench/replay.lua "http://127.0.0.1:18191" >/dev/null

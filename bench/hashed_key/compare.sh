@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Today's four-text-column record key against a 32-byte digest key that the app computes and
 # sends as a parameter (docs/benchmarks.md, "Scale curves", "The hashed key with the digest
-# from the app"). SQL only, with pgbench, on two scratch tables laid out like the ones
-# bench/scale.sh compares; there the digest was computed in SQL (`sha256()` in every
+# from the app"). SQL only, with pgbench, on the two scratch tables bench/scale.sh
+# compares (bench/scale_tables.sql); there the digest was computed in SQL (`sha256()` in every
 # statement), which is what a store sending today's parameters would have to do.
 #
 #   bash bench/hashed_key/compare.sh [URL of a server's maintenance database]
@@ -28,22 +28,7 @@ trap cleanup EXIT
 
 psql -qAt "$SERVER" -c "DROP DATABASE IF EXISTS $DB WITH (FORCE)" >/dev/null 2>&1
 psql -qAt "$SERVER" -c "CREATE DATABASE $DB" >/dev/null
-psql -qAt "$URL" -v ON_ERROR_STOP=1 >/dev/null <<'SQL'
-CREATE TABLE scale_text (
-    tenant text NOT NULL, method text NOT NULL, path text NOT NULL, idempotency_key text NOT NULL,
-    fingerprint bytea NOT NULL, state text NOT NULL, response_status smallint,
-    response_headers bytea, response_body bytea, created_at timestamptz NOT NULL,
-    expires_at timestamptz NOT NULL,
-    PRIMARY KEY (tenant, method, path, idempotency_key));
-CREATE TABLE scale_digest (
-    scope_hash bytea PRIMARY KEY,
-    tenant text NOT NULL, method text NOT NULL, path text NOT NULL, idempotency_key text NOT NULL,
-    fingerprint bytea NOT NULL, state text NOT NULL, response_status smallint,
-    response_headers bytea, response_body bytea, created_at timestamptz NOT NULL,
-    expires_at timestamptz NOT NULL);
--- The CLI's --tenant filter: in today's layout the primary key's leading column serves it.
-CREATE INDEX scale_digest_tenant ON scale_digest (tenant);
-SQL
+psql -qAt "$URL" -v ON_ERROR_STOP=1 -f ../scale_tables.sql >/dev/null
 
 have=0
 for rows in $ROWS; do
@@ -52,18 +37,18 @@ INSERT INTO scale_text SELECT 'tenant-' || (g % 1000), 'POST', '/v1/payments', m
     decode(repeat('42', 32), 'hex'), 'completed', 201, decode(repeat('ab', 54), 'hex'),
     convert_to(repeat('x', 60), 'UTF8'), now(), now() + interval '1 day'
 FROM generate_series($((have + 1)), $rows) g;
-INSERT INTO scale_digest SELECT int8send(g::bigint) || '\x000000000000000000000000000000000000000000000000'::bytea,
+INSERT INTO scale_hash SELECT int8send(g::bigint) || '\x000000000000000000000000000000000000000000000000'::bytea,
     'tenant-' || (g % 1000), 'POST', '/v1/payments', md5(g::text)::uuid::text,
     decode(repeat('42', 32), 'hex'), 'completed', 201, decode(repeat('ab', 54), 'hex'),
     convert_to(repeat('x', 60), 'UTF8'), now(), now() + interval '1 day'
 FROM generate_series($((have + 1)), $rows) g;
 VACUUM ANALYZE scale_text;
-VACUUM ANALYZE scale_digest;
+VACUUM ANALYZE scale_hash;
 CHECKPOINT;
 SQL
   have=$rows
   echo "$rows rows; primary-key index MB text / digest (+ tenant index):" \
-    "$(psql -qAt "$URL" -F ' ' -c "SELECT pg_relation_size('scale_text_pkey') / 1048576, pg_relation_size('scale_digest_pkey') / 1048576, pg_relation_size('scale_digest_tenant') / 1048576")"
+    "$(psql -qAt "$URL" -F ' ' -c "SELECT pg_relation_size('scale_text_pkey') / 1048576, pg_relation_size('scale_hash_pkey') / 1048576, pg_relation_size('scale_hash_tenant') / 1048576")"
   for r in $(seq 1 "$ROUNDS"); do
     line="  round $r:"
     for s in text_replay digest_replay text_miss digest_miss; do
