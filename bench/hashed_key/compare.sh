@@ -9,8 +9,8 @@
 #
 # Creates the scratch database idem_hashed_key on that server (default: the local one, user
 # postgres), fills both tables to each size of ROWS (default "10000 1000000 10000000") in turn,
-# and at each size runs the four scripts of this directory ROUNDS times (default 3) for T
-# seconds (default 6) each, alternating, 8 clients, prepared; prints one line per round with
+# and at each size runs the two scripts of this directory and the scale curve's two for
+# today's key ROUNDS times (default 3) for T seconds (default 6) each, alternating, 8 clients, prepared; prints one line per round with
 # each script's tps; drops the database on exit. The digest stands in for the app's SHA-256
 # of the scope: `int8send(n)` padded to 32 bytes, formed in SQL at a cost of nanoseconds, as a
 # bound parameter would be; the replay re-checks the four parts (a digest match alone is not
@@ -51,8 +51,10 @@ SQL
     "$(psql -qAt "$URL" -F ' ' -c "SELECT pg_relation_size('scale_text_pkey') / 1048576, pg_relation_size('scale_hash_pkey') / 1048576, pg_relation_size('scale_hash_tenant') / 1048576")"
   for r in $(seq 1 "$ROUNDS"); do
     line="  round $r:"
+    # Today's key: the scale curve's own scripts (bench/pgbench_scale_text_*.sql).
     for s in text_replay digest_replay text_miss digest_miss; do
-      tps=$(pgbench -n -M prepared -c 8 -j 2 -T "$T" -D rows="$rows" -f "$s.sql" "$URL" 2>&1 | grep -oP 'tps = \K[0-9.]+' || echo failed)
+      case $s in text_*) script=../pgbench_scale_$s.sql ;; *) script=$s.sql ;; esac
+      tps=$(pgbench -n -M prepared -c 8 -j 2 -T "$T" -D rows="$rows" -f "$script" "$URL" 2>&1 | grep -oP 'tps = \K[0-9.]+' || echo failed)
       line="$line $s=${tps%.*}"
     done
     echo "$line"
