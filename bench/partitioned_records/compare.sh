@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# Issue 15's second design, measured before anything is built on it (docs/benchmarks.md,
+# "The whole record partitioned, reserves serialised by scope"): the store's replay and miss
+# on the prototype of schema.sql, with N partitions, against the plain layout and the
+# partitioned layout the store ships (claims unpartitioned, responses partitioned by expiry),
+# in the same rounds. SQL only, with pgbench, CPU-bound (synchronous_commit off, as
+# bench/plain_statements/decompose.sh: this machine's flush would hide the CPU the 2-core load
+# bench runs out of).
+#
+#   bash bench/partitioned_records/compare.sh [URL of a server's maintenance database]
+#
+# Makes two scratch databases on that server (default: the local one, user postgres) and drops
+# them on exit: idem_records_plain (migrations/ with psql, plain layout, and schema.sql's
+# prototype beside it) and idem_records_shipped (migrations/ with idempotency.layout =
+# partitioned: today's partition, three ahead and the default one). Both hold the replay keys
+# 'r-1'..'r-1000', stored through the store's own functions. For each N of PARTS (default
+# "3 6 12 24 48"), schema.sql rebuilds the prototype with N range partitions (N - 2 past days
+# of FILLER expired records each, default 20000) and the plain table gets the same number of
+# expired rows; then ROUNDS rounds (default 3) of T seconds (default 5) each, 8 clients,
+# prepared, scripts alternating; one line per round with each script's tps. The prototype runs
+# twice: `records_*` reads every partition, `recent_*` only those of the last two days
+# (records_recent_*.sql: the look-back window a TTL bound would allow).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+SERVER=${1:-postgres://postgres@127.0.0.1:5432/postgres}
+PARTS=${PARTS:-3 6 12 24 48}
+FILLER=${FILLER:-20000}
+ROUNDS=${ROUNDS:-3}
+T=${T:-5}
+url_of() {
+  python3 -c 'import sys,urllib.parse as u; p=u.urlsplit(sys.argv[1]); print(u.urlunsplit(p._replace(path="/" + sys.argv[2])))' "$SERVER" "$1"
+}
+PLAIN=idem_records_plain
+SHIPPED=idem_records_shipped
+cleanup() {
+  for db in $PLAIN $SHIPPED; do
+    psql -qAt "$SERVER" -c "DROP DATABASE IF EXISTS $db WITH (FORCE)" >/dev/null 2>&1 || true
+  done
+}
+trap cleanup EXIT
+
+for db in $PLAIN $SHIPPED; do
+  psql -qAt "$SERVER" -c "DROP DATABASE IF EXISTS $db WITH (FORCE)" >/dev/null 2>&1
+  psql -qAt "$SERVER" -c "CREATE DATABASE $db" >/dev/null
+  layout=plain
+  [ "$db" = "$SHIPPED" ] && layout=partitioned
+  for f in migrations/*/up.sql; do
+    PGOPTIONS="-c idempotency.layout=$layout" \
+      psql -qAt "$(url_of "$db")" -v ON_ERROR_STOP=1 --single-transaction -f "$f" >/dev/null
+  done
+  # The replay keys, stored the way the store stores them.
+  psql -qAt "$(url_of "$db")" -v ON_ERROR_STOP=1 >/dev/null <<'SQL'
+SELECT count(*) FROM generate_series(1, 1000) g,
+  LATERAL idempotency_reserve('', 'POST', '/payments', 'r-' || g,
+      '\x4242424242424242424242424242424242424242424242424242424242424242'::bytea,
+      md5('r-' || g)::uuid, 60000000) r;
+SELECT count(*) FROM generate_series(1, 1000) g
+ WHERE idempotency_complete('', 'POST', '/payments', 'r-' || g, md5('r-' || g)::uuid,
+      201::smallint, '\x0100000002000000086c6f636174696f6e0000000b2f7061796d656e74732f310000000c636f6e74656e742d74797065000000106170706c69636174696f6e2f6a736f6e'::bytea,
+      '{"id":1,"amount":1000,"currency":"EUR","status":"succeeded"}'::bytea, 86400000000);
+SQL
+done
+PLAIN_URL=$(url_of $PLAIN)
+SHIPPED_URL=$(url_of $SHIPPED)
+echo "shipped partitioned layout, leaves of idempotency_responses:" \
+  "$(psql -qAt "$SHIPPED_URL" -c "SELECT count(*) FROM pg_inherits WHERE inhparent = 'idempotency_responses'::regclass")"
+
+WORK=$(mktemp -d)
+trap 'cleanup; rm -rf "$WORK"' EXIT
+cp bench/plain_statements/function_replay.sql "$WORK/plain_replay.sql"
+cp bench/plain_statements/function_miss.sql "$WORK/plain_miss.sql"
+cp bench/plain_statements/function_replay.sql "$WORK/shipped_replay.sql"
+cp bench/plain_statements/function_miss.sql "$WORK/shipped_miss.sql"
+cp bench/partitioned_records/records_replay.sql "$WORK/records_replay.sql"
+cp bench/partitioned_records/records_miss.sql "$WORK/records_miss.sql"
+cp bench/partitioned_records/records_recent_replay.sql "$WORK/recent_replay.sql"
+cp bench/partitioned_records/records_recent_miss.sql "$WORK/recent_miss.sql"
+# A token per miss, as the store makes one: the shipped layout's response key is (token,
+# expiry), and two misses of one constant token in the same microsecond would collide there.
+sed -i "s/'a81bc81b-dead-4e5d-abff-90865d1e13b1'::uuid/md5((:k)::text)::uuid/g" "$WORK"/*_miss.sql
+
+export PGOPTIONS='-c synchronous_commit=off'
+for parts in $PARTS; do
+  psql -qAt "$PLAIN_URL" -v ON_ERROR_STOP=1 -v parts="$parts" -v filler="$FILLER" \
+    -f bench/partitioned_records/schema.sql 2>&1 | grep -v NOTICE || true
+  psql -qAt "$PLAIN_URL" -v ON_ERROR_STOP=1 >/dev/null <<SQL
+DELETE FROM idempotency_keys WHERE idempotency_key NOT LIKE 'r-%';
+INSERT INTO idempotency_keys (tenant, method, path, idempotency_key, fingerprint, state,
+                              response_status, response_headers, response_body, created_at,
+                              completed_at, expires_at)
+SELECT '', 'POST', '/payments', 'x-' || g, decode(repeat('42', 32), 'hex'), 'completed', 201,
+       '\x00'::bytea, convert_to(repeat('x', 60), 'UTF8'), now() - interval '2 days',
+       now() - interval '2 days', now() - interval '1 day'
+  FROM generate_series(1, ($parts - 2) * $FILLER) g;
+VACUUM ANALYZE idempotency_keys;
+CHECKPOINT;
+SQL
+  echo "$parts partitions ($((parts + 1)) leaves with the default), $(((parts - 2) * FILLER)) expired records in each layout:"
+  for r in $(seq 1 "$ROUNDS"); do
+    line="  round $r (tps)"
+    for s in plain_replay shipped_replay records_replay recent_replay plain_miss shipped_miss records_miss recent_miss; do
+      case $s in shipped_*) url=$SHIPPED_URL ;; *) url=$PLAIN_URL ;; esac
+      out=$(pgbench -n -M prepared -c 8 -j 2 -T "$T" -f "$WORK/$s.sql" "$url" 2>&1) ||
+        echo "$s: pgbench failed: $(grep -m1 -i error <<<"$out")" >&2
+      tps=$(sed -n 's/^tps = \([0-9]*\).*/\1/p' <<<"$out")
+      line="$line $s=${tps:-failed}"
+    done
+    echo "$line"
+  done
+done

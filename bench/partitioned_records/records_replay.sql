@@ -1,0 +1,4 @@
+-- pgbench: a replay on the prototype (schema.sql): idem_records_reserve of a stored key;
+-- bench/plain_statements/function_replay.sql's statement otherwise.
+\set k random(1, 1000)
+SELECT * FROM idem_records_reserve('', 'POST', '/payments', 'r-' || (:k)::text, '\x4242424242424242424242424242424242424242424242424242424242424242'::bytea, 'a81bc81b-dead-4e5d-abff-90865d1e13b1'::uuid, 60000000::bigint);
