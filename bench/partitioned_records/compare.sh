@@ -19,7 +19,9 @@
 # expired rows; then ROUNDS rounds (default 3) of T seconds (default 5) each, 8 clients,
 # prepared, scripts alternating; one line per round with each script's tps. The prototype runs
 # twice: `records_*` reads every partition, `recent_*` only those of the last two days
-# (records_recent_*.sql: the look-back window a TTL bound would allow).
+# (records_recent_*.sql: the look-back window a TTL bound would allow). rotation.sql's three
+# tables used in turn run beside them (`rotation_*`: a replay of a record in the current table,
+# one in the older table, a miss), holding as many expired rows between them as the others.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 SERVER=${1:-postgres://postgres@127.0.0.1:5432/postgres}
@@ -75,6 +77,9 @@ cp bench/partitioned_records/records_replay.sql "$WORK/records_replay.sql"
 cp bench/partitioned_records/records_miss.sql "$WORK/records_miss.sql"
 cp bench/partitioned_records/records_recent_replay.sql "$WORK/recent_replay.sql"
 cp bench/partitioned_records/records_recent_miss.sql "$WORK/recent_miss.sql"
+for s in rotation_replay rotation_replay_older rotation_miss; do
+  cp "bench/partitioned_records/$s.sql" "$WORK/$s.sql"
+done
 # A token per miss, as the store makes one: the shipped layout's response key is (token,
 # expiry), and two misses of one constant token in the same microsecond would collide there.
 sed -i "s/'a81bc81b-dead-4e5d-abff-90865d1e13b1'::uuid/md5((:k)::text)::uuid/g" "$WORK"/*_miss.sql
@@ -83,6 +88,8 @@ export PGOPTIONS='-c synchronous_commit=off'
 for parts in $PARTS; do
   psql -qAt "$PLAIN_URL" -v ON_ERROR_STOP=1 -v parts="$parts" -v filler="$FILLER" \
     -f bench/partitioned_records/schema.sql 2>&1 | grep -v NOTICE || true
+  psql -qAt "$PLAIN_URL" -v ON_ERROR_STOP=1 -v filler=$(((parts - 2) * FILLER / 2)) \
+    -f bench/partitioned_records/rotation.sql 2>&1 | grep -v NOTICE || true
   psql -qAt "$PLAIN_URL" -v ON_ERROR_STOP=1 >/dev/null <<SQL
 DELETE FROM idempotency_keys WHERE idempotency_key NOT LIKE 'r-%';
 INSERT INTO idempotency_keys (tenant, method, path, idempotency_key, fingerprint, state,
@@ -98,7 +105,8 @@ SQL
   echo "$parts partitions ($((parts + 1)) leaves with the default), $(((parts - 2) * FILLER)) expired records in each layout:"
   for r in $(seq 1 "$ROUNDS"); do
     line="  round $r (tps)"
-    for s in plain_replay shipped_replay records_replay recent_replay plain_miss shipped_miss records_miss recent_miss; do
+    for s in plain_replay shipped_replay records_replay recent_replay rotation_replay \
+      rotation_replay_older plain_miss shipped_miss records_miss recent_miss rotation_miss; do
       case $s in shipped_*) url=$SHIPPED_URL ;; *) url=$PLAIN_URL ;; esac
       out=$(pgbench -n -M prepared -c 8 -j 2 -T "$T" -f "$WORK/$s.sql" "$url" 2>&1) ||
         echo "$s: pgbench failed: $(grep -m1 -i error <<<"$out")" >&2
