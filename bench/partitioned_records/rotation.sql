@@ -23,12 +23,11 @@ ALTER TABLE idem_rot_0 ADD PRIMARY KEY (tenant, method, path, idempotency_key);
 CREATE TABLE idem_rot_1 (LIKE idem_rot_0 INCLUDING ALL);
 CREATE TABLE idem_rot_2 (LIKE idem_rot_0 INCLUDING ALL);
 
--- The current generation. Not a function of the clock: a transaction that began just before
--- a boundary would then write into one table while one that began just after it writes into
--- the next, and neither would see the other's row. Every writer holds this row's generation
--- with a shared advisory lock (below) to its commit; the job that rotates (TRUNCATE the table
--- after the current one, then move `gen` to it) takes the lock exclusively, so no writer ever
--- straddles a switch.
+-- The current generation, which the job that rotates moves (after a TRUNCATE of the table it
+-- moves to). A writer reads it under its scope's advisory lock, which every writer of the
+-- scope takes, and then reads both tables again: so a writer that began before a switch and
+-- committed into the table before the current one is seen (see the reserve function). That
+-- needs R longer than any transaction, so that no write lands two generations back.
 CREATE TABLE IF NOT EXISTS idem_rot_state (
     singleton boolean PRIMARY KEY DEFAULT true CHECK (singleton),
     gen int NOT NULL CHECK (gen IN (0, 1, 2))
@@ -79,6 +78,7 @@ AS $fn$
 DECLARE
     v_gen int;
     v_switched int;
+    v_locked boolean := false;
     v_step int;
     v_table int;
     v_found boolean;
@@ -141,20 +141,25 @@ BEGIN
             RETURN;
         END IF;
 
-        IF NOT pg_try_advisory_xact_lock(
-                idempotency_lock_key(p_tenant, p_method, p_path, p_key)) THEN
-            outcome := 'existing'; state := 'in_flight'; fingerprint := p_fingerprint;
-            lease_remaining_us := p_lease_us; response_status := NULL;
-            response_headers := NULL; response_body := NULL; live := true; eligible := true;
-            RETURN NEXT;
-            RETURN;
-        END IF;
-        -- No switch until this transaction ends; one may have happened since the read.
-        PERFORM pg_advisory_xact_lock_shared(7218830631155870502);
-        SELECT gen INTO v_switched FROM idem_rot_state;
-        IF v_switched <> v_gen THEN
-            v_gen := v_switched;
-            PERFORM set_config('idempotency.rot_gen', v_gen::text, false);
+        IF NOT v_locked THEN
+            IF NOT pg_try_advisory_xact_lock(
+                    idempotency_lock_key(p_tenant, p_method, p_path, p_key)) THEN
+                outcome := 'existing'; state := 'in_flight'; fingerprint := p_fingerprint;
+                lease_remaining_us := p_lease_us; response_status := NULL;
+                response_headers := NULL; response_body := NULL; live := true;
+                eligible := true;
+                RETURN NEXT;
+                RETURN;
+            END IF;
+            v_locked := true;
+            -- Every earlier writer of this scope has ended now (each held this lock). Read the
+            -- generation as it is, then both tables again: a writer that began before a switch
+            -- may have committed a row into the table this request reads second.
+            SELECT gen INTO v_switched FROM idem_rot_state;
+            IF v_switched <> v_gen THEN
+                v_gen := v_switched;
+                PERFORM set_config('idempotency.rot_gen', v_gen::text, false);
+            END IF;
             CONTINUE;
         END IF;
 
@@ -249,9 +254,8 @@ AS $fn$
 DECLARE
     v_gen int;
 BEGIN
-    -- A completion sets an expiry up to R ahead: it must be written into the table that is
-    -- current until this transaction ends, or a truncation could come first.
-    PERFORM pg_advisory_xact_lock_shared(7218830631155870502);
+    -- A completion sets an expiry up to R ahead: it is written into the table that is current
+    -- now (a switch during this transaction still leaves that table R before its truncation).
     SELECT gen INTO v_gen FROM idem_rot_state;
     IF v_gen = 0 THEN
         UPDATE idem_rot_0 k
