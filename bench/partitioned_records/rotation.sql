@@ -79,6 +79,7 @@ DECLARE
     v_gen int;
     v_switched int;
     v_locked boolean := false;
+    v_steps int[] := ARRAY[0, 2];
     v_step int;
     v_table int;
     v_found boolean;
@@ -95,7 +96,7 @@ BEGIN
     FOR attempt IN 1..4 LOOP
         v_found := false;
         -- The current table, then the one before it (2 = -1 mod 3).
-        FOREACH v_step IN ARRAY ARRAY[0, 2] LOOP
+        FOREACH v_step IN ARRAY v_steps LOOP
             v_table := (v_gen + v_step) % 3;
             IF v_table = 0 THEN
                 SELECT k.state, k.fingerprint, k.response_status, k.response_headers,
@@ -134,6 +135,7 @@ BEGIN
             v_found := FOUND;
             EXIT WHEN v_found;
         END LOOP;
+        v_steps := ARRAY[0, 2];
 
         IF v_found AND (live OR NOT eligible) THEN
             outcome := 'existing';
@@ -152,15 +154,24 @@ BEGIN
                 RETURN;
             END IF;
             v_locked := true;
-            -- Every earlier writer of this scope has ended now (each held this lock). Read the
-            -- generation as it is, then both tables again: a writer that began before a switch
-            -- may have committed a row into the table this request reads second.
+            -- Every earlier writer of this scope has ended now (each held this lock from its
+            -- own read of the generation to its commit). Read the generation as it is: after a
+            -- switch, both tables again.
             SELECT gen INTO v_switched FROM idem_rot_state;
             IF v_switched <> v_gen THEN
                 v_gen := v_switched;
                 PERFORM set_config('idempotency.rot_gen', v_gen::text, false);
+                CONTINUE;
             END IF;
-            CONTINUE;
+            IF NOT (v_found AND v_step = 0) THEN
+                -- Nothing in the current table: a row committed there since is caught by the
+                -- INSERT's conflict, but one that a writer which read the generation before a
+                -- switch committed into the older table is not: read that one again. (A row
+                -- in the current table shadows the older one, and its takeover re-checks under
+                -- the row lock.)
+                v_steps := ARRAY[2];
+                CONTINUE;
+            END IF;
         END IF;
 
         IF v_found AND v_step = 0 THEN
