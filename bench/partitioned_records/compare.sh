@@ -29,27 +29,16 @@ PARTS=${PARTS:-3 6 12 24 48}
 FILLER=${FILLER:-20000}
 ROUNDS=${ROUNDS:-3}
 T=${T:-5}
-url_of() {
-  python3 -c 'import sys,urllib.parse as u; p=u.urlsplit(sys.argv[1]); print(u.urlunsplit(p._replace(path="/" + sys.argv[2])))' "$SERVER" "$1"
-}
+. bench/partitioned_records/scratch.sh
 PLAIN=idem_records_plain
 SHIPPED=idem_records_shipped
-cleanup() {
-  for db in $PLAIN $SHIPPED; do
-    psql -qAt "$SERVER" -c "DROP DATABASE IF EXISTS $db WITH (FORCE)" >/dev/null 2>&1 || true
-  done
-}
+cleanup() { drop_db $PLAIN; drop_db $SHIPPED; }
 trap cleanup EXIT
 
 for db in $PLAIN $SHIPPED; do
-  psql -qAt "$SERVER" -c "DROP DATABASE IF EXISTS $db WITH (FORCE)" >/dev/null 2>&1
-  psql -qAt "$SERVER" -c "CREATE DATABASE $db" >/dev/null
   layout=plain
   [ "$db" = "$SHIPPED" ] && layout=partitioned
-  for f in migrations/*/up.sql; do
-    PGOPTIONS="-c idempotency.layout=$layout" \
-      psql -qAt "$(url_of "$db")" -v ON_ERROR_STOP=1 --single-transaction -f "$f" >/dev/null
-  done
+  scratch_db "$db" "$layout"
   # The replay keys, stored the way the store stores them.
   psql -qAt "$(url_of "$db")" -v ON_ERROR_STOP=1 >/dev/null <<'SQL'
 SELECT count(*) FROM generate_series(1, 1000) g,

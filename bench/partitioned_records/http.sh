@@ -19,21 +19,18 @@ BIN=${BENCH_SERVER_BIN:?set BENCH_SERVER_BIN to a release build of the bench_ser
 SERVER=${1:-postgres://postgres@127.0.0.1:5432/postgres}
 ROUNDS=${ROUNDS:-5}
 DURATION=${DURATION:-8}
-url_of() {
-  python3 -c 'import sys,urllib.parse as u; p=u.urlsplit(sys.argv[1]); print(u.urlunsplit(p._replace(path="/" + sys.argv[2])))' "$SERVER" "$1"
-}
+. bench/partitioned_records/scratch.sh
 pids=()
 cleanup() {
   for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
   wait 2>/dev/null || true
-  for db in idem_http_plain idem_http_rot; do
-    psql -qAt "$SERVER" -c "DROP DATABASE IF EXISTS $db WITH (FORCE)" >/dev/null 2>&1 || true
-  done
+  drop_db idem_http_plain
+  drop_db idem_http_rot
 }
 trap cleanup EXIT
 
 for db in idem_http_plain idem_http_rot; do
-  psql -qAt "$SERVER" -c "DROP DATABASE IF EXISTS $db WITH (FORCE)" >/dev/null 2>&1
+  drop_db $db
   psql -qAt "$SERVER" -c "CREATE DATABASE $db" >/dev/null
   "$BIN" migrate --database-url "$(url_of $db)" >/dev/null
 done

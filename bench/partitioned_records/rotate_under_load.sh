@@ -21,19 +21,15 @@ T=${T:-20}
 INTERVAL=${INTERVAL:-2}
 ROWS=${ROWS:-200000}
 DB=idem_rotate
-URL=$(python3 -c 'import sys,urllib.parse as u; p=u.urlsplit(sys.argv[1]); print(u.urlunsplit(p._replace(path="/" + sys.argv[2])))' "$SERVER" "$DB")
+. bench/partitioned_records/scratch.sh
+URL=$(url_of $DB)
 WORK=$(mktemp -d)
 cleanup() {
-  psql -qAt "$SERVER" -c "DROP DATABASE IF EXISTS $DB WITH (FORCE)" >/dev/null 2>&1 || true
+  drop_db $DB
   rm -rf "$WORK"
 }
 trap cleanup EXIT
-cleanup
-mkdir -p "$WORK"
-psql -qAt "$SERVER" -c "CREATE DATABASE $DB" >/dev/null
-for f in migrations/*/up.sql; do
-  psql -qAt "$URL" -v ON_ERROR_STOP=1 --single-transaction -f "$f" >/dev/null
-done
+scratch_db $DB
 psql -qAt "$URL" -v ON_ERROR_STOP=1 -v filler="$ROWS" -f bench/partitioned_records/rotation.sql 2>&1 |
   grep -v NOTICE || true
 sed "s/'a81bc81b-dead-4e5d-abff-90865d1e13b1'::uuid/md5((:k)::text)::uuid/g" \

@@ -16,14 +16,10 @@ cd "$(dirname "$0")/../.."
 SQL=${1:-bench/partitioned_records/rotation.sql}
 SERVER=${2:-postgres://postgres@127.0.0.1:5432/postgres}
 DB=idem_straddle
-URL=$(python3 -c 'import sys,urllib.parse as u; p=u.urlsplit(sys.argv[1]); print(u.urlunsplit(p._replace(path="/" + sys.argv[2])))' "$SERVER" "$DB")
-cleanup() { psql -qAt "$SERVER" -c "DROP DATABASE IF EXISTS $DB WITH (FORCE)" >/dev/null 2>&1 || true; }
-trap cleanup EXIT
-cleanup
-psql -qAt "$SERVER" -c "CREATE DATABASE $DB" >/dev/null
-for f in migrations/*/up.sql; do
-  psql -qAt "$URL" -v ON_ERROR_STOP=1 --single-transaction -f "$f" >/dev/null
-done
+. bench/partitioned_records/scratch.sh
+URL=$(url_of $DB)
+trap 'drop_db $DB' EXIT
+scratch_db $DB
 psql -qAt "$URL" -v ON_ERROR_STOP=1 -v filler=10 -f "$SQL" 2>&1 | grep -v NOTICE || true
 # The pause, for session C and key K only, just before the scope's lock.
 psql -qAt "$URL" -v ON_ERROR_STOP=1 >/dev/null -c "$(
