@@ -1671,6 +1671,164 @@ fn http2_duplicates_and_a_reset_stream_are_counted_truthfully() {
     assert!(reset_events[0].outcome.ran_handler(), "{report}");
 }
 
+/// Over HTTP/2 (h2c, one connection): the first request with `key` on `target` (the handler
+/// told to take 1 s), then a waiter with the same key, reset 200 ms after it was sent while the
+/// connection stays open; the first request's status. Actix never drops an HTTP/2 request's
+/// future, so the waiter's future is still polled after its work reported `abandoned`.
+fn abandon_an_http2_waiter(
+    addr: std::net::SocketAddr,
+    probe: &Probe,
+    target: &str,
+    key: &str,
+) -> u16 {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async move {
+        let tcp = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        let (client, conn) = h2::client::handshake(tcp).await.expect("h2 handshake");
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        let request = || {
+            http02::Request::builder()
+                .method("POST")
+                .uri(format!("http://localhost{target}"))
+                .header("content-type", "application/json")
+                .header("x-tenant", "tenant_secret_acme")
+                .header("idempotency-key", key)
+                .body(())
+                .unwrap()
+        };
+        let mut c = client.clone().ready().await.expect("ready");
+        let (first, mut stream) = c.send_request(request(), false).expect("send");
+        stream
+            .send_data(Bytes::from_static(b"{}"), true)
+            .expect("data");
+        let deadline = Instant::now() + TIMEOUT;
+        while probe.runs() < 1 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let mut c = client.clone().ready().await.expect("ready");
+        let (waiter, mut stream) = c.send_request(request(), false).expect("send");
+        stream
+            .send_data(Bytes::from_static(b"{}"), true)
+            .expect("data");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        stream.send_reset(h2::Reason::CANCEL);
+        drop(waiter);
+        let first = tokio::time::timeout(TIMEOUT, first)
+            .await
+            .expect("in time")
+            .expect("answer");
+        // The connection stays open while the waiter's future learns that it was abandoned.
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        first.status().as_u16()
+    })
+}
+
+/// Wait mode over HTTP/2: a waiter whose client resets its stream is counted once, as
+/// `abandoned`, and nothing else: not also as a handler panic (review, 2026-12-06: the waiter's
+/// work ended without an answer, which the request's future, never dropped on HTTP/2, took for
+/// a panic: a second outcome, an ERROR log line and a false `handler_panic` count).
+#[test]
+fn an_abandoned_http2_waiter_is_counted_once() {
+    let _serial = serial();
+    let probe = Probe::default();
+    let server = serve_with(
+        MemoryStore::new(),
+        "mt_h2ab",
+        &probe,
+        |b| b.wait_for_in_flight(Duration::from_secs(10)),
+        true,
+    );
+    let before = snap();
+    let first = abandon_an_http2_waiter(
+        server.addr,
+        &probe,
+        "/mt_h2ab/pay/1?delay_ms=1000",
+        "h2ab-1",
+    );
+    let (after, report) = settle_after(
+        &probe,
+        2,
+        Duration::from_millis(300),
+        &before,
+        &format!("first {first}"),
+    );
+    let r = route("mt_h2ab");
+    assert_eq!(first, 201, "{report}");
+    assert_eq!(probe.runs(), 1, "{report}");
+    Deltas::new(&before, &after, &report).expect(&[
+        requests(&r, Is(2.0)),
+        counted(&r, "stored", Is(1.0)),
+        counted(&r, "abandoned", Is(1.0)),
+        counted(&r, "handler_panic", Is(0.0)),
+    ]);
+    let mut outcomes: Vec<_> = probe
+        .events()
+        .iter()
+        .map(|e| (e.outcome, e.status))
+        .collect();
+    outcomes.sort_by_key(|(_, status)| *status);
+    assert_eq!(
+        outcomes,
+        [(Outcome::Stored, 201), (Outcome::Abandoned, 499)],
+        "{report}"
+    );
+}
+
+/// [`an_abandoned_http2_waiter_is_counted_once`] in transactional mode, whose waiter loop is its
+/// own.
+#[test]
+fn an_abandoned_http2_transactional_waiter_is_counted_once() {
+    let _serial = serial();
+    let (_pg, store) = Pg::start(false);
+    let probe = Probe::default();
+    let server = serve_with(
+        store,
+        "mt_h2txab",
+        &probe,
+        |b| {
+            b.transactional()
+                .wait_for_in_flight(Duration::from_secs(10))
+        },
+        true,
+    );
+    let before = snap();
+    let first = abandon_an_http2_waiter(
+        server.addr,
+        &probe,
+        "/mt_h2txab/pay/1?delay_ms=1000",
+        "h2txab-1",
+    );
+    let (after, report) = settle_after(
+        &probe,
+        2,
+        Duration::from_millis(300),
+        &before,
+        &format!("first {first}"),
+    );
+    let r = route("mt_h2txab");
+    assert_eq!(first, 201, "{report}");
+    assert_eq!(probe.runs(), 1, "{report}");
+    Deltas::new(&before, &after, &report).expect(&[
+        requests(&r, Is(2.0)),
+        counted(&r, "stored", Is(1.0)),
+        counted(&r, "abandoned", Is(1.0)),
+        counted(&r, "handler_panic", Is(0.0)),
+    ]);
+    let mut outcomes: Vec<_> = probe
+        .events()
+        .iter()
+        .map(|e| (e.outcome, e.status))
+        .collect();
+    outcomes.sort_by_key(|(_, status)| *status);
+    assert_eq!(
+        outcomes,
+        [(Outcome::Stored, 201), (Outcome::Abandoned, 499)],
+        "{report}"
+    );
+}
+
 /// Wait mode, the first request fails (502, not stored, key released) while 6 duplicates wait:
 /// one waiter takes the key and runs; the others replay its response (or get what it got).
 /// Every client's answer is counted as what it was; runs = outcomes that ran the handler.

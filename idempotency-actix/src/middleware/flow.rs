@@ -90,6 +90,17 @@ impl<B> Answer<B> {
         self.sender.send(result).is_ok()
     }
 
+    /// Answer a request whose client left while it waited (its outcome, `abandoned`, already
+    /// reported): a bodiless 499 that nobody reads. Sent rather than left unsent because on
+    /// HTTP/2 actix keeps polling the request's future after the client reset its stream (see
+    /// above), and a work that ends without an answer means a panic to it (`Pending::answer`):
+    /// a second outcome, a false `handler_panic` count and an ERROR line saying a key is held
+    /// when nothing was reserved (review, 2026-12-06).
+    pub(super) fn abandoned(self, req: ServiceRequest) {
+        let response = HttpResponse::new(crate::outcome::client_closed());
+        let _ = self.send(Ok(req.into_response(response).map_into_right_body()));
+    }
+
     /// Whether the client is gone, as far as can be seen now.
     pub(super) fn is_closed(&mut self) -> bool {
         if !self.gone {
@@ -418,6 +429,7 @@ where
                 Err(Decision::Abandoned) => {
                     tracing::info!(target: "idempotency_actix", outcome = "abandoned", "the client left while waiting for the first request with this key; nothing was run");
                     report.outcome(Outcome::Abandoned, outcome::client_closed(), Some(&scope));
+                    answer.abandoned(req);
                     return;
                 }
                 Err(Decision::PassThrough) => {

@@ -312,6 +312,7 @@ pub(super) async fn settle_keyed<S, Svc, B>(
                 crate::outcome::client_closed(),
                 Some(&scope),
             );
+            answer.abandoned(req);
             return;
         }
         // No later than the transaction's start, which the stored response's expiry counts
@@ -328,6 +329,7 @@ pub(super) async fn settle_keyed<S, Svc, B>(
                     crate::outcome::client_closed(),
                     Some(&scope),
                 );
+                answer.abandoned(req);
                 return;
             }
             Claimed::Reserved(conn, token) => (*conn, token),
