@@ -54,11 +54,13 @@
 //! example set both).
 //!
 //! Counted: a request's work from its reservation on, while it runs on a task of its own
-//! (whether its client is still connected or not), and the background retry of a `complete`
-//! (C16). Not counted, because dropping them never runs anything twice and a stop must not
-//! wait for a store that stays down: the retry of a `release`, and the stores' own background
-//! give-backs of a reservation a failed reserve may have made (each leaves the key to its
-//! lease, answering 409 meanwhile).
+//! (whether its client is still connected or not), and the background retries of a `complete`
+//! and of a `release` (C16; the second was not counted until a review of 2026-12-06 found that
+//! a stop then left the key of a response that was not stored held, answering the client's
+//! corrected retry 409 until the lease ended). Not counted: the stores' own background
+//! give-backs of a reservation a failed reserve may have made, which no client was told
+//! about (each leaves the key to its lease, answering 409 meanwhile, and never runs anything
+//! twice).
 //!
 //! What stays open: after the wait, a request that arrives on a connection that was already
 //! open (keep-alive) and whose client then hangs up mid-handler can still be cut when actix

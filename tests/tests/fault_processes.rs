@@ -850,6 +850,67 @@ fn a_graceful_stop_finishes_storing_a_delivered_response() {
     the_next_instance_replays(&db, &mut app, key, &request);
 }
 
+/// A graceful stop while the release of a response that was not stored waits to be retried (a
+/// 400, whose release failed: C16's background retry of a release): the process keeps retrying
+/// until the store is back, then exits with the key released, so the client's corrected retry
+/// runs at once rather than meeting 409 until the lease ends. Before the fix (review,
+/// 2026-12-06) the stop did not count release retries, although C21 names C16's retries, and
+/// the process exited at once with the reservation still held.
+#[test]
+fn a_graceful_stop_finishes_releasing_a_response_not_stored() {
+    let _turn = shared();
+    let role = TempRole::create(&server_url(), "idem_stop_rel");
+    let db = new_db();
+    let grant = format!(
+        "GRANT SELECT, INSERT, UPDATE, DELETE ON idempotency_keys TO \"{}\"",
+        role.name
+    );
+    execute(&db.url, &grant);
+    let app_url = role.url_for(&db.url);
+    let mut app = PaymentsApp::start(&[
+        ("DATABASE_URL", app_url.as_str()),
+        ("IDEMPOTENCY_LOCK_TIMEOUT_MS", &STOP_LEASE_MS.to_string()),
+    ]);
+    let key = "stop-while-releasing";
+    // Amount 0: the handler answers 400, which is not stored, so the key is released.
+    let request = pay(key, 0, Some(800));
+    let pending = {
+        let (addr, request) = (app.addr.clone(), request.clone());
+        std::thread::spawn(move || send_once(&addr, &request, CLIENT_TIMEOUT))
+    };
+    wait_until(Duration::from_secs(10), "the reservation", || {
+        records_for_key(&db.url, key)
+            .iter()
+            .any(|r| r.state == State::InFlight)
+    });
+    execute(
+        &db.url,
+        &format!("REVOKE DELETE ON idempotency_keys FROM \"{}\"", role.name),
+    );
+    let delivered = pending
+        .join()
+        .expect("client thread")
+        .expect("the handler's response");
+    assert_eq!(delivered.status, 400, "{}", delivered.describe());
+    app.signal("TERM");
+    // The store comes back inside the lease, after the stop began.
+    std::thread::sleep(Duration::from_millis(700));
+    execute(&db.url, &grant);
+    let exited = app.wait_for_exit(Duration::from_secs(20));
+    assert!(
+        exited.is_some(),
+        "still running 20 s after SIGTERM; log:\n{}",
+        app.log()
+    );
+    let left = records_for_key(&db.url, key);
+    assert!(
+        left.is_empty(),
+        "the key is still held after the stop ({left:?}): the client's retry meets 409 until \
+         the lease ends\nlog:\n{}",
+        lines_about(&app.log(), key)
+    );
+}
+
 /// The stop's wait has an end: a handler that outlasts it does not hold the process, and a
 /// second SIGTERM skips the rest of the wait (the example waits up to 20 s).
 #[test]

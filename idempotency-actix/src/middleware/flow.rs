@@ -805,7 +805,7 @@ where
                     if went_over {
                         copy = None;
                         renewal.stop();
-                        tracing::warn!(target: "idempotency_actix", outcome = "not_stored", max_response_bytes = max, "streamed response too large to store; key released");
+                        tracing::warn!(target: "idempotency_actix", outcome = "not_stored", max_response_bytes = max, "streamed response too large to store; releasing the key");
                         self.release_quietly(scope, &token).await;
                     }
                     if let Some(to) = &mut client {
@@ -956,7 +956,7 @@ where
     }
 
     async fn release(&self, scope: &Scope, token: &ReservationToken, reason: &str) {
-        tracing::info!(target: "idempotency_actix", outcome = "not_stored", reason, "response not stored; key released");
+        tracing::info!(target: "idempotency_actix", outcome = "not_stored", reason, "response not stored; releasing the key");
         self.release_quietly(scope, token).await;
     }
 
@@ -965,7 +965,7 @@ where
     /// even with the target filtered at `warn` (docs/security.md).
     async fn release_too_large(&self, scope: &Scope, token: &ReservationToken) {
         let max = self.config.max_response_bytes;
-        tracing::warn!(target: "idempotency_actix", outcome = "not_stored", max_response_bytes = max, "response too large to store; key released");
+        tracing::warn!(target: "idempotency_actix", outcome = "not_stored", max_response_bytes = max, "response too large to store; releasing the key");
         self.release_quietly(scope, token).await;
     }
 
@@ -1013,10 +1013,11 @@ where
                 tracing::error!(target: "idempotency_actix", outcome = "store_error", "gave up releasing the key: its lease ended, so a retry takes it over");
             }
         };
-        // Not counted by `shutdown`: dropping it leaves the key to its lease, which answers 409
-        // meanwhile and never runs anything twice, and a stop must not wait for a store that
-        // stays down to free a key.
-        tokio::spawn(retry.in_current_span());
+        // Counted by `shutdown` like the retry of a `complete` (C21 names both): dropped by a
+        // stop, it leaves the key to its lease, answering the client's corrected retry 409 for
+        // the rest of it, which is what C16 retries to avoid. A store that stays down does not
+        // hold the stop: its wait has a limit.
+        spawn_tracked(retry.in_current_span());
     }
 
     /// Answer with a problem instead of running the handler, and report it.
@@ -1033,9 +1034,10 @@ where
     }
 }
 
-/// Spawn the background retry of a `complete`, counted until it ends so that a graceful stop
-/// waits for it (`crate::shutdown`): dropped, it leaves a delivered response unstored, and the
-/// client's retry after the lease runs the handler again.
+/// Spawn the background retry of a `complete` or a `release` (C16), counted until it ends so
+/// that a graceful stop waits for it (`crate::shutdown`): dropped, the first leaves a delivered
+/// response unstored, and the client's retry after the lease runs the handler again; the second
+/// leaves the key held, answering 409, until the lease ends.
 fn spawn_tracked(retry: impl std::future::Future<Output = ()> + Send + 'static) {
     let tracked = crate::shutdown::track();
     tokio::spawn(async move {
