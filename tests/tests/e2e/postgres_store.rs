@@ -130,6 +130,49 @@ async fn one_winner_per_key_across_pools_on(db: &TestDb) {
     }
 }
 
+/// A database whose default isolation is SERIALIZABLE (which docs/transactional.md supports
+/// as the handler's guard): the store's own statements then run serializable too, and a
+/// duplicate's `INSERT .. ON CONFLICT` that meets a row committed after its snapshot fails
+/// with a serialization failure (40001) instead of seeing it. Every reserve must still answer:
+/// one winner, the rest in flight, none an error (review, 2026-12-06: some were 503s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_winner_per_key_on_a_serializable_database() {
+    let db = TestDb::new().await;
+    let url = db.url.clone();
+    tokio::task::spawn_blocking(move || {
+        idempotency_e2e::records::execute(
+            &url,
+            "DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET default_transaction_isolation = serializable', current_database()); END $$",
+        )
+    })
+    .await
+    .unwrap();
+    let store = PostgresStore::builder(&db.url)
+        .max_size(16)
+        .build()
+        .await
+        .unwrap();
+    let mut errors = Vec::new();
+    for round in 0..40 {
+        let key = scope(&format!("serializable-{round}"));
+        let attempts = (0..24).map(|_| {
+            let (store, key) = (store.clone(), key.clone());
+            tokio::spawn(async move { store.reserve(&key, &FP, LEASE).await })
+        });
+        let mut winners = 0;
+        for outcome in join_all(attempts).await {
+            match outcome.unwrap() {
+                Ok(ReserveOutcome::Reserved { .. }) => winners += 1,
+                Ok(ReserveOutcome::InFlight { .. }) => {}
+                Ok(other) => panic!("round {round}: {other:?}"),
+                Err(error) => errors.push(format!("round {round}: {error}")),
+            }
+        }
+        assert!(winners <= 1, "round {round}: {winners} winners");
+    }
+    assert!(errors.is_empty(), "{} errors: {errors:?}", errors.len());
+}
+
 /// Many retries racing to take over one expired lease: exactly one gets it, and afterwards
 /// only its token can complete.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

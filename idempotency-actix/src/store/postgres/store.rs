@@ -16,6 +16,7 @@ use super::pool::Checkout;
 use super::schema::State;
 use super::sql::{self, Completion, ReplayRead, Reserve, ReserveRow, ScopeBinds};
 use super::tls::ConnectTarget;
+use super::transactional::is_serialization_failure;
 use super::{micros, PgPool, PostgresStoreBuilder, DEFAULT_PURGE_BATCH, DEFAULT_QUERY_TIMEOUT};
 use super::{DEFAULT_CONNECTION_TIMEOUT, DEFAULT_MAX_SIZE};
 use crate::log_text::LogText;
@@ -348,6 +349,13 @@ impl PostgresStore {
     ) -> Result<Option<ReserveOutcome>, StoreError> {
         let rows = match sql::reserve(conn, query).await {
             Ok(rows) => rows,
+            // Under REPEATABLE READ or SERIALIZABLE (a database or role default, which
+            // transactional mode supports as the handler's guard) the function's statements
+            // share one snapshot, so a row committed after it fails the INSERT with 40001
+            // instead of being read. The statement wrote nothing: run it again, as after a
+            // lost race (docs/sql.md, "Isolation"). Review, 2026-12-06: such duplicates were
+            // answered 503 instead of 409.
+            Err(e) if is_serialization_failure(&e) => return Ok(None),
             Err(e) => return Err(classify_query_error(conn, e).await),
         };
         let Some(row) = rows.into_iter().next() else {
