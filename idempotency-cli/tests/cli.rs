@@ -331,6 +331,7 @@ async fn migrate_twice_and_check_gates_deploys() {
          applied 2026-12-04-000010_serializable_claim_inserts_first\n\
          applied 2026-12-04-000011_complete_after_a_partition_attach\n\
          applied 2026-12-05-000012_partition_drop_waits_once\n\
+         applied 2026-12-06-000013_reserve_after_a_response_purge\n\
          layout: plain\n"
     );
 
@@ -1769,7 +1770,7 @@ async fn migrate_check_needs_only_select() {
     expect_code(&pending, PENDING);
     assert_stdout_has(
         &pending,
-        "pending 2026-12-05-000012_partition_drop_waits_once",
+        "pending 2026-12-06-000013_reserve_after_a_response_purge",
     );
 }
 

@@ -312,7 +312,13 @@ async fn migrating_to_the_partitioned_layout_never_drops_a_stored_response() {
 
 /// Every migration from 000005 on, newest first, with its diesel version: what
 /// `diesel migration revert` runs, one transaction each.
-const DOWN_TO_000004: [(&str, &str); 8] = [
+const DOWN_TO_000004: [(&str, &str); 9] = [
+    (
+        "20261206000013",
+        include_str!(
+            "../../migrations/2026-12-06-000013_reserve_after_a_response_purge/down.sql"
+        ),
+    ),
     (
         "20261205000012",
         include_str!("../../migrations/2026-12-05-000012_partition_drop_waits_once/down.sql"),
@@ -539,4 +545,62 @@ async fn listing_partitions_during_a_partition_drop_does_not_fail() {
         .iter()
         .any(|p| p.name == "idempotency_responses_past"));
     assert_eq!(listed.len(), before.len() - 1, "{listed:?}");
+}
+
+/// A retry that began (transactional mode: its BEGIN; the default mode: its statement) while its
+/// record lived, and whose record's response purge removed before the retry read it: a
+/// partition drop or the default partition's purge judges expiry by its own, later clock, so it
+/// may take a response the retry's claim read (by the transaction's clock) called live. Found
+/// by review (2026-12-06) at an hourly boundary; the call raised "no row for a live completed
+/// record" and the client got 503. The record has expired by the wall clock: it is taken over,
+/// as any expired record. Here a `DELETE` of the expired response stands for the drop (which a
+/// test cannot time to an hour's end).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_whose_response_is_purged_during_the_retry_is_taken_over() {
+    let db = TestDb::new_partitioned(postgres::PartitionInterval::Hourly).await;
+    let store = PostgresStore::connect(&db.url).await.unwrap();
+    let scope = payment("pay-expiring");
+    let fp = Fingerprint([7; 32]);
+    let Ok(ReserveOutcome::Reserved { token }) =
+        store.reserve(&scope, &fp, Duration::from_secs(60)).await
+    else {
+        panic!("the first request is not reserved");
+    };
+    let response = StoredResponse {
+        status: 201,
+        headers: vec![("content-type".into(), Bytes::from_static(b"text/plain"))],
+        body: Bytes::from_static(b"charged once"),
+    };
+    let stored = store
+        .complete(&scope, &token, &response, Duration::from_millis(800))
+        .await
+        .unwrap();
+    assert_eq!(stored, WriteOutcome::Applied);
+
+    let mut retry = postgres::establish(&db.url).await.unwrap();
+    retry.batch_execute("BEGIN; SELECT 1").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let mut purge = postgres::establish(&db.url).await.unwrap();
+    let purged = count(
+        &mut purge,
+        "WITH gone AS (DELETE FROM idempotency_responses WHERE expires_at <= now() RETURNING 1) \
+         SELECT count(*) AS n FROM gone",
+    )
+    .await;
+    assert_eq!(purged, 1);
+
+    let claim = format!(
+        "SELECT * FROM idempotency_reserve('t', 'POST', '/payments', 'pay-expiring', \
+         '\\x{}'::bytea, gen_random_uuid(), 60000000)",
+        "07".repeat(32)
+    );
+    retry
+        .batch_execute(&claim)
+        .await
+        .unwrap_or_else(|e| panic!("the retry of an expired record failed: {e}"));
+    retry.batch_execute("COMMIT").await.unwrap();
+    match store.reserve(&scope, &fp, Duration::from_secs(60)).await {
+        Ok(ReserveOutcome::InFlight { .. }) => {}
+        other => panic!("the expired record was not taken over by the retry: {other:?}"),
+    }
 }
