@@ -315,9 +315,7 @@ async fn migrating_to_the_partitioned_layout_never_drops_a_stored_response() {
 const DOWN_TO_000004: [(&str, &str); 9] = [
     (
         "20261206000013",
-        include_str!(
-            "../../migrations/2026-12-06-000013_reserve_after_a_response_purge/down.sql"
-        ),
+        include_str!("../../migrations/2026-12-06-000013_reserve_after_a_response_purge/down.sql"),
     ),
     (
         "20261205000012",

@@ -17,13 +17,17 @@
 //! URL that names the system roots never connects unverified or in plaintext.
 //!
 //! Roots are the file named by `sslrootcert` (PEM, one or more certificates), or the system's
-//! trust store (`rustls-native-certs`) when it is absent (with `verify-ca`/`verify-full`) or
+//! trust store (`rustls-native-certs`) when it is absent with `verify-full`, or
 //! `sslrootcert=system`. libpq would read `~/.postgresql/root.crt` instead; the system store
 //! is what managed PostgreSQL services (RDS, Cloud SQL, Azure, Supabase, Neon) chain to, so it
-//! is the more useful default for a server process. Only the connection string is read: no
-//! `PGSSLMODE`/`PGSSLROOTCERT` (or other `PG*`) environment variable. Client certificates
-//! (`sslcert`/`sslkey`) are not supported and are reported as an error rather than silently
-//! ignored.
+//! is the more useful default for a server process. `verify-ca` needs its `sslrootcert` file:
+//! against the system store, a chain check without the name accepts any certificate a public
+//! CA signed (review, 2026-12-06: it did), the reason `sslrootcert=system` refuses it too. Only
+//! the connection string is read: no `PGSSLMODE`/`PGSSLROOTCERT` (or other `PG*`) environment
+//! variable. Client certificates (`sslcert`/`sslkey`) and certificate revocation lists
+//! (`sslcrl`/`sslcrldir`) are not supported and are reported as an error rather than silently
+//! ignored; `ssl_min_protocol_version`/`ssl_max_protocol_version` are honoured within what
+//! rustls speaks (TLS 1.2 and 1.3), and a range outside it is refused.
 
 use std::hash::{BuildHasher, RandomState};
 use std::sync::Arc;
@@ -116,6 +120,15 @@ impl ConnectTarget {
                 "client certificates (sslcert/sslkey) are not supported".into(),
             ));
         }
+        if ssl.revocation_list {
+            return Err(UrlError(
+                "certificate revocation lists (sslcrl/sslcrldir) are not supported: a revoked \
+                 server certificate would still be accepted; leave them out, or replace the \
+                 server's certificate and its CA"
+                    .into(),
+            ));
+        }
+        let versions = protocol_versions(&ssl)?;
         let tls = match mode {
             Mode::Disable => {
                 config.ssl_mode(SslMode::Disable);
@@ -123,11 +136,11 @@ impl ConnectTarget {
             }
             Mode::Prefer => {
                 config.ssl_mode(SslMode::Prefer);
-                Some(Arc::new(client_config(Verify::Nothing)?))
+                Some(Arc::new(client_config(Verify::Nothing, versions)?))
             }
             Mode::Require => {
                 config.ssl_mode(SslMode::Require);
-                Some(Arc::new(client_config(Verify::Nothing)?))
+                Some(Arc::new(client_config(Verify::Nothing, versions)?))
             }
             Mode::VerifyCa | Mode::VerifyFull => {
                 config.ssl_mode(SslMode::Require);
@@ -137,7 +150,7 @@ impl ConnectTarget {
                 } else {
                     Verify::ChainAndName(roots)
                 };
-                Some(Arc::new(client_config(verify)?))
+                Some(Arc::new(client_config(verify, versions)?))
             }
         };
         Ok(Self {
@@ -374,6 +387,17 @@ fn resolve_mode(ssl: &SslParams) -> Result<Mode, UrlError> {
             ))
         }
     };
+    if mode == Mode::VerifyCa && ssl.rootcert.is_none() {
+        // libpq fails here too (its default root file is missing): the chain alone, against
+        // the system trust store, is any certificate a public CA signed for any name.
+        return Err(UrlError(
+            "sslmode=verify-ca needs sslrootcert=<file> (the CA that signs the server's \
+             certificate): against the system trust store, a check without the host name \
+             accepts any publicly signed certificate; use sslmode=verify-full for the system \
+             roots"
+                .into(),
+        ));
+    }
     if system_roots && mode != Mode::VerifyFull {
         // As libpq 16, an error rather than an upgrade: the URL says two different things.
         // A public CA vouches for every name it signed, so only a name check makes the
@@ -392,20 +416,50 @@ struct SslParams {
     mode: Option<String>,
     rootcert: Option<String>,
     client_cert: bool,
+    /// `sslcrl` or `sslcrldir` with a value (libpq reads an empty one as absent).
+    revocation_list: bool,
+    min_protocol: Option<String>,
+    max_protocol: Option<String>,
 }
 
-/// SSL options tokio-postgres does not know and would reject; interpreted here instead.
-/// `sslcompression`, `sslcrl`, `sslsni` and friends are accepted and ignored: compression is
-/// never negotiated by rustls, SNI is always sent for host names.
-const IGNORED_SSL_KEYS: &[&str] = &[
-    "sslcompression",
-    "sslcrl",
-    "sslcrldir",
-    "sslsni",
-    "ssl_min_protocol_version",
-    "ssl_max_protocol_version",
-    "sslpassword",
-];
+/// SSL options tokio-postgres does not know and would reject, accepted and ignored because
+/// nothing is lost: compression is never negotiated by rustls, SNI is always sent for host
+/// names, and `sslpassword` only unlocks a client key, which is refused anyway.
+const IGNORED_SSL_KEYS: &[&str] = &["sslcompression", "sslsni", "sslpassword"];
+
+/// The TLS versions `ssl_min_protocol_version` and `ssl_max_protocol_version` allow (libpq's
+/// values; absent or empty: no bound), of the two rustls speaks. A range that leaves neither
+/// is refused rather than widened.
+fn protocol_versions(
+    ssl: &SslParams,
+) -> Result<&'static [&'static rustls::SupportedProtocolVersion], UrlError> {
+    // libpq's versions in order; rustls has the last two.
+    const NAMES: [&str; 4] = ["TLSv1", "TLSv1.1", "TLSv1.2", "TLSv1.3"];
+    let rank = |key: &str, value: &Option<String>, absent: usize| match value.as_deref() {
+        None | Some("") => Ok(absent),
+        Some(v) => NAMES.iter().position(|n| *n == v).ok_or_else(|| {
+            UrlError(format!(
+                "unknown {key} (expected TLSv1, TLSv1.1, TLSv1.2 or TLSv1.3)"
+            ))
+        }),
+    };
+    let min = rank("ssl_min_protocol_version", &ssl.min_protocol, 0)?;
+    let max = rank("ssl_max_protocol_version", &ssl.max_protocol, 3)?;
+    static BOTH: [&rustls::SupportedProtocolVersion; 2] =
+        [&rustls::version::TLS13, &rustls::version::TLS12];
+    static TLS12: [&rustls::SupportedProtocolVersion; 1] = [&rustls::version::TLS12];
+    static TLS13: [&rustls::SupportedProtocolVersion; 1] = [&rustls::version::TLS13];
+    match (min.max(2), max) {
+        (2, 3) => Ok(&BOTH),
+        (2, 2) => Ok(&TLS12),
+        (3, 3) => Ok(&TLS13),
+        _ => Err(UrlError(
+            "ssl_min_protocol_version and ssl_max_protocol_version leave no TLS version this \
+             client speaks (TLS 1.2 and 1.3)"
+                .into(),
+        )),
+    }
+}
 
 /// libpq keywords tokio-postgres does not support. Only these names are ever repeated in an
 /// error message: any other "option" may be a fragment of a password.
@@ -431,6 +485,9 @@ fn take_ssl_param(ssl: &mut SslParams, key: &str, value: String) -> bool {
         "sslmode" => ssl.mode = Some(value),
         "sslrootcert" => ssl.rootcert = Some(value),
         "sslcert" | "sslkey" => ssl.client_cert = true,
+        "sslcrl" | "sslcrldir" => ssl.revocation_list |= !value.is_empty(),
+        "ssl_min_protocol_version" => ssl.min_protocol = Some(value),
+        "ssl_max_protocol_version" => ssl.max_protocol = Some(value),
         k if IGNORED_SSL_KEYS.contains(&k) => {}
         _ => return false,
     }
@@ -604,7 +661,10 @@ fn check_against_standard_parser(url: &str, ssl: &SslParams) -> Result<(), UrlEr
     }
     let lost = (standard.mode.is_some() && standard.mode != ssl.mode)
         || (standard.rootcert.is_some() && standard.rootcert != ssl.rootcert)
-        || (standard.client_cert && !ssl.client_cert);
+        || (standard.client_cert && !ssl.client_cert)
+        || (standard.revocation_list && !ssl.revocation_list)
+        || (standard.min_protocol.is_some() && standard.min_protocol != ssl.min_protocol)
+        || (standard.max_protocol.is_some() && standard.max_protocol != ssl.max_protocol);
     if lost {
         return Err(UrlError(
             "ambiguous database URL: where its SSL options are depends on the parser; \
@@ -856,10 +916,13 @@ fn provider() -> Arc<CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }
 
-fn client_config(verify: Verify) -> Result<ClientConfig, UrlError> {
+fn client_config(
+    verify: Verify,
+    versions: &[&'static rustls::SupportedProtocolVersion],
+) -> Result<ClientConfig, UrlError> {
     let provider = provider();
     let builder = ClientConfig::builder_with_provider(Arc::clone(&provider))
-        .with_safe_default_protocol_versions()
+        .with_protocol_versions(versions)
         .map_err(|e| UrlError(format!("TLS setup failed: {e}")))?;
     let config = match verify {
         Verify::Nothing => builder
@@ -1460,6 +1523,74 @@ mod tests {
                 assert_hidden(&err, &input);
             }
         }
+    }
+
+    /// `verify-ca` checks the chain but not the name, so against the system trust store it
+    /// would accept any publicly signed certificate: it needs its own root file (review,
+    /// 2026-12-06: it fell back to the system store).
+    #[test]
+    fn verify_ca_needs_a_root_file() {
+        for input in [
+            "postgres://u:s3cr3t@db.internal/app?sslmode=verify-ca",
+            "host=db.internal user=u password=s3cr3t sslmode=verify-ca",
+        ] {
+            let err = match ConnectTarget::parse(input, None) {
+                Ok(target) => panic!("{input:?} accepted as {:?}", target.mode()),
+                Err(e) => e.to_string(),
+            };
+            assert!(err.contains("sslrootcert=<file>"), "{input:?}: {err}");
+            assert!(!err.contains("s3cr3t"), "{err}");
+        }
+        // With a file it is read (here: missing), and verify-full keeps the system roots.
+        let err = ConnectTarget::parse(
+            "postgres://u@db/app?sslmode=verify-ca&sslrootcert=/nonexistent/ca.pem",
+            None,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("cannot read sslrootcert"), "{err}");
+    }
+
+    /// Security options libpq honours are honoured or refused, never ignored (review,
+    /// 2026-12-06: `sslcrl`, `sslcrldir` and the protocol bounds were accepted and ignored).
+    #[test]
+    fn revocation_lists_are_refused_and_protocol_bounds_honoured() {
+        for option in ["sslcrl=/etc/crl.pem", "sslcrldir=/etc/crls"] {
+            let input = format!("postgres://u@db/app?sslmode=require&{option}");
+            let err = ConnectTarget::parse(&input, None).unwrap_err().to_string();
+            assert!(err.contains("revocation lists"), "{input}: {err}");
+        }
+        // Empty means absent, as in libpq.
+        assert!(ConnectTarget::parse("postgres://u@db/app?sslmode=require&sslcrl=", None).is_ok());
+        let versions = |min: Option<&str>, max: Option<&str>| {
+            protocol_versions(&SslParams {
+                min_protocol: min.map(str::to_owned),
+                max_protocol: max.map(str::to_owned),
+                ..SslParams::default()
+            })
+            .map(|v| v.iter().map(|v| v.version).collect::<Vec<_>>())
+        };
+        use rustls::ProtocolVersion::{TLSv1_2, TLSv1_3};
+        assert_eq!(versions(None, None).unwrap(), [TLSv1_3, TLSv1_2]);
+        assert_eq!(
+            versions(Some("TLSv1"), Some("")).unwrap(),
+            [TLSv1_3, TLSv1_2]
+        );
+        assert_eq!(versions(Some("TLSv1.3"), None).unwrap(), [TLSv1_3]);
+        assert_eq!(versions(None, Some("TLSv1.2")).unwrap(), [TLSv1_2]);
+        assert!(versions(None, Some("TLSv1.1")).is_err());
+        assert!(versions(Some("TLSv1.3"), Some("TLSv1.2")).is_err());
+        assert!(versions(Some("tlsv1.3"), None).is_err());
+        assert!(ConnectTarget::parse(
+            "postgres://u@db/app?sslmode=require&ssl_min_protocol_version=TLSv1.3",
+            None
+        )
+        .is_ok());
+        assert!(ConnectTarget::parse(
+            "postgres://u@db/app?sslmode=require&ssl_max_protocol_version=TLSv1",
+            None
+        )
+        .is_err());
     }
 
     /// A root certificate file still upgrades `require` to verify-ca (libpq), and `system` is
