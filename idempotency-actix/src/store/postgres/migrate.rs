@@ -12,9 +12,14 @@
 //! Concurrent callers (several app instances starting with `--migrate`, or `idem-cli migrate`
 //! next to them) are serialised by a session-level advisory lock, so exactly one applies each
 //! migration and the others see nothing pending. Nothing here waits without limit: connecting
-//! is bounded by 30 s and the wait for the lock by 2 minutes, after
-//! which the call fails with [`StoreError::Unavailable`] saying why (a start-up that would
-//! otherwise hang behind a stuck migration fails visibly and can be retried).
+//! is bounded by 30 s, the wait for the lock by 2 minutes, each statement by the session's
+//! `statement_timeout` (2 minutes) and each lock a migration takes by its `lock_timeout` (5 s:
+//! migration 000005's `LOCK TABLE` waits for a transactional request, and every request queues
+//! behind it meanwhile), and the whole call by [`MIGRATION_LIMIT`] (a server gone silent
+//! mid-migration answers nothing, and the harness's statements carry no client-side bound;
+//! review, 2026-12-06: such a call hung for good). Past a bound the call fails with
+//! [`StoreError::Unavailable`] saying why (a start-up that would otherwise hang behind a stuck
+//! migration fails visibly and can be retried; migrations that completed stay applied).
 
 use std::time::{Duration, Instant};
 
@@ -41,11 +46,34 @@ const MIGRATION_LOCK_KEY: i64 = 0x6964_656d_6d69_6772;
 /// The longest [`run_migrations`] and friends wait to open their connection.
 const MIGRATION_CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// The `statement_timeout` of a migration's session: far above what any embedded migration
+/// takes (each replaces functions or provisions an empty table), and a bound on one that waits.
+const MIGRATION_STATEMENT_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// The `lock_timeout` of a migration's session, as `idem-cli migrate`'s: a migration that
+/// needs a table's lock while a request holds it gives up soon, rather than hold every
+/// request queued behind its lock request.
+const MIGRATION_DDL_LOCK_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The longest [`run_migrations`] and friends take in all: connecting, the wait for the
+/// migration lock, and two statement timeouts for the rest (a live server answers every
+/// statement within one). A server that stops answering mid-migration fails the call here.
+pub const MIGRATION_LIMIT: Duration = Duration::from_secs(
+    MIGRATION_CONNECT_TIMEOUT.as_secs()
+        + MIGRATION_LOCK_WAIT.as_secs()
+        + 2 * MIGRATION_STATEMENT_TIMEOUT.as_secs(),
+);
+
 /// The database at `url` for a migration: each host of a failover list gets its share of
-/// [`MIGRATION_CONNECT_TIMEOUT`], so a frozen first host leaves the next one its turn.
+/// [`MIGRATION_CONNECT_TIMEOUT`], so a frozen first host leaves the next one its turn; the
+/// session gets [`MIGRATION_STATEMENT_TIMEOUT`] and [`MIGRATION_DDL_LOCK_TIMEOUT`].
 fn migration_target(url: &str) -> Result<ConnectTarget, StoreError> {
-    let mut target =
-        ConnectTarget::parse(url, None).map_err(|e| StoreError::Backend(Box::new(e)))?;
+    let mut target = ConnectTarget::parse(url, Some(MIGRATION_STATEMENT_TIMEOUT))
+        .map_err(|e| StoreError::Backend(Box::new(e)))?;
+    target.append_option(&format!(
+        "-c lock_timeout={}",
+        MIGRATION_DDL_LOCK_TIMEOUT.as_millis()
+    ));
     target.bound_each_host(MIGRATION_CONNECT_TIMEOUT / target.host_count());
     Ok(target)
 }
@@ -65,8 +93,11 @@ const LOCK_POLL: Duration = Duration::from_millis(100);
 /// Safe to call from inside an actix-web or tokio runtime (see the module docs).
 ///
 /// # Errors
-/// [`StoreError::Unavailable`] when the database cannot be reached within 30 s, or another
-/// session held the migration lock for longer than 2 minutes; [`StoreError::Backend`] when a migration fails (it is rolled back; nothing half-applied remains) or the URL is bad.
+/// [`StoreError::Unavailable`] when the database cannot be reached within 30 s, another
+/// session held the migration lock for longer than 2 minutes, or the whole call took longer
+/// than [`MIGRATION_LIMIT`] (a server that stopped answering); [`StoreError::Backend`] when a
+/// migration fails (it is rolled back; nothing half-applied remains; a lock it waited 5 s for
+/// is such a failure) or the URL is bad.
 pub async fn run_migrations(url: &str) -> Result<Vec<String>, StoreError> {
     with_harness(url, None).await
 }
@@ -123,7 +154,18 @@ pub async fn pending_migrations(url: &str) -> Result<Vec<String>, StoreError> {
         .await
         .map_err(|_| no_connection())?
         .map_err(classify_connection_error)?;
-    pending_migrations_on(&mut conn).await
+    // Two statements, each answered by a live server within its statement timeout.
+    tokio::time::timeout(
+        2 * MIGRATION_STATEMENT_TIMEOUT,
+        pending_migrations_on(&mut conn),
+    )
+    .await
+    .map_err(|_| {
+        StoreError::unavailable(format!(
+            "the database did not answer within {}s (pending migrations not read)",
+            (2 * MIGRATION_STATEMENT_TIMEOUT).as_secs()
+        ))
+    })?
 }
 
 /// The embedded migrations' versions not applied on `conn` yet, oldest first. Reads only, with
@@ -278,7 +320,17 @@ async fn with_harness(
     url: &str,
     partitioned: Option<PartitionInterval>,
 ) -> Result<Vec<String>, StoreError> {
-    let target = migration_target(url)?;
+    with_harness_within(migration_target(url)?, partitioned, MIGRATION_LIMIT).await
+}
+
+/// [`with_harness`] on `target`, failing with [`StoreError::Unavailable`] after `limit`. The
+/// migration thread is then left to its end: blocked on a silent server, it ends with the
+/// process or when the connection does; what it applies meanwhile stays applied.
+async fn with_harness_within(
+    target: ConnectTarget,
+    partitioned: Option<PartitionInterval>,
+    limit: Duration,
+) -> Result<Vec<String>, StoreError> {
     let (tx, rx) = tokio::sync::oneshot::channel();
     std::thread::Builder::new()
         .name("idempotency-migrations".into())
@@ -287,7 +339,15 @@ async fn with_harness(
             let _ = tx.send(migrate_on_this_thread(target, partitioned));
         })
         .map_err(|e| StoreError::Backend(Box::new(e)))?;
-    rx.await
+    tokio::time::timeout(limit, rx)
+        .await
+        .map_err(|_| {
+            StoreError::unavailable(format!(
+                "the migrations did not finish within {}s (the database stopped answering, or \
+                 a migration waits for it): those that completed stay applied; run them again",
+                limit.as_secs()
+            ))
+        })?
         .map_err(|_| StoreError::Backend("the migration thread panicked".into()))?
 }
 
@@ -352,6 +412,39 @@ fn take_lock(harness: &mut Harness, wait: Duration) -> Result<(), StoreError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A server that accepts the connection and then says nothing (frozen, or a middlebox that
+    /// stopped forwarding): the call fails within its limit instead of hanging (review,
+    /// 2026-12-06). Here the connect bound is the longer one, so only the overall limit can
+    /// end the call.
+    #[tokio::test]
+    async fn a_silent_server_fails_the_migrations_within_their_limit() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let held = std::thread::spawn(move || listener.accept().map(|(socket, _)| socket));
+        let url = format!("postgres://u:s3cr3t@127.0.0.1:{port}/db?connect_timeout=60");
+        let target = migration_target(&url).unwrap();
+        let started = Instant::now();
+        let result = with_harness_within(target, None, Duration::from_millis(1500)).await;
+        let took = started.elapsed();
+        match result {
+            Err(StoreError::Unavailable(e)) => {
+                assert!(e.to_string().contains("did not finish within"), "{e}");
+                assert!(!e.to_string().contains("s3cr3t"), "{e}");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(took < Duration::from_secs(10), "{took:?}");
+        drop(held);
+    }
+
+    #[test]
+    fn a_migration_session_has_statement_and_lock_timeouts() {
+        let target = migration_target("postgres://u@localhost/db").unwrap();
+        let options = target.options().unwrap_or_default();
+        assert!(options.contains("statement_timeout=120000"), "{options}");
+        assert!(options.contains("lock_timeout=5000"), "{options}");
+    }
 
     #[test]
     fn the_layout_migration_is_the_partitioned_layout_one() {

@@ -197,6 +197,12 @@ impl ConnectTarget {
         self.tls.is_some()
     }
 
+    /// The startup `options` the server will apply (`-c name=value ...`).
+    #[cfg(test)]
+    pub(crate) fn options(&self) -> Option<&str> {
+        self.config.get_options()
+    }
+
     /// The TLS mode chosen, after libpq's rules.
     #[cfg(test)]
     fn mode(&self) -> Mode {
