@@ -83,10 +83,20 @@ pub struct Record {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, FromSqlRow)]
 pub struct Time(pub SystemTime);
 
+/// Microseconds from the Unix epoch to PostgreSQL's (2000-01-01 UTC).
+const PG_EPOCH_UNIX_MICROS: i64 = 946_684_800_000_000;
+
 impl FromSql<Timestamptz, Pg> for Time {
+    /// PostgreSQL's binary `timestamptz`, decoded by hand: microseconds since 2000-01-01 UTC,
+    /// `infinity` and `-infinity` being the largest and smallest values. Not through `time`'s
+    /// date type, which stops at year 9999: one row with a later or infinite time (a hand
+    /// edit, another writer; the store caps its own at about 100 years) failed every `stats`,
+    /// `list`, `show` and `release` of `idem-cli` (review, 2026-12-06). Displays clamp.
     fn from_sql(bytes: PgValue<'_>) -> deserialize::Result<Self> {
-        let t = <time::OffsetDateTime as FromSql<Timestamptz, Pg>>::from_sql(bytes)?;
-        Ok(Time(t.into()))
+        let since_2000 = <i64 as FromSql<diesel::sql_types::BigInt, Pg>>::from_sql(bytes)?;
+        Ok(Time::from_unix_micros(
+            since_2000.saturating_add(PG_EPOCH_UNIX_MICROS),
+        ))
     }
 }
 
