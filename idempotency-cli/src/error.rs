@@ -82,7 +82,9 @@ impl fmt::Display for CliError {
             CliError::Pending(n) => format!("{n} migration(s) pending: run `idem-cli migrate`"),
             CliError::BrokenPipe => String::new(),
         };
-        f.write_str(&one_line(&text))
+        // Escaped too: a message may repeat what an operator typed or a server said (a
+        // database name, a method), and a terminal must not run an escape sequence in it.
+        f.write_str(&crate::output::escape::display(&one_line(&text), 0))
     }
 }
 

@@ -18,7 +18,7 @@ use idempotency_actix::store::{
 };
 use idempotency_actix::Fingerprint;
 use idempotency_e2e::records::{self, State};
-use idempotency_e2e::TestDb;
+use idempotency_e2e::{with_database, TestDb};
 use serde_json::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_idem-cli");
@@ -2234,4 +2234,37 @@ async fn times_past_year_9999_or_infinite_do_not_break_any_command() {
     }
     idem_code(&db.url, &["release", "--force", "infinite"], 0);
     assert_eq!(keys(&mut conn).await, ["far", "ordinary"]);
+}
+
+/// Review, 2026-12-06: what an operator or a server puts in a message reaches the terminal
+/// escaped (a method with an escape sequence, a database name the server repeats), and a URL
+/// that names no host is a usage error (exit 2, fix the URL), not "unavailable" (exit 3, which
+/// a cron wrapper retries for ever).
+#[tokio::test]
+async fn messages_are_terminal_safe_and_a_url_without_a_host_is_a_usage_error() {
+    let db = TestDb::new().await;
+    let out = idem_code(
+        &db.url,
+        &["show", "k-none", "--method", "\u{1b}[31mpost"],
+        NOT_FOUND_OR_REFUSED,
+    );
+    assert!(!stderr(&out).contains('\u{1b}'), "{:?}", stderr(&out));
+    let unknown_db = with_database(&db.url, "x\u{1b}[31mRED\u{1b}[0m");
+    let out = idem(&unknown_db, &["stats"]);
+    assert!(
+        out.status.code().is_some_and(|c| c != 0),
+        "{:?}",
+        stderr(&out)
+    );
+    assert!(!stderr(&out).contains('\u{1b}'), "{:?}", stderr(&out));
+    for url in [
+        "postgres://review:SECRETX@/db",
+        "postgres://",
+        "postgres://u:SECRETX@",
+    ] {
+        let out = idem(url, &["stats"]);
+        expect_code(&out, USAGE);
+        assert!(stderr(&out).contains("host"), "{url}: {}", stderr(&out));
+        assert!(!stderr(&out).contains("SECRETX"), "{}", stderr(&out));
+    }
 }

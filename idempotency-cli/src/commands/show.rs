@@ -74,7 +74,10 @@ pub fn scope_words(scope: &ScopeArgs) -> String {
         s.push_str(&format!(" in tenant {t:?}"));
     }
     if let Some(m) = method(scope) {
-        s.push_str(&format!(" method {m}"));
+        s.push_str(&format!(
+            " method {}",
+            crate::output::escape::display(&m, 0)
+        ));
     }
     if let Some(p) = &scope.path {
         s.push_str(&format!(" path {p:?}"));

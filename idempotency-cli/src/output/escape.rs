@@ -10,7 +10,9 @@ use unicode_width::{UnicodeWidthChar, UnicodeWidthStr};
 pub fn display(text: &str, max: usize) -> String {
     let mut out = String::new();
     for c in text.chars() {
-        if c.is_control() || is_format(c) {
+        // U+2028/U+2029 (line and paragraph separators) are neither: some terminals and
+        // viewers break lines at them.
+        if c.is_control() || is_format(c) || matches!(c, '\u{2028}' | '\u{2029}') {
             out.extend(c.escape_default());
         } else {
             out.push(c);

@@ -105,6 +105,14 @@ impl ConnectTarget {
         statement_timeout: Option<std::time::Duration>,
     ) -> Result<Self, UrlError> {
         let (mut config, ssl) = parse_config(url)?;
+        if config.get_hosts().is_empty() && config.get_hostaddrs().is_empty() {
+            // The driver would refuse it only when connecting, as if the server were down.
+            return Err(UrlError(
+                "no host in the database URL (name one; a Unix socket is a host that is a \
+                 directory: host=/var/run/postgresql)"
+                    .into(),
+            ));
+        }
         if let Some(timeout) = statement_timeout {
             let ms = timeout.as_millis().max(1);
             let extra = format!("-c statement_timeout={ms}");
