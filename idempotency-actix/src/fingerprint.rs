@@ -143,54 +143,10 @@ fn canonical_form(body: &[u8]) -> Option<Cow<'_, [u8]>> {
 
 fn canonicalise(text: &str) -> Option<Vec<u8>> {
     let mut parser = Parser::new(text);
-    let value = parser.value(0)?;
-    parser.skip_ws();
-    if parser.pos != parser.s.len() {
-        return None;
-    }
     let mut out = Vec::with_capacity(text.len());
-    value.write(&mut out);
-    Some(out)
-}
-
-enum Value<'a> {
-    /// A number, `true`, `false` or `null`, exactly as written (already validated).
-    Atom(&'a str),
-    Str(Cow<'a, str>),
-    Array(Vec<Value<'a>>),
-    Object(Vec<(Cow<'a, str>, Value<'a>)>),
-}
-
-impl Value<'_> {
-    fn write(&self, out: &mut Vec<u8>) {
-        match self {
-            Value::Atom(a) => out.extend_from_slice(a.as_bytes()),
-            Value::Str(s) => write_string(s, out),
-            Value::Array(items) => {
-                out.push(b'[');
-                for (i, item) in items.iter().enumerate() {
-                    if i > 0 {
-                        out.push(b',');
-                    }
-                    item.write(out);
-                }
-                out.push(b']');
-            }
-            Value::Object(members) => {
-                // Sorted by the parser.
-                out.push(b'{');
-                for (i, (key, value)) in members.iter().enumerate() {
-                    if i > 0 {
-                        out.push(b',');
-                    }
-                    write_string(key, out);
-                    out.push(b':');
-                    value.write(out);
-                }
-                out.push(b'}');
-            }
-        }
-    }
+    parser.write_value(0, &mut out)?;
+    parser.skip_ws();
+    (parser.pos == parser.s.len()).then_some(out)
 }
 
 /// `s` as a JSON string: `"` and `\` escaped with a backslash, control characters as
@@ -248,15 +204,15 @@ impl<'a> Parser<'a> {
         self.is_canonical(0) && self.pos == self.s.len()
     }
 
-    /// Whether the value starting here is written exactly as [`Value::write`] would write what
-    /// [`Self::value`] parses of it, reading past it if so. It uses the parser's own grammar
+    /// Whether the value starting here is written exactly as [`Self::write_value`] writes it,
+    /// reading past it if so. It uses the parser's own grammar
     /// (`string`, `number`, `literal`), so it accepts nothing the parser rejects, and on top of
     /// it asks for: no whitespace anywhere (a value, `:`, `,` or closing bracket must come next
     /// where whitespace could), strings the parser borrows as written (no escape sequence, so
     /// the writer, which escapes only `"`, `\` and control characters, writes them back
     /// unchanged), and object keys in non-decreasing byte order (the parser's sort is stable,
     /// so equal keys keep their order and the sort changes nothing). Depth is bounded as in
-    /// [`Self::value`].
+    /// [`Self::write_value`].
     fn is_canonical(&mut self, depth: usize) -> bool {
         if depth > MAX_JSON_DEPTH {
             return false;
@@ -328,7 +284,15 @@ impl<'a> Parser<'a> {
         }
     }
 
-    fn value(&mut self, depth: usize) -> Option<Value<'a>> {
+    /// Parse the value starting here and append its canonical form to `out`, as it is read:
+    /// numbers and literals as written, strings re-escaped one way, arrays item by item, and
+    /// objects with their members sorted by key (byte order of the decoded key; stable, so
+    /// duplicate keys keep their relative order). Only an object's members are kept, each
+    /// already canonical, for the sort: building the whole document as a tree first cost up to
+    /// 65 times the body's size for a moment (a body of tiny nested arrays; review,
+    /// 2026-12-06, `tests/fingerprint_memory.rs`). `None` (with `out` partly written) when the
+    /// text is not JSON this parser accepts or is nested deeper than [`MAX_JSON_DEPTH`].
+    fn write_value(&mut self, depth: usize, out: &mut Vec<u8>) -> Option<()> {
         if depth > MAX_JSON_DEPTH {
             return None;
         }
@@ -336,64 +300,74 @@ impl<'a> Parser<'a> {
         match *self.s.get(self.pos)? {
             b'{' => {
                 self.pos += 1;
-                let mut members = Vec::new();
+                let mut members: Vec<(Cow<'a, str>, Vec<u8>)> = Vec::new();
                 self.skip_ws();
-                if self.eat(b'}') {
-                    return Some(Value::Object(members));
+                if !self.eat(b'}') {
+                    loop {
+                        self.skip_ws();
+                        let key = self.string()?;
+                        self.skip_ws();
+                        if !self.eat(b':') {
+                            return None;
+                        }
+                        let mut value = Vec::new();
+                        self.write_value(depth + 1, &mut value)?;
+                        members.push((key, value));
+                        self.skip_ws();
+                        if self.eat(b'}') {
+                            break;
+                        }
+                        if !self.eat(b',') {
+                            return None;
+                        }
+                    }
+                    members.sort_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
                 }
-                loop {
-                    self.skip_ws();
-                    let key = self.string()?;
-                    self.skip_ws();
-                    if !self.eat(b':') {
-                        return None;
+                out.push(b'{');
+                for (i, (key, value)) in members.iter().enumerate() {
+                    if i > 0 {
+                        out.push(b',');
                     }
-                    let value = self.value(depth + 1)?;
-                    members.push((key, value));
-                    self.skip_ws();
-                    if self.eat(b'}') {
-                        // Sorted here, in place, for the writer. Stable: duplicate keys keep
-                        // their original relative order.
-                        members.sort_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
-                        return Some(Value::Object(members));
-                    }
-                    if !self.eat(b',') {
-                        return None;
-                    }
+                    write_string(key, out);
+                    out.push(b':');
+                    out.extend_from_slice(value);
                 }
+                out.push(b'}');
             }
             b'[' => {
                 self.pos += 1;
-                let mut items = Vec::new();
+                out.push(b'[');
                 self.skip_ws();
-                if self.eat(b']') {
-                    return Some(Value::Array(items));
-                }
-                loop {
-                    items.push(self.value(depth + 1)?);
-                    self.skip_ws();
-                    if self.eat(b']') {
-                        return Some(Value::Array(items));
+                if !self.eat(b']') {
+                    loop {
+                        self.write_value(depth + 1, out)?;
+                        self.skip_ws();
+                        if self.eat(b']') {
+                            break;
+                        }
+                        if !self.eat(b',') {
+                            return None;
+                        }
+                        out.push(b',');
                     }
-                    if !self.eat(b',') {
-                        return None;
-                    }
                 }
+                out.push(b']');
             }
-            b'"' => self.string().map(Value::Str),
-            b't' => self.literal("true"),
-            b'f' => self.literal("false"),
-            b'n' => self.literal("null"),
-            _ => self.number(),
+            b'"' => write_string(&self.string()?, out),
+            b't' => out.extend_from_slice(self.literal("true")?.as_bytes()),
+            b'f' => out.extend_from_slice(self.literal("false")?.as_bytes()),
+            b'n' => out.extend_from_slice(self.literal("null")?.as_bytes()),
+            _ => out.extend_from_slice(self.number()?.as_bytes()),
         }
+        Some(())
     }
 
-    fn literal(&mut self, word: &'static str) -> Option<Value<'a>> {
+    fn literal(&mut self, word: &'static str) -> Option<&'a str> {
         let end = self.pos + word.len();
         if self.s.get(self.pos..end)? == word.as_bytes() {
             let atom = &self.text[self.pos..end];
             self.pos = end;
-            Some(Value::Atom(atom))
+            Some(atom)
         } else {
             None
         }
@@ -408,7 +382,7 @@ impl<'a> Parser<'a> {
     }
 
     /// `-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?`, kept as text.
-    fn number(&mut self) -> Option<Value<'a>> {
+    fn number(&mut self) -> Option<&'a str> {
         let start = self.pos;
         self.eat(b'-');
         match self.s.get(self.pos)? {
@@ -429,7 +403,7 @@ impl<'a> Parser<'a> {
                 return None;
             }
         }
-        Some(Value::Atom(&self.text[start..self.pos]))
+        Some(&self.text[start..self.pos])
     }
 
     fn string(&mut self) -> Option<Cow<'a, str>> {
