@@ -37,6 +37,10 @@ pub trait RecordView {
     fn is_expired(&self) -> bool;
     /// For in-flight rows: whether the lease is still running (its request may be executing).
     fn lease_live(&self) -> bool;
+    /// An in-flight record whose lease has no known end: a Redis key without an expiry
+    /// (`PERSIST`, `RESTORE key 0`), which the store reads as not ended. (PostgreSQL's in-flight
+    /// rows always have one.)
+    fn lease_unbounded(&self) -> bool;
     /// `tenant="acme" POST /payments key="k1"`: the scope, unambiguous and terminal-safe.
     fn scope_label(&self) -> String;
     /// The lease or expiry in words: "lease ends in 45s", "expired 2d ago".
@@ -51,11 +55,15 @@ pub trait RecordView {
 
 impl RecordView for Record {
     fn is_expired(&self) -> bool {
-        self.expires_in_secs() <= 0.0
+        !self.lease_unbounded() && self.expires_in_secs() <= 0.0
     }
 
     fn lease_live(&self) -> bool {
-        self.is_in_flight() && self.lease_remaining_secs().is_some_and(|s| s > 0.0)
+        self.is_in_flight() && self.lease_remaining_secs().is_none_or(|s| s > 0.0)
+    }
+
+    fn lease_unbounded(&self) -> bool {
+        self.is_in_flight() && self.locked_until.is_none()
     }
 
     fn scope_label(&self) -> String {
@@ -73,6 +81,11 @@ impl RecordView for Record {
     }
 
     fn expiry_words(&self) -> String {
+        if self.lease_unbounded() {
+            // Not "ends in ...": no lease will end while the key has no expiry (review,
+            // 2026-12-06: the lease as reserved was shown, ending "in 1m" on every run).
+            return "no lease end: its key has no expiry".into();
+        }
         let (live, ended) = if self.is_in_flight() {
             ("lease ends in", "lease ended")
         } else {
@@ -104,10 +117,10 @@ impl RecordView for Record {
             "fingerprint": hex(&self.fingerprint),
             "created_at": timestamp(self.created_at),
             "completed_at": self.completed_at.map(timestamp),
-            "expires_at": timestamp(self.expires_at),
+            "expires_at": (!self.lease_unbounded()).then(|| timestamp(self.expires_at)),
             "locked_until": self.locked_until.map(timestamp),
             "age_seconds": round_ms(self.age_secs()),
-            "expires_in_seconds": round_ms(self.expires_in_secs()),
+            "expires_in_seconds": (!self.lease_unbounded()).then(|| round_ms(self.expires_in_secs())),
             "body_bytes": self.body_bytes,
         })
     }
@@ -124,7 +137,9 @@ impl RecordView for Record {
                 .map(|s| s.to_string())
                 .unwrap_or_else(|| "-".into()),
             format_age_secs(self.age_secs()),
-            if left > 0.0 {
+            if self.lease_unbounded() {
+                "never".into()
+            } else if left > 0.0 {
                 format!("in {}", format_age_secs(left))
             } else {
                 format!("{} ago", format_age_secs(-left))

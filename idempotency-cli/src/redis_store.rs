@@ -397,20 +397,20 @@ impl<C: Conn> Redis<'_, C> {
     fn record(&self, scope: Scope, stored: &record::Head, pttl_ms: i64) -> Record {
         let at = |us: u64| Time::from_unix_micros(i64::try_from(us).unwrap_or(i64::MAX));
         let (state, lease_end, completed_at, expires_at, status, body_len) = match &stored.state {
-            record::HeadState::InFlight { lease_us, grace_us } => {
-                let end = if pttl_ms < 0 {
+            record::HeadState::InFlight { grace_us, .. } => {
+                if pttl_ms < 0 {
                     // No expiry (PERSIST, RESTORE with TTL 0): the store reads the lease as not
-                    // ended (its lease as reserved left), and so does this view.
-                    let lease = i64::try_from(*lease_us).unwrap_or(i64::MAX);
-                    Time::from_unix_micros(self.now_us.saturating_add(lease))
+                    // ended, and no lease end is known: none is shown (`lease_unbounded`).
+                    let never = Time::from_unix_micros(i64::MAX);
+                    (State::InFlight, None, None, never, None, None)
                 } else {
                     let life_us = pttl_ms.saturating_mul(1000);
                     let grace = i64::try_from(*grace_us).unwrap_or(i64::MAX);
-                    Time::from_unix_micros(
+                    let end = Time::from_unix_micros(
                         self.now_us.saturating_add(life_us).saturating_sub(grace),
-                    )
-                };
-                (State::InFlight, Some(end), None, end, None, None)
+                    );
+                    (State::InFlight, Some(end), None, end, None, None)
+                }
             }
             record::HeadState::Completed {
                 completed_us,

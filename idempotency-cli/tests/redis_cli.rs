@@ -573,4 +573,32 @@ async fn a_reservation_without_expiry_is_reported_as_the_store_reads_it() {
          release without --force said: {}",
         stderr(&out_release)
     );
+    // No made-up lease end, and no advice to wait for one (review, 2026-12-06: every run said
+    // "lease ends in 1m", the server's now plus the lease, and `release` said to wait for it).
+    let refused = stderr(&out_release);
+    assert!(
+        refused.contains("no lease end")
+            && refused.contains("--force")
+            && !refused.contains("wait"),
+        "{refused}"
+    );
+    let shown = idem(&url, &["show", "persisted", "--tenant", "acme"]);
+    expect_code(&shown, 0);
+    assert!(
+        stdout(&shown).contains("no lease end"),
+        "{}",
+        stdout(&shown)
+    );
+    assert!(!stdout(&shown).contains("ends in"), "{}", stdout(&shown));
+    let shown = idem(
+        &url,
+        &["show", "persisted", "--tenant", "acme", "--format", "json"],
+    );
+    let shown = &json_lines(&shown)[0];
+    assert_eq!(shown["locked_until"], serde_json::Value::Null, "{shown}");
+    assert_eq!(
+        shown["lease_live"],
+        serde_json::Value::Bool(true),
+        "{shown}"
+    );
 }

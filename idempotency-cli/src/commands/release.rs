@@ -97,6 +97,14 @@ pub(crate) fn check(row: &Record, force: bool) -> Result<(), String> {
             row.expiry_words()
         ));
     }
+    if row.lease_unbounded() {
+        return Err(format!(
+            "{} is in flight with {}: the store reads it as running, and no lease will end; \
+             use --force once you know its request is gone",
+            row.scope_label(),
+            row.expiry_words()
+        ));
+    }
     if row.lease_live() {
         return Err(format!(
             "{} is in flight and its {}: its request may still be running; wait for the lease \

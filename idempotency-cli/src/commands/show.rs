@@ -194,12 +194,17 @@ pub(crate) fn detail_text(row: &Detail) -> Vec<String> {
         lines.push(format!("completed_at {}", timestamp(completed)));
     }
     if r.is_in_flight() {
-        if let Some(until) = r.locked_until {
-            lines.push(format!(
+        match r.locked_until {
+            Some(until) => lines.push(format!(
                 "lease        until {} ({})",
                 timestamp(until),
                 r.expiry_words()
-            ));
+            )),
+            None => lines.push(format!(
+                "lease        {} (read as not ended; `release --force` frees it once its \
+                 request is gone)",
+                r.expiry_words()
+            )),
         }
     } else {
         lines.push(format!(
