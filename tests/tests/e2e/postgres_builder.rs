@@ -1661,3 +1661,63 @@ async fn a_dropped_stores_thread_pool_closes_when_the_thread_next_looks_up_a_poo
         backends(&db).await - 1
     );
 }
+
+/// libpq ignores `sslmode` on a Unix socket, and a server named by its address alone
+/// (`hostaddr`, no `host`) can still be asked for TLS: both failed every connection with
+/// `prefer` or `require` here (the TLS connector was given no host name; review,
+/// 2026-12-06). Over the socket, a whole cycle, and a statement timeout's cancel request.
+#[tokio::test]
+async fn unix_sockets_and_bare_addresses_connect_with_an_sslmode() {
+    let db = TestDb::new().await;
+    let sockets = server_setting(&db.url, "unix_socket_directories").await;
+    let Some(dir) = sockets
+        .split(',')
+        .map(str::trim)
+        .find(|d| d.starts_with('/'))
+    else {
+        eprintln!("skipped: the server listens on no Unix socket ({sockets:?})");
+        return;
+    };
+    for mode in ["prefer", "require", "verify-full"] {
+        let url = format!("host={dir} user=postgres dbname={} sslmode={mode}", db.name);
+        let store = PostgresStore::builder(url.as_str())
+            .query_timeout(Some(Duration::from_millis(200)))
+            .build()
+            .await
+            .unwrap_or_else(|e| panic!("{mode}: {e}"));
+        round_trip(&store, &format!("socket-{mode}")).await;
+        assert_eq!(pooled_tls(&store).await.unwrap(), false, "{mode}");
+        let mut blocker = blocked_takeover(&store, &db.url, &format!("cancel-{mode}")).await;
+        match store
+            .reserve(&scope(&format!("cancel-{mode}")), &FP, LEASE)
+            .await
+        {
+            Err(StoreError::Unavailable(_)) => {}
+            other => panic!("{mode}: expected Unavailable, got {other:?}"),
+        }
+        // The cancel request went over the socket too: nothing is left waiting.
+        let waiting = "SELECT count(*) AS n FROM pg_stat_activity \
+                       WHERE datname = current_database() AND wait_event_type = 'Lock'";
+        let mut still_waiting = idempotency_e2e::records::count(&db.url, waiting);
+        for _ in 0..100 {
+            if still_waiting == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            still_waiting = idempotency_e2e::records::count(&db.url, waiting);
+        }
+        blocker.batch_execute("COMMIT").await.unwrap();
+        assert_eq!(
+            still_waiting, 0,
+            "{mode}: the timed-out statement was not cancelled"
+        );
+    }
+    let bare = format!(
+        "postgres://postgres@/{}?hostaddr=127.0.0.1&port=5432&sslmode=prefer",
+        db.name
+    );
+    let store = PostgresStore::connect(&bare)
+        .await
+        .unwrap_or_else(|e| panic!("hostaddr alone: {e}"));
+    round_trip(&store, "bare-address").await;
+}

@@ -12,6 +12,10 @@
 //! | `verify-ca`               | yes                  | chain against the roots, not the name  |
 //! | `verify-full`             | yes                  | chain and host name                    |
 //!
+//! On a Unix socket `sslmode` is ignored, as libpq does (the operating system guards the
+//! socket; there is no TLS over it). A server named by its address alone (`hostaddr`, no
+//! `host`) gets that address as its TLS name.
+//!
 //! `sslrootcert=system` follows libpq 16: it makes the default `sslmode` `verify-full`, and
 //! with any other explicit `sslmode` (`disable` ... `verify-ca`) the string is refused, so a
 //! URL that names the system roots never connects unverified or in plaintext.
@@ -223,6 +227,7 @@ impl ConnectTarget {
     pub(crate) async fn cancel(&self, token: CancelToken) -> Result<(), tokio_postgres::Error> {
         match &self.tls {
             None => token.cancel_query(NoTls).await,
+            Some(_) if unix_sockets_only(&self.config) => token.cancel_query(NoTls).await,
             Some(tls) => {
                 token
                     .cancel_query(MakeRustlsConnect::new(ClientConfig::clone(tls)))
@@ -295,20 +300,56 @@ impl ConnectTarget {
         &self,
         config: &tokio_postgres::Config,
     ) -> Result<AsyncPgConnection, ConnectionError> {
+        let hosts = config.get_hosts();
+        let local = unix_sockets_only(config);
         match &self.tls {
-            None => {
-                let (client, connection) = config.connect(NoTls).await.map_err(connect_error)?;
-                AsyncPgConnection::try_from_client_and_connection(client, connection).await
-            }
-            Some(tls) => {
+            Some(tls) if !local => {
+                // Addresses alone (`hostaddr`, no `host`): the TLS connector needs a name, so
+                // each address is its own (an IP address name; `verify-full` then wants it in
+                // the certificate). Given no name, it failed every such connection.
+                let named;
+                let config = if hosts.is_empty() && !config.get_hostaddrs().is_empty() {
+                    let mut with_names = config.clone();
+                    for addr in config.get_hostaddrs() {
+                        with_names.host(&addr.to_string());
+                    }
+                    named = with_names;
+                    &named
+                } else {
+                    config
+                };
                 let (client, connection) = config
                     .connect(MakeRustlsConnect::new(ClientConfig::clone(tls)))
                     .await
                     .map_err(connect_error)?;
                 AsyncPgConnection::try_from_client_and_connection(client, connection).await
             }
+            _ => {
+                let mut plain;
+                let config = if self.tls.is_some() {
+                    plain = config.clone();
+                    plain.ssl_mode(SslMode::Disable);
+                    &plain
+                } else {
+                    config
+                };
+                let (client, connection) = config.connect(NoTls).await.map_err(connect_error)?;
+                AsyncPgConnection::try_from_client_and_connection(client, connection).await
+            }
         }
     }
+}
+
+/// Whether every host of `config` is a Unix socket directory. libpq ignores `sslmode` there
+/// (the operating system guards the socket; there is no TLS over it), and the TLS connector,
+/// which needs a host name, failed every such connection (review, 2026-12-06).
+fn unix_sockets_only(config: &tokio_postgres::Config) -> bool {
+    let hosts = config.get_hosts();
+    #[cfg(unix)]
+    let unix = |h: &Host| matches!(h, Host::Unix(_));
+    #[cfg(not(unix))]
+    let unix = |_: &Host| false;
+    !hosts.is_empty() && hosts.iter().all(unix)
 }
 
 /// The least bound on one TCP connect that [`ConnectTarget::bound_each_host`] sets.
