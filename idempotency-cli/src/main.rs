@@ -141,10 +141,17 @@ fn fail(err: &CliError) -> ExitCode {
 /// is a usage error too: one line naming the commands rather than a page of help on stderr.
 fn clap_exit(err: clap::Error) -> ExitCode {
     match err.kind() {
-        ErrorKind::DisplayHelp | ErrorKind::DisplayVersion => {
-            let _ = err.print();
-            ExitCode::SUCCESS
-        }
+        // A help or version text that could not be written is a failure, as any output is
+        // (review, 2026-12-06: `--help > /dev/full` exited 0); a reader that stopped reading
+        // (`| head`) had what it wanted.
+        ErrorKind::DisplayHelp | ErrorKind::DisplayVersion => match err.print() {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
+            Err(e) => {
+                let _ = writeln!(std::io::stderr(), "idem-cli: cannot write output: {e}");
+                ExitCode::from(code::OTHER)
+            }
+        },
         ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand | ErrorKind::MissingSubcommand => {
             let _ = writeln!(
                 std::io::stderr(),

@@ -2268,3 +2268,25 @@ async fn messages_are_terminal_safe_and_a_url_without_a_host_is_a_usage_error() 
         assert!(!stderr(&out).contains("SECRETX"), "{}", stderr(&out));
     }
 }
+
+/// Help that cannot be written is a failure like any other output (review, 2026-12-06:
+/// `idem-cli --help > /dev/full` exited 0, the text lost).
+#[test]
+fn help_that_cannot_be_written_fails() {
+    let Ok(full) = std::fs::OpenOptions::new().write(true).open("/dev/full") else {
+        eprintln!("skipped: no /dev/full here");
+        return;
+    };
+    let out = Command::new(BIN)
+        .arg("--help")
+        .stdout(full)
+        .stderr(Stdio::piped())
+        .output()
+        .expect("run idem-cli");
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("cannot write output"),
+        "{}",
+        stderr(&out)
+    );
+}
