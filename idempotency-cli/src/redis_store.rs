@@ -149,11 +149,25 @@ async fn connect(url: &str, timeout: Duration) -> Result<MultiplexedConnection, 
         .set_connection_timeout(timeout)
         .set_response_timeout(timeout);
     let connecting = client.get_multiplexed_async_connection_with_config(&config);
+    // A TLS handshake with a server that speaks none waits for the timeout and says only that
+    // (review, 2026-12-06): name the likely cause.
+    let tls = matches!(
+        client.get_connection_info().addr,
+        redis::ConnectionAddr::TcpTls { .. }
+    );
+    let hint = if tls {
+        " (a rediss:// URL: is TLS enabled on that port?)"
+    } else {
+        ""
+    };
     match tokio::time::timeout(timeout, connecting).await {
         Ok(Ok(conn)) => Ok(conn),
+        Ok(Err(e)) if e.is_timeout() && tls => Err(CliError::Unavailable(format!(
+            "Redis unavailable: {e}{hint}"
+        ))),
         Ok(Err(e)) => Err(unavailable(e)),
         Err(_) => Err(CliError::Unavailable(format!(
-            "Redis did not accept a connection within {} s",
+            "Redis did not accept a connection within {} s{hint}",
             timeout.as_secs_f64()
         ))),
     }
