@@ -602,3 +602,14 @@ async fn a_reservation_without_expiry_is_reported_as_the_store_reads_it() {
         "{shown}"
     );
 }
+
+/// `rediss://` against a server without TLS: the handshake waits for the connect timeout, and
+/// the message names the likely cause rather than only "timed out" (review, 2026-12-06).
+#[test]
+fn a_tls_url_against_a_plain_server_says_what_is_likely_wrong() {
+    let server = RedisServer::start();
+    let url = format!("rediss://127.0.0.1:{}", server.port());
+    let out = idem(&url, &["stats", "--connect-timeout", "1s"]);
+    expect_code(&out, 3);
+    assert!(stderr(&out).contains("TLS"), "{}", stderr(&out));
+}
