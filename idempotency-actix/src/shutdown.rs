@@ -110,7 +110,8 @@ impl Drop for Tracked {
 }
 
 /// The number of counted tasks right now (see the module docs): requests' work from their
-/// reservation on, running on tasks of their own, and background retries of a `complete`.
+/// reservation on, running on tasks of their own, and background retries of a `complete` or a
+/// `release`.
 pub fn unfinished_work() -> usize {
     UNFINISHED.count.load(Ordering::SeqCst)
 }
