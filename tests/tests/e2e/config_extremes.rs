@@ -357,9 +357,13 @@ async fn cfg_establish_within_duration_max_connects() {
     let db = TestDb::new().await;
     let conn = idempotency_actix::store::postgres::establish_within(&db.url, Duration::MAX).await;
     assert!(conn.is_ok(), "{:?}", conn.err());
+    // The server the harness chose, listed twice (not 5432: a fresh CI uses a throwaway
+    // cluster on another port, where replacing "127.0.0.1:5432" changed nothing).
+    let host_port = idempotency_e2e::proxy::host_port(&db.url);
     let two_hosts = db
         .url
-        .replacen("127.0.0.1:5432", "127.0.0.1:5432,127.0.0.1:5432", 1);
+        .replacen(&host_port, &format!("{host_port},{host_port}"), 1);
+    assert_ne!(two_hosts, db.url, "no host list made of {}", db.url);
     let conn =
         idempotency_actix::store::postgres::establish_within(&two_hosts, Duration::MAX).await;
     assert!(conn.is_ok(), "{two_hosts}: {:?}", conn.err());

@@ -906,8 +906,13 @@ fn operator_output_and_app_never_print_the_password() {
         "postgres://{name}:{PASSWORD_ENCODED}@127.0.0.1:1/{}",
         db.name
     );
+    let (kv_host, kv_port) = idempotency_e2e::proxy::host_port(&db.url)
+        .rsplit_once(':')
+        .map(|(h, p)| (h.to_owned(), p.to_owned()))
+        .expect("host:port");
     let kv = format!(
-        "host=127.0.0.1 port=5432 user={name} password='{PASSWORD}' dbname={} connect_timeout=2",
+        "host={kv_host} port={kv_port} user={name} password='{PASSWORD}' dbname={} \
+         connect_timeout=2",
         db.name
     );
     let app = PaymentsApp::start(&[("DATABASE_URL", urls[0].as_str()), (LEASE_MS, "3000")]);
