@@ -20,7 +20,7 @@
 //! connection was lost during COMMIT; a retry with the same key replays if it committed and
 //! runs once if not). `docs/transactional.md` is the user-facing description.
 
-use std::cell::{RefCell, RefMut};
+use std::cell::{Cell, RefCell, RefMut};
 use std::fmt;
 use std::future::{ready, Ready};
 use std::ops::{Deref, DerefMut};
@@ -97,6 +97,9 @@ impl fmt::Debug for TxConfig {
 /// middleware before COMMIT.
 struct TxSlot {
     conn: RefCell<Option<TxConnection>>,
+    /// The handler has returned (or its work was dropped): the transaction is the
+    /// middleware's, or nobody's. No new borrow; the last one ends it (see [`TxConn`]'s drop).
+    finished: Cell<bool>,
 }
 
 /// Takes the connection out of its slot when dropped (unless a `TxConn` borrows it): see
@@ -105,6 +108,7 @@ struct EmptyOnDrop(Rc<TxSlot>);
 
 impl Drop for EmptyOnDrop {
     fn drop(&mut self) {
+        self.0.finished.set(true);
         if let Ok(mut conn) = self.0.conn.try_borrow_mut() {
             drop(conn.take());
         }
@@ -154,19 +158,45 @@ impl fmt::Debug for IdempotentTx {
 
 /// The connection of the request's transaction, borrowed from an [`IdempotentTx`]. Derefs
 /// (mutably) to [`AsyncPgConnection`]: pass `&mut *conn` to diesel-async.
-pub struct TxConn<'a>(RefMut<'a, AsyncPgConnection>);
+pub struct TxConn<'a> {
+    /// `Some` from the borrow until the drop.
+    conn: Option<RefMut<'a, AsyncPgConnection>>,
+    slot: &'a TxSlot,
+}
 
 impl Deref for TxConn<'_> {
     type Target = AsyncPgConnection;
 
     fn deref(&self) -> &AsyncPgConnection {
-        &self.0
+        match &self.conn {
+            Some(conn) => conn,
+            None => unreachable!("a TxConn is emptied only by its drop"),
+        }
     }
 }
 
 impl DerefMut for TxConn<'_> {
     fn deref_mut(&mut self) -> &mut AsyncPgConnection {
-        &mut self.0
+        match &mut self.conn {
+            Some(conn) => conn,
+            None => unreachable!("a TxConn is emptied only by its drop"),
+        }
+    }
+}
+
+impl Drop for TxConn<'_> {
+    fn drop(&mut self) {
+        drop(self.conn.take());
+        if self.slot.finished.get() {
+            // A borrow that outlived the handler (on a task of the handler's), now over: the
+            // request already answered 500 and nothing may commit, so the transaction ends
+            // here, not when the last IdempotentTx clone goes. Dropped inside its transaction,
+            // the connection is discarded by the pool and PostgreSQL rolls back (review,
+            // 2026-12-06: the task could borrow again, hold the claim, and COMMIT).
+            if let Ok(mut conn) = self.slot.conn.try_borrow_mut() {
+                drop(conn.take());
+            }
+        }
     }
 }
 
@@ -210,13 +240,19 @@ impl IdempotentTx {
     /// [`TxConnError::Borrowed`] while another [`TxConn`] is alive, [`TxConnError::Finished`]
     /// once the handler has returned.
     pub fn try_conn(&self) -> Result<TxConn<'_>, TxConnError> {
+        if self.slot.finished.get() {
+            return Err(TxConnError::Finished);
+        }
         let slot = self
             .slot
             .conn
             .try_borrow_mut()
             .map_err(|_| TxConnError::Borrowed)?;
         RefMut::filter_map(slot, |conn| conn.as_mut().map(|pooled| &mut **pooled))
-            .map(TxConn)
+            .map(|conn| TxConn {
+                conn: Some(conn),
+                slot: &self.slot,
+            })
             .map_err(|_| TxConnError::Finished)
     }
 }
@@ -690,6 +726,7 @@ where
     let watch = may_retry.then(|| sql::watch_serialization_failures(&mut conn));
     let slot = Rc::new(TxSlot {
         conn: RefCell::new(Some(conn)),
+        finished: Cell::new(false),
     });
     req.extensions_mut().insert(IdempotentTx {
         slot: Rc::clone(&slot),
@@ -705,6 +742,7 @@ where
     // the handler (held by a response body): we cannot commit; dropping the slot's last
     // reference later closes the connection (the pool discards a connection in a transaction,
     // and PostgreSQL rolls back).
+    slot.finished.set(true);
     let taken = slot.conn.try_borrow_mut().ok().and_then(|mut c| c.take());
     let Some(mut conn) = taken else {
         tracing::error!(target: "idempotency_actix", outcome = "rolled_back", "the transaction's connection is still borrowed after the handler returned (a TxConn kept in the response?); rolled back");

@@ -1712,7 +1712,7 @@ async fn unix_sockets_and_bare_addresses_connect_with_an_sslmode() {
             .await
             .unwrap_or_else(|e| panic!("{mode}: {e}"));
         round_trip(&store, &format!("socket-{mode}")).await;
-        assert_eq!(pooled_tls(&store).await.unwrap(), false, "{mode}");
+        assert!(!pooled_tls(&store).await.unwrap(), "{mode}");
         let mut blocker = blocked_takeover(&store, &db.url, &format!("cancel-{mode}")).await;
         match store
             .reserve(&scope(&format!("cancel-{mode}")), &FP, LEASE)

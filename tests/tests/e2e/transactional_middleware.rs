@@ -1553,6 +1553,56 @@ async fn a_txconn_held_by_a_spawned_task_is_rolled_back_and_frees_the_key() {
     );
 }
 
+/// A spawned task that still borrows the connection when the handler returns, then borrows it
+/// again and commits it itself: once the handler has returned the transaction is nobody's
+/// (the client got a 500), so a new borrow is refused (`Finished`) and the transaction ends
+/// with the last borrow. Review, 2026-12-06: the second borrow succeeded, the task could keep
+/// the claim (and a pool connection) for as long as it liked, and its COMMIT stored the
+/// handler's rows with an in-flight reservation: after the lease a retry ran the handler again.
+async fn borrows_again_after_returning(tx: IdempotentTx) -> HttpResponse {
+    actix_web::rt::spawn(async move {
+        {
+            let mut conn = tx.conn();
+            let _ = diesel::sql_query("INSERT INTO payments (amount) VALUES (9)")
+                .execute(&mut *conn)
+                .await;
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        if let Ok(mut conn) = tx.try_conn() {
+            let _ = diesel::sql_query("INSERT INTO payments (amount) VALUES (10)")
+                .execute(&mut *conn)
+                .await;
+            let _ = <diesel_async::AnsiTransactionManager as diesel_async::TransactionManager<
+                diesel_async::AsyncPgConnection,
+            >>::commit_transaction(&mut *conn)
+            .await;
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    HttpResponse::Created().finish()
+}
+
+#[actix_web::test]
+async fn a_txconn_borrowed_again_after_the_handler_returned_is_refused() {
+    let (db, store) = setup().await;
+    let app = app!(tx_middleware(&store), post borrows_again_after_returning);
+    let first = send(&app, "again1", "", 1).await;
+    assert_eq!(
+        first.status,
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "{}",
+        first.body
+    );
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert_nothing_kept(&db, "again1", 0);
+    assert_eq!(
+        idle_in_transaction(&db),
+        0,
+        "a session is still in the request's transaction"
+    );
+}
+
 /// `IsolationLevel::ReadCommitted`, named, is READ COMMITTED whatever the database's default:
 /// it used to send a plain `BEGIN`, so a database whose `default_transaction_isolation` is
 /// `serializable` ran every request SERIALIZABLE, and two requests with different keys whose

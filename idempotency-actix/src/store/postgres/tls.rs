@@ -311,7 +311,7 @@ impl ConnectTarget {
                 let config = if hosts.is_empty() && !config.get_hostaddrs().is_empty() {
                     let mut with_names = config.clone();
                     for addr in config.get_hostaddrs() {
-                        with_names.host(&addr.to_string());
+                        with_names.host(addr.to_string());
                     }
                     named = with_names;
                     &named

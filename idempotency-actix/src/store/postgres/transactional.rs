@@ -122,13 +122,22 @@ pub(crate) async fn begin(
         "{}; SET LOCAL idle_in_transaction_session_timeout = {ms}",
         isolation.begin_sql()
     );
-    store
+    let begun = store
         .timed(conn, async |conn| {
             AnsiTransactionManager::begin_transaction_sql(conn, &sql)
                 .await
                 .map_err(classify_error)
         })
-        .await
+        .await;
+    if begun.is_err() {
+        // BEGIN may have run and the SET after it failed (an operator's cancel landing in the
+        // batch): the session is then in an aborted transaction block that diesel does not
+        // know of, since it counts the transaction only on success, and the pool would lend
+        // it again to fail every caller until its lifetime ends. Marked broken, the pool
+        // closes it instead (review, 2026-12-06).
+        abandon(conn);
+    }
+    begun
 }
 
 /// The claim of a keyed request, inside the open transaction: the tenant setting, then
