@@ -21,7 +21,7 @@ use idempotency_e2e::faults::{
     wait_until, KeyRecord, Load, Seen, Tally, CLIENT_TIMEOUT, TWO_INSTANCE_DISTINCT,
 };
 use idempotency_e2e::proc::{crash_cluster, start_cluster_again, PaymentsApp};
-use idempotency_e2e::raw_http::{send_once, Conn, Request};
+use idempotency_e2e::raw_http::{send_once, Conn, Request, Response};
 use idempotency_e2e::records::{count, count_in_state, execute, records_for_key, State, TempRole};
 use idempotency_e2e::server::ThreadServer;
 use idempotency_e2e::{block_on_fresh_thread, server_url, TempCluster, TestDb};
@@ -795,15 +795,25 @@ fn a_graceful_stop_finishes_a_handler_whose_client_left() {
     the_next_instance_replays(&db, &mut app, key, &request);
 }
 
-/// A graceful stop while the response of a delivered request waits to be stored (the store
-/// failed after the handler, C16's background retry): the process keeps retrying until the
-/// store is back, then exits, and the retry on the next instance replays. Before the fix the
-/// stop dropped the retry with the worker: the key stayed reserved and, after the lease, the
-/// retry ran the handler again.
-#[test]
-fn a_graceful_stop_finishes_storing_a_delivered_response() {
-    let _turn = shared();
-    let role = TempRole::create(&server_url(), "idem_stop");
+/// A graceful stop while a background retry of C16 waits for the store: the payments app,
+/// connected as a role of its own, is sent `request` (key `key`); once its reservation exists
+/// the role loses `revoked` on the table, so the store write after the handler fails; the
+/// client gets its answer, the app SIGTERM, and 700 ms later (inside the lease, after the stop
+/// began) the store comes back. Fields drop in order: the app, then the database, then the role.
+struct StoppedWhileStoreRefused {
+    app: PaymentsApp,
+    db: TestDb,
+    _role: TempRole,
+    delivered: Response,
+}
+
+fn stop_while_the_store_refuses(
+    role_prefix: &str,
+    key: &str,
+    request: &Request,
+    revoked: &str,
+) -> StoppedWhileStoreRefused {
+    let role = TempRole::create(&server_url(), role_prefix);
     let db = new_db();
     let grant = format!(
         "GRANT SELECT, INSERT, UPDATE, DELETE ON idempotency_keys TO \"{}\"",
@@ -811,12 +821,10 @@ fn a_graceful_stop_finishes_storing_a_delivered_response() {
     );
     execute(&db.url, &grant);
     let app_url = role.url_for(&db.url);
-    let mut app = PaymentsApp::start(&[
+    let app = PaymentsApp::start(&[
         ("DATABASE_URL", app_url.as_str()),
         ("IDEMPOTENCY_LOCK_TIMEOUT_MS", &STOP_LEASE_MS.to_string()),
     ]);
-    let key = "stop-while-storing";
-    let request = pay(key, 4343, Some(800));
     let pending = {
         let (addr, request) = (app.addr.clone(), request.clone());
         std::thread::spawn(move || send_once(&addr, &request, CLIENT_TIMEOUT))
@@ -829,7 +837,7 @@ fn a_graceful_stop_finishes_storing_a_delivered_response() {
     execute(
         &db.url,
         &format!(
-            "REVOKE UPDATE, DELETE ON idempotency_keys FROM \"{}\"",
+            "REVOKE {revoked} ON idempotency_keys FROM \"{}\"",
             role.name
         ),
     );
@@ -837,17 +845,35 @@ fn a_graceful_stop_finishes_storing_a_delivered_response() {
         .join()
         .expect("client thread")
         .expect("the handler's response");
-    assert_eq!(
-        classify(&delivered),
-        Ok(Seen::Created),
-        "{}",
-        delivered.describe()
-    );
     app.signal("TERM");
-    // The store comes back inside the lease, after the stop began.
     std::thread::sleep(Duration::from_millis(700));
     execute(&db.url, &grant);
-    the_next_instance_replays(&db, &mut app, key, &request);
+    StoppedWhileStoreRefused {
+        app,
+        db,
+        _role: role,
+        delivered,
+    }
+}
+
+/// A graceful stop while the response of a delivered request waits to be stored (the store
+/// failed after the handler, C16's background retry): the process keeps retrying until the
+/// store is back, then exits, and the retry on the next instance replays. Before the fix the
+/// stop dropped the retry with the worker: the key stayed reserved and, after the lease, the
+/// retry ran the handler again.
+#[test]
+fn a_graceful_stop_finishes_storing_a_delivered_response() {
+    let _turn = shared();
+    let key = "stop-while-storing";
+    let request = pay(key, 4343, Some(800));
+    let mut stopped = stop_while_the_store_refuses("idem_stop", key, &request, "UPDATE, DELETE");
+    assert_eq!(
+        classify(&stopped.delivered),
+        Ok(Seen::Created),
+        "{}",
+        stopped.delivered.describe()
+    );
+    the_next_instance_replays(&stopped.db, &mut stopped.app, key, &request);
 }
 
 /// A graceful stop while the release of a response that was not stored waits to be retried (a
@@ -859,55 +885,24 @@ fn a_graceful_stop_finishes_storing_a_delivered_response() {
 #[test]
 fn a_graceful_stop_finishes_releasing_a_response_not_stored() {
     let _turn = shared();
-    let role = TempRole::create(&server_url(), "idem_stop_rel");
-    let db = new_db();
-    let grant = format!(
-        "GRANT SELECT, INSERT, UPDATE, DELETE ON idempotency_keys TO \"{}\"",
-        role.name
-    );
-    execute(&db.url, &grant);
-    let app_url = role.url_for(&db.url);
-    let mut app = PaymentsApp::start(&[
-        ("DATABASE_URL", app_url.as_str()),
-        ("IDEMPOTENCY_LOCK_TIMEOUT_MS", &STOP_LEASE_MS.to_string()),
-    ]);
     let key = "stop-while-releasing";
     // Amount 0: the handler answers 400, which is not stored, so the key is released.
     let request = pay(key, 0, Some(800));
-    let pending = {
-        let (addr, request) = (app.addr.clone(), request.clone());
-        std::thread::spawn(move || send_once(&addr, &request, CLIENT_TIMEOUT))
-    };
-    wait_until(Duration::from_secs(10), "the reservation", || {
-        records_for_key(&db.url, key)
-            .iter()
-            .any(|r| r.state == State::InFlight)
-    });
-    execute(
-        &db.url,
-        &format!("REVOKE DELETE ON idempotency_keys FROM \"{}\"", role.name),
-    );
-    let delivered = pending
-        .join()
-        .expect("client thread")
-        .expect("the handler's response");
+    let mut stopped = stop_while_the_store_refuses("idem_stop_rel", key, &request, "DELETE");
+    let delivered = &stopped.delivered;
     assert_eq!(delivered.status, 400, "{}", delivered.describe());
-    app.signal("TERM");
-    // The store comes back inside the lease, after the stop began.
-    std::thread::sleep(Duration::from_millis(700));
-    execute(&db.url, &grant);
-    let exited = app.wait_for_exit(Duration::from_secs(20));
+    let exited = stopped.app.wait_for_exit(Duration::from_secs(20));
     assert!(
         exited.is_some(),
         "still running 20 s after SIGTERM; log:\n{}",
-        app.log()
+        stopped.app.log()
     );
-    let left = records_for_key(&db.url, key);
+    let left = records_for_key(&stopped.db.url, key);
     assert!(
         left.is_empty(),
         "the key is still held after the stop ({left:?}): the client's retry meets 409 until \
          the lease ends\nlog:\n{}",
-        lines_about(&app.log(), key)
+        lines_about(&stopped.app.log(), key)
     );
 }
 

@@ -1732,48 +1732,9 @@ fn abandon_an_http2_waiter(
 #[test]
 fn an_abandoned_http2_waiter_is_counted_once() {
     let _serial = serial();
-    let probe = Probe::default();
-    let server = serve_with(
-        MemoryStore::new(),
-        "mt_h2ab",
-        &probe,
-        |b| b.wait_for_in_flight(Duration::from_secs(10)),
-        true,
-    );
-    let before = snap();
-    let first = abandon_an_http2_waiter(
-        server.addr,
-        &probe,
-        "/mt_h2ab/pay/1?delay_ms=1000",
-        "h2ab-1",
-    );
-    let (after, report) = settle_after(
-        &probe,
-        2,
-        Duration::from_millis(300),
-        &before,
-        &format!("first {first}"),
-    );
-    let r = route("mt_h2ab");
-    assert_eq!(first, 201, "{report}");
-    assert_eq!(probe.runs(), 1, "{report}");
-    Deltas::new(&before, &after, &report).expect(&[
-        requests(&r, Is(2.0)),
-        counted(&r, "stored", Is(1.0)),
-        counted(&r, "abandoned", Is(1.0)),
-        counted(&r, "handler_panic", Is(0.0)),
-    ]);
-    let mut outcomes: Vec<_> = probe
-        .events()
-        .iter()
-        .map(|e| (e.outcome, e.status))
-        .collect();
-    outcomes.sort_by_key(|(_, status)| *status);
-    assert_eq!(
-        outcomes,
-        [(Outcome::Stored, 201), (Outcome::Abandoned, 499)],
-        "{report}"
-    );
+    abandoned_http2_waiter_is_counted_once(MemoryStore::new(), "mt_h2ab", |b| {
+        b.wait_for_in_flight(Duration::from_secs(10))
+    });
 }
 
 /// [`an_abandoned_http2_waiter_is_counted_once`] in transactional mode, whose waiter loop is its
@@ -1782,24 +1743,24 @@ fn an_abandoned_http2_waiter_is_counted_once() {
 fn an_abandoned_http2_transactional_waiter_is_counted_once() {
     let _serial = serial();
     let (_pg, store) = Pg::start(false);
+    abandoned_http2_waiter_is_counted_once(store, "mt_h2txab", |b| {
+        b.transactional()
+            .wait_for_in_flight(Duration::from_secs(10))
+    });
+}
+
+/// The two tests above: over h2c, with `store` and the middleware `tweak` sets up in wait mode,
+/// a waiter reset by its client ([`abandon_an_http2_waiter`]) is counted once, as `abandoned`.
+fn abandoned_http2_waiter_is_counted_once<S, F>(store: S, prefix: &'static str, tweak: F)
+where
+    S: idempotency_actix::store::IdempotencyStore + Clone + Send + 'static,
+    F: Fn(IdempotencyBuilder<S>) -> IdempotencyBuilder<S> + Clone + Send + 'static,
+{
     let probe = Probe::default();
-    let server = serve_with(
-        store,
-        "mt_h2txab",
-        &probe,
-        |b| {
-            b.transactional()
-                .wait_for_in_flight(Duration::from_secs(10))
-        },
-        true,
-    );
+    let server = serve_with(store, prefix, &probe, tweak, true);
     let before = snap();
-    let first = abandon_an_http2_waiter(
-        server.addr,
-        &probe,
-        "/mt_h2txab/pay/1?delay_ms=1000",
-        "h2txab-1",
-    );
+    let target = format!("/{prefix}/pay/1?delay_ms=1000");
+    let first = abandon_an_http2_waiter(server.addr, &probe, &target, "h2ab-1");
     let (after, report) = settle_after(
         &probe,
         2,
@@ -1807,7 +1768,7 @@ fn an_abandoned_http2_transactional_waiter_is_counted_once() {
         &before,
         &format!("first {first}"),
     );
-    let r = route("mt_h2txab");
+    let r = route(prefix);
     assert_eq!(first, 201, "{report}");
     assert_eq!(probe.runs(), 1, "{report}");
     Deltas::new(&before, &after, &report).expect(&[

@@ -420,6 +420,22 @@ async fn blocked_takeover(
     blocker
 }
 
+/// Statements of the database at `url` waiting for a lock, once none are or after 2 s: a
+/// statement abandoned by a timeout must have been cancelled on the server.
+async fn waiting_on_locks(url: &str) -> i64 {
+    let waiting = "SELECT count(*) AS n FROM pg_stat_activity \
+                   WHERE datname = current_database() AND wait_event_type = 'Lock'";
+    let mut still_waiting = idempotency_e2e::records::count(url, waiting);
+    for _ in 0..100 {
+        if still_waiting == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        still_waiting = idempotency_e2e::records::count(url, waiting);
+    }
+    still_waiting
+}
+
 /// The query timeout bounds a statement the database does not answer; `None` waits.
 #[tokio::test]
 async fn the_query_timeout_bounds_a_blocked_statement_and_none_waits() {
@@ -510,16 +526,7 @@ async fn a_timed_out_statement_is_cancelled_on_the_server() {
         Err(StoreError::Unavailable(_)) => {}
         other => panic!("expected Unavailable, got {other:?}"),
     }
-    let waiting = "SELECT count(*) AS n FROM pg_stat_activity \
-                   WHERE datname = current_database() AND wait_event_type = 'Lock'";
-    let mut still_waiting = idempotency_e2e::records::count(&db.url, waiting);
-    for _ in 0..100 {
-        if still_waiting == 0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        still_waiting = idempotency_e2e::records::count(&db.url, waiting);
-    }
+    let still_waiting = waiting_on_locks(&db.url).await;
     blocker.batch_execute("COMMIT").await.unwrap();
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert_eq!(
@@ -1722,16 +1729,7 @@ async fn unix_sockets_and_bare_addresses_connect_with_an_sslmode() {
             other => panic!("{mode}: expected Unavailable, got {other:?}"),
         }
         // The cancel request went over the socket too: nothing is left waiting.
-        let waiting = "SELECT count(*) AS n FROM pg_stat_activity \
-                       WHERE datname = current_database() AND wait_event_type = 'Lock'";
-        let mut still_waiting = idempotency_e2e::records::count(&db.url, waiting);
-        for _ in 0..100 {
-            if still_waiting == 0 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-            still_waiting = idempotency_e2e::records::count(&db.url, waiting);
-        }
+        let still_waiting = waiting_on_locks(&db.url).await;
         blocker.batch_execute("COMMIT").await.unwrap();
         assert_eq!(
             still_waiting, 0,
