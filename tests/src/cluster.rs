@@ -217,7 +217,24 @@ impl TempCluster {
 
 impl Drop for TempCluster {
     fn drop(&mut self) {
+        // The postmaster, read before the stop: if `pg_ctl stop` fails or runs out of time (a
+        // loaded machine), the server would outlive its deleted data directory, and the
+        // watchdog, which finds servers by that directory's `postmaster.pid`, would never stop
+        // it (review of the test harness, 2026-12-06).
+        let pid_file = self.data_dir.join("postmaster.pid");
+        let pid = std::fs::read_to_string(&pid_file).ok().and_then(|text| {
+            text.lines()
+                .next()
+                .and_then(|line| line.trim().parse::<u32>().ok())
+        });
         self.stop();
+        if let Some(pid) = pid.filter(|_| pid_file.exists()) {
+            let _ = Command::new("kill")
+                .args(["-9", &pid.to_string()])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status();
+        }
         let _ = std::fs::remove_dir_all(&self.root);
     }
 }
