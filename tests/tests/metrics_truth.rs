@@ -1007,6 +1007,38 @@ fn a_client_reset_mid_handler_is_counted_once() {
     Deltas::new(&before, &after, &report).expect(&[requests(&r, Is(2.0))]);
 }
 
+/// HTTP/1: a handler that panics after its client reset (its work already on a task of its
+/// own, the request's future dropped by actix) is counted once, as `handler_panic`. Review,
+/// 2026-12-06: the panic was reported only by the request's future, which was gone, so it was
+/// counted nowhere: no counter, no hook, no log line.
+#[test]
+fn a_handler_panicking_after_its_client_reset_is_counted_once() {
+    let _serial = serial();
+    let (probe, _server, addr) = start(MemoryStore::new(), "mt_rstpanic", |b| b);
+    let before = snap();
+    let conn = open(
+        &addr,
+        &pay("/mt_rstpanic/pay/1?delay_ms=500&panic=1", "rp-1", "{}"),
+    );
+    wait_runs(&probe, 1);
+    conn.reset().unwrap();
+    let (after, report) = settle_after(
+        &probe,
+        1,
+        Duration::from_millis(800),
+        &before,
+        "reset, then the handler panics",
+    );
+    let r = route("mt_rstpanic");
+    assert_eq!(probe.count_events(Outcome::HandlerPanic), 1, "{report}");
+    assert_eq!(probe.events().len(), 1, "{report}");
+    Deltas::new(&before, &after, &report).expect(&[
+        requests(&r, Is(1.0)),
+        counted(&r, "handler_panic", Is(1.0)),
+        held_back("memory"),
+    ]);
+}
+
 /// The PostgreSQL store down before the handler: every request a 503, counted as
 /// `store_unavailable` (the documented alert), the handler never runs, each failed reserve
 /// timed. Then with `fail_open`: every request runs, counted `fail_open`.

@@ -18,24 +18,33 @@
 //! contract only the waker of the latest poll must be woken. A stray wake-up of the request's
 //! future is harmless: it finds its answer not ready and waits again.
 //!
-//! A panic in the first poll is caught, like a task's panic would be: the work is dropped, its
-//! answer's sender with it, and the request's future answers the opaque 500 it gives for a
-//! task that ended without an answer.
+//! A panic, in the first poll or on the task, is caught and reported by `on_panic` (the
+//! caller's outcome for it) where it happens: the request's future may be gone by then (HTTP/1
+//! drops it when the client resets; review, 2026-12-06: such a panic was counted nowhere). The
+//! work is dropped, its answer's sender with it, and a request's future still there answers the
+//! opaque 500 it gives for a work that ended without an answer.
 
 use std::future::{poll_fn, Future};
+
+use futures_util::FutureExt;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::pin::Pin;
 use std::task::Poll;
 
 /// Run `work` to its end whatever happens to the caller: poll it once now, and if it is not
-/// finished, spawn it on the worker's local task set. Completes on its first poll.
+/// finished, spawn it on the worker's local task set. Completes on its first poll. `on_panic`
+/// runs once if the work panics, wherever it was polled.
 ///
 /// `work` is `Unpin`: a handle to a future on the heap (a `Pin<Box<_>>`, perhaps wrapped in a
 /// span), because a polled future may not move, so the same allocation goes to the task. The
 /// caller boxes the work outside any `async` body (see `Flow::settle`): the state machine
 /// is kilobytes (every await point of the handler's path), and built inside the caller's future
 /// it would also take room there and be copied on every move.
-pub(super) async fn detach<F: Future<Output = ()> + Unpin + 'static>(mut work: F) {
+pub(super) async fn detach<F, P>(mut work: F, on_panic: P)
+where
+    F: Future<Output = ()> + Unpin + 'static,
+    P: FnOnce() + 'static,
+{
     let first = poll_fn(|cx| {
         Poll::Ready(catch_unwind(AssertUnwindSafe(|| {
             Pin::new(&mut work).poll(cx)
@@ -49,11 +58,13 @@ pub(super) async fn detach<F: Future<Output = ()> + Unpin + 'static>(mut work: F
             let tracked = crate::shutdown::track();
             actix_rt::spawn(async move {
                 let _tracked = tracked;
-                work.await;
+                if AssertUnwindSafe(work).catch_unwind().await.is_err() {
+                    on_panic();
+                }
             });
         }
-        // The panic was reported by the panic hook; the work and its answer's sender are
-        // dropped, which the caller answers as a task that ended without a response.
-        Err(_) => {}
+        // The panic hook printed it; the work and its answer's sender are dropped, which a
+        // caller still waiting answers as a work that ended without a response.
+        Err(_) => on_panic(),
     }
 }

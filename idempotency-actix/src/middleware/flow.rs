@@ -119,19 +119,10 @@ impl<B> Answer<B> {
 }
 
 /// What the request's own future keeps while its detached work runs: where the answer comes
-/// from, and what it needs to report a work that ended without one. (Awaited by `run` itself,
-/// not by an `async fn` of its own: that future would hold all of this twice, in every keyed
-/// request's future.)
+/// from. (Awaited by `run` itself, not by an `async fn` of its own: that future would hold it
+/// twice, in every keyed request's future.)
 struct Pending<B> {
     answered: oneshot::Receiver<FlowResult<B>>,
-    /// The request's span (the work runs in it too).
-    span: tracing::Span,
-    report: Report,
-    /// What a panic leaves behind, for the log ([`Config::what_a_panic_leaves`]).
-    on_panic: &'static str,
-    /// The scope, for the `on_outcome` hook (cloned only when there is one; boxed, so that
-    /// it takes 8 bytes of the request's future, not 96, when there is none).
-    panic_scope: Option<Box<Scope>>,
 }
 
 impl<B> Pending<B> {
@@ -139,20 +130,38 @@ impl<B> Pending<B> {
     fn answer(self, answered: Result<FlowResult<B>, oneshot::error::RecvError>) -> FlowResult<B> {
         match answered {
             Ok(result) => result,
-            // The task ended without an answer: the handler panicked. Its reservation stays
-            // until the lease ends (its effects may exist), or in transactional mode is rolled
-            // back with them; the client gets an opaque 500.
-            Err(_) => {
-                let _in_span = self.span.enter();
-                tracing::error!(target: "idempotency_actix", outcome = "handler_panic", left = self.on_panic, "the request's task ended without a response");
-                self.report.outcome(
-                    Outcome::HandlerPanic,
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    self.panic_scope.as_deref(),
-                );
-                Err(opaque_500("the request's task ended without a response"))
-            }
+            // The work ended without an answer: the handler panicked (reported by
+            // [`Panicked`], where it happened), or the worker stopped. The client gets an
+            // opaque 500.
+            Err(_) => Err(opaque_500("the request's task ended without a response")),
         }
+    }
+}
+
+/// How a keyed request's work reports that it panicked ([`detach`]'s `on_panic`): from the
+/// work's side, because the request's future may be gone (HTTP/1 drops it when the client
+/// resets) and then nothing reported the panic (review, 2026-12-06). The reservation stays
+/// until the lease ends (its effects may exist), or in transactional mode is rolled back with
+/// them.
+pub(super) struct Panicked {
+    /// The request's span (the work runs in it too).
+    span: tracing::Span,
+    report: Report,
+    /// What a panic leaves behind, for the log ([`Config::what_a_panic_leaves`]).
+    on_panic: &'static str,
+    /// The scope, for the `on_outcome` hook (cloned only when there is one).
+    panic_scope: Option<Box<Scope>>,
+}
+
+impl Panicked {
+    fn report(self) {
+        let _in_span = self.span.enter();
+        tracing::error!(target: "idempotency_actix", outcome = "handler_panic", left = self.on_panic, "the request's task ended without a response");
+        self.report.outcome(
+            Outcome::HandlerPanic,
+            StatusCode::INTERNAL_SERVER_ERROR,
+            self.panic_scope.as_deref(),
+        );
     }
 }
 
@@ -292,8 +301,8 @@ where
             Ok(read) => read,
             Err(problem) => return Ok(self.refuse(req, problem, &report, None)),
         };
-        let (work, mut pending) = self.start(req, key, tenant, body, stream, report);
-        detach(work).await;
+        let (work, panicked, mut pending) = self.start(req, key, tenant, body, stream, report);
+        detach(work, move || panicked.report()).await;
         let answered = (&mut pending.answered).await;
         pending.answer(answered)
     }
@@ -320,7 +329,11 @@ where
         body: Bytes,
         stream: Payload,
         report: Report,
-    ) -> (impl Future<Output = ()> + Unpin + 'static, Pending<B>) {
+    ) -> (
+        impl Future<Output = ()> + Unpin + 'static,
+        Panicked,
+        Pending<B>,
+    ) {
         // Only a waiting request needs to know whether its client left (see `Answer`).
         let stream = (req.version() == Version::HTTP_2 && self.config.wait_for_in_flight.is_some())
             .then_some(stream);
@@ -365,14 +378,13 @@ where
         let (answer, answered) = oneshot::channel();
         let answer = Answer::new(answer, stream);
         let work = self.settle(req, scope, fingerprint, body, report.clone(), answer);
-        let pending = Pending {
-            answered,
+        let panicked = Panicked {
             span: span.clone(),
             report,
             on_panic,
             panic_scope,
         };
-        (work.instrument(span), pending)
+        (work.instrument(span), panicked, Pending { answered })
     }
 
     /// Reserve, run the handler, store or release, and answer; detached from the request.

@@ -508,13 +508,13 @@ where
         let result = keyless(&flow, &tx, req).await;
         let _ = answer.send(result);
     });
-    detach(work).await;
+    let panicked = || {
+        tracing::error!(target: "idempotency_actix", outcome = "handler_panic", "the request's task ended without a response; its transaction was rolled back");
+    };
+    detach(work, panicked).await;
     match answered.await {
         Ok(result) => result,
-        Err(_) => {
-            tracing::error!(target: "idempotency_actix", outcome = "handler_panic", "the request's task ended without a response; its transaction was rolled back");
-            Err(opaque_500("the request's task ended without a response"))
-        }
+        Err(_) => Err(opaque_500("the request's task ended without a response")),
     }
 }
 
