@@ -551,7 +551,7 @@ where
                 // A waiter whose client left while this call was on its way: the key is its
                 // now, but nobody is there to answer: given back at once, not run for nobody.
                 Ok(ReserveOutcome::Reserved { token }) if seen_in_flight && answer.is_closed() => {
-                    tracing::info!(target: "idempotency_actix", outcome = "abandoned", "the client left while its request waited; the key it then got is released, nothing was run");
+                    tracing::info!(target: "idempotency_actix", outcome = "abandoned", "the client left while its request waited; releasing the key it then got, nothing was run");
                     self.release_quietly(scope, &token).await;
                     return Err(Decision::Abandoned);
                 }

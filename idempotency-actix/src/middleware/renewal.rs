@@ -303,12 +303,15 @@ async fn beat<S: IdempotencyStore>(lease: Lease<S>, mut stopped: oneshot::Receiv
                 tracing::warn!(target: "idempotency_actix", outcome = "lease_lost", "the handler is still running but its reservation was taken over or released (its lease ended while renewals failed, or an operator released it); its response will not be stored");
                 return;
             }
-            Err(error) => {
+            Err(error) if latest => {
                 outcome::lease_renewal("failed", name);
                 tracing::warn!(target: "idempotency_actix", outcome = "store_error", %error, "could not renew the lease; trying again shortly");
-                if latest {
-                    next = next.min(saturating_deadline(Instant::now(), retry));
-                }
+                next = next.min(saturating_deadline(Instant::now(), retry));
+            }
+            // An older call than one that already renewed: its failure changes nothing, and
+            // is not counted (docs/operations.md; review, 2026-12-06: it was).
+            Err(error) => {
+                tracing::debug!(target: "idempotency_actix", outcome = "store_error", %error, "a renewal older than the last one that succeeded failed late; nothing to do");
             }
         }
         if handler_done {
@@ -405,6 +408,124 @@ mod tests {
             Ok(ReserveOutcome::Reserved { .. }) => {}
             other => panic!("the key was held past the limit: {other:?}"),
         }
+        drop(running);
+    }
+
+    /// A store whose first renewal hangs for a while and then fails, and whose later ones work.
+    #[derive(Clone)]
+    struct FirstRenewalHangsThenFails {
+        inner: Arc<MemoryStore>,
+        calls: Arc<std::sync::atomic::AtomicUsize>,
+    }
+
+    impl IdempotencyStore for FirstRenewalHangsThenFails {
+        async fn reserve(
+            &self,
+            scope: &Scope,
+            fingerprint: &Fingerprint,
+            lease: Duration,
+        ) -> Result<ReserveOutcome, crate::store::StoreError> {
+            self.inner.reserve(scope, fingerprint, lease).await
+        }
+
+        async fn complete(
+            &self,
+            scope: &Scope,
+            token: &ReservationToken,
+            response: &crate::store::StoredResponse,
+            ttl: Duration,
+        ) -> Result<WriteOutcome, crate::store::StoreError> {
+            self.inner.complete(scope, token, response, ttl).await
+        }
+
+        async fn release(
+            &self,
+            scope: &Scope,
+            token: &ReservationToken,
+        ) -> Result<WriteOutcome, crate::store::StoreError> {
+            self.inner.release(scope, token).await
+        }
+
+        async fn renew_lease(
+            &self,
+            scope: &Scope,
+            token: &ReservationToken,
+            lease: Duration,
+        ) -> Result<WriteOutcome, crate::store::StoreError> {
+            use std::sync::atomic::Ordering;
+            if self.calls.fetch_add(1, Ordering::SeqCst) == 0 {
+                tokio::time::sleep(Duration::from_millis(250)).await;
+                return Err(crate::store::StoreError::unavailable("a late failure"));
+            }
+            self.inner.renew_lease(scope, token, lease).await
+        }
+
+        fn renews_leases(&self) -> bool {
+            true
+        }
+
+        fn name(&self) -> &'static str {
+            "memory"
+        }
+
+        async fn purge_expired(&self, grace: Duration) -> Result<u64, crate::store::StoreError> {
+            self.inner.purge_expired(grace).await
+        }
+    }
+
+    /// A renewal that fails after a later one already renewed changes nothing and is not
+    /// counted as `failed` (docs/operations.md: only the answers the renewal acted on are).
+    #[actix_rt::test]
+    async fn a_late_failure_of_an_older_renewal_is_not_counted() {
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        let _local = metrics::set_default_local_recorder(&recorder);
+        let store = Arc::new(FirstRenewalHangsThenFails {
+            inner: Arc::new(MemoryStore::new()),
+            calls: Arc::default(),
+        });
+        let scope = Scope {
+            tenant: "t".into(),
+            method: "POST".into(),
+            path: "/p".into(),
+            key: "k".into(),
+        };
+        let fingerprint = Fingerprint([7; 32]);
+        let lease = Duration::from_millis(300);
+        let reserved_at = Instant::now();
+        let Ok(ReserveOutcome::Reserved { token }) =
+            store.reserve(&scope, &fingerprint, lease).await
+        else {
+            panic!("not reserved");
+        };
+        let (running, stopped) = oneshot::channel();
+        let renewal = Lease {
+            store: Arc::clone(&store),
+            timer: Histogram::noop(),
+            scope: scope.clone(),
+            token,
+            lease,
+            limit: Duration::from_millis(700),
+            reserved_at,
+            storing: Rc::default(),
+        };
+        beat(renewal, stopped).await;
+        let metrics = read(&snapshotter);
+        let count = |result: &str| match value(
+            &metrics,
+            MetricKind::Counter,
+            LEASE_RENEWALS_TOTAL,
+            &[("result", result), ("store", "memory")],
+        ) {
+            Some(DebugValue::Counter(n)) => *n,
+            _ => 0,
+        };
+        assert!(count("renewed") >= 1, "renewed {}", count("renewed"));
+        assert_eq!(
+            count("failed"),
+            0,
+            "the late failure of the first call was counted"
+        );
         drop(running);
     }
 
