@@ -7,6 +7,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use diesel_async::RunQueryDsl;
 use idempotency_actix::store::postgres;
+use idempotency_actix::store::StoreError;
 
 use crate::block_on_fresh_thread;
 use crate::cluster::{ClusterError, TempCluster};
@@ -37,7 +38,7 @@ impl TestDb {
     /// `IDEM_TEST_LAYOUT=partitioned` in the environment it gets the time-partitioned layout
     /// instead (hourly), so any suite can be run against that layout unchanged.
     pub async fn new() -> TestDb {
-        if std::env::var("IDEM_TEST_LAYOUT").is_ok_and(|v| v == "partitioned") {
+        if partitioned_layout_asked() {
             return Self::new_partitioned(postgres::PartitionInterval::Hourly).await;
         }
         let db = Self::new_unmigrated().await;
@@ -206,5 +207,21 @@ pub async fn migrate_by_hand(url: &str, upto: usize) {
         ))
         .await
         .unwrap();
+    }
+}
+
+/// Whether the run asks for the time-partitioned layout (`IDEM_TEST_LAYOUT=partitioned`).
+fn partitioned_layout_asked() -> bool {
+    std::env::var("IDEM_TEST_LAYOUT").is_ok_and(|v| v == "partitioned")
+}
+
+/// Provision the database at `url` (a throwaway cluster's, say) in the layout the run asks for,
+/// as [`TestDb::new`] does: the plain layout, or with `IDEM_TEST_LAYOUT=partitioned` the
+/// time-partitioned one (hourly).
+pub async fn migrate_in_test_layout(url: &str) -> Result<Vec<String>, StoreError> {
+    if partitioned_layout_asked() {
+        postgres::run_migrations_partitioned(url, postgres::PartitionInterval::Hourly).await
+    } else {
+        postgres::run_migrations(url).await
     }
 }

@@ -39,7 +39,7 @@ pub mod server;
 pub mod urls;
 
 pub use cluster::{skip_without_binaries, ClusterError, TempCluster};
-pub use database::{server_url, TestDb, LOCAL_SERVER_URL};
+pub use database::{migrate_in_test_layout, server_url, TestDb, LOCAL_SERVER_URL};
 pub use urls::with_database;
 
 /// Run `future` to completion on a new thread with its own current-thread runtime, so it works

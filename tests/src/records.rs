@@ -217,6 +217,19 @@ pub fn count(url: &str, sql: &str) -> i64 {
     })
 }
 
+/// SQL granting `role` what the store's requests need on the tables of either layout:
+/// `idempotency_keys`, and `idempotency_responses` when the database has the partitioned
+/// layout (its completes insert there), so a test run with `IDEM_TEST_LAYOUT=partitioned`
+/// tests the fault it means to, not a missing grant.
+pub fn grant_store_tables(role: &str) -> String {
+    format!(
+        "GRANT SELECT, INSERT, UPDATE, DELETE ON idempotency_keys TO \"{role}\"; \
+         DO $$ BEGIN IF to_regclass('idempotency_responses') IS NOT NULL THEN \
+         GRANT SELECT, INSERT, UPDATE, DELETE ON idempotency_responses TO \"{role}\"; \
+         END IF; END $$"
+    )
+}
+
 /// Run statements (simple protocol, several allowed).
 pub fn execute(url: &str, sql: &str) {
     let (url, sql) = (url.to_owned(), sql.to_owned());

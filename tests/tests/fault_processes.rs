@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use actix_web::{web, App, HttpResponse, HttpServer};
-use idempotency_actix::store::postgres::{run_migrations, PostgresStore};
+use idempotency_actix::store::postgres::PostgresStore;
 use idempotency_actix::Idempotency;
 use idempotency_e2e::faults::{
     self, classify, keys_logged_unstored, serial, shared, strip_ansi, two_instances_exactly_once,
@@ -22,9 +22,13 @@ use idempotency_e2e::faults::{
 };
 use idempotency_e2e::proc::{crash_cluster, start_cluster_again, PaymentsApp};
 use idempotency_e2e::raw_http::{send_once, Conn, Request, Response};
-use idempotency_e2e::records::{count, count_in_state, execute, records_for_key, State, TempRole};
+use idempotency_e2e::records::{
+    count, count_in_state, execute, grant_store_tables, records_for_key, State, TempRole,
+};
 use idempotency_e2e::server::ThreadServer;
-use idempotency_e2e::{block_on_fresh_thread, server_url, TempCluster, TestDb};
+use idempotency_e2e::{
+    block_on_fresh_thread, migrate_in_test_layout, server_url, TempCluster, TestDb,
+};
 
 fn new_db() -> TestDb {
     block_on_fresh_thread(TestDb::new()).expect("creating a test database")
@@ -61,7 +65,7 @@ fn database_restart_under_load_with(extra_env: &[(&str, &str)]) {
     let url = cluster.url();
     {
         let url = url.clone();
-        block_on_fresh_thread(async move { run_migrations(&url).await })
+        block_on_fresh_thread(async move { migrate_in_test_layout(&url).await })
             .expect("migrate")
             .expect("migrate");
     }
@@ -390,13 +394,7 @@ fn store_failure_after_the_handler() {
     // The role outlives the database (dropped after it: reverse declaration order).
     let role = TempRole::create(&server_url(), "idem_app");
     let db = new_db();
-    execute(
-        &db.url,
-        &format!(
-            "GRANT SELECT, INSERT, UPDATE, DELETE ON idempotency_keys TO \"{}\"",
-            role.name
-        ),
-    );
+    execute(&db.url, &grant_store_tables(&role.name));
     let app_url = role.url_for(&db.url);
     let app = PaymentsApp::start(&[("DATABASE_URL", app_url.as_str())]);
     let mut tally = Tally::default();
@@ -509,10 +507,7 @@ fn store_recovering_inside_the_lease_stores_the_delivered_response() {
     let _turn = shared();
     let role = TempRole::create(&server_url(), "idem_app");
     let db = new_db();
-    let grant = format!(
-        "GRANT SELECT, INSERT, UPDATE, DELETE ON idempotency_keys TO \"{}\"",
-        role.name
-    );
+    let grant = grant_store_tables(&role.name);
     execute(&db.url, &grant);
     let app_url = role.url_for(&db.url);
     let app = PaymentsApp::start(&[
@@ -673,7 +668,7 @@ fn a_crash_after_the_response_was_stored_keeps_it() {
     let url = cluster.url();
     {
         let url = url.clone();
-        block_on_fresh_thread(async move { run_migrations(&url).await })
+        block_on_fresh_thread(async move { migrate_in_test_layout(&url).await })
             .expect("migrate")
             .expect("migrate");
     }
@@ -815,10 +810,7 @@ fn stop_while_the_store_refuses(
 ) -> StoppedWhileStoreRefused {
     let role = TempRole::create(&server_url(), role_prefix);
     let db = new_db();
-    let grant = format!(
-        "GRANT SELECT, INSERT, UPDATE, DELETE ON idempotency_keys TO \"{}\"",
-        role.name
-    );
+    let grant = grant_store_tables(&role.name);
     execute(&db.url, &grant);
     let app_url = role.url_for(&db.url);
     let app = PaymentsApp::start(&[

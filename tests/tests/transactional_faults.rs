@@ -6,13 +6,12 @@
 
 use std::time::{Duration, Instant};
 
-use idempotency_actix::store::postgres::run_migrations;
 use idempotency_actix::store::postgres::schema::State;
 use idempotency_e2e::faults::{self, classify_transactional, serial, Load, Seen, CLIENT_TIMEOUT};
 use idempotency_e2e::proc::{start_cluster_again, PaymentsApp};
 use idempotency_e2e::raw_http::{send_once, Request, Response};
 use idempotency_e2e::records::{count, count_in_state, records_for_key};
-use idempotency_e2e::{block_on_fresh_thread, TempCluster, TestDb};
+use idempotency_e2e::{block_on_fresh_thread, migrate_in_test_layout, TempCluster, TestDb};
 
 const TENANT: &str = "acct_tx_faults";
 
@@ -137,7 +136,7 @@ fn database_restart_under_transactional_load() {
     let url = cluster.url();
     {
         let url = url.clone();
-        block_on_fresh_thread(async move { run_migrations(&url).await })
+        block_on_fresh_thread(async move { migrate_in_test_layout(&url).await })
             .expect("migrate")
             .expect("migrate");
     }
