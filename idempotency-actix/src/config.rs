@@ -120,6 +120,13 @@ impl Config {
         if self.transactional.is_some() {
             return "its transaction (the handler's writes and the reservation) was rolled back";
         }
+        if self.fail_open {
+            // The line cannot tell which: a request fail_open let through with the store down
+            // had no reservation (review, 2026-12-06: the line said it had one).
+            return "its reservation, if the store gave it one, is left to its lease (the \
+                    handler's effects may exist; with the store down, fail_open ran it without \
+                    one)";
+        }
         "its reservation is left to its lease (the handler's effects may exist)"
     }
 
@@ -759,6 +766,20 @@ mod tests {
     use actix_web::{web, App};
 
     use super::*;
+
+    /// The panic line never claims a reservation a fail_open request did not have.
+    #[test]
+    fn what_a_panic_leaves_allows_for_fail_open() {
+        let strict = Config::default();
+        assert!(!strict.what_a_panic_leaves().contains("fail_open"));
+        let open = Config {
+            fail_open: true,
+            ..Config::default()
+        };
+        assert!(open
+            .what_a_panic_leaves()
+            .contains("if the store gave it one"));
+    }
     use crate::problem::ProblemCode;
     use crate::store::MemoryStore;
     use crate::Idempotency;

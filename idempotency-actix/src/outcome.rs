@@ -15,6 +15,7 @@
 //! | [`STORE_CALL_SECONDS`] | histogram | `op` (`reserve`, `complete`, `release`, `renew_lease`), `store` | duration of each store call, failed ones included |
 //! | [`RESERVATIONS_HELD`] | gauge | `store` | requests holding a reservation right now (a drop guard keeps it right when a request's task is cut) |
 //! | [`COMPLETE_RETRIES_TOTAL`] | counter | `result` (`started`, `succeeded`, `stale`, `given_up`), `store` | the after-handler retries of a failed `complete` (C16) |
+//! | [`RELEASE_RETRIES_TOTAL`] | counter | `result` (`started`, `succeeded`, `stale`, `given_up`), `store` | the background retries of a failed `release` of a response that is not stored (C16) |
 //! | [`LEASE_RENEWALS_TOTAL`] | counter | `result` (`renewed`, `failed`, `lost`, `limit`), `store` | lease renewals while a handler runs (C9); `lost`: the reservation was taken over or released under a running handler; `limit`: the handler outlived `renew_lease_up_to` |
 //!
 //! # Hook
@@ -45,6 +46,8 @@ pub const STORE_CALL_SECONDS: &str = "idempotency_store_call_seconds";
 pub const RESERVATIONS_HELD: &str = "idempotency_reservations_held";
 /// Counter of the after-handler `complete` retries.
 pub const COMPLETE_RETRIES_TOTAL: &str = "idempotency_complete_retries_total";
+/// Counter of the background `release` retries.
+pub const RELEASE_RETRIES_TOTAL: &str = "idempotency_release_retries_total";
 /// Counter of lease renewals while handlers run.
 pub const LEASE_RENEWALS_TOTAL: &str = "idempotency_lease_renewals_total";
 
@@ -387,6 +390,13 @@ impl Drop for Held {
 /// Count one step of the after-handler `complete` retry.
 pub(crate) fn complete_retry(result: &'static str, store: &'static str) {
     metrics::counter!(COMPLETE_RETRIES_TOTAL, "result" => result, "store" => store).increment(1);
+}
+
+/// Count one step of the background `release` retry (review, 2026-12-06: it had no metric, so
+/// a release given up, which leaves the key answering 409 for the rest of its lease, showed
+/// only in the log).
+pub(crate) fn release_retry(result: &'static str, store: &'static str) {
+    metrics::counter!(RELEASE_RETRIES_TOTAL, "result" => result, "store" => store).increment(1);
 }
 
 /// Count one lease renewal by its result.

@@ -170,6 +170,7 @@ const REQ: &str = "idempotency_requests_total";
 const CALLS: &str = "idempotency_store_call_seconds";
 const HELD: &str = "idempotency_reservations_held";
 const RETRIES: &str = "idempotency_complete_retries_total";
+const RELEASE_RETRIES: &str = "idempotency_release_retries_total";
 const RENEW: &str = "idempotency_lease_renewals_total";
 
 /// One test at a time: the recorder is global.
@@ -1174,6 +1175,46 @@ fn a_store_failing_after_the_handler_counts_complete_retries_truthfully() {
         calls("complete", "postgres", AtLeast(1.0)),
     ]);
     d.noted("held after giving up", &[held_back("postgres")]);
+}
+
+/// The release of a response that is not stored (a 500) fails with the store down mid-handler
+/// and is retried in the background until the store is back: counted `started` and then
+/// `succeeded` (review, 2026-12-06: the release retry had no metric at all), and the key is
+/// free again.
+#[test]
+fn a_failed_release_is_retried_and_counted() {
+    let _serial = serial();
+    let (pg, store) = Pg::start(true);
+    let (probe, _server, addr) = start(store, "mt_relretry", |b| {
+        b.lock_timeout(Duration::from_secs(4))
+    });
+    let before = warmed_up(&addr, &probe, "mt_relretry", "relretry-warm");
+    let request = pay(
+        "/mt_relretry/pay/1?delay_ms=600&status=500",
+        "relretry-1",
+        "{}",
+    );
+    let first = cut_mid_handler(&addr, &probe, &pg, &request, 2);
+    std::thread::sleep(Duration::from_millis(600));
+    pg.resume();
+    let succeeded = [("result", "succeeded"), ("store", "postgres")];
+    let (ten_s, poll) = (Duration::from_secs(10), Duration::from_millis(50));
+    wait_delta(&before, RELEASE_RETRIES, &succeeded, ten_s, poll);
+    let after = snap();
+    let report = report_of(&format!("first {}", first.status), &probe, &before, &after);
+    assert_eq!(first.status, 500, "{report}");
+    Deltas::new(&before, &after, &report).expect(&[
+        metric(RELEASE_RETRIES, &[("result", "started")], Is(1.0)),
+        metric(RELEASE_RETRIES, &[("result", "succeeded")], Is(1.0)),
+        metric(RELEASE_RETRIES, &[("result", "given_up")], Is(0.0)),
+        held_back("postgres"),
+    ]);
+    // The key is free: the corrected retry runs.
+    let retry = send(
+        &addr,
+        &pay("/mt_relretry/pay/1?delay_ms=0", "relretry-1", "{}"),
+    );
+    assert_eq!(retry.status, 201, "{}", retry.describe());
 }
 
 /// CachedStore over PostgreSQL: one miss and 5 replays (served from the cache after the

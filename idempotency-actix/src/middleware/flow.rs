@@ -1005,16 +1005,22 @@ where
         let store = Arc::clone(&self.store);
         let until = saturating_deadline(Instant::now(), self.config.lock_timeout);
         let histogram = self.meters.histogram(Op::Release).clone();
+        let name = store.name();
+        outcome::release_retry("started", name);
         let retry = async move {
             let done = until_the_lease_ends(until, || async {
                 match outcome::timed(&histogram, store.release(&scope, &token)).await {
                     Ok(WriteOutcome::Applied) => {
+                        outcome::release_retry("succeeded", name);
                         tracing::info!(target: "idempotency_actix", outcome = "released", "key released after the store recovered");
                         true
                     }
                     // Released by an attempt whose reply was lost, or taken over: nothing of
                     // this request's is left to release.
-                    Ok(WriteOutcome::Stale) => true,
+                    Ok(WriteOutcome::Stale) => {
+                        outcome::release_retry("stale", name);
+                        true
+                    }
                     Err(error) => {
                         tracing::debug!(target: "idempotency_actix", outcome = "store_error", %error, "releasing the key failed again; retrying until the lease ends");
                         false
@@ -1022,6 +1028,7 @@ where
                 }
             });
             if !done.await {
+                outcome::release_retry("given_up", name);
                 tracing::error!(target: "idempotency_actix", outcome = "store_error", "gave up releasing the key: its lease ended, so a retry takes it over");
             }
         };
