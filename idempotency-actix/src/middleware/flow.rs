@@ -93,9 +93,9 @@ impl<B> Answer<B> {
     /// Answer a request whose client left while it waited (its outcome, `abandoned`, already
     /// reported): a bodiless 499 that nobody reads. Sent rather than left unsent because on
     /// HTTP/2 actix keeps polling the request's future after the client reset its stream (see
-    /// above), and a work that ends without an answer means a panic to it (`Pending::answer`):
-    /// a second outcome, a false `handler_panic` count and an ERROR line saying a key is held
-    /// when nothing was reserved (review, 2026-12-06).
+    /// above), and that future takes a work that ended without an answer for a panic
+    /// (`Pending::answer`). Review, 2026-12-06: before, this was reported a second time, as a
+    /// false `handler_panic` with an ERROR line saying a key was held when nothing was reserved.
     pub(super) fn abandoned(self, req: ServiceRequest) {
         let response = HttpResponse::new(crate::outcome::client_closed());
         let _ = self.send(Ok(req.into_response(response).map_into_right_body()));

@@ -411,68 +411,6 @@ mod tests {
         drop(running);
     }
 
-    /// A store whose first renewal hangs for a while and then fails, and whose later ones work.
-    #[derive(Clone)]
-    struct FirstRenewalHangsThenFails {
-        inner: Arc<MemoryStore>,
-        calls: Arc<std::sync::atomic::AtomicUsize>,
-    }
-
-    impl IdempotencyStore for FirstRenewalHangsThenFails {
-        async fn reserve(
-            &self,
-            scope: &Scope,
-            fingerprint: &Fingerprint,
-            lease: Duration,
-        ) -> Result<ReserveOutcome, crate::store::StoreError> {
-            self.inner.reserve(scope, fingerprint, lease).await
-        }
-
-        async fn complete(
-            &self,
-            scope: &Scope,
-            token: &ReservationToken,
-            response: &crate::store::StoredResponse,
-            ttl: Duration,
-        ) -> Result<WriteOutcome, crate::store::StoreError> {
-            self.inner.complete(scope, token, response, ttl).await
-        }
-
-        async fn release(
-            &self,
-            scope: &Scope,
-            token: &ReservationToken,
-        ) -> Result<WriteOutcome, crate::store::StoreError> {
-            self.inner.release(scope, token).await
-        }
-
-        async fn renew_lease(
-            &self,
-            scope: &Scope,
-            token: &ReservationToken,
-            lease: Duration,
-        ) -> Result<WriteOutcome, crate::store::StoreError> {
-            use std::sync::atomic::Ordering;
-            if self.calls.fetch_add(1, Ordering::SeqCst) == 0 {
-                tokio::time::sleep(Duration::from_millis(250)).await;
-                return Err(crate::store::StoreError::unavailable("a late failure"));
-            }
-            self.inner.renew_lease(scope, token, lease).await
-        }
-
-        fn renews_leases(&self) -> bool {
-            true
-        }
-
-        fn name(&self) -> &'static str {
-            "memory"
-        }
-
-        async fn purge_expired(&self, grace: Duration) -> Result<u64, crate::store::StoreError> {
-            self.inner.purge_expired(grace).await
-        }
-    }
-
     /// A renewal that fails after a later one already renewed changes nothing and is not
     /// counted as `failed` (docs/operations.md: only the answers the renewal acted on are).
     #[actix_rt::test]
@@ -480,16 +418,9 @@ mod tests {
         let recorder = DebuggingRecorder::new();
         let snapshotter = recorder.snapshotter();
         let _local = metrics::set_default_local_recorder(&recorder);
-        let store = Arc::new(FirstRenewalHangsThenFails {
-            inner: Arc::new(MemoryStore::new()),
-            calls: Arc::default(),
-        });
-        let scope = Scope {
-            tenant: "t".into(),
-            method: "POST".into(),
-            path: "/p".into(),
-            key: "k".into(),
-        };
+        // The first renewal fails 250 ms after it was sent; its companion renews meanwhile.
+        let store = FirstRenewalHangs::new(Duration::from_millis(250));
+        let scope = pay("late");
         let fingerprint = Fingerprint([7; 32]);
         let lease = Duration::from_millis(300);
         let reserved_at = Instant::now();
@@ -515,7 +446,7 @@ mod tests {
             &metrics,
             MetricKind::Counter,
             LEASE_RENEWALS_TOTAL,
-            &[("result", result), ("store", "memory")],
+            &[("result", result), ("store", "custom")],
         ) {
             Some(DebugValue::Counter(n)) => *n,
             _ => 0,
