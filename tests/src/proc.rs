@@ -62,10 +62,16 @@ pub fn idem_cli_binary() -> PathBuf {
 /// Runs `idem-cli args...` as a process with `var` (`DATABASE_URL` or `REDIS_URL`) = `url` and
 /// neither from the test's own environment; kills it and fails the test after 60 s.
 pub fn run_idem_cli(var: &str, url: &str, args: &[&str]) -> Output {
+    run_idem_cli_with_env(var, url, &[], args)
+}
+
+/// [`run_idem_cli`] with `env` set besides (e.g. `SSL_CERT_FILE`).
+pub fn run_idem_cli_with_env(var: &str, url: &str, env: &[(&str, &str)], args: &[&str]) -> Output {
     let child = Command::new(idem_cli_binary())
         .env_remove("DATABASE_URL")
         .env_remove("REDIS_URL")
         .env(var, url)
+        .envs(env.iter().copied())
         .args(args)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
