@@ -59,7 +59,8 @@ pub enum Outcome {
     /// The handler ran and its response was stored (a miss).
     Stored,
     /// The handler ran and its response was not stored (not 2xx, too large, `store_if`, or a
-    /// handler error); the key was released.
+    /// handler error); the key was released (or, for a streamed body read for nobody but the
+    /// record that outlived its key's last lease, left to that lease).
     NotStored,
     /// The stored response was replayed.
     Replay,
@@ -91,7 +92,9 @@ pub enum Outcome {
     HandlerPanic,
     /// Transactional mode: the handler ran and its transaction was rolled back (a response
     /// that is not stored, a handler error, a response over `max_response_bytes`): neither its
-    /// writes nor the reservation remain.
+    /// writes nor the reservation remain. Also a run rolled back by a serialization failure
+    /// (the retry option) whose next claim answered instead of running it again (the key
+    /// taken meanwhile: 409; the store down: 503): the status says what the client got.
     RolledBack,
     /// Transactional mode: COMMIT (or the response's write before it) failed; everything was
     /// rolled back and the client got `COMMIT_FAILED`.

@@ -344,7 +344,7 @@ pub(super) async fn settle_keyed<S, Svc, B>(
         if waited && answer.is_closed() {
             tracing::info!(target: "idempotency_actix", outcome = "abandoned", key = %LogText(&scope.key), tenant = %LogText(&scope.tenant), path = %LogText(&scope.path), "the client left while waiting for the first request with this key; nothing was run");
             report.outcome(
-                Outcome::Abandoned,
+                ran_before(Outcome::Abandoned, runs),
                 crate::outcome::client_closed(),
                 Some(&scope),
             );
@@ -361,7 +361,7 @@ pub(super) async fn settle_keyed<S, Svc, B>(
                 sql::rollback(&tx.store, &mut conn).await;
                 tracing::info!(target: "idempotency_actix", outcome = "abandoned", key = %LogText(&scope.key), tenant = %LogText(&scope.tenant), path = %LogText(&scope.path), "the client left while waiting for the first request with this key; the claim it then got is rolled back, nothing was run");
                 report.outcome(
-                    Outcome::Abandoned,
+                    ran_before(Outcome::Abandoned, runs),
                     crate::outcome::client_closed(),
                     Some(&scope),
                 );
@@ -370,7 +370,7 @@ pub(super) async fn settle_keyed<S, Svc, B>(
             }
             Claimed::Reserved(conn, token) => (*conn, token),
             Claimed::Answered(response, outcome) => {
-                report.outcome(outcome, response.status(), Some(&scope));
+                report.outcome(ran_before(outcome, runs), response.status(), Some(&scope));
                 let _ = answer.send(Ok(req.into_response(response).map_into_right_body()));
                 return;
             }
@@ -382,7 +382,7 @@ pub(super) async fn settle_keyed<S, Svc, B>(
                         (config.problem(problem), Outcome::ReplayNotAcceptable)
                     }
                 };
-                report.outcome(outcome, response.status(), Some(&scope));
+                report.outcome(ran_before(outcome, runs), response.status(), Some(&scope));
                 let _ = answer.send(Ok(req.into_response(response).map_into_right_body()));
                 return;
             }
@@ -403,7 +403,11 @@ pub(super) async fn settle_keyed<S, Svc, B>(
                     "the first request with this key is still being processed; retry after it finishes",
                 )
                 .with_retry_after(config.retry_after);
-                report.outcome(Outcome::Conflict, problem.status(), Some(&scope));
+                report.outcome(
+                    ran_before(Outcome::Conflict, runs),
+                    problem.status(),
+                    Some(&scope),
+                );
                 let response = config.problem(problem);
                 let _ = answer.send(Ok(req.into_response(response).map_into_right_body()));
                 return;
@@ -473,6 +477,19 @@ pub(super) async fn settle_keyed<S, Svc, B>(
                 req = next;
             }
         }
+    }
+}
+
+/// The outcome to report for what a claim answered after `runs` runs of the handler: once a
+/// run was rolled back by a serialization failure (the retry option), the handler has run,
+/// whatever the next claim finds (the key taken meanwhile: 409; another request's response:
+/// a replay; the store down: 503), so that is [`Outcome::RolledBack`] with the status the
+/// client got, never an outcome that says nothing ran.
+fn ran_before(outcome: Outcome, runs: u32) -> Outcome {
+    if runs > 0 && !outcome.ran_handler() {
+        Outcome::RolledBack
+    } else {
+        outcome
     }
 }
 
@@ -746,7 +763,8 @@ where
     let taken = slot.conn.try_borrow_mut().ok().and_then(|mut c| c.take());
     let Some(mut conn) = taken else {
         tracing::error!(target: "idempotency_actix", outcome = "rolled_back", "the transaction's connection is still borrowed after the handler returned (a TxConn kept in the response?); rolled back");
-        outcome(Outcome::CommitFailed, StatusCode::INTERNAL_SERVER_ERROR);
+        // Counted as logged: rolled back (not `commit_failed`, whose client is told so).
+        outcome(Outcome::RolledBack, StatusCode::INTERNAL_SERVER_ERROR);
         return After::Answer(Err(opaque_500("TxConn outlived the handler")));
     };
     // The handler may have ended the transaction itself (diesel's commit_transaction or

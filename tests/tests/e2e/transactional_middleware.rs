@@ -17,8 +17,10 @@ use diesel::sql_types::{BigInt, Nullable, Text};
 use diesel_async::{AsyncConnection, RunQueryDsl, SimpleAsyncConnection};
 use idempotency_actix::store::postgres::schema::State;
 use idempotency_actix::store::postgres::{IsolationLevel, PostgresStore};
-use idempotency_actix::store::{Fingerprint, IdempotencyStore, ReserveOutcome, Scope};
-use idempotency_actix::{Idempotency, IdempotentTx};
+use idempotency_actix::store::{
+    Fingerprint, IdempotencyStore, ReserveOutcome, Scope, WriteOutcome,
+};
+use idempotency_actix::{Idempotency, IdempotentTx, Outcome};
 use idempotency_e2e::records::{count, execute, records_for_key};
 use idempotency_e2e::TestDb;
 use serde::Deserialize;
@@ -618,6 +620,71 @@ async fn duplicate_while_open_gets_409_at_once_then_replays() {
     assert_counts(&db, &runs, 1, 1);
 }
 
+/// Both modes on one table, the one case that waits (docs/transactional.md, "Sharing one table
+/// with the default mode"): a default-mode holder whose lease ended while its handler ran,
+/// whose key a transactional request then took over, completes while that transaction is
+/// still open. Its `complete` waits on the uncommitted row, but no longer than its store's
+/// `query_timeout` (1 s here, against a transaction held 4 s), and never applies: after the
+/// commit the transactional response is the record, the holder's write is stale, and a retry
+/// replays.
+#[actix_web::test]
+async fn a_stale_default_mode_holder_waits_on_a_takeover_no_longer_than_its_query_timeout() {
+    let (db, _store, runs, app) = setup_pay(tx_middleware).await;
+    let holder = PostgresStore::builder(&db.url)
+        .query_timeout(Some(Duration::from_secs(1)))
+        .build()
+        .await
+        .unwrap();
+    let scope = Scope {
+        tenant: "acct_1".into(),
+        method: "POST".into(),
+        path: "/payments".into(),
+        key: "mix1".into(),
+    };
+    // The fingerprint the middleware computes for the request `send` makes below.
+    let query = "sleep_ms=4000";
+    let fp = Fingerprint::of_request("POST", "/payments", query, true, br#"{"amount":7}"#);
+    let lease = Duration::from_millis(300);
+    let ReserveOutcome::Reserved { token } = holder.reserve(&scope, &fp, lease).await.unwrap()
+    else {
+        panic!("the default-mode holder did not reserve");
+    };
+    tokio::time::sleep(Duration::from_millis(600)).await; // its lease is over
+    let response = idempotency_actix::store::StoredResponse {
+        status: 201,
+        headers: vec![],
+        body: bytes::Bytes::from_static(b"the default-mode holder's"),
+    };
+    let ttl = Duration::from_secs(3600);
+    let target = format!("?{query}");
+    let taker = send(&app, "mix1", &target, 7);
+    let late_holder = after(1000, async {
+        let started = Instant::now();
+        let completed = holder.complete(&scope, &token, &response, ttl).await;
+        (completed, started.elapsed())
+    });
+    let (taken, (completed, took)) = futures_util::future::join(taker, late_holder).await;
+    assert_eq!(
+        taken.status,
+        StatusCode::CREATED,
+        "the takeover: {}",
+        taken.body
+    );
+    assert!(
+        took < Duration::from_millis(2500),
+        "the holder's complete waited {took:?} on the open transaction (query_timeout 1 s)"
+    );
+    assert!(
+        !matches!(completed, Ok(WriteOutcome::Applied)),
+        "the holder's complete applied over the takeover: {completed:?}"
+    );
+    let again = holder.complete(&scope, &token, &response, ttl).await;
+    assert_eq!(again.unwrap(), WriteOutcome::Stale, "after the commit");
+    let retry = send(&app, "mix1", &target, 7).await;
+    assert_replays(&retry, &taken, "after the takeover committed");
+    assert_counts(&db, &runs, 1, 1);
+}
+
 /// With `wait_for_in_flight`, the duplicate waits for the first transaction and replays it.
 #[actix_web::test]
 async fn wait_mode_replays_after_the_first_commits() {
@@ -952,6 +1019,128 @@ async fn fails_first_run(
         .await
         .map_err(actix_web::error::ErrorInternalServerError)?;
     Ok(HttpResponse::Created().json(serde_json::json!({ "run": run })))
+}
+
+/// A run that a serialization failure rolled back, whose re-run then finds the key taken (here
+/// by a session advisory lock on the scope, held by another connection, as a concurrent request
+/// that claimed the key in between would hold it): the client gets the 409 the claim gives, and
+/// the outcome says the handler ran (`rolled_back`), not `conflict`, which would count a run
+/// as none (review of the outcomes, 2026-12-06).
+#[actix_web::test]
+async fn a_rerun_that_finds_its_key_taken_is_reported_as_a_run() {
+    let (db, store) = setup().await;
+    let runs = Runs::default();
+    let (seen, hook) = outcomes();
+    let middleware = tx_builder(&store)
+        .retry_serialization_failures(2)
+        .on_outcome(hook);
+    let holder = KeyHolder {
+        url: db.url.clone(),
+        conn: Arc::default(),
+    };
+    let app = test::init_service(
+        App::new()
+            .app_data(web::Data::new(runs.clone()))
+            .app_data(web::Data::new(holder.clone()))
+            .service(
+                web::scope("")
+                    .wrap(middleware.build())
+                    .route("/payments", web::post().to(takes_its_key_and_fails)),
+            ),
+    )
+    .await;
+    let answer = send(&app, "r1", "", 1).await;
+    assert_eq!(answer.status, StatusCode::CONFLICT);
+    assert_eq!(
+        runs.get(),
+        1,
+        "run once; the re-run's claim found the key taken"
+    );
+    assert_nothing_kept(&db, "r1", 0);
+    assert_eq!(
+        *seen.lock().unwrap(),
+        [(Outcome::RolledBack, 409)],
+        "the handler ran and was rolled back; the client got 409"
+    );
+    assert!(Outcome::RolledBack.ran_handler());
+    let other = holder.conn.lock().unwrap().take();
+    assert!(
+        other.is_some(),
+        "the other connection was granted the key's lock"
+    );
+}
+
+/// The outcomes and statuses an `on_outcome` hook saw, and the hook.
+#[allow(clippy::type_complexity)] // a test's recording, read back as it is
+fn outcomes() -> (
+    Arc<std::sync::Mutex<Vec<(Outcome, u16)>>>,
+    impl Fn(&idempotency_actix::OutcomeEvent<'_>) + Send + Sync + 'static,
+) {
+    let seen: Arc<std::sync::Mutex<Vec<(Outcome, u16)>>> = Arc::default();
+    let recorded = Arc::clone(&seen);
+    let hook = move |event: &idempotency_actix::OutcomeEvent<'_>| {
+        recorded
+            .lock()
+            .unwrap()
+            .push((event.outcome, event.status.as_u16()))
+    };
+    (seen, hook)
+}
+
+/// Where [`takes_its_key_and_fails`] keeps the connection holding its scope's advisory lock.
+#[derive(Clone)]
+struct KeyHolder {
+    url: String,
+    conn: Arc<std::sync::Mutex<Option<diesel_async::AsyncPgConnection>>>,
+}
+
+/// Asks for its scope's advisory lock on a connection of its own (a task kept in
+/// [`KeyHolder`]), which waits behind this request's claim; once that request is seen waiting,
+/// fails with SQLSTATE 40001. The middleware rolls back, which grants the waiting request the
+/// lock before the middleware's next statement: its claim of the key again finds it taken.
+async fn takes_its_key_and_fails(
+    tx: IdempotentTx,
+    runs: web::Data<Runs>,
+    holder: web::Data<KeyHolder>,
+) -> actix_web::Result<HttpResponse> {
+    runs.0.fetch_add(1, Ordering::SeqCst);
+    let url = holder.url.clone();
+    let kept = Arc::clone(&holder.conn);
+    actix_web::rt::spawn(async move {
+        let mut other = diesel_async::AsyncPgConnection::establish(&url)
+            .await
+            .unwrap();
+        diesel::sql_query(
+            "SELECT pg_advisory_lock(idempotency_lock_key('acct_1', 'POST', '/payments', 'r1'))",
+        )
+        .execute(&mut other)
+        .await
+        .unwrap();
+        *kept.lock().unwrap() = Some(other);
+    });
+    let mut conn = tx.conn();
+    let started = Instant::now();
+    loop {
+        let waiting = diesel::sql_query(
+            "SELECT count(*) AS n FROM pg_locks WHERE locktype = 'advisory' AND NOT granted",
+        )
+        .get_result::<N>(&mut *conn)
+        .await
+        .map_err(actix_web::error::ErrorInternalServerError)?;
+        if waiting.n == 1 {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "nobody waits for the key"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    diesel::sql_query("DO $$ BEGIN RAISE EXCEPTION 'forced' USING ERRCODE = '40001'; END $$")
+        .execute(&mut *conn)
+        .await
+        .map_err(actix_web::error::ErrorInternalServerError)?;
+    Ok(HttpResponse::Created().finish())
 }
 
 /// A request whose handler kept a copy of its `HttpRequest` (here on a spawned task) cannot be
@@ -1586,7 +1775,11 @@ async fn borrows_again_after_returning(tx: IdempotentTx) -> HttpResponse {
 #[actix_web::test]
 async fn a_txconn_borrowed_again_after_the_handler_returned_is_refused() {
     let (db, store) = setup().await;
-    let app = app!(tx_middleware(&store), post borrows_again_after_returning);
+    let (seen, hook) = outcomes();
+    let app = app!(
+        tx_builder(&store).on_outcome(hook).build(),
+        post borrows_again_after_returning
+    );
     let first = send(&app, "again1", "", 1).await;
     assert_eq!(
         first.status,
@@ -1594,6 +1787,8 @@ async fn a_txconn_borrowed_again_after_the_handler_returned_is_refused() {
         "{}",
         first.body
     );
+    // Rolled back, as logged; not `commit_failed`, whose client is told COMMIT_FAILED.
+    assert_eq!(*seen.lock().unwrap(), [(Outcome::RolledBack, 500)]);
     tokio::time::sleep(Duration::from_millis(800)).await;
     assert_nothing_kept(&db, "again1", 0);
     assert_eq!(
