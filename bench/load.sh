@@ -16,10 +16,13 @@
 # BENCH_WAIT_QUIET (s to wait for a quiet machine, 120), BENCH_DATABASE_URL (an existing
 # server's admin URL instead of the throwaway cluster; pg_stat_statements must be loaded
 # there for the statement counts), BENCH_CASES (space-separated subset of the cases),
-# BENCH_SERVER_BIN (a bench_server binary built beforehand: skips the build), BENCH_SCALE (1: also run the scale curves of bench/scale.sh after the cases; only: run just
+# BENCH_SERVER_BIN (a bench_server binary built beforehand, with `--features redis` unless
+# BENCH_REDIS=0: skips the build), BENCH_SCALE (1: also run the scale curves of bench/scale.sh after the cases; only: run just
 # the scale curves; they take up to 30 minutes and about 10 GB of disk, and are not for CI),
 # BENCH_PARTITIONS (1: also compare the partitioned layout with the plain one, bench/partitions.sh;
-# only: just that; 10 M expired rows per layout, 10-20 minutes, not for CI).
+# only: just that; 10 M expired rows per layout, 10-20 minutes, not for CI), BENCH_REDIS (1, the
+# default: also run the Redis store against its raw anchor, bench/redis.sh, with this run's
+# server binary, rounds and durations, its table printed after the main one; 0: skip it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=bench/rows.sh
@@ -29,6 +32,7 @@ DURATION=${BENCH_DURATION:-10}
 RUNS=${BENCH_RUNS:-5}
 SCALE=${BENCH_SCALE:-}
 PARTITIONS=${BENCH_PARTITIONS:-}
+REDIS=${BENCH_REDIS:-1}
 THREADS=${BENCH_THREADS:-2}
 CONNECTIONS=${BENCH_CONNECTIONS:-64}
 POOL=${BENCH_POOL:-16}
@@ -109,7 +113,9 @@ if [ -n "${BENCH_SERVER_BIN:-}" ]; then
   cp "$BENCH_SERVER_BIN" "$WORK/bench_server"
 else
   log "building the bench server (release)"
-  cargo build --release -q -p idempotency-actix --example bench_server
+  # With the Redis store too, for bench/redis.sh's cases (BENCH_REDIS): the other modes do not
+  # change with it.
+  cargo build --release -q -p idempotency-actix --example bench_server --features redis
   # A private copy: the target directory is shared, and another checkout's build of the same
   # example would replace the binary under us.
   cp "$TARGET_DIR/release/examples/bench_server" "$WORK/bench_server"
@@ -324,6 +330,14 @@ if [ -n "$PARTITIONS" ]; then
   echo "$PART_JSON" >"$OUT/partitions-$STAMP.json"
   log "partitions: results in $OUT/partitions-$STAMP.json"
 fi
+REDIS_TABLE="$WORK/redis-table.txt"
+: >"$REDIS_TABLE"
+if [ "$REDIS" != 0 ] && [ "$SCALE" != only ] && [ "$PARTITIONS" != only ]; then
+  log "the Redis cases (bench/redis.sh)"
+  BENCH_SERVER_BIN="$SERVER" BENCH_DURATION="$DURATION" BENCH_RUNS="$RUNS" \
+    BENCH_THREADS="$THREADS" BENCH_CONNECTIONS="$CONNECTIONS" BENCH_WORKERS="$WORKERS" \
+    bash bench/redis.sh >"$REDIS_TABLE"
+fi
 STORE_LEN_NOTE="memory store bounded at 100000 records (MemoryStore default)"
 LOAD_END=$(cut -d' ' -f1-3 /proc/loadavg)
 
@@ -333,3 +347,4 @@ python3 bench/report.py "$RESULTS" "$OUT/load-$STAMP.json" \
     workers "$WORKERS" cores "$CORES" load_at_start "$LOAD_START" load_measuring "$LOAD_BEFORE" \
     load_end "$LOAD_END" database "$SETTINGS" note "$STORE_LEN_NOTE")" \
   --hwm "$HWM" --footprint "$FOOTPRINT" --purge "$PURGE_JSON" --scale "$SCALE_JSON"
+cat "$REDIS_TABLE"

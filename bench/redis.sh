@@ -14,7 +14,9 @@
 # ("before"), e.g. the last commit's build, so a change is measured against it in the same run
 # (on its own prefix, so the two stores' records never meet).
 # Knobs: BENCH_DURATION (s per run, 10), BENCH_RUNS (5), BENCH_THREADS (2), BENCH_CONNECTIONS (64),
-# BENCH_WORKERS (2). Raw results: bench-results/redis-<time>.jsonl.
+# BENCH_WORKERS (2), BENCH_SERVER_BIN (a bench_server built beforehand with the feature redis:
+# skips the build). Raw results: bench-results/redis-<time>.jsonl. bench/load.sh runs this too
+# (BENCH_REDIS, on by default), with its own server binary and rounds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -44,10 +46,15 @@ command -v wrk >/dev/null || { apt-get update -qq >/dev/null && apt-get install 
 command -v redis-server >/dev/null || { apt-get update -qq >/dev/null && apt-get install -y -qq redis-server >/dev/null; }
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
-log "building the bench server (release, feature redis)"
-cargo build --release -q -p idempotency-actix --example bench_server --features redis
-TARGET_DIR=$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')
-SERVER="$TARGET_DIR/release/examples/bench_server"
+if [ -n "${BENCH_SERVER_BIN:-}" ]; then
+  # Built beforehand with the feature redis (bench/load.sh passes its own).
+  SERVER="$BENCH_SERVER_BIN"
+else
+  log "building the bench server (release, feature redis)"
+  cargo build --release -q -p idempotency-actix --example bench_server --features redis
+  TARGET_DIR=$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')
+  SERVER="$TARGET_DIR/release/examples/bench_server"
+fi
 
 REDIS_PORT=$(free_port)
 redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save '' --appendonly no \
