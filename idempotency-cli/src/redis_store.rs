@@ -20,8 +20,8 @@ use idempotency_actix::store::postgres::admin::{Detail, Record, State, Time};
 use idempotency_actix::store::redis::redis::aio::{ConnectionLike, MultiplexedConnection};
 use idempotency_actix::store::redis::redis::{self, AsyncConnectionConfig, RedisError};
 use idempotency_actix::store::redis::{
-    cluster_enabled, encode_key_part, parse_record_key, record, validate_key_prefix, KeyScan,
-    DEFAULT_PREFIX,
+    cluster_enabled, encode_key_part, parse_record_key, record, skips_tls_verification,
+    validate_key_prefix, KeyScan, DEFAULT_PREFIX, UNVERIFIED_TLS_REFUSED,
 };
 use idempotency_actix::store::Scope;
 use serde_json::json;
@@ -142,6 +142,9 @@ fn summary(out: &mut Out, format: Format, command: &str, text: &str) -> Result<(
 
 async fn connect(url: &str, timeout: Duration) -> Result<MultiplexedConnection, CliError> {
     // Neither message repeats the URL: it may carry a password.
+    if skips_tls_verification(url) {
+        return Err(CliError::Usage(UNVERIFIED_TLS_REFUSED.to_owned()));
+    }
     let client = redis::Client::open(url).map_err(|e| invalid_url(&e))?;
     // The response timeout bounds every later command (INFO, TIME, SCAN, GET...) too: a
     // server gone silent mid-command is "unavailable" (exit 3), never a hang.

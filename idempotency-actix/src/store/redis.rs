@@ -317,6 +317,9 @@ impl RedisStoreBuilder {
     /// [`StoreError::Unavailable`] when the server cannot be reached in time.
     pub async fn connect(self, url: &str) -> Result<RedisStore, StoreError> {
         self.validate()?;
+        if skips_tls_verification(url) {
+            return Err(StoreError::Backend(UNVERIFIED_TLS_REFUSED.into()));
+        }
         let client = redis::Client::open(url).map_err(invalid_url)?;
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(self.connection_timeout)
@@ -360,6 +363,9 @@ impl RedisStoreBuilder {
         urls: &[&str],
     ) -> Result<RedisStore<redis::cluster_async::ClusterConnection>, StoreError> {
         self.validate()?;
+        if urls.iter().any(|url| skips_tls_verification(url)) {
+            return Err(StoreError::Backend(UNVERIFIED_TLS_REFUSED.into()));
+        }
         let client = redis::cluster::ClusterClientBuilder::new(urls.iter().copied())
             .connection_timeout(self.connection_timeout)
             .response_timeout(self.connection_response_timeout())
@@ -951,6 +957,24 @@ fn kept_in_key(b: u8) -> bool {
 /// tenant (`<prefix><encoded tenant>:*`). Never contains a glob character.
 pub fn encode_key_part(part: &str) -> String {
     utf8_percent_encode(part, KEY_PART).to_string()
+}
+
+/// Why a `rediss://` URL with the redis crate's `#insecure` fragment (TLS that does not check
+/// the server's certificate, so anyone on the path can read and answer for Redis) is refused,
+/// by [`RedisStoreBuilder::connect`] and by `idem-cli`. This build lacks the crate's
+/// `tls-rustls-insecure` feature, so such a URL never connected; but the crate said so only
+/// when connecting, as an "unavailable" error, which reads like an outage.
+pub const UNVERIFIED_TLS_REFUSED: &str = "a rediss:// URL with #insecure (TLS without checking \
+     the server's certificate) is refused: trust the server's CA instead (SSL_CERT_FILE, or \
+     redis::Client::build_with_tls and RedisStoreBuilder::with_connection)";
+
+/// Whether `url` asks for TLS without checking the server's certificate (`#insecure`); `false`
+/// for a URL that does not parse (its error is reported where it is opened).
+pub fn skips_tls_verification(url: &str) -> bool {
+    matches!(
+        redis::IntoConnectionInfo::into_connection_info(url).map(|info| info.addr),
+        Ok(redis::ConnectionAddr::TcpTls { insecure: true, .. })
+    )
 }
 
 /// A URL the redis crate refused. The error never echoes the URL (it may hold a password).
@@ -1553,12 +1577,35 @@ where
 #[cfg(test)]
 mod tests {
     use super::{
-        classify, outcome_unknown, parse_record_key, record_key, too_old, validate_key_prefix,
-        Scope,
+        classify, outcome_unknown, parse_record_key, record_key, skips_tls_verification, too_old,
+        validate_key_prefix, Scope,
     };
     use crate::store::StoreError;
     use proptest::prelude::*;
     use redis::{ErrorKind, RedisError};
+
+    /// `#insecure` is recognised however the redis crate would read it, and nothing else is.
+    #[test]
+    fn only_a_tls_url_with_insecure_skips_verification() {
+        for url in [
+            "rediss://h/#insecure",
+            "rediss://:pw@h:6380/2#insecure",
+            "valkeys://h#insecure",
+            "REDISS://h/#insecure",
+        ] {
+            assert!(skips_tls_verification(url), "{url}");
+        }
+        for url in [
+            "rediss://h/",
+            "redis://h/#insecure",
+            "rediss://h/#secure",
+            "redis+unix:///tmp/r.sock",
+            "not a url",
+            "",
+        ] {
+            assert!(!skips_tls_verification(url), "{url}");
+        }
+    }
 
     /// A reserve that got no answer may have been applied (its release is retried for two
     /// leases); one refused by Redis's own error reply wrote nothing (released once).

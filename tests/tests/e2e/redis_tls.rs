@@ -3,14 +3,16 @@
 //! the server's chain and name: against the system's roots by default (so an unknown CA is
 //! refused, and `SSL_CERT_FILE` names a private CA), or against the roots the app gives a
 //! connection of its own (`redis::Client::build_with_tls`). `#insecure`, the redis crate's way
-//! to turn verification off, is refused: this build lacks the crate's `tls-rustls-insecure`.
+//! to turn verification off, is refused before connecting, as a setting.
 
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use idempotency_actix::store::redis::redis;
 use idempotency_actix::store::redis::RedisStore;
-use idempotency_actix::store::{IdempotencyStore, ReserveOutcome, StoredResponse, WriteOutcome};
+use idempotency_actix::store::{
+    IdempotencyStore, ReserveOutcome, StoreError, StoredResponse, WriteOutcome,
+};
 use idempotency_actix::Fingerprint;
 use idempotency_e2e::faults::pay;
 use idempotency_e2e::proc::{run_idem_cli_with_env, PaymentsApp};
@@ -23,25 +25,35 @@ use super::tls_certs::{make_certs, Certs};
 /// A server with TLS on its own port (clients need not show a certificate) next to its plain
 /// port; returns it and the TLS port.
 fn tls_server(certs: &Certs) -> (RedisServer, u16) {
-    let tls_port = free_port().to_string();
     let (crt, key, ca) = (
         certs.path("server.crt"),
         certs.path("server.key"),
         certs.path("ca.crt"),
     );
-    let server = RedisServer::start_with(&[
-        "--tls-port",
-        &tls_port,
-        "--tls-cert-file",
-        &crt,
-        "--tls-key-file",
-        &key,
-        "--tls-ca-cert-file",
-        &ca,
-        "--tls-auth-clients",
-        "no",
-    ]);
-    let port = tls_port.parse().unwrap();
+    // Another TLS port per attempt: a port taken between `free_port` and the bind makes the
+    // server exit, and `RedisServer` only picks its plain port anew.
+    let mut failed = String::new();
+    let (server, port) = (0..5)
+        .find_map(|_| {
+            let port = free_port();
+            let tls_port = port.to_string();
+            RedisServer::try_start_with(&[
+                "--tls-port",
+                &tls_port,
+                "--tls-cert-file",
+                &crt,
+                "--tls-key-file",
+                &key,
+                "--tls-ca-cert-file",
+                &ca,
+                "--tls-auth-clients",
+                "no",
+            ])
+            .map_err(|why| failed = why)
+            .ok()
+            .map(|server| (server, port))
+        })
+        .unwrap_or_else(|| panic!("no TLS redis-server started: {failed}"));
     // The plain port answering does not mean the TLS one listens: wait for a TLS handshake.
     wait_for_tls(port, certs);
     (server, port)
@@ -123,8 +135,8 @@ async fn a_store_over_the_apps_tls_connection_runs_a_whole_cycle() {
 }
 
 /// `RedisStore::connect("rediss://...")` checks the chain against the system's roots, which do
-/// not hold the test CA: refused, promptly, with an error that names neither the password
-/// nor anything but the failure; the same for `#insecure`. Nothing is written.
+/// not hold the test CA: refused, promptly, with an error that does not show the password;
+/// `#insecure` is refused before connecting, as a setting. Nothing is written.
 #[tokio::test]
 async fn rediss_refuses_an_unknown_ca_and_the_insecure_fragment() {
     let certs = make_certs();
@@ -146,6 +158,13 @@ async fn rediss_refuses_an_unknown_ca_and_the_insecure_fragment() {
             !said.contains("s3cret"),
             "the error shows the password: {said}"
         );
+        if url.ends_with("#insecure") {
+            // Refused as a setting, saying why, not reported as an outage.
+            assert!(
+                matches!(e, StoreError::Backend(_)) && said.contains("#insecure"),
+                "{url}: {e:?}"
+            );
+        }
         // Three connection attempts of 1 s at most, and the eviction check is never reached.
         assert!(
             started.elapsed() < Duration::from_secs(10),
@@ -160,7 +179,7 @@ async fn rediss_refuses_an_unknown_ca_and_the_insecure_fragment() {
 
 /// The processes: the payments example with `REDIS_URL=rediss://...` and the CA trusted through
 /// `SSL_CERT_FILE` runs a payment once and replays it; `idem-cli` reads that record over TLS,
-/// and with another CA trusted it fails with one line and a non-zero exit.
+/// with another CA trusted it fails with one line (exit 3), and `#insecure` is a usage error.
 #[test]
 fn the_example_and_idem_cli_over_rediss_with_a_private_ca() {
     let certs = make_certs();
@@ -208,4 +227,11 @@ fn the_example_and_idem_cli_over_rediss_with_a_private_ca() {
     assert_eq!(refused.status.code(), Some(3), "{refused:?}");
     assert_eq!(err.trim_end().lines().count(), 1, "one line: {err}");
     assert!(err.contains("certificate"), "names the cause: {err}");
+
+    // `#insecure` is a usage error (exit 2) that says what to do instead.
+    let insecure = run_idem_cli_with_env("REDIS_URL", &format!("{url}#insecure"), &[], &["list"]);
+    let err = String::from_utf8_lossy(&insecure.stderr);
+    assert_eq!(insecure.status.code(), Some(2), "{insecure:?}");
+    assert_eq!(err.trim_end().lines().count(), 1, "one line: {err}");
+    assert!(err.contains("SSL_CERT_FILE"), "{err}");
 }
