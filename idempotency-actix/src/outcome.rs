@@ -88,7 +88,9 @@ pub enum Outcome {
     BodyError,
     /// 406: the stored response's encoding is not acceptable to the retry.
     ReplayNotAcceptable,
-    /// The handler panicked; the reservation was left to its lease.
+    /// The handler panicked; the reservation was left to its lease (in transactional mode,
+    /// rolled back). Also counted for a request `fail_open` let through, which had none: a
+    /// panic is a panic, whatever protected the request.
     HandlerPanic,
     /// Transactional mode: the handler ran and its transaction was rolled back (a response
     /// that is not stored, a handler error, a response over `max_response_bytes`): neither its

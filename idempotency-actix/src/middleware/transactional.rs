@@ -342,7 +342,7 @@ pub(super) async fn settle_keyed<S, Svc, B>(
     loop {
         // A client that left while waiting (wait mode) is not run for: see `Flow::reserve`.
         if waited && answer.is_closed() {
-            tracing::info!(target: "idempotency_actix", outcome = "abandoned", key = %LogText(&scope.key), tenant = %LogText(&scope.tenant), path = %LogText(&scope.path), "the client left while waiting for the first request with this key; nothing was run");
+            tracing::info!(target: "idempotency_actix", outcome = ran_before(Outcome::Abandoned, runs).as_str(), runs, key = %LogText(&scope.key), tenant = %LogText(&scope.tenant), path = %LogText(&scope.path), "the client left while waiting for the first request with this key; not run (again)");
             report.outcome(
                 ran_before(Outcome::Abandoned, runs),
                 crate::outcome::client_closed(),
@@ -359,7 +359,7 @@ pub(super) async fn settle_keyed<S, Svc, B>(
             Claimed::Reserved(conn, _) if waited && answer.is_closed() => {
                 let mut conn = *conn;
                 sql::rollback(&tx.store, &mut conn).await;
-                tracing::info!(target: "idempotency_actix", outcome = "abandoned", key = %LogText(&scope.key), tenant = %LogText(&scope.tenant), path = %LogText(&scope.path), "the client left while waiting for the first request with this key; the claim it then got is rolled back, nothing was run");
+                tracing::info!(target: "idempotency_actix", outcome = ran_before(Outcome::Abandoned, runs).as_str(), runs, key = %LogText(&scope.key), tenant = %LogText(&scope.tenant), path = %LogText(&scope.path), "the client left while waiting for the first request with this key; the claim it then got is rolled back, not run (again)");
                 report.outcome(
                     ran_before(Outcome::Abandoned, runs),
                     crate::outcome::client_closed(),
@@ -397,7 +397,7 @@ pub(super) async fn settle_keyed<S, Svc, B>(
                     waited = true;
                     continue;
                 }
-                tracing::info!(target: "idempotency_actix", outcome = "conflict", key = %LogText(&scope.key), tenant = %LogText(&scope.tenant), path = %LogText(&scope.path), "the first request with this key is still running (its transaction is open)");
+                tracing::info!(target: "idempotency_actix", outcome = ran_before(Outcome::Conflict, runs).as_str(), runs, key = %LogText(&scope.key), tenant = %LogText(&scope.tenant), path = %LogText(&scope.path), "the first request with this key is still running (its transaction is open)");
                 let problem = Problem::new(
                     ProblemCode::Conflict,
                     "the first request with this key is still being processed; retry after it finishes",
@@ -484,7 +484,8 @@ pub(super) async fn settle_keyed<S, Svc, B>(
 /// run was rolled back by a serialization failure (the retry option), the handler has run,
 /// whatever the next claim finds (the key taken meanwhile: 409; another request's response:
 /// a replay; the store down: 503), so that is [`Outcome::RolledBack`] with the status the
-/// client got, never an outcome that says nothing ran.
+/// client got, never an outcome that says nothing ran. (The claim's own log lines say what it
+/// found; the `runs` field of the lines here tells a re-run apart.)
 fn ran_before(outcome: Outcome, runs: u32) -> Outcome {
     if runs > 0 && !outcome.ran_handler() {
         Outcome::RolledBack

@@ -1063,11 +1063,20 @@ async fn a_rerun_that_finds_its_key_taken_is_reported_as_a_run() {
         "the handler ran and was rolled back; the client got 409"
     );
     assert!(Outcome::RolledBack.ran_handler());
-    let other = holder.conn.lock().unwrap().take();
-    assert!(
-        other.is_some(),
-        "the other connection was granted the key's lock"
-    );
+    // The lock was granted at the rollback; its holder's task stores the connection when it
+    // next runs.
+    let granted = Instant::now();
+    let other = loop {
+        if let Some(conn) = holder.conn.lock().unwrap().take() {
+            break conn;
+        }
+        assert!(
+            granted.elapsed() < Duration::from_secs(20),
+            "the other connection was never granted the key's lock"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    drop(other);
 }
 
 /// The outcomes and statuses an `on_outcome` hook saw, and the hook.
@@ -1122,7 +1131,8 @@ async fn takes_its_key_and_fails(
     let started = Instant::now();
     loop {
         let waiting = diesel::sql_query(
-            "SELECT count(*) AS n FROM pg_locks WHERE locktype = 'advisory' AND NOT granted",
+            "SELECT count(*) AS n FROM pg_locks WHERE locktype = 'advisory' AND NOT granted \
+             AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
         )
         .get_result::<N>(&mut *conn)
         .await
