@@ -20,9 +20,10 @@
 # BENCH_REDIS=0: skips the build), BENCH_SCALE (1: also run the scale curves of bench/scale.sh after the cases; only: run just
 # the scale curves; they take up to 30 minutes and about 10 GB of disk, and are not for CI),
 # BENCH_PARTITIONS (1: also compare the partitioned layout with the plain one, bench/partitions.sh;
-# only: just that; 10 M expired rows per layout, 10-20 minutes, not for CI), BENCH_REDIS (1, the
-# default: also run the Redis store against its raw anchor, bench/redis.sh, with this run's
-# server binary, rounds and durations, its table printed after the main one; 0: skip it).
+# only: just that; 10 M expired rows per layout, 10-20 minutes, not for CI), BENCH_REDIS (auto,
+# the default: a run without BENCH_CASES also runs the Redis store against its raw anchor,
+# bench/redis.sh, last, with this run's server binary, rounds and durations, its table printed
+# after the main one, about 5 minutes; 1: also with BENCH_CASES; 0 or empty: never).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=bench/rows.sh
@@ -32,7 +33,8 @@ DURATION=${BENCH_DURATION:-10}
 RUNS=${BENCH_RUNS:-5}
 SCALE=${BENCH_SCALE:-}
 PARTITIONS=${BENCH_PARTITIONS:-}
-REDIS=${BENCH_REDIS:-1}
+# auto: a full run (no BENCH_CASES) runs the Redis cases; 1 always, 0 (or empty) never.
+REDIS=${BENCH_REDIS-auto}
 THREADS=${BENCH_THREADS:-2}
 CONNECTIONS=${BENCH_CONNECTIONS:-64}
 POOL=${BENCH_POOL:-16}
@@ -330,14 +332,6 @@ if [ -n "$PARTITIONS" ]; then
   echo "$PART_JSON" >"$OUT/partitions-$STAMP.json"
   log "partitions: results in $OUT/partitions-$STAMP.json"
 fi
-REDIS_TABLE="$WORK/redis-table.txt"
-: >"$REDIS_TABLE"
-if [ "$REDIS" != 0 ] && [ "$SCALE" != only ] && [ "$PARTITIONS" != only ]; then
-  log "the Redis cases (bench/redis.sh)"
-  BENCH_SERVER_BIN="$SERVER" BENCH_DURATION="$DURATION" BENCH_RUNS="$RUNS" \
-    BENCH_THREADS="$THREADS" BENCH_CONNECTIONS="$CONNECTIONS" BENCH_WORKERS="$WORKERS" \
-    bash bench/redis.sh >"$REDIS_TABLE"
-fi
 STORE_LEN_NOTE="memory store bounded at 100000 records (MemoryStore default)"
 LOAD_END=$(cut -d' ' -f1-3 /proc/loadavg)
 
@@ -347,4 +341,30 @@ python3 bench/report.py "$RESULTS" "$OUT/load-$STAMP.json" \
     workers "$WORKERS" cores "$CORES" load_at_start "$LOAD_START" load_measuring "$LOAD_BEFORE" \
     load_end "$LOAD_END" database "$SETTINGS" note "$STORE_LEN_NOTE")" \
   --hwm "$HWM" --footprint "$FOOTPRINT" --purge "$PURGE_JSON" --scale "$SCALE_JSON"
-cat "$REDIS_TABLE"
+
+# The Redis cases last, after the main report is written (a failure here loses nothing above),
+# with every server of this run stopped so that they measure alone, as bench/redis.sh does.
+case $REDIS in
+  1) run_redis=1 ;;
+  auto) [ -z "${BENCH_CASES:-}" ] && [ "$SCALE" != only ] && [ "$PARTITIONS" != only ] && run_redis=1 ;;
+esac
+if [ -n "${run_redis:-}" ]; then
+  for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
+  for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
+  PIDS=()
+  if [ -n "$POSTMASTER" ]; then
+    # The throwaway cluster too (its autovacuum may still be busy after the purge section).
+    kill -INT "$POSTMASTER" 2>/dev/null || true
+    for _ in $(seq 1 50); do kill -0 "$POSTMASTER" 2>/dev/null || break; sleep 0.2; done
+    POSTMASTER=""
+    DB_CREATED=""
+    PART_DB_CREATED=""
+  fi
+  log "the Redis cases (bench/redis.sh)"
+  if ! BENCH_SERVER_BIN="$SERVER" BENCH_DURATION="$DURATION" BENCH_RUNS="$RUNS" \
+    BENCH_THREADS="$THREADS" BENCH_CONNECTIONS="$CONNECTIONS" BENCH_WORKERS="$WORKERS" \
+    bash bench/redis.sh; then
+    echo "load.sh: the Redis cases failed (the report above is complete); see the lines above" >&2
+    exit 1
+  fi
+fi

@@ -77,10 +77,16 @@ for mode in "${CASES[@]}"; do
       --redis-url "$REDIS_URL" >"$WORK/$mode.log" 2>&1 &
   fi
   PIDS+=("$!")
+  up=""
   for _ in $(seq 1 100); do
-    curl -s -o /dev/null -X POST -H 'content-type: application/json' -d '{}' "http://127.0.0.1:${PORT[$mode]}/payments" && break
+    curl -s -o /dev/null -X POST -H 'content-type: application/json' -d '{}' "http://127.0.0.1:${PORT[$mode]}/payments" && up=1 && break
     sleep 0.1
   done
+  if [ -z "$up" ]; then
+    echo "redis.sh: bench_server --mode $mode did not answer (a binary built without --features redis?); its log:" >&2
+    cat "$WORK/$mode.log" >&2
+    exit 1
+  fi
 done
 
 run() { # mode script run-id
