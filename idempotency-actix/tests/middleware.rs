@@ -370,6 +370,9 @@ struct Faulty {
     reserves: Arc<AtomicUsize>,
     fail_reserve: Option<usize>,
     slow_reserve: Option<(usize, Duration)>,
+    /// The `.0`-th reserve is applied at once and answered `.1` later (a database that
+    /// stalled after starting the lease, a slow network back).
+    slow_answer: Option<(usize, Duration)>,
     panic_on_complete: bool,
     renews: bool,
     renewals: Arc<AtomicUsize>,
@@ -413,7 +416,13 @@ impl IdempotencyStore for Faulty {
                 tokio::time::sleep(delay).await;
             }
         }
-        self.inner.reserve(scope, fingerprint, lease).await
+        let outcome = self.inner.reserve(scope, fingerprint, lease).await;
+        if let Some((slow, delay)) = self.slow_answer {
+            if n == slow {
+                tokio::time::sleep(delay).await;
+            }
+        }
+        outcome
     }
     async fn complete(
         &self,
@@ -1991,5 +2000,50 @@ async fn a_declared_empty_stream_that_stays_open_is_answered_at_once() {
         "no 200 head within 2 s (before 246f0d3: at once); after {:?}: {:?}",
         started.elapsed(),
         answered.as_ref().map(|r| r.as_ref().map(|r| r.status()))
+    );
+}
+
+/// A reserve answered after its lease ended (the store applied the lease, then a stalled
+/// database or a slow network held the answer back: the lease counts from when the store
+/// applied it) must not run the handler on a key another request may have taken over
+/// meanwhile. Here the first reserve answers 400 ms after the store applied its 300 ms lease;
+/// a duplicate at 350 ms takes the ended reservation over and runs. The first request confirms
+/// its reservation before running (a renewal, fenced by its token), finds it gone and is
+/// answered as the key stands (here the duplicate's replay): one run (time audit, 2026-12-06;
+/// before: both ran).
+#[actix_web::test]
+async fn a_reservation_answered_after_its_lease_is_confirmed_before_running() {
+    let counter = Counter::default();
+    let store = Faulty {
+        renews: true,
+        slow_answer: Some((0, Duration::from_millis(400))),
+        ..Faulty::default()
+    };
+    let middleware = Idempotency::builder(store.clone())
+        .lock_timeout(Duration::from_millis(300))
+        .build();
+    let route = web::post().to(|counter: web::Data<Counter>| async move {
+        counter.bump();
+        HttpResponse::Created().finish()
+    });
+    let app = one_route(counter.clone(), middleware, "/pay", route).await;
+    let first = send(&app, post_x("/pay", "k"));
+    let duplicate = async {
+        tokio::time::sleep(Duration::from_millis(350)).await;
+        send(&app, post_x("/pay", "k")).await
+    };
+    let (first, duplicate) = futures_util::future::join(first, duplicate).await;
+    assert_eq!(
+        duplicate.status,
+        StatusCode::CREATED,
+        "the scenario: the duplicate took the ended reservation over"
+    );
+    assert_eq!(counter.get(), 1, "the handler ran twice");
+    // The first is answered as the key stands once it finds it gone: the duplicate's replay
+    // (it finished at once), or 409 had it still been running.
+    assert!(
+        first.replayed() || first.status == StatusCode::CONFLICT,
+        "{:?}",
+        first.status
     );
 }

@@ -555,6 +555,26 @@ where
                     self.release_quietly(scope, &token).await;
                     return Err(Decision::Abandoned);
                 }
+                // The lease counts from when the store applied it, after `called`. An answer
+                // that took a third of the lease or more (a database that stalled after
+                // applying it, a slow network back) may have come after the lease ended, and
+                // a request with this body may have taken the key over meanwhile: confirm the
+                // reservation before anything runs (time audit, 2026-12-06).
+                Ok(ReserveOutcome::Reserved { token })
+                    if called.elapsed() >= config.lock_timeout / 3 =>
+                {
+                    match self.confirm(scope, &token, called).await? {
+                        Some(held_from) => {
+                            tracing::debug!(target: "idempotency_actix", outcome = "miss", "reserved (confirmed after a slow answer); running the handler");
+                            return Ok((token, held_from));
+                        }
+                        // Someone else's now: answered as the key stands (409, or wait).
+                        None => {
+                            seen_in_flight = true;
+                            continue;
+                        }
+                    }
+                }
                 Ok(ReserveOutcome::Reserved { token }) => {
                     tracing::debug!(target: "idempotency_actix", outcome = "miss", "reserved; running the handler");
                     return Ok((token, called));
@@ -982,6 +1002,48 @@ where
     }
 
     /// Release without the "not stored" line (the caller logged its own reason).
+    /// A reservation whose answer came slowly (see [`Self::reserve`]), before anything runs:
+    /// `Some(instant)` while it is held, with the instant its lease now counts from (no
+    /// earlier than the store started it); `None` when it was taken over before it was
+    /// answered. Confirmed by a renewal, fenced by the token; a store that cannot renew
+    /// cannot confirm, so its reservation is given back once its whole lease may be over.
+    async fn confirm(
+        &self,
+        scope: &Scope,
+        token: &ReservationToken,
+        called: Instant,
+    ) -> Result<Option<Instant>, Decision> {
+        let lease = self.config.lock_timeout;
+        let failed = |error: &StoreError| {
+            Decision::Refuse(
+                Problem::new(ProblemCode::StorageUnavailable, unavailable_detail(error))
+                    .with_retry_after(self.config.retry_after),
+            )
+        };
+        if !self.store.renews_leases() {
+            if called.elapsed() < lease {
+                return Ok(Some(called));
+            }
+            tracing::error!(target: "idempotency_actix", outcome = "store_error", "the store answered the reservation after its whole lease (lock_timeout); given back, nothing was run");
+            self.release_quietly(scope, token).await;
+            return Err(failed(&StoreError::unavailable("answered after the lease")));
+        }
+        let renewed = Instant::now();
+        let call = self.store.renew_lease(scope, token, lease);
+        match outcome::timed(self.meters.histogram(Op::RenewLease), call).await {
+            Ok(WriteOutcome::Applied) => Ok(Some(renewed)),
+            Ok(WriteOutcome::Stale) => {
+                tracing::warn!(target: "idempotency_actix", outcome = "stale", "the reservation came back after its lease and had been taken over meanwhile; not run");
+                Ok(None)
+            }
+            Err(error) => {
+                tracing::error!(target: "idempotency_actix", outcome = "store_error", %error, "could not confirm a reservation that came back slowly; given back, nothing was run");
+                self.release_quietly(scope, token).await;
+                Err(failed(&error))
+            }
+        }
+    }
+
     async fn release_quietly(&self, scope: &Scope, token: &ReservationToken) {
         let call = self.store.release(scope, token);
         match outcome::timed(self.meters.histogram(Op::Release), call).await {
