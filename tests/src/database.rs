@@ -225,3 +225,20 @@ pub async fn migrate_in_test_layout(url: &str) -> Result<Vec<String>, StoreError
         postgres::run_migrations(url).await
     }
 }
+
+/// For a test of the hourly partitioned layout, whose partitions are placed by the hour it runs
+/// in ("the current hour + 3" made ahead, rows seeded hours ahead): returns once at least
+/// `margin` is left before the next full hour, sleeping across the boundary when less is. The
+/// hour must not change mid-test (a CI run crossed it at 08:00 UTC, 2026-12-06: one partition
+/// more than expected). By this process's clock, which a server on this host shares.
+pub async fn clear_of_the_hour(margin: Duration) {
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default();
+    let into_hour = Duration::from_secs(now.as_secs() % 3600)
+        + Duration::from_nanos(u64::from(now.subsec_nanos()));
+    let left = Duration::from_secs(3600).saturating_sub(into_hour);
+    if left < margin {
+        tokio::time::sleep(left + Duration::from_secs(1)).await;
+    }
+}

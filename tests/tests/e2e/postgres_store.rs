@@ -636,6 +636,9 @@ async fn partitioned_purge_drops_expired_partitions_and_keeps_live_records() {
     use idempotency_actix::store::postgres::admin;
     use idempotency_e2e::records::{self, count, execute};
 
+    // Partitions are placed by the current hour: not across its end.
+    idempotency_e2e::database::clear_of_the_hour(Duration::from_secs(180)).await;
+
     let db = TestDb::new_partitioned(PartitionInterval::Hourly).await;
     let store = PostgresStore::connect(&db.url).await.unwrap();
     // Live records: one in this hour's partitions, one past the partitions made ahead
@@ -768,6 +771,9 @@ const SEED_DEFAULT_PARTITION: &str = "\
 async fn partitioned_create_step_never_stalls_replays() {
     use idempotency_actix::store::postgres::admin;
     use idempotency_e2e::records::{count, execute};
+
+    // Partitions are placed by the current hour: not across its end.
+    idempotency_e2e::database::clear_of_the_hour(Duration::from_secs(180)).await;
 
     let db = TestDb::new_partitioned(PartitionInterval::Hourly).await;
     let store = PostgresStore::connect(&db.url).await.unwrap();
