@@ -1001,7 +1001,6 @@ where
         self.release_quietly(scope, token).await;
     }
 
-    /// Release without the "not stored" line (the caller logged its own reason).
     /// A reservation whose answer came slowly (see [`Self::reserve`]), before anything runs:
     /// `Some(instant)` while it is held, with the instant its lease now counts from (no
     /// earlier than the store started it); `None` when it was taken over before it was
@@ -1044,6 +1043,7 @@ where
         }
     }
 
+    /// Release without the "not stored" line (the caller logged its own reason).
     async fn release_quietly(&self, scope: &Scope, token: &ReservationToken) {
         let call = self.store.release(scope, token);
         match outcome::timed(self.meters.histogram(Op::Release), call).await {
