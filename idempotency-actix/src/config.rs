@@ -21,7 +21,9 @@
 //! | missing tenant | 400 `MISSING_TENANT` | once a tenant source is set, a keyed request without one must not share the global scope (C23); opt out with [`IdempotencyBuilder::missing_tenant_uses_global_scope`] |
 //!
 //! Durations saturate: `Duration::MAX` (or anything past the clock's range) means "as long as
-//! the clock can count", never a panic while serving. Header names are checked when the
+//! the clock can count", never a panic while serving; only bounds that would make the contract
+//! meaningless are refused when the middleware is built (`ttl` under [`MIN_TTL`], `lock_timeout`
+//! under [`MIN_LOCK_TIMEOUT`], `retry_after` over [`MAX_RETRY_AFTER`]). Header names are checked when the
 //! middleware is built: [`IdempotencyBuilder::build`] panics with a message naming the bad value
 //! (a configuration bug, found at startup), [`IdempotencyBuilder::try_build`] returns it instead.
 
@@ -518,7 +520,9 @@ impl<S> IdempotencyBuilder<S> {
     /// idempotency) instead of answering 503. Default `false`: for payments, refusing is safer.
     /// Never for a request the store already said is in flight (a waiting duplicate), nor for
     /// a [`StoreError::Backend`](crate::store::StoreError::Backend) error, which may be about
-    /// the request itself (a scope too long to index) and so chosen by a client.
+    /// the request itself (a value a custom store cannot record) and so chosen by a client.
+    /// (A scope longer than the store declares it can record never reaches it: 400
+    /// `SCOPE_TOO_LONG`, [`IdempotencyStore::max_scope_bytes`](crate::store::IdempotencyStore::max_scope_bytes).)
     pub fn fail_open(mut self, fail_open: bool) -> Self {
         self.config.fail_open = fail_open;
         self

@@ -110,6 +110,9 @@ pub enum Outcome {
     /// 400 `INVALID_BODY`: the request's body could not be read (the client reset the
     /// connection mid-upload, a malformed chunked encoding): nothing was reserved, nothing ran.
     RequestBodyError,
+    /// 400 `SCOPE_TOO_LONG`: tenant, method, path and key together are longer than the store
+    /// can record; nothing was reserved, nothing ran.
+    ScopeTooLong,
 }
 
 impl Outcome {
@@ -137,6 +140,7 @@ impl Outcome {
             Self::CommitUnknown => "commit_unknown",
             Self::Abandoned => "abandoned",
             Self::RequestBodyError => "request_body_error",
+            Self::ScopeTooLong => "scope_too_long",
         }
     }
 
@@ -171,7 +175,8 @@ impl Outcome {
             ProblemCode::ResponseTooLarge => Self::RolledBack,
             ProblemCode::CommitFailed => Self::CommitFailed,
             ProblemCode::CommitOutcomeUnknown => Self::CommitUnknown,
-            _ => Self::InvalidKey,
+            ProblemCode::ScopeTooLong => Self::ScopeTooLong,
+            ProblemCode::InvalidKey | ProblemCode::KeyTooLong => Self::InvalidKey,
         }
     }
 }
@@ -202,7 +207,7 @@ pub(crate) fn client_closed() -> StatusCode {
 }
 
 /// The number of [`Outcome`] variants (one counter handle each per route).
-const OUTCOMES: usize = Outcome::RequestBodyError as usize + 1;
+const OUTCOMES: usize = Outcome::ScopeTooLong as usize + 1;
 
 /// The metric handles of one worker, resolved once and reused.
 ///
@@ -454,6 +459,7 @@ pub(crate) mod tests {
         Outcome::CommitUnknown,
         Outcome::Abandoned,
         Outcome::RequestBodyError,
+        Outcome::ScopeTooLong,
     ];
 
     /// The documented label of each outcome and whether its handler ran.
@@ -480,6 +486,7 @@ pub(crate) mod tests {
             Outcome::CommitUnknown => ("commit_unknown", true),
             Outcome::Abandoned => ("abandoned", false),
             Outcome::RequestBodyError => ("request_body_error", false),
+            Outcome::ScopeTooLong => ("scope_too_long", false),
         }
     }
 
@@ -565,6 +572,7 @@ pub(crate) mod tests {
             (ProblemCode::MissingKey, Outcome::MissingKey),
             (ProblemCode::InvalidKey, Outcome::InvalidKey),
             (ProblemCode::KeyTooLong, Outcome::InvalidKey),
+            (ProblemCode::ScopeTooLong, Outcome::ScopeTooLong),
             (ProblemCode::PayloadTooLarge, Outcome::PayloadTooLarge),
             (ProblemCode::FingerprintMismatch, Outcome::Mismatch),
             (ProblemCode::Conflict, Outcome::Conflict),

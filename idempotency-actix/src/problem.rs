@@ -7,7 +7,7 @@
 //!   "type": "https://docs.rs/idempotency-actix/latest/idempotency_actix/problem/#conflict",
 //!   "title": "A request with this Idempotency-Key is still being processed",
 //!   "status": 409,
-//!   "detail": "retry after the first request finishes",
+//!   "detail": "the first request with this key is still being processed; retry after it finishes",
 //!   "code": "CONFLICT"
 //! }
 //! ```
@@ -32,6 +32,12 @@
 //!
 //! ### key-too-long
 //! `KEY_TOO_LONG`, 400: the key is longer than `max_key_len` (255 bytes by default).
+//!
+//! ### scope-too-long
+//! `SCOPE_TOO_LONG`, 400: the request's scope (tenant, method, path and key, added) is longer
+//! than the store can record (`PostgresStore`: 2,600 bytes; the memory and Redis stores have no
+//! limit). Nothing was reserved or run, and a retry gets the same answer: use a shorter path
+//! (or tenant, or key).
 //!
 //! ### payload-too-large
 //! `PAYLOAD_TOO_LARGE`, 413: the body is larger than `max_body_bytes` (1 MiB by default), so it
@@ -107,6 +113,8 @@ pub enum ProblemCode {
     InvalidKey,
     /// 400: the key is longer than allowed.
     KeyTooLong,
+    /// 400: tenant, method, path and key together are longer than the store can record.
+    ScopeTooLong,
     /// 413: the body is too large to fingerprint.
     PayloadTooLarge,
     /// 400: the body could not be read (the connection ended early, a malformed chunked
@@ -138,6 +146,7 @@ impl ProblemCode {
             Self::MissingKey => "MISSING_KEY",
             Self::InvalidKey => "INVALID_KEY",
             Self::KeyTooLong => "KEY_TOO_LONG",
+            Self::ScopeTooLong => "SCOPE_TOO_LONG",
             Self::PayloadTooLarge => "PAYLOAD_TOO_LARGE",
             Self::InvalidBody => "INVALID_BODY",
             Self::FingerprintMismatch => "FINGERPRINT_MISMATCH",
@@ -157,6 +166,7 @@ impl ProblemCode {
             Self::MissingKey => "missing-key",
             Self::InvalidKey => "invalid-key",
             Self::KeyTooLong => "key-too-long",
+            Self::ScopeTooLong => "scope-too-long",
             Self::PayloadTooLarge => "payload-too-large",
             Self::InvalidBody => "invalid-body",
             Self::FingerprintMismatch => "fingerprint-mismatch",
@@ -176,6 +186,7 @@ impl ProblemCode {
             Self::MissingKey
             | Self::InvalidKey
             | Self::KeyTooLong
+            | Self::ScopeTooLong
             | Self::MissingTenant
             | Self::InvalidBody => StatusCode::BAD_REQUEST,
             Self::ReplayNotAcceptable => StatusCode::NOT_ACCEPTABLE,
@@ -195,6 +206,7 @@ impl ProblemCode {
             Self::MissingKey => "An Idempotency-Key header is required",
             Self::InvalidKey => "The Idempotency-Key header is invalid",
             Self::KeyTooLong => "The Idempotency-Key is too long",
+            Self::ScopeTooLong => "The request's path, tenant and key are too long to record",
             Self::PayloadTooLarge => "The request body is too large",
             Self::InvalidBody => "The request body could not be read",
             Self::FingerprintMismatch => {
@@ -354,10 +366,11 @@ mod tests {
 
     /// Every code, once. The match below fails to compile when a variant is added, so this
     /// list (and every test over it) cannot silently miss one.
-    const ALL: [ProblemCode; 13] = [
+    const ALL: [ProblemCode; 14] = [
         ProblemCode::MissingKey,
         ProblemCode::InvalidKey,
         ProblemCode::KeyTooLong,
+        ProblemCode::ScopeTooLong,
         ProblemCode::InvalidBody,
         ProblemCode::PayloadTooLarge,
         ProblemCode::FingerprintMismatch,
@@ -376,6 +389,7 @@ mod tests {
             ProblemCode::MissingKey => ("MISSING_KEY", 400, "missing-key"),
             ProblemCode::InvalidKey => ("INVALID_KEY", 400, "invalid-key"),
             ProblemCode::KeyTooLong => ("KEY_TOO_LONG", 400, "key-too-long"),
+            ProblemCode::ScopeTooLong => ("SCOPE_TOO_LONG", 400, "scope-too-long"),
             ProblemCode::PayloadTooLarge => ("PAYLOAD_TOO_LARGE", 413, "payload-too-large"),
             ProblemCode::InvalidBody => ("INVALID_BODY", 400, "invalid-body"),
             ProblemCode::FingerprintMismatch => {

@@ -380,6 +380,8 @@ struct Faulty {
     /// The backend is down: every call fails. The one place a real part cannot be had in this
     /// crate.
     down: bool,
+    /// The longest scope it declares it can record (PostgreSQL's is its index's limit).
+    max_scope: Option<usize>,
 }
 
 impl Faulty {
@@ -462,6 +464,9 @@ impl IdempotencyStore for Faulty {
     }
     fn renews_leases(&self) -> bool {
         self.renews
+    }
+    fn max_scope_bytes(&self) -> Option<usize> {
+        self.max_scope
     }
     async fn purge_expired(&self, grace: Duration) -> Result<u64, StoreError> {
         self.check_up()?;
@@ -1342,6 +1347,55 @@ async fn store_down_fails_closed_with_503_or_open_when_asked() {
             reply.assert_problem(503, "STORAGE_UNAVAILABLE");
             assert_eq!(reply.header("retry-after"), Some("1"));
             assert_eq!(counter.get(), 0, "C15: the handler does not run");
+        }
+    }
+}
+
+#[actix_web::test]
+async fn a_scope_longer_than_the_store_records_is_refused_before_the_store_is_called() {
+    // C3: a store that declares a limit (PostgreSQL's primary-key index) is never asked to
+    // record a longer scope. The client gets a final 400, not the 503 of a store error, which
+    // every retry would meet again; and `fail_open` never runs such a request unprotected.
+    for (down, fail_open) in [(false, false), (true, true)] {
+        let counter = Counter::default();
+        let seen = Seen::default();
+        let store = Faulty {
+            down,
+            max_scope: Some(24),
+            ..Faulty::default()
+        };
+        let reserves = Arc::clone(&store.reserves);
+        let middleware = Idempotency::builder(store)
+            .fail_open(fail_open)
+            .on_outcome(recording(&seen, outcome_and_status))
+            .build();
+        let app = one_route(counter.clone(), middleware, "/echo", web::post().to(echo)).await;
+        // "POST" + "/echo" + a 15-byte key: 24 bytes, at the limit.
+        let at_limit = send(&app, post_x("/echo", &"k".repeat(15))).await;
+        assert_eq!(at_limit.status, StatusCode::CREATED, "down: {down}");
+        let over = send(&app, post_x("/echo", &"k".repeat(16))).await;
+        over.assert_problem(400, "SCOPE_TOO_LONG");
+        assert_eq!(over.header("retry-after"), None);
+        assert_eq!(
+            counter.get(),
+            1,
+            "down: {down}: the handler ran for the first only"
+        );
+        let first_outcome = if down {
+            Outcome::FailOpen
+        } else {
+            Outcome::Stored
+        };
+        assert_eq!(
+            seen_so_far(&seen),
+            [(first_outcome, 201), (Outcome::ScopeTooLong, 400)]
+        );
+        if !down {
+            assert_eq!(
+                reserves.load(Ordering::SeqCst),
+                1,
+                "the store saw only the first"
+            );
         }
     }
 }

@@ -402,6 +402,11 @@ where
         answer: Answer<B>,
     ) -> Pin<Box<impl Future<Output = ()> + 'static>> {
         Box::pin(async move {
+            if let Some(problem) = self.too_long_to_record(&scope) {
+                tracing::info!(target: "idempotency_actix", outcome = "scope_too_long", "keyed request refused: its scope is longer than the store can record");
+                let _ = answer.send(Ok(self.refuse(req, problem, &report, Some(&scope))));
+                return;
+            }
             #[cfg(feature = "postgres")]
             if let Some(tx) = self.config.transactional.clone() {
                 let keyed = super::transactional::Keyed {
@@ -515,6 +520,23 @@ where
                  cannot be scoped; the request was not processed",
             )),
         }
+    }
+
+    /// The refusal of a scope longer than the store can record (C3): a final 400, decided
+    /// here rather than by a store error that every retry would meet again (and that a
+    /// `fail_open` endpoint must not let through unprotected).
+    fn too_long_to_record(&self, scope: &Scope) -> Option<Problem> {
+        let max = self.store.max_scope_bytes()?;
+        let len = scope.byte_len();
+        (len > max).then(|| {
+            Problem::new(
+                ProblemCode::ScopeTooLong,
+                format!(
+                    "this request's path, tenant and key add up to {len} bytes, and at most \
+                     {max} can be recorded; nothing was run. Use a shorter path or key"
+                ),
+            )
+        })
     }
 
     /// Reserve the key, or decide the response without running the handler. With the token

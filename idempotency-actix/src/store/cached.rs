@@ -403,6 +403,11 @@ impl<S: IdempotencyStore> IdempotencyStore for CachedStore<S> {
         self.inner.renews_leases()
     }
 
+    // The wrapped store's limit: every record is written there.
+    fn max_scope_bytes(&self) -> Option<usize> {
+        self.inner.max_scope_bytes()
+    }
+
     async fn purge_expired(&self, grace: Duration) -> Result<u64, StoreError> {
         self.cache.run_pending_tasks();
         self.inner.purge_expired(grace).await

@@ -40,6 +40,7 @@ pub async fn run_all<S: IdempotencyStore>(store: &S) {
     expired_completed_record_is_absent(store).await;
     concurrent_reservations_have_exactly_one_winner(store).await;
     scopes_are_isolated_without_delimiter_collisions(store).await;
+    a_scope_at_the_declared_limit_is_recorded(store).await;
     purge_deletes_only_expired_records(store).await;
     purge_keeps_ended_reservations_within_grace(store).await;
     if store.renews_leases() {
@@ -373,6 +374,49 @@ pub async fn scopes_are_isolated_without_delimiter_collisions<S: IdempotencyStor
     ];
     for other in &others {
         reserved(store, other, &FP_A, LEASE).await;
+    }
+}
+
+/// C3: a store that declares a limit on scopes ([`IdempotencyStore::max_scope_bytes`]) records
+/// every scope of exactly that size, whatever its bytes: incompressible, spread over all four
+/// parts and each part long (for PostgreSQL, the B-tree entry's worst case: a 4-byte header and
+/// alignment per part). The middleware refuses longer scopes before calling the store.
+pub async fn a_scope_at_the_declared_limit_is_recorded<S: IdempotencyStore>(store: &S) {
+    let Some(max) = store.max_scope_bytes() else {
+        return;
+    };
+    // Random hex: no run a compressor could shorten.
+    let mut noise = String::new();
+    while noise.len() < max {
+        noise.push_str(&ReservationToken::random().as_uuid().simple().to_string());
+    }
+    let tenant = unique();
+    let (method, key) = (max / 8, max / 8);
+    let path = (max - tenant.len() - method - key) / 2;
+    let scope = Scope {
+        tenant: format!(
+            "{tenant}{}",
+            &noise[..max - tenant.len() - method - key - path]
+        ),
+        method: noise[..method].to_ascii_uppercase(),
+        path: format!("/{}", &noise[max - path + 1..max]),
+        key: noise[method..method + key].to_owned(),
+    };
+    assert_eq!(
+        scope.byte_len(),
+        max,
+        "the scope built is exactly at the limit"
+    );
+    let token = reserved(store, &scope, &FP_A, LEASE).await;
+    let stored = response(b"at the limit");
+    assert_eq!(
+        complete(store, &scope, &token, &stored, TTL).await,
+        WriteOutcome::Applied,
+        "C3: a scope at the store's declared limit must be recorded"
+    );
+    match reserve(store, &scope, &FP_A, LEASE).await {
+        ReserveOutcome::Completed { response, .. } => assert_eq!(response, stored),
+        other => panic!("C3: a scope at the declared limit must replay, got {other:?}"),
     }
 }
 

@@ -184,6 +184,14 @@ pub struct Scope {
     pub key: String,
 }
 
+impl Scope {
+    /// The scope's size as [`IdempotencyStore::max_scope_bytes`] counts it: the UTF-8 lengths
+    /// of its four parts, added.
+    pub fn byte_len(&self) -> usize {
+        self.tenant.len() + self.method.len() + self.path.len() + self.key.len()
+    }
+}
+
 /// The fencing token of one reservation. Only its holder may complete or release the record.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct ReservationToken(uuid::Uuid);
@@ -286,7 +294,9 @@ pub enum WriteOutcome {
 type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
 /// Why a store could not answer. Every variant makes the middleware fail closed (503) before the
-/// handler runs, unless `fail_open` is set.
+/// handler runs; `fail_open` lets the request run unprotected instead, except after a
+/// [`StoreError::Backend`] (which may be about the request itself), once the key was seen in
+/// flight, and in transactional mode.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum StoreError {
@@ -378,6 +388,19 @@ pub trait IdempotencyStore: Send + Sync + 'static {
     /// store in this crate answers `true`.
     fn renews_leases(&self) -> bool {
         false
+    }
+
+    /// The longest scope this store can record, in bytes ([`Scope::byte_len`]), or `None`
+    /// (the default) for no limit.
+    ///
+    /// The middleware answers a keyed request whose scope is longer with 400 `SCOPE_TOO_LONG`
+    /// before calling the store, so a client's long URL (or an app's long tenant) is a clear,
+    /// final refusal rather than a store error on every retry. Declare one when the backend
+    /// cannot take every size: PostgreSQL's B-tree entry holds at most 2,704 bytes, so the
+    /// four-column primary key cannot take every path. The conformance suite checks that a
+    /// scope of exactly this size, incompressible and spread over all four parts, is recorded.
+    fn max_scope_bytes(&self) -> Option<usize> {
+        None
     }
 
     /// A short, fixed name for metrics labels (`store="memory"`). Defaults to `"custom"`.

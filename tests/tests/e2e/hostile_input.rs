@@ -567,12 +567,14 @@ fn hostile_input_gets_the_contract_answer_and_leaves_nothing_behind() {
 
     h.case(
         "scope: path and tenant longer than the primary-key index allows",
-        0,
+        1,
         |addr, url| {
-            // Key length is bounded (255 bytes) but path and tenant are not, and a B-tree entry
-            // must fit in a third of a page (2704 bytes): such a record cannot be written.
-            // Fail closed: 503, handler not run, nothing stored; never a run without a record.
-            // Random letters: PostgreSQL would compress a repetitive value to fit.
+            // The key is bounded (255 bytes) but the path and the tenant are not, and a B-tree
+            // entry must fit in a third of a page (2704 bytes): the store declares the longest
+            // scope it can record (tenant + method + path + key), and the middleware refuses a
+            // longer one with a final 400 before the store is called, never a 503 that every
+            // retry would meet again. Random letters: PostgreSQL would compress a repetitive
+            // value to fit, and what fits must not depend on that.
             let mut state = 0x2545_F491_4F6C_DD1Du64;
             let noise: String = (0..4000)
                 .map(|_| {
@@ -582,18 +584,32 @@ fn hostile_input_gets_the_contract_answer_and_leaves_nothing_behind() {
                     char::from(b'a' + (state % 26) as u8)
                 })
                 .collect();
+            let max = PostgresStore::MAX_SCOPE_BYTES;
+            // Global scope (no tenant): "POST" + "/api/echo/" + tail + key = max.
+            let key = "at-the-limit";
+            let tail = &noise[..max - "POST/api/echo/".len() - key.len()];
+            let at_limit = || {
+                Request::post(&format!("/api/echo/{tail}"))
+                    .key(key)
+                    .json(body)
+            };
             let mut out = Vec::new();
-            let long_path = Request::post(&format!("/api/echo/{noise}"))
-                .key("long-path")
+            let first = send(addr, &at_limit()).unwrap();
+            assert_eq!(first.status, 201, "at the limit: {}", first.describe());
+            let again = send(addr, &at_limit()).unwrap();
+            assert!(again.is_replay(), "at the limit: {}", again.describe());
+            out.extend([first, again]);
+            let long_path = Request::post(&format!("/api/echo/{}", &noise[..tail.len() + 1]))
+                .key(key)
                 .json(body);
             let long_tenant = echo_json("long-tenant", body).header("X-Tenant", &noise);
             for request in [long_path, long_tenant] {
                 let r = send(addr, &request).unwrap();
-                assert_problem(&r, 503, "STORAGE_UNAVAILABLE");
-                assert!(r.header("retry-after").is_some());
+                assert_problem(&r, 400, "SCOPE_TOO_LONG");
+                assert!(r.header("retry-after").is_none(), "{}", r.describe());
                 out.push(r);
             }
-            assert!(records_for_key(url, "long-path").is_empty());
+            assert_eq!(records_for_key(url, key).len(), 1);
             assert!(records_for_key(url, "long-tenant").is_empty());
             out
         },
