@@ -373,6 +373,10 @@ struct Faulty {
     /// The `.0`-th reserve is applied at once and answered `.1` later (a database that
     /// stalled after starting the lease, a slow network back).
     slow_answer: Option<(usize, Duration)>,
+    /// Every reserve from the `.0`-th on is applied at once and answered `.1` later.
+    slow_answers_from: Option<(usize, Duration)>,
+    /// The `.0`-th renewal is applied at once and answered `.1` later.
+    slow_renewal_answer: Option<(usize, Duration)>,
     panic_on_complete: bool,
     renews: bool,
     renewals: Arc<AtomicUsize>,
@@ -424,6 +428,11 @@ impl IdempotencyStore for Faulty {
                 tokio::time::sleep(delay).await;
             }
         }
+        if let Some((from, delay)) = self.slow_answers_from {
+            if n >= from {
+                tokio::time::sleep(delay).await;
+            }
+        }
         outcome
     }
     async fn complete(
@@ -456,11 +465,18 @@ impl IdempotencyStore for Faulty {
         if !self.renews {
             return Ok(WriteOutcome::Stale); // the trait's default
         }
-        if self.renewals.fetch_add(1, Ordering::SeqCst) == 0 && self.first_renewal_fails {
+        let n = self.renewals.fetch_add(1, Ordering::SeqCst);
+        if n == 0 && self.first_renewal_fails {
             tokio::time::sleep(Duration::from_millis(800)).await;
             return Err(StoreError::unavailable("timed out"));
         }
-        self.inner.renew_lease(scope, token, lease).await
+        let outcome = self.inner.renew_lease(scope, token, lease).await;
+        if let Some((slow, delay)) = self.slow_renewal_answer {
+            if n == slow {
+                tokio::time::sleep(delay).await;
+            }
+        }
+        outcome
     }
     fn renews_leases(&self) -> bool {
         self.renews
@@ -1826,6 +1842,48 @@ mod request_flow {
         );
     }
 
+    /// A waiter that wins the key with a slow answer confirms it with a renewal; a client that
+    /// leaves during that renewal is still gone when it is answered: nothing runs for nobody
+    /// (C8; review, 2026-12-06: the client was checked before the renewal only, and the
+    /// handler ran for a client that had left).
+    #[actix_web::test]
+    async fn a_waiter_whose_client_left_during_the_confirmation_runs_nothing() {
+        let counter = Counter::default();
+        let store = Faulty {
+            renews: true,
+            // The first's reserve is fast; every later one (the waiter's polls) takes 120 ms,
+            // so the waiter's winning reservation is confirmed; its renewal takes 300 ms.
+            slow_answers_from: Some((1, Duration::from_millis(120))),
+            slow_renewal_answer: Some((0, Duration::from_millis(300))),
+            ..Faulty::default()
+        };
+        let middleware = Idempotency::builder(store.clone())
+            .wait_for_in_flight(Duration::from_secs(30))
+            .lock_timeout(Duration::from_millis(300))
+            .build();
+        // The first fails after 60 ms (too soon for a renewal of its own): not stored, key
+        // released. The waiter polls at 50 (answered 170), wins the key at 180 (answered 300)
+        // and confirms it (answered 600). Its client leaves at 500.
+        let route = web::post().to(|counter: web::Data<Counter>| provider_down_first(counter, 60));
+        let app = one_route(counter.clone(), middleware, "/pay", route).await;
+        let (first, renewals_at_drop) =
+            with_an_abandoned_duplicate(&app, ("/pay", "k"), 50, 450, || {
+                store.renewals.load(Ordering::SeqCst)
+            })
+            .await;
+        assert_eq!(first.status, StatusCode::BAD_GATEWAY);
+        assert_eq!(
+            renewals_at_drop, 1,
+            "the scenario: the client left during the confirmation"
+        );
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        assert_eq!(
+            counter.get(),
+            1,
+            "the handler ran for a client that had left"
+        );
+    }
+
     /// A panicking `store_if` after the handler succeeded: the client got an opaque 500 for a
     /// payment that was made, the key was stuck for a lease, and the retry after the lease ran
     /// the payment again. Caught now, like renderer and hook panics.
@@ -2100,4 +2158,64 @@ async fn a_reservation_answered_after_its_lease_is_confirmed_before_running() {
         "{:?}",
         first.status
     );
+}
+
+/// The renewal that confirms a slow reservation can itself be answered late: applied at once
+/// (the lease now ends a lease after it), answered after that new lease ended, and taken over
+/// by a duplicate meanwhile. It is checked like the reservation was: an answer that took a
+/// third of the lease or more is confirmed again (review of the fix above, 2026-12-06; before:
+/// the handler ran twice).
+#[actix_web::test]
+async fn a_confirmation_answered_after_its_lease_is_confirmed_again() {
+    let counter = Counter::default();
+    let store = Faulty {
+        renews: true,
+        slow_answer: Some((0, Duration::from_millis(150))),
+        slow_renewal_answer: Some((0, Duration::from_millis(400))),
+        ..Faulty::default()
+    };
+    let middleware = Idempotency::builder(store.clone())
+        .lock_timeout(Duration::from_millis(300))
+        .build();
+    let route = web::post().to(|counter: web::Data<Counter>| async move {
+        counter.bump();
+        HttpResponse::Created().finish()
+    });
+    let app = one_route(counter.clone(), middleware, "/pay", route).await;
+    // Reserved at 0, answered at 150; renewed at 150 (lease to 450), answered at 550; the
+    // duplicate at 500 finds the lease ended.
+    let (first, duplicate) = overlapping(&app, post_x("/pay", "k"), post_x("/pay", "k"), 500).await;
+    assert_eq!(
+        duplicate.status,
+        StatusCode::CREATED,
+        "the scenario: the duplicate took the ended reservation over"
+    );
+    assert_eq!(counter.get(), 1, "the handler ran twice");
+    assert!(first.replayed(), "{:?}", first.status);
+}
+
+/// A store that cannot renew cannot confirm a slow reservation, and a reservation answered a
+/// third of its lease late leaves its handler less than the two thirds a fast answer leaves:
+/// given back (503) rather than run into a takeover. Before (review, 2026-12-06): run whenever
+/// any of the lease was left, and a retry just after it ended ran the handler again.
+#[actix_web::test]
+async fn a_slow_reservation_a_store_cannot_confirm_is_given_back() {
+    let counter = Counter::default();
+    let store = Faulty {
+        slow_answer: Some((0, Duration::from_millis(280))),
+        ..Faulty::default()
+    };
+    let middleware = Idempotency::builder(store.clone())
+        .lock_timeout(Duration::from_millis(300))
+        .build();
+    let route = web::post().to(|counter: web::Data<Counter>| async move {
+        counter.bump();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        HttpResponse::Created().finish()
+    });
+    let app = one_route(counter.clone(), middleware, "/pay", route).await;
+    let (first, retry) = overlapping(&app, post_x("/pay", "k"), post_x("/pay", "k"), 310).await;
+    assert_eq!(counter.get(), 1, "the handler ran twice");
+    first.assert_problem(503, "STORAGE_UNAVAILABLE");
+    assert_eq!(retry.status, StatusCode::CREATED);
 }

@@ -39,6 +39,11 @@ use crate::store::{
     WriteOutcome,
 };
 
+/// How many renewals may try to confirm a reservation that was answered slowly
+/// ([`Flow::confirm`]) before it is given back: a store whose every answer takes a third of a
+/// lease cannot hold one for a handler.
+const CONFIRMATIONS: usize = 3;
+
 /// Longest pause between two looks at a running request in wait mode.
 pub(super) const MAX_POLL_INTERVAL: Duration = Duration::from_millis(200);
 
@@ -585,7 +590,13 @@ where
                 Ok(ReserveOutcome::Reserved { token })
                     if called.elapsed() >= config.lock_timeout / 3 =>
                 {
-                    match self.confirm(scope, &token, called).await? {
+                    match self.confirm(scope, &token).await? {
+                        // A waiter whose client left during the confirmation: as above.
+                        Some(_) if seen_in_flight && answer.is_closed() => {
+                            tracing::info!(target: "idempotency_actix", outcome = "abandoned", "the client left while its request waited; releasing the key it then got, nothing was run");
+                            self.release_quietly(scope, &token).await;
+                            return Err(Decision::Abandoned);
+                        }
                         Some(held_from) => {
                             tracing::debug!(target: "idempotency_actix", outcome = "miss", "reserved (confirmed after a slow answer); running the handler");
                             return Ok((token, held_from));
@@ -1024,45 +1035,63 @@ where
     }
 
     /// A reservation whose answer came slowly (see [`Self::reserve`]), before anything runs:
-    /// `Some(instant)` while it is held, with the instant its lease now counts from (no
-    /// earlier than the store started it); `None` when it was taken over before it was
-    /// answered. Confirmed by a renewal, fenced by the token; a store that cannot renew
-    /// cannot confirm, so its reservation is given back once its whole lease may be over.
+    /// `Some(instant)` while it is held, with the instant its lease now counts from (no later
+    /// than the store started it); `None` when it was taken over before it was answered.
+    ///
+    /// Confirmed by a renewal, fenced by the token. The renewal's own answer is held to the
+    /// same rule as the reservation's: one that took a third of the lease or more may also
+    /// have come after the lease it set had ended, so it is confirmed again, up to
+    /// [`CONFIRMATIONS`] renewals. A store that cannot renew cannot confirm: its reservation
+    /// is given back (503), since the handler would run with less than the two thirds of a
+    /// lease a prompt answer leaves it, and a retry just after the lease would run it again.
     async fn confirm(
         &self,
         scope: &Scope,
         token: &ReservationToken,
-        called: Instant,
     ) -> Result<Option<Instant>, Decision> {
         let lease = self.config.lock_timeout;
-        let failed = |error: &StoreError| {
-            Decision::Refuse(
-                Problem::new(ProblemCode::StorageUnavailable, unavailable_detail(error))
-                    .with_retry_after(self.config.retry_after),
-            )
-        };
-        if !self.store.renews_leases() {
-            if called.elapsed() < lease {
-                return Ok(Some(called));
+        if self.store.renews_leases() {
+            for _ in 0..CONFIRMATIONS {
+                let renewed = Instant::now();
+                let call = self.store.renew_lease(scope, token, lease);
+                match outcome::timed(self.meters.histogram(Op::RenewLease), call).await {
+                    Ok(WriteOutcome::Applied) if renewed.elapsed() < lease / 3 => {
+                        return Ok(Some(renewed));
+                    }
+                    // Answered slowly too: held at least until it was applied, so confirm
+                    // again.
+                    Ok(WriteOutcome::Applied) => {}
+                    Ok(WriteOutcome::Stale) => {
+                        tracing::warn!(target: "idempotency_actix", outcome = "stale", "the reservation came back after its lease and had been taken over meanwhile; not run");
+                        return Ok(None);
+                    }
+                    Err(error) => {
+                        tracing::error!(target: "idempotency_actix", outcome = "store_error", %error, "could not confirm a reservation that came back slowly; given back, nothing was run");
+                        return Err(self.give_back(scope, token, &error).await);
+                    }
+                }
             }
-            tracing::error!(target: "idempotency_actix", outcome = "store_error", "the store answered the reservation after its whole lease (lock_timeout); given back, nothing was run");
-            self.release_quietly(scope, token).await;
-            return Err(failed(&StoreError::unavailable("answered after the lease")));
+            tracing::error!(target: "idempotency_actix", outcome = "store_error", "every renewal confirming a slow reservation came back slowly too; given back, nothing was run");
+        } else {
+            tracing::error!(target: "idempotency_actix", outcome = "store_error", "the store answered the reservation after a third of its lease (lock_timeout) or more, and cannot renew it to confirm it; given back, nothing was run");
         }
-        let renewed = Instant::now();
-        let call = self.store.renew_lease(scope, token, lease);
-        match outcome::timed(self.meters.histogram(Op::RenewLease), call).await {
-            Ok(WriteOutcome::Applied) => Ok(Some(renewed)),
-            Ok(WriteOutcome::Stale) => {
-                tracing::warn!(target: "idempotency_actix", outcome = "stale", "the reservation came back after its lease and had been taken over meanwhile; not run");
-                Ok(None)
-            }
-            Err(error) => {
-                tracing::error!(target: "idempotency_actix", outcome = "store_error", %error, "could not confirm a reservation that came back slowly; given back, nothing was run");
-                self.release_quietly(scope, token).await;
-                Err(failed(&error))
-            }
-        }
+        let error = StoreError::unavailable("the store answers too slowly to hold a lease");
+        Err(self.give_back(scope, token, &error).await)
+    }
+
+    /// Release a reservation nothing ran for, and refuse the request as the store's failure
+    /// (503 with `Retry-After`).
+    async fn give_back(
+        &self,
+        scope: &Scope,
+        token: &ReservationToken,
+        error: &StoreError,
+    ) -> Decision {
+        self.release_quietly(scope, token).await;
+        Decision::Refuse(
+            Problem::new(ProblemCode::StorageUnavailable, unavailable_detail(error))
+                .with_retry_after(self.config.retry_after),
+        )
     }
 
     /// Release without the "not stored" line (the caller logged its own reason).
