@@ -10,6 +10,7 @@ use idempotency_actix::store::{
     conformance, Fingerprint, IdempotencyStore, ReservationToken, ReserveOutcome, Scope,
     StoreError, StoredResponse, WriteOutcome,
 };
+use idempotency_e2e::records::execute;
 use idempotency_e2e::TestDb;
 
 fn scope(key: &str) -> Scope {
@@ -282,6 +283,35 @@ async fn a_repeated_complete_by_its_token_is_applied_on(db: &TestDb) {
     match store.reserve(&key, &FP, LEASE).await.unwrap() {
         ReserveOutcome::Completed { response, .. } => assert_eq!(&response.body[..], b"first"),
         other => panic!("expected the first response, got {other:?}"),
+    }
+}
+
+/// A completed record whose status was edited out of HTTP's range (a hand edit, a foreign
+/// writer) is refused as corrupt (a store error: 503 through the middleware), never replayed
+/// with another status (review, 2026-12-06: the middleware replayed it as 200 OK).
+#[tokio::test]
+async fn a_stored_status_outside_http_is_refused_not_replayed() {
+    let db = TestDb::new().await;
+    let store = PostgresStore::connect(&db.url).await.unwrap();
+    let key = scope("bad-status");
+    let ReserveOutcome::Reserved { token } = store.reserve(&key, &FP, LEASE).await.unwrap() else {
+        panic!("reserve");
+    };
+    let ttl = Duration::from_secs(3600);
+    let applied = store.complete(&key, &token, &ok_response(b"x"), ttl).await;
+    assert_eq!(applied.unwrap(), WriteOutcome::Applied);
+    for status in [42, 1000, -1] {
+        let edit = format!(
+            "UPDATE idempotency_keys SET response_status = {status} \
+             WHERE idempotency_key = 'bad-status'"
+        );
+        execute(&db.url, &edit);
+        match store.reserve(&key, &FP, LEASE).await {
+            Err(StoreError::Backend(error)) => {
+                assert!(error.to_string().contains("status"), "{status}: {error}")
+            }
+            other => panic!("status {status}: expected a corrupt-record error, got {other:?}"),
+        }
     }
 }
 

@@ -289,6 +289,12 @@ async fn foreign_values_under_a_record_key_are_refused_over_http_without_a_run()
             v[101..117].copy_from_slice(b"notanumber......");
             Some(v)
         }),
+        // A status outside HTTP's range: refused, never replayed as 200 (review, 2026-12-06).
+        ("bad-status", |r| {
+            let mut v = r.to_vec();
+            v[117..120].copy_from_slice(b"042");
+            Some(v)
+        }),
         ("inflight-bad-lease", |r| {
             let mut v = r[..117].to_vec();
             v[0] = b'F';

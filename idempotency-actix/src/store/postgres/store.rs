@@ -430,10 +430,13 @@ pub(super) fn decode_reserve_row(
     }
     match row.state {
         Some(State::Completed) => {
+            // Only `complete` writes it, from an HTTP status; anything else is a hand edit or
+            // a foreign writer, and replaying it as some other status would be a wrong answer.
             let status = row
                 .response_status
                 .and_then(|s| u16::try_from(s).ok())
-                .ok_or_else(|| corrupt("response_status missing or negative"))?;
+                .filter(|s| (100..1000).contains(s))
+                .ok_or_else(|| corrupt("response_status missing or not an HTTP status"))?;
             let headers =
                 StoredResponse::decode_headers(row.response_headers.as_deref().unwrap_or_default())
                     .map_err(|e| StoreError::Backend(Box::new(e)))?;

@@ -202,9 +202,11 @@ pub fn decode_head(head: &[u8], len: usize) -> Result<Head, &'static str> {
             grace_us: third,
         },
         COMPLETED if len >= HEADERS_LEN.end && head.len() >= HEADERS_LEN.end => {
+            // Three digits, so at most 999; below 100 only by a foreign writer.
             let status = number(&head[STATUS])
                 .and_then(|s| u16::try_from(s).ok())
-                .ok_or("status is not a number")?;
+                .filter(|s| *s >= 100)
+                .ok_or("status is not an HTTP status")?;
             let headers_len = number(&head[HEADERS_LEN])
                 .and_then(|n| usize::try_from(n).ok())
                 .ok_or("headers length is not a number")?;
