@@ -429,10 +429,11 @@ async fn unreachable_database_answers_503_quickly_and_recovers_with(pool_per_thr
 
 /// A scope PostgreSQL cannot hold, chosen by the client: a `%00` in a path parameter (the
 /// router decodes it to a NUL, which `text` refuses) used to get 503 every time, and with
-/// `fail_open` ran the handler unprotected on every retry; a path too long for the index does
-/// the second still without the fix. Now the NUL is escaped in the scope (one record, then a
+/// `fail_open` ran the handler unprotected on every retry; a path too long for the index did
+/// the second still without that fix. Now the NUL is escaped in the scope (one record, then a
 /// replay), and an error about the request itself is never failed open (found by review,
-/// 2026-12-04).
+/// 2026-12-04); since 2026-12-06 a path too long for the index is refused before the store
+/// is called, with a final 400 `SCOPE_TOO_LONG` (it was a 503 every time).
 #[actix_web::test]
 async fn a_scope_the_client_chose_is_never_run_twice() {
     use actix_web::test::{call_service, init_service, TestRequest};
@@ -488,7 +489,7 @@ async fn a_scope_the_client_chose_is_never_run_twice() {
         if len < 100 {
             (fail_open, len, vec![201, 201], 1)
         } else {
-            (fail_open, len, vec![503, 503], 0)
+            (fail_open, len, vec![400, 400], 0)
         }
     };
     for got in &seen {
