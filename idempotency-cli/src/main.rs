@@ -9,7 +9,7 @@ use std::io::Write;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use clap::error::ErrorKind;
+use clap::error::{ContextKind, ContextValue, ErrorKind};
 use clap::Parser;
 
 /// Await a diesel-async query on `$conn`; on failure return the classified [`error::CliError`].
@@ -161,10 +161,52 @@ fn clap_exit(err: clap::Error) -> ExitCode {
             ExitCode::from(code::USAGE)
         }
         _ => {
-            let _ = writeln!(std::io::stderr(), "idem-cli: {}", usage_line(&err));
+            let line = stray_word_line(&err).unwrap_or_else(|| usage_line(&err));
+            let _ = writeln!(std::io::stderr(), "idem-cli: {line}");
             ExitCode::from(code::USAGE)
         }
     }
+}
+
+/// The line for a word clap could not place, without the word unless it is a flag's name:
+/// clap quotes it, and it may be a password (a connection string left unquoted in a crontab,
+/// split at its spaces; a URL after the command; a misspelt flag with the URL after its `=`).
+/// `None` for the other errors.
+fn stray_word_line(err: &clap::Error) -> Option<String> {
+    if !matches!(
+        err.kind(),
+        ErrorKind::UnknownArgument | ErrorKind::InvalidSubcommand
+    ) {
+        return None;
+    }
+    let suggestion = [ContextKind::SuggestedSubcommand, ContextKind::SuggestedArg]
+        .into_iter()
+        .find_map(|kind| match err.get(kind) {
+            Some(ContextValue::String(s)) => Some(s.clone()),
+            Some(ContextValue::Strings(v)) => v.first().cloned(),
+            _ => None,
+        })
+        .map(|s| format!("; did you mean '{s}'?"))
+        .unwrap_or_default();
+    let word = [ContextKind::InvalidArg, ContextKind::InvalidSubcommand]
+        .into_iter()
+        .find_map(|kind| match err.get(kind) {
+            Some(ContextValue::String(s)) => Some(s.as_str()),
+            _ => None,
+        })
+        .unwrap_or_default();
+    let what = match word.split('=').next() {
+        Some(flag) if flag.starts_with('-') => format!("unexpected argument '{flag}'"),
+        _ => format!(
+            "{} (not shown: it may hold a password; quote a connection string that has spaces)",
+            if err.kind() == ErrorKind::InvalidSubcommand {
+                "unknown command"
+            } else {
+                "unexpected word in the arguments"
+            }
+        ),
+    };
+    Some(format!("{what}{suggestion} (see `idem-cli --help`)"))
 }
 
 /// Clap's multi-line error as one line.

@@ -1237,6 +1237,47 @@ fn passwords_never_appear_in_any_output() {
     );
 }
 
+/// A connection string in the wrong place (unquoted in a crontab, so split at its spaces; a
+/// URL after the command; a misspelt flag with the URL after `=`) is a usage error, and the
+/// word clap could not place is not repeated: it may be the password (review, 2026-12-06:
+/// "unrecognized subcommand 'password=...'" went to stderr, and so to cron mail). A flag's
+/// name is still shown, and a misspelt command still gets its suggestion.
+#[test]
+fn a_stray_word_is_not_repeated_in_a_usage_error() {
+    let [a, b] = SECRET_HALVES;
+    let cases: Vec<Vec<String>> = vec![
+        vec![
+            "--database-url".into(),
+            "host=db".into(),
+            format!("password={a}{b}"),
+            "user=app".into(),
+            "purge".into(),
+        ],
+        vec!["purge".into(), format!("postgres://app:{a}{b}@db/pay")],
+        vec!["show".into(), "k".into(), format!("password={a}{b}")],
+        vec![
+            format!("--dburl=postgres://app:{a}{b}@db/pay"),
+            "stats".into(),
+        ],
+        vec![
+            "stats".into(),
+            format!("--url=postgres://app:{a}{b}@db/pay"),
+        ],
+        vec![format!("{a}{b}")],
+    ];
+    for args in &cases {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = idem_without_url(&args);
+        expect_code(&out, USAGE);
+        assert_no_secret(&out, &format!("{args:?}"));
+        assert_eq!(stderr(&out).lines().count(), 1, "{}", stderr(&out));
+    }
+    let out = idem_without_url(&["stats", "--dburl=postgres://x"]);
+    assert!(stderr(&out).contains("'--dburl'"), "{}", stderr(&out));
+    let out = idem_without_url(&["purg"]);
+    assert!(stderr(&out).contains("'purge'"), "{}", stderr(&out));
+}
+
 /// Guards issue 9 item 6 from the CLI's side: a `?` inside the password hid `sslmode=require`
 /// from the old splitter, and the CLI connected in plaintext. Against a server without TLS the
 /// connection must now fail (exit 3) instead of falling back; on the old code it connected and
