@@ -59,6 +59,14 @@ pub async fn run(
     let prefix = prefix.unwrap_or(DEFAULT_PREFIX);
     // The store's own rule, so idem-cli never reads or releases another prefix's records.
     validate_key_prefix(prefix).map_err(|e| CliError::Usage(e.to_string()))?;
+    // Connected first, for `migrate` and `purge` too: they need nothing done, but a Redis
+    // that is down (or a URL that is not Redis's) must fail them as it fails every command,
+    // or a deploy's `migrate --check` turns green on the wrong `REDIS_URL`.
+    let mut conn = connect(url, timeout).await?;
+    if matches!(command, Command::Migrate(_) | Command::Purge(_)) {
+        // A command the server must answer: connecting alone does not show a missing password.
+        server_time_us(&mut conn).await?;
+    }
     match command {
         Command::Migrate(_) => {
             return summary(
@@ -79,7 +87,6 @@ pub async fn run(
         }
         _ => {}
     }
-    let mut conn = connect(url, timeout).await?;
     if !in_cluster_mode(&mut conn).await? {
         return run_on(conn, prefix, command, format, out).await;
     }
@@ -189,7 +196,11 @@ fn unavailable(e: RedisError) -> CliError {
 }
 
 fn failed(e: RedisError) -> CliError {
-    if e.is_io_error() || e.is_timeout() || e.is_connection_dropped() {
+    // A password the server wants and the URL lacks shows only at the first command after
+    // connecting (`NOAUTH`): the credentials, as a wrong password at connect is (exit 3).
+    let credentials = matches!(e.code(), Some("NOAUTH" | "WRONGPASS"))
+        || e.kind() == redis::ErrorKind::AuthenticationFailed;
+    if credentials || e.is_io_error() || e.is_timeout() || e.is_connection_dropped() {
         unavailable(e)
     } else {
         CliError::Other(format!("Redis command failed: {e}"))

@@ -345,6 +345,58 @@ async fn migrate_and_purge_say_redis_needs_neither() {
     }
 }
 
+/// A Redis that wants a password the URL lacks is a credentials failure (exit 3, as a wrong
+/// password is), for every command (review, 2026-12-06: `NOAUTH` from the first command after
+/// connecting was "unexpected", exit 1, and `migrate` and `purge` exited 0).
+#[test]
+fn a_redis_that_wants_a_password_is_a_credentials_failure() {
+    let redis = RedisServer::start();
+    let set = Command::new("redis-cli")
+        .args([
+            "-p",
+            &redis.port().to_string(),
+            "CONFIG",
+            "SET",
+            "requirepass",
+            "pw",
+        ])
+        .output()
+        .expect("redis-cli");
+    assert!(set.status.success(), "{set:?}");
+    for args in [
+        &["stats"][..],
+        &["list"],
+        &["migrate", "--check"],
+        &["purge"],
+    ] {
+        let out = idem(&redis.url(), args);
+        expect_code(&out, UNAVAILABLE);
+        assert!(
+            stderr(&out).contains("NOAUTH"),
+            "{args:?}: {}",
+            stderr(&out)
+        );
+    }
+}
+
+/// `migrate --check` and `purge` against a Redis that is down, or a URL that is not a Redis
+/// URL, fail like every other command: a deploy's `migrate --check || migrate` must not turn
+/// green on a `REDIS_URL` exported for something else (review, 2026-12-06: both exited 0
+/// without connecting).
+#[test]
+fn migrate_and_purge_check_the_redis_they_were_given() {
+    let port = idempotency_e2e::raw_http::free_port();
+    let down = format!("redis://:hunter2secret@127.0.0.1:{port}/");
+    for args in [&["migrate", "--check"][..], &["migrate"], &["purge"]] {
+        let out = idem(&down, &[args, &["--connect-timeout", "2s"]].concat());
+        expect_code(&out, UNAVAILABLE);
+        assert!(!stderr(&out).contains("hunter2secret"), "{}", stderr(&out));
+        let out = idem("http://:hunter2secret@nowhere/", args);
+        expect_code(&out, USAGE);
+        assert!(!stderr(&out).contains("hunter2secret"), "{}", stderr(&out));
+    }
+}
+
 #[test]
 fn both_urls_are_refused_in_one_line() {
     let out = Command::new(BIN)
