@@ -386,6 +386,10 @@ struct Faulty {
     down: bool,
     /// The longest scope it declares it can record (PostgreSQL's is its index's limit).
     max_scope: Option<usize>,
+    /// Completed records come back with this status (a damaged record).
+    replay_status: Option<u16>,
+    /// A reservation is gone by the time it is answered (a store that lost it).
+    forgets: bool,
 }
 
 impl Faulty {
@@ -423,6 +427,9 @@ impl IdempotencyStore for Faulty {
             }
         }
         let outcome = self.inner.reserve(scope, fingerprint, lease).await;
+        if let (true, Ok(ReserveOutcome::Reserved { token })) = (self.forgets, &outcome) {
+            self.inner.release(scope, token).await?;
+        }
         if let Some((slow, delay)) = self.slow_answer {
             if n == slow {
                 tokio::time::sleep(delay).await;
@@ -433,7 +440,24 @@ impl IdempotencyStore for Faulty {
                 tokio::time::sleep(delay).await;
             }
         }
-        outcome
+        match (outcome, self.replay_status) {
+            (
+                Ok(ReserveOutcome::Completed {
+                    mut response,
+                    fingerprint,
+                    expires_in,
+                }),
+                Some(status),
+            ) => {
+                response.status = status;
+                Ok(ReserveOutcome::Completed {
+                    response,
+                    fingerprint,
+                    expires_in,
+                })
+            }
+            (outcome, _) => outcome,
+        }
     }
     async fn complete(
         &self,
@@ -1416,6 +1440,31 @@ async fn a_scope_longer_than_the_store_records_is_refused_before_the_store_is_ca
     }
 }
 
+/// A completed record whose status is no HTTP status (damaged by a foreign writer or a custom
+/// store's bug) is refused like any unreadable record, 503 and nothing run, `fail_open` or not;
+/// never replayed with another status (review, 2026-12-06: it went out as 200 OK).
+#[actix_web::test]
+async fn a_stored_status_that_is_no_http_status_is_not_replayed() {
+    for fail_open in [false, true] {
+        let counter = Counter::default();
+        let store = Faulty {
+            replay_status: Some(42),
+            ..Faulty::default()
+        };
+        let middleware = Idempotency::builder(store).fail_open(fail_open).build();
+        let app = one_route(counter.clone(), middleware, "/echo", web::post().to(echo)).await;
+        let first = send(&app, post_x("/echo", "k")).await;
+        assert_eq!(first.status, StatusCode::CREATED);
+        let retry = send(&app, post_x("/echo", "k")).await;
+        retry.assert_problem(503, "STORAGE_UNAVAILABLE");
+        assert_eq!(
+            counter.get(),
+            1,
+            "fail_open {fail_open}: the handler ran again"
+        );
+    }
+}
+
 #[actix_web::test]
 async fn streaming_request_bodies_reach_the_handler_intact() {
     let counter = Counter::default();
@@ -2192,6 +2241,34 @@ async fn a_confirmation_answered_after_its_lease_is_confirmed_again() {
     );
     assert_eq!(counter.get(), 1, "the handler ran twice");
     assert!(first.replayed(), "{:?}", first.status);
+}
+
+/// A store whose every reservation is answered late and found lost by its confirmation is
+/// given up on (503, nothing run), not polled for ever (review, 2026-12-06).
+#[actix_web::test]
+async fn a_store_that_loses_every_slow_reservation_is_given_up_on() {
+    let counter = Counter::default();
+    let store = Faulty {
+        renews: true,
+        forgets: true,
+        slow_answers_from: Some((0, Duration::from_millis(120))),
+        ..Faulty::default()
+    };
+    let reserves = Arc::clone(&store.reserves);
+    let middleware = Idempotency::builder(store)
+        .lock_timeout(Duration::from_millis(300))
+        .build();
+    let app = one_route(counter.clone(), middleware, "/echo", web::post().to(echo)).await;
+    let reply = tokio::time::timeout(Duration::from_secs(5), send(&app, post_x("/echo", "k")))
+        .await
+        .expect("answered");
+    reply.assert_problem(503, "STORAGE_UNAVAILABLE");
+    assert_eq!(counter.get(), 0);
+    assert_eq!(
+        reserves.load(Ordering::SeqCst),
+        3,
+        "three tries, then given up"
+    );
 }
 
 /// A store that cannot renew cannot confirm a slow reservation, and a reservation answered a

@@ -564,6 +564,9 @@ where
             .map(|wait| saturating_deadline(Instant::now(), wait));
         let mut pause = Duration::from_millis(10);
         let mut seen_in_flight = false;
+        // Slow reservations found taken over by their confirmation: a store that keeps
+        // answering that late (its record gone each time) is given up on, not polled for ever.
+        let mut lost_while_answered = 0;
         loop {
             if seen_in_flight && answer.is_closed() {
                 return Err(Decision::Abandoned);
@@ -602,9 +605,22 @@ where
                             return Ok((token, held_from));
                         }
                         // Someone else's now: answered as the key stands (409, or wait).
-                        None => {
+                        None if lost_while_answered + 1 < CONFIRMATIONS => {
+                            lost_while_answered += 1;
                             seen_in_flight = true;
                             continue;
+                        }
+                        None => {
+                            tracing::error!(target: "idempotency_actix", outcome = "store_error", "the store answered every reservation of this key after it was lost; nothing was run");
+                            return Err(Decision::Refuse(
+                                Problem::new(
+                                    ProblemCode::StorageUnavailable,
+                                    unavailable_detail(&StoreError::unavailable(
+                                        "the store answers too slowly to hold a lease",
+                                    )),
+                                )
+                                .with_retry_after(config.retry_after),
+                            ));
                         }
                     }
                 }
@@ -622,6 +638,20 @@ where
                 }) if stored != *fingerprint => {
                     tracing::info!(target: "idempotency_actix", outcome = "mismatch", "key reused for a different request");
                     return Err(Decision::Refuse(Problem::fingerprint_mismatch()));
+                }
+                // A status no handler can answer with: a damaged record (a foreign writer, a
+                // custom store's bug). Refused like any other unreadable record, never
+                // replayed as some other status (review, 2026-12-06: it went out as 200 OK).
+                Ok(ReserveOutcome::Completed { response, .. })
+                    if StatusCode::from_u16(response.status).is_err() =>
+                {
+                    tracing::error!(target: "idempotency_actix", outcome = "store_error", status = response.status, "the stored response's status is not an HTTP status; not replayed, nothing was run");
+                    let error =
+                        StoreError::Backend("a stored status that is not an HTTP status".into());
+                    return Err(Decision::Refuse(
+                        Problem::new(ProblemCode::StorageUnavailable, unavailable_detail(&error))
+                            .with_retry_after(config.retry_after),
+                    ));
                 }
                 Ok(ReserveOutcome::Completed { response, .. }) => {
                     tracing::debug!(target: "idempotency_actix", outcome = "replay", status = response.status, "replaying the stored response");
