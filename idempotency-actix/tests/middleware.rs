@@ -1440,6 +1440,36 @@ async fn a_scope_longer_than_the_store_records_is_refused_before_the_store_is_ca
     }
 }
 
+/// A memory store's byte bound leaves room for scopes up to a size (the bound less the
+/// response allowance and the bookkeeping); a longer one could never be reserved, so it gets
+/// the final 400, and `fail_open` does not run it unprotected on every retry (review,
+/// 2026-12-06: the store's `ByteCapacity` was failed open, and each retry ran the handler).
+#[actix_web::test]
+async fn a_scope_the_memory_store_never_has_room_for_is_refused() {
+    let counter = Counter::default();
+    let allowance = 1 << 20;
+    let store = MemoryStore::builder()
+        .response_allowance(allowance)
+        .max_bytes(allowance + 2048)
+        .build();
+    let middleware = Idempotency::builder(store).fail_open(true).build();
+    let app = one_route(
+        counter.clone(),
+        middleware,
+        "/items/{name}",
+        web::post().to(echo),
+    )
+    .await;
+    let long = format!("/items/{}", "x".repeat(4096));
+    for _ in 0..2 {
+        let reply = send(&app, post_x(&long, "k")).await;
+        reply.assert_problem(400, "SCOPE_TOO_LONG");
+    }
+    assert_eq!(counter.get(), 0, "run unprotected");
+    let short = send(&app, post_x("/items/a", "k")).await;
+    assert_eq!(short.status, StatusCode::CREATED);
+}
+
 /// A completed record whose status is no HTTP status (damaged by a foreign writer or a custom
 /// store's bug) is refused like any unreadable record, 503 and nothing run, `fail_open` or not;
 /// never replayed with another status (review, 2026-12-06: it went out as 200 OK).

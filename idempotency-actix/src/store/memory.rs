@@ -166,6 +166,9 @@ struct Shared {
     /// Fencing tokens of this store: see [`MemoryStore::next_token`].
     token_base: u64,
     tokens: AtomicU64,
+    /// The longest scope a reservation can ever have room for (its scope, the response
+    /// allowance and the bookkeeping within `max_bytes`): see `max_scope_bytes`.
+    max_scope: Option<usize>,
 }
 
 /// Builder for [`MemoryStore`].
@@ -246,6 +249,11 @@ impl MemoryStoreBuilder {
 
     /// The store.
     pub fn build(self) -> MemoryStore {
+        let max_scope = self
+            .limits
+            .max_bytes
+            .checked_sub(RECORD_OVERHEAD.saturating_add(self.limits.response_allowance))
+            .filter(|room| *room > 0);
         MemoryStore {
             shared: Arc::new(Shared {
                 inner: Mutex::new(Inner {
@@ -260,6 +268,7 @@ impl MemoryStoreBuilder {
                 hasher: RandomState::new(),
                 token_base: ReservationToken::random().as_uuid().as_u64_pair().0,
                 tokens: AtomicU64::new(0),
+                max_scope,
             }),
         }
     }
@@ -940,6 +949,15 @@ fn log_evictions(evicted: &[(PackedScope, Record)], now: Instant) {
 impl IdempotencyStore for MemoryStore {
     fn name(&self) -> &'static str {
         "memory"
+    }
+
+    // A reservation needs its scope, the response allowance and the bookkeeping within
+    // `max_bytes`: a longer scope could never be reserved, whatever else the store held, so
+    // it is the request's fault and gets a final 400, not the 503 of a full store (which
+    // `fail_open` would run unprotected on every retry). A bound with no room for any scope
+    // refuses every request as full, as documented on `max_bytes`.
+    fn max_scope_bytes(&self) -> Option<usize> {
+        self.shared.max_scope
     }
 
     async fn reserve(
