@@ -355,7 +355,8 @@ impl<S> IdempotencyBuilder<S> {
     /// payment handler waiting longer than the lease for its provider would be run a second
     /// time by the client's retry. A renewal that fails is tried again after a tenth of that
     /// interval. A crashed process stops renewing, so its key is free one lease later, as
-    /// before. Renewal ends `limit` after the reservation (the last lease ends then), so a
+    /// before. Renewal ends `limit` after the reservation (after its confirmation, for one
+    /// answered a third of a lease late: `docs/design.md`; the last lease ends then), so a
     /// handler that hangs frees its key too; a `limit` no longer than `lock_timeout` means no
     /// renewal at all, and `Duration::MAX` lets a hung handler keep its key for as long as its
     /// process lives.

@@ -537,8 +537,9 @@ where
             Problem::new(
                 ProblemCode::ScopeTooLong,
                 format!(
-                    "this request's path, tenant and key add up to {len} bytes, and at most \
-                     {max} can be recorded; nothing was run. Use a shorter path or key"
+                    "this request's scope (tenant, method, path and key) adds up to {len} \
+                     bytes, and at most {max} can be recorded; nothing was run. Use a shorter \
+                     path or key"
                 ),
             )
         })

@@ -296,7 +296,8 @@ type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 /// Why a store could not answer. Every variant makes the middleware fail closed (503) before the
 /// handler runs; `fail_open` lets the request run unprotected instead, except after a
 /// [`StoreError::Backend`] (which may be about the request itself), once the key was seen in
-/// flight, and in transactional mode.
+/// flight, while confirming a reservation that was answered slowly (the key is held then), and
+/// in transactional mode.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum StoreError {
@@ -373,7 +374,10 @@ pub trait IdempotencyStore: Send + Sync + 'static {
     ///
     /// The default answers `Stale` and [`renews_leases`](Self::renews_leases) `false`, so a
     /// store written before renewal existed keeps working: the middleware then leaves every
-    /// reservation to the lease it was given, as before.
+    /// reservation to the lease it was given. One thing it cannot do without renewal: confirm
+    /// a reservation answered a third of its lease late or more, so such a reservation is
+    /// given back and the request answered 503 (with the default 60 s lease, a `reserve` that
+    /// took 20 s).
     fn renew_lease(
         &self,
         scope: &Scope,

@@ -114,11 +114,15 @@ impl PostgresStore {
     ///
     /// The four parts are the table's primary key, and a B-tree entry holds at most 2,704
     /// bytes: the parts plus an 8-byte entry header and, per part, a varlena header and
-    /// alignment (up to 7 bytes when a part is over 126 bytes), 2,668 bytes of parts in the
-    /// worst case. PostgreSQL compresses a long entry first, so a repetitive scope can be
+    /// alignment (4 and up to 3 bytes when a part is over 126 bytes, no alignment after the
+    /// last), 2,671 bytes of parts in the worst case. PostgreSQL compresses a long entry first, so a repetitive scope can be
     /// longer, but what fits must not depend on what a client's bytes compress to: 2,600, with
     /// room to spare, for every scope. (Measured on PostgreSQL 15: random parts stop fitting at
-    /// 2,679 to 2,687 bytes, depending on how they are split.)
+    /// 2,679 to 2,687 bytes, depending on how they are split.) Bytes as UTF-8, which is what
+    /// the database holds when its encoding is UTF-8 (PostgreSQL's default on a UTF-8
+    /// locale): in a database of another encoding some characters take more bytes (a 2-byte
+    /// `é` is 3 in `EUC_JP`), so such a scope near the limit can still fail (503), and a
+    /// character the encoding lacks always does.
     pub const MAX_SCOPE_BYTES: usize = 2_600;
 
     /// A store over an existing pool (its settings are used as they are; see
