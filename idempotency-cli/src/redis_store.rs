@@ -27,7 +27,7 @@ use idempotency_actix::store::Scope;
 use serde_json::json;
 
 use crate::cli::{Command, Format, ListArgs, ReleaseArgs, ScopeArgs, ShowArgs, StateFilter};
-use crate::commands::release::{check, refuse, release_exit, released};
+use crate::commands::release::{check, finish, refuse, released};
 use crate::commands::show::{detail_json, detail_text, method, scope_words};
 use crate::duration::format_age_secs;
 use crate::error::CliError;
@@ -722,8 +722,21 @@ async fn release(
     format: Format,
     out: &mut Out,
 ) -> Result<(), CliError> {
-    let script = redis::Script::new(record::RELEASE_INSPECTED);
     let mut refusals: Vec<String> = Vec::new();
+    let result = release_each(redis, args, format, out, &mut refusals).await;
+    finish(out, result, refusals, args.keys.len())
+}
+
+/// Release each key in turn, recording the refused ones in `refusals`; stops at the first
+/// error.
+async fn release_each(
+    redis: &mut Redis<'_, impl Conn>,
+    args: &ReleaseArgs,
+    format: Format,
+    out: &mut Out,
+    refusals: &mut Vec<String>,
+) -> Result<(), CliError> {
+    let script = redis::Script::new(record::RELEASE_INSPECTED);
     for key in &args.keys {
         let read = matching(redis, key, &args.scope, false).await?;
         let verdict = match read.found.as_slice() {
@@ -743,7 +756,7 @@ async fn release(
         let f = match verdict {
             Ok(f) => f,
             Err(reason) => {
-                refuse(out, format, key, &reason, &mut refusals)?;
+                refuse(out, format, key, &reason, refusals)?;
                 continue;
             }
         };
@@ -770,11 +783,10 @@ async fn release(
                 "{} changed while releasing (completed, taken over or expired); nothing removed",
                 row.scope_label()
             );
-            refuse(out, format, key, &reason, &mut refusals)?;
+            refuse(out, format, key, &reason, refusals)?;
             continue;
         }
         released(out, format, row)?;
     }
-    out.flush()?;
-    release_exit(refusals, args.keys.len())
+    Ok(())
 }

@@ -817,6 +817,50 @@ async fn release_of_an_expired_completed_record_says_it_is_expired() {
     assert!(!err.contains("removing it makes"), "{err}");
 }
 
+/// A database error part way through a `release` of several keys still reports the keys
+/// refused before it, so the operator knows which to look at (review, 2026-12-06: only the
+/// error was printed, and the earlier refusals were lost).
+#[tokio::test]
+async fn release_that_fails_part_way_still_reports_the_refusals_before() {
+    let db = TestDb::new().await;
+    let store = PostgresStore::connect(&db.url).await.expect("store");
+    reserve_token(
+        &store,
+        &scope("acme", "live"),
+        &fingerprint("{}"),
+        60,
+        "live",
+    )
+    .await;
+    reserve_token(
+        &store,
+        &scope("acme", "locked"),
+        &fingerprint("{}"),
+        1,
+        "locked",
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let mut holder = connect(&db).await;
+    let lock = "SELECT 1 FROM idempotency_keys WHERE idempotency_key = 'locked' FOR UPDATE";
+    hold_in_transaction(&mut holder, lock).await;
+    let args = [
+        "--statement-timeout",
+        "1s",
+        "release",
+        "live",
+        "locked",
+        "--tenant",
+        "acme",
+    ];
+    let out = idem(&db.url, &args);
+    holder.batch_execute("ROLLBACK").await.unwrap();
+    assert_ne!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert_stderr_has(&out, "statement timeout");
+    assert_stderr_has(&out, "key=\"live\"");
+    assert_stderr_has(&out, "its request may still be running");
+}
+
 /// Several keys in one `release`: each released key is reported, each refused one gives its
 /// reason on stderr, and the exit says how many were not released (exit 6); in JSON every
 /// key gets its object, `"released": false` with the reason for a refused one.

@@ -30,6 +30,37 @@ pub async fn run(
     out: &mut Out,
 ) -> Result<(), CliError> {
     let mut refusals: Vec<String> = Vec::new();
+    let result = release_each(conn, args, format, out, &mut refusals).await;
+    finish(out, result, refusals, args.keys.len())
+}
+
+/// The end of a `release` of `asked` keys: the exit for its refusals, or its error with the
+/// reasons of the keys refused before it (the operator looks at those, and runs the rest
+/// again).
+pub(crate) fn finish(
+    out: &mut Out,
+    result: Result<(), CliError>,
+    refusals: Vec<String>,
+    asked: usize,
+) -> Result<(), CliError> {
+    if let Err(error) = result {
+        let _ = out.flush();
+        report_refusals(&refusals);
+        return Err(error);
+    }
+    out.flush()?;
+    release_exit(refusals, asked)
+}
+
+/// Release each key in turn, recording the refused ones in `refusals`; stops at the first
+/// database error.
+async fn release_each(
+    conn: &mut AsyncPgConnection,
+    args: &ReleaseArgs,
+    format: Format,
+    out: &mut Out,
+    refusals: &mut Vec<String>,
+) -> Result<(), CliError> {
     for key in &args.keys {
         let scope = key_scope(key, &args.scope);
         let rows: Vec<Record> = sql!(conn, admin::find(conn, &scope));
@@ -52,7 +83,7 @@ pub async fn run(
         let row = match verdict {
             Ok(row) => row,
             Err(reason) => {
-                refuse(out, format, key, &reason, &mut refusals)?;
+                refuse(out, format, key, &reason, refusals)?;
                 continue;
             }
         };
@@ -65,13 +96,12 @@ pub async fn run(
                 "{} changed while releasing (completed, taken over or purged); nothing removed",
                 row.scope_label()
             );
-            refuse(out, format, key, &reason, &mut refusals)?;
+            refuse(out, format, key, &reason, refusals)?;
             continue;
         }
         released(out, format, row)?;
     }
-    out.flush()?;
-    release_exit(refusals, args.keys.len())
+    Ok(())
 }
 
 /// Why this record may not be released without `--force`, if it may not.
@@ -137,19 +167,23 @@ pub(crate) fn released(out: &mut Out, format: Format, row: &Record) -> Result<()
 
 /// The exit of a `release` of `asked` keys: success when none was refused; one refused key of
 /// one asked is that key's reason; otherwise each reason on stderr and a count.
-pub(crate) fn release_exit(mut refusals: Vec<String>, asked: usize) -> Result<(), CliError> {
+fn release_exit(mut refusals: Vec<String>, asked: usize) -> Result<(), CliError> {
     match refusals.len() {
         0 => Ok(()),
         1 if asked == 1 => Err(CliError::NotFoundOrRefused(refusals.remove(0))),
         n => {
-            for reason in &refusals {
-                // Best effort: the exit code still says it.
-                let _ = writeln!(std::io::stderr(), "idem-cli: {reason}");
-            }
+            report_refusals(&refusals);
             Err(CliError::NotFoundOrRefused(format!(
                 "{n} of {asked} keys not released (see above)"
             )))
         }
+    }
+}
+
+/// Each refusal's reason on stderr, one line each. Best effort: the exit code still says it.
+fn report_refusals(refusals: &[String]) {
+    for reason in refusals {
+        let _ = writeln!(std::io::stderr(), "idem-cli: {reason}");
     }
 }
 
