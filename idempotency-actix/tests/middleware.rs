@@ -1470,6 +1470,23 @@ async fn a_scope_the_memory_store_never_has_room_for_is_refused() {
     assert_eq!(short.status, StatusCode::CREATED);
 }
 
+/// A byte bound with no room for any reservation beside its response allowance refuses every
+/// keyed request, `fail_open` or not: its limit on scopes is zero, never "no limit" (review,
+/// 2026-12-06: it declared none, and `fail_open` ran each request unprotected).
+#[actix_web::test]
+async fn a_memory_store_with_no_room_for_a_reservation_runs_nothing() {
+    let counter = Counter::default();
+    let store = MemoryStore::builder().max_bytes(512 * 1024).build();
+    assert_eq!(store.max_scope_bytes(), Some(0));
+    let middleware = Idempotency::builder(store).fail_open(true).build();
+    let app = one_route(counter.clone(), middleware, "/echo", web::post().to(echo)).await;
+    for _ in 0..2 {
+        let reply = send(&app, post_x("/echo", "k")).await;
+        reply.assert_problem(400, "SCOPE_TOO_LONG");
+    }
+    assert_eq!(counter.get(), 0, "run unprotected");
+}
+
 /// A completed record whose status is no HTTP status (damaged by a foreign writer or a custom
 /// store's bug) is refused like any unreadable record, 503 and nothing run, `fail_open` or not;
 /// never replayed with another status (review, 2026-12-06: it went out as 200 OK).

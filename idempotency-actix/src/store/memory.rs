@@ -89,7 +89,7 @@ fn scope_charge(scope: &Scope) -> usize {
 /// ([`MemoryStoreBuilder::max_bytes`]), because an unbounded cache of responses is a memory
 /// leak with a delay, and a record bound alone does not bound memory (100,000 records of 1 MiB
 /// responses are 100 GB). A record is charged for its scope (tenant, method, path, key), its
-/// stored response (encoded headers and body) and about 384 bytes of bookkeeping.
+/// stored response (encoded headers and body) and [`RECORD_OVERHEAD`] (432) bytes of bookkeeping.
 ///
 /// A *live* record (a completed record inside its TTL, or a reservation before the end of its
 /// grace period) is never dropped to make room by default. When the store is full of live
@@ -199,7 +199,8 @@ impl MemoryStoreBuilder {
     /// At most this many bytes of records are kept: scopes, stored headers and bodies, the
     /// response allowance of running reservations and about 432 bytes of bookkeeping per
     /// record. Default 256 MiB. A new reservation needs its scope plus the response allowance
-    /// free, so a bound below the allowance refuses every request.
+    /// and the bookkeeping free, so a bound with no room beside them refuses every keyed
+    /// request (400 `SCOPE_TOO_LONG`: no scope fits, see `max_scope_bytes`).
     pub fn max_bytes(mut self, max_bytes: usize) -> Self {
         self.limits.max_bytes = max_bytes;
         self
@@ -249,11 +250,14 @@ impl MemoryStoreBuilder {
 
     /// The store.
     pub fn build(self) -> MemoryStore {
-        let max_scope = self
-            .limits
-            .max_bytes
-            .checked_sub(RECORD_OVERHEAD.saturating_add(self.limits.response_allowance))
-            .filter(|room| *room > 0);
+        // Zero when there is no room at all: every keyed request is then refused as too long
+        // (never `None`, "no limit", which would leave each request to a `ByteCapacity` error
+        // that `fail_open` runs unprotected).
+        let max_scope = Some(
+            self.limits
+                .max_bytes
+                .saturating_sub(RECORD_OVERHEAD.saturating_add(self.limits.response_allowance)),
+        );
         MemoryStore {
             shared: Arc::new(Shared {
                 inner: Mutex::new(Inner {
@@ -955,7 +959,7 @@ impl IdempotencyStore for MemoryStore {
     // `max_bytes`: a longer scope could never be reserved, whatever else the store held, so
     // it is the request's fault and gets a final 400, not the 503 of a full store (which
     // `fail_open` would run unprotected on every retry). A bound with no room for any scope
-    // refuses every request as full, as documented on `max_bytes`.
+    // declares zero: every keyed request is refused, as documented on `max_bytes`.
     fn max_scope_bytes(&self) -> Option<usize> {
         self.shared.max_scope
     }
