@@ -670,7 +670,7 @@ async fn claim<S, Svc>(
             Err(error) => {
                 sql::rollback(&tx.store, &mut conn).await;
                 let _ = sql::discard_if_altered(&tx.store, &mut conn, &error).await;
-                let error = sql::classify_claim_error(&mut conn, error).await;
+                let error = sql::classify_claim_error(&tx.store, &mut conn, error).await;
                 return unavailable(&error);
             }
         };

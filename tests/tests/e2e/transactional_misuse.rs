@@ -11,7 +11,7 @@ use diesel::sql_types::{BigInt, Text};
 use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
 use idempotency_actix::store::postgres::PostgresStore;
 use idempotency_actix::{Idempotency, IdempotentTx};
-use idempotency_e2e::records::{count, execute, records_for_key};
+use idempotency_e2e::records::{count, execute, records_for_key, TempRole};
 use idempotency_e2e::TestDb;
 use serde::Deserialize;
 
@@ -647,10 +647,16 @@ async fn a_leaked_search_path_is_not_reported_as_an_unmigrated_database() {
 
 #[actix_web::test]
 async fn a_connection_on_which_the_claim_failed_is_not_lent_again() {
+    // A role without rights on the table: PostgreSQL hides `role` from `pg_settings`, so a
+    // handler's `SET ROLE` went unseen and its connection was kept (review, 2026-12-06).
+    let server = TestDb::new().await;
+    let no_rights = TempRole::create(&server.url, "idem_no_rights");
+    let set_role = format!("SET ROLE \"{}\"", no_rights.name);
     let leaks = [
         "SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY",
         "SET search_path = pg_catalog",
         "SET statement_timeout = 1",
+        &set_role,
     ];
     let mut stuck = Vec::new();
     for leak in leaks {

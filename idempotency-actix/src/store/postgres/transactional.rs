@@ -560,16 +560,22 @@ fn names_a_prepared_statement(text: &str) -> bool {
 
 /// After a failed claim (and its rollback): the store's own diagnosis, plus the third
 /// migration's claim function, so a database migrated only to the second migration gets the
-/// "run `idem-cli migrate`" hint instead of an opaque error.
+/// "run `idem-cli migrate`" hint instead of an opaque error. Bounded by the query timeout like
+/// every statement of the request (review, 2026-12-06: a stalled connection held the request
+/// here without limit).
 pub(crate) async fn classify_claim_error(
+    store: &PostgresStore,
     conn: &mut AsyncPgConnection,
     error: StoreError,
 ) -> StoreError {
     if !matches!(error, StoreError::Backend(_)) {
         return error;
     }
-    match sql::claim_exists(conn).await {
-        Ok(false) => StoreError::NotProvisioned {
+    let exists = store
+        .timed(conn, async |c| Ok(sql::claim_exists(c).await))
+        .await;
+    match exists {
+        Ok(Ok(false)) => StoreError::NotProvisioned {
             hint: TX_MIGRATE_HINT.to_owned(),
         },
         _ => error,
