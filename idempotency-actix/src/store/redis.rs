@@ -214,6 +214,10 @@ impl RedisStoreBuilder {
 
     /// How long Redis keeps a reservation after its lease ended (default 24 h). Until then it
     /// refuses another body (422) and accepts its holder's late `complete`; then it expires.
+    /// Keep it longer than any handler may run past its lease (a hung one past
+    /// `renew_lease_up_to`): with a short grace, a request with another body reserves the key
+    /// while the first may still run (C7 wants 422), and the first one's response is then
+    /// refused as stale. `Duration::ZERO` means the key ends with its lease.
     pub fn in_flight_grace(mut self, grace: Duration) -> Self {
         self.in_flight_grace = grace;
         self
@@ -851,6 +855,15 @@ where
     /// failover to the promoted replica, which may lack the write (the key absent, or still the
     /// reservation a complete replaced); its `WAIT` then counts replicas of a node that never
     /// saw the write, so it proves nothing. Same pipeline, so the same node answers both.
+    ///
+    /// Between them, [`TOUCH_FOR_WAIT`]: a write that changes nothing. `WAIT` waits for the
+    /// replication offset of its connection's last *propagated* command, and since Redis 7.2
+    /// (and in Valkey) a command that wrote nothing leaves that offset where it was. The
+    /// record's write may have gone over another connection (a retried `complete` that finds
+    /// the record already completed by its token, a resent reserve that finds its own
+    /// reservation, a reconnect), so without it `WAIT` could answer at once for a write no
+    /// replica has (review, 2026-12-06; Redis 7.0, which this project tests against, moves
+    /// the offset after every command, so the hole is not reproducible here).
     async fn wait_replicas(
         &self,
         picked: &mut Picked<C>,
@@ -868,6 +881,11 @@ where
                 .arg(key)
                 .arg(0)
                 .arg(record::WRITE_HEAD_LAST)
+                .cmd("EVAL")
+                .arg(TOUCH_FOR_WAIT)
+                .arg(1)
+                .arg(key)
+                .ignore()
                 .cmd("WAIT")
                 .arg(replicas)
                 .arg(timeout_ms)
@@ -889,6 +907,14 @@ where
         Ok(acked >= i64::from(replicas))
     }
 }
+
+/// A propagated write that changes nothing (`APPEND` of nothing to the record, if it is
+/// there), sent before `WAIT` on the same connection: see `wait_replicas`. Sent as `EVAL`, not
+/// loaded: it is short, and it needs no `NOSCRIPT` handling inside a pipeline. `allow-oom`: a
+/// full Redis must not refuse it, the write it covers was already made.
+const TOUCH_FOR_WAIT: &str = "#!lua flags=allow-oom\n\
+     if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('APPEND', KEYS[1], '') end\n\
+     return 1";
 
 /// What the native `SET ... NX GET` of a reserve found.
 enum SetOrGet {
