@@ -467,6 +467,21 @@ pub enum Cut {
     /// Forward the statement, then cut before the server's answer reaches the client: it ran
     /// (and, outside a transaction or for a `COMMIT`, committed), the client never learns it.
     AfterSend,
+    /// As [`Cut::AfterSend`], but the client gets a `FATAL` error instead of the answer before
+    /// the cut (SQLSTATE 57P01, "terminating connection due to administrator command"), as
+    /// when the server shuts its sessions down right after the statement committed.
+    AfterSendFatal,
+}
+
+/// The `ErrorResponse` a [`Cut::AfterSendFatal`] sends: `FATAL` 57P01.
+fn fatal_error_message() -> Vec<u8> {
+    let fields: &[u8] =
+        b"SFATAL\0VFATAL\0C57P01\0Mterminating connection due to administrator command\0\0";
+    let mut message = vec![b'E'];
+    let len = u32::try_from(4 + fields.len()).unwrap_or(u32::MAX);
+    message.extend_from_slice(&len.to_be_bytes());
+    message.extend_from_slice(fields);
+    message
 }
 
 /// A PostgreSQL proxy that cuts one connection at one chosen statement.
@@ -566,6 +581,9 @@ async fn cut_pipe(
     // answer to the armed statement; 0 while none is armed on this connection.
     let target = Arc::new(AtomicU64::new(0));
     let target_up = Arc::clone(&target);
+    // For `AfterSendFatal`: send a FATAL error before cutting.
+    let fatal = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let fatal_up = Arc::clone(&fatal);
     let upstream = async move {
         let mut splitter = MessageSplitter::default();
         let mut statements: HashMap<Vec<u8>, String> = HashMap::new();
@@ -611,6 +629,10 @@ async fn cut_pipe(
                 match cut {
                     Some(Cut::BeforeSend) => return,
                     Some(Cut::AfterSend) => pending_target = true,
+                    Some(Cut::AfterSendFatal) => {
+                        fatal_up.store(true, Ordering::SeqCst);
+                        pending_target = true;
+                    }
                     None => {}
                 }
                 if kind == b'Q' || kind == b'S' {
@@ -655,6 +677,9 @@ async fn cut_pipe(
                 if swallowed {
                     if ready >= goal {
                         // The whole answer to the armed statement is in: cut.
+                        if fatal.load(Ordering::SeqCst) {
+                            let _ = client_write.write_all(&fatal_error_message()).await;
+                        }
                         return;
                     }
                     continue;

@@ -286,6 +286,51 @@ async fn a_repeated_complete_by_its_token_is_applied_on(db: &TestDb) {
     }
 }
 
+/// A reserve that committed, answered by a `FATAL` error (the server shutting its sessions down
+/// right after the commit: 57P01) instead of its row, may hold the key: the store gives it
+/// back in the background, fenced by its token, as it does when the connection is simply lost,
+/// so a retry is not answered 409 for the whole lease (review, 2026-12-06: the fatal error was
+/// taken for an answered one, and the key stayed held).
+#[tokio::test]
+async fn a_reserve_answered_by_a_fatal_error_after_its_commit_does_not_hold_the_key() {
+    use idempotency_e2e::proxy::{Cut, CutProxy};
+    let db = TestDb::new().await;
+    let proxy = CutProxy::for_url(&db.url).await;
+    let store = PostgresStore::builder(proxy.url_through(&db.url))
+        .max_size(2)
+        .build()
+        .await
+        .expect("store");
+    let key = scope("fatal");
+    let lease = Duration::from_secs(30);
+    // A first call prepares the statement on a connection.
+    let warm = scope("warm");
+    assert!(matches!(
+        store.reserve(&warm, &FP, lease).await,
+        Ok(ReserveOutcome::Reserved { .. })
+    ));
+    proxy.arm("idempotency_reserve(", Cut::AfterSendFatal);
+    let answered = store.reserve(&key, &FP, lease).await;
+    assert_eq!(proxy.fired(), 1, "the scenario: the reserve was cut");
+    assert!(
+        matches!(answered, Err(StoreError::Unavailable(_))),
+        "{answered:?}"
+    );
+    let started = Instant::now();
+    loop {
+        match store.reserve(&key, &FP, lease).await {
+            Ok(ReserveOutcome::Reserved { .. }) => break,
+            Ok(ReserveOutcome::InFlight { .. }) | Err(_) => {}
+            other => panic!("{other:?}"),
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the key stayed held by a reservation nobody runs"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// A completed record whose status was edited out of HTTP's range (a hand edit, a foreign
 /// writer) is refused as corrupt (a store error: 503 through the middleware), never replayed
 /// with another status (review, 2026-12-06: the middleware replayed it as 200 OK).

@@ -63,12 +63,33 @@ pub async fn classify_query_error(conn: &mut AsyncPgConnection, error: DieselErr
             Ok(false) => return not_provisioned(),
             // The connection died with the error: an administrator terminated the session
             // (57P01), the server is shutting down (57P02, 57P03) or crashed. Those codes are
-            // `Unknown` too, and the database is unavailable, not broken: retry later.
-            Err(StoreError::Unavailable(_)) => return StoreError::Unavailable(Box::new(error)),
+            // `Unknown` too, and the database is unavailable, not broken: retry later. Such an
+            // error can come after the statement committed (a fatal error sent in place of its
+            // answer), so its outcome is unknown, as for a connection lost without a word.
+            Err(StoreError::Unavailable(_)) => {
+                return StoreError::Unavailable(Box::new(SessionLost(error)))
+            }
             Ok(true) | Err(_) => {}
         }
     }
     classify_error(error)
+}
+
+/// A statement's error after which its session was gone (a `FATAL` error, a crash): whether
+/// the statement took effect first is unknown. Shown as the error itself.
+#[derive(Debug)]
+pub(crate) struct SessionLost(pub(crate) DieselError);
+
+impl std::fmt::Display for SessionLost {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::error::Error for SessionLost {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.0.source()
+    }
 }
 
 /// Whether `idempotency_keys` is visible on `conn`'s `search_path`. One round trip.

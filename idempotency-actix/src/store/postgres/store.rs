@@ -655,13 +655,15 @@ impl std::fmt::Display for TimedOut {
 impl std::error::Error for TimedOut {}
 
 /// Whether a failed statement may still have taken effect: no answer in time, or the
-/// connection lost with it. An error the server answered (a read-only database, a constraint)
+/// connection lost with it (silently, or after a `FATAL` error in place of the answer). An
+/// error the server answered on a session that lived on (a read-only database, a constraint)
 /// wrote nothing.
 fn outcome_unknown(error: &StoreError) -> bool {
     let StoreError::Unavailable(inner) = error else {
         return false;
     };
     inner.is::<TimedOut>()
+        || inner.is::<super::error::SessionLost>()
         || inner
             .downcast_ref::<diesel::result::Error>()
             .is_some_and(super::transactional::is_connection_lost)
