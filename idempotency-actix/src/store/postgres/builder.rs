@@ -295,7 +295,8 @@ impl PostgresStoreBuilder {
             purge_batch: self.purge_batch,
             replay_fast_path: self.replay_fast_path,
             cancel_with,
-            background: BackgroundReleases::for_pool(self.max_size),
+            // A release runs on its caller's pool: with a pool per thread, a worker's own.
+            background: BackgroundReleases::for_pool(self.pool_per_thread.unwrap_or(self.max_size)),
             provisioned: Default::default(),
         })
     }

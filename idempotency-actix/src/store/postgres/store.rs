@@ -699,4 +699,21 @@ mod tests {
             assert_eq!(held.len(), statements, "pool of {max_size}");
         }
     }
+
+    /// With a pool per thread, a release runs on the calling thread's own pool: a quarter of
+    /// that pool, not of the shared one (review, 2026-12-06: 16 shared connections let 4
+    /// releases take all 4 of a worker's connections, and its live requests waited).
+    #[tokio::test]
+    async fn with_a_pool_per_thread_releases_take_a_quarter_of_a_threads_pool() {
+        let store = super::PostgresStore::builder("postgres://u@127.0.0.1:1/db")
+            .max_size(16)
+            .pool_per_thread(Some(4))
+            .build()
+            .await
+            .expect("built without connecting");
+        let held: Vec<_> = std::iter::from_fn(|| store.background.statement())
+            .take(100)
+            .collect();
+        assert_eq!(held.len(), 1);
+    }
 }
