@@ -2211,6 +2211,23 @@ async fn a_declared_empty_stream_that_stays_open_is_answered_at_once() {
     );
 }
 
+/// A counted `/pay` behind `store` with a 300 ms lease: a request, and the same request
+/// `after_ms` later. The handler's runs and both replies.
+async fn pay_and_duplicate(store: Faulty, after_ms: u64) -> (usize, Reply, Reply) {
+    let counter = Counter::default();
+    let middleware = Idempotency::builder(store)
+        .lock_timeout(Duration::from_millis(300))
+        .build();
+    let route = web::post().to(|counter: web::Data<Counter>| async move {
+        counter.bump();
+        HttpResponse::Created().finish()
+    });
+    let app = one_route(counter.clone(), middleware, "/pay", route).await;
+    let (first, duplicate) =
+        overlapping(&app, post_x("/pay", "k"), post_x("/pay", "k"), after_ms).await;
+    (counter.get(), first, duplicate)
+}
+
 /// A reserve answered after its lease ended (the store applied the lease, then a stalled
 /// database or a slow network held the answer back: the lease counts from when the store
 /// applied it) must not run the handler on a key another request may have taken over
@@ -2221,32 +2238,18 @@ async fn a_declared_empty_stream_that_stays_open_is_answered_at_once() {
 /// before: both ran).
 #[actix_web::test]
 async fn a_reservation_answered_after_its_lease_is_confirmed_before_running() {
-    let counter = Counter::default();
     let store = Faulty {
         renews: true,
         slow_answer: Some((0, Duration::from_millis(400))),
         ..Faulty::default()
     };
-    let middleware = Idempotency::builder(store.clone())
-        .lock_timeout(Duration::from_millis(300))
-        .build();
-    let route = web::post().to(|counter: web::Data<Counter>| async move {
-        counter.bump();
-        HttpResponse::Created().finish()
-    });
-    let app = one_route(counter.clone(), middleware, "/pay", route).await;
-    let first = send(&app, post_x("/pay", "k"));
-    let duplicate = async {
-        tokio::time::sleep(Duration::from_millis(350)).await;
-        send(&app, post_x("/pay", "k")).await
-    };
-    let (first, duplicate) = futures_util::future::join(first, duplicate).await;
+    let (runs, first, duplicate) = pay_and_duplicate(store, 350).await;
     assert_eq!(
         duplicate.status,
         StatusCode::CREATED,
         "the scenario: the duplicate took the ended reservation over"
     );
-    assert_eq!(counter.get(), 1, "the handler ran twice");
+    assert_eq!(runs, 1, "the handler ran twice");
     // The first is answered as the key stands once it finds it gone: the duplicate's replay
     // (it finished at once), or 409 had it still been running.
     assert!(
@@ -2263,30 +2266,21 @@ async fn a_reservation_answered_after_its_lease_is_confirmed_before_running() {
 /// the handler ran twice).
 #[actix_web::test]
 async fn a_confirmation_answered_after_its_lease_is_confirmed_again() {
-    let counter = Counter::default();
     let store = Faulty {
         renews: true,
         slow_answer: Some((0, Duration::from_millis(150))),
         slow_renewal_answer: Some((0, Duration::from_millis(400))),
         ..Faulty::default()
     };
-    let middleware = Idempotency::builder(store.clone())
-        .lock_timeout(Duration::from_millis(300))
-        .build();
-    let route = web::post().to(|counter: web::Data<Counter>| async move {
-        counter.bump();
-        HttpResponse::Created().finish()
-    });
-    let app = one_route(counter.clone(), middleware, "/pay", route).await;
     // Reserved at 0, answered at 150; renewed at 150 (lease to 450), answered at 550; the
     // duplicate at 500 finds the lease ended.
-    let (first, duplicate) = overlapping(&app, post_x("/pay", "k"), post_x("/pay", "k"), 500).await;
+    let (runs, first, duplicate) = pay_and_duplicate(store, 500).await;
     assert_eq!(
         duplicate.status,
         StatusCode::CREATED,
         "the scenario: the duplicate took the ended reservation over"
     );
-    assert_eq!(counter.get(), 1, "the handler ran twice");
+    assert_eq!(runs, 1, "the handler ran twice");
     assert!(first.replayed(), "{:?}", first.status);
 }
 
