@@ -17,7 +17,11 @@
 //!   reports with the record (`expires_in` of [`ReserveOutcome::Completed`]; the PostgreSQL store
 //!   computes it with the database's clock in the same statement), counted from *before* the
 //!   call, so the entry always ends first. And at most [`CachedStoreBuilder::max_ttl`]
-//!   (default 60 s). A store that does not report the time left gets no entries: the wrapper
+//!   (default 60 s). The entry's end is measured on this process's monotonic clock, which on
+//!   Linux stops while the machine is suspended (a laptop's sleep, a paused VM): after a
+//!   suspend of S, an entry may replay up to S past its record's expiry. Servers that are not
+//!   suspended are not affected; a paused VM that resumes can clear the cache
+//!   ([`CachedStore::clear`]). A store that does not report the time left gets no entries: the wrapper
 //!   is then a pass-through.
 //! - At most [`CachedStoreBuilder::max_bytes`] bytes in all (default 64 MiB), each entry
 //!   weighed by the heap its scope, headers and body hold, allocations and bookkeeping
