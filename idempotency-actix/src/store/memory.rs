@@ -89,7 +89,7 @@ fn scope_charge(scope: &Scope) -> usize {
 /// ([`MemoryStoreBuilder::max_bytes`]), because an unbounded cache of responses is a memory
 /// leak with a delay, and a record bound alone does not bound memory (100,000 records of 1 MiB
 /// responses are 100 GB). A record is charged for its scope (tenant, method, path, key), its
-/// stored response (encoded headers and body) and [`RECORD_OVERHEAD`] (432) bytes of bookkeeping.
+/// stored response (encoded headers and body) and 432 bytes of bookkeeping.
 ///
 /// A *live* record (a completed record inside its TTL, or a reservation before the end of its
 /// grace period) is never dropped to make room by default. When the store is full of live
