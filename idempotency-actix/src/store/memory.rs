@@ -253,11 +253,14 @@ impl MemoryStoreBuilder {
         // Zero when there is no room at all: every keyed request is then refused as too long
         // (never `None`, "no limit", which would leave each request to a `ByteCapacity` error
         // that `fail_open` runs unprotected).
-        let max_scope = Some(
-            self.limits
-                .max_bytes
-                .saturating_sub(RECORD_OVERHEAD.saturating_add(self.limits.response_allowance)),
-        );
+        let room = self
+            .limits
+            .max_bytes
+            .saturating_sub(RECORD_OVERHEAD.saturating_add(self.limits.response_allowance));
+        if room == 0 {
+            tracing::error!(target: "idempotency_actix", max_bytes = self.limits.max_bytes, response_allowance = self.limits.response_allowance, "MemoryStore: max_bytes leaves no room for a reservation beside its response allowance; every keyed request will be refused (400 SCOPE_TOO_LONG): raise max_bytes or lower response_allowance");
+        }
+        let max_scope = Some(room);
         MemoryStore {
             shared: Arc::new(Shared {
                 inner: Mutex::new(Inner {

@@ -856,14 +856,15 @@ where
     /// reservation a complete replaced); its `WAIT` then counts replicas of a node that never
     /// saw the write, so it proves nothing. Same pipeline, so the same node answers both.
     ///
-    /// Between them, [`TOUCH_FOR_WAIT`]: a write that changes nothing. `WAIT` waits for the
-    /// replication offset of its connection's last *propagated* command, and since Redis 7.2
-    /// (and in Valkey) a command that wrote nothing leaves that offset where it was. The
-    /// record's write may have gone over another connection (a retried `complete` that finds
-    /// the record already completed by its token, a resent reserve that finds its own
-    /// reservation, a reconnect), so without it `WAIT` could answer at once for a write no
-    /// replica has (review, 2026-12-06; Redis 7.0, which this project tests against, moves
-    /// the offset after every command, so the hole is not reproducible here).
+    /// Known limit (review, 2026-12-06, from the Redis source): since Redis 7.2, and in
+    /// Valkey, `WAIT` counts only up to its connection's last *propagated* write, and a call
+    /// that wrote nothing (a retried `complete` that finds the record already completed by its
+    /// token, a resent reserve that finds its own reservation) leaves that where it was, so
+    /// `WAIT` on another connection than the write's may answer at once. Redis 7.0, which
+    /// this project tests against, moves it after every command. A write that changes nothing
+    /// sent before `WAIT` would close it, but needs more ACL permissions and is refused up
+    /// front by a Redis that refuses writes (`MISCONF`, `NOREPLICAS`), which the read-only
+    /// fallbacks rely on: not done until it can be tested on such a server (docs/redis.md).
     async fn wait_replicas(
         &self,
         picked: &mut Picked<C>,
@@ -881,11 +882,6 @@ where
                 .arg(key)
                 .arg(0)
                 .arg(record::WRITE_HEAD_LAST)
-                .cmd("EVAL")
-                .arg(TOUCH_FOR_WAIT)
-                .arg(1)
-                .arg(key)
-                .ignore()
                 .cmd("WAIT")
                 .arg(replicas)
                 .arg(timeout_ms)
@@ -907,14 +903,6 @@ where
         Ok(acked >= i64::from(replicas))
     }
 }
-
-/// A propagated write that changes nothing (`APPEND` of nothing to the record, if it is
-/// there), sent before `WAIT` on the same connection: see `wait_replicas`. Sent as `EVAL`, not
-/// loaded: it is short, and it needs no `NOSCRIPT` handling inside a pipeline. `allow-oom`: a
-/// full Redis must not refuse it, the write it covers was already made.
-const TOUCH_FOR_WAIT: &str = "#!lua flags=allow-oom\n\
-     if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('APPEND', KEYS[1], '') end\n\
-     return 1";
 
 /// What the native `SET ... NX GET` of a reserve found.
 enum SetOrGet {

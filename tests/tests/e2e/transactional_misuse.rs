@@ -647,11 +647,11 @@ async fn a_leaked_search_path_is_not_reported_as_an_unmigrated_database() {
 
 #[actix_web::test]
 async fn a_connection_on_which_the_claim_failed_is_not_lent_again() {
-    // A role without rights on the table: PostgreSQL hides `role` from `pg_settings`, so a
-    // handler's `SET ROLE` went unseen and its connection was kept (review, 2026-12-06).
+    // A session user without rights on the table: PostgreSQL hides `session_authorization`
+    // from `pg_settings`, so it went unseen and its connection was kept (review, 2026-12-06).
     let server = TestDb::new().await;
     let no_rights = TempRole::create(&server.url, "idem_no_rights");
-    let set_role = format!("SET ROLE \"{}\"", no_rights.name);
+    let set_role = format!("SET SESSION AUTHORIZATION \"{}\"", no_rights.name);
     let leaks = [
         "SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY",
         "SET search_path = pg_catalog",

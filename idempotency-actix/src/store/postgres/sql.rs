@@ -855,11 +855,12 @@ impl QueryFragment<Pg> for ClaimExists {
 /// Whether a connection carries a session setting a handler changed (`SET` without `LOCAL`:
 /// `search_path`, `default_transaction_read_only`, `statement_timeout`), which can fail the
 /// store's own statements. The two settings diesel-async itself sets for the session when it
-/// connects (`TimeZone`, `client_encoding`) are not counted. A changed role (`SET ROLE`, `SET
-/// SESSION AUTHORIZATION`) counts too: PostgreSQL hides those two from `pg_settings`, so they
-/// are compared with the role the connection logged in as (review, 2026-12-06: a handler's
-/// `SET ROLE` to a role without rights on the table kept its connection, and every request
-/// that got it answered 503). Asked after one of the
+/// connects (`TimeZone`, `client_encoding`) are not counted. `SET SESSION AUTHORIZATION`
+/// counts too: PostgreSQL hides it from `pg_settings`, so the session's user is compared with
+/// the role the connection logged in as (review, 2026-12-06). `SET ROLE` is not seen: it is
+/// hidden as well, and comparing the current role with the session's would count a login
+/// role's own default role (`ALTER ROLE .. SET role`, `-c role=..`) as a change, closing a
+/// connection on every failed claim. Asked after one of the
 /// middleware's statements failed on a request's
 /// connection, so that only such a connection is closed: an error a client can choose (a path
 /// too long for the index) keeps its connection, rather than cost the database a new session
@@ -869,7 +870,6 @@ impl QueryFragment<Pg> for ClaimExists {
 /// prepared statements are gone.
 pub(crate) const SESSION_ALTERED: &str = "SELECT EXISTS (SELECT FROM pg_catalog.pg_settings \
      WHERE source = 'session' AND name NOT IN ('TimeZone', 'client_encoding')) \
-     OR current_user IS DISTINCT FROM session_user \
      OR session_user IS DISTINCT FROM (SELECT usename FROM pg_catalog.pg_stat_activity \
      WHERE pid = pg_catalog.pg_backend_pid()) AS present";
 
