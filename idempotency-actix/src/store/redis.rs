@@ -1115,6 +1115,8 @@ fn classify(err: RedisError) -> StoreError {
         "MISCONF",
         "MOVED",
         "ASK",
+        // A blocked `WAIT` whose primary was demoted meanwhile: a failover under way.
+        "UNBLOCKED",
         // The script cache emptied again between the client's reload and its retry (a
         // `SCRIPT FLUSH`, a restart, a failover to a replica that never loaded it): nothing
         // ran, and the next call loads it again.

@@ -116,6 +116,38 @@ async fn wait_for_replicas_without_a_replica_refuses_the_reservation() {
     ));
 }
 
+/// A primary demoted while a `WAIT` blocks answers it `-UNBLOCKED`: a failover in progress, so
+/// the store is unavailable (503, the reservation given back), not broken (review, 2026-12-06:
+/// it was a `Backend` error, mislabelled in logs and metrics).
+#[tokio::test]
+async fn a_wait_cut_short_by_a_demotion_is_unavailable() {
+    let primary = RedisServer::start();
+    let other = RedisServer::start();
+    let store = RedisStore::builder()
+        .wait_for_replicas(1, Duration::from_secs(10))
+        .connect(&primary.url())
+        .await
+        .expect("connect");
+    let demote = {
+        let (port, other) = (primary.port().to_string(), other.port().to_string());
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            let out = tokio::process::Command::new("redis-cli")
+                .args(["-p", &port, "REPLICAOF", "127.0.0.1", &other])
+                .output()
+                .await
+                .expect("redis-cli");
+            assert!(out.status.success(), "{out:?}");
+        })
+    };
+    let answered = store.reserve(&scope("demoted"), &FP, LEASE).await;
+    demote.await.expect("demoted");
+    match answered {
+        Err(StoreError::Unavailable(e)) => assert!(e.to_string().contains("UNBLOCKED"), "{e}"),
+        other => panic!("expected Unavailable, got {other:?}"),
+    }
+}
+
 /// A lease renewal sends no `WAIT`, even with `wait_for_replicas`: losing one in a failover
 /// only brings back the lease as it was before it. So with no replica up it still applies at
 /// once, where a reservation or a completion would wait out the timeout and fail.
