@@ -613,15 +613,10 @@ where
                         }
                         None => {
                             tracing::error!(target: "idempotency_actix", outcome = "store_error", "the store answered every reservation of this key after it was lost; nothing was run");
-                            return Err(Decision::Refuse(
-                                Problem::new(
-                                    ProblemCode::StorageUnavailable,
-                                    unavailable_detail(&StoreError::unavailable(
-                                        "the store answers too slowly to hold a lease",
-                                    )),
-                                )
-                                .with_retry_after(config.retry_after),
-                            ));
+                            let error = StoreError::unavailable(
+                                "the store answers too slowly to hold a lease",
+                            );
+                            return Err(self.store_failed(&error));
                         }
                     }
                 }
@@ -649,10 +644,7 @@ where
                     tracing::error!(target: "idempotency_actix", outcome = "store_error", status = response.status, "the stored response's status is not an HTTP status; not replayed, nothing was run");
                     let error =
                         StoreError::Backend("a stored status that is not an HTTP status".into());
-                    return Err(Decision::Refuse(
-                        Problem::new(ProblemCode::StorageUnavailable, unavailable_detail(&error))
-                            .with_retry_after(config.retry_after),
-                    ));
+                    return Err(self.store_failed(&error));
                 }
                 Ok(ReserveOutcome::Completed { response, .. }) => {
                     tracing::debug!(target: "idempotency_actix", outcome = "replay", status = response.status, "replaying the stored response");
@@ -682,16 +674,13 @@ where
                     tracing::error!(target: "idempotency_actix", outcome = "store_error", fail_open = config.fail_open, %error, "could not reserve the key");
                     // Fail open only when the store could not answer about this key: not once
                     // it said the key is in flight, nor for an error about this request itself
-                    // (`Backend`: a scope PostgreSQL cannot index), which a client could choose
+                    // (`Backend`: a value the store cannot record), which a client could choose
                     // to make to go unprotected.
                     let store_is_down = !matches!(error, StoreError::Backend(_));
                     if config.fail_open && store_is_down && !seen_in_flight {
                         return Err(Decision::PassThrough);
                     }
-                    return Err(Decision::Refuse(
-                        Problem::new(ProblemCode::StorageUnavailable, unavailable_detail(&error))
-                            .with_retry_after(config.retry_after),
-                    ));
+                    return Err(self.store_failed(&error));
                 }
             }
         }
@@ -1119,6 +1108,12 @@ where
         error: &StoreError,
     ) -> Decision {
         self.release_quietly(scope, token).await;
+        self.store_failed(error)
+    }
+
+    /// The refusal of a request the store failed before anything ran: 503
+    /// `STORAGE_UNAVAILABLE` with `Retry-After`.
+    fn store_failed(&self, error: &StoreError) -> Decision {
         Decision::Refuse(
             Problem::new(ProblemCode::StorageUnavailable, unavailable_detail(error))
                 .with_retry_after(self.config.retry_after),
