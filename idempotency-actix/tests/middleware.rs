@@ -390,6 +390,9 @@ struct Faulty {
     replay_status: Option<u16>,
     /// A reservation is gone by the time it is answered (a store that lost it).
     forgets: bool,
+    /// The first `complete` fails (a blip), counting every call in `completes`.
+    first_complete_fails: bool,
+    completes: Arc<AtomicUsize>,
 }
 
 impl Faulty {
@@ -469,6 +472,10 @@ impl IdempotencyStore for Faulty {
         self.check_up()?;
         if self.panic_on_complete {
             panic!("complete panicked (this test's own panic)");
+        }
+        let n = self.completes.fetch_add(1, Ordering::SeqCst);
+        if n == 0 && self.first_complete_fails {
+            return Err(StoreError::unavailable("one blip"));
         }
         self.inner.complete(scope, token, response, ttl).await
     }
@@ -2226,6 +2233,43 @@ async fn pay_and_duplicate(store: Faulty, after_ms: u64) -> (usize, Reply, Reply
     let (first, duplicate) =
         overlapping(&app, post_x("/pay", "k"), post_x("/pay", "k"), after_ms).await;
     (counter.get(), first, duplicate)
+}
+
+/// A `complete` that fails once is retried in the background until the lease ends (C16), so
+/// a retry after the lease replays instead of running again. The retries used to start with
+/// a 100 ms pause and stop when the next pause would pass the lease's end: with the shortest
+/// lease the builder accepts (100 ms) there was no retry at all, and one between 100 and
+/// 300 ms got one (review, 2026-12-06; before: the handler ran twice).
+#[actix_web::test]
+async fn a_failed_complete_is_retried_within_the_shortest_lease() {
+    for lease_ms in [100, 250] {
+        let counter = Counter::default();
+        let store = Faulty {
+            renews: true,
+            first_complete_fails: true,
+            ..Faulty::default()
+        };
+        let completes = Arc::clone(&store.completes);
+        let middleware = Idempotency::builder(store)
+            .lock_timeout(Duration::from_millis(lease_ms))
+            .build();
+        let route = web::post().to(|counter: web::Data<Counter>| async move {
+            counter.bump();
+            HttpResponse::Created().finish()
+        });
+        let app = one_route(counter.clone(), middleware, "/pay", route).await;
+        let first = send(&app, post_x("/pay", "k")).await;
+        assert_eq!(first.status, StatusCode::CREATED);
+        tokio::time::sleep(Duration::from_millis(lease_ms + 50)).await;
+        let retry = send(&app, post_x("/pay", "k")).await;
+        assert_eq!(
+            counter.get(),
+            1,
+            "a {lease_ms} ms lease: the failed complete must be retried before the lease ends"
+        );
+        assert!(retry.replayed(), "a {lease_ms} ms lease: {retry:?}");
+        assert!(completes.load(Ordering::SeqCst) >= 2);
+    }
 }
 
 /// A reserve answered after its lease ended (the store applied the lease, then a stalled

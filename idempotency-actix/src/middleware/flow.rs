@@ -1204,23 +1204,30 @@ fn spawn_tracked(retry: impl std::future::Future<Output = ()> + Send + 'static) 
     });
 }
 
-/// Call `attempt` after pauses doubling from 100 ms to 2 s, until it answers `true` (done) or
-/// the next pause would end past `until` (the lease's end, after which the key is anyone's);
-/// whether it got done. The background retries of `complete` and `release` (C16).
+/// Call `attempt` after pauses doubling from 100 ms to 2 s, each at most half of what is left
+/// before `until` (the lease's end, after which the key is anyone's), until it answers `true`
+/// (done) or less than 10 ms is left; whether it got done. The background retries of
+/// `complete` and `release` (C16). Halving what is left keeps a short lease retried: with
+/// the shortest the builder accepts (100 ms), a first pause of 100 ms left no attempt at all,
+/// and a retry after the lease ran the handler again.
 async fn until_the_lease_ends<F, Fut>(until: Instant, mut attempt: F) -> bool
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = bool>,
 {
+    const LAST_CHANCE: Duration = Duration::from_millis(10);
     let mut pause = Duration::from_millis(100);
-    while Instant::now() + pause < until {
-        tokio::time::sleep(pause).await;
+    loop {
+        let left = until.saturating_duration_since(Instant::now());
+        if left < LAST_CHANCE {
+            return false;
+        }
+        tokio::time::sleep(pause.min(left / 2)).await;
         pause = (pause * 2).min(Duration::from_secs(2));
         if attempt().await {
             return true;
         }
     }
-    false
 }
 
 /// What to do instead of running the handler.
