@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use actix_web::body::{to_bytes, BodySize, MessageBody};
+use actix_web::body::{to_bytes, BodySize, BodyStream, MessageBody};
 use actix_web::dev::{Service, ServiceResponse};
 use actix_web::http::StatusCode;
 use actix_web::test::{call_service, init_service, TestRequest};
@@ -81,6 +81,27 @@ async fn long_sized(counter: web::Data<Counter>) -> HttpResponse {
     })
 }
 
+/// A stream whose length the handler states in a `Content-Length` header it keeps
+/// (`no_chunking`): actix-http's HTTP/1 encoder sends that header and writes the stream
+/// unframed, so the client reads the stated length.
+fn stated_stream(stated: u64, chunks: &[&'static [u8]]) -> HttpResponse {
+    let chunks: Vec<Result<Bytes, std::io::Error>> =
+        chunks.iter().map(|c| Ok(Bytes::from_static(c))).collect();
+    HttpResponse::Ok()
+        .no_chunking(stated)
+        .body(BodyStream::new(futures_util::stream::iter(chunks)))
+}
+
+async fn short_stated(counter: web::Data<Counter>) -> HttpResponse {
+    counter.0.fetch_add(1, Ordering::SeqCst);
+    stated_stream(10, &[b"12345"])
+}
+
+async fn long_stated(counter: web::Data<Counter>) -> HttpResponse {
+    counter.0.fetch_add(1, Ordering::SeqCst);
+    stated_stream(5, &[b"12345", b"EXTRA"])
+}
+
 async fn call<S, B>(
     app: &S,
     uri: &str,
@@ -147,6 +168,31 @@ async fn a_body_longer_than_its_declared_size_is_not_replayed_longer() {
         second.1.is_none() || second.2.as_ref().map(|b| b.len()).ok() == Some(5),
         "declared 5 bytes (what the client received over HTTP/1), replayed {second:?}"
     );
+}
+
+/// The same two lies told by a stream of unknown size whose handler states its length in a
+/// `Content-Length` header (`no_chunking`): the client reads the header's length, so a record
+/// of what the stream yielded is not what it got (review, 2026-12-06; before: stored and
+/// replayed).
+#[actix_rt::test]
+async fn a_stream_unlike_its_stated_content_length_is_not_replayed() {
+    for (path, wrong) in [("/short", "short"), ("/long", "long")] {
+        let counter = Counter::default();
+        let app = init_service(
+            App::new()
+                .app_data(web::Data::new(counter.clone()))
+                .wrap(Idempotency::builder(MemoryStore::new()).build())
+                .route("/short", web::post().to(short_stated))
+                .route("/long", web::post().to(long_stated)),
+        )
+        .await;
+        let first = call(&app, path, "k").await;
+        let second = call(&app, path, "k").await;
+        assert!(
+            second.1.is_none() || second.2.is_err(),
+            "a stream {wrong} of its stated Content-Length was replayed: first {first:?}, replay {second:?}"
+        );
+    }
 }
 
 /// C3 "two spellings of one route are one record": with actix's own NormalizePath inside the

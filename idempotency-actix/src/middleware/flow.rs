@@ -798,7 +798,8 @@ where
         // response nobody was sent.
         let declared = match body.size() {
             BodySize::Sized(n) => Some(n),
-            _ => None,
+            BodySize::Stream => stated_length(head.head(), request.version()),
+            BodySize::None => None,
         };
         let mut total = 0u64;
         let (sender, forwarded) = forward::channel(body.size());
@@ -1228,6 +1229,23 @@ where
             return true;
         }
     }
+}
+
+/// The length a handler states for a stream of unknown size in a `Content-Length` header the
+/// client is sent: always over HTTP/2, and over HTTP/1 when chunking is off (`no_chunking`;
+/// with chunking actix drops the header). actix-http then writes the stream as it comes, and
+/// the client reads the stated length, so it is the stream's declared length.
+fn stated_length(head: &ResponseHead, version: Version) -> Option<u64> {
+    if version != Version::HTTP_2 && head.chunked() {
+        return None;
+    }
+    head.headers
+        .get(header::CONTENT_LENGTH)?
+        .to_str()
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
 }
 
 /// What to do instead of running the handler.
