@@ -72,7 +72,7 @@ async fn run(cli: Cli) -> Result<(), CliError> {
                     .into(),
             ));
         }
-        let mut out = output::Out::new();
+        let mut out = out_for(&cli.command);
         let (prefix, timeout) = (cli.redis_prefix.as_deref(), cli.connect_timeout.0);
         return redis_store::run(
             redis_url,
@@ -98,7 +98,7 @@ async fn run(cli: Cli) -> Result<(), CliError> {
         ));
     }
     db::set_statement_timeout(cli.statement_timeout.0);
-    let mut out = output::Out::new();
+    let mut out = out_for(&cli.command);
     if let Command::Migrate(args) = &cli.command {
         return commands::migrate::run(url, timeout, args, cli.format, &mut out).await;
     }
@@ -111,6 +111,15 @@ async fn run(cli: Cli) -> Result<(), CliError> {
         Command::Show(args) => commands::show::run(conn, args, cli.format, &mut out).await,
         Command::Stats => commands::stats::run(conn, cli.format, &mut out).await,
         Command::Release(args) => commands::release::run(conn, args, cli.format, &mut out).await,
+    }
+}
+
+/// Where the command writes: a closed pipe ends a listing, but not a command whose exit code
+/// is its outcome (`output::Out::for_outcome`).
+fn out_for(command: &Command) -> output::Out {
+    match command {
+        Command::Migrate(_) | Command::Purge(_) | Command::Release(_) => output::Out::for_outcome(),
+        Command::List(_) | Command::Show(_) | Command::Stats => output::Out::new(),
     }
 }
 

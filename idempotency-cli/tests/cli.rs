@@ -921,6 +921,60 @@ async fn release_of_several_keys_reports_each_and_counts_the_refused() {
     assert_stderr_has(&out, "1 of 2 keys not released (see above)");
 }
 
+/// Run `idem-cli args...` with its stdout a pipe nobody reads any more (a log shipper that
+/// died, `| head -c0`): writes fail with EPIPE.
+fn idem_into_a_closed_pipe(url: &str, args: &[&str]) -> Output {
+    let (reader, writer) = std::io::pipe().expect("a pipe");
+    drop(reader);
+    command(url, args)
+        .stdout(writer)
+        .stderr(Stdio::piped())
+        .output()
+        .unwrap_or_else(|e| panic!("running {BIN}: {e}"))
+}
+
+/// A reader that stopped reading ends a listing quietly (exit 0), but it must not hide a
+/// command's failure: `migrate --check` with migrations pending, or a `release` with a key
+/// refused, exited 0 once their output could not be written (review, 2026-12-06; before: 0).
+#[tokio::test]
+async fn a_closed_stdout_does_not_hide_a_failure() {
+    let db = TestDb::new_unmigrated().await;
+    let out = idem_into_a_closed_pipe(&db.url, &["migrate", "--check"]);
+    expect_code(&out, PENDING);
+    assert_stderr_has(&out, "pending");
+    idem_code(&db.url, &["migrate"], 0);
+
+    let store = PostgresStore::connect(&db.url).await.expect("store");
+    for key in ["r-text", "r-json"] {
+        reserve_token(&store, &scope("acme", key), &fingerprint("{}"), 1, key).await;
+    }
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    for format in ["text", "json"] {
+        let key = format!("r-{format}");
+        let args = [
+            "--format",
+            format,
+            "release",
+            &key,
+            "missing-1",
+            "--tenant",
+            "acme",
+        ];
+        let out = idem_into_a_closed_pipe(&db.url, &args);
+        assert_eq!(
+            out.status.code(),
+            Some(NOT_FOUND_OR_REFUSED),
+            "{format}: {}",
+            stderr(&out)
+        );
+        assert_stderr_has(&out, "1 of 2 keys not released");
+        assert!(
+            records::records_for_key(&db.url, &key).is_empty(),
+            "{format}: the ended reservation was released all the same"
+        );
+    }
+}
+
 #[tokio::test]
 async fn release_unsticks_a_key_for_the_store() {
     let db = TestDb::new().await;
