@@ -64,6 +64,7 @@ fn main() -> ExitCode {
 async fn run(cli: Cli) -> Result<(), CliError> {
     // Before the Redis branch: there it bounds every reply too.
     positive(cli.connect_timeout.0, "--connect-timeout", "10s")?;
+    no_connection_string_as_a_key(&cli.command)?;
     if let Some(redis_url) = cli.redis_url.as_deref().filter(|u| !u.is_empty()) {
         if cli.database_url.as_deref().is_some_and(|u| !u.is_empty()) {
             return Err(CliError::Usage(
@@ -112,6 +113,30 @@ async fn run(cli: Cli) -> Result<(), CliError> {
         Command::Stats => commands::stats::run(conn, cli.format, &mut out).await,
         Command::Release(args) => commands::release::run(conn, args, cli.format, &mut out).await,
     }
+}
+
+/// `release` and `show` take any word as a KEY, and repeat a key they cannot find (on stderr,
+/// or in their JSON): a connection string typed there (`release k1 postgres://..`, or a
+/// crontab line split at its spaces into `password=..`) would be printed, password and all.
+/// Such a word is refused without being shown. A key that holds `://` and `@`, or
+/// `password=`, is no key a client sends in practice; a URL without credentials still is one.
+fn no_connection_string_as_a_key(command: &Command) -> Result<(), CliError> {
+    let keys: &[String] = match command {
+        Command::Release(args) => &args.keys,
+        Command::Show(args) => std::slice::from_ref(&args.key),
+        _ => &[],
+    };
+    let looks_like_one = |key: &String| {
+        (key.contains("://") && key.contains('@')) || key.to_ascii_lowercase().contains("password=")
+    };
+    if keys.iter().any(looks_like_one) {
+        return Err(CliError::Usage(
+            "a KEY looks like a connection string (not shown: it may hold a password); pass \
+             the database with --database-url or DATABASE_URL (--redis-url or REDIS_URL)"
+                .into(),
+        ));
+    }
+    Ok(())
 }
 
 /// Where the command writes: a closed pipe ends a listing, but not a command whose exit code

@@ -1376,6 +1376,36 @@ fn a_stray_word_is_not_repeated_in_a_usage_error() {
     assert!(stderr(&out).contains("'purge'"), "{}", stderr(&out));
 }
 
+/// A connection string typed where a KEY goes (`release k1 postgres://..`, a crontab line
+/// split at its spaces into `password=..`) is refused as a usage error without repeating it:
+/// `release` and `show` take any word there as a key and said "no record with key
+/// \"postgres://app:<password>@db/pay\"" on stderr, or put it in their JSON on stdout
+/// (review, 2026-12-06).
+#[tokio::test]
+async fn a_key_that_looks_like_a_connection_string_is_not_repeated() {
+    let db = TestDb::new().await;
+    let [a, b] = SECRET_HALVES;
+    let url = format!("postgres://app:{a}{b}@db/pay");
+    let keyvalue = format!("password={a}{b}");
+    let cases: Vec<Vec<&str>> = vec![
+        vec!["release", "k1", &url],
+        vec!["--format", "json", "release", &url, "k1"],
+        vec!["release", "k1", &keyvalue, "--force"],
+        vec!["show", &url],
+        vec!["--format", "json", "show", &keyvalue],
+    ];
+    for args in &cases {
+        let out = idem(&db.url, args);
+        expect_code(&out, USAGE);
+        assert_no_secret(&out, &format!("{args:?}"));
+        assert_stderr_has(&out, "connection string");
+    }
+    // A key that is a URL without credentials is a key like any other.
+    let out = idem(&db.url, &["release", "https://example.com/orders/1"]);
+    expect_code(&out, NOT_FOUND_OR_REFUSED);
+    assert_stderr_has(&out, "https://example.com/orders/1");
+}
+
 /// Guards issue 9 item 6 from the CLI's side: a `?` inside the password hid `sslmode=require`
 /// from the old splitter, and the CLI connected in plaintext. Against a server without TLS the
 /// connection must now fail (exit 3) instead of falling back; on the old code it connected and
