@@ -3,8 +3,8 @@
 
 use unicode_width::{UnicodeWidthChar, UnicodeWidthStr};
 
-/// Text from the database made safe for a terminal: control and format characters (which a
-/// tenant or path could contain) are escaped so they cannot move the cursor, reorder the line
+/// Text from the database made safe for a terminal: control, format and other
+/// default-ignorable characters (which a tenant or path could contain) are escaped so they cannot move the cursor, reorder the line
 /// or forge table rows, and the result is cut to `max` terminal columns with an ellipsis (0: no
 /// limit).
 pub fn display(text: &str, max: usize) -> String {
@@ -12,7 +12,11 @@ pub fn display(text: &str, max: usize) -> String {
     for c in text.chars() {
         // U+2028/U+2029 (line and paragraph separators) are neither: some terminals and
         // viewers break lines at them.
-        if c.is_control() || is_format(c) || matches!(c, '\u{2028}' | '\u{2029}') {
+        if c.is_control()
+            || is_format(c)
+            || is_default_ignorable(c)
+            || matches!(c, '\u{2028}' | '\u{2029}')
+        {
             out.extend(c.escape_default());
         } else {
             out.push(c);
@@ -65,6 +69,30 @@ fn is_format(c: char) -> bool {
             | '\u{1d173}'..='\u{1d17a}'
             | '\u{e0001}'
             | '\u{e0020}'..='\u{e007f}'
+    )
+}
+
+/// The default-ignorable code points that are not format characters (Unicode 15.1
+/// `DerivedCoreProperties.txt`, Default_Ignorable_Code_Point, less category Cf): variation
+/// selectors, the combining grapheme joiner, Hangul fillers and the reserved ranges. A
+/// terminal shows them as nothing or as a blank, so `/items/1` and `/items/1` + U+FE0F would
+/// look like one path. Listed here for the same reason as [`is_format`].
+fn is_default_ignorable(c: char) -> bool {
+    matches!(
+        c,
+        '\u{034f}'
+            | '\u{115f}'..='\u{1160}'
+            | '\u{17b4}'..='\u{17b5}'
+            | '\u{180b}'..='\u{180d}'
+            | '\u{180f}'
+            | '\u{2065}'
+            | '\u{3164}'
+            | '\u{fe00}'..='\u{fe0f}'
+            | '\u{ffa0}'
+            | '\u{fff0}'..='\u{fff8}'
+            | '\u{e0000}'
+            | '\u{e0002}'..='\u{e001f}'
+            | '\u{e0080}'..='\u{e0fff}'
     )
 }
 
@@ -123,6 +151,36 @@ mod tests {
         // Visible text, however far from ASCII, is left as it is.
         for visible in ["café", "支払い処理", "مرحبا", "😀", "a\u{301}"] {
             assert_eq!(display(visible, 0), visible);
+        }
+    }
+
+    /// Default-ignorable code points that are not format characters show as nothing too (or as
+    /// a blank): variation selectors, the combining grapheme joiner, the Hangul fillers. A path
+    /// `/items/1` followed by U+FE0F looked like `/items/1` in `list` and in a `release`
+    /// refusal (review, 2026-12-06).
+    #[test]
+    fn display_escapes_other_default_ignorable_characters() {
+        let ignorable = [
+            '\u{034f}',
+            '\u{115f}',
+            '\u{1160}',
+            '\u{17b4}',
+            '\u{180b}',
+            '\u{180f}',
+            '\u{2065}',
+            '\u{3164}',
+            '\u{fe00}',
+            '\u{fe0f}',
+            '\u{ffa0}',
+            '\u{fff0}',
+            '\u{e0000}',
+            '\u{e0100}',
+            '\u{e01ef}',
+            '\u{e0fff}',
+        ];
+        for c in ignorable {
+            let shown = display(&format!("a{c}b"), 0);
+            assert_eq!(shown, format!("a\\u{{{:x}}}b", u32::from(c)), "{:?}", c);
         }
     }
 
