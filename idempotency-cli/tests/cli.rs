@@ -1502,6 +1502,10 @@ async fn partitioned_purge_creates_ahead_even_when_the_drop_fails() {
         ],
     );
     assert_eq!(v["partitions_dropped"], serde_json::json!([]));
+    assert_eq!(
+        v["partitions_left"],
+        serde_json::json!(["idempotency_responses_past"])
+    );
     reader.batch_execute("ROLLBACK").await.unwrap();
 
     // A reader of the response table (what a request holds), in an open transaction: the drop
@@ -1525,6 +1529,41 @@ async fn partitioned_purge_creates_ahead_even_when_the_drop_fails() {
         text.starts_with("purged ") && text.contains("; partitions: dropped "),
         "{text}"
     );
+}
+
+/// Every DROP of a partition also locks the default partition, which the drop step takes with
+/// NOWAIT (requests never hold it alone; autovacuum after the default partition's purge does).
+/// Held, the drop step did nothing, and the run said "dropped 0 []" with exit 0, every run for
+/// as long as the vacuum lasted, while past partitions piled up (review, 2026-12-06). The run
+/// now says which expired partitions it left, on stdout and in a warning on stderr, and drops
+/// them once the default partition is free.
+#[tokio::test]
+async fn a_partition_drop_left_undone_is_reported() {
+    let (db, _setup) = hourly_partitioned_with_a_past_partition().await;
+    let mut vacuum = connect(&db).await;
+    let like_autovacuum = "LOCK TABLE idempotency_responses_default IN SHARE UPDATE EXCLUSIVE MODE";
+    hold_in_transaction(&mut vacuum, like_autovacuum).await;
+    // The partition ahead exists already, so nothing is created: creating one waits for the
+    // default partition (a wait autovacuum, unlike this session, gives way to).
+    let purge = ["purge", "--partitions-ahead", "1"];
+    let out = idem_code(&db.url, &[&["--format", "json"][..], &purge].concat(), 0);
+    let v = json_one(&out);
+    assert_eq!(v["partitions_dropped"], serde_json::json!([]));
+    assert_eq!(
+        v["partitions_left"],
+        serde_json::json!(["idempotency_responses_past"])
+    );
+    assert_stderr_has(&out, "idempotency_responses_past");
+    let text = idem_code(&db.url, &purge, 0);
+    assert_stdout_has(
+        &text,
+        "left for the next run 1 [idempotency_responses_past]",
+    );
+    assert_eq!(stderr(&text).lines().count(), 1, "{}", stderr(&text));
+
+    vacuum.batch_execute("ROLLBACK").await.unwrap();
+    let v = purge_drops_the_past_partition(&db.url, &[]);
+    assert_eq!(v["partitions_left"], serde_json::json!([]));
 }
 
 /// Run `idem-cli args...` (a purge) on `url`, expecting it to end within 60 s with exit 1 and

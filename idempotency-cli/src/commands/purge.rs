@@ -56,6 +56,8 @@ struct Summary {
 #[derive(Default)]
 struct PartitionWork {
     dropped: Vec<String>,
+    /// Expired partitions the drop step left (another session held one of its locks).
+    left: Vec<String>,
     created: Vec<String>,
     default_rows_deleted: u64,
     /// Set when partitions ahead stopped at the budget (`admin::max_partitions`).
@@ -180,7 +182,13 @@ pub async fn run(
     }
     // Unlock explicitly so the next cron run never has to wait for the disconnect to be noticed.
     let _: bool = sql!(conn, admin::unlock_purge(conn));
-    report(out, format, args, &summary, started.elapsed(), false)
+    report(out, format, args, &summary, started.elapsed(), false)?;
+    // Also on stderr, where cron's and a scheduler's alerts look: partitions left run after run
+    // would pile up.
+    if let Some(words) = summary.partitions.as_ref().and_then(left_words) {
+        let _ = writeln!(std::io::stderr(), "idem-cli: warning: {words}");
+    }
+    Ok(())
 }
 
 /// How many intervals ahead of the current one to create: `--partitions-ahead` as given, or
@@ -208,6 +216,11 @@ fn partitions_ahead(args: &PurgeArgs, interval: &str) -> Result<u32, CliError> {
 /// The most partitions a purge keeps ahead (the bound of `--partitions-ahead`).
 const MAX_AHEAD: u32 = 1000;
 
+/// How often the drop step tries a partition another session holds, and the pause between:
+/// enough for a short autovacuum or query to end, short beside a cron interval.
+const DROP_ATTEMPTS: u32 = 3;
+const DROP_RETRY_PAUSE: Duration = Duration::from_secs(1);
+
 /// The partitioned layout's steps, under the purge lock (see the module docs). Every step runs
 /// even when an earlier one failed, unless the database stopped answering; the first failure
 /// is returned with what was done.
@@ -222,19 +235,35 @@ async fn partition_work(
     // Each step bounded like every other round trip: a frozen server is "unavailable". A
     // round trip that got no answer ends the partition work: the connection is unusable, and
     // each later step would only wait as long again (three times the bound for one freeze).
-    match crate::db::bounded(admin::drop_partitions(
-        conn,
-        args.older_than.0,
-        lock_timeout,
-    ))
-    .await
-    {
-        Err(frozen) => return (work, Some(frozen.context("dropping past partitions"))),
-        Ok(Ok(dropped)) => work.dropped = dropped,
-        Ok(Err(err)) => {
-            let err = crate::db::classify(conn, err).await;
-            failed = Some(err.context("dropping past partitions"));
+    // The drop takes the default partition and each partition it drops with NOWAIT (holding
+    // the table requests queue behind, it must not wait for anyone else): what it could not
+    // lock (autovacuum on the default partition, a query on one partition) is tried again
+    // after a pause, then reported as left for the next run.
+    for attempt in 1..=DROP_ATTEMPTS {
+        let dropped = admin::drop_partitions(conn, args.older_than.0, lock_timeout);
+        match crate::db::bounded(dropped).await {
+            Err(frozen) => return (work, Some(frozen.context("dropping past partitions"))),
+            Ok(Ok(dropped)) => work.dropped.extend(dropped),
+            Ok(Err(err)) => {
+                let err = crate::db::classify(conn, err).await;
+                failed = Some(err.context("dropping past partitions"));
+                break;
+            }
         }
+        let left = admin::droppable_partitions(conn, args.older_than.0);
+        match crate::db::bounded(left).await {
+            Err(frozen) => return (work, Some(frozen.context("listing past partitions"))),
+            Ok(Ok(left)) => work.left = left,
+            Ok(Err(err)) => {
+                let err = crate::db::classify(conn, err).await;
+                failed = Some(err.context("listing past partitions"));
+                break;
+            }
+        }
+        if work.left.is_empty() || attempt == DROP_ATTEMPTS {
+            break;
+        }
+        tokio::time::sleep(DROP_RETRY_PAUSE).await;
     }
     loop {
         match crate::db::bounded(admin::purge_default_partition(
@@ -276,6 +305,18 @@ async fn partition_work(
     (work, failed)
 }
 
+/// The expired partitions a run left, in words (`None`: it left none).
+fn left_words(work: &PartitionWork) -> Option<String> {
+    (!work.left.is_empty()).then(|| {
+        format!(
+            "expired partitions left for the next run {} [{}] (another session held a lock \
+             the drop needs: autovacuum, or a query on one partition)",
+            work.left.len(),
+            work.left.join(", ")
+        )
+    })
+}
+
 fn report(
     out: &mut Out,
     format: Format,
@@ -305,6 +346,7 @@ fn report(
             "older_than": args.older_than.to_string(),
             "grace": args.grace.to_string(),
             "partitions_dropped": done.map(|p| &p.dropped),
+            "partitions_left": done.map(|p| &p.left),
             "would_drop_partitions": planned.map(|p| &p.dropped),
             "partitions_created": done.map(|p| &p.created),
             "default_partition_rows_deleted": done.map(|p| p.default_rows_deleted),
@@ -338,14 +380,15 @@ fn report(
                     p.created.len(),
                     p.created.join(", "),
                     p.default_rows_deleted
-                ) + &p.capped.map_or(String::new(), |c| {
-                    format!(
+                ) + &left_words(p).map_or(String::new(), |w| format!("; {w}"))
+                    + &p.capped.map_or(String::new(), |c| {
+                        format!(
                         "; no more partitions ahead: {} is the most max_locks_per_transaction = {} \
                          allows (every replay locks each one), later responses go to the default \
                          partition; raise it, or use a longer interval",
                         c.leaves, c.max_locks_per_transaction
                     )
-                })
+                    })
             });
             out.line(format!(
                 "purged {} records in {} ({} completed, {} in-flight; {} batches, longest {}){partitions}",
