@@ -165,7 +165,11 @@ fn trim_ows(mut raw: &[u8]) -> &[u8] {
 /// longer than the lease, C16). **Scope it as the record is**: the same key from two tenants is
 /// two requests here, but one provider account serving several tenants would take it for one,
 /// and replay the first tenant's payment to the second (or refuse it). Forward the tenant with
-/// the key, e.g. `format!("{tenant}:{key}")`.
+/// the key in a form no two (tenant, key) pairs share, e.g.
+/// `format!("{}:{tenant}:{key}", tenant.len())`: a bare `{tenant}:{key}` makes tenant `org:eu`
+/// with key `k1` and tenant `org` with key `eu:k1` one key downstream. If the provider limits
+/// the key's length (Stripe: 255 characters, this crate's default limit too), send a hex
+/// SHA-256 of that string instead.
 ///
 /// ```
 /// use actix_web::{post, HttpResponse};
