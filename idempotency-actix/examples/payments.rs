@@ -18,6 +18,9 @@
 //! - `GET /payments/{id}` reads one back.
 //! - `GET /stats` counts handler executions, in total and per key: the number that
 //!   idempotency keeps at one per key.
+//!
+//! A demo, not an API to copy whole: the two `GET`s check no account (any caller reads any
+//! payment and every key), and the account is a header a gateway is trusted to set.
 //! - `GET /metrics` the middleware's metrics in Prometheus' text format (see the `outcome`
 //!   module docs: `idempotency_requests_total{outcome="replay",...}` and friends).
 //!
@@ -353,6 +356,23 @@ mod tx {
         actix_web::error::ErrorInternalServerError("database error")
     }
 
+    /// The account a payment is booked for: the one `X-Account-Id` (the middleware's tenant),
+    /// or none. Sent twice, or not as text, it is refused, as the middleware refuses it for a
+    /// keyed request: the first of two values would book the payment for an account the
+    /// gateway did not vouch for, and a keyless request passes the middleware unchecked.
+    fn account_of(req: &actix_web::HttpRequest) -> actix_web::Result<String> {
+        let mut values = req.headers().get_all("x-account-id");
+        match (values.next(), values.next()) {
+            (None, _) => Ok(String::new()),
+            (Some(value), None) => value.to_str().map(str::to_owned).map_err(|_| {
+                actix_web::error::ErrorBadRequest("X-Account-Id must be visible ASCII")
+            }),
+            (Some(_), Some(_)) => Err(actix_web::error::ErrorBadRequest(
+                "X-Account-Id was sent more than once",
+            )),
+        }
+    }
+
     async fn create_payment(
         tx: IdempotentTx,
         req: actix_web::HttpRequest,
@@ -367,12 +387,7 @@ mod tx {
                 *executions.entry(key.to_string()).or_default() += 1;
             }
         }
-        let account = req
-            .headers()
-            .get("x-account-id")
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or("")
-            .to_owned();
+        let account = account_of(&req)?;
         let row = {
             let mut conn = tx.conn(); // this request's transaction
             diesel::sql_query(

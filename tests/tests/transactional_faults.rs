@@ -220,3 +220,37 @@ fn database_restart_under_transactional_load() {
         );
     }
 }
+
+/// The example's transactional handler reads the account it books the payment for. A keyless
+/// request passes the middleware with `X-Account-Id` sent twice (the tenant check is for
+/// keyed requests), and the handler booked it for the first value: a gateway that appends the
+/// caller's own header let it pay from another account (review, 2026-12-06). A repeated or
+/// non-UTF-8 account is now a 400, and nothing is booked.
+#[test]
+fn the_example_refuses_an_account_sent_twice() {
+    let _serial = serial();
+    let db = block_on_fresh_thread(TestDb::new()).expect("a test database");
+    let app = start(&app_env(&db.url));
+    let body = r#"{"amount":500,"currency":"EUR"}"#;
+    let twice = Request::post("/payments")
+        .header("x-account-id", "victim")
+        .header("x-account-id", "attacker")
+        .json(body.to_owned());
+    let not_text = Request::post("/payments")
+        .header("x-account-id", b"acct\xff")
+        .json(body.to_owned());
+    for request in [twice, not_text] {
+        let response = send_once(&app.addr, &request, CLIENT_TIMEOUT).expect("an answer");
+        assert_eq!(response.status, 400, "{}", response.describe());
+    }
+    assert_eq!(
+        count(&db.url, "SELECT count(*) AS n FROM payments"),
+        0,
+        "a payment was booked for an account given twice"
+    );
+    let once = Request::post("/payments")
+        .header("x-account-id", "acct_1")
+        .json(body.to_owned());
+    let response = send_once(&app.addr, &once, CLIENT_TIMEOUT).expect("an answer");
+    assert_eq!(response.status, 201, "{}", response.describe());
+}
