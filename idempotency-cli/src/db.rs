@@ -126,6 +126,27 @@ pub async fn connect(url: &str, timeout: Duration) -> Result<AsyncPgConnection, 
     Ok(conn)
 }
 
+/// End the session on the server's side once it has been idle (between statements, outside a
+/// transaction) for longer than `longest_pause` plus 20 s: a CLI whose host vanished (power,
+/// network, no FIN) otherwise keeps its session, and the purge lock with it, until the
+/// server's TCP keepalive gives up (about 2 h 11 min by default), and every purge meanwhile
+/// is skipped. PostgreSQL 14 and later (`idle_session_timeout`); older servers keep the
+/// session as before.
+pub async fn end_when_left_idle(
+    conn: &mut AsyncPgConnection,
+    longest_pause: Duration,
+) -> Result<(), CliError> {
+    let limit_ms = (longest_pause + Duration::from_secs(20)).as_millis();
+    let statement = format!(
+        "SELECT set_config('idle_session_timeout', '{limit_ms}ms', false) \
+         WHERE current_setting('server_version_num')::int >= 140000"
+    );
+    match bounded(conn.batch_execute(&statement)).await {
+        Err(frozen) => Err(frozen),
+        Ok(result) => result.map_err(|err| store_error(admin::classify_error(err))),
+    }
+}
+
 /// Every failure to *connect* is "unavailable" (exit 3) from the operator's point of view:
 /// refused, timed out, wrong password, unknown database and TLS errors all mean the CLI never
 /// got to look at the table. The exception is a URL the library cannot parse (it reports that as

@@ -544,6 +544,55 @@ async fn seed_expired(conn: &mut AsyncPgConnection, key: &str) {
     seed(conn, "t", key, State::Completed, -2 * DAY, -DAY).await;
 }
 
+/// A purge whose host vanished (power, network: no FIN reaches the server) kept its session,
+/// and so the purge lock, until the server's TCP keepalive gave up (about 2 h 11 min by
+/// default): every cron run meanwhile said "skipped" and exited 0 (review, 2026-12-06). The
+/// session now ends itself once idle longer than the purge ever pauses (`--pause` + 20 s,
+/// PostgreSQL 14's `idle_session_timeout`), and `--pause` is bounded. The vanished host is a
+/// proxy that black-holes the purge's connection between two batches.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vanished_purge_does_not_hold_the_lock_for_long() {
+    use idempotency_e2e::proxy::{at_local_port, host_port, FaultyProxy};
+    let db = TestDb::new().await;
+    let mut conn = connect(&db).await;
+    for key in ["exp-1", "exp-2", "exp-3"] {
+        seed_expired(&mut conn, key).await;
+    }
+    let proxy = FaultyProxy::start(host_port(&db.url)).await;
+    let through = at_local_port(&db.url, proxy.port());
+    let mut vanishing = spawn_idem(&through, &["purge", "--batch-size", "1", "--pause", "1s"]);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while keys(&mut conn).await.len() == 3 {
+        assert!(Instant::now() < deadline, "the first batch never ran");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    proxy.cut_open_connections();
+    assert!(
+        purge_lock_visible(&mut conn).await,
+        "the purge holds its lock"
+    );
+
+    let started = Instant::now();
+    loop {
+        let out = idem_json(&db.url, &["--format", "json", "purge"]);
+        if out["skipped"] != Value::Bool(true) {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(45),
+            "the lock of a purge nobody hears from any more is still held"
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    assert!(keys(&mut conn).await.is_empty());
+    let _ = vanishing.kill();
+    let _ = vanishing.wait();
+
+    let out = idem(&db.url, &["purge", "--pause", "2m"]);
+    expect_code(&out, USAGE);
+    assert_stderr_has(&out, "--pause");
+}
+
 #[tokio::test]
 async fn overlapping_purges_do_not_both_work() {
     let db = TestDb::new().await;

@@ -79,6 +79,12 @@ pub async fn run(
     out: &mut Out,
 ) -> Result<(), CliError> {
     let started = Instant::now();
+    if args.pause.0 > MAX_PAUSE {
+        return Err(CliError::Usage(format!(
+            "--pause can be at most {} (the purge holds its lock through every pause)",
+            crate::duration::format_elapsed(MAX_PAUSE)
+        )));
+    }
     let filter = PurgeFilter {
         grace: args.grace.0,
         older_than: Some(args.older_than.0),
@@ -112,6 +118,8 @@ pub async fn run(
         return report(out, format, args, &summary, started.elapsed(), true);
     }
 
+    // Before the lock: a session whose host vanished must not hold it for hours.
+    crate::db::end_when_left_idle(conn, args.pause.0).await?;
     let locked: bool = sql!(conn, admin::try_lock_purge(conn));
     if !locked {
         match format {
@@ -215,6 +223,10 @@ fn partitions_ahead(args: &PurgeArgs, interval: &str) -> Result<u32, CliError> {
 
 /// The most partitions a purge keeps ahead (the bound of `--partitions-ahead`).
 const MAX_AHEAD: u32 = 1000;
+
+/// The longest `--pause`: a purge holds its lock through every pause, and a longer one is
+/// more likely a typo (`50m` for `50ms`) than a wish to hold it for hours.
+const MAX_PAUSE: Duration = Duration::from_secs(60);
 
 /// How often the drop step tries a partition another session holds, and the pause between:
 /// enough for a short autovacuum or query to end, short beside a cron interval.
