@@ -992,15 +992,18 @@ async fn release_of_several_keys_reports_each_and_counts_the_refused() {
 }
 
 /// Run `idem-cli args...` with its stdout a pipe nobody reads any more (a log shipper that
-/// died, `| head -c0`): writes fail with EPIPE.
+/// died, `| head -c0`): writes fail with EPIPE. The read end is closed as soon as the process
+/// is started, before it has connected, let alone written.
 fn idem_into_a_closed_pipe(url: &str, args: &[&str]) -> Output {
-    let (reader, writer) = std::io::pipe().expect("a pipe");
-    drop(reader);
-    command(url, args)
-        .stdout(writer)
+    let mut child = command(url, args)
+        .stdout(Stdio::piped())
         .stderr(Stdio::piped())
-        .output()
-        .unwrap_or_else(|e| panic!("running {BIN}: {e}"))
+        .spawn()
+        .unwrap_or_else(|e| panic!("running {BIN}: {e}"));
+    drop(child.stdout.take());
+    child
+        .wait_with_output()
+        .unwrap_or_else(|e| panic!("waiting for {BIN}: {e}"))
 }
 
 /// A reader that stopped reading ends a listing quietly (exit 0), but it must not hide a

@@ -235,10 +235,10 @@ fn the_example_refuses_an_account_sent_twice() {
     let twice = Request::post("/payments")
         .header("x-account-id", "victim")
         .header("x-account-id", "attacker")
-        .json(body.to_owned());
+        .json(body);
     let not_text = Request::post("/payments")
         .header("x-account-id", b"acct\xff")
-        .json(body.to_owned());
+        .json(body);
     for request in [twice, not_text] {
         let response = send_once(&app.addr, &request, CLIENT_TIMEOUT).expect("an answer");
         assert_eq!(response.status, 400, "{}", response.describe());
@@ -250,7 +250,7 @@ fn the_example_refuses_an_account_sent_twice() {
     );
     let once = Request::post("/payments")
         .header("x-account-id", "acct_1")
-        .json(body.to_owned());
+        .json(body);
     let response = send_once(&app.addr, &once, CLIENT_TIMEOUT).expect("an answer");
     assert_eq!(response.status, 201, "{}", response.describe());
 }
