@@ -349,27 +349,6 @@ async fn migrate_twice_and_check_gates_deploys() {
     assert_eq!(stats["total"], 0);
 }
 
-/// An older idem-cli against a schema a newer release migrated said "schema is up to date"
-/// (exit 0) without a word about the migrations it does not know (review, 2026-12-06). It
-/// still exits 0 (nothing it knows is missing), and names them: on stdout, in the JSON and in
-/// a warning on stderr.
-#[tokio::test]
-async fn migrate_check_names_migrations_a_newer_release_applied() {
-    let db = TestDb::new().await;
-    let mut conn = connect(&db).await;
-    conn.batch_execute(
-        "INSERT INTO __diesel_schema_migrations (version) VALUES ('29991231000001')",
-    )
-    .await
-    .expect("record a newer migration");
-    let out = idem_code(&db.url, &["migrate", "--check"], 0);
-    assert_stdout_has(&out, "29991231000001");
-    assert_stderr_has(&out, "29991231000001");
-    let v = idem_json(&db.url, &["--format", "json", "migrate", "--check"]);
-    assert_eq!(v["up_to_date"], Value::Bool(true));
-    assert_eq!(v["unknown_applied"], serde_json::json!(["29991231000001"]));
-}
-
 /// A table or function dropped by hand under a provisioned database: the other commands say
 /// "run `idem-cli migrate`", so `migrate` and the deploy gate must not answer "up to date"
 /// (exit 0) while the bookkeeping says every migration ran. Both refuse with exit 4 and say

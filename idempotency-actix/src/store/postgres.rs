@@ -90,8 +90,7 @@ pub use error::{
 pub use migrate::{apply_pending_migrations, Harness};
 pub use migrate::{
     pending_migrations, pending_migrations_on, run_migrations, run_migrations_partitioned,
-    unknown_migrations_on, PartitionInterval, LAYOUT_MIGRATION_VERSION, MIGRATIONS,
-    MIGRATION_LIMIT,
+    PartitionInterval, LAYOUT_MIGRATION_VERSION, MIGRATIONS, MIGRATION_LIMIT,
 };
 pub use store::PostgresStore;
 pub use transactional::{IsolationLevel, TX_MIGRATE_HINT};

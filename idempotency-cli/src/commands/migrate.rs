@@ -8,7 +8,6 @@
 //! in `pg_stat_activity`, its statements have the CLI's `statement_timeout` and
 //! `lock_timeout`, and the migration lock is waited for at most [`db::LOCK_TIMEOUT`].
 
-use std::io::Write;
 use std::time::Duration;
 
 use diesel::migration::MigrationSource;
@@ -39,9 +38,6 @@ pub async fn run(
             .await?
             .map_err(db::store_error)?;
         let pending = full_names(pending);
-        let unknown = db::bounded(postgres::unknown_migrations_on(&mut conn))
-            .await?
-            .map_err(db::store_error)?;
         // The layout is only known once its migration ran; before that there is no table.
         let provisioned = db::bounded(admin::table_exists(&mut conn))
             .await?
@@ -61,12 +57,10 @@ pub async fn run(
                 "up_to_date": pending.is_empty(),
                 "pending": pending,
                 "layout": layout,
-                "unknown_applied": unknown,
             }))?,
             Format::Text if pending.is_empty() => out.line(format!(
-                "schema is up to date (layout: {}){}",
-                layout.as_deref().unwrap_or("unknown"),
-                unknown_words(&unknown).map_or(String::new(), |w| format!("; {w}"))
+                "schema is up to date (layout: {})",
+                layout.as_deref().unwrap_or("unknown")
             ))?,
             Format::Text => {
                 for name in &pending {
@@ -75,9 +69,6 @@ pub async fn run(
             }
         }
         out.flush()?;
-        if let Some(words) = unknown_words(&unknown) {
-            let _ = writeln!(std::io::stderr(), "idem-cli: warning: {words}");
-        }
         return if pending.is_empty() {
             Ok(())
         } else {
@@ -155,18 +146,6 @@ pub async fn run(
         out.line(format!("layout: {layout_name}"))?;
     }
     out.flush()
-}
-
-/// The migrations a newer release applied, in words (`None`: there are none).
-fn unknown_words(unknown: &[String]) -> Option<String> {
-    (!unknown.is_empty()).then(|| {
-        format!(
-            "{} applied migration(s) this idem-cli does not know [{}]: a newer release \
-             migrated this database; use its idem-cli",
-            unknown.len(),
-            unknown.join(", ")
-        )
-    })
 }
 
 /// Every migration is recorded as applied, yet the table or a function the store calls is

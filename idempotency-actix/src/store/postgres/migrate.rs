@@ -178,31 +178,6 @@ pub async fn pending_migrations(url: &str) -> Result<Vec<String>, StoreError> {
 pub async fn pending_migrations_on(
     conn: &mut AsyncPgConnection,
 ) -> Result<Vec<String>, StoreError> {
-    not_applied(&applied_versions(conn).await?)
-}
-
-/// The versions applied on `conn` that this release does not embed, oldest first: a newer
-/// release migrated the database. Nothing here undoes or understands them, so a deploy gate
-/// should say so rather than call the schema up to date. Reads only, as
-/// [`pending_migrations_on`].
-///
-/// # Errors
-/// As [`run_migrations`].
-pub async fn unknown_migrations_on(
-    conn: &mut AsyncPgConnection,
-) -> Result<Vec<String>, StoreError> {
-    let applied = applied_versions(conn).await?;
-    let embedded = embedded_versions()?;
-    let mut unknown: Vec<String> = applied
-        .into_iter()
-        .filter(|version| !embedded.contains(version))
-        .collect();
-    unknown.sort();
-    Ok(unknown)
-}
-
-/// The versions diesel's bookkeeping table records as applied (none without the table).
-async fn applied_versions(conn: &mut AsyncPgConnection) -> Result<Vec<String>, StoreError> {
     let present = diesel::sql_query(BOOKKEEPING_PRESENT);
     let present = match diesel_async::RunQueryDsl::get_result::<Flag>(present, conn).await {
         Ok(present) => present,
@@ -218,7 +193,7 @@ async fn applied_versions(conn: &mut AsyncPgConnection) -> Result<Vec<String>, S
     } else {
         Vec::new()
     };
-    Ok(applied)
+    not_applied(&applied)
 }
 
 /// Whether diesel's bookkeeping table exists (a plain `SELECT`, see [`pending_migrations_on`]).
@@ -230,21 +205,14 @@ const APPLIED_VERSIONS: &str = "SELECT version::text AS version FROM __diesel_sc
 
 /// The embedded migrations' versions not in `applied`, oldest first.
 fn not_applied(applied: &[String]) -> Result<Vec<String>, StoreError> {
-    let mut pending: Vec<String> = embedded_versions()?
-        .into_iter()
+    let mut pending: Vec<String> = MigrationSource::<Pg>::migrations(&MIGRATIONS)
+        .map_err(StoreError::Backend)?
+        .iter()
+        .map(|m| m.name().version().to_string())
         .filter(|version| !applied.contains(version))
         .collect();
     pending.sort();
     Ok(pending)
-}
-
-/// The versions of the migrations this release embeds.
-fn embedded_versions() -> Result<Vec<String>, StoreError> {
-    Ok(MigrationSource::<Pg>::migrations(&MIGRATIONS)
-        .map_err(StoreError::Backend)?
-        .iter()
-        .map(|m| m.name().version().to_string())
-        .collect())
 }
 
 /// The connection diesel's (synchronous) migration harness runs on.
