@@ -18,11 +18,11 @@
 //! - `GET /payments/{id}` reads one back.
 //! - `GET /stats` counts handler executions, in total and per key: the number that
 //!   idempotency keeps at one per key.
-//!
-//! A demo, not an API to copy whole: the two `GET`s check no account (any caller reads any
-//! payment and every key), and the account is a header a gateway is trusted to set.
 //! - `GET /metrics` the middleware's metrics in Prometheus' text format (see the `outcome`
 //!   module docs: `idempotency_requests_total{outcome="replay",...}` and friends).
+//!
+//! A demo, not an API to copy whole: the `GET`s check no account (any caller reads any payment,
+//! every key and the metrics), and the account is a header a gateway is trusted to set.
 //!
 //! `IDEMPOTENCY_LOCK_TIMEOUT_MS` sets the lease (default 60 s); the fault tests shorten it.
 //! `PAYMENTS_POOL_PER_THREAD=N` builds the PostgreSQL store with

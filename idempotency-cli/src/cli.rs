@@ -250,7 +250,7 @@ pub struct PurgeArgs {
           value_parser = clap::value_parser!(u32).range(1..=100_000))]
     pub batch_size: u32,
 
-    /// Sleep between batches (e.g. 50ms) to spread WAL and replication load; at most 1m.
+    /// Sleep between batches (e.g. 50ms) to spread WAL and replication load.
     #[arg(long, value_name = "DURATION", default_value = "0")]
     pub pause: HumanDuration,
 

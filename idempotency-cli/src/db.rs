@@ -130,21 +130,34 @@ pub async fn connect(url: &str, timeout: Duration) -> Result<AsyncPgConnection, 
 /// transaction) for longer than `longest_pause` plus 20 s: a CLI whose host vanished (power,
 /// network, no FIN) otherwise keeps its session, and the purge lock with it, until the
 /// server's TCP keepalive gives up (about 2 h 11 min by default), and every purge meanwhile
-/// is skipped. PostgreSQL 14 and later (`idle_session_timeout`); older servers keep the
-/// session as before.
+/// is skipped. PostgreSQL 14 and later (`idle_session_timeout`; an older server has no such
+/// row in `pg_settings`, and keeps the session as before). [`keep_when_left_idle`] undoes it.
 pub async fn end_when_left_idle(
     conn: &mut AsyncPgConnection,
     longest_pause: Duration,
 ) -> Result<(), CliError> {
-    let limit_ms = (longest_pause + Duration::from_secs(20)).as_millis();
+    let limit_ms = longest_pause
+        .saturating_add(Duration::from_secs(20))
+        .as_millis()
+        .min(i32::MAX as u128);
     let statement = format!(
-        "SELECT set_config('idle_session_timeout', '{limit_ms}ms', false) \
-         WHERE current_setting('server_version_num')::int >= 140000"
+        "SELECT set_config(name, '{limit_ms}ms', false) FROM pg_settings \
+         WHERE name = 'idle_session_timeout'"
     );
     match bounded(conn.batch_execute(&statement)).await {
         Err(frozen) => Err(frozen),
         Ok(result) => result.map_err(|err| store_error(admin::classify_error(err))),
     }
+}
+
+/// The server's default `idle_session_timeout` again, before the session ends: behind a
+/// session pooler that does not reset sessions (PgBouncer with `server_reset_query = ''`),
+/// the limit would stay on the server connection the app gets next. Best effort: a session
+/// that cannot take it is about to end anyway.
+pub async fn keep_when_left_idle(conn: &mut AsyncPgConnection) {
+    let statement = "SELECT set_config(name, reset_val, false) FROM pg_settings \
+                     WHERE name = 'idle_session_timeout'";
+    let _ = bounded(conn.batch_execute(statement)).await;
 }
 
 /// Every failure to *connect* is "unavailable" (exit 3) from the operator's point of view:

@@ -548,7 +548,7 @@ async fn seed_expired(conn: &mut AsyncPgConnection, key: &str) {
 /// and so the purge lock, until the server's TCP keepalive gave up (about 2 h 11 min by
 /// default): every cron run meanwhile said "skipped" and exited 0 (review, 2026-12-06). The
 /// session now ends itself once idle longer than the purge ever pauses (`--pause` + 20 s,
-/// PostgreSQL 14's `idle_session_timeout`), and `--pause` is bounded. The vanished host is a
+/// PostgreSQL 14's `idle_session_timeout`). The vanished host is a
 /// proxy that black-holes the purge's connection between two batches.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_vanished_purge_does_not_hold_the_lock_for_long() {
@@ -587,10 +587,6 @@ async fn a_vanished_purge_does_not_hold_the_lock_for_long() {
     assert!(keys(&mut conn).await.is_empty());
     let _ = vanishing.kill();
     let _ = vanishing.wait();
-
-    let out = idem(&db.url, &["purge", "--pause", "2m"]);
-    expect_code(&out, USAGE);
-    assert_stderr_has(&out, "--pause");
 }
 
 #[tokio::test]
@@ -1452,6 +1448,16 @@ async fn a_key_that_looks_like_a_connection_string_is_not_repeated() {
         assert_no_secret(&out, &format!("{args:?}"));
         assert_stderr_has(&out, "connection string");
     }
+    // A refused key among several is named escaped, as a single one is: a Hangul filler
+    // (which Rust's `Debug` leaves as it is) shows as `\u{3164}`, not as a blank.
+    let out = idem(&db.url, &["release", "k\u{3164}", "k2"]);
+    assert_eq!(
+        out.status.code(),
+        Some(NOT_FOUND_OR_REFUSED),
+        "{}",
+        stderr(&out)
+    );
+    assert_stderr_has(&out, "k\\u{3164}");
     // A key that is a URL without credentials is a key like any other.
     let out = idem(&db.url, &["release", "https://example.com/orders/1"]);
     expect_code(&out, NOT_FOUND_OR_REFUSED);

@@ -802,7 +802,7 @@ where
             BodySize::None => None,
         };
         let mut total = 0u64;
-        let (sender, forwarded) = forward::channel(body.size());
+        let (sender, forwarded) = forward::channel(body.size(), declared);
         let response = ServiceResponse::new(request, head.set_body(BoxBody::new(forwarded)));
         let mut client = answer
             .send(Ok(response.map_into_right_body()))

@@ -189,36 +189,38 @@ impl Client {
 /// aborted) when the task sends [`BodyFailed`] or goes away without finishing.
 ///
 /// A body of unknown length ends for the client with its end marker, which comes with
-/// [`Sender::finish`]. A sized body (`Content-Length`) ends for the client at its last byte, so
-/// the chunk that completes it is held until then: either way a client that has the whole
+/// [`Sender::finish`]. A body whose length is declared (its size, or a `Content-Length` its
+/// handler states for a stream, `flow::stated_length`) ends for the client at its last byte,
+/// so the chunk that completes it is held until then: either way a client that has the whole
 /// response can retry at once and get the replay, not a 409.
 pub(super) struct Forwarded {
     chunks: mpsc::UnboundedReceiver<Queued>,
     /// The handler body's own size, so a sized stream keeps its `Content-Length`.
     size: BodySize,
-    /// Bytes of a sized body not yet passed on.
+    /// Whether the body's length is declared, so its last chunk is held.
+    declared: bool,
+    /// Bytes of a declared body not yet passed on.
     left: u64,
-    /// The chunk that completes a sized body, until the task is done.
+    /// The chunk that completes a declared body, until the task is done.
     last: Option<Bytes>,
     /// Ended: finished by the task, or failed.
     ended: bool,
 }
 
-/// A fresh channel: the sender for the task, the body for the response.
-pub(super) fn channel(size: BodySize) -> (Sender, Forwarded) {
+/// A fresh channel: the sender for the task, the body for the response, which reports the
+/// handler body's `size` and ends for the client after `declared` bytes when its length is
+/// declared.
+pub(super) fn channel(size: BodySize, declared: Option<u64>) -> (Sender, Forwarded) {
     let (chunks_in, chunks) = mpsc::unbounded_channel();
     let sender = Sender {
         chunks: chunks_in,
         room: Arc::new(Semaphore::new(CHANNEL_CHUNKS)),
     };
-    let left = match size {
-        BodySize::Sized(n) => n,
-        BodySize::None | BodySize::Stream => 0,
-    };
     let body = Forwarded {
         chunks,
         size,
-        left,
+        declared: declared.is_some(),
+        left: declared.unwrap_or(0),
         last: None,
         ended: false,
     };
@@ -255,7 +257,7 @@ impl MessageBody for Forwarded {
                     this.ended = true;
                     return Poll::Ready(this.last.take().map(Ok));
                 }
-                Message::Item(Ok(chunk)) if matches!(this.size, BodySize::Sized(_)) => chunk,
+                Message::Item(Ok(chunk)) if this.declared => chunk,
                 Message::Item(Ok(chunk)) => return Poll::Ready(Some(Ok(chunk))),
                 Message::Item(Err(failed)) => {
                     this.ended = true;
@@ -303,7 +305,7 @@ mod tests {
 
     #[tokio::test]
     async fn chunks_arrive_in_order_and_the_body_ends_when_the_sender_is_dropped() {
-        let (sender, body) = channel(BodySize::Sized(11));
+        let (sender, body) = channel(BodySize::Sized(11), Some(11));
         assert_eq!(
             body.size(),
             BodySize::Sized(11),
@@ -321,7 +323,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_sized_body_gives_its_last_bytes_only_once_the_task_is_done() {
-        let (sender, mut body) = channel(BodySize::Sized(6));
+        let (sender, mut body) = channel(BodySize::Sized(6), Some(6));
         assert!(sender.send(Ok(Bytes::from_static(b"abc"))).await.is_ok());
         match next(&mut body).await {
             Some(Some(Ok(chunk))) => assert_eq!(chunk, Bytes::from_static(b"abc")),
@@ -340,9 +342,31 @@ mod tests {
         assert!(matches!(next(&mut body).await, Some(None)), "then the end");
     }
 
+    /// A stream whose handler states its length (`no_chunking`) ends for the client at its
+    /// last stated byte as a sized body does, so that byte is held too (review, 2026-12-06:
+    /// a client that read them all and retried at once got 409 while the record was stored).
+    #[tokio::test]
+    async fn a_stream_of_stated_length_gives_its_last_bytes_only_once_the_task_is_done() {
+        let (sender, mut body) = channel(BodySize::Stream, Some(6));
+        assert_eq!(body.size(), BodySize::Stream, "the handler's size is kept");
+        assert!(sender.send(Ok(Bytes::from_static(b"abc"))).await.is_ok());
+        assert!(matches!(next(&mut body).await, Some(Some(Ok(_)))));
+        assert!(sender.send(Ok(Bytes::from_static(b"def"))).await.is_ok());
+        assert!(
+            next(&mut body).await.is_none(),
+            "the stated length's last bytes wait while the record is being stored"
+        );
+        sender.finish();
+        match next(&mut body).await {
+            Some(Some(Ok(chunk))) => assert_eq!(chunk, Bytes::from_static(b"def")),
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(next(&mut body).await, Some(None)), "then the end");
+    }
+
     #[tokio::test]
     async fn an_empty_chunk_after_the_last_bytes_does_not_release_them() {
-        let (sender, mut body) = channel(BodySize::Sized(3));
+        let (sender, mut body) = channel(BodySize::Sized(3), Some(3));
         assert!(sender.send(Ok(Bytes::from_static(b"abc"))).await.is_ok());
         assert!(sender.send(Ok(Bytes::new())).await.is_ok());
         assert!(
@@ -358,7 +382,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_failed_sized_body_never_gives_its_held_bytes() {
-        let (sender, body) = channel(BodySize::Sized(3));
+        let (sender, body) = channel(BodySize::Sized(3), Some(3));
         assert!(sender.send(Ok(Bytes::from_static(b"abc"))).await.is_ok());
         assert!(sender.send(Err(BodyFailed)).await.is_ok());
         drop(sender);
@@ -367,7 +391,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_body_waits_for_the_task_and_reports_each_chunk() {
-        let (sender, mut body) = channel(BodySize::Stream);
+        let (sender, mut body) = channel(BodySize::Stream, None);
         assert_eq!(body.size(), BodySize::Stream);
         assert!(
             next(&mut body).await.is_none(),
@@ -388,7 +412,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_failed_handler_body_fails_the_forwarded_body_with_a_fixed_message() {
-        let (sender, body) = channel(BodySize::Stream);
+        let (sender, body) = channel(BodySize::Stream, None);
         assert!(sender
             .send(Ok(Bytes::from_static(b"partial")))
             .await
@@ -416,7 +440,7 @@ mod tests {
 
     #[tokio::test]
     async fn send_waits_for_the_client() {
-        let (sender, mut body) = channel(BodySize::Stream);
+        let (sender, mut body) = channel(BodySize::Stream, None);
         for i in 0..CHANNEL_CHUNKS {
             assert!(
                 sender.send(Ok(Bytes::from_static(b"x"))).await.is_ok(),
@@ -434,7 +458,7 @@ mod tests {
     /// moves as one chunk when it makes room; everything arrives in order, then the end.
     #[tokio::test]
     async fn offer_never_waits_and_the_backlog_moves_as_room_frees() {
-        let (sender, mut body) = channel(BodySize::Stream);
+        let (sender, mut body) = channel(BodySize::Stream, None);
         let mut client = Client::new(sender);
         for _ in 0..CHANNEL_CHUNKS {
             assert!(client.offer(Bytes::from_static(b"x")).is_ok());
@@ -481,7 +505,12 @@ mod tests {
     #[tokio::test]
     async fn a_body_whose_task_went_away_unfinished_fails() {
         for size in [BodySize::Sized(6), BodySize::Stream] {
-            let (sender, mut body) = channel(size);
+            let declared = if size == BodySize::Stream {
+                None
+            } else {
+                Some(6)
+            };
+            let (sender, mut body) = channel(size, declared);
             assert!(sender.send(Ok(Bytes::from_static(b"abc"))).await.is_ok());
             assert!(sender.send(Ok(Bytes::from_static(b"def"))).await.is_ok());
             drop(sender);
@@ -509,7 +538,7 @@ mod tests {
 
     #[tokio::test]
     async fn the_task_learns_when_the_client_is_gone() {
-        let (sender, body) = channel(BodySize::Sized(1));
+        let (sender, body) = channel(BodySize::Sized(1), Some(1));
         drop(body);
         assert!(sender.send(Ok(Bytes::from_static(b"x"))).await.is_err());
         let gone = tokio::time::timeout(Duration::from_secs(1), sender.gone()).await;

@@ -79,12 +79,6 @@ pub async fn run(
     out: &mut Out,
 ) -> Result<(), CliError> {
     let started = Instant::now();
-    if args.pause.0 > MAX_PAUSE {
-        return Err(CliError::Usage(format!(
-            "--pause can be at most {} (the purge holds its lock through every pause)",
-            crate::duration::format_elapsed(MAX_PAUSE)
-        )));
-    }
     let filter = PurgeFilter {
         grace: args.grace.0,
         older_than: Some(args.older_than.0),
@@ -190,6 +184,7 @@ pub async fn run(
     }
     // Unlock explicitly so the next cron run never has to wait for the disconnect to be noticed.
     let _: bool = sql!(conn, admin::unlock_purge(conn));
+    crate::db::keep_when_left_idle(conn).await;
     report(out, format, args, &summary, started.elapsed(), false)?;
     // Also on stderr, where cron's and a scheduler's alerts look: partitions left run after run
     // would pile up.
@@ -224,15 +219,6 @@ fn partitions_ahead(args: &PurgeArgs, interval: &str) -> Result<u32, CliError> {
 /// The most partitions a purge keeps ahead (the bound of `--partitions-ahead`).
 const MAX_AHEAD: u32 = 1000;
 
-/// The longest `--pause`: a purge holds its lock through every pause, and a longer one is
-/// more likely a typo (`50m` for `50ms`) than a wish to hold it for hours.
-const MAX_PAUSE: Duration = Duration::from_secs(60);
-
-/// How often the drop step tries a partition another session holds, and the pause between:
-/// enough for a short autovacuum or query to end, short beside a cron interval.
-const DROP_ATTEMPTS: u32 = 3;
-const DROP_RETRY_PAUSE: Duration = Duration::from_secs(1);
-
 /// The partitioned layout's steps, under the purge lock (see the module docs). Every step runs
 /// even when an earlier one failed, unless the database stopped answering; the first failure
 /// is returned with what was done.
@@ -249,33 +235,33 @@ async fn partition_work(
     // each later step would only wait as long again (three times the bound for one freeze).
     // The drop takes the default partition and each partition it drops with NOWAIT (holding
     // the table requests queue behind, it must not wait for anyone else): what it could not
-    // lock (autovacuum on the default partition, a query on one partition) is tried again
-    // after a pause, then reported as left for the next run.
-    for attempt in 1..=DROP_ATTEMPTS {
-        let dropped = admin::drop_partitions(conn, args.older_than.0, lock_timeout);
-        match crate::db::bounded(dropped).await {
-            Err(frozen) => return (work, Some(frozen.context("dropping past partitions"))),
-            Ok(Ok(dropped)) => work.dropped.extend(dropped),
-            Ok(Err(err)) => {
-                let err = crate::db::classify(conn, err).await;
-                failed = Some(err.context("dropping past partitions"));
-                break;
+    // lock (autovacuum on the default partition, a query on one partition) is reported as
+    // left for the next run. Not tried again in this run: each try queues every request
+    // behind the table's lock once more.
+    match crate::db::bounded(admin::drop_partitions(
+        conn,
+        args.older_than.0,
+        lock_timeout,
+    ))
+    .await
+    {
+        Err(frozen) => return (work, Some(frozen.context("dropping past partitions"))),
+        Ok(Ok(dropped)) => {
+            work.dropped = dropped;
+            let left = admin::droppable_partitions(conn, args.older_than.0);
+            match crate::db::bounded(left).await {
+                Err(frozen) => return (work, Some(frozen.context("listing past partitions"))),
+                Ok(Ok(left)) => work.left = left,
+                Ok(Err(err)) => {
+                    let err = crate::db::classify(conn, err).await;
+                    failed = Some(err.context("listing past partitions"));
+                }
             }
         }
-        let left = admin::droppable_partitions(conn, args.older_than.0);
-        match crate::db::bounded(left).await {
-            Err(frozen) => return (work, Some(frozen.context("listing past partitions"))),
-            Ok(Ok(left)) => work.left = left,
-            Ok(Err(err)) => {
-                let err = crate::db::classify(conn, err).await;
-                failed = Some(err.context("listing past partitions"));
-                break;
-            }
+        Ok(Err(err)) => {
+            let err = crate::db::classify(conn, err).await;
+            failed = Some(err.context("dropping past partitions"));
         }
-        if work.left.is_empty() || attempt == DROP_ATTEMPTS {
-            break;
-        }
-        tokio::time::sleep(DROP_RETRY_PAUSE).await;
     }
     loop {
         match crate::db::bounded(admin::purge_default_partition(

@@ -180,10 +180,13 @@ fn release_exit(mut refusals: Vec<String>, asked: usize) -> Result<(), CliError>
     }
 }
 
-/// Each refusal's reason on stderr, one line each. Best effort: the exit code still says it.
+/// Each refusal's reason on stderr, one line each, escaped as every message is
+/// (`CliError`'s `Display`): a reason names a key, which may hold what a terminal shows as
+/// nothing. Best effort: the exit code still says it.
 fn report_refusals(refusals: &[String]) {
     for reason in refusals {
-        let _ = writeln!(std::io::stderr(), "idem-cli: {reason}");
+        let line = crate::output::display(&crate::error::one_line(reason), 0);
+        let _ = writeln!(std::io::stderr(), "idem-cli: {line}");
     }
 }
 
