@@ -2235,6 +2235,43 @@ async fn pay_and_duplicate(store: Faulty, after_ms: u64) -> (usize, Reply, Reply
     (counter.get(), first, duplicate)
 }
 
+/// Two `Idempotency` middlewares around one handler (one on the `App`, a stricter one on a
+/// scope), on one store: the inner one found the outer one's reservation of the same scope
+/// and fingerprint and answered 409, every attempt, so the handler never ran (review,
+/// 2026-12-06; before: 409 and 0 runs). The inner one now leaves a request whose key an outer
+/// one holds to it.
+#[actix_web::test]
+async fn nested_middlewares_on_one_store_run_the_handler_once() {
+    let counter = Counter::default();
+    let store = MemoryStore::new();
+    let app = init_service(
+        App::new()
+            .app_data(web::Data::new(counter.clone()))
+            .wrap(Idempotency::new(store.clone()))
+            .service(
+                web::scope("/pay")
+                    .wrap(
+                        Idempotency::builder(store)
+                            .lock_timeout(Duration::from_secs(5))
+                            .build(),
+                    )
+                    .route(
+                        "",
+                        web::post().to(|counter: web::Data<Counter>| async move {
+                            counter.bump();
+                            HttpResponse::Created().body("paid")
+                        }),
+                    ),
+            ),
+    )
+    .await;
+    let first = send(&app, post_x("/pay", "k")).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    let retry = send(&app, post_x("/pay", "k")).await;
+    assert!(retry.replayed(), "{retry:?}");
+    assert_eq!(counter.get(), 1);
+}
+
 /// A `complete` that fails once is retried in the background until the lease ends (C16), so
 /// a retry after the lease replays instead of running again. The retries used to start with
 /// a 100 ms pause and stop when the next pause would pass the lease's end: with the shortest

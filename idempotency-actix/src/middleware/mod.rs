@@ -16,6 +16,11 @@
 //! `fail_open`); after the handler ran, the client still gets the response, the failure is
 //! logged, and the reservation stays until its lease ends (C16).
 //!
+//! One `Idempotency` per request: one wrapped inside another (on the `App` and again on a
+//! scope) leaves a keyed request whose key the outer one already holds to the outer one, and
+//! warns once per worker. Without that, the inner one found the outer one's reservation and
+//! answered 409 on every attempt.
+//!
 //! # Cancellation: steps 2 to 4 run on a task of their own (C21)
 //! actix drops the future that serves a request when its client goes away (a FIN or a TCP
 //! reset mid-request; on HTTP/2 it keeps running it, see below). Had the handler run inside
@@ -81,6 +86,7 @@ pub(crate) mod replay;
 #[cfg(feature = "postgres")]
 mod transactional;
 
+use std::cell::Cell;
 use std::future::{ready, Ready};
 use std::rc::Rc;
 use std::sync::Arc;
@@ -88,10 +94,11 @@ use std::sync::Arc;
 use actix_service::{Service, Transform};
 use actix_web::body::{BoxBody, EitherBody, MessageBody};
 use actix_web::dev::{ServiceRequest, ServiceResponse};
-use actix_web::Error;
+use actix_web::{Error, HttpMessage};
 use futures_util::future::LocalBoxFuture;
 
 use crate::config::{Config, ConfigError, IdempotencyBuilder};
+use crate::key::IdempotencyKey;
 use crate::outcome::Meters;
 use crate::store::IdempotencyStore;
 use flow::Flow;
@@ -193,6 +200,7 @@ where
             meters: Rc::new(Meters::new(self.store.name())),
             store: Arc::clone(&self.store),
             config: Arc::clone(&self.config),
+            nested_warned: Cell::new(false),
         }))
     }
 }
@@ -204,6 +212,8 @@ pub struct IdempotencyMiddleware<S, Svc> {
     meters: Rc<Meters>,
     store: Arc<S>,
     config: Arc<Config>,
+    /// Whether this worker said once that it sits inside another `Idempotency`.
+    nested_warned: Cell<bool>,
 }
 
 impl<S, Svc, B> Service<ServiceRequest> for IdempotencyMiddleware<S, Svc>
@@ -221,6 +231,16 @@ where
     fn call(&self, req: ServiceRequest) -> Self::Future {
         let service = Rc::clone(&self.service);
         if !self.config.covers(req.method()) {
+            return Box::pin(flow::pass_through(service, req));
+        }
+        // An outer `Idempotency` holds this request's key already (it put the key in the
+        // request's extensions): a second reservation of the same scope would find the outer
+        // one's and answer 409 on every attempt, so the handler never ran. The outer one
+        // protects the request; this one stays out of its way.
+        if req.extensions().contains::<IdempotencyKey>() {
+            if !self.nested_warned.replace(true) {
+                tracing::warn!(target: "idempotency_actix", "an Idempotency middleware is wrapped inside another one: the outer one handles keyed requests, this one passes them through (configure one per route)");
+            }
             return Box::pin(flow::pass_through(service, req));
         }
         let flow = Flow {
