@@ -719,7 +719,7 @@ where
         reservation: &[u8],
         life_ms: u64,
         token: ReservationToken,
-    ) -> Result<ReserveOutcome, StoreError> {
+    ) -> Result<ReserveOutcome, Undecided> {
         let outcome = match self.set_or_get(picked, key, reservation, life_ms).await? {
             SetOrGet::Reserved => ReserveOutcome::Reserved { token },
             SetOrGet::Found(bytes, now_us) if bytes.first() == Some(&record::COMPLETED) => {
@@ -744,8 +744,8 @@ where
             // (C22: a full store refuses new keys only). The script answers: a script without
             // flags runs under `OOM` and fails only at a write (Redis 7.0), and it writes only
             // for an absent key or a takeover, which then fail with `OOM`, i.e. 503, closed.
-            SetOrGet::Found(..) | SetOrGet::WritesRefused => {
-                let reply: Value = self
+            found @ (SetOrGet::Found(..) | SetOrGet::WritesRefused) => {
+                let reply: Result<Value, StoreError> = self
                     .timed(
                         &picked.origin,
                         self.inner
@@ -756,8 +756,24 @@ where
                             .arg(life_ms)
                             .invoke_async(&mut picked.conn),
                     )
-                    .await?;
-                decode_reserve(reply, token)?
+                    .await;
+                match reply {
+                    Ok(reply) => decode_reserve(reply, token)?,
+                    // The `SET` read another request's reservation: say so with the error,
+                    // so the request is not run unprotected (`fail_open`) beside it.
+                    Err(error) => {
+                        let seen_in_flight = match found {
+                            SetOrGet::Found(bytes, _) => {
+                                record::decode(bytes).ok().map(|r| r.fingerprint)
+                            }
+                            _ => None,
+                        };
+                        return Err(Undecided {
+                            error,
+                            seen_in_flight,
+                        });
+                    }
+                }
             }
         };
         Ok(outcome)
@@ -905,6 +921,22 @@ where
 }
 
 /// What the native `SET ... NX GET` of a reserve found.
+/// A reserve that failed ([`RedisStore::decide`]), with the fingerprint of another request's
+/// reservation its `SET` had read first, if it had.
+struct Undecided {
+    error: StoreError,
+    seen_in_flight: Option<Fingerprint>,
+}
+
+impl From<StoreError> for Undecided {
+    fn from(error: StoreError) -> Self {
+        Undecided {
+            error,
+            seen_in_flight: None,
+        }
+    }
+}
+
 enum SetOrGet {
     /// The key was absent and now holds the caller's reservation.
     Reserved,
@@ -1397,9 +1429,23 @@ where
             .await;
         let outcome = match decided {
             Ok(outcome) => outcome,
-            Err(error) => {
+            Err(Undecided {
+                error,
+                seen_in_flight,
+            }) => {
                 if outcome_unknown(&error) {
                     self.give_back_later(picked, scope, token, lease);
+                }
+                // Its `SET` found another request's reservation before the script failed: that
+                // request may be running, so answer as for a reservation in flight (409, or
+                // 422 for another body; C15: `fail_open` never runs a request the store saw in
+                // flight). A takeover the script may have made is given back above.
+                if let Some(fingerprint) = seen_in_flight {
+                    tracing::warn!(target: "idempotency_actix", %error, "the reserve script failed after finding a reservation in flight; answered as in flight");
+                    return Ok(ReserveOutcome::InFlight {
+                        fingerprint,
+                        lease_remaining: Duration::ZERO,
+                    });
                 }
                 return Err(error);
             }

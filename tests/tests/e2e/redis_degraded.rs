@@ -823,3 +823,121 @@ async fn retries_get_the_key(
     }
     Err(answers)
 }
+
+/// A connection that passes everything through to Redis but fails every `EVALSHA` (the
+/// store's scripts) with a connection reset while `fail_scripts` is on: a reply lost when
+/// Redis restarts or a failover cuts its clients, between a reserve's `SET` and its script.
+/// A mock only for the cut: a real Redis answers every other command.
+#[derive(Clone)]
+struct ScriptsCut {
+    inner: redis::aio::MultiplexedConnection,
+    fail_scripts: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl redis::aio::ConnectionLike for ScriptsCut {
+    fn req_packed_command<'a>(
+        &'a mut self,
+        cmd: &'a redis::Cmd,
+    ) -> redis::RedisFuture<'a, redis::Value> {
+        let script = matches!(
+            cmd.args_iter().next(),
+            Some(redis::Arg::Simple(name)) if name.eq_ignore_ascii_case(b"EVALSHA")
+        );
+        if script && self.fail_scripts.load(std::sync::atomic::Ordering::SeqCst) {
+            return Box::pin(async {
+                Err(redis::RedisError::from(std::io::Error::from(
+                    std::io::ErrorKind::ConnectionReset,
+                )))
+            });
+        }
+        self.inner.req_packed_command(cmd)
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        cmd: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> redis::RedisFuture<'a, Vec<redis::Value>> {
+        self.inner.req_packed_commands(cmd, offset, count)
+    }
+
+    fn get_db(&self) -> i64 {
+        self.inner.get_db()
+    }
+}
+
+/// With `fail_open`, a store error before the handler runs the request unprotected, but never
+/// one the store already saw in flight (C15). A reserve that found another request's
+/// reservation (its `SET ... NX GET`) and then lost its script's reply returned only the
+/// error, so the duplicate of a payment still being made ran beside it (review, 2026-12-06;
+/// before: 2 runs). It now answers from the reservation it read: 409 for the same body, 422
+/// for another, and gives back what the script may have written.
+#[actix_web::test]
+async fn a_duplicate_whose_script_reply_was_lost_is_not_run_unprotected() {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    use actix_web::test::{call_service, init_service, TestRequest};
+    use actix_web::{web, App, HttpResponse};
+    use idempotency_actix::Idempotency;
+
+    let redis = RedisServer::start();
+    let fail_scripts = Arc::new(AtomicBool::new(false));
+    let store = RedisStore::from_connection(ScriptsCut {
+        inner: conn(&redis.url()).await,
+        fail_scripts: Arc::clone(&fail_scripts),
+    });
+    let runs = Arc::new(AtomicUsize::new(0));
+    let release = Arc::new(tokio::sync::Notify::new());
+    let (counted, released) = (Arc::clone(&runs), Arc::clone(&release));
+    let app = init_service(
+        App::new()
+            .wrap(
+                Idempotency::builder(store)
+                    .fail_open(true)
+                    .lock_timeout(Duration::from_secs(10))
+                    .build(),
+            )
+            .route(
+                "/payments",
+                web::post().to(move || {
+                    let (runs, release) = (Arc::clone(&counted), Arc::clone(&released));
+                    async move {
+                        // The first run waits until the duplicates were answered.
+                        if runs.fetch_add(1, Ordering::SeqCst) == 0 {
+                            release.notified().await;
+                        }
+                        HttpResponse::Created().body("charged")
+                    }
+                }),
+            ),
+    )
+    .await;
+    let pay = |body: &'static str| {
+        TestRequest::post()
+            .uri("/payments")
+            .insert_header(("idempotency-key", "pay-1"))
+            .set_payload(body)
+            .to_request()
+    };
+    let first = call_service(&app, pay("{\"amount\":100}"));
+    let duplicates = async {
+        while runs.load(Ordering::SeqCst) == 0 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        fail_scripts.store(true, Ordering::SeqCst);
+        let same = call_service(&app, pay("{\"amount\":100}")).await.status();
+        let other = call_service(&app, pay("{\"amount\":999}")).await.status();
+        fail_scripts.store(false, Ordering::SeqCst);
+        release.notify_waiters();
+        (same.as_u16(), other.as_u16())
+    };
+    let (first, (same, other)) = tokio::join!(first, duplicates);
+    assert_eq!(first.status().as_u16(), 201);
+    assert_eq!(
+        (runs.load(Ordering::SeqCst), same, other),
+        (1, 409, 422),
+        "handler runs, and the answers to a duplicate and to another body under the running key"
+    );
+}
