@@ -1,6 +1,6 @@
 //! The contract (C1-C14, C17) through real requests to an actix service on the memory store.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -393,6 +393,8 @@ struct Faulty {
     /// The first `complete` fails (a blip), counting every call in `completes`.
     first_complete_fails: bool,
     completes: Arc<AtomicUsize>,
+    /// While set, every `complete` fails (renewals still work: a responses table locked).
+    completes_failing: Arc<AtomicBool>,
 }
 
 impl Faulty {
@@ -476,6 +478,9 @@ impl IdempotencyStore for Faulty {
         let n = self.completes.fetch_add(1, Ordering::SeqCst);
         if n == 0 && self.first_complete_fails {
             return Err(StoreError::unavailable("one blip"));
+        }
+        if self.completes_failing.load(Ordering::SeqCst) {
+            return Err(StoreError::unavailable("timed out"));
         }
         self.inner.complete(scope, token, response, ttl).await
     }
@@ -2307,6 +2312,42 @@ async fn a_failed_complete_is_retried_within_the_shortest_lease() {
         assert!(retry.replayed(), "a {lease_ms} ms lease: {retry:?}");
         assert!(completes.load(Ordering::SeqCst) >= 2);
     }
+}
+
+/// A `complete` that keeps failing while the store still renews leases (its responses table
+/// locked, say): the background retry held the key only until the lease it had ended, then a
+/// retry took it over and ran the handler again, though the store would have renewed the lease
+/// all along (review, 2026-12-06; before: 2 runs). The retry now renews the lease while it
+/// tries, up to `renew_lease_up_to`, so duplicates get 409 until the response is stored, then
+/// its replay.
+#[actix_web::test]
+async fn a_complete_that_keeps_failing_keeps_its_lease_while_the_store_renews() {
+    let counter = Counter::default();
+    let store = Faulty {
+        renews: true,
+        ..Faulty::default()
+    };
+    let failing = Arc::clone(&store.completes_failing);
+    failing.store(true, Ordering::SeqCst);
+    let middleware = Idempotency::builder(store)
+        .lock_timeout(Duration::from_millis(300))
+        .renew_lease_up_to(Duration::from_secs(5))
+        .build();
+    let route = web::post().to(|counter: web::Data<Counter>| async move {
+        counter.bump();
+        HttpResponse::Created().finish()
+    });
+    let app = one_route(counter.clone(), middleware, "/pay", route).await;
+    let first = send(&app, post_x("/pay", "k")).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    tokio::time::sleep(Duration::from_millis(450)).await;
+    let during = send(&app, post_x("/pay", "k")).await;
+    assert_eq!(during.status, StatusCode::CONFLICT, "{during:?}");
+    failing.store(false, Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let after = send(&app, post_x("/pay", "k")).await;
+    assert!(after.replayed(), "{after:?}");
+    assert_eq!(counter.get(), 1);
 }
 
 /// A reserve answered after its lease ended (the store applied the lease, then a stalled

@@ -1003,11 +1003,18 @@ where
     /// After a failed `complete` (C16): keep trying in the background until the lease ends,
     /// so a store that comes back in time still records the response the client got, and a
     /// retry replays it instead of running the handler again. Fenced by the token: once the
-    /// key was taken over the write is stale and changes nothing.
+    /// key was taken over the write is stale and changes nothing. Between tries it renews the
+    /// lease (up to `renew_lease_up_to` from the first failure), so a store that still answers
+    /// renewals while its completions fail (its responses table locked, a statement that
+    /// times out) keeps the key this request's: a duplicate gets 409 meanwhile, then the
+    /// replay, instead of taking the key over once the lease it had ended.
     fn retry_complete(&self, scope: Scope, token: ReservationToken, stored: StoredResponse) {
         let store = Arc::clone(&self.store);
         let ttl = self.config.ttl;
-        let until = saturating_deadline(Instant::now(), self.config.lock_timeout);
+        let lease = self.config.lock_timeout;
+        let now = Instant::now();
+        let until = saturating_deadline(now, lease);
+        let renew_until = saturating_deadline(now, self.config.lease_renewal_limit);
         let name = store.name();
         let histogram = self.meters.histogram(Op::Complete).clone();
         outcome::complete_retry("started", name);
@@ -1018,18 +1025,20 @@ where
                     Ok(WriteOutcome::Applied) => {
                         tracing::info!(target: "idempotency_actix", outcome = "stored", status = stored.status, "response stored after the store recovered");
                         outcome::complete_retry("succeeded", name);
-                        true
+                        Attempt::Done
                     }
                     Ok(WriteOutcome::Stale) => {
                         // Taken over, or an earlier attempt that "failed" had been applied
                         // (its reply lost): the store cannot tell them apart after completion.
                         outcome::complete_retry("stale", name);
                         tracing::warn!(target: "idempotency_actix", outcome = "stale", "gave up storing the response: the reservation is no longer this request's (taken over after the lease, or lost with a database crash)");
-                        true
+                        Attempt::Done
                     }
                     Err(error) => {
                         tracing::debug!(target: "idempotency_actix", outcome = "store_error", %error, "storing the response failed again; retrying until the lease ends");
-                        false
+                        Attempt::Again(
+                            keep_lease(&*store, &scope, &token, lease, renew_until).await,
+                        )
                     }
                 }
             });
@@ -1153,17 +1162,19 @@ where
                     Ok(WriteOutcome::Applied) => {
                         outcome::release_retry("succeeded", name);
                         tracing::info!(target: "idempotency_actix", outcome = "released", "key released after the store recovered");
-                        true
+                        Attempt::Done
                     }
                     // Released by an attempt whose reply was lost, or taken over: nothing of
                     // this request's is left to release.
                     Ok(WriteOutcome::Stale) => {
                         outcome::release_retry("stale", name);
-                        true
+                        Attempt::Done
                     }
+                    // The lease is not renewed here: once it ends the key is free anyway,
+                    // which is what the release is for.
                     Err(error) => {
                         tracing::debug!(target: "idempotency_actix", outcome = "store_error", %error, "releasing the key failed again; retrying until the lease ends");
-                        false
+                        Attempt::Again(None)
                     }
                 }
             });
@@ -1211,10 +1222,10 @@ fn spawn_tracked(retry: impl std::future::Future<Output = ()> + Send + 'static) 
 /// `complete` and `release` (C16). Halving what is left keeps a short lease retried: with
 /// the shortest the builder accepts (100 ms), a first pause of 100 ms left no attempt at all,
 /// and a retry after the lease ran the handler again.
-async fn until_the_lease_ends<F, Fut>(until: Instant, mut attempt: F) -> bool
+async fn until_the_lease_ends<F, Fut>(mut until: Instant, mut attempt: F) -> bool
 where
     F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
+    Fut: std::future::Future<Output = Attempt>,
 {
     const LAST_CHANCE: Duration = Duration::from_millis(10);
     let mut pause = Duration::from_millis(100);
@@ -1225,9 +1236,43 @@ where
         }
         tokio::time::sleep(pause.min(left / 2)).await;
         pause = (pause * 2).min(Duration::from_secs(2));
-        if attempt().await {
-            return true;
+        match attempt().await {
+            Attempt::Done => return true,
+            Attempt::Again(Some(renewed)) => until = until.max(renewed),
+            Attempt::Again(None) => {}
         }
+    }
+}
+
+/// What one try of a background retry came to.
+enum Attempt {
+    /// Nothing left to do (done, or no longer this request's to do).
+    Done,
+    /// Try again; with the instant the lease now lasts until when the try renewed it.
+    Again(Option<Instant>),
+}
+
+/// Renew the lease of a reservation whose response is being stored again, so that the key
+/// stays this request's while the store answers renewals: the instant the renewed lease lasts
+/// until at least (counted from when the renewal was sent; the store applied it later), or
+/// `None` when the store does not renew, `renew_until` has passed, or the renewal failed or
+/// found the reservation gone (completed by an earlier try whose answer was lost, or taken
+/// over: the next `complete` tells which). Fenced by the token.
+async fn keep_lease<S: IdempotencyStore>(
+    store: &S,
+    scope: &Scope,
+    token: &ReservationToken,
+    lease: Duration,
+    renew_until: Instant,
+) -> Option<Instant> {
+    let sent = Instant::now();
+    let grant = lease.min(renew_until.saturating_duration_since(sent));
+    if !store.renews_leases() || grant.is_zero() {
+        return None;
+    }
+    match store.renew_lease(scope, token, grant).await {
+        Ok(WriteOutcome::Applied) => Some(saturating_deadline(sent, grant)),
+        Ok(WriteOutcome::Stale) | Err(_) => None,
     }
 }
 
