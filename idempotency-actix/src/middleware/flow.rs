@@ -1016,9 +1016,15 @@ where
         let until = saturating_deadline(now, lease);
         let renew_until = saturating_deadline(now, self.config.lease_renewal_limit);
         let name = store.name();
+        let Some(room) = retry_room() else {
+            outcome::complete_retry("given_up", name);
+            tracing::error!(target: "idempotency_actix", outcome = "store_error", bound = MAX_BACKGROUND_RETRIES, "gave up storing the response: too many background retries already; the reservation stays until its lease ends, and a retry after that runs the handler again");
+            return;
+        };
         let histogram = self.meters.histogram(Op::Complete).clone();
         outcome::complete_retry("started", name);
         let retry = async move {
+            let _room = room;
             let done = until_the_lease_ends(until, || async {
                 let call = store.complete(&scope, &token, &stored, ttl);
                 match outcome::timed(&histogram, call).await {
@@ -1155,8 +1161,14 @@ where
         let until = saturating_deadline(Instant::now(), self.config.lock_timeout);
         let histogram = self.meters.histogram(Op::Release).clone();
         let name = store.name();
+        let Some(room) = retry_room() else {
+            outcome::release_retry("given_up", name);
+            tracing::error!(target: "idempotency_actix", outcome = "store_error", bound = MAX_BACKGROUND_RETRIES, "gave up releasing the key: too many background retries already; it is held until its lease ends");
+            return;
+        };
         outcome::release_retry("started", name);
         let retry = async move {
+            let _room = room;
             let done = until_the_lease_ends(until, || async {
                 match outcome::timed(&histogram, store.release(&scope, &token)).await {
                     Ok(WriteOutcome::Applied) => {
@@ -1202,6 +1214,23 @@ where
         req.into_response(self.config.problem(problem))
             .map_into_right_body()
     }
+}
+
+/// The most background retries of a failed `complete` or `release` (C16) a process keeps at
+/// once. Each holds its response until it ends, a lease or more (renewing, up to
+/// `renew_lease_up_to`); during a brownout in which every write fails they would otherwise
+/// pile up by the hundreds a second, hold the memory of every response, and send their tries
+/// into the pool live requests need. Past the bound a failed write is not retried: its key is
+/// held until its lease ends (C16's remaining window), and an error line says so. 4,096
+/// responses of the default 1 MiB limit are 4 GiB at most; most are far smaller.
+pub const MAX_BACKGROUND_RETRIES: usize = 4096;
+
+/// Room for one more background retry, held until it ends; `None` when the process keeps
+/// [`MAX_BACKGROUND_RETRIES`] already.
+fn retry_room() -> Option<tokio::sync::OwnedSemaphorePermit> {
+    static ROOM: std::sync::LazyLock<Arc<tokio::sync::Semaphore>> =
+        std::sync::LazyLock::new(|| Arc::new(tokio::sync::Semaphore::new(MAX_BACKGROUND_RETRIES)));
+    Arc::clone(&ROOM).try_acquire_owned().ok()
 }
 
 /// Spawn the background retry of a `complete` or a `release` (C16), counted until it ends so

@@ -103,6 +103,7 @@ use crate::outcome::Meters;
 use crate::store::IdempotencyStore;
 use flow::Flow;
 
+pub use flow::MAX_BACKGROUND_RETRIES;
 pub use replay::REPLAYED_HEADER;
 #[cfg(feature = "postgres")]
 pub(crate) use transactional::TxConfig;
