@@ -1246,11 +1246,11 @@ fn spawn_tracked(retry: impl std::future::Future<Output = ()> + Send + 'static) 
 }
 
 /// Call `attempt` after pauses doubling from 100 ms to 2 s, each at most half of what is left
-/// before `until` (the lease's end, after which the key is anyone's), until it answers `true`
-/// (done) or less than 10 ms is left; whether it got done. The background retries of
-/// `complete` and `release` (C16). Halving what is left keeps a short lease retried: with
-/// the shortest the builder accepts (100 ms), a first pause of 100 ms left no attempt at all,
-/// and a retry after the lease ran the handler again.
+/// before `until` (the lease's end, after which the key is anyone's; later when an attempt
+/// renewed the lease), until it answers [`Attempt::Done`] or less than 10 ms is left; whether
+/// it got done. The background retries of `complete` and `release` (C16). Halving what is
+/// left keeps a short lease retried: with the shortest the builder accepts (100 ms), a first
+/// pause of 100 ms left no attempt at all, and a retry after the lease ran the handler again.
 async fn until_the_lease_ends<F, Fut>(mut until: Instant, mut attempt: F) -> bool
 where
     F: FnMut() -> Fut,

@@ -4,9 +4,9 @@
 use unicode_width::{UnicodeWidthChar, UnicodeWidthStr};
 
 /// Text from the database made safe for a terminal: control, format and other
-/// default-ignorable characters (which a tenant or path could contain) are escaped so they cannot move the cursor, reorder the line
-/// or forge table rows, and the result is cut to `max` terminal columns with an ellipsis (0: no
-/// limit).
+/// default-ignorable characters (which a tenant or path could contain) are escaped so they
+/// cannot move the cursor, reorder the line, hide text or forge table rows, and the result is
+/// cut to `max` terminal columns with an ellipsis (0: no limit).
 pub fn display(text: &str, max: usize) -> String {
     let mut out = String::new();
     for c in text.chars() {
