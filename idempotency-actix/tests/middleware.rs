@@ -2350,6 +2350,35 @@ async fn a_complete_that_keeps_failing_keeps_its_lease_while_the_store_renews() 
     assert_eq!(counter.get(), 1);
 }
 
+/// The same retry with `renew_lease_up_to` shorter than the lease ("no renewal"): a renewal
+/// from the retry must not shorten the lease it holds (a first version granted what was left
+/// of the bound, 50 ms where 500 were left, and a duplicate at 300 ms ran; second review,
+/// 2026-12-06). The key stays held for its lease.
+#[actix_web::test]
+async fn a_complete_retry_never_shortens_the_lease() {
+    let counter = Counter::default();
+    let store = Faulty {
+        renews: true,
+        ..Faulty::default()
+    };
+    store.completes_failing.store(true, Ordering::SeqCst);
+    let middleware = Idempotency::builder(store)
+        .lock_timeout(Duration::from_millis(600))
+        .renew_lease_up_to(Duration::from_millis(150))
+        .build();
+    let route = web::post().to(|counter: web::Data<Counter>| async move {
+        counter.bump();
+        HttpResponse::Created().finish()
+    });
+    let app = one_route(counter.clone(), middleware, "/pay", route).await;
+    let first = send(&app, post_x("/pay", "k")).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let during = send(&app, post_x("/pay", "k")).await;
+    assert_eq!(during.status, StatusCode::CONFLICT, "{during:?}");
+    assert_eq!(counter.get(), 1);
+}
+
 /// A reserve answered after its lease ended (the store applied the lease, then a stalled
 /// database or a slow network held the answer back: the lease counts from when the store
 /// applied it) must not run the handler on a key another request may have taken over

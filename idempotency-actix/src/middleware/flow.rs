@@ -761,12 +761,14 @@ where
                 }
             };
             // Pinned here, in this statement: `storing` says why.
+            let hold_until = renewal.hold_until();
             let outcome = renewal
                 .storing(pin!(self.store_or_release(
                     scope,
                     &token,
                     head.head(),
-                    &bytes
+                    &bytes,
+                    hold_until
                 )))
                 .await;
             report.outcome(outcome, status, Some(scope));
@@ -929,8 +931,11 @@ where
                 let head = stored_head.as_head();
                 // Pinned here, in this statement: `storing` says why. Bound, not the block's
                 // value: the future borrows this block's locals.
+                let hold_until = renewal.hold_until();
                 let outcome = renewal
-                    .storing(pin!(self.store_or_release(scope, &token, &head, &body)))
+                    .storing(pin!(
+                        self.store_or_release(scope, &token, &head, &body, hold_until)
+                    ))
                     .await;
                 outcome
             }
@@ -947,12 +952,15 @@ where
     }
 
     /// Store a complete response, or release the key when it is too large or `store_if` says no.
+    /// `hold_until`: when the reservation's last lease may end (its renewal's bound), which a
+    /// background retry of the `complete` keeps to.
     async fn store_or_release(
         &self,
         scope: &Scope,
         token: &ReservationToken,
         head: &ResponseHead,
         body: &Bytes,
+        hold_until: Instant,
     ) -> Outcome {
         let config = &self.config;
         if body.len() > config.max_response_bytes {
@@ -973,7 +981,7 @@ where
             headers: storable_headers(&head.headers, &config.deny_headers),
             body: body.clone(),
         };
-        self.complete(scope, token, &stored).await
+        self.complete(scope, token, &stored, hold_until).await
     }
 
     async fn complete(
@@ -981,6 +989,7 @@ where
         scope: &Scope,
         token: &ReservationToken,
         stored: &StoredResponse,
+        hold_until: Instant,
     ) -> Outcome {
         let call = self.store.complete(scope, token, stored, self.config.ttl);
         match outcome::timed(self.meters.histogram(Op::Complete), call).await {
@@ -994,7 +1003,7 @@ where
             }
             Err(error) => {
                 tracing::error!(target: "idempotency_actix", outcome = "store_error", %error, "could not store the response; retrying until the lease ends, the reservation stays meanwhile");
-                self.retry_complete(scope.clone(), *token, stored.clone());
+                self.retry_complete(scope.clone(), *token, stored.clone(), hold_until);
                 Outcome::CompleteFailed
             }
         }
@@ -1004,17 +1013,24 @@ where
     /// so a store that comes back in time still records the response the client got, and a
     /// retry replays it instead of running the handler again. Fenced by the token: once the
     /// key was taken over the write is stale and changes nothing. Between tries it renews the
-    /// lease (up to `renew_lease_up_to` from the first failure), so a store that still answers
-    /// renewals while its completions fail (its responses table locked, a statement that
-    /// times out) keeps the key this request's: a duplicate gets 409 meanwhile, then the
-    /// replay, instead of taking the key over once the lease it had ended.
-    fn retry_complete(&self, scope: Scope, token: ReservationToken, stored: StoredResponse) {
+    /// lease, within the bound the handler's own renewals had (`hold_until`: up to
+    /// `renew_lease_up_to` after the reservation), so a store that still answers renewals
+    /// while its completions fail (its responses table locked, a statement that times out)
+    /// keeps the key this request's: a duplicate gets 409 meanwhile, then the replay, instead
+    /// of taking the key over once the lease it had ended. Tries then come every third of a
+    /// lease at most, as renewals do.
+    fn retry_complete(
+        &self,
+        scope: Scope,
+        token: ReservationToken,
+        stored: StoredResponse,
+        hold_until: Instant,
+    ) {
         let store = Arc::clone(&self.store);
         let ttl = self.config.ttl;
         let lease = self.config.lock_timeout;
-        let now = Instant::now();
-        let until = saturating_deadline(now, lease);
-        let renew_until = saturating_deadline(now, self.config.lease_renewal_limit);
+        let until = saturating_deadline(Instant::now(), lease);
+        let longest = (lease / 3).max(LONGEST_RETRY_PAUSE);
         let name = store.name();
         let Some(room) = retry_room() else {
             outcome::complete_retry("given_up", name);
@@ -1025,7 +1041,7 @@ where
         outcome::complete_retry("started", name);
         let retry = async move {
             let _room = room;
-            let done = until_the_lease_ends(until, || async {
+            let done = until_the_lease_ends(until, longest, || async {
                 let call = store.complete(&scope, &token, &stored, ttl);
                 match outcome::timed(&histogram, call).await {
                     Ok(WriteOutcome::Applied) => {
@@ -1042,9 +1058,7 @@ where
                     }
                     Err(error) => {
                         tracing::debug!(target: "idempotency_actix", outcome = "store_error", %error, "storing the response failed again; retrying until the lease ends");
-                        Attempt::Again(
-                            keep_lease(&*store, &scope, &token, lease, renew_until).await,
-                        )
+                        Attempt::Again(keep_lease(&*store, &scope, &token, lease, hold_until).await)
                     }
                 }
             });
@@ -1169,7 +1183,7 @@ where
         outcome::release_retry("started", name);
         let retry = async move {
             let _room = room;
-            let done = until_the_lease_ends(until, || async {
+            let done = until_the_lease_ends(until, LONGEST_RETRY_PAUSE, || async {
                 match outcome::timed(&histogram, store.release(&scope, &token)).await {
                     Ok(WriteOutcome::Applied) => {
                         outcome::release_retry("succeeded", name);
@@ -1245,13 +1259,17 @@ fn spawn_tracked(retry: impl std::future::Future<Output = ()> + Send + 'static) 
     });
 }
 
-/// Call `attempt` after pauses doubling from 100 ms to 2 s, each at most half of what is left
+/// The longest pause between two tries of a background retry, unless a lease renewed by it
+/// allows longer.
+const LONGEST_RETRY_PAUSE: Duration = Duration::from_secs(2);
+
+/// Call `attempt` after pauses doubling from 100 ms to `longest`, each at most half of what is left
 /// before `until` (the lease's end, after which the key is anyone's; later when an attempt
 /// renewed the lease), until it answers [`Attempt::Done`] or less than 10 ms is left; whether
 /// it got done. The background retries of `complete` and `release` (C16). Halving what is
 /// left keeps a short lease retried: with the shortest the builder accepts (100 ms), a first
 /// pause of 100 ms left no attempt at all, and a retry after the lease ran the handler again.
-async fn until_the_lease_ends<F, Fut>(mut until: Instant, mut attempt: F) -> bool
+async fn until_the_lease_ends<F, Fut>(mut until: Instant, longest: Duration, mut attempt: F) -> bool
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Attempt>,
@@ -1264,7 +1282,7 @@ where
             return false;
         }
         tokio::time::sleep(pause.min(left / 2)).await;
-        pause = (pause * 2).min(Duration::from_secs(2));
+        pause = (pause * 2).min(longest);
         match attempt().await {
             Attempt::Done => return true,
             Attempt::Again(Some(renewed)) => until = until.max(renewed),
@@ -1284,23 +1302,24 @@ enum Attempt {
 /// Renew the lease of a reservation whose response is being stored again, so that the key
 /// stays this request's while the store answers renewals: the instant the renewed lease lasts
 /// until at least (counted from when the renewal was sent; the store applied it later), or
-/// `None` when the store does not renew, `renew_until` has passed, or the renewal failed or
-/// found the reservation gone (completed by an earlier try whose answer was lost, or taken
-/// over: the next `complete` tells which). Fenced by the token.
+/// `None` when the store does not renew, a whole lease from now would end past `hold_until`
+/// (the handler's own renewals' bound; a shorter grant would shorten the lease held), or the
+/// renewal failed or found the reservation gone (completed by an earlier try whose answer was
+/// lost, or taken over: the next `complete` tells which). Fenced by the token.
 async fn keep_lease<S: IdempotencyStore>(
     store: &S,
     scope: &Scope,
     token: &ReservationToken,
     lease: Duration,
-    renew_until: Instant,
+    hold_until: Instant,
 ) -> Option<Instant> {
     let sent = Instant::now();
-    let grant = lease.min(renew_until.saturating_duration_since(sent));
-    if !store.renews_leases() || grant.is_zero() {
+    let renewed = saturating_deadline(sent, lease);
+    if !store.renews_leases() || renewed > hold_until {
         return None;
     }
-    match store.renew_lease(scope, token, grant).await {
-        Ok(WriteOutcome::Applied) => Some(saturating_deadline(sent, grant)),
+    match store.renew_lease(scope, token, lease).await {
+        Ok(WriteOutcome::Applied) => Some(renewed),
         Ok(WriteOutcome::Stale) | Err(_) => None,
     }
 }
