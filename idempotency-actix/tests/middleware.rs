@@ -2277,6 +2277,37 @@ async fn nested_middlewares_on_one_store_run_the_handler_once() {
     assert_eq!(counter.get(), 1);
 }
 
+/// The same nesting when the outer one cannot protect: its store down and `fail_open`, it
+/// passes the request through unprotected, with its key in the extensions. The inner one, on
+/// a healthy store, took that for "held outside" and passed it through too, so the payment
+/// ran on every retry (second review, 2026-12-06; before: 2 runs). The inner one protects it.
+#[actix_web::test]
+async fn an_inner_middleware_protects_what_a_failed_open_outer_one_did_not() {
+    let counter = Counter::default();
+    let app = init_service(
+        App::new()
+            .app_data(web::Data::new(counter.clone()))
+            .wrap(Idempotency::builder(Faulty::down()).fail_open(true).build())
+            .service(
+                web::scope("/pay")
+                    .wrap(Idempotency::new(MemoryStore::new()))
+                    .route(
+                        "",
+                        web::post().to(|counter: web::Data<Counter>| async move {
+                            counter.bump();
+                            HttpResponse::Created().body("paid")
+                        }),
+                    ),
+            ),
+    )
+    .await;
+    let first = send(&app, post_x("/pay", "k")).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    let retry = send(&app, post_x("/pay", "k")).await;
+    assert!(retry.replayed(), "{retry:?}");
+    assert_eq!(counter.get(), 1);
+}
+
 /// A `complete` that fails once is retried in the background until the lease ends (C16), so
 /// a retry after the lease replays instead of running again. The retries used to start with
 /// a 100 ms pause and stop when the next pause would pass the lease's end: with the shortest

@@ -468,6 +468,7 @@ where
             let _held = self.meters.held();
             req.extensions_mut()
                 .insert(IdempotencyKey(scope.key.clone()));
+            req.extensions_mut().insert(super::KeyHeld);
             let mut renewal = Renewal::new(Reservation {
                 store: &self.store,
                 meters: &self.meters,

@@ -17,9 +17,11 @@
 //! logged, and the reservation stays until its lease ends (C16).
 //!
 //! One `Idempotency` per request: one wrapped inside another (on the `App` and again on a
-//! scope) leaves a keyed request whose key the outer one already holds to the outer one, and
-//! warns once per worker. Without that, the inner one found the outer one's reservation and
-//! answered 409 on every attempt.
+//! scope) leaves a keyed request whose key the outer one holds (reserved, or claimed in its
+//! transaction) to the outer one, and warns once per worker. Without that, the inner one found
+//! the outer one's reservation and answered 409 on every attempt. A request the outer one let
+//! through unprotected (`fail_open`) is protected by the inner one as usual. The inner one's
+//! own settings (store, tenant, transactional mode) do not apply to what it passes through.
 //!
 //! # Cancellation: steps 2 to 4 run on a task of their own (C21)
 //! actix drops the future that serves a request when its client goes away (a FIN or a TCP
@@ -98,7 +100,6 @@ use actix_web::{Error, HttpMessage};
 use futures_util::future::LocalBoxFuture;
 
 use crate::config::{Config, ConfigError, IdempotencyBuilder};
-use crate::key::IdempotencyKey;
 use crate::outcome::Meters;
 use crate::store::IdempotencyStore;
 use flow::Flow;
@@ -206,6 +207,11 @@ where
     }
 }
 
+/// In a request's extensions while an `Idempotency` holds its key (a reservation or a
+/// transaction's claim), so one wrapped inside it leaves the request to it.
+#[derive(Clone, Copy)]
+pub(crate) struct KeyHeld;
+
 /// The per-worker service created by [`Idempotency`]; not used directly.
 #[doc(hidden)]
 pub struct IdempotencyMiddleware<S, Svc> {
@@ -234,11 +240,12 @@ where
         if !self.config.covers(req.method()) {
             return Box::pin(flow::pass_through(service, req));
         }
-        // An outer `Idempotency` holds this request's key already (it put the key in the
-        // request's extensions): a second reservation of the same scope would find the outer
+        // An outer `Idempotency` holds this request's key already (a reservation, or its
+        // transaction's claim): a second reservation of the same scope would find the outer
         // one's and answer 409 on every attempt, so the handler never ran. The outer one
-        // protects the request; this one stays out of its way.
-        if req.extensions().contains::<IdempotencyKey>() {
+        // protects the request; this one stays out of its way. Not when the outer one let the
+        // request through unprotected (`fail_open`): then this one protects it.
+        if req.extensions().contains::<KeyHeld>() {
             if !self.nested_warned.replace(true) {
                 tracing::warn!(target: "idempotency_actix", "an Idempotency middleware is wrapped inside another one: the outer one handles keyed requests, this one passes them through (configure one per route)");
             }

@@ -417,6 +417,7 @@ pub(super) async fn settle_keyed<S, Svc, B>(
         let _held = flow.meters.held();
         req.extensions_mut()
             .insert(IdempotencyKey(scope.key.clone()));
+        req.extensions_mut().insert(super::KeyHeld);
         runs += 1;
         let retries_left = runs <= tx.serialization_retries;
         let after = run_and_settle(

@@ -920,7 +920,6 @@ where
     }
 }
 
-/// What the native `SET ... NX GET` of a reserve found.
 /// A reserve that failed ([`RedisStore::decide`]), with the fingerprint of another request's
 /// reservation its `SET` had read first, if it had.
 struct Undecided {
@@ -937,6 +936,7 @@ impl From<StoreError> for Undecided {
     }
 }
 
+/// What the native `SET ... NX GET` of a reserve found.
 enum SetOrGet {
     /// The key was absent and now holds the caller's reservation.
     Reserved,
@@ -1440,7 +1440,9 @@ where
                 // request may be running, so answer as for a reservation in flight (409, or
                 // 422 for another body; C15: `fail_open` never runs a request the store saw in
                 // flight). A takeover the script may have made is given back above.
-                if let Some(fingerprint) = seen_in_flight {
+                // Only for a reply that never came: an error Redis answered (`NOPERM`, a
+                // script error) is fail-closed already, and a permanent one must show as such.
+                if let (Some(fingerprint), StoreError::Unavailable(_)) = (seen_in_flight, &error) {
                     tracing::warn!(target: "idempotency_actix", %error, "the reserve script failed after finding a reservation in flight; answered as in flight");
                     return Ok(ReserveOutcome::InFlight {
                         fingerprint,
