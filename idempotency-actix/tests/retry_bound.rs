@@ -1,5 +1,5 @@
 //! The bound on background retries of a failed `complete` (C16), in a test binary of its own:
-//! the bound is the process's, and other tests' retries must not share it.
+//! it counts every background retry the process's `shutdown::unfinished_work` sees.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -62,8 +62,9 @@ impl IdempotencyStore for CompletesFail {
 /// During a brownout in which every `complete` fails, each failure started a background retry
 /// that lives a lease (and, renewing it, up to `renew_lease_up_to`), each holding its response:
 /// at hundreds of requests a second, tens of thousands of tasks and their bodies, with nothing
-/// to bound them (review, 2026-12-06). The process now keeps at most `MAX_BACKGROUND_RETRIES`;
-/// past that a failure is not retried (its key is held until its lease ends), and says so.
+/// to bound them (review, 2026-12-06). A middleware now keeps at most
+/// `MAX_BACKGROUND_RETRIES`; past that a failure is not retried (its key is held until its
+/// lease ends), and says so.
 #[actix_web::test]
 async fn background_retries_of_failed_completes_are_bounded() {
     let runs = Arc::new(AtomicUsize::new(0));

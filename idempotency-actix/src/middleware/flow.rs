@@ -264,6 +264,9 @@ pub(super) struct Flow<S, Svc> {
     pub(super) config: Arc<Config>,
     /// This worker's metric handles.
     pub(super) meters: Rc<Meters>,
+    /// Room for background retries, shared by the middleware's workers
+    /// ([`MAX_BACKGROUND_RETRIES`]).
+    pub(super) retries: Arc<tokio::sync::Semaphore>,
 }
 
 impl<S, Svc, B> Flow<S, Svc>
@@ -1033,8 +1036,8 @@ where
         let until = saturating_deadline(Instant::now(), lease);
         let longest = (lease / 3).max(LONGEST_RETRY_PAUSE);
         let name = store.name();
-        let Some(room) = retry_room() else {
-            outcome::complete_retry("given_up", name);
+        let Some(room) = retry_room(&self.retries) else {
+            outcome::complete_retry("over_bound", name);
             tracing::error!(target: "idempotency_actix", outcome = "store_error", bound = MAX_BACKGROUND_RETRIES, "gave up storing the response: too many background retries already; the reservation stays until its lease ends, and a retry after that runs the handler again");
             return;
         };
@@ -1176,8 +1179,8 @@ where
         let until = saturating_deadline(Instant::now(), self.config.lock_timeout);
         let histogram = self.meters.histogram(Op::Release).clone();
         let name = store.name();
-        let Some(room) = retry_room() else {
-            outcome::release_retry("given_up", name);
+        let Some(room) = retry_room(&self.retries) else {
+            outcome::release_retry("over_bound", name);
             tracing::error!(target: "idempotency_actix", outcome = "store_error", bound = MAX_BACKGROUND_RETRIES, "gave up releasing the key: too many background retries already; it is held until its lease ends");
             return;
         };
@@ -1231,21 +1234,21 @@ where
     }
 }
 
-/// The most background retries of a failed `complete` or `release` (C16) a process keeps at
-/// once. Each holds its response until it ends, a lease or more (renewing, up to
+/// The most background retries of a failed `complete` or `release` (C16) one `Idempotency`
+/// keeps at once (its workers together). Each holds its response until it ends, a lease or more (renewing, up to
 /// `renew_lease_up_to`); during a brownout in which every write fails they would otherwise
 /// pile up by the hundreds a second, hold the memory of every response, and send their tries
 /// into the pool live requests need. Past the bound a failed write is not retried: its key is
-/// held until its lease ends (C16's remaining window), and an error line says so. 4,096
-/// responses of the default 1 MiB limit are 4 GiB at most; most are far smaller.
+/// held until its lease ends (C16's remaining window), an error line says so, and the
+/// retry metric counts `over_bound`. 4,096 responses of the default 1 MiB limit are 4 GiB at
+/// most; most are far smaller. Per middleware, so a brownout of one store does not take the
+/// room of another's.
 pub const MAX_BACKGROUND_RETRIES: usize = 4096;
 
-/// Room for one more background retry, held until it ends; `None` when the process keeps
+/// Room for one more background retry in `room`, held until it ends; `None` when it holds
 /// [`MAX_BACKGROUND_RETRIES`] already.
-fn retry_room() -> Option<tokio::sync::OwnedSemaphorePermit> {
-    static ROOM: std::sync::LazyLock<Arc<tokio::sync::Semaphore>> =
-        std::sync::LazyLock::new(|| Arc::new(tokio::sync::Semaphore::new(MAX_BACKGROUND_RETRIES)));
-    Arc::clone(&ROOM).try_acquire_owned().ok()
+fn retry_room(room: &Arc<tokio::sync::Semaphore>) -> Option<tokio::sync::OwnedSemaphorePermit> {
+    Arc::clone(room).try_acquire_owned().ok()
 }
 
 /// Spawn the background retry of a `complete` or a `release` (C16), counted until it ends so

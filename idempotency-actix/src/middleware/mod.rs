@@ -129,6 +129,8 @@ pub use transactional::{IdempotentTx, TxConn, TxConnError, DEFAULT_TENANT_SETTIN
 pub struct Idempotency<S> {
     store: Arc<S>,
     config: Arc<Config>,
+    /// Room for background retries ([`MAX_BACKGROUND_RETRIES`]), shared by its workers.
+    retries: Arc<tokio::sync::Semaphore>,
 }
 
 impl<S> Clone for Idempotency<S> {
@@ -136,6 +138,7 @@ impl<S> Clone for Idempotency<S> {
         Self {
             store: Arc::clone(&self.store),
             config: Arc::clone(&self.config),
+            retries: Arc::clone(&self.retries),
         }
     }
 }
@@ -179,6 +182,7 @@ impl<S> IdempotencyBuilder<S> {
             None => Ok(Idempotency {
                 store: Arc::new(self.store),
                 config: Arc::new(config),
+                retries: Arc::new(tokio::sync::Semaphore::new(MAX_BACKGROUND_RETRIES)),
             }),
         }
     }
@@ -202,6 +206,7 @@ where
             meters: Rc::new(Meters::new(self.store.name())),
             store: Arc::clone(&self.store),
             config: Arc::clone(&self.config),
+            retries: Arc::clone(&self.retries),
             nested_warned: Cell::new(false),
         }))
     }
@@ -219,6 +224,7 @@ pub struct IdempotencyMiddleware<S, Svc> {
     meters: Rc<Meters>,
     store: Arc<S>,
     config: Arc<Config>,
+    retries: Arc<tokio::sync::Semaphore>,
     /// Whether this worker said once that it sits inside another `Idempotency`.
     nested_warned: Cell<bool>,
 }
@@ -256,6 +262,7 @@ where
             store: Arc::clone(&self.store),
             config: Arc::clone(&self.config),
             meters: Rc::clone(&self.meters),
+            retries: Arc::clone(&self.retries),
         };
         Box::pin(flow.run(req))
     }
