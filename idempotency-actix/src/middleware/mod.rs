@@ -7,7 +7,7 @@
 //! 2. one `reserve` call on the store (C5): it either reserves the key for us, or tells us what
 //!    is there: a completed record (replay it, C6, or 422 if the fingerprint differs, C7) or a
 //!    running one (409 with `Retry-After`, or wait for it, C8; 422 if the fingerprint differs);
-//! 3. run the handler with the buffered body and the [`IdempotencyKey`]
+//! 3. run the handler with the buffered body and the [`IdempotencyKey`](crate::IdempotencyKey)
 //!    in the extensions;
 //! 4. if the response is to be stored (C10, C11), `complete` the record with the reservation's
 //!    token (C9) and send it; otherwise `release` the key so the client can retry.
