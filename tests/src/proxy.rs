@@ -273,6 +273,8 @@ pub struct FaultyProxy {
     port: u16,
     cuts: Arc<AtomicU64>,
     mute: Arc<AtomicBool>,
+    /// Where new connections go ([`repoint`](Self::repoint)).
+    upstream: Arc<Mutex<String>>,
 }
 
 impl FaultyProxy {
@@ -287,9 +289,12 @@ impl FaultyProxy {
             Arc::new(AtomicBool::new(false)),
         );
         let (cuts_now, mute_now) = (Arc::clone(&cuts), Arc::clone(&mute));
+        let upstream = Arc::new(Mutex::new(upstream));
+        let upstream_now = Arc::clone(&upstream);
         tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
-                let Ok(server) = TcpStream::connect(&upstream).await else {
+                let target = upstream_now.lock().map(|u| u.clone()).unwrap_or_default();
+                let Ok(server) = TcpStream::connect(&target).await else {
                     continue;
                 };
                 let cut_at = cuts_now.load(Ordering::SeqCst);
@@ -320,7 +325,20 @@ impl FaultyProxy {
                 }
             }
         });
-        FaultyProxy { port, cuts, mute }
+        FaultyProxy {
+            port,
+            cuts,
+            mute,
+            upstream,
+        }
+    }
+
+    /// Send connections made from now on to `upstream` (`host:port`), as a DNS name moved to
+    /// a new server by a failover; open connections stay where they are.
+    pub fn repoint(&self, upstream: String) {
+        if let Ok(mut target) = self.upstream.lock() {
+            *target = upstream;
+        }
     }
 
     /// The loopback port it listens on.

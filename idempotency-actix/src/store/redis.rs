@@ -459,6 +459,7 @@ impl RedisStoreBuilder {
                 wait: self.wait,
                 give_backs: release_later::Tasks::new(release_later::MAX_TASKS),
                 eviction_recheck: None,
+                replaced_for_a_replica: std::sync::Mutex::new(None),
                 reserve: Script::new(include_str!("redis/reserve.lua")),
                 complete: Script::new(include_str!("redis/complete.lua")),
                 release: Script::new(include_str!("redis/release.lua")),
@@ -489,6 +490,8 @@ struct Inner {
     give_backs: release_later::Tasks,
     /// What [`RedisStore::check`] does about the eviction policy (`None`: not asked).
     eviction_recheck: Option<EvictionCheck>,
+    /// When a connection was last replaced for reaching a replica ([`RedisStore::answer`]).
+    replaced_for_a_replica: std::sync::Mutex<Option<std::time::Instant>>,
     reserve: Script,
     complete: Script,
     release: Script,
@@ -645,6 +648,20 @@ where
                 self.conns.went_silent(origin);
                 Ok(Err(e))
             }
+            // A replica answered (`READONLY`, or `MASTERDOWN` from one that lost its
+            // primary): a failover demoted the server this connection reaches and left it up,
+            // with its clients, while the store's address may now name the new primary (a
+            // managed Redis's DNS name). The redis crate keeps a connection that answers, so
+            // every write would fail until the process restarted: replace it, which
+            // reconnects to the address. At most once a second: a server demoted at the same
+            // address (the read-only fallbacks serve it) must not be reconnected to at every
+            // call.
+            Ok(Err(e)) if matches!(e.code(), Some("READONLY" | "MASTERDOWN")) => {
+                if self.first_replacement_this_second() {
+                    self.conns.went_silent(origin);
+                }
+                Ok(Err(e))
+            }
             Ok(answer) => Ok(answer),
             Err(_) => {
                 self.conns.went_silent(origin);
@@ -654,6 +671,22 @@ where
                 )))
             }
         }
+    }
+
+    /// Whether no connection was replaced for reaching a replica in the last second (and
+    /// records this one).
+    fn first_replacement_this_second(&self) -> bool {
+        let now = std::time::Instant::now();
+        let mut last = self
+            .inner
+            .replaced_for_a_replica
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if last.is_some_and(|at| now.duration_since(at) < Duration::from_secs(1)) {
+            return false;
+        }
+        *last = Some(now);
+        true
     }
 
     /// The native half of `reserve`: `SET key <reservation> NX GET PX <life>` and `TIME`,

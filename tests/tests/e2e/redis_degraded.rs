@@ -941,3 +941,64 @@ async fn a_duplicate_whose_script_reply_was_lost_is_not_run_unprotected() {
         "handler runs, and the answers to a duplicate and to another body under the running key"
     );
 }
+
+/// A failover that moves the store's address to the new primary and leaves the old one up as
+/// a replica, with its clients (a managed Redis whose DNS name follows the primary): every
+/// write on the old connection is refused with `READONLY`. The redis crate keeps a connection
+/// that answers, and the store replaced only silent ones, so renewals and completions failed
+/// until the process restarted, while the new primary was healthy; a retry through another
+/// instance then took the key over and ran the handler again (review, 2026-12-06; before: the
+/// completion still failed after 5 s). A `READONLY` (or `MASTERDOWN`) answer now replaces the
+/// connection, which reconnects to the address, so the next try reaches the new primary.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_whose_primary_was_demoted_follows_its_address_to_the_new_one() {
+    let old = RedisServer::start();
+    let new = replica_of(&old).await;
+    let proxy = FaultyProxy::start(format!("127.0.0.1:{}", old.port())).await;
+    let store = RedisStore::connect(&format!("redis://127.0.0.1:{}/", proxy.port()))
+        .await
+        .expect("connect");
+    let s = scope("failover");
+    let key = store.key_of(&s);
+    let token = match store.reserve(&s, &FP, TTL).await {
+        Ok(ReserveOutcome::Reserved { token }) => token,
+        other => panic!("expected Reserved, got {other:?}"),
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while state_on(&new.url(), &key).await.is_none() {
+        assert!(
+            Instant::now() < deadline,
+            "the reservation never reached the replica"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The failover: the replica is promoted, the old primary follows it, the address moves.
+    let _: () = redis::cmd("REPLICAOF")
+        .arg("NO")
+        .arg("ONE")
+        .query_async(&mut conn(&new.url()).await)
+        .await
+        .expect("promote");
+    let _: () = redis::cmd("REPLICAOF")
+        .arg("127.0.0.1")
+        .arg(new.port())
+        .query_async(&mut conn(&old.url()).await)
+        .await
+        .expect("demote");
+    proxy.repoint(format!("127.0.0.1:{}", new.port()));
+
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        match store.complete(&s, &token, &response(), TTL).await {
+            Ok(WriteOutcome::Applied) => break,
+            other => {
+                assert!(
+                    Instant::now() < deadline,
+                    "the completion still fails on the demoted primary: {other:?}"
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+    assert_eq!(state_on(&new.url(), &key).await, Some(record::COMPLETED));
+}

@@ -174,7 +174,8 @@ where
         }
     }
 
-    /// A call over `origin`'s connection got no answer in time: replace the connection.
+    /// A call over `origin`'s connection got no answer in time, or reached a replica (see
+    /// `RedisStore::answer`): replace the connection.
     pub(super) fn went_silent(self: &Arc<Self>, origin: &Origin) {
         let (i, silent) = match origin {
             Origin::Thread(slot) => return slot.went_silent(),
@@ -207,7 +208,7 @@ where
                     .unwrap_or_else(PoisonError::into_inner);
                 *slot = (conn, silent.wrapping_add(1));
                 drop(slot);
-                tracing::warn!("a Redis connection gave no answer in time and was replaced");
+                tracing::warn!("a Redis connection gave no answer in time, or reached a replica, and was replaced");
             }
             drop(remaking);
         });
