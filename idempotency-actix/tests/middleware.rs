@@ -2247,27 +2247,32 @@ async fn pay_and_duplicate(store: Faulty, after_ms: u64) -> (usize, Reply, Reply
 /// one holds to it.
 #[actix_web::test]
 async fn nested_middlewares_on_one_store_run_the_handler_once() {
-    let counter = Counter::default();
     let store = MemoryStore::new();
+    let inner = Idempotency::builder(store.clone())
+        .lock_timeout(Duration::from_secs(5))
+        .build();
+    pay_twice_through_nested(Idempotency::new(store), inner).await;
+}
+
+/// An app with `outer` on the `App` and `inner` on the `/pay` scope around one payment
+/// handler: a keyed payment and its retry must be answered 201, then its replay, the handler
+/// run once.
+async fn pay_twice_through_nested<O: IdempotencyStore, I: IdempotencyStore>(
+    outer: Idempotency<O>,
+    inner: Idempotency<I>,
+) {
+    let counter = Counter::default();
     let app = init_service(
         App::new()
             .app_data(web::Data::new(counter.clone()))
-            .wrap(Idempotency::new(store.clone()))
-            .service(
-                web::scope("/pay")
-                    .wrap(
-                        Idempotency::builder(store)
-                            .lock_timeout(Duration::from_secs(5))
-                            .build(),
-                    )
-                    .route(
-                        "",
-                        web::post().to(|counter: web::Data<Counter>| async move {
-                            counter.bump();
-                            HttpResponse::Created().body("paid")
-                        }),
-                    ),
-            ),
+            .wrap(outer)
+            .service(web::scope("/pay").wrap(inner).route(
+                "",
+                web::post().to(|counter: web::Data<Counter>| async move {
+                    counter.bump();
+                    HttpResponse::Created().body("paid")
+                }),
+            )),
     )
     .await;
     let first = send(&app, post_x("/pay", "k")).await;
@@ -2283,29 +2288,8 @@ async fn nested_middlewares_on_one_store_run_the_handler_once() {
 /// ran on every retry (second review, 2026-12-06; before: 2 runs). The inner one protects it.
 #[actix_web::test]
 async fn an_inner_middleware_protects_what_a_failed_open_outer_one_did_not() {
-    let counter = Counter::default();
-    let app = init_service(
-        App::new()
-            .app_data(web::Data::new(counter.clone()))
-            .wrap(Idempotency::builder(Faulty::down()).fail_open(true).build())
-            .service(
-                web::scope("/pay")
-                    .wrap(Idempotency::new(MemoryStore::new()))
-                    .route(
-                        "",
-                        web::post().to(|counter: web::Data<Counter>| async move {
-                            counter.bump();
-                            HttpResponse::Created().body("paid")
-                        }),
-                    ),
-            ),
-    )
-    .await;
-    let first = send(&app, post_x("/pay", "k")).await;
-    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
-    let retry = send(&app, post_x("/pay", "k")).await;
-    assert!(retry.replayed(), "{retry:?}");
-    assert_eq!(counter.get(), 1);
+    let outer = Idempotency::builder(Faulty::down()).fail_open(true).build();
+    pay_twice_through_nested(outer, Idempotency::new(MemoryStore::new())).await;
 }
 
 /// A `complete` that fails once is retried in the background until the lease ends (C16), so
