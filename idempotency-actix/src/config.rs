@@ -234,6 +234,22 @@ impl fmt::Display for ConfigError {
 
 impl std::error::Error for ConfigError {}
 
+impl ConfigError {
+    /// `max_response_bytes` above what the store is sure to have room for
+    /// ([`IdempotencyStore::max_response_bytes`](crate::store::IdempotencyStore::max_response_bytes)).
+    pub(crate) fn response_room(max: usize, room: usize) -> Self {
+        ConfigError {
+            setting: "max_response_bytes",
+            message: format!(
+                "{max} bytes is more than the store is sure to have room for ({room} bytes; \
+                 MemoryStore's response_allowance): a larger response could fail to be stored \
+                 after its handler ran, and a retry after the lease would run it again; raise \
+                 the store's allowance or lower max_response_bytes"
+            ),
+        }
+    }
+}
+
 /// Builds an [`Idempotency`](crate::Idempotency) middleware; start with
 /// [`Idempotency::builder`](crate::Idempotency::builder). `build()` is defined next to the
 /// middleware ([`crate::middleware`]), so this module does not depend on it.
@@ -391,7 +407,9 @@ impl<S> IdempotencyBuilder<S> {
     }
 
     /// Largest response that is stored; larger ones are passed through unbuffered and the key is
-    /// released. Default 1 MiB. In transactional mode a storable response over the limit cannot
+    /// released. Default 1 MiB. `build` refuses a limit above what the store is sure to have
+    /// room for (`MemoryStore`'s `response_allowance`, also 1 MiB by default: raise both
+    /// together). In transactional mode a storable response over the limit cannot
     /// be sent without being stored: the transaction is rolled back and the client gets 500
     /// `RESPONSE_TOO_LARGE` (`docs/transactional.md`).
     pub fn max_response_bytes(mut self, max: usize) -> Self {
@@ -816,6 +834,43 @@ mod tests {
         assert!(builder().lock_timeout(MIN_LOCK_TIMEOUT).try_build().is_ok());
     }
 
+    /// A response the store may have no room for is found only after its handler ran: the key
+    /// then stays reserved until the lease ends and a retry runs the handler again. So a
+    /// `max_response_bytes` above the memory store's response allowance (also through a
+    /// `CachedStore`) is refused when the app is built.
+    #[test]
+    fn a_response_limit_above_the_stores_room_is_refused() {
+        let error = error_of(builder().max_response_bytes(1024 * 1024 + 1));
+        assert!(
+            error.to_string().contains("`max_response_bytes`"),
+            "{error}"
+        );
+        assert!(error.to_string().contains("1048576 bytes"), "{error}");
+        assert!(builder()
+            .max_response_bytes(1024 * 1024)
+            .try_build()
+            .is_ok());
+        let small = || MemoryStore::builder().response_allowance(4096).build();
+        let over = Idempotency::builder(small()).max_response_bytes(4097);
+        assert!(error_of(over).to_string().contains("4096 bytes"));
+    }
+
+    #[cfg(feature = "cached")]
+    #[test]
+    fn a_caching_store_declares_its_stores_room() {
+        let small = || MemoryStore::builder().response_allowance(4096).build();
+        let cached = crate::store::CachedStore::new(small());
+        let over = Idempotency::builder(cached.clone()).max_response_bytes(4097);
+        assert!(
+            over.try_build().is_err(),
+            "the cache hides its store's room"
+        );
+        assert!(Idempotency::builder(cached)
+            .max_response_bytes(4096)
+            .try_build()
+            .is_ok());
+    }
+
     #[test]
     fn a_ttl_too_short_to_replay_and_an_endless_retry_after_are_refused() {
         for ttl in [
@@ -1177,15 +1232,21 @@ mod tests {
             App::new()
                 .app_data(runs.clone())
                 .wrap(
-                    builder()
-                        .ttl(Duration::MAX)
-                        .lock_timeout(Duration::MAX)
-                        .wait_for_in_flight(Duration::MAX)
-                        .retry_after(MAX_RETRY_AFTER)
-                        .max_key_len(usize::MAX)
-                        .max_body_bytes(usize::MAX)
-                        .max_response_bytes(usize::MAX)
-                        .build(),
+                    Idempotency::builder(
+                        // The store's response allowance bounds `max_response_bytes`.
+                        MemoryStore::builder()
+                            .max_bytes(usize::MAX)
+                            .response_allowance(usize::MAX / 2)
+                            .build(),
+                    )
+                    .ttl(Duration::MAX)
+                    .lock_timeout(Duration::MAX)
+                    .wait_for_in_flight(Duration::MAX)
+                    .retry_after(MAX_RETRY_AFTER)
+                    .max_key_len(usize::MAX)
+                    .max_body_bytes(usize::MAX)
+                    .max_response_bytes(usize::MAX / 2)
+                    .build(),
                 )
                 .route("/", web::post().to(handler)),
         )

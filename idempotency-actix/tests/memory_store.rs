@@ -52,8 +52,11 @@ async fn app(
     Response = ServiceResponse<impl MessageBody>,
     Error = actix_web::Error,
 > {
+    // The store's response allowance bounds the middleware's `max_response_bytes`.
+    let room = store.max_response_bytes().unwrap_or(usize::MAX);
     let middleware = Idempotency::builder(store)
         .tenant_header("x-tenant")
+        .max_response_bytes(room)
         .build();
     init_service(
         App::new()

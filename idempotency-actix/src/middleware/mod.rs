@@ -155,7 +155,7 @@ impl<S: IdempotencyStore> Idempotency<S> {
     }
 }
 
-impl<S> IdempotencyBuilder<S> {
+impl<S: IdempotencyStore> IdempotencyBuilder<S> {
     /// The middleware.
     ///
     /// # Panics
@@ -177,14 +177,19 @@ impl<S> IdempotencyBuilder<S> {
         {
             config.transactional = self.tx.map(Arc::new);
         }
-        match self.errors.into_iter().next() {
-            Some(error) => Err(error),
-            None => Ok(Idempotency {
-                store: Arc::new(self.store),
-                config: Arc::new(config),
-                retries: Arc::new(tokio::sync::Semaphore::new(MAX_BACKGROUND_RETRIES)),
-            }),
+        if let Some(error) = self.errors.into_iter().next() {
+            return Err(error);
         }
+        if let Some(room) = self.store.max_response_bytes() {
+            if config.max_response_bytes > room {
+                return Err(ConfigError::response_room(config.max_response_bytes, room));
+            }
+        }
+        Ok(Idempotency {
+            store: Arc::new(self.store),
+            config: Arc::new(config),
+            retries: Arc::new(tokio::sync::Semaphore::new(MAX_BACKGROUND_RETRIES)),
+        })
     }
 }
 

@@ -412,6 +412,10 @@ impl<S: IdempotencyStore> IdempotencyStore for CachedStore<S> {
         self.inner.max_scope_bytes()
     }
 
+    fn max_response_bytes(&self) -> Option<usize> {
+        self.inner.max_response_bytes()
+    }
+
     async fn purge_expired(&self, grace: Duration) -> Result<u64, StoreError> {
         self.cache.run_pending_tasks();
         self.inner.purge_expired(grace).await

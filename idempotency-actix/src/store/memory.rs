@@ -122,8 +122,9 @@ fn scope_charge(scope: &Scope) -> usize {
 /// price is that each running request holds its allowance of the byte bound. A response larger than the allowance (only when the middleware's
 /// `max_response_bytes` is set above it) needs the difference from free space; without it,
 /// `complete` fails with [`StoreError::ByteCapacity`], the reservation stays, and the
-/// middleware keeps retrying until the lease ends (C16). Keep the allowance at least the
-/// middleware's `max_response_bytes`.
+/// middleware keeps retrying until the lease ends (C16), after which a retry runs the handler
+/// again. So the middleware refuses to be built with a `max_response_bytes` above the
+/// allowance ([`IdempotencyStore::max_response_bytes`]).
 ///
 /// # Ended reservations (C9)
 ///
@@ -169,6 +170,8 @@ struct Shared {
     /// The longest scope a reservation can ever have room for (its scope, the response
     /// allowance and the bookkeeping within `max_bytes`): see `max_scope_bytes`.
     max_scope: Option<usize>,
+    /// [`MemoryStoreBuilder::response_allowance`]: see `max_response_bytes`.
+    response_allowance: usize,
 }
 
 /// Builder for [`MemoryStore`].
@@ -208,8 +211,8 @@ impl MemoryStoreBuilder {
 
     /// Bytes a reservation holds for its response until it completes (or its lease ends), so
     /// that `complete` of a response up to this size never fails for lack of room. Default
-    /// 1 MiB; keep it at least the middleware's
-    /// `max_response_bytes`. Lower values admit more concurrent requests within
+    /// 1 MiB, the middleware's default `max_response_bytes`; the middleware refuses to be built
+    /// with a `max_response_bytes` above it. Lower values admit more concurrent requests within
     /// [`max_bytes`](Self::max_bytes) but let a larger response fail to be stored when the
     /// store is full.
     pub fn response_allowance(mut self, bytes: usize) -> Self {
@@ -261,6 +264,7 @@ impl MemoryStoreBuilder {
             tracing::error!(target: "idempotency_actix", max_bytes = self.limits.max_bytes, response_allowance = self.limits.response_allowance, "MemoryStore: max_bytes leaves no room for a reservation beside its response allowance; every keyed request will be refused (400 SCOPE_TOO_LONG): raise max_bytes or lower response_allowance");
         }
         let max_scope = Some(room);
+        let response_allowance = self.limits.response_allowance;
         MemoryStore {
             shared: Arc::new(Shared {
                 inner: Mutex::new(Inner {
@@ -276,6 +280,7 @@ impl MemoryStoreBuilder {
                 token_base: ReservationToken::random().as_uuid().as_u64_pair().0,
                 tokens: AtomicU64::new(0),
                 max_scope,
+                response_allowance,
             }),
         }
     }
@@ -965,6 +970,10 @@ impl IdempotencyStore for MemoryStore {
     // declares zero: every keyed request is refused, as documented on `max_bytes`.
     fn max_scope_bytes(&self) -> Option<usize> {
         self.shared.max_scope
+    }
+
+    fn max_response_bytes(&self) -> Option<usize> {
+        Some(self.shared.response_allowance)
     }
 
     async fn reserve(

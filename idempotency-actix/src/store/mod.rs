@@ -407,6 +407,19 @@ pub trait IdempotencyStore: Send + Sync + 'static {
         None
     }
 
+    /// The largest response body that [`complete`](Self::complete) of a reservation this store
+    /// granted is sure to find room for, or `None` (the default) for no such limit.
+    ///
+    /// [`IdempotencyBuilder::try_build`](crate::IdempotencyBuilder::try_build) refuses a
+    /// `max_response_bytes` above it. A response the store cannot take is found only after its
+    /// handler ran; the key then stays reserved until its lease ends and a retry runs the
+    /// handler again (C16), so the mismatch is refused when the app is built instead. Declare
+    /// it when room for responses is secured at `reserve` time, as `MemoryStore` does with its
+    /// response allowance.
+    fn max_response_bytes(&self) -> Option<usize> {
+        None
+    }
+
     /// A short, fixed name for metrics labels (`store="memory"`). Defaults to `"custom"`.
     fn name(&self) -> &'static str {
         "custom"

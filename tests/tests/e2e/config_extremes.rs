@@ -307,7 +307,19 @@ async fn serve_extremes_with<S: IdempotencyStore>(middleware: Idempotency<S>, wh
 /// non-2xx and handler error all served.
 #[actix_web::test]
 async fn cfg_maximal_settings_serve_on_every_store() {
-    serve_extremes(MemoryStore::new(), "memory").await;
+    // The memory store reserves room for each response up front, so `max_response_bytes` may
+    // not exceed its allowance: both as large as the byte bound leaves room for.
+    let memory = MemoryStore::builder()
+        .max_bytes(usize::MAX)
+        .response_allowance(usize::MAX / 2)
+        .build();
+    serve_extremes_with(
+        maximal(Idempotency::builder(memory))
+            .max_response_bytes(usize::MAX / 2)
+            .build(),
+        "memory",
+    )
+    .await;
     let db = TestDb::new().await;
     let pg = PostgresStore::connect(&db.url).await.unwrap();
     serve_extremes(pg, "postgres").await;
