@@ -41,6 +41,20 @@ impl Srv {
         self.runs.load(Ordering::SeqCst)
     }
 
+    /// Waits (up to 10 s) until the handler has started `n` runs: a request sent in the
+    /// background holds its key from then on. A fixed pause instead would race the first
+    /// request's connect and reserve on a loaded machine (a store's first connection).
+    fn until_runs(&self, n: u64) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while self.runs() < n {
+            assert!(
+                Instant::now() < deadline,
+                "the handler did not start run {n}"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
     fn send(&self, request: &Request) -> Response {
         let mut c = Conn::connect(self.server.addr, TIMEOUT).expect("connect");
         c.send(request).expect("response")
@@ -832,7 +846,7 @@ fn claims_c8_wait_for_in_flight_replays_and_times_out() {
     let srv = memory(|b| b.wait_for_in_flight(Duration::from_millis(700)));
     let request = keyed_post("/slow?ms=300", "w-1");
     let first = srv.send_in_background(&request);
-    std::thread::sleep(Duration::from_millis(100));
+    srv.until_runs(1);
     let waited = srv.send(&request);
     let first = first.join().unwrap().unwrap();
     assert_eq!(srv.runs(), 1);
@@ -841,7 +855,7 @@ fn claims_c8_wait_for_in_flight_replays_and_times_out() {
 
     let request = keyed_post("/slow?ms=3000", "w-2");
     let first = srv.send_in_background(&request);
-    std::thread::sleep(Duration::from_millis(200));
+    srv.until_runs(2);
     let started = Instant::now();
     let gave_up = srv.send(&request);
     let took = started.elapsed();
@@ -1113,14 +1127,17 @@ fn claims_c10_a_handler_error_releases_the_key() {
     assert_eq!(srv.runs(), 2, "an Err response held or replayed the key");
 }
 
-/// Sends `request` in the background and again `times` times `every` apart: (first, retries).
+/// Sends `request` in the background and, once its handler runs, again `times` times `every`
+/// apart: (first, retries).
 fn retry_while_running(
     srv: &Srv,
     request: &Request,
     times: usize,
     every: Duration,
 ) -> (Response, Vec<String>) {
+    let runs = srv.runs();
     let first = srv.send_in_background(request);
+    srv.until_runs(runs + 1);
     let mut seen = Vec::new();
     for _ in 0..times {
         std::thread::sleep(every);
@@ -1136,7 +1153,8 @@ fn retry_while_running(
 #[test]
 fn claims_c9_a_slow_handler_keeps_its_key_past_the_lease() {
     let srv = memory(|b| b.lock_timeout(Duration::from_millis(300)));
-    let request = keyed_post("/slow?ms=2000", "ls-1");
+    // 5 retries 330 ms apart end at about 1.7 s: the handler's 3 s leave room for a slow one.
+    let request = keyed_post("/slow?ms=3000", "ls-1");
     let (first, seen) = retry_while_running(&srv, &request, 5, Duration::from_millis(330));
     assert_eq!(first.status, 201);
     assert_eq!(srv.runs(), 1, "taken over while running: {seen:#?}");
@@ -1157,8 +1175,9 @@ fn no_renewal<S>(b: Builder<S>) -> Builder<S> {
 fn check_takeover_is_fenced(srv: &Srv) {
     let request = keyed_post("/slow?ms=1500", "fence-1");
     let first = srv.send_in_background(&request);
-    std::thread::sleep(Duration::from_millis(700));
-    // The first still runs (until ~1.5 s); its 300 ms lease is long gone.
+    srv.until_runs(1);
+    std::thread::sleep(Duration::from_millis(500));
+    // The first still runs (for about 1 s more); its 300 ms lease is long gone.
     let second = srv.send(&request);
     let first = first.join().unwrap().unwrap();
     eprintln!("first {} / second {}", first.describe(), second.describe());
@@ -1191,20 +1210,30 @@ fn claims_c9_takeover_is_fenced_postgres() {
 /// `limit` + one lease a retry takes over.
 #[test]
 fn claims_c9_renewal_stops_at_renew_lease_up_to() {
+    // The limit is far from the requests on either side of it, so a slow machine cannot move
+    // one across: `inside` comes about 300 ms after the handler started, `after` at 2.3 s or
+    // later (the limit plus a lease), both well before the handler's 5 s end.
     let srv = memory(|b| {
         b.lock_timeout(Duration::from_millis(300))
-            .renew_lease_up_to(Duration::from_millis(900))
+            .renew_lease_up_to(Duration::from_millis(2000))
     });
-    let request = keyed_post("/slow?ms=3000", "rl-1");
+    let request = keyed_post("/slow?ms=5000", "rl-1");
     let first = srv.send_in_background(&request);
-    std::thread::sleep(Duration::from_millis(600));
+    srv.until_runs(1);
+    let started = Instant::now();
+    std::thread::sleep(Duration::from_millis(300));
     // Another query is another fingerprint: 422 while the first still runs (C7), not run.
     let other = srv.send(&keyed_post("/slow?ms=10", "rl-1"));
     assert_problem(&other, 422, "FINGERPRINT_MISMATCH");
     let inside = srv.send(&request);
     eprintln!("inside: {}", inside.describe());
+    assert!(
+        started.elapsed() < Duration::from_millis(1500),
+        "the machine was too slow for this test: {:?}",
+        started.elapsed()
+    );
     assert_problem(&inside, 409, "CONFLICT");
-    std::thread::sleep(Duration::from_millis(1000));
+    std::thread::sleep(Duration::from_millis(2300).saturating_sub(started.elapsed()));
     let started = Instant::now();
     let after = srv.send(&request);
     eprintln!(
@@ -1504,8 +1533,9 @@ fn forever<S: IdempotencyStore>(b: Builder<S>) -> Builder<S> {
 /// A duplicate that waits for a running request gets its replay (`what` names the store).
 fn check_forever(srv: &Srv, what: &str) {
     let request = keyed_post("/slow?ms=600", "forever");
+    let runs = srv.runs();
     let first = srv.send_in_background(&request);
-    std::thread::sleep(Duration::from_millis(150));
+    srv.until_runs(runs + 1);
     let waited = srv.send(&request);
     let first = first.join().unwrap().unwrap();
     eprintln!(
@@ -1568,11 +1598,11 @@ fn claims_c24_an_immediate_retry_after_the_whole_response_is_a_replay_postgres()
 
 /// README table: "handler is slow (... still streaming its body): its lease is renewed while it
 /// runs and while its body is produced": a retry during a long stream gets 409, not a second
-/// run (lease 300 ms, stream 1.5 s).
+/// run (lease 300 ms, stream 2.5 s; the retries end at about 1.2 s).
 #[test]
 fn claims_c9_c24_lease_renewed_while_a_stream_is_produced() {
     let srv = memory(|b| b.lock_timeout(Duration::from_millis(300)));
-    let request = keyed_post("/slowstream?ms=150", "ss-1");
+    let request = keyed_post("/slowstream?ms=250", "ss-1");
     let (first, seen) = retry_while_running(&srv, &request, 4, Duration::from_millis(300));
     assert_eq!(first.status, 200);
     assert_eq!(srv.runs(), 1, "a second run during the stream: {seen:#?}");

@@ -840,15 +840,16 @@ cut_tests! {
         keyless_cut("set_config(", Cut::AfterSend, "STORAGE_UNAVAILABLE", 0);
 }
 
-/// A handler running 2.5 leases; its first renewal's connection is cut. Duplicates during the
-/// run get 409, never a second run; after it, a replay.
+/// A handler running 4 leases; its first renewal's connection is cut. Duplicates during the
+/// run (8, 250 ms apart: about 2 s, so a slow machine's round trips through the proxy still
+/// fit) get 409, never a second run; after it, a replay.
 async fn renewal_cut(cut: Cut) {
     let rig = Rig::new(Mode::Default).await;
     let app = rig
         .app(rig.builder().lock_timeout(LEASE), handler(Mode::Default))
         .await;
     created(&app, Some("warm"), &format!("renewal cut {cut:?}: warm-up")).await;
-    rig.state.sleep_next_ms.store(2500, Ordering::SeqCst);
+    rig.state.sleep_next_ms.store(4000, Ordering::SeqCst);
     rig.proxy.arm("SET \"locked_until\"", cut);
     let key = "k1";
     let first = call(&app, post(Some(key), 7));

@@ -81,7 +81,9 @@ async fn after_a_stalled_body(path: &str) -> (StatusCode, String, TestDb) {
     execute(&db.url, PAYMENTS);
     let store = PostgresStore::builder(db.url.clone())
         .max_size(1)
-        .connection_timeout(Duration::from_millis(300))
+        // Long enough to open a connection on a loaded machine (the pool starts empty, and
+        // the last payment needs a new one); a connection never given back still fails it.
+        .connection_timeout(Duration::from_secs(2))
         .build()
         .await
         .unwrap();

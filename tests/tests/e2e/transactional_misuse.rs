@@ -469,7 +469,7 @@ async fn busy(tx: IdempotentTx) -> actix_web::Result<HttpResponse> {
         .execute(&mut *conn)
         .await
         .map_err(actix_web::error::ErrorInternalServerError)?;
-    conn.batch_execute("SELECT pg_sleep(2.5)")
+    conn.batch_execute("SELECT pg_sleep(4)")
         .await
         .map_err(actix_web::error::ErrorInternalServerError)?;
     Ok(HttpResponse::Created().json(serde_json::json!({"ok": true})))
@@ -499,8 +499,11 @@ async fn a_handler_busy_past_the_lease_is_not_run_again_by_a_retry() {
     )
     .await;
     let first = call(&app, req("/busy", Some("busy-1"), serde_json::json!({})));
+    // The retries run from 0.8 s to about 2.3 s: the first holds its claim from its first
+    // statement (a new connection on a loaded machine), and its handler runs 4 s.
     let retries = async {
         let mut answers = Vec::new();
+        tokio::time::sleep(Duration::from_millis(300)).await;
         for _ in 0..4 {
             tokio::time::sleep(Duration::from_millis(500)).await;
             answers.push(call(&app, req("/busy", Some("busy-1"), serde_json::json!({}))).await);
