@@ -266,3 +266,93 @@ async fn a_keyed_request_whose_body_fails_is_counted_and_reported() {
         hooked.load(Ordering::SeqCst)
     );
 }
+
+/// A store whose first `complete` fails (a blip) and whose later ones panic (a bug in a
+/// custom store, or in a driver it calls).
+#[derive(Clone, Default)]
+struct PanicsOnRetry {
+    inner: MemoryStore,
+    completes: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl idempotency_actix::store::IdempotencyStore for PanicsOnRetry {
+    async fn reserve(
+        &self,
+        scope: &idempotency_actix::store::Scope,
+        fingerprint: &idempotency_actix::store::Fingerprint,
+        lease: Duration,
+    ) -> Result<idempotency_actix::store::ReserveOutcome, idempotency_actix::store::StoreError>
+    {
+        self.inner.reserve(scope, fingerprint, lease).await
+    }
+
+    async fn complete(
+        &self,
+        scope: &idempotency_actix::store::Scope,
+        token: &idempotency_actix::store::ReservationToken,
+        response: &idempotency_actix::store::StoredResponse,
+        ttl: Duration,
+    ) -> Result<idempotency_actix::store::WriteOutcome, idempotency_actix::store::StoreError> {
+        use std::sync::atomic::Ordering;
+        if self.completes.fetch_add(1, Ordering::SeqCst) == 0 {
+            return Err(idempotency_actix::store::StoreError::unavailable(
+                "one blip",
+            ));
+        }
+        let _ = (scope, token, response, ttl);
+        panic!("complete panicked (this test's own panic)");
+    }
+
+    async fn release(
+        &self,
+        scope: &idempotency_actix::store::Scope,
+        token: &idempotency_actix::store::ReservationToken,
+    ) -> Result<idempotency_actix::store::WriteOutcome, idempotency_actix::store::StoreError> {
+        self.inner.release(scope, token).await
+    }
+
+    async fn purge_expired(
+        &self,
+        grace: Duration,
+    ) -> Result<u64, idempotency_actix::store::StoreError> {
+        self.inner.purge_expired(grace).await
+    }
+}
+
+/// A background retry of `complete` that panics (C16) is counted (`panicked`), as every other
+/// end of a retry is: the response it was storing is lost and a retry after the lease runs the
+/// handler again, which the "responses lost" alert is for. Before, the task's panic ended it
+/// with `started` counted and nothing else.
+#[actix_rt::test]
+async fn a_background_retry_that_panics_is_counted() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let _guard = metrics::set_default_local_recorder(&recorder);
+    let store = PanicsOnRetry::default();
+    let app = init_service(App::new().wrap(Idempotency::new(store.clone())).route(
+        "/payments",
+        web::post().to(|| async { HttpResponse::Created().body("ok") }),
+    ))
+    .await;
+    let response = call_service(&app, keyed("/payments", "retry-panics", "{}").to_request()).await;
+    assert_eq!(response.status(), StatusCode::CREATED);
+    // The retry's first pause is 100 ms; give it time to try and panic.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while store.completes.load(std::sync::atomic::Ordering::SeqCst) < 2 {
+        assert!(std::time::Instant::now() < deadline, "no retry came");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let metrics = read(&snapshotter);
+    let retries = |result: &str| match value(
+        &metrics,
+        MetricKind::Counter,
+        "idempotency_complete_retries_total",
+        &[("result", result)],
+    ) {
+        Some(DebugValue::Counter(n)) => *n,
+        _ => 0,
+    };
+    assert_eq!(retries("started"), 1);
+    assert_eq!(retries("panicked"), 1, "the panic was counted nowhere");
+}

@@ -1071,7 +1071,10 @@ where
                 tracing::error!(target: "idempotency_actix", outcome = "store_error", "gave up storing the response: the lease ended; a retry will run the handler again");
             }
         };
-        spawn_tracked(retry.in_current_span());
+        spawn_tracked(retry.in_current_span(), move || {
+            outcome::complete_retry("panicked", name);
+            tracing::error!(target: "idempotency_actix", outcome = "store_error", "gave up storing the response: the store panicked; a retry after the lease runs the handler again");
+        });
     }
 
     async fn release(&self, scope: &Scope, token: &ReservationToken, reason: &str) {
@@ -1217,7 +1220,10 @@ where
         // stop, it leaves the key to its lease, answering the client's corrected retry 409 for
         // the rest of it, which is what C16 retries to avoid. A store that stays down does not
         // hold the stop: its wait has a limit.
-        spawn_tracked(retry.in_current_span());
+        spawn_tracked(retry.in_current_span(), move || {
+            outcome::release_retry("panicked", name);
+            tracing::error!(target: "idempotency_actix", outcome = "store_error", "gave up releasing the key: the store panicked; it is held until its lease ends");
+        });
     }
 
     /// Answer with a problem instead of running the handler, and report it.
@@ -1255,11 +1261,18 @@ fn retry_room(room: &Arc<tokio::sync::Semaphore>) -> Option<tokio::sync::OwnedSe
 /// that a graceful stop waits for it (`crate::shutdown`): dropped, the first leaves a delivered
 /// response unstored, and the client's retry after the lease runs the handler again; the second
 /// leaves the key held, answering 409, until the lease ends.
-fn spawn_tracked(retry: impl std::future::Future<Output = ()> + Send + 'static) {
+/// A panic in it (a store's bug) is caught and reported by `on_panic`, so that every retry
+/// that starts is counted as ended somehow.
+fn spawn_tracked(
+    retry: impl std::future::Future<Output = ()> + Send + 'static,
+    on_panic: impl FnOnce() + Send + 'static,
+) {
     let tracked = crate::shutdown::track();
     tokio::spawn(async move {
         let _tracked = tracked;
-        retry.await;
+        if AssertUnwindSafe(retry).catch_unwind().await.is_err() {
+            on_panic();
+        }
     });
 }
 
