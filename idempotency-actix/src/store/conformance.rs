@@ -39,6 +39,7 @@ pub async fn run_all<S: IdempotencyStore>(store: &S) {
     expired_lease_with_other_fingerprint_is_not_taken_over(store).await;
     expired_completed_record_is_absent(store).await;
     concurrent_reservations_have_exactly_one_winner(store).await;
+    concurrent_takeovers_have_exactly_one_winner(store).await;
     scopes_are_isolated_without_delimiter_collisions(store).await;
     a_scope_at_the_declared_limit_is_recorded(store).await;
     purge_deletes_only_expired_records(store).await;
@@ -149,6 +150,58 @@ async fn release<S: IdempotencyStore>(
     }
 }
 
+/// A reservation just made by `fp` for `LEASE` (perhaps over an old record: a takeover, an
+/// expired record, a released key) holds like a first one: a duplicate sees it in flight with
+/// `fp` and about a whole lease left, and its completion is replayed as `fp`'s. A store that
+/// took a key over without moving the lease would let every later retry take it over again;
+/// one that kept the old record's fingerprint would replay this response to the old request.
+async fn holds_as_a_new_reservation<S: IdempotencyStore>(
+    store: &S,
+    scope: &Scope,
+    token: &ReservationToken,
+    fp: &Fingerprint,
+    what: &str,
+) {
+    match reserve(store, scope, fp, LEASE).await {
+        ReserveOutcome::InFlight {
+            fingerprint,
+            lease_remaining,
+        } => {
+            assert_eq!(
+                fingerprint, *fp,
+                "{what}: InFlight must report the new holder's fingerprint"
+            );
+            assert!(
+                lease_remaining > Duration::from_secs(50),
+                "{what}: the new reservation must hold its whole lease, {lease_remaining:?} left"
+            );
+        }
+        other => {
+            panic!("{what}: a duplicate of the new reservation must see InFlight, got {other:?}")
+        }
+    }
+    let stored = response(b"the new holder's response");
+    assert_eq!(
+        complete(store, scope, token, &stored, TTL).await,
+        WriteOutcome::Applied,
+        "{what}: the new holder completes"
+    );
+    match reserve(store, scope, fp, LEASE).await {
+        ReserveOutcome::Completed {
+            fingerprint,
+            response,
+            ..
+        } => {
+            assert_eq!(
+                fingerprint, *fp,
+                "{what}: Completed must report the new fingerprint"
+            );
+            assert_eq!(response, stored, "{what}");
+        }
+        other => panic!("{what}: expected the new holder's response, got {other:?}"),
+    }
+}
+
 /// C5, C8: one reservation; a duplicate (same or other fingerprint) sees it in flight.
 pub async fn first_reserve_wins_and_duplicates_see_in_flight<S: IdempotencyStore>(store: &S) {
     let scope = fresh_scope();
@@ -254,7 +307,8 @@ pub async fn release_frees_the_key<S: IdempotencyStore>(store: &S) {
     let scope = fresh_scope();
     let token = reserved(store, &scope, &FP_A, LEASE).await;
     assert_eq!(release(store, &scope, &token).await, WriteOutcome::Applied);
-    reserved(store, &scope, &FP_B, LEASE).await;
+    let token = reserved(store, &scope, &FP_B, LEASE).await;
+    holds_as_a_new_reservation(store, &scope, &token, &FP_B, "after a release").await;
 }
 
 /// C9: after the lease ends a retry of the same request takes over; the old holder is fenced.
@@ -272,6 +326,16 @@ pub async fn expired_lease_is_taken_over_and_stale_holder_is_fenced<S: Idempoten
         "C9: the stale holder must not complete"
     );
     assert_eq!(release(store, &scope, &old).await, WriteOutcome::Stale);
+    match reserve(store, &scope, &FP_A, LEASE).await {
+        ReserveOutcome::InFlight {
+            lease_remaining, ..
+        } => assert!(
+            lease_remaining > Duration::from_secs(50),
+            "C9: a takeover must start a whole new lease, {lease_remaining:?} left: a retry \
+             now would take the key over again and run the handler a third time"
+        ),
+        other => panic!("C9: a retry after the takeover must see InFlight, got {other:?}"),
+    }
     let fresh = response(b"second execution");
     assert_eq!(
         complete(store, &scope, &new, &fresh, TTL).await,
@@ -324,7 +388,8 @@ pub async fn expired_completed_record_is_absent<S: IdempotencyStore>(store: &S) 
         other => panic!("C6: expected Completed halfway through the TTL, got {other:?}"),
     }
     tokio::time::sleep(SHORT * 2).await;
-    reserved(store, &scope, &FP_B, LEASE).await;
+    let token = reserved(store, &scope, &FP_B, LEASE).await;
+    holds_as_a_new_reservation(store, &scope, &token, &FP_B, "over an expired record").await;
 }
 
 /// C5: of 32 concurrent reservations exactly one wins; all others see it in flight.
@@ -341,6 +406,28 @@ pub async fn concurrent_reservations_have_exactly_one_winner<S: IdempotencyStore
         }
     }
     assert_eq!(winners, 1, "C5: exactly one concurrent reservation may win");
+}
+
+/// C5, C9: of 32 concurrent retries after a lease ended, exactly one takes the key over (a
+/// takeover written as a read, then a write, lets several win after a crash).
+pub async fn concurrent_takeovers_have_exactly_one_winner<S: IdempotencyStore>(store: &S) {
+    let scope = fresh_scope();
+    reserved(store, &scope, &FP_A, SHORT).await;
+    tokio::time::sleep(SHORT * 2).await;
+    let outcomes = join_all((0..32).map(|_| store.reserve(&scope, &FP_A, LEASE))).await;
+    let mut winners = 0;
+    for outcome in outcomes {
+        match outcome {
+            Ok(ReserveOutcome::Reserved { .. }) => winners += 1,
+            Ok(ReserveOutcome::InFlight { fingerprint, .. }) => assert_eq!(fingerprint, FP_A),
+            Ok(other) => panic!("unexpected outcome of concurrent takeovers: {other:?}"),
+            Err(e) => panic!("reserve failed under concurrent takeovers: {e}"),
+        }
+    }
+    assert_eq!(
+        winners, 1,
+        "C5, C9: exactly one concurrent takeover may win"
+    );
 }
 
 /// C3: tenant, method and path are part of the identity, and parts never run into each other.
@@ -371,9 +458,42 @@ pub async fn scopes_are_isolated_without_delimiter_collisions<S: IdempotencyStor
             path: "k".into(),
             key: String::new(),
         },
+        // Or with another delimiter.
+        scope_in(&format!("{t}|POST|/conformance"), "k"),
+        scope_in(&format!("{t}#POST#/conformance"), "k"),
+        scope_in(&format!("{t}\u{1f}POST\u{1f}/conformance"), "k"),
+        // Compared byte for byte: not case-insensitively, not ignoring trailing spaces, not
+        // folding accents or Unicode normalization (a database collation might).
+        scope_in(&t.to_uppercase(), "k"),
+        scope_in(&t, "K"),
+        scope_in(&t, "k "),
+        Scope {
+            path: "/Conformance".into(),
+            ..base.clone()
+        },
+        Scope {
+            path: "/conformance ".into(),
+            ..base.clone()
+        },
     ];
     for other in &others {
         reserved(store, other, &FP_A, LEASE).await;
+    }
+    // Accents and normalization, on a record of their own: `é` precomposed (NFC) and as `e`
+    // plus a combining accent (NFD), and a plain `e`.
+    let accented = scope_in(&t, "caf\u{e9}");
+    let token = reserved(store, &accented, &FP_A, LEASE).await;
+    complete(store, &accented, &token, &response(b"nfc"), TTL).await;
+    reserved(store, &scope_in(&t, "cafe\u{301}"), &FP_A, LEASE).await;
+    reserved(store, &scope_in(&t, "cafe"), &FP_A, LEASE).await;
+    // And the records are still there, each its own.
+    match reserve(store, &base, &FP_A, LEASE).await {
+        ReserveOutcome::Completed { response: r, .. } => assert_eq!(r, response(b"tenant A")),
+        other => panic!("C3: the first record is gone after its neighbours: {other:?}"),
+    }
+    match reserve(store, &accented, &FP_A, LEASE).await {
+        ReserveOutcome::Completed { response: r, .. } => assert_eq!(r, response(b"nfc")),
+        other => panic!("C3: the accented record is gone after its neighbours: {other:?}"),
     }
 }
 
@@ -445,6 +565,10 @@ pub async fn purge_deletes_only_expired_records<S: IdempotencyStore>(store: &S) 
     let dead = scope_in(&t, "dead");
     let live = scope_in(&t, "live");
     let running = scope_in(&t, "running");
+    // Completed within a lease that has ended by the purge: its TTL, not its lease, counts.
+    let short_lived = scope_in(&t, "completed-after-a-short-lease");
+    let token = reserved(store, &short_lived, &FP_A, SHORT).await;
+    complete(store, &short_lived, &token, &response(b"s"), TTL).await;
     let token = reserved(store, &expired, &FP_A, LEASE).await;
     complete(store, &expired, &token, &response(b"e"), SHORT).await;
     reserved(store, &dead, &FP_A, SHORT).await;
@@ -458,6 +582,13 @@ pub async fn purge_deletes_only_expired_records<S: IdempotencyStore>(store: &S) 
     match reserve(store, &live, &FP_A, LEASE).await {
         ReserveOutcome::Completed { response: r, .. } => assert_eq!(r, response(b"l")),
         other => panic!("C12: purge must keep a live completed record, got {other:?}"),
+    }
+    match reserve(store, &short_lived, &FP_A, LEASE).await {
+        ReserveOutcome::Completed { response: r, .. } => assert_eq!(r, response(b"s")),
+        other => panic!(
+            "C12: purge must keep a completed record within its TTL whose lease has ended, \
+             got {other:?}"
+        ),
     }
     assert!(
         matches!(

@@ -136,6 +136,51 @@
 //!
 //! With the `test-suite` feature, `idempotency_actix::store::conformance` runs the same rules
 //! against your store that ours pass.
+//!
+//! ## What the middleware relies on
+//! Besides the atomicity above, each of these is something a store can get wrong while looking
+//! right, and each costs a second run of a handler or a response replayed to the wrong request:
+//! - **Scopes compare byte for byte.** Not case-insensitively, not ignoring trailing spaces,
+//!   not folding accents or normalizing Unicode (a database's default collation may do any of
+//!   these: use a binary one), never truncated, and never joined into one string without
+//!   length prefixes or escaping. The fingerprint does not cover the tenant: two tenants whose
+//!   scopes a store confused would get each other's responses.
+//! - **A reservation over an old record is a new record**: after a takeover, over an expired
+//!   record, after a release, it carries the new fingerprint, the new token and a whole new
+//!   lease. A takeover that did not move the lease would be taken over again by the next
+//!   retry.
+//! - **`complete`, `release` and `renew_lease` are conditional on the token**, in one atomic
+//!   step like `reserve` (a conditional write, a compare-and-set, a script), never a read and
+//!   then a write.
+//! - **An ended reservation is kept** for the `grace` of
+//!   [`purge_expired`](IdempotencyStore::purge_expired) (the built-in stores keep it 24 h by
+//!   default), not deleted when its lease ends: meanwhile it refuses another body and accepts its holder's
+//!   late `complete`. A backend TTL that ends with the lease loses both.
+//! - **Every call answers within a bound**, well under a third of the lease. The middleware
+//!   does not time store calls out (the request waits with them: a `complete` that never
+//!   answers holds the client's response), and it does not drop a call midway, except when
+//!   the process stops; give your client a timeout and answer
+//!   [`StoreError::Unavailable`] when it fires.
+//! - **A write that fails after the backend may have applied it** (a timeout, a connection lost
+//!   after sending) is retried or undone by the middleware for `complete` and `release`. For
+//!   `reserve` it cannot be: the request gets 503 and the reservation, if it was made, holds
+//!   the key for a lease. The built-in stores release such a reservation in the background,
+//!   fenced by its token; do the same if your backend can time out after applying a write.
+//! - **Errors say whose fault they are.** `Unavailable` is the backend being unreachable,
+//!   slow or overloaded, which [`fail_open`](crate::IdempotencyBuilder::fail_open) may run past;
+//!   anything a request's content can cause (a value too long for a column) is
+//!   [`StoreError::Backend`] ([`StoreError::backend`]), which it never runs past, so a client
+//!   cannot choose to go unprotected.
+//! - **Declare your limits**: the longest scope
+//!   ([`max_scope_bytes`](IdempotencyStore::max_scope_bytes)) and the largest response body your backend always
+//!   has room for ([`max_response_bytes`](IdempotencyStore::max_response_bytes): an item size
+//!   limit counts, and leave room for the headers), so the middleware refuses what you cannot
+//!   store before a handler runs, not after.
+//! - **Without [`renew_lease`](IdempotencyStore::renew_lease)** (`renews_leases() == false`)
+//!   a handler that runs longer than its lease is taken over by a retry and runs twice: size
+//!   `lock_timeout` for your slowest handler, or implement it.
+//! - **`purge_expired` is yours to schedule**: the middleware never calls it, and `idem-cli`
+//!   purges only the built-in stores.
 
 #[cfg(feature = "cached")]
 pub mod cached;
@@ -328,6 +373,12 @@ impl StoreError {
     /// An [`StoreError::Unavailable`] from a message.
     pub fn unavailable(message: impl Into<String>) -> Self {
         Self::Unavailable(message.into().into())
+    }
+
+    /// A [`StoreError::Backend`] from a message: for a failure the request itself may cause (a
+    /// value the backend cannot record), which `fail_open` never runs past.
+    pub fn backend(message: impl Into<String>) -> Self {
+        Self::Backend(message.into().into())
     }
 }
 
