@@ -921,7 +921,7 @@ where
         (state, token): (u8, &ReservationToken),
         replicas: u32,
         timeout: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Replicated, StoreError> {
         // At least 1 ms: `WAIT n 0` would block for ever.
         let timeout_ms = (micros(timeout) / 1000).max(1);
         let (head, acked): (Vec<u8>, i64) = tokio::time::timeout(
@@ -943,14 +943,32 @@ where
             StoreError::unavailable("Redis did not answer WAIT in time")
         })?
         .map_err(classify)?;
+        if let Some(fingerprint) = record::held_by_another(&head, token) {
+            return Ok(Replicated::HeldByAnother(fingerprint));
+        }
         if !record::holds_write(&head, state, token) {
             return Err(StoreError::unavailable(
                 "the Redis node that answered WAIT does not hold the write (a failover \
                  lost it, or it has not reached this node)",
             ));
         }
-        Ok(acked >= i64::from(replicas))
+        Ok(if acked >= i64::from(replicas) {
+            Replicated::Enough
+        } else {
+            Replicated::TooFew
+        })
     }
+}
+
+/// What [`RedisStore::wait_replicas`] found.
+enum Replicated {
+    /// The write reached enough replicas.
+    Enough,
+    /// It did not, in time.
+    TooFew,
+    /// The node that answered holds another request's record (with its fingerprint) where the
+    /// write should be: a failover lost the write, and another request wrote the key since.
+    HeldByAnother(Fingerprint),
 }
 
 /// A reserve that failed ([`RedisStore::decide`]), with the fingerprint of another request's
@@ -1497,13 +1515,22 @@ where
                     timeout,
                 )
                 .await;
-            if !matches!(acknowledged, Ok(true)) {
+            if !matches!(acknowledged, Ok(Replicated::Enough)) {
                 // Not known to be durable enough to run the handler on: give the key back, at
                 // once, or in the background if Redis does not answer now.
                 if self.release_on(&mut picked, scope, &token).await.is_err() {
                     self.give_back_later(picked, scope, token, lease);
                 }
-                acknowledged?;
+                // Another request's record where ours should be: that request may be running,
+                // so answer as in flight (C15: `fail_open` never runs past a request the
+                // store saw), as `decide` does.
+                if let Replicated::HeldByAnother(fingerprint) = acknowledged? {
+                    tracing::warn!(target: "idempotency_actix", "the reservation's WAIT found another request's record (a failover lost the reservation); answered as in flight");
+                    return Ok(ReserveOutcome::InFlight {
+                        fingerprint,
+                        lease_remaining: Duration::ZERO,
+                    });
+                }
                 return Err(StoreError::unavailable(format!(
                     "the reservation did not reach {replicas} Redis replica(s) in time"
                 )));
@@ -1553,7 +1580,7 @@ where
         if let Some((replicas, timeout)) = self.inner.wait {
             // `Unavailable` if the node that answered `WAIT` lacks the completion (a failover
             // between the script and `WAIT`): the middleware retries, as below.
-            if !self
+            let replicated = self
                 .wait_replicas(
                     &mut picked,
                     &key,
@@ -1561,8 +1588,16 @@ where
                     replicas,
                     timeout,
                 )
-                .await?
-            {
+                .await?;
+            if let Replicated::HeldByAnother(_) = replicated {
+                // Retried by the middleware (C16), as when the node lacks the write: the
+                // retry's script answers `Stale` if the key really was taken over.
+                return Err(StoreError::unavailable(
+                    "the Redis node that answered WAIT holds another request's record (a \
+                     failover lost the completion)",
+                ));
+            }
+            if let Replicated::TooFew = replicated {
                 // Stored on the primary only: a failover now would bring back the reservation
                 // and, after its lease, a second run. Failing the call makes the middleware
                 // retry it until the lease ends (C16); the script answers a retry by the same

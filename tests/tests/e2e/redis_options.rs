@@ -426,3 +426,69 @@ async fn connect_failures_name_no_password() {
     }
     assert!(started.elapsed() < Duration::from_secs(10));
 }
+
+/// `wait_for_replicas` after a failover (review, 2026-12-06): the cluster client resends the
+/// reservation's `GETRANGE` + `WAIT` to the promoted replica, where another request has
+/// reserved the key meanwhile. The reserve read that request's reservation, so it must answer
+/// in flight (409, or 422 for another body), never a bare `Unavailable`, which `fail_open` may
+/// run past (C15), beside a request that may be running. Here a proxy holds the `GETRANGE`
+/// back while the key is overwritten with another request's reservation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_that_finds_another_requests_reservation_answers_in_flight() {
+    use idempotency_actix::store::ReservationToken;
+    use idempotency_e2e::proxy::{delaying_proxy, Hold};
+    use std::sync::atomic::Ordering;
+
+    let primary = RedisServer::start();
+    let upstream = primary
+        .url()
+        .trim_start_matches("redis://")
+        .trim_end_matches('/')
+        .to_owned();
+    let (port, armed) = delaying_proxy(
+        upstream,
+        Hold::Statement,
+        b"GETRANGE",
+        Duration::from_millis(800),
+    )
+    .await;
+    let store = RedisStore::builder()
+        .wait_for_replicas(1, Duration::from_millis(100))
+        .connect(&format!("redis://127.0.0.1:{port}"))
+        .await
+        .expect("connect");
+    let s = scope("wait-elsewhere");
+    armed.store(true, Ordering::SeqCst);
+    let reserving = {
+        let (store, s) = (store.clone(), s.clone());
+        tokio::spawn(async move { store.reserve(&s, &FP, LEASE).await })
+    };
+    // The reservation is written; its `GETRANGE` + `WAIT` is held by the proxy. Another
+    // request's reservation takes the key's place (as on a promoted replica).
+    let key = store.key_of(&s);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !exists(&primary.url(), &key).await {
+        assert!(
+            Instant::now() < deadline,
+            "the reservation was never written"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let other = Fingerprint([0xBB; 32]);
+    let theirs = record::in_flight(&other, &ReservationToken::random(), 0, 60_000_000, 0);
+    let mut side = conn(&primary.url()).await;
+    let () = redis::cmd("SET")
+        .arg(&key)
+        .arg(theirs)
+        .query_async(&mut side)
+        .await
+        .expect("SET");
+    match reserving.await.expect("the reserve task") {
+        Ok(ReserveOutcome::InFlight { fingerprint, .. }) => assert_eq!(fingerprint, other),
+        other => panic!("a reserve that read another's reservation answered {other:?}"),
+    }
+    assert!(
+        exists(&primary.url(), &key).await,
+        "the other's reservation stays"
+    );
+}

@@ -280,13 +280,24 @@ pub const WRITE_HEAD_LAST: usize = TOKEN.end - 1;
 /// the promoted replica, which may lack the write (the key absent: an empty reply; or the
 /// reservation a complete replaced): its `WAIT` would acknowledge a write it never saw.
 pub fn holds_write(head: &[u8], state: u8, token: &ReservationToken) -> bool {
+    head.len() == TOKEN.end && head[0] == state && &head[TOKEN] == token_bytes(token).as_slice()
+}
+
+/// The fingerprint of the request whose record `head` (read as for [`holds_write`]) shows,
+/// when it is a record (a reservation or a completed one) another token than `token` made.
+pub fn held_by_another(head: &[u8], token: &ReservationToken) -> Option<Fingerprint> {
+    let is_record = head.len() == TOKEN.end && matches!(head[0], IN_FLIGHT | COMPLETED);
+    if !is_record || &head[TOKEN] == token_bytes(token).as_slice() {
+        return None;
+    }
+    Fingerprint::from_slice(&head[FP])
+}
+
+/// `token` as a record holds it: hyphenated, lower case.
+fn token_bytes(token: &ReservationToken) -> [u8; uuid::fmt::Hyphenated::LENGTH] {
     let mut text = [0u8; uuid::fmt::Hyphenated::LENGTH];
-    let want = token
-        .as_uuid()
-        .hyphenated()
-        .encode_lower(&mut text)
-        .as_bytes();
-    head.len() == TOKEN.end && head[0] == state && &head[TOKEN] == want
+    token.as_uuid().hyphenated().encode_lower(&mut text);
+    text
 }
 
 fn push_number(out: &mut Vec<u8>, n: u64) {
