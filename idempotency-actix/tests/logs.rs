@@ -199,3 +199,64 @@ async fn a_buffered_response_too_large_to_store_is_logged_at_warn() {
         );
     }
 }
+
+/// A store that keeps records in a `MemoryStore` but has no `renew_lease` (the trait's
+/// default): what a custom store that skipped it looks like.
+#[derive(Clone, Default)]
+struct NoRenewal(MemoryStore);
+
+impl IdempotencyStore for NoRenewal {
+    async fn reserve(
+        &self,
+        scope: &idempotency_actix::store::Scope,
+        fingerprint: &idempotency_actix::Fingerprint,
+        lease: std::time::Duration,
+    ) -> Result<ReserveOutcome, StoreError> {
+        self.0.reserve(scope, fingerprint, lease).await
+    }
+
+    async fn complete(
+        &self,
+        scope: &idempotency_actix::store::Scope,
+        token: &idempotency_actix::store::ReservationToken,
+        response: &idempotency_actix::store::StoredResponse,
+        ttl: std::time::Duration,
+    ) -> Result<WriteOutcome, StoreError> {
+        self.0.complete(scope, token, response, ttl).await
+    }
+
+    async fn release(
+        &self,
+        scope: &idempotency_actix::store::Scope,
+        token: &idempotency_actix::store::ReservationToken,
+    ) -> Result<WriteOutcome, StoreError> {
+        self.0.release(scope, token).await
+    }
+
+    async fn purge_expired(&self, grace: std::time::Duration) -> Result<u64, StoreError> {
+        self.0.purge_expired(grace).await
+    }
+}
+
+/// A store that cannot renew leases, under a middleware that would renew them (the default
+/// `renew_lease_up_to` of 10 minutes past a 60 s lease): a handler slower than the lease is
+/// taken over by a retry and runs twice, which the app's operator must learn when the app
+/// starts, not from a double charge. Said once, at `warn`, when the middleware is built; not
+/// when renewal is off (`renew_lease_up_to(ZERO)`: the lease is all there is, by choice), nor
+/// for a store that renews.
+#[test]
+fn a_store_that_cannot_renew_leases_is_named_when_the_middleware_is_built() {
+    let (logs, _guard) = capture_logs();
+    let _ = Idempotency::new(NoRenewal::default());
+    let text = logs.text();
+    assert!(
+        text.contains("WARN") && text.contains("cannot renew leases"),
+        "nothing said: {text}"
+    );
+    let before = logs.text().len();
+    let _ = Idempotency::builder(NoRenewal::default())
+        .renew_lease_up_to(std::time::Duration::ZERO)
+        .build();
+    let _ = Idempotency::new(MemoryStore::new());
+    assert_eq!(logs.text().len(), before, "{}", logs.text());
+}

@@ -185,6 +185,12 @@ impl<S: IdempotencyStore> IdempotencyBuilder<S> {
                 return Err(ConfigError::response_room(config.max_response_bytes, room));
             }
         }
+        // Not an error: a store without renewal works, with the lease it was given. But the
+        // middleware was told to renew (`renew_lease_up_to` past the lease), so say it cannot,
+        // once, when the app starts rather than with a handler's second run.
+        if !self.store.renews_leases() && config.lease_renewal_limit > config.lock_timeout {
+            tracing::warn!(target: "idempotency_actix", store = self.store.name(), lock_timeout = ?config.lock_timeout, "this store cannot renew leases: a handler that runs longer than lock_timeout is taken over by a retry and runs a second time; set lock_timeout above the slowest handler, or implement IdempotencyStore::renew_lease");
+        }
         Ok(Idempotency {
             store: Arc::new(self.store),
             config: Arc::new(config),
