@@ -241,10 +241,10 @@ impl ConfigError {
         ConfigError {
             setting: "max_response_bytes",
             message: format!(
-                "{max} bytes is more than the store is sure to have room for ({room} bytes; \
-                 MemoryStore's response_allowance): a larger response could fail to be stored \
-                 after its handler ran, and a retry after the lease would run it again; raise \
-                 the store's allowance or lower max_response_bytes"
+                "{max} bytes is more than the store is sure to have room for ({room} bytes, its \
+                 max_response_bytes; MemoryStore's response_allowance): a larger response could \
+                 fail to be stored after its handler ran, and a retry after the lease would run \
+                 it again; set .max_response_bytes({room}) or raise the store's room"
             ),
         }
     }

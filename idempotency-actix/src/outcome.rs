@@ -14,8 +14,8 @@
 //! | [`REQUESTS_TOTAL`] | counter | `outcome`, `method`, `route`, `store` | keyed requests (and refused keyless ones when a key is required), one outcome each: [`Outcome::as_str`] |
 //! | [`STORE_CALL_SECONDS`] | histogram | `op` (`reserve`, `complete`, `release`, `renew_lease`), `store` | duration of each store call, failed ones included |
 //! | [`RESERVATIONS_HELD`] | gauge | `store` | requests holding a reservation right now (a drop guard keeps it right when a request's task is cut) |
-//! | [`COMPLETE_RETRIES_TOTAL`] | counter | `result` (`started`, `succeeded`, `stale`, `given_up`), `store` | the after-handler retries of a failed `complete` (C16) |
-//! | [`RELEASE_RETRIES_TOTAL`] | counter | `result` (`started`, `succeeded`, `stale`, `given_up`), `store` | the background retries of a failed `release` of a response that is not stored (C16) |
+//! | [`COMPLETE_RETRIES_TOTAL`] | counter | `result` (`started`, `succeeded`, `stale`, `given_up`, `over_bound`, `panicked`), `store` | the after-handler retries of a failed `complete` (C16) |
+//! | [`RELEASE_RETRIES_TOTAL`] | counter | `result` (`started`, `succeeded`, `stale`, `given_up`, `over_bound`, `panicked`), `store` | the background retries of a failed `release` of a response that is not stored (C16) |
 //! | [`LEASE_RENEWALS_TOTAL`] | counter | `result` (`renewed`, `failed`, `lost`, `limit`), `store` | lease renewals while a handler runs (C9); `lost`: the reservation was taken over or released under a running handler; `limit`: the handler outlived `renew_lease_up_to` |
 //!
 //! # Hook

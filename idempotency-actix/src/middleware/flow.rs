@@ -1268,10 +1268,12 @@ fn spawn_tracked(
     on_panic: impl FnOnce() + Send + 'static,
 ) {
     let tracked = crate::shutdown::track();
+    // The request's span, so the panic's log line names its key like the retry's own lines.
+    let span = tracing::Span::current();
     tokio::spawn(async move {
         let _tracked = tracked;
         if AssertUnwindSafe(retry).catch_unwind().await.is_err() {
-            on_panic();
+            span.in_scope(on_panic);
         }
     });
 }

@@ -145,6 +145,12 @@ impl<S> Clone for Idempotency<S> {
 
 impl<S: IdempotencyStore> Idempotency<S> {
     /// The middleware with the contract's defaults (see [`crate::config`] for each and why).
+    ///
+    /// # Panics
+    /// If a default cannot be used with this store: a store that declares less room for a
+    /// response than the default `max_response_bytes` (1 MiB), such as a `MemoryStore` whose
+    /// `response_allowance` was lowered. Use [`builder`](Self::builder) and set
+    /// `max_response_bytes` to match; this happens when the app is built, never while serving.
     pub fn new(store: S) -> Self {
         Self::builder(store).build()
     }

@@ -211,10 +211,11 @@ impl MemoryStoreBuilder {
 
     /// Bytes a reservation holds for its response until it completes (or its lease ends), so
     /// that `complete` of a response up to this size never fails for lack of room. Default
-    /// 1 MiB, the middleware's default `max_response_bytes`; the middleware refuses to be built
-    /// with a `max_response_bytes` above it. Lower values admit more concurrent requests within
-    /// [`max_bytes`](Self::max_bytes) but let a larger response fail to be stored when the
-    /// store is full.
+    /// 1 MiB, the middleware's default `max_response_bytes`. Lower values admit more
+    /// concurrent requests within [`max_bytes`](Self::max_bytes); lower the middleware's
+    /// `max_response_bytes` with it (larger responses are then passed through, not stored),
+    /// since the middleware refuses to be built with a `max_response_bytes` above the
+    /// allowance: a larger response could find no room after its handler ran.
     pub fn response_allowance(mut self, bytes: usize) -> Self {
         self.limits.response_allowance = bytes;
         self

@@ -153,8 +153,9 @@
 //!   step like `reserve` (a conditional write, a compare-and-set, a script), never a read and
 //!   then a write.
 //! - **An ended reservation is kept** for the `grace` of
-//!   [`purge_expired`](IdempotencyStore::purge_expired) (the built-in stores keep it 24 h by
-//!   default), not deleted when its lease ends: meanwhile it refuses another body and accepts its holder's
+//!   [`purge_expired`](IdempotencyStore::purge_expired) (24 h by default: `MemoryStore`'s
+//!   `reservation_grace`, `RedisStore`'s `in_flight_grace`, `idem-cli purge --grace`), not
+//!   deleted when its lease ends: meanwhile it refuses another body and accepts its holder's
 //!   late `complete`. A backend TTL that ends with the lease loses both.
 //! - **Every call answers within a bound**, well under a third of the lease. The middleware
 //!   does not time store calls out (the request waits with them: a `complete` that never
@@ -174,8 +175,8 @@
 //! - **Declare your limits**: the longest scope
 //!   ([`max_scope_bytes`](IdempotencyStore::max_scope_bytes)) and the largest response body your backend always
 //!   has room for ([`max_response_bytes`](IdempotencyStore::max_response_bytes): an item size
-//!   limit counts, and leave room for the headers), so the middleware refuses what you cannot
-//!   store before a handler runs, not after.
+//!   limit counts, and leave room for the headers: the middleware bounds the body only), so
+//!   the middleware refuses what you cannot store before a handler runs, not after.
 //! - **Without [`renew_lease`](IdempotencyStore::renew_lease)** (`renews_leases() == false`)
 //!   a handler that runs longer than its lease is taken over by a retry and runs twice: size
 //!   `lock_timeout` for your slowest handler, or implement it.

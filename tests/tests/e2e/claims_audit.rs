@@ -1211,8 +1211,8 @@ fn claims_c9_takeover_is_fenced_postgres() {
 #[test]
 fn claims_c9_renewal_stops_at_renew_lease_up_to() {
     // The limit is far from the requests on either side of it, so a slow machine cannot move
-    // one across: `inside` comes about 300 ms after the handler started, `after` at 2.3 s or
-    // later (the limit plus a lease), both well before the handler's 5 s end.
+    // one across: `inside` comes about 900 ms after the handler started (three leases), `after`
+    // at 2.3 s or later (the limit plus a lease), both well before the handler's 5 s end.
     let srv = memory(|b| {
         b.lock_timeout(Duration::from_millis(300))
             .renew_lease_up_to(Duration::from_millis(2000))
@@ -1221,7 +1221,8 @@ fn claims_c9_renewal_stops_at_renew_lease_up_to() {
     let first = srv.send_in_background(&request);
     srv.until_runs(1);
     let started = Instant::now();
-    std::thread::sleep(Duration::from_millis(300));
+    // Three leases in: only renewals that go on hold the key now.
+    std::thread::sleep(Duration::from_millis(900));
     // Another query is another fingerprint: 422 while the first still runs (C7), not run.
     let other = srv.send(&keyed_post("/slow?ms=10", "rl-1"));
     assert_problem(&other, 422, "FINGERPRINT_MISMATCH");

@@ -317,6 +317,31 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    /// What a `WAIT`'s `GETRANGE` may read: another request's reservation or completed record
+    /// (its fingerprint), or nothing to say (our own record in either state, no record, a
+    /// short or unknown head).
+    #[test]
+    fn another_holder_is_read_from_a_head_only_when_it_is_anothers_record() {
+        let (ours, theirs) = (token(), token());
+        let fp = Fingerprint([0xBB; 32]);
+        let head = |state: u8, t: &ReservationToken| {
+            let mut bytes = in_flight(&fp, t, 1, 2, 3);
+            bytes[0] = state;
+            bytes.truncate(WRITE_HEAD_LAST + 1);
+            bytes
+        };
+        assert_eq!(held_by_another(&head(IN_FLIGHT, &theirs), &ours), Some(fp));
+        assert_eq!(held_by_another(&head(COMPLETED, &theirs), &ours), Some(fp));
+        assert_eq!(held_by_another(&head(IN_FLIGHT, &ours), &ours), None);
+        assert_eq!(held_by_another(&head(COMPLETED, &ours), &ours), None);
+        assert_eq!(held_by_another(b"", &ours), None);
+        assert_eq!(held_by_another(&head(b'X', &theirs), &ours), None);
+        let short = head(IN_FLIGHT, &theirs);
+        assert_eq!(held_by_another(&short[..short.len() - 1], &ours), None);
+        assert!(holds_write(&head(IN_FLIGHT, &ours), IN_FLIGHT, &ours));
+        assert!(!holds_write(&head(IN_FLIGHT, &theirs), IN_FLIGHT, &ours));
+    }
+
     fn token() -> ReservationToken {
         ReservationToken::random()
     }
