@@ -13,7 +13,7 @@
 //! | `renew_lease_up_to` | 10 min | longer than any payment provider call with its retries, so a live handler keeps its key; short enough that a hung one frees it within minutes |
 //! | `max_key_len` | 255 bytes | Stripe's limit; room for a UUID plus a prefix, small enough to index |
 //! | `max_body_bytes` | 1 MiB | the body is buffered to fingerprint it; this bounds memory per request |
-//! | `max_response_bytes` | 1 MiB | bigger responses are streamed through and not stored (released) |
+//! | `max_response_bytes` | 1 MiB | bigger responses are streamed through and not stored (released); at most the store's room for a response ([`IdempotencyStore::max_response_bytes`](crate::store::IdempotencyStore::max_response_bytes): `MemoryStore`'s `response_allowance`, also 1 MiB) |
 //! | storage policy | 2xx only | a 4xx/5xx is released so the client can fix the cause and retry with the same key (Stripe) |
 //! | `wait_for_in_flight` | off | a 409 with `Retry-After` is cheaper for the server than parking requests |
 //! | `fail_open` | `false` | if the store is down, refusing (503) is safer than risking a double charge |
@@ -23,7 +23,8 @@
 //! Durations saturate: `Duration::MAX` (or anything past the clock's range) means "as long as
 //! the clock can count", never a panic while serving; only bounds that would make the contract
 //! meaningless are refused when the middleware is built (`ttl` under [`MIN_TTL`], `lock_timeout`
-//! under [`MIN_LOCK_TIMEOUT`], `retry_after` over [`MAX_RETRY_AFTER`]). Header names are checked when the
+//! under [`MIN_LOCK_TIMEOUT`], `retry_after` over [`MAX_RETRY_AFTER`], and `max_response_bytes`
+//! above the store's room for a response). Header names are checked when the
 //! middleware is built: [`IdempotencyBuilder::build`] panics with a message naming the bad value
 //! (a configuration bug, found at startup), [`IdempotencyBuilder::try_build`] returns it instead.
 
@@ -443,6 +444,11 @@ impl<S> IdempotencyBuilder<S> {
 
     /// Derive the tenant of a request, e.g. from an authenticated principal in the request's
     /// extensions. Records are scoped by (tenant, method, path, key).
+    ///
+    /// The principal must be there when this middleware runs: `.wrap()` your auth middleware
+    /// *after* `Idempotency` (actix applies the last `wrap` outermost, so it runs first).
+    /// Wrapped inside it, auth has not run yet and every keyed request gets 400
+    /// `MISSING_TENANT`.
     ///
     /// **Without a tenant source (this or `tenant_header`), the scope is global**: two
     /// customers who happen to send the same key to the same path share one record, and the

@@ -32,8 +32,9 @@
 //! ```
 //!
 //! For several app instances, use the PostgreSQL store (feature `postgres`, on by default):
-//! `PostgresStore::connect(url).await?` instead of `MemoryStore::new()`, and provision the table
-//! with `idem-cli migrate`.
+//! `let store = PostgresStore::connect(&url).await.map_err(std::io::Error::other)?;` (with
+//! `use idempotency_actix::store::PostgresStore;`, outside the `HttpServer::new` closure)
+//! instead of `MemoryStore::new()`, and provision the table with `idem-cli migrate`.
 //!
 //! # Modules
 //! - [`middleware`]: the request flow, cancellation, streaming and shutdown; [`config`]: the

@@ -165,7 +165,8 @@ impl<S: IdempotencyStore> IdempotencyBuilder<S> {
     /// The middleware.
     ///
     /// # Panics
-    /// If a setting cannot be used (an invalid header name), with a message naming it. This
+    /// If a setting cannot be used (an invalid header name, a duration out of range, a
+    /// `max_response_bytes` above the store's room for a response), with a message naming it. This
     /// happens when the app is built, never while serving; use [`try_build`](Self::try_build)
     /// to handle it yourself.
     pub fn build(self) -> Idempotency<S> {
