@@ -394,18 +394,7 @@ pub async fn expired_completed_record_is_absent<S: IdempotencyStore>(store: &S) 
 
 /// C5: of 32 concurrent reservations exactly one wins; all others see it in flight.
 pub async fn concurrent_reservations_have_exactly_one_winner<S: IdempotencyStore>(store: &S) {
-    let scope = fresh_scope();
-    let outcomes = join_all((0..32).map(|_| store.reserve(&scope, &FP_A, LEASE))).await;
-    let mut winners = 0;
-    for outcome in outcomes {
-        match outcome {
-            Ok(ReserveOutcome::Reserved { .. }) => winners += 1,
-            Ok(ReserveOutcome::InFlight { fingerprint, .. }) => assert_eq!(fingerprint, FP_A),
-            Ok(other) => panic!("unexpected outcome under concurrency: {other:?}"),
-            Err(e) => panic!("reserve failed under concurrency: {e}"),
-        }
-    }
-    assert_eq!(winners, 1, "C5: exactly one concurrent reservation may win");
+    one_winner_of_32(store, &fresh_scope(), "C5: a fresh key").await;
 }
 
 /// C5, C9: of 32 concurrent retries after a lease ended, exactly one takes the key over (a
@@ -414,19 +403,25 @@ pub async fn concurrent_takeovers_have_exactly_one_winner<S: IdempotencyStore>(s
     let scope = fresh_scope();
     reserved(store, &scope, &FP_A, SHORT).await;
     tokio::time::sleep(SHORT * 2).await;
-    let outcomes = join_all((0..32).map(|_| store.reserve(&scope, &FP_A, LEASE))).await;
+    one_winner_of_32(store, &scope, "C5, C9: a takeover").await;
+}
+
+/// 32 concurrent reserves of `scope` by one fingerprint: exactly one wins, the others see it in
+/// flight.
+async fn one_winner_of_32<S: IdempotencyStore>(store: &S, scope: &Scope, what: &str) {
+    let outcomes = join_all((0..32).map(|_| store.reserve(scope, &FP_A, LEASE))).await;
     let mut winners = 0;
     for outcome in outcomes {
         match outcome {
             Ok(ReserveOutcome::Reserved { .. }) => winners += 1,
             Ok(ReserveOutcome::InFlight { fingerprint, .. }) => assert_eq!(fingerprint, FP_A),
-            Ok(other) => panic!("unexpected outcome of concurrent takeovers: {other:?}"),
-            Err(e) => panic!("reserve failed under concurrent takeovers: {e}"),
+            Ok(other) => panic!("{what}: unexpected outcome under concurrency: {other:?}"),
+            Err(e) => panic!("{what}: reserve failed under concurrency: {e}"),
         }
     }
     assert_eq!(
         winners, 1,
-        "C5, C9: exactly one concurrent takeover may win"
+        "{what}: exactly one concurrent reservation may win"
     );
 }
 
