@@ -2339,24 +2339,8 @@ async fn a_failed_complete_is_retried_within_the_shortest_lease() {
 /// its replay.
 #[actix_web::test]
 async fn a_complete_that_keeps_failing_keeps_its_lease_while_the_store_renews() {
-    let counter = Counter::default();
-    let store = Faulty {
-        renews: true,
-        ..Faulty::default()
-    };
-    let failing = Arc::clone(&store.completes_failing);
-    failing.store(true, Ordering::SeqCst);
-    let middleware = Idempotency::builder(store)
-        .lock_timeout(Duration::from_millis(300))
-        .renew_lease_up_to(Duration::from_secs(5))
-        .build();
-    let route = web::post().to(|counter: web::Data<Counter>| async move {
-        counter.bump();
-        HttpResponse::Created().finish()
-    });
-    let app = one_route(counter.clone(), middleware, "/pay", route).await;
-    let first = send(&app, post_x("/pay", "k")).await;
-    assert_eq!(first.status, StatusCode::CREATED);
+    let (app, counter, failing) =
+        paid_while_completes_fail(Duration::from_millis(300), Duration::from_secs(5)).await;
     tokio::time::sleep(Duration::from_millis(450)).await;
     let during = send(&app, post_x("/pay", "k")).await;
     assert_eq!(during.status, StatusCode::CONFLICT, "{during:?}");
@@ -2373,15 +2357,39 @@ async fn a_complete_that_keeps_failing_keeps_its_lease_while_the_store_renews() 
 /// 2026-12-06). The key stays held for its lease.
 #[actix_web::test]
 async fn a_complete_retry_never_shortens_the_lease() {
+    let (app, counter, _failing) =
+        paid_while_completes_fail(Duration::from_millis(600), Duration::from_millis(150)).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let during = send(&app, post_x("/pay", "k")).await;
+    assert_eq!(during.status, StatusCode::CONFLICT, "{during:?}");
+    assert_eq!(counter.get(), 1);
+}
+
+/// An app over a store that renews leases but whose every `complete` fails (until the flag
+/// returned is cleared), after a first `POST /pay` with key `k` answered 201: the app, its
+/// run counter and the flag.
+async fn paid_while_completes_fail(
+    lease: Duration,
+    renew_up_to: Duration,
+) -> (
+    impl Service<
+        actix_http::Request,
+        Response = ServiceResponse<impl MessageBody>,
+        Error = actix_web::Error,
+    >,
+    Counter,
+    Arc<AtomicBool>,
+) {
     let counter = Counter::default();
     let store = Faulty {
         renews: true,
         ..Faulty::default()
     };
-    store.completes_failing.store(true, Ordering::SeqCst);
+    let failing = Arc::clone(&store.completes_failing);
+    failing.store(true, Ordering::SeqCst);
     let middleware = Idempotency::builder(store)
-        .lock_timeout(Duration::from_millis(600))
-        .renew_lease_up_to(Duration::from_millis(150))
+        .lock_timeout(lease)
+        .renew_lease_up_to(renew_up_to)
         .build();
     let route = web::post().to(|counter: web::Data<Counter>| async move {
         counter.bump();
@@ -2390,10 +2398,7 @@ async fn a_complete_retry_never_shortens_the_lease() {
     let app = one_route(counter.clone(), middleware, "/pay", route).await;
     let first = send(&app, post_x("/pay", "k")).await;
     assert_eq!(first.status, StatusCode::CREATED);
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let during = send(&app, post_x("/pay", "k")).await;
-    assert_eq!(during.status, StatusCode::CONFLICT, "{during:?}");
-    assert_eq!(counter.get(), 1);
+    (app, counter, failing)
 }
 
 /// A reserve answered after its lease ended (the store applied the lease, then a stalled
