@@ -10,7 +10,8 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::error::{ContextKind, ContextValue, ErrorKind};
-use clap::Parser;
+use clap::parser::ValueSource;
+use clap::{ArgMatches, CommandFactory, FromArgMatches};
 
 /// Await a diesel-async query on `$conn`; on failure return the classified [`error::CliError`].
 /// The failed query's future (which borrows the connection) is dropped before the connection is
@@ -40,8 +41,11 @@ use error::{code, CliError};
 use idempotency_actix::store::postgres::MAX_STATEMENT_TIMEOUT;
 
 fn main() -> ExitCode {
-    let cli = match Cli::try_parse() {
-        Ok(cli) => cli,
+    let parsed = Cli::command()
+        .try_get_matches()
+        .and_then(|matches| Ok((Cli::from_arg_matches(&matches)?, flags_given(&matches))));
+    let (cli, given) = match parsed {
+        Ok(parsed) => parsed,
         Err(err) => return clap_exit(err),
     };
     let runtime = match tokio::runtime::Builder::new_current_thread()
@@ -51,7 +55,7 @@ fn main() -> ExitCode {
         Ok(rt) => rt,
         Err(err) => return fail(&CliError::Other(format!("cannot start the runtime: {err}"))),
     };
-    let result = runtime.block_on(run(cli));
+    let result = runtime.block_on(run(cli, &given));
     // Without waiting for blocking threads: a migration stuck on a server gone silent (its
     // harness is synchronous, `commands::migrate`) must not keep the process from exiting.
     runtime.shutdown_background();
@@ -61,10 +65,50 @@ fn main() -> ExitCode {
     }
 }
 
-async fn run(cli: Cli) -> Result<(), CliError> {
+/// The command's own flags that were given on the command line (`--grace`), as its
+/// definition names them: not the global ones (`--format`), which clap copies into every
+/// command's matches, nor the argument groups it adds.
+fn flags_given(matches: &ArgMatches) -> Vec<String> {
+    let Some((name, given)) = matches.subcommand() else {
+        return Vec::new();
+    };
+    let cli = Cli::command();
+    let Some(command) = cli.find_subcommand(name) else {
+        return Vec::new();
+    };
+    command
+        .get_arguments()
+        .filter(|arg| given.value_source(arg.get_id().as_str()) == Some(ValueSource::CommandLine))
+        .filter_map(|arg| arg.get_long().map(|long| format!("--{long}")))
+        .collect()
+}
+
+/// `migrate` and `purge` have nothing to do on Redis, and say so; a flag that asks them for
+/// something (`purge --grace 1h`, `migrate --partitioned`) is refused rather than ignored, so
+/// an operator's intent is not dropped with exit 0. `--check` and `--dry-run` ask only
+/// whether there is work, which "none" answers.
+fn no_postgres_only_flags(command: &Command, given: &[String]) -> Result<(), CliError> {
+    let (name, noun) = match command {
+        Command::Migrate(_) => ("migrate", "migration"),
+        Command::Purge(_) => ("purge", "purge"),
+        _ => return Ok(()),
+    };
+    match given
+        .iter()
+        .find(|flag| !matches!(flag.as_str(), "--check" | "--dry-run"))
+    {
+        Some(flag) => Err(CliError::Usage(format!(
+            "{name} {flag} applies to PostgreSQL only: Redis needs no {noun} (records expire by \
+             themselves; see docs/redis.md)"
+        ))),
+        None => Ok(()),
+    }
+}
+
+async fn run(cli: Cli, given: &[String]) -> Result<(), CliError> {
     // Before the Redis branch: there it bounds every reply too.
     positive(cli.connect_timeout.0, "--connect-timeout", "10s")?;
-    no_connection_string_as_a_key(&cli.command)?;
+    no_connection_string_as_a_value(&cli)?;
     if let Some(redis_url) = cli.redis_url.as_deref().filter(|u| !u.is_empty()) {
         if cli.database_url.as_deref().is_some_and(|u| !u.is_empty()) {
             return Err(CliError::Usage(
@@ -73,6 +117,7 @@ async fn run(cli: Cli) -> Result<(), CliError> {
                     .into(),
             ));
         }
+        no_postgres_only_flags(&cli.command, given)?;
         let mut out = out_for(&cli.command);
         let (prefix, timeout) = (cli.redis_prefix.as_deref(), cli.connect_timeout.0);
         return redis_store::run(
@@ -116,25 +161,43 @@ async fn run(cli: Cli) -> Result<(), CliError> {
 }
 
 /// `release` and `show` take any word as a KEY, and repeat a key they cannot find (on stderr,
-/// or in their JSON): a connection string typed there (`release k1 postgres://..`, or a
+/// or in their JSON), with the scope flags' values; a refused `--redis-prefix` is named too. A
+/// connection string typed there (`release k1 postgres://..`, `--tenant` given the URL, or a
 /// crontab line split at its spaces into `password=..`) would be printed, password and all.
-/// Such a word is refused without being shown. A key that holds `://` and `@`, or
-/// `password=`, is no key a client sends in practice; a URL without credentials still is one.
-fn no_connection_string_as_a_key(command: &Command) -> Result<(), CliError> {
-    let keys: &[String] = match command {
-        Command::Release(args) => &args.keys,
-        Command::Show(args) => std::slice::from_ref(&args.key),
-        _ => &[],
+/// Such a value is refused without being shown. One that holds `://` and `@`, or `password=`,
+/// is no key, tenant, path or prefix anyone means; a URL without credentials still is a key.
+fn no_connection_string_as_a_value(cli: &Cli) -> Result<(), CliError> {
+    fn scope(scope: &cli::ScopeArgs) -> impl Iterator<Item = (&'static str, &str)> {
+        [
+            ("--tenant", &scope.tenant),
+            ("--method", &scope.method),
+            ("--path", &scope.path),
+        ]
+        .into_iter()
+        .filter_map(|(flag, value)| value.as_deref().map(|v| (flag, v)))
+    }
+    let mut values: Vec<(&str, &str)> = Vec::new();
+    match &cli.command {
+        Command::Release(args) => {
+            values.extend(args.keys.iter().map(|k| ("a KEY", k.as_str())));
+            values.extend(scope(&args.scope));
+        }
+        Command::Show(args) => {
+            values.push(("the KEY", &args.key));
+            values.extend(scope(&args.scope));
+        }
+        _ => {}
+    }
+    values.extend(cli.redis_prefix.as_deref().map(|p| ("--redis-prefix", p)));
+    let looks_like_one = |value: &str| {
+        (value.contains("://") && value.contains('@'))
+            || value.to_ascii_lowercase().contains("password=")
     };
-    let looks_like_one = |key: &String| {
-        (key.contains("://") && key.contains('@')) || key.to_ascii_lowercase().contains("password=")
-    };
-    if keys.iter().any(looks_like_one) {
-        return Err(CliError::Usage(
-            "a KEY looks like a connection string (not shown: it may hold a password); pass \
+    if let Some((what, _)) = values.iter().find(|(_, value)| looks_like_one(value)) {
+        return Err(CliError::Usage(format!(
+            "{what} looks like a connection string (not shown: it may hold a password); pass \
              the database with --database-url or DATABASE_URL (--redis-url or REDIS_URL)"
-                .into(),
-        ));
+        )));
     }
     Ok(())
 }
@@ -230,7 +293,7 @@ fn stray_word_line(err: &clap::Error) -> Option<String> {
         })
         .unwrap_or_default();
     let what = match word.split('=').next() {
-        Some(flag) if flag.starts_with('-') => format!("unexpected argument '{flag}'"),
+        Some(flag) if looks_like_a_flag(flag) => format!("unexpected argument '{flag}'"),
         _ => format!(
             "{} (not shown: it may hold a password; quote a connection string that has spaces)",
             if err.kind() == ErrorKind::InvalidSubcommand {
@@ -241,6 +304,18 @@ fn stray_word_line(err: &clap::Error) -> Option<String> {
         ),
     };
     Some(format!("{what}{suggestion} (see `idem-cli --help`)"))
+}
+
+/// `-x` or `--some-flag`: what a misspelt flag looks like, and nothing else that starts with a
+/// dash does. A password with a space in it, left unquoted, splits into words, and the one
+/// after the space may start with `--` too (`--cd@db/pay`): not a name to repeat.
+fn looks_like_a_flag(word: &str) -> bool {
+    let name = word.strip_prefix("--").or_else(|| word.strip_prefix('-'));
+    name.is_some_and(|name| {
+        name.len() <= 40
+            && name.starts_with(|c: char| c.is_ascii_alphabetic())
+            && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
+    })
 }
 
 /// Clap's multi-line error as one line.

@@ -10,7 +10,7 @@ use serde_json::{json, Value};
 
 use crate::duration::format_age_secs;
 use crate::output::hex::hex;
-use crate::output::{display, tenant_label};
+use crate::output::{display, quoted, tenant_label};
 
 /// A timestamp as `2026-11-30T12:00:00.123Z` (UTC, milliseconds).
 pub fn timestamp(t: Time) -> String {
@@ -68,15 +68,15 @@ impl RecordView for Record {
 
     fn scope_label(&self) -> String {
         format!(
-            "tenant={} {} {} key={:?}",
+            "tenant={} {} {} key={}",
             if self.tenant.is_empty() {
                 "(global)".to_owned()
             } else {
-                format!("{:?}", self.tenant)
+                quoted(&self.tenant)
             },
             display(&self.method, 0),
             display(&self.path, 0),
-            self.idempotency_key
+            quoted(&self.idempotency_key)
         )
     }
 

@@ -28,10 +28,10 @@ use serde_json::json;
 
 use crate::cli::{Command, Format, ListArgs, ReleaseArgs, ScopeArgs, ShowArgs, StateFilter};
 use crate::commands::release::{check, finish, refuse, released};
-use crate::commands::show::{detail_json, detail_text, method, scope_words};
+use crate::commands::show::{ambiguous_key, detail_json, detail_text, method, no_record};
 use crate::duration::format_age_secs;
 use crate::error::CliError;
-use crate::output::{display, table, tenant_label, Out};
+use crate::output::{display, quoted, table, tenant_label, Out};
 use crate::record::{round_ms, RecordView, TABLE_HEADER};
 
 /// Records read per batch when only their heads are read (`list`, `stats`): their reads are
@@ -246,12 +246,12 @@ impl Unreadable {
             .as_ref()
             .map_or_else(String::new, |k| format!(" (Redis key {k})"));
         format!(
-            "tenant={} {} {} key={:?}{redis_key} holds no readable record ({}): requests with \
+            "tenant={} {} {} key={}{redis_key} holds no readable record ({}): requests with \
              it get 503 until it is removed; check it with redis-cli TYPE/GET, then DEL it",
             tenant_label(&self.scope.tenant),
             display(&self.scope.method, 0),
             display(&self.scope.path, 0),
-            self.scope.key,
+            quoted(&self.scope.key),
             self.what
         )
     }
@@ -598,7 +598,7 @@ async fn matching(
 /// Why nothing was found at `key`: the unreadable values there, or no record at all.
 fn nothing_readable(key: &str, scope: &ScopeArgs, unreadable: &[Unreadable]) -> String {
     if unreadable.is_empty() {
-        return format!("no record with key {key:?}{}", scope_words(scope));
+        return no_record(key, scope);
     }
     unreadable
         .iter()
@@ -744,13 +744,12 @@ async fn release_each(
             // be a dead reservation, and it may be another program's data.
             [] => Err(nothing_readable(key, &args.scope, &read.unreadable)),
             [f] => check(&f.record, args.force).map(|()| f),
-            many => Err(format!(
-                "key {key:?} matches {} records ({}); name one with --tenant/--method/--path",
-                many.len(),
-                many.iter()
+            many => Err(ambiguous_key(
+                key,
+                &many
+                    .iter()
                     .map(|f| f.record.scope_label())
-                    .collect::<Vec<_>>()
-                    .join("; ")
+                    .collect::<Vec<_>>(),
             )),
         };
         let f = match verdict {

@@ -589,6 +589,64 @@ async fn a_vanished_purge_does_not_hold_the_lock_for_long() {
     let _ = vanishing.wait();
 }
 
+/// A purge that finds another one running skips, exit 0: a normal end, which must leave the
+/// session as it found it, as a finished purge does. It had set its `idle_session_timeout`
+/// (`--pause` + 20 s) before trying the lock and returned without resetting it, so behind a
+/// session pooler that does not reset sessions the app's next use of that server connection
+/// was cut after 20 idle seconds, at every cron tick that overlapped (review, 2026-12-06).
+/// Seen on the wire: the reset statement reaches the server. (Two worker threads: the proxy
+/// runs on them while this thread waits for the process.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_skipped_purge_resets_its_idle_limit() {
+    use idempotency_e2e::proxy::{Cut, CutProxy};
+    let db = TestDb::new().await;
+    let mut holder = connect(&db).await;
+    assert!(call_on_purge_lock(&mut holder, "pg_try_advisory_lock").await);
+    let proxy = CutProxy::for_url(&db.url).await;
+    // The reset reads the setting's `reset_val`; nothing else the purge sends does.
+    proxy.arm("reset_val", Cut::AfterSend);
+    let out = idem_code(&proxy.url_through(&db.url), &["purge"], 0);
+    assert_stdout_has(&out, "another purge is running");
+    assert_eq!(
+        proxy.fired(),
+        1,
+        "the skipped purge never reset its idle limit"
+    );
+    assert!(call_on_purge_lock(&mut holder, "pg_advisory_unlock").await);
+}
+
+/// Keys and tenants are escaped wherever they appear (docs/operations.md), on stdout too:
+/// Rust's `Debug`, which quoted them, leaves invisible fillers such as U+3164 as they are, so
+/// `release`, `show` and `stats` printed a key ending in one as a key ending in a blank
+/// (review, 2026-12-06).
+#[tokio::test]
+async fn invisible_characters_in_keys_are_escaped_on_stdout() {
+    let db = TestDb::new().await;
+    let mut conn = connect(&db).await;
+    let (tenant, key) = ("t\u{3164}", "k\u{3164}");
+    seed(&mut conn, tenant, key, State::InFlight, -DAY, -HOUR).await;
+    for args in [
+        vec!["show", key],
+        vec!["stats"],
+        vec!["release", key, "--force"],
+    ] {
+        let out = idem_code(&db.url, &args, 0);
+        let text = stdout(&out);
+        assert!(
+            text.contains("k\\u{3164}"),
+            "{args:?}: the key is not escaped: {text}"
+        );
+        assert!(
+            text.contains("t\\u{3164}"),
+            "{args:?}: the tenant is not escaped: {text}"
+        );
+        assert!(
+            !text.contains('\u{3164}'),
+            "{args:?}: a raw filler on stdout: {text}"
+        );
+    }
+}
+
 #[tokio::test]
 async fn overlapping_purges_do_not_both_work() {
     let db = TestDb::new().await;
@@ -1410,6 +1468,14 @@ fn a_stray_word_is_not_repeated_in_a_usage_error() {
             format!("--url=postgres://app:{a}{b}@db/pay"),
         ],
         vec![format!("{a}{b}")],
+        // A password with a space, unquoted: the word after the space starts with `--` but
+        // is no flag's name (it was echoed as "unexpected argument '--HUNTERBRAVO@db/pay'").
+        vec![
+            "purge".into(),
+            "--database-url".into(),
+            format!("postgres://app:{a}"),
+            format!("--{b}@db/pay"),
+        ],
     ];
     for args in &cases {
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
@@ -1441,6 +1507,12 @@ async fn a_key_that_looks_like_a_connection_string_is_not_repeated() {
         vec!["release", "k1", &keyvalue, "--force"],
         vec!["show", &url],
         vec!["--format", "json", "show", &keyvalue],
+        // The scope flags' values are repeated in "no record with key .. in tenant ..", a
+        // refused --redis-prefix in its error (review, 2026-12-06).
+        vec!["show", "k1", "--tenant", &url],
+        vec!["release", "k1", "--path", &keyvalue],
+        vec!["--format", "json", "release", "k1", "--method", &url],
+        vec!["--redis-prefix", &url, "show", "k1"],
     ];
     for args in &cases {
         let out = idem(&db.url, args);

@@ -343,6 +343,44 @@ async fn migrate_and_purge_say_redis_needs_neither() {
         expect_code(&out, 0);
         assert!(stdout(&out).contains("Redis needs no"), "{}", stdout(&out));
     }
+    // Asking only whether there is work is answered; the global flags apply as anywhere.
+    for args in [
+        &["migrate", "--check"][..],
+        &["purge", "--dry-run"],
+        &["--format", "json", "purge"],
+    ] {
+        let out = idem(&redis.url(), args);
+        expect_code(&out, 0);
+        assert!(
+            stdout(&out).contains("Redis needs no"),
+            "{args:?}: {}",
+            stdout(&out)
+        );
+    }
+}
+
+/// A flag that asks `purge` or `migrate` for PostgreSQL's work (`purge --grace 1h` to clear
+/// ended reservations sooner) is refused, exit 2, naming the flag: it was ignored with exit 0
+/// and "Redis needs no purge", dropping the operator's intent (review, 2026-12-06).
+#[test]
+fn postgres_only_flags_are_refused_on_redis() {
+    let redis = RedisServer::start();
+    for (args, flag) in [
+        (&["purge", "--grace", "1h"][..], "--grace"),
+        (&["purge", "--dry-run", "--tenant", "acme"], "--tenant"),
+        (&["purge", "--older-than", "7d"], "--older-than"),
+        (&["migrate", "--partitioned"], "--partitioned"),
+    ] {
+        let out = idem(&redis.url(), args);
+        expect_code(&out, USAGE);
+        let err = stderr(&out);
+        assert!(
+            err.contains(flag) && err.contains("PostgreSQL only"),
+            "{args:?}: {err}"
+        );
+        assert_eq!(err.lines().count(), 1, "{args:?}: {err}");
+        assert!(stdout(&out).is_empty(), "{args:?}: {}", stdout(&out));
+    }
 }
 
 /// A Redis that wants a password the URL lacks is a credentials failure (exit 3, as a wrong

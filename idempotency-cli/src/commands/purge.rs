@@ -116,6 +116,8 @@ pub async fn run(
     crate::db::end_when_left_idle(conn, args.pause.0).await?;
     let locked: bool = sql!(conn, admin::try_lock_purge(conn));
     if !locked {
+        // A normal end: the session as we found it, as after a finished purge.
+        crate::db::keep_when_left_idle(conn).await;
         match format {
             Format::Json => out.json(&json!({
                 "skipped": true,

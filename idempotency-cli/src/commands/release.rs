@@ -16,7 +16,7 @@ use diesel_async::AsyncPgConnection;
 use idempotency_actix::store::postgres::admin::{self, Record};
 use serde_json::json;
 
-use super::show::{key_scope, scope_words};
+use super::show::{ambiguous_key, key_scope, no_record};
 use crate::cli::{Format, ReleaseArgs};
 use crate::duration::format_age_secs;
 use crate::error::CliError;
@@ -66,18 +66,11 @@ async fn release_each(
         let rows: Vec<Record> = sql!(conn, admin::find(conn, &scope));
 
         let verdict = match rows.as_slice() {
-            [] => Err(format!(
-                "no record with key {key:?}{}",
-                scope_words(&args.scope)
-            )),
+            [] => Err(no_record(key, &args.scope)),
             [row] => check(row, args.force).map(|()| row),
-            many => Err(format!(
-                "key {key:?} matches {} records ({}); name one with --tenant/--method/--path",
-                many.len(),
-                many.iter()
-                    .map(RecordView::scope_label)
-                    .collect::<Vec<_>>()
-                    .join("; ")
+            many => Err(ambiguous_key(
+                key,
+                &many.iter().map(RecordView::scope_label).collect::<Vec<_>>(),
             )),
         };
         let row = match verdict {

@@ -13,7 +13,7 @@ use crate::duration::format_age_secs;
 use crate::error::CliError;
 use crate::output::hex::{hex, hex_dump};
 use crate::output::json::{compact_json, pretty_json};
-use crate::output::{display, tenant_label, Out};
+use crate::output::{display, quoted, tenant_label, Out};
 use crate::record::{timestamp, RecordView};
 
 /// How much of a binary body the text output shows.
@@ -45,10 +45,9 @@ pub async fn run(
     let scope = key_scope(&args.key, &args.scope);
     let rows: Vec<Detail> = sql!(conn, admin::find_detail(conn, &scope));
     if rows.is_empty() {
-        return Err(CliError::NotFoundOrRefused(format!(
-            "no record with key {:?}{}",
-            args.key,
-            scope_words(&args.scope)
+        return Err(CliError::NotFoundOrRefused(no_record(
+            &args.key,
+            &args.scope,
         )));
     }
     for (i, row) in rows.iter().enumerate() {
@@ -67,11 +66,26 @@ pub async fn run(
     out.flush()
 }
 
+/// "no record with key \"k1\" in tenant \"acme\"": `show`'s and `release`'s refusal.
+pub fn no_record(key: &str, scope: &ScopeArgs) -> String {
+    format!("no record with key {}{}", quoted(key), scope_words(scope))
+}
+
+/// A key that names several records: `release` refuses to pick one; `labels` are their scopes.
+pub fn ambiguous_key(key: &str, labels: &[String]) -> String {
+    format!(
+        "key {} matches {} records ({}); name one with --tenant/--method/--path",
+        quoted(key),
+        labels.len(),
+        labels.join("; ")
+    )
+}
+
 /// " in tenant \"acme\" POST /x" for messages; empty when no scope was given.
 pub fn scope_words(scope: &ScopeArgs) -> String {
     let mut s = String::new();
     if let Some(t) = &scope.tenant {
-        s.push_str(&format!(" in tenant {t:?}"));
+        s.push_str(&format!(" in tenant {}", quoted(t)));
     }
     if let Some(m) = method(scope) {
         s.push_str(&format!(
@@ -80,7 +94,7 @@ pub fn scope_words(scope: &ScopeArgs) -> String {
         ));
     }
     if let Some(p) = &scope.path {
-        s.push_str(&format!(" path {p:?}"));
+        s.push_str(&format!(" path {}", quoted(p)));
     }
     s
 }
@@ -177,7 +191,7 @@ pub(crate) fn detail_json(row: &Detail) -> DetailJson {
 pub(crate) fn detail_text(row: &Detail) -> Vec<String> {
     let r = &row.record;
     let mut lines = vec![
-        format!("key          {:?}", r.idempotency_key),
+        format!("key          {}", quoted(&r.idempotency_key)),
         format!("tenant       {}", tenant_label(&r.tenant)),
         format!("method       {}", display(&r.method, 0)),
         format!("path         {}", display(&r.path, 0)),

@@ -96,6 +96,13 @@ fn is_default_ignorable(c: char) -> bool {
     )
 }
 
+/// `text` in double quotes, as Rust's `Debug` quotes a string, with what `Debug` leaves as it
+/// is escaped too: it prints invisible fillers (U+3164 and the like) raw, so a key ending in one
+/// would read as a key ending in a blank.
+pub fn quoted(text: &str) -> String {
+    display(&format!("{text:?}"), 0)
+}
+
 /// A tenant for people: the global scope's empty string is shown as `(global)`.
 pub fn tenant_label(tenant: &str) -> String {
     if tenant.is_empty() {
@@ -108,6 +115,12 @@ pub fn tenant_label(tenant: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn quoted_escapes_what_debug_leaves() {
+        assert_eq!(quoted("k\u{3164}"), "\"k\\u{3164}\"");
+        assert_eq!(quoted("a\"b\n"), "\"a\\\"b\\n\"");
+    }
 
     #[test]
     fn display_escapes_control_characters_and_truncates() {

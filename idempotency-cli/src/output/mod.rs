@@ -11,7 +11,7 @@ pub mod hex;
 pub mod json;
 pub mod table;
 
-pub use escape::{display, tenant_label};
+pub use escape::{display, quoted, tenant_label};
 pub use table::table;
 
 /// Buffered, locked stdout. Every write returns `io::Result`, so a closed pipe ends the command
