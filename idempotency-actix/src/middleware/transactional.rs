@@ -438,14 +438,15 @@ pub(super) async fn settle_keyed<S, Svc, B>(
             After::Ended(result) => {
                 tracing::error!(target: "idempotency_actix", key = %LogText(&scope.key), tenant = %LogText(&scope.tenant), path = %LogText(&scope.path), "the handler ended the request's transaction itself (never do: use the transaction, savepoints through conn.transaction); finishing as in the default mode, not atomically");
                 // Its claim is a committed reservation now, held by the lease that began with
-                // the transaction; nothing renews it (`renew_lease_up_to` zero), but a
-                // streamed body whose client left is read no longer than that lease.
+                // the transaction and lasts its idle limit (`claim`); nothing renews it
+                // (`renew_lease_up_to` zero), but a streamed body whose client left is read no
+                // longer than that lease.
                 let renewal = Renewal::new(Reservation {
                     store: &flow.store,
                     meters: &flow.meters,
                     scope: &scope,
                     token,
-                    lease: flow.config.lock_timeout,
+                    lease: idle_limit(&flow.config),
                     limit: Duration::ZERO,
                     reserved_at: opened,
                 });
@@ -647,13 +648,16 @@ async fn claim<S, Svc>(
             }
             return unavailable(&error);
         }
+        // The claim's lease matters only if the handler commits the transaction itself (then
+        // its row is a committed reservation before the response is stored): it holds the key
+        // as long as the open transaction could have, not `lock_timeout` from its start.
         let claimed = sql::claim(
             &tx.store,
             &mut conn,
             setting,
             scope,
             fingerprint,
-            config.lock_timeout,
+            idle_limit(config),
         )
         .await;
         let outcome = match claimed {

@@ -1326,6 +1326,38 @@ async fn a_handler_that_commits_itself_finishes_as_the_default_mode() {
     assert_eq!(payments(&db), 2, "its committed write stays");
 }
 
+/// After its own commit, the handler's key is held by the claim's lease alone until the
+/// middleware stores its response. That lease counted `lock_timeout` from the transaction's
+/// start while the open transaction could last `renew_lease_up_to`, so a handler that went on
+/// past `lock_timeout` after committing had its key taken over by a retry and ran twice (review,
+/// 2026-12-06). The claim's lease is now the transaction's own bound.
+#[actix_web::test]
+async fn a_handler_that_commits_itself_keeps_its_key_while_it_runs_on() {
+    let (db, _store, runs, app) = setup_pay(|store| {
+        tx_builder(store)
+            .lock_timeout(Duration::from_millis(300))
+            .build()
+    })
+    .await;
+    let query = "?self_commit=true&sleep_ms=900";
+    let (first, retry) = futures_util::future::join(
+        send(&app, "sc3", query, 1),
+        after(500, send(&app, "sc3", query, 1)),
+    )
+    .await;
+    assert_created(&first);
+    assert_eq!(
+        runs.get(),
+        1,
+        "the retry ran the handler a second time: {}",
+        retry.status
+    );
+    assert_eq!(retry.status, StatusCode::CONFLICT, "{}", retry.body);
+    let later = send(&app, "sc3", query, 1).await;
+    assert_replays(&later, &first, "after the first finished");
+    assert_eq!(payments(&db), 1);
+}
+
 /// A handler that rolls the request's transaction back itself undid its writes and the
 /// reservation: nothing is kept, its own answer goes out, and a retry runs it.
 #[actix_web::test]
