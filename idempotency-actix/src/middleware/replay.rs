@@ -32,17 +32,34 @@ static NEVER_STORED: [HeaderName; 11] = [
     REPLAYED_HEADER,
 ];
 
-/// The headers of a response that may be stored and replayed (C11).
+/// The headers of a response that may be stored and replayed (C11). Besides the fixed list,
+/// the ones its own `Connection` header names (`Connection: close, X-Upstream-Session`): they
+/// are hop-by-hop for that one connection (RFC 9110, 7.6.1), as a proxied upstream's may be.
 pub(super) fn storable_headers(headers: &HeaderMap, deny: &[HeaderName]) -> Vec<(String, Bytes)> {
+    let connection_only = connection_listed(headers);
     headers
         .iter()
-        .filter(|(name, _)| !NEVER_STORED.contains(name) && !deny.contains(name))
+        .filter(|(name, _)| {
+            !NEVER_STORED.contains(name) && !deny.contains(name) && !connection_only.contains(name)
+        })
         .map(|(name, value)| {
             (
                 name.as_str().to_owned(),
                 Bytes::copy_from_slice(value.as_bytes()),
             )
         })
+        .collect()
+}
+
+/// The header names listed in `headers`' `Connection` values (none, without one: no
+/// allocation on the common path). Tokens that are no header name (`close`, `keep-alive` are
+/// names too, harmlessly) or not text are skipped.
+fn connection_listed(headers: &HeaderMap) -> Vec<HeaderName> {
+    headers
+        .get_all(header::CONNECTION)
+        .filter_map(|value| value.to_str().ok())
+        .flat_map(|value| value.split(','))
+        .filter_map(|token| HeaderName::from_bytes(token.trim().as_bytes()).ok())
         .collect()
 }
 
@@ -113,4 +130,31 @@ fn accepts(request: &impl HttpMessage, coding: &str) -> bool {
         return false;
     };
     !accept.0.is_empty() && accept.negotiate(std::iter::once(&wanted)) == Some(wanted)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// C11: a header the response's own `Connection` header names is hop-by-hop and is not
+    /// stored (review, 2026-12-06: `Connection: close, X-Upstream-Session` stored and replayed
+    /// `X-Upstream-Session`). Names match whatever their case or spacing; the others stay.
+    #[test]
+    fn headers_named_by_connection_are_not_stored() {
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            header::CONNECTION,
+            HeaderValue::from_static("close,  X-Upstream-Session ,,x-hop"),
+        );
+        headers.append(
+            header::CONNECTION,
+            HeaderValue::from_static("X-Second-Line"),
+        );
+        for name in ["x-upstream-session", "x-hop", "x-second-line", "x-kept"] {
+            headers.insert(HeaderName::from_static(name), HeaderValue::from_static("v"));
+        }
+        let stored = storable_headers(&headers, &[]);
+        let names: Vec<&str> = stored.iter().map(|(name, _)| name.as_str()).collect();
+        assert_eq!(names, ["x-kept"]);
+    }
 }
