@@ -84,9 +84,19 @@ fn flags_given(matches: &ArgMatches) -> Vec<String> {
 }
 
 /// `migrate` and `purge` have nothing to do on Redis, and say so; a flag that asks them for
-/// something (`purge --grace 1h`, `migrate --partitioned`) is refused rather than ignored, so
-/// an operator's intent is not dropped with exit 0. `--check` and `--dry-run` ask only
-/// whether there is work, which "none" answers.
+/// other work (`purge --grace 1h` or `--tenant`: delete something sooner; `migrate
+/// --partitioned`) is refused rather than ignored, so an operator's intent is not dropped with
+/// exit 0. The others only tune how PostgreSQL's work is done (`--batch-size`, `--pause`, a
+/// cron line shared by both stores) or ask whether there is work (`--check`, `--dry-run`),
+/// which "none" answers.
+const ASKS_FOR_WORK: [&str; 5] = [
+    "--grace",
+    "--older-than",
+    "--tenant",
+    "--partitioned",
+    "--interval",
+];
+
 fn no_postgres_only_flags(command: &Command, given: &[String]) -> Result<(), CliError> {
     let (name, noun) = match command {
         Command::Migrate(_) => ("migrate", "migration"),
@@ -95,7 +105,7 @@ fn no_postgres_only_flags(command: &Command, given: &[String]) -> Result<(), Cli
     };
     match given
         .iter()
-        .find(|flag| !matches!(flag.as_str(), "--check" | "--dry-run"))
+        .find(|flag| ASKS_FOR_WORK.contains(&flag.as_str()))
     {
         Some(flag) => Err(CliError::Usage(format!(
             "{name} {flag} applies to PostgreSQL only: Redis needs no {noun} (records expire by \
@@ -161,7 +171,8 @@ async fn run(cli: Cli, given: &[String]) -> Result<(), CliError> {
 }
 
 /// `release` and `show` take any word as a KEY, and repeat a key they cannot find (on stderr,
-/// or in their JSON), with the scope flags' values; a refused `--redis-prefix` is named too. A
+/// or in their JSON), with the scope flags' values; `purge` and `list` repeat their filters in
+/// their JSON. A
 /// connection string typed there (`release k1 postgres://..`, `--tenant` given the URL, or a
 /// crontab line split at its spaces into `password=..`) would be printed, password and all.
 /// Such a value is refused without being shown. One that holds `://` and `@`, or `password=`,
@@ -185,6 +196,12 @@ fn no_connection_string_as_a_value(cli: &Cli) -> Result<(), CliError> {
         Command::Show(args) => {
             values.push(("the KEY", &args.key));
             values.extend(scope(&args.scope));
+        }
+        // Repeated in their JSON summaries.
+        Command::Purge(args) => values.extend(args.tenant.as_deref().map(|t| ("--tenant", t))),
+        Command::List(args) => {
+            values.extend(args.tenant.as_deref().map(|t| ("--tenant", t)));
+            values.extend(args.key_prefix.as_deref().map(|p| ("--key-prefix", p)));
         }
         _ => {}
     }

@@ -58,7 +58,14 @@ pub async fn run(
 ) -> Result<(), CliError> {
     let prefix = prefix.unwrap_or(DEFAULT_PREFIX);
     // The store's own rule, so idem-cli never reads or releases another prefix's records.
-    validate_key_prefix(prefix).map_err(|e| CliError::Usage(e.to_string()))?;
+    // Not repeated: a connection string split at a space (`redis://u:pw`) can land here.
+    validate_key_prefix(prefix).map_err(|_| {
+        CliError::Usage(
+            "invalid --redis-prefix (not shown): it must be non-empty printable ASCII without \
+             { } * ? [ ] \\, ending with `:` (the store's default is `idem:`)"
+                .into(),
+        )
+    })?;
     // Connected first, for `migrate` and `purge` too: they need nothing done, but a Redis
     // that is down (or a URL that is not Redis's) must fail them as it fails every command,
     // or a deploy's `migrate --check` turns green on the wrong `REDIS_URL`.

@@ -1513,6 +1513,8 @@ async fn a_key_that_looks_like_a_connection_string_is_not_repeated() {
         vec!["release", "k1", "--path", &keyvalue],
         vec!["--format", "json", "release", "k1", "--method", &url],
         vec!["--redis-prefix", &url, "show", "k1"],
+        vec!["--format", "json", "purge", "--dry-run", "--tenant", &url],
+        vec!["--format", "json", "list", "--key-prefix", &keyvalue],
     ];
     for args in &cases {
         let out = idem(&db.url, args);

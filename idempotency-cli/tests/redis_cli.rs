@@ -348,6 +348,9 @@ async fn migrate_and_purge_say_redis_needs_neither() {
         &["migrate", "--check"][..],
         &["purge", "--dry-run"],
         &["--format", "json", "purge"],
+        &["purge", "--format", "json"],
+        // Tuning only, as in a cron line shared with a PostgreSQL deployment.
+        &["purge", "--batch-size", "1000", "--pause", "50ms"],
     ] {
         let out = idem(&redis.url(), args);
         expect_code(&out, 0);
@@ -359,6 +362,22 @@ async fn migrate_and_purge_say_redis_needs_neither() {
     }
 }
 
+/// A refused `--redis-prefix` is not repeated: a connection string split at a space in its
+/// password (`redis://u:<first half>`) lands there, and the error quoted it (review,
+/// 2026-12-06).
+#[test]
+fn a_refused_redis_prefix_is_not_repeated() {
+    let redis = RedisServer::start();
+    for prefix in ["redis://u:HUNTERALPHA", "idem-HUNTERALPHA"] {
+        let out = idem(&redis.url(), &["--redis-prefix", prefix, "list"]);
+        expect_code(&out, USAGE);
+        let err = stderr(&out);
+        assert!(err.contains("--redis-prefix"), "{prefix}: {err}");
+        assert!(!err.contains("HUNTERALPHA"), "{prefix}: {err}");
+        assert_eq!(err.lines().count(), 1, "{prefix}: {err}");
+    }
+}
+
 /// A flag that asks `purge` or `migrate` for PostgreSQL's work (`purge --grace 1h` to clear
 /// ended reservations sooner) is refused, exit 2, naming the flag: it was ignored with exit 0
 /// and "Redis needs no purge", dropping the operator's intent (review, 2026-12-06).
@@ -367,6 +386,7 @@ fn postgres_only_flags_are_refused_on_redis() {
     let redis = RedisServer::start();
     for (args, flag) in [
         (&["purge", "--grace", "1h"][..], "--grace"),
+        (&["purge", "--grace=1h"], "--grace"),
         (&["purge", "--dry-run", "--tenant", "acme"], "--tenant"),
         (&["purge", "--older-than", "7d"], "--older-than"),
         (&["migrate", "--partitioned"], "--partitioned"),
