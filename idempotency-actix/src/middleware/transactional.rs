@@ -602,7 +602,8 @@ where
 /// renewal is off). Past it PostgreSQL ends the session and everything rolls back. A process
 /// that dies closes its connections and frees its claims at once; only a host that vanishes
 /// without closing them holds them this long (the server's `tcp_keepalives_*` settings can
-/// shorten that).
+/// shorten that). It is also the lease of the claim's row, which matters only once a handler
+/// commits the transaction itself: the key is then held as long, even by a process that died.
 fn idle_limit(config: &Config) -> Duration {
     config.lock_timeout.max(config.lease_renewal_limit)
 }

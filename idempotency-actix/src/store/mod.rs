@@ -42,7 +42,9 @@
 //! Implement the four methods; `async fn` in the impl is fine as long as the futures are `Send`.
 //! The shape below is a complete (if not very useful) store that keeps one record; a real one
 //! keeps a map and must make `reserve` atomic with whatever its backend offers (a mutex, a
-//! conditional write, a transaction, a Lua script).
+//! conditional write, a transaction, a Lua script). Do not use it as it is: a request with a
+//! second key replaces the first key's record, live or not, so a retry of the first runs its
+//! handler again (the conformance suite fails it for that).
 //!
 //! ```
 //! use std::sync::Mutex;

@@ -459,7 +459,6 @@ impl RedisStoreBuilder {
                 wait: self.wait,
                 give_backs: release_later::Tasks::new(release_later::MAX_TASKS),
                 eviction_recheck: None,
-                replaced_for_a_replica: std::sync::Mutex::new(None),
                 reserve: Script::new(include_str!("redis/reserve.lua")),
                 complete: Script::new(include_str!("redis/complete.lua")),
                 release: Script::new(include_str!("redis/release.lua")),
@@ -490,8 +489,6 @@ struct Inner {
     give_backs: release_later::Tasks,
     /// What [`RedisStore::check`] does about the eviction policy (`None`: not asked).
     eviction_recheck: Option<EvictionCheck>,
-    /// When a connection was last replaced for reaching a replica ([`RedisStore::answer`]).
-    replaced_for_a_replica: std::sync::Mutex<Option<std::time::Instant>>,
     reserve: Script,
     complete: Script,
     release: Script,
@@ -559,9 +556,12 @@ where
     /// does not allow it fails here with the reason. Found by review (2026-12-05): a user
     /// without `EVALSHA` could reserve (native `SET`), so handlers ran, and then no response
     /// could ever be stored (its retries were told 503 for the lease and grace); a user without
-    /// `TIME` left a reservation behind each refused reserve. Checked: `TIME`, and the release
-    /// script (`EVALSHA`, and `SCRIPT LOAD` on a server that lacks it) fenced by a fresh token
-    /// on a key under the prefix, which no record can match, so it writes nothing.
+    /// `TIME` left a reservation behind each refused reserve. Checked: `TIME`; `SCRIPT LOAD` of
+    /// every script, explicitly (a server that already holds them, loaded by another instance,
+    /// would not ask for it until its next restart or failover, and then every `complete` would
+    /// fail: review, 2026-12-06); the commands the scripts and the reserve run, each on a key
+    /// under the prefix that no record can have (no `:` after the prefix), so that nothing is
+    /// read or written; and the release script (`EVALSHA`) fenced by a fresh token.
     ///
     /// On `conn`, the first shared connection: a store that opens a connection per calling
     /// thread must not open one for the thread that connects.
@@ -586,6 +586,56 @@ where
         .await
         .map_err(|_| StoreError::unavailable("Redis did not answer TIME in time"))?;
         time.map_err(|e| refused("TIME", e))?;
+        let inner = &self.inner;
+        for script in [
+            &inner.reserve,
+            &inner.complete,
+            &inner.release,
+            &inner.renew,
+            &inner.purge,
+        ] {
+            tokio::time::timeout(inner.timeout, script.load_async(conn))
+                .await
+                .map_err(|_| StoreError::unavailable("Redis did not answer SCRIPT LOAD in time"))?
+                .map_err(|e| refused("SCRIPT LOAD", e))?;
+        }
+        let nowhere = format!("{}permission-probe", inner.prefix);
+        let mut probes = vec![
+            ("GET", redis::cmd("GET").arg(&nowhere).clone()),
+            (
+                "GETRANGE",
+                redis::cmd("GETRANGE").arg(&nowhere).arg(0).arg(0).clone(),
+            ),
+            // `XX`: only if the key exists, which it does not; `GET`: as the reserve's.
+            (
+                "SET",
+                redis::cmd("SET")
+                    .arg(&nowhere)
+                    .arg("")
+                    .arg("XX")
+                    .arg("GET")
+                    .clone(),
+            ),
+            ("DEL", redis::cmd("DEL").arg(&nowhere).clone()),
+            ("PTTL", redis::cmd("PTTL").arg(&nowhere).clone()),
+            (
+                "PEXPIRE",
+                redis::cmd("PEXPIRE").arg(&nowhere).arg(1).clone(),
+            ),
+            ("TYPE", redis::cmd("TYPE").arg(&nowhere).clone()),
+        ];
+        if inner.wait.is_some() {
+            // No replica needed, so it answers at once.
+            probes.push(("WAIT", redis::cmd("WAIT").arg(0).arg(1).clone()));
+        }
+        for (command, probe) in probes {
+            tokio::time::timeout(inner.timeout, probe.query_async::<redis::Value>(conn))
+                .await
+                .map_err(|_| {
+                    StoreError::unavailable(format!("Redis did not answer {command} in time"))
+                })?
+                .map_err(|e| refused(command, e))?;
+        }
         let probe = Scope {
             tenant: String::new(),
             method: "POST".into(),
@@ -603,7 +653,7 @@ where
         )
         .await
         .map_err(|_| StoreError::unavailable("Redis did not answer EVALSHA in time"))?;
-        release.map_err(|e| refused("EVALSHA (or SCRIPT LOAD)", e))?;
+        release.map_err(|e| refused("EVALSHA", e))?;
         Ok(())
     }
 
@@ -653,13 +703,9 @@ where
             // with its clients, while the store's address may now name the new primary (a
             // managed Redis's DNS name). The redis crate keeps a connection that answers, so
             // every write would fail until the process restarted: replace it, which
-            // reconnects to the address. At most once a second: a server demoted at the same
-            // address (the read-only fallbacks serve it) must not be reconnected to at every
-            // call.
+            // reconnects to the address (at most once a second per connection).
             Ok(Err(e)) if matches!(e.code(), Some("READONLY" | "MASTERDOWN")) => {
-                if self.first_replacement_this_second() {
-                    self.conns.went_silent(origin);
-                }
+                self.conns.reached_a_replica(origin);
                 Ok(Err(e))
             }
             Ok(answer) => Ok(answer),
@@ -671,22 +717,6 @@ where
                 )))
             }
         }
-    }
-
-    /// Whether no connection was replaced for reaching a replica in the last second (and
-    /// records this one).
-    fn first_replacement_this_second(&self) -> bool {
-        let now = std::time::Instant::now();
-        let mut last = self
-            .inner
-            .replaced_for_a_replica
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if last.is_some_and(|at| now.duration_since(at) < Duration::from_secs(1)) {
-            return false;
-        }
-        *last = Some(now);
-        true
     }
 
     /// The native half of `reserve`: `SET key <reservation> NX GET PX <life>` and `TIME`,
@@ -1205,11 +1235,18 @@ fn classify(err: RedisError) -> StoreError {
         // ran, and the next call loads it again.
         "NOSCRIPT",
     ];
+    // `WAIT` sent to a node demoted since the write ("ERR WAIT cannot be used with replica
+    // instances"): a failover under way, as `UNBLOCKED` is.
+    let wait_on_a_replica = err.code() == Some("ERR")
+        && err
+            .detail()
+            .is_some_and(|d| d.contains("WAIT cannot be used with replica"));
     if err.is_io_error()
         || err.is_timeout()
         || err.is_connection_dropped()
         || err.is_connection_refusal()
         || err.code().is_some_and(|code| TRANSIENT.contains(&code))
+        || wait_on_a_replica
     {
         StoreError::Unavailable(Box::new(err))
     } else {
@@ -1564,8 +1601,12 @@ where
             Ok(applied) => applied,
             // While Redis refuses writes it refuses the script before running it (a script
             // with flags is a write), even when it would only find the record completed by
-            // this token: a retry after a lost reply. That one is answered by reading it.
-            Err(e) if matches!(e.code(), Some("MISCONF" | "NOREPLICAS" | "READONLY")) => {
+            // this token: a retry after a lost reply. That one is answered by reading it, on
+            // a primary only: a replica's `READONLY` comes with data that may be stale or
+            // diverged (a demoted primary serving its old dataset until it resyncs holds a
+            // completion the new primary never got), so it proves nothing; `Unavailable`, and
+            // the middleware's retry reaches the primary once the connection is replaced.
+            Err(e) if matches!(e.code(), Some("MISCONF" | "NOREPLICAS")) => {
                 if self.completed_by(&mut picked, &key, token).await? {
                     1
                 } else {

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use idempotency_actix::store::redis::redis;
-use idempotency_actix::store::redis::{record, RedisStore};
+use idempotency_actix::store::redis::{record, RedisStore, RedisStoreBuilder};
 use idempotency_actix::store::{
     IdempotencyStore, ReservationToken, ReserveOutcome, Scope, StoreError, StoredResponse,
     WriteOutcome,
@@ -482,8 +482,18 @@ async fn a_demoted_primary_still_replays_completed_records() {
     let redis = RedisServer::start();
     let store = RedisStore::connect(&redis.url()).await.expect("connect");
     let (done, _, busy) = a_completed_and_a_running_record(&store, "readonly").await;
-    // Demoted: a replica of a primary it cannot reach (it keeps its data meanwhile).
-    let mut c = conn(&redis.url()).await;
+    demote_to_nowhere(&redis.url()).await;
+    assert_still_answered(&store, &done, &busy).await;
+    // A new key needs a write: refused (503, closed), never reserved.
+    let new = store.reserve(&scope("readonly-new"), &FP, TTL).await;
+    assert!(matches!(new, Err(StoreError::Unavailable(_))), "{new:?}");
+}
+
+/// Make the server at `url` a replica of a primary it cannot reach: it keeps its data and
+/// answers reads, and refuses writes with `READONLY`, as a demoted primary does until its new
+/// primary's data replaces its own.
+async fn demote_to_nowhere(url: &str) {
+    let mut c = conn(url).await;
     let unreachable = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
     let port = unreachable.local_addr().expect("addr").port();
     drop(unreachable);
@@ -494,10 +504,25 @@ async fn a_demoted_primary_still_replays_completed_records() {
         .await
         .expect("REPLICAOF");
     assert_writes_refused(&mut c, "READONLY").await;
-    assert_still_answered(&store, &done, &busy).await;
-    // A new key needs a write: refused (503, closed), never reserved.
-    let new = store.reserve(&scope("readonly-new"), &FP, TTL).await;
-    assert!(matches!(new, Err(StoreError::Unavailable(_))), "{new:?}");
+}
+
+/// A retried `complete` (its first reply lost) that reaches a demoted primary is not confirmed
+/// from that node's data: a demoted primary serves its old dataset until it resyncs, and may
+/// hold a completion the promoted replica never got. Answered `Applied`, the middleware stopped
+/// retrying while the new primary still held the reservation, and after the lease a retry ran
+/// the handler again (review, 2026-12-06). It is `Unavailable` now, so the middleware retries
+/// until the connection reaches the primary.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_completion_is_not_confirmed_by_a_replica() {
+    let redis = RedisServer::start();
+    let store = RedisStore::connect(&redis.url()).await.expect("connect");
+    let (done, token, _) = a_completed_and_a_running_record(&store, "replica-confirm").await;
+    demote_to_nowhere(&redis.url()).await;
+    let retried = store.complete(&done, &token, &response(), TTL).await;
+    assert!(
+        matches!(retried, Err(StoreError::Unavailable(_))),
+        "a replica's copy confirmed the completion: {retried:?}"
+    );
 }
 
 /// One connection of the store goes half-open while a handler runs (a NAT or firewall entry
@@ -952,40 +977,15 @@ async fn a_duplicate_whose_script_reply_was_lost_is_not_run_unprotected() {
 /// connection, which reconnects to the address, so the next try reaches the new primary.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_whose_primary_was_demoted_follows_its_address_to_the_new_one() {
-    let old = RedisServer::start();
-    let new = replica_of(&old).await;
-    let proxy = FaultyProxy::start(format!("127.0.0.1:{}", old.port())).await;
-    let store = RedisStore::connect(&format!("redis://127.0.0.1:{}/", proxy.port()))
-        .await
-        .expect("connect");
-    let s = scope("failover");
-    let key = store.key_of(&s);
-    let token = match store.reserve(&s, &FP, TTL).await {
-        Ok(ReserveOutcome::Reserved { token }) => token,
-        other => panic!("expected Reserved, got {other:?}"),
-    };
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while state_on(&new.url(), &key).await.is_none() {
-        assert!(
-            Instant::now() < deadline,
-            "the reservation never reached the replica"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    // The failover: the replica is promoted, the old primary follows it, the address moves.
-    let _: () = redis::cmd("REPLICAOF")
-        .arg("NO")
-        .arg("ONE")
-        .query_async(&mut conn(&new.url()).await)
-        .await
-        .expect("promote");
-    let _: () = redis::cmd("REPLICAOF")
-        .arg("127.0.0.1")
-        .arg(new.port())
-        .query_async(&mut conn(&old.url()).await)
-        .await
-        .expect("demote");
-    proxy.repoint(format!("127.0.0.1:{}", new.port()));
+    let failover = Failover::reserved(RedisStore::builder()).await;
+    let (store, s, token, key) = (
+        &failover.store,
+        &failover.scope,
+        &failover.token,
+        &failover.key,
+    );
+    failover.happens().await;
+    let new = &failover.new;
 
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
@@ -1000,5 +1000,103 @@ async fn a_store_whose_primary_was_demoted_follows_its_address_to_the_new_one() 
             }
         }
     }
-    assert_eq!(state_on(&new.url(), &key).await, Some(record::COMPLETED));
+    assert_eq!(state_on(&new.url(), key).await, Some(record::COMPLETED));
+}
+
+/// A primary behind an address (`proxy`), its replica, and a store over the address holding a
+/// reservation that has reached the replica.
+struct Failover {
+    old: RedisServer,
+    new: RedisServer,
+    proxy: FaultyProxy,
+    store: RedisStore,
+    scope: Scope,
+    token: ReservationToken,
+    key: String,
+}
+
+impl Failover {
+    async fn reserved(builder: RedisStoreBuilder) -> Failover {
+        let old = RedisServer::start();
+        let new = replica_of(&old).await;
+        let proxy = FaultyProxy::start(format!("127.0.0.1:{}", old.port())).await;
+        let store = builder
+            .connect(&format!("redis://127.0.0.1:{}/", proxy.port()))
+            .await
+            .expect("connect");
+        let scope = scope("failover");
+        let key = store.key_of(&scope);
+        let token = match store.reserve(&scope, &FP, TTL).await {
+            Ok(ReserveOutcome::Reserved { token }) => token,
+            other => panic!("expected Reserved, got {other:?}"),
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while state_on(&new.url(), &key).await.is_none() {
+            assert!(
+                Instant::now() < deadline,
+                "the reservation never reached the replica"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        Failover {
+            old,
+            new,
+            proxy,
+            store,
+            scope,
+            token,
+            key,
+        }
+    }
+
+    /// The replica is promoted, the old primary follows it (up, with its clients), and the
+    /// address moves to the new one.
+    async fn happens(&self) {
+        let _: () = redis::cmd("REPLICAOF")
+            .arg("NO")
+            .arg("ONE")
+            .query_async(&mut conn(&self.new.url()).await)
+            .await
+            .expect("promote");
+        let _: () = redis::cmd("REPLICAOF")
+            .arg("127.0.0.1")
+            .arg(self.new.port())
+            .query_async(&mut conn(&self.old.url()).await)
+            .await
+            .expect("demote");
+        self.proxy.repoint(format!("127.0.0.1:{}", self.new.port()));
+    }
+}
+
+/// After the failover every connection of the store reaches the demoted node, and each is
+/// replaced on its first `READONLY`: the store is whole again within about a second. It
+/// replaced one connection a second for the whole store, so with 8 shared connections a
+/// holder's renewals and completion kept failing for some 8 s, longer than many leases, after
+/// which a retry took the key over and ran the handler again (review, 2026-12-06).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_connection_of_a_demoted_primary_is_replaced_at_once() {
+    let builder = RedisStore::builder()
+        .connections(8)
+        .connection_per_thread(false);
+    let failover = Failover::reserved(builder).await;
+    failover.happens().await;
+    let started = Instant::now();
+    let mut in_a_row = 0;
+    while in_a_row < 16 {
+        let renewed = failover
+            .store
+            .renew_lease(&failover.scope, &failover.token, TTL)
+            .await;
+        if matches!(renewed, Ok(WriteOutcome::Applied)) {
+            in_a_row += 1;
+        } else {
+            in_a_row = 0;
+            assert!(
+                started.elapsed() < Duration::from_secs(3),
+                "renewals still fail {:?} after the failover: {renewed:?}",
+                started.elapsed()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
 }

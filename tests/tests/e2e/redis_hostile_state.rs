@@ -520,6 +520,12 @@ async fn a_user_without_evalsha_or_time_is_refused_at_connect() {
         ),
         ("noload", &["-script|load", "-eval"][..], "SCRIPT LOAD"),
         ("notime", &["-time"][..], "TIME"),
+        // Commands only the scripts run: on a key that holds no record a script need not
+        // reach them, so the release probe alone accepted such users, whose every non-2xx
+        // left its key stuck (review, 2026-12-06).
+        ("nodel", &["-del"][..], "DEL"),
+        ("nopexpire", &["-pexpire"][..], "PEXPIRE"),
+        ("nogetrange", &["-getrange"][..], "GETRANGE"),
     ] {
         let url = redis.user_url(user, denied);
         match RedisStore::connect(&url).await {
@@ -532,6 +538,34 @@ async fn a_user_without_evalsha_or_time_is_refused_at_connect() {
                     "{user}: {text}"
                 );
             }
+        }
+    }
+}
+
+/// A user without `SCRIPT LOAD` on a server whose script cache another instance filled: the
+/// scripts run by hash until Redis restarts or fails over, and then none can load again, and
+/// every `complete` and `release` fails. `connect` loads every script itself, so it refuses
+/// such a user now, naming the command; it passed before, its `EVALSHA` answered from the
+/// cache (review, 2026-12-06).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_user_without_script_load_is_refused_though_the_scripts_are_loaded() {
+    let redis = RedisServer::start();
+    let store = RedisStore::connect(&redis.url()).await.expect("connect");
+    // Another instance's traffic: every script in the cache.
+    let s = scope("t", "warm");
+    if let Ok(ReserveOutcome::Reserved { token }) =
+        store.reserve(&s, &FP, Duration::from_secs(60)).await
+    {
+        let _ = store.renew_lease(&s, &token, Duration::from_secs(60)).await;
+        let _ = store.release(&s, &token).await;
+    }
+    let url = redis.user_url("noload", &["-script|load"]);
+    match RedisStore::connect(&url).await {
+        Ok(_) => panic!("connect accepted a user that may not run SCRIPT LOAD"),
+        Err(e) => {
+            let text = e.to_string();
+            assert!(!text.contains("pw@"), "password in {text}");
+            assert!(text.contains("SCRIPT LOAD"), "{text}");
         }
     }
 }

@@ -29,8 +29,8 @@
 
 use std::any::Any;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, PoisonError, RwLock};
-use std::time::Duration;
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::time::{Duration, Instant};
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 
@@ -43,6 +43,8 @@ pub(super) struct Connections<C> {
     shared: Box<[RwLock<(C, u64)>]>,
     /// Per shared connection: a replacement is being made (one attempt at a time).
     remaking: Box<[AtomicBool]>,
+    /// Per shared connection: when it was last replaced for reaching a replica.
+    replica_seen: Box<[Mutex<Option<Instant>>]>,
     /// Which shared connection the next call takes.
     next: AtomicUsize,
     /// Each thread's own connection (`RedisStoreBuilder::connection_per_thread`).
@@ -135,6 +137,7 @@ where
     ) -> Self {
         Self {
             remaking: shared.iter().map(|_| AtomicBool::new(false)).collect(),
+            replica_seen: shared.iter().map(|_| Mutex::new(None)).collect(),
             shared: shared.into_iter().map(|c| RwLock::new((c, 0))).collect(),
             next: AtomicUsize::new(0),
             per_thread,
@@ -174,8 +177,24 @@ where
         }
     }
 
-    /// A call over `origin`'s connection got no answer in time, or reached a replica (see
-    /// `RedisStore::answer`): replace the connection.
+    /// A call over `origin`'s connection reached a replica (see `RedisStore::answer`): replace
+    /// the connection, at most once a second per connection. Throttled, because a server
+    /// demoted at the same address (the read-only fallbacks serve it) must not be reconnected
+    /// to at every call; per connection, because after a failover every connection (one per
+    /// thread, and the shared ones) reaches the demoted node, and one store-wide slot a second
+    /// left the last of them failing the holders' completions and renewals for as many
+    /// seconds as there were connections.
+    pub(super) fn reached_a_replica(self: &Arc<Self>, origin: &Origin) {
+        let seen = match origin {
+            Origin::Thread(slot) => slot.replica_seen(),
+            Origin::Shared(i, _) => &self.replica_seen[*i],
+        };
+        if first_this_second(seen) {
+            self.went_silent(origin);
+        }
+    }
+
+    /// A call over `origin`'s connection got no answer in time: replace the connection.
     pub(super) fn went_silent(self: &Arc<Self>, origin: &Origin) {
         let (i, silent) = match origin {
             Origin::Thread(slot) => return slot.went_silent(),
@@ -213,6 +232,17 @@ where
             drop(remaking);
         });
     }
+}
+
+/// Whether `last` is more than a second ago (or never), recording now if so.
+fn first_this_second(last: &Mutex<Option<Instant>>) -> bool {
+    let now = Instant::now();
+    let mut last = last.lock().unwrap_or_else(PoisonError::into_inner);
+    if last.is_some_and(|at| now.duration_since(at) < Duration::from_secs(1)) {
+        return false;
+    }
+    *last = Some(now);
+    true
 }
 
 /// `conn` as the store's connection type, which it is wherever one is made here (stores made

@@ -62,6 +62,9 @@ struct Slot {
     attempt: Mutex<Attempt>,
     /// A call over the connection got no answer in time: make another.
     silent: AtomicBool,
+    /// When the connection was last replaced for reaching a replica
+    /// (`Connections::reached_a_replica`).
+    replica_seen: Mutex<Option<Instant>>,
 }
 
 /// Which thread's connection a call went over, to mark it silent.
@@ -71,6 +74,11 @@ impl ThreadSlot {
     /// The call got no answer in time: its thread makes a new connection at its next call.
     pub(super) fn went_silent(&self) {
         self.0.silent.store(true, Ordering::Relaxed);
+    }
+
+    /// When this thread's connection was last replaced for reaching a replica.
+    pub(super) fn replica_seen(&self) -> &Mutex<Option<Instant>> {
+        &self.0.replica_seen
     }
 }
 
@@ -152,6 +160,7 @@ impl PerThread {
                     ready: OnceLock::new(),
                     attempt: Mutex::new(Attempt::default()),
                     silent: AtomicBool::new(false),
+                    replica_seen: Mutex::new(None),
                 });
                 slots.push(Entry {
                     store: self.id,
