@@ -989,7 +989,7 @@ async fn a_store_whose_primary_was_demoted_follows_its_address_to_the_new_one() 
 
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
-        match store.complete(&s, &token, &response(), TTL).await {
+        match store.complete(s, token, &response(), TTL).await {
             Ok(WriteOutcome::Applied) => break,
             other => {
                 assert!(
