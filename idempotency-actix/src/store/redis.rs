@@ -568,13 +568,7 @@ where
     async fn check_permissions(&self, conn: &mut C) -> Result<(), StoreError> {
         let refused = |command: &str, error: RedisError| {
             if error.code() == Some("NOPERM") {
-                StoreError::Backend(
-                    format!(
-                        "the Redis user may not run {command}, which RedisStore needs on the \
-                         request path (docs/redis.md, \"Permissions\"): {error}"
-                    )
-                    .into(),
-                )
+                not_permitted(command, &error)
             } else {
                 classify(error)
             }
@@ -594,12 +588,14 @@ where
             &inner.renew,
             &inner.purge,
         ] {
-            tokio::time::timeout(inner.timeout, script.load_async(conn))
+            let loaded = tokio::time::timeout(inner.timeout, script.load_async(conn))
                 .await
-                .map_err(|_| StoreError::unavailable("Redis did not answer SCRIPT LOAD in time"))?
-                .map_err(|e| refused("SCRIPT LOAD", e))?;
+                .map_err(|_| StoreError::unavailable("Redis did not answer SCRIPT LOAD in time"))?;
+            permitted("SCRIPT LOAD", loaded)?;
         }
-        let nowhere = format!("{}permission-probe", inner.prefix);
+        // No record of any prefix ends in `!`, which `record_key` always encodes: not this
+        // store's, nor one of a store whose prefix nests in this one's (`x:` and `x:t:POST:/:`).
+        let nowhere = format!("{}permission-probe!", inner.prefix);
         let mut probes = vec![
             ("GET", redis::cmd("GET").arg(&nowhere).clone()),
             (
@@ -629,12 +625,13 @@ where
             probes.push(("WAIT", redis::cmd("WAIT").arg(0).arg(1).clone()));
         }
         for (command, probe) in probes {
-            tokio::time::timeout(inner.timeout, probe.query_async::<redis::Value>(conn))
-                .await
-                .map_err(|_| {
-                    StoreError::unavailable(format!("Redis did not answer {command} in time"))
-                })?
-                .map_err(|e| refused(command, e))?;
+            let answer =
+                tokio::time::timeout(inner.timeout, probe.query_async::<redis::Value>(conn))
+                    .await
+                    .map_err(|_| {
+                        StoreError::unavailable(format!("Redis did not answer {command} in time"))
+                    })?;
+            permitted(command, answer)?;
         }
         let probe = Scope {
             tenant: String::new(),
@@ -1212,6 +1209,33 @@ fn micros(duration: Duration) -> u64 {
     u64::try_from(duration.as_micros())
         .unwrap_or(MAX_DURATION_US)
         .min(MAX_DURATION_US)
+}
+
+/// A connect-time probe's answer: whether the user may run `command`. Redis checks the ACL
+/// before anything else that refuses a command (`OOM`, `MISCONF`, `NOREPLICAS`, `READONLY`,
+/// `LOADING`), so any answer but `NOPERM` means it may: a store connecting while Redis refuses
+/// writes comes up, and serves replays and 409s meanwhile (the read-only fallbacks), as it did
+/// before these probes. No answer (a connection error) is [`StoreError::Unavailable`].
+fn permitted<T>(command: &str, answer: Result<T, RedisError>) -> Result<(), StoreError> {
+    match answer {
+        Ok(_) => Ok(()),
+        Err(e) if e.code() == Some("NOPERM") => Err(not_permitted(command, &e)),
+        Err(e) if e.is_io_error() || e.is_timeout() || e.is_connection_dropped() => {
+            Err(classify(e))
+        }
+        Err(_) => Ok(()),
+    }
+}
+
+/// The connect-time refusal of a user that may not run `command`.
+fn not_permitted(command: &str, error: &RedisError) -> StoreError {
+    StoreError::Backend(
+        format!(
+            "the Redis user may not run {command}, which RedisStore needs on the request path \
+             (docs/redis.md, \"Permissions\"): {error}"
+        )
+        .into(),
+    )
 }
 
 /// Map a Redis error: everything that means "not now" is [`StoreError::Unavailable`].

@@ -506,6 +506,97 @@ async fn demote_to_nowhere(url: &str) {
     assert_writes_refused(&mut c, "READONLY").await;
 }
 
+/// A server demoted at the store's own address (no new primary to move to) is reconnected to
+/// at most once a second per connection, not at every call. With a connection per thread (the
+/// default), each replacement started with no memory of the last, so the first `READONLY` on
+/// the new connection replaced it again at once: a reconnection per few calls (review of the
+/// per-connection throttle, 2026-12-06).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_demoted_at_the_same_address_is_not_reconnected_to_at_every_call() {
+    let redis = RedisServer::start();
+    let store = RedisStore::connect(&redis.url()).await.expect("connect");
+    // This thread's own connection, made in the background after its first call.
+    let _ = store.reserve(&scope("warm-up"), &FP, TTL).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    demote_to_nowhere(&redis.url()).await;
+    let mut c = conn(&redis.url()).await;
+    let before = connections_received(&mut c).await;
+    let started = Instant::now();
+    let mut calls = 0;
+    while started.elapsed() < Duration::from_secs(2) {
+        let refused = store
+            .reserve(&scope(&format!("new-{calls}")), &FP, TTL)
+            .await;
+        assert!(
+            matches!(refused, Err(StoreError::Unavailable(_))),
+            "{refused:?}"
+        );
+        calls += 1;
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let made = connections_received(&mut c).await - before;
+    // Two workers' connections and the shared one, each at most once a second, over 2 s.
+    assert!(
+        made <= 10,
+        "{made} connections made to a demoted server in 2 s ({calls} calls)"
+    );
+}
+
+/// A store that connects while Redis refuses writes (here: no replica for
+/// `min-replicas-to-write`; also a full disk, `OOM`, a replica) comes up and serves replays
+/// and 409s, as it did before `connect` probed the write commands: those probes are answered
+/// `NOREPLICAS`, which only a user allowed to run them gets (Redis checks the ACL first). They
+/// failed `connect`, so an instance restarted during the outage could not start (review,
+/// 2026-12-06).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_connects_while_redis_refuses_writes() {
+    let redis = RedisServer::start();
+    let first = RedisStore::connect(&redis.url()).await.expect("connect");
+    let (done, _, busy) = a_completed_and_a_running_record(&first, "refusing").await;
+    require_a_replica(&redis.url()).await;
+    let store = RedisStore::connect(&redis.url())
+        .await
+        .expect("connect while Redis refuses writes");
+    assert_still_answered(&store, &done, &busy).await;
+}
+
+/// Stores whose prefixes nest (`x:` and `x:t:POST:/:`) never touch each other's records: the
+/// connect-time probes of the second write nothing, on a key that no record of any prefix can
+/// have. Its probe key was `x:t:POST:/:permission-probe`, a record key of the first store
+/// (tenant `t`, `POST /`, key `permission-probe`), which `connect` deleted (review,
+/// 2026-12-06).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_never_touches_a_record_of_a_nesting_prefix() {
+    let redis = RedisServer::start();
+    let outer = RedisStore::builder()
+        .key_prefix("x:")
+        .connect(&redis.url())
+        .await
+        .expect("connect");
+    let s = Scope {
+        tenant: "t".into(),
+        method: "POST".into(),
+        path: "/".into(),
+        key: "permission-probe".into(),
+    };
+    let token = match outer.reserve(&s, &FP, TTL).await {
+        Ok(ReserveOutcome::Reserved { token }) => token,
+        other => panic!("expected Reserved, got {other:?}"),
+    };
+    let stored = outer.complete(&s, &token, &response(), TTL).await;
+    assert!(matches!(stored, Ok(WriteOutcome::Applied)), "{stored:?}");
+    let _inner = RedisStore::builder()
+        .key_prefix("x:t:POST:/:")
+        .connect(&redis.url())
+        .await
+        .expect("connect");
+    let replay = outer.reserve(&s, &FP, TTL).await;
+    assert!(
+        matches!(replay, Ok(ReserveOutcome::Completed { .. })),
+        "the record is gone after another store connected: {replay:?}"
+    );
+}
+
 /// A retried `complete` (its first reply lost) that reaches a demoted primary is not confirmed
 /// from that node's data: a demoted primary serves its old dataset until it resyncs, and may
 /// hold a completion the promoted replica never got. Answered `Applied`, the middleware stopped

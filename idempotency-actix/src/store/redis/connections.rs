@@ -185,8 +185,12 @@ where
     /// left the last of them failing the holders' completions and renewals for as many
     /// seconds as there were connections.
     pub(super) fn reached_a_replica(self: &Arc<Self>, origin: &Origin) {
+        // A late answer over a connection already replaced (or marked) must not use up the
+        // second its successor may need.
         let seen = match origin {
+            Origin::Thread(slot) if slot.is_silent() => return,
             Origin::Thread(slot) => slot.replica_seen(),
+            Origin::Shared(i, generation) if self.shared_at(*i).1 != *generation => return,
             Origin::Shared(i, _) => &self.replica_seen[*i],
         };
         if first_this_second(seen) {

@@ -80,6 +80,11 @@ impl ThreadSlot {
     pub(super) fn replica_seen(&self) -> &Mutex<Option<Instant>> {
         &self.0.replica_seen
     }
+
+    /// Whether the connection is already marked for replacement.
+    pub(super) fn is_silent(&self) -> bool {
+        self.0.silent.load(Ordering::Relaxed)
+    }
 }
 
 struct Ready {
@@ -136,8 +141,18 @@ impl PerThread {
                 return Some((conn, ThreadSlot(slot)));
             }
             // Made on a runtime that has shut down, or silent: forget it, make another on
-            // this thread's runtime.
+            // this thread's runtime. The new one inherits when a replica was last seen, or
+            // each reconnection to a server demoted at the same address would be let through
+            // at once by the next `READONLY` (`Connections::reached_a_replica`).
+            let seen = *slot
+                .replica_seen
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
             let fresh = self.replace()?;
+            *fresh
+                .replica_seen
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) = seen;
             self.start(fresh);
             return None;
         }
