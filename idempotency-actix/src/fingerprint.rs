@@ -290,7 +290,7 @@ impl<'a> Parser<'a> {
     /// duplicate keys keep their relative order). Only an object's members are kept, each
     /// already canonical, for the sort: building the whole document as a tree first cost up to
     /// 65 times the body's size for a moment (a body of tiny nested arrays; review,
-    /// 2026-12-06, `tests/fingerprint_memory.rs`). `None` (with `out` partly written) when the
+    /// 2026-12-06, `tests/heap.rs`). `None` (with `out` partly written) when the
     /// text is not JSON this parser accepts or is nested deeper than [`MAX_JSON_DEPTH`].
     fn write_value(&mut self, depth: usize, out: &mut Vec<u8>) -> Option<()> {
         if depth > MAX_JSON_DEPTH {

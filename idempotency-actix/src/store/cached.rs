@@ -330,6 +330,18 @@ impl moka::Expiry<Scope, Arc<Entry>> for UntilRecordEnds {
     ) -> Option<Duration> {
         Some(entry.until.saturating_duration_since(created_at))
     }
+
+    /// An entry replaced (two misses of one scope cached one after the other) ends when its
+    /// new record would: moka's default keeps the old entry's end (review, 2026-12-06).
+    fn expire_after_update(
+        &self,
+        _scope: &Scope,
+        entry: &Arc<Entry>,
+        updated_at: Instant,
+        _duration_until_expiry: Option<Duration>,
+    ) -> Option<Duration> {
+        Some(entry.until.saturating_duration_since(updated_at))
+    }
 }
 
 impl<S: IdempotencyStore> IdempotencyStore for CachedStore<S> {
@@ -431,6 +443,35 @@ mod tests {
 
     use super::*;
     use crate::store::MemoryStore;
+
+    /// A replaced entry ends when its own record would, not when the entry it replaced would
+    /// have (moka's default for an update).
+    #[test]
+    fn a_replaced_entry_ends_with_its_own_record() {
+        use moka::Expiry;
+        let now = Instant::now();
+        let entry = Arc::new(Entry {
+            fingerprint: Fingerprint([1; 32]),
+            response: StoredResponse {
+                status: 200,
+                headers: vec![],
+                body: Bytes::new(),
+            },
+            until: now + Duration::from_secs(10),
+            bytes: 0,
+        });
+        let scope = Scope {
+            tenant: String::new(),
+            method: "POST".into(),
+            path: "/p".into(),
+            key: "k".into(),
+        };
+        let old_end = Some(Duration::from_millis(50));
+        assert_eq!(
+            UntilRecordEnds.expire_after_update(&scope, &entry, now, old_end),
+            Some(Duration::from_secs(10))
+        );
+    }
 
     /// Counts the `reserve` calls that reach the wrapped store (round trips, for a database).
     #[derive(Clone, Default)]

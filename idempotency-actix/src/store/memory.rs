@@ -117,8 +117,10 @@ fn scope_charge(scope: &Scope) -> usize {
 /// handler's side effects happened, which would leave the key reserved and invite a second
 /// execution once the lease ends. (The allowance is for the body, as the middleware's
 /// `max_response_bytes` is; a response's headers come on top of it, and when the store is full
-/// they may take the bound past `max_bytes` by their size, up to one more allowance, rather
-/// than fail the write; new keys are refused until records expire.) The
+/// they may take the bound past `max_bytes` by their size, up to one more allowance for each
+/// reservation completed so (a store full of running requests whose responses all carry
+/// headers that large could reach about twice `max_bytes`), rather than fail the write; new
+/// keys are refused until records expire.) The
 /// price is that each running request holds its allowance of the byte bound. A response larger than the allowance (only when the middleware's
 /// `max_response_bytes` is set above it) needs the difference from free space; without it,
 /// `complete` fails with [`StoreError::ByteCapacity`], the reservation stays, and the
@@ -353,7 +355,7 @@ impl MemoryStore {
     fn probe<'a>(&self, scope: &'a Scope) -> Probe<'a> {
         Probe {
             hash: self.shared.hasher.hash_one(scope),
-            scope: Target::Scope(scope),
+            scope,
         }
     }
 
@@ -378,15 +380,6 @@ impl MemoryStore {
 struct Key {
     hash: u64,
     scope: PackedScope,
-}
-
-impl Key {
-    fn probe(&self) -> Probe<'_> {
-        Probe {
-            hash: self.hash,
-            scope: Target::Packed(&self.scope),
-        }
-    }
 }
 
 /// A record's scope in one shared allocation: tenant, method, path and key, each prefixed with
@@ -462,27 +455,14 @@ fn part_len(part: &str) -> u32 {
 #[derive(Clone, Copy)]
 struct Probe<'a> {
     hash: u64,
-    scope: Target<'a>,
-}
-
-/// What a probe looks for: a request's scope, or a record's own (from the completion queue).
-#[derive(Clone, Copy)]
-enum Target<'a> {
-    Scope(&'a Scope),
-    Packed(&'a PackedScope),
+    scope: &'a Scope,
 }
 
 impl Probe<'_> {
     /// Whether `key` is this scope. The full hashes first: the table matched seven bits of
-    /// them, and comparing the rest costs nothing next to reading the scope. A probe made from
-    /// a record's own key (eviction and sweeping walk the completion queue) usually shares its
-    /// allocation, and `Arc`'s equality answers that from the pointer.
+    /// them, and comparing the rest costs nothing next to reading the scope.
     fn finds(&self, key: &Key) -> bool {
-        key.hash == self.hash
-            && match self.scope {
-                Target::Scope(scope) => key.scope.is(scope),
-                Target::Packed(packed) => *packed == key.scope,
-            }
+        key.hash == self.hash && key.scope.is(self.scope)
     }
 }
 
@@ -563,6 +543,30 @@ impl Records {
         Some(removed)
     }
 
+    /// The record of `generation` among those whose scope hashes to `hash`. A generation is
+    /// given once in the store's life (`Inner::generation`), so it names one record without
+    /// its scope: what lets the completion queue hold no scope.
+    fn of_generation(&self, hash: u64, generation: u64) -> Option<&Record> {
+        self.table(hash)
+            .find(hash, |(key, record)| {
+                key.hash == hash && record.generation == generation
+            })
+            .map(|(_, record)| record)
+    }
+
+    /// Remove the record of `generation` (see [`Records::of_generation`]).
+    fn remove_generation(&mut self, hash: u64, generation: u64) -> Option<(Key, Record)> {
+        let entry = self
+            .table_mut(hash)
+            .find_entry(hash, |(key, record)| {
+                key.hash == hash && record.generation == generation
+            })
+            .ok()?;
+        let (removed, _) = entry.remove();
+        self.len = self.len.saturating_sub(1);
+        Some(removed)
+    }
+
     /// Add the record of a scope that has none.
     fn insert(&mut self, key: Key, record: Record) {
         self.table_mut(key.hash)
@@ -580,10 +584,14 @@ impl Records {
 
 struct Inner {
     records: Records,
-    /// Completed records in completion order, oldest first, with the generation they had then.
-    /// With one TTL this is also expiry order, so sweeping and eviction pop from the front.
-    /// Entries whose record changed since (generation differs) are skipped.
-    completion_order: VecDeque<(Instant, Key, u64)>,
+    /// Completed records in completion order, oldest first: expiry, scope hash, and the
+    /// generation they had then. With one TTL this is also expiry order, so sweeping and
+    /// eviction pop from the front. Entries whose record changed since (generation differs)
+    /// or is gone are skipped. No scope: an entry of a record deleted behind a longer-lived
+    /// one (mixed TTLs) may wait here long after the record, and a scope (up to the request
+    /// line's length) kept alive by each would be memory outside the byte bound (review,
+    /// 2026-12-06).
+    completion_order: VecDeque<(Instant, u64, u64)>,
     limits: Limits,
     /// The sum of the records' charges: at most `limits.max_bytes`, except for the headers of
     /// responses completed while the store was full (at most one allowance per reservation,
@@ -763,6 +771,13 @@ impl Inner {
         Some((key.scope, record))
     }
 
+    /// Remove the record of `generation` (a completion-queue entry's), if it is still there.
+    fn remove_generation(&mut self, hash: u64, generation: u64) -> Option<(PackedScope, Record)> {
+        let (key, record) = self.records.remove_generation(hash, generation)?;
+        self.bytes = self.bytes.saturating_sub(record.charge);
+        Some((key.scope, record))
+    }
+
     /// Bring the record of `scope` up to date at `now`: delete it if it is dead, drop the
     /// allowance of an ended reservation. Afterwards a sweep at `now` would not change it.
     fn settle(&mut self, probe: Probe<'_>, now: Instant) {
@@ -785,15 +800,15 @@ impl Inner {
             if *expires_at > now {
                 break;
             }
-            let Some((_, key, generation)) = self.completion_order.pop_front() else {
+            let Some((_, hash, generation)) = self.completion_order.pop_front() else {
                 break;
             };
             if self
                 .records
-                .get(key.probe())
-                .is_some_and(|r| r.generation == generation && r.is_dead(now, Duration::ZERO))
+                .of_generation(hash, generation)
+                .is_some_and(|r| r.is_dead(now, Duration::ZERO))
             {
-                self.remove(key.probe());
+                self.remove_generation(hash, generation);
             }
         }
         if now.saturating_duration_since(self.last_full_sweep) >= self.limits.sweep_interval {
@@ -811,10 +826,8 @@ impl Inner {
     fn compact_queue_if_stale(&mut self) {
         if self.completion_order.len() > self.records.len().saturating_mul(2) {
             let records = &self.records;
-            self.completion_order.retain(|(_, key, generation)| {
-                records
-                    .get(key.probe())
-                    .is_some_and(|r| r.generation == *generation)
+            self.completion_order.retain(|(_, hash, generation)| {
+                records.of_generation(*hash, *generation).is_some()
             });
         }
     }
@@ -908,12 +921,8 @@ impl Inner {
         // Plan first, so that nothing is evicted when even evicting every completed record
         // would not make room (the rest are reservations).
         let (mut records, mut bytes, mut take) = (0, 0, 0);
-        for (i, (_, key, generation)) in self.completion_order.iter().enumerate() {
-            if let Some(r) = self
-                .records
-                .get(key.probe())
-                .filter(|r| r.generation == *generation)
-            {
+        for (i, (_, hash, generation)) in self.completion_order.iter().enumerate() {
+            if let Some(r) = self.records.of_generation(*hash, *generation) {
                 records += 1;
                 bytes += r.charge;
             }
@@ -925,14 +934,8 @@ impl Inner {
         if take == 0 {
             return Err(self.full(new_record));
         }
-        for (_, key, generation) in self.completion_order.drain(..take).collect::<Vec<_>>() {
-            if self
-                .records
-                .get(key.probe())
-                .is_some_and(|r| r.generation == generation)
-            {
-                evicted.extend(self.remove(key.probe()));
-            }
+        for (_, hash, generation) in self.completion_order.drain(..take).collect::<Vec<_>>() {
+            evicted.extend(self.remove_generation(hash, generation));
         }
         Ok(())
     }
@@ -1116,7 +1119,7 @@ impl IdempotencyStore for MemoryStore {
         let Some((key, record)) = inner.records.get_key_value_mut(probe) else {
             return Ok(WriteOutcome::Stale);
         };
-        let key = key.clone();
+        let hash = key.hash;
         let old = std::mem::replace(&mut record.charge, charge);
         record.generation = generation;
         record.state = State::Completed {
@@ -1127,7 +1130,7 @@ impl IdempotencyStore for MemoryStore {
         inner.note_event(expires_at);
         inner
             .completion_order
-            .push_back((expires_at, key, generation));
+            .push_back((expires_at, hash, generation));
         inner.compact_queue_if_stale();
         drop(inner);
         log_evictions(&evicted, now);
@@ -1767,11 +1770,9 @@ mod tests {
                 }
             }
             assert_eq!(inner.bytes, sum, "{what}: bytes vs the sum of charges");
-            for (_, key, generation) in &inner.completion_order {
-                if let Some(r) = inner.records.get(key.probe()) {
-                    if r.generation == *generation {
-                        assert!(matches!(r.state, State::Completed { .. }), "{what}");
-                    }
+            for (_, hash, generation) in &inner.completion_order {
+                if let Some(r) = inner.records.of_generation(*hash, *generation) {
+                    assert!(matches!(r.state, State::Completed { .. }), "{what}");
                 }
             }
         }

@@ -1,0 +1,140 @@
+//! What the heap really holds, measured with dhat as this binary's global allocator (a test
+//! binary of its own for that), where a bound is stated in bytes:
+//! - the memory a request's fingerprint takes, for hostile JSON bodies (review, 2026-12-06).
+//!   The canonical form of a JSON body used to be built as a tree of values first: 32 bytes a
+//!   node and a `Vec` per array, so a 1 MiB body of tiny nested arrays (` [[[0]]],[[[0]]],...`,
+//!   any body that is not already canonical) took 55-67 MB for a moment, on the worker's
+//!   thread. Now arrays are written as they are read, and only an object's members are kept,
+//!   for the sort;
+//! - the memory a `MemoryStore` keeps beyond what it charges to its byte bound.
+
+use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
+
+use idempotency_actix::store::{
+    IdempotencyStore, MemoryStore, ReserveOutcome, Scope, StoredResponse,
+};
+use idempotency_actix::Fingerprint;
+
+#[global_allocator]
+static ALLOC: dhat::Alloc = dhat::Alloc;
+
+/// The tests of this binary run one after the other, each whole: dhat counts the heap of the
+/// process, so another test allocating meanwhile would count too (and one profiler at a time).
+fn alone() -> MutexGuard<'static, ()> {
+    static ONE: Mutex<()> = Mutex::new(());
+    ONE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The peak heap (bytes) while `body` is fingerprinted as JSON, beyond what was live before.
+fn peak_while_fingerprinting(body: &[u8]) -> usize {
+    let _profiler = dhat::Profiler::builder().testing().build();
+    let before = dhat::HeapStats::get().curr_bytes;
+    let fingerprint = Fingerprint::of_request("POST", "/payments", "", true, body);
+    std::hint::black_box(fingerprint);
+    dhat::HeapStats::get().max_bytes.saturating_sub(before)
+}
+
+#[test]
+fn hostile_json_costs_a_small_multiple_of_its_size() {
+    let _alone = alone();
+    const SIZE: usize = 1 << 20;
+    let repeated = |unit: &str, inner: &str| {
+        // One leading space: not canonical as written, so the full canonicalisation runs.
+        let mut body = String::from(" [");
+        while body.len() < SIZE {
+            body.push_str(unit);
+            body.push(',');
+        }
+        body.push_str(inner);
+        body.push(']');
+        body
+    };
+    let nested = format!("{}0{}", "[".repeat(60), "]".repeat(60));
+    let bodies = [
+        ("flat array", repeated("0", "0")),
+        ("arrays of one", repeated("[0]", "[0]")),
+        ("arrays three deep", repeated("[[[0]]]", "[[[0]]]")),
+        ("arrays 60 deep", repeated(&nested, &nested)),
+        ("objects of one", repeated(r#"{"a":0}"#, r#"{"a":0}"#)),
+        (
+            "objects in objects",
+            repeated(r#"{"b":{"a":[0]}}"#, r#"{"b":{"a":[0]}}"#),
+        ),
+    ];
+    for (what, body) in bodies {
+        let peak = peak_while_fingerprinting(body.as_bytes());
+        assert!(
+            peak <= 4 * body.len(),
+            "{what}: {peak} bytes at peak for a body of {} ({}x)",
+            body.len(),
+            peak / body.len()
+        );
+    }
+}
+
+/// Records deleted behind a longer-lived one (mixed TTLs on one store: routes with their own
+/// `ttl`) left their entries in the completion queue until it was compacted, which happens
+/// only once the entries outnumber twice the records; each entry held its record's scope, a
+/// path as long as the request line allows, outside the byte bound. With a few hundred small
+/// long-lived records, 200 expired records with 32 KiB paths kept some 6.5 MB alive under a
+/// bound that charged 0.2 MB (review, 2026-12-06). The queue now holds no scope.
+#[tokio::test]
+async fn a_memory_store_keeps_no_deleted_records_scope() {
+    let _alone = alone();
+    let _profiler = dhat::Profiler::builder().testing().build();
+    let store = MemoryStore::new();
+    let scope = |path: String, key: &str| Scope {
+        tenant: "t".into(),
+        method: "POST".into(),
+        path,
+        key: key.into(),
+    };
+    let fp = Fingerprint([1; 32]);
+    let response = StoredResponse {
+        status: 201,
+        headers: vec![],
+        body: bytes::Bytes::from_static(b"ok"),
+    };
+    let complete = |s: Scope, ttl: Duration| {
+        let (store, response) = (&store, &response);
+        async move {
+            let Ok(ReserveOutcome::Reserved { token }) =
+                store.reserve(&s, &fp, Duration::from_secs(60)).await
+            else {
+                panic!("not reserved");
+            };
+            store
+                .complete(&s, &token, response, ttl)
+                .await
+                .expect("complete");
+        }
+    };
+    for i in 0..300 {
+        complete(
+            scope("/a".into(), &format!("long-{i}")),
+            Duration::from_secs(3600),
+        )
+        .await;
+    }
+    let long_path = format!("/b/{}", "x".repeat(32 * 1024));
+    for i in 0..200 {
+        complete(
+            scope(long_path.clone(), &format!("short-{i}")),
+            Duration::from_millis(1),
+        )
+        .await;
+    }
+    drop(long_path);
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    assert_eq!(
+        store.purge_expired(Duration::ZERO).await.expect("purge"),
+        200
+    );
+    let charged = store.bytes_used();
+    let live = dhat::HeapStats::get().curr_bytes;
+    assert!(
+        live < charged + 2 * 1024 * 1024,
+        "{live} bytes live for {charged} charged: deleted records' scopes are still held"
+    );
+}
