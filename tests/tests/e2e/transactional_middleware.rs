@@ -685,6 +685,54 @@ async fn a_stale_default_mode_holder_waits_on_a_takeover_no_longer_than_its_quer
     assert_counts(&db, &runs, 1, 1);
 }
 
+/// A transactional request whose `complete` gets no answer within the store's `query_timeout`
+/// is answered (503 `COMMIT_FAILED`) after about that long, not three times that: its
+/// connection is now given up as every statement of the default mode's is (a cancel, and the
+/// pool closes it), where the ROLLBACK and then the session probe each waited out another
+/// timeout behind the unanswered statement, the transaction holding the key's claim all along
+/// (review, 2026-12-06). Nothing is committed either way.
+#[actix_web::test]
+async fn a_complete_without_an_answer_gives_its_connection_up() {
+    use idempotency_e2e::proxy::{at_local_port, host_port, FaultyProxy};
+    let (db, _) = setup().await;
+    let proxy = Arc::new(FaultyProxy::start(host_port(&db.url)).await);
+    let store = PostgresStore::builder(&at_local_port(&db.url, proxy.port()))
+        .query_timeout(Some(Duration::from_millis(800)))
+        .build()
+        .await
+        .unwrap();
+    let muted = Arc::clone(&proxy);
+    let app = test::init_service(App::new().wrap(tx_middleware(&store)).route(
+        "/payments",
+        web::post().to(move |tx: IdempotentTx| {
+            let muted = Arc::clone(&muted);
+            async move {
+                {
+                    let mut conn = tx.conn();
+                    diesel::sql_query("SELECT 1")
+                        .execute(&mut *conn)
+                        .await
+                        .map_err(actix_web::error::ErrorInternalServerError)?;
+                }
+                // The network goes quiet between the handler and the middleware's statements.
+                muted.mute_replies(true);
+                Ok::<_, actix_web::Error>(HttpResponse::Created().finish())
+            }
+        }),
+    ))
+    .await;
+    let started = Instant::now();
+    let answer = send(&app, "mute1", "", 1).await;
+    let took = started.elapsed();
+    proxy.mute_replies(false);
+    assert_problem(&answer, "COMMIT_FAILED", "complete not answered");
+    assert!(
+        took < Duration::from_millis(1600),
+        "answered after {took:?} (query_timeout 800 ms)"
+    );
+    assert_eq!(payments(&db), 0);
+}
+
 /// With `wait_for_in_flight`, the duplicate waits for the first transaction and replays it.
 #[actix_web::test]
 async fn wait_mode_replays_after_the_first_commits() {

@@ -292,8 +292,7 @@ impl PostgresStore {
             Some(limit) => tokio::time::timeout(limit, statement(&mut *conn))
                 .await
                 .unwrap_or_else(|_| {
-                    self.cancel(conn);
-                    abandon(conn);
+                    self.give_up(conn);
                     Err(StoreError::Unavailable(Box::new(TimedOut(limit))))
                 }),
         };
@@ -304,6 +303,14 @@ impl PostgresStore {
             self.provisioned.store(false, Ordering::Relaxed);
         }
         result
+    }
+
+    /// After a statement on `conn` timed out: ask the server to cancel it, and mark the
+    /// connection broken so that the pool closes it (whatever it still runs, its session's
+    /// transaction and locks end with it) instead of queueing the next statement behind it.
+    pub(super) fn give_up(&self, conn: &mut AsyncPgConnection) {
+        self.cancel(conn);
+        abandon(conn);
     }
 
     /// Ask the server to cancel what `conn` still runs: a cancel request on a task of its

@@ -214,13 +214,20 @@ pub(crate) async fn complete(
         None => statement.await,
         Some(limit) => match tokio::time::timeout(limit, statement).await {
             Ok(result) => result,
-            Err(_) => Err(DieselError::DatabaseError(
-                DatabaseErrorKind::ClosedConnection,
-                Box::new(format!(
-                    "the database did not answer within {} ms",
-                    limit.as_millis()
-                )),
-            )),
+            Err(_) => {
+                // As every statement of the default mode (`PostgresStore::timed`): without
+                // it the ROLLBACK and the session probe queued behind the statement still
+                // waiting, each for another timeout, while the transaction held the key's
+                // claim (review, 2026-12-06). Nothing is committed either way.
+                store.give_up(conn);
+                Err(DieselError::DatabaseError(
+                    DatabaseErrorKind::ClosedConnection,
+                    Box::new(format!(
+                        "the database did not answer within {} ms",
+                        limit.as_millis()
+                    )),
+                ))
+            }
         },
     };
     executed.map(|rows| {
@@ -424,7 +431,11 @@ pub(crate) async fn select_one(
     match checked {
         Ok(Ok(())) => Ok(()),
         Ok(Err(error)) => Err(error.to_string()),
-        Err(_) => Err("SELECT 1 was not answered in time".to_owned()),
+        Err(_) => {
+            // Not lent again with the `SELECT 1` still pending.
+            store.give_up(conn);
+            Err("SELECT 1 was not answered in time".to_owned())
+        }
     }
 }
 
@@ -501,6 +512,9 @@ async fn commit_error(
 /// recognises as broken (an open or failed transaction), so it is closed, not reused, and
 /// PostgreSQL rolls the transaction back when the session ends.
 pub(crate) async fn rollback(store: &PostgresStore, conn: &mut AsyncPgConnection) {
+    if given_up(conn) {
+        return; // closed by the pool; the server rolls back when the session ends
+    }
     let rolled_back = match store.query_timeout {
         None => Ok(AnsiTransactionManager::rollback_transaction(conn).await),
         Some(limit) => {
@@ -513,9 +527,18 @@ pub(crate) async fn rollback(store: &PostgresStore, conn: &mut AsyncPgConnection
             tracing::warn!(target: "idempotency_actix", %error, "ROLLBACK failed; the connection is discarded (the server rolls back when it closes)");
         }
         Err(_) => {
+            store.give_up(conn);
             tracing::warn!(target: "idempotency_actix", "ROLLBACK not answered in time; the connection is discarded");
         }
     }
+}
+
+/// Whether `conn` was marked broken ([`abandon`]): nothing more is sent on it.
+fn given_up(conn: &mut AsyncPgConnection) -> bool {
+    matches!(
+        AnsiTransactionManager::transaction_manager_status_mut(conn),
+        TransactionManagerStatus::InError
+    )
 }
 
 /// After one of the middleware's own statements (the claim, the tenant setting, `complete`)
@@ -537,6 +560,9 @@ pub(crate) async fn discard_if_altered(
     conn: &mut AsyncPgConnection,
     failure: &dyn std::fmt::Display,
 ) -> bool {
+    if given_up(conn) {
+        return true;
+    }
     let statement_gone = names_a_prepared_statement(&failure.to_string());
     let altered = statement_gone
         || store
