@@ -50,7 +50,9 @@
 //! If the store fails *after* your handler ran (the database goes away between the two
 //! statements), the client still gets your response and the key stays reserved (a retry gets
 //! 409) while the middleware keeps trying to store the response until the lease
-//! (`lock_timeout`, 60 s) ends. If the store is back by then, retries get the replay; if it is
+//! (`lock_timeout`, 60 s) ends; while the store still answers (only its writes of responses
+//! fail), it renews the lease between tries, up to `renew_lease_up_to` (10 minutes). If the
+//! store is back by then, retries get the replay; if it is
 //! still down, a retry after the lease runs the handler again. Handlers that move money should
 //! therefore also be idempotent downstream (pass the key on to the payment provider, with the
 //! tenant: see [`IdempotencyKey`]). See

@@ -35,8 +35,9 @@
 //!
 //! ### scope-too-long
 //! `SCOPE_TOO_LONG`, 400: the request's scope (tenant, method, path and key, added) is longer
-//! than the store can record (`PostgresStore`: 2,600 bytes; the memory and Redis stores have no
-//! limit). Nothing was reserved or run, and a retry gets the same answer: use a shorter path
+//! than the store can record (`PostgresStore`: 2,600 bytes; `MemoryStore`: what its byte bound
+//! leaves beside one response allowance, about 255 MiB with the defaults; `CachedStore`: its
+//! inner store's; `RedisStore`: no limit). Nothing was reserved or run, and a retry gets the same answer: use a shorter path
 //! (or tenant, or key).
 //!
 //! ### payload-too-large
