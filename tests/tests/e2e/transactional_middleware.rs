@@ -696,7 +696,7 @@ async fn a_complete_without_an_answer_gives_its_connection_up() {
     use idempotency_e2e::proxy::{at_local_port, host_port, FaultyProxy};
     let (db, _) = setup().await;
     let proxy = Arc::new(FaultyProxy::start(host_port(&db.url)).await);
-    let store = PostgresStore::builder(&at_local_port(&db.url, proxy.port()))
+    let store = PostgresStore::builder(at_local_port(&db.url, proxy.port()))
         .query_timeout(Some(Duration::from_millis(800)))
         .build()
         .await
