@@ -1088,6 +1088,37 @@ async fn keyed_requests_without_a_tenant_are_refused() {
     assert_eq!(counter.get(), 1);
 }
 
+/// A tenant source that panics (an `unwrap` on a header the client left out) is the app's bug;
+/// the client gets 400 `MISSING_TENANT` rather than a reset connection, and the request never
+/// falls back to the global scope, even with the opt-in. It was called bare, and its panic
+/// took the connection down (review, 2026-12-06).
+#[actix_web::test]
+async fn a_tenant_source_that_panics_is_a_missing_tenant() {
+    let counter = Counter::default();
+    let app = app_with(&counter, |b| {
+        b.tenant(|req| {
+            let header = req
+                .headers()
+                .get("x-org")
+                .map(|v| v.to_str().map(str::to_owned));
+            header.expect("the gateway always sets x-org").ok()
+        })
+        .missing_tenant_uses_global_scope(true)
+    })
+    .await;
+    let refused = send(&app, post("/echo", "k").set_payload("a")).await;
+    refused.assert_problem(400, "MISSING_TENANT");
+    assert_eq!(counter.get(), 0, "the handler ran without a tenant");
+    let scoped = send(
+        &app,
+        post("/echo", "k")
+            .insert_header(("x-org", "o1"))
+            .set_payload("a"),
+    )
+    .await;
+    assert_eq!(scoped.status, StatusCode::CREATED);
+}
+
 /// A gateway that appends its tenant header after one the client sent (instead of replacing
 /// it) leaves two values; the first is the client's. Taking it would let a client pick another
 /// tenant's scope and replay its records (C3), so a repeated tenant header is no tenant.

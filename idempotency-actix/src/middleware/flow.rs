@@ -520,14 +520,24 @@ where
         let Some(source) = &self.config.tenant else {
             return Ok(String::new());
         };
-        match source(req).filter(|tenant| !tenant.is_empty()) {
-            Some(tenant) => Ok(tenant),
-            None if self.config.missing_tenant_uses_global_scope => Ok(String::new()),
-            None => Err(Problem::new(
+        let missing = || {
+            Problem::new(
                 ProblemCode::MissingTenant,
                 "the tenant of this request could not be determined, so its Idempotency-Key \
                  cannot be scoped; the request was not processed",
-            )),
+            )
+        };
+        // A source that panics (an `unwrap` on a header the client left out) is the app's
+        // bug: the client gets a problem document rather than a reset connection, and the
+        // request never falls back to the global scope, whatever the opt-in says.
+        let Ok(found) = catch_unwind(AssertUnwindSafe(|| source(req))) else {
+            tracing::error!(target: "idempotency_actix", outcome = "missing_tenant", "the tenant source panicked; the request is refused as one without a tenant");
+            return Err(missing());
+        };
+        match found.filter(|tenant| !tenant.is_empty()) {
+            Some(tenant) => Ok(tenant),
+            None if self.config.missing_tenant_uses_global_scope => Ok(String::new()),
+            None => Err(missing()),
         }
     }
 
@@ -921,7 +931,9 @@ where
                     // lease ends rather than invite a second execution (C16). The detail stays
                     // in the log; the client's connection is aborted.
                     renewal.stop();
-                    tracing::error!(target: "idempotency_actix", outcome = "body_error", %error, "response body failed after its head was sent; connection aborted, reservation left to its lease");
+                    // Escaped: a handler's error often quotes what the client sent.
+                    let error = error.to_string();
+                    tracing::error!(target: "idempotency_actix", outcome = "body_error", error = %LogText(&error), "response body failed after its head was sent; connection aborted, reservation left to its lease");
                     if let Some(client) = client {
                         client.fail();
                     }

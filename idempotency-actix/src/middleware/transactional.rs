@@ -843,7 +843,9 @@ where
         Ok(Err(error)) => {
             sql::rollback(&tx.store, &mut conn).await;
             let error: Box<dyn std::error::Error> = error.into();
-            tracing::error!(target: "idempotency_actix", outcome = "rolled_back", %error, "the response body failed; the transaction was rolled back");
+            // Escaped: a handler's error often quotes what the client sent.
+            let error = error.to_string();
+            tracing::error!(target: "idempotency_actix", outcome = "rolled_back", error = %LogText(&error), "the response body failed; the transaction was rolled back");
             outcome(Outcome::RolledBack, StatusCode::INTERNAL_SERVER_ERROR);
             return After::Answer(Err(opaque_500("the response body failed")));
         }

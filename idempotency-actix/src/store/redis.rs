@@ -1211,19 +1211,40 @@ fn micros(duration: Duration) -> u64 {
         .min(MAX_DURATION_US)
 }
 
-/// A connect-time probe's answer: whether the user may run `command`. Redis checks the ACL
-/// before anything else that refuses a command (`OOM`, `MISCONF`, `NOREPLICAS`, `READONLY`,
-/// `LOADING`), so any answer but `NOPERM` means it may: a store connecting while Redis refuses
-/// writes comes up, and serves replays and 409s meanwhile (the read-only fallbacks), as it did
-/// before these probes. No answer (a connection error) is [`StoreError::Unavailable`].
+/// A connect-time probe's answer: whether `command` can run for this store. Redis checks the
+/// ACL before the states that refuse a command for a while (`OOM`, `MISCONF`, `NOREPLICAS`,
+/// `READONLY`, `LOADING`, ...), so one of those means the user may: a store connecting while
+/// Redis refuses writes comes up, and serves replays and 409s meanwhile (the read-only
+/// fallbacks), as it did before these probes. `NOPERM` refuses, as does anything Redis says
+/// before the ACL check (`ERR unknown command`: a renamed command; `ERR syntax error`: a Redis
+/// too old for `SET ... GET`), which the request path would meet too. No answer (a connection
+/// error) is [`StoreError::Unavailable`].
 fn permitted<T>(command: &str, answer: Result<T, RedisError>) -> Result<(), StoreError> {
+    const FOR_A_WHILE: &[&str] = &[
+        "OOM",
+        "MISCONF",
+        "READONLY",
+        "NOREPLICAS",
+        "LOADING",
+        "BUSY",
+        "MASTERDOWN",
+        "CLUSTERDOWN",
+        "TRYAGAIN",
+    ];
     match answer {
         Ok(_) => Ok(()),
         Err(e) if e.code() == Some("NOPERM") => Err(not_permitted(command, &e)),
         Err(e) if e.is_io_error() || e.is_timeout() || e.is_connection_dropped() => {
             Err(classify(e))
         }
-        Err(_) => Ok(()),
+        Err(e) if e.code().is_some_and(|code| FOR_A_WHILE.contains(&code)) => Ok(()),
+        Err(e) => Err(StoreError::Backend(
+            format!(
+                "Redis refused {command}, which RedisStore needs on the request path \
+                 (docs/redis.md, \"Permissions\"): {e}"
+            )
+            .into(),
+        )),
     }
 }
 

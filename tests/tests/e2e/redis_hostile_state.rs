@@ -542,6 +542,18 @@ async fn a_user_without_evalsha_or_time_is_refused_at_connect() {
     }
 }
 
+/// A Redis without a command the store needs (renamed away with `rename-command`, as some
+/// hardened setups do) fails `connect`, naming it: every request would fail on it. The probe
+/// of the first version took any refusal but `NOPERM` for permission (review, 2026-12-06).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_without_a_command_the_store_needs_is_refused_at_connect() {
+    let redis = RedisServer::start_with(&["--rename-command", "GETRANGE", ""]);
+    match RedisStore::connect(&redis.url()).await {
+        Ok(_) => panic!("connect accepted a Redis without GETRANGE"),
+        Err(e) => assert!(e.to_string().contains("GETRANGE"), "{e}"),
+    }
+}
+
 /// A user without `SCRIPT LOAD` on a server whose script cache another instance filled: the
 /// scripts run by hash until Redis restarts or fails over, and then none can load again, and
 /// every `complete` and `release` fails. `connect` loads every script itself, so it refuses

@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
+use diesel::connection::TransactionManagerStatus;
 use diesel_async::{AnsiTransactionManager, AsyncPgConnection, TransactionManager};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, SemaphorePermit};
 
@@ -287,6 +288,11 @@ impl PostgresStore {
         conn: &mut AsyncPgConnection,
         statement: impl AsyncFnOnce(&mut AsyncPgConnection) -> Result<T, StoreError>,
     ) -> Result<T, StoreError> {
+        if given_up(conn) {
+            return Err(StoreError::unavailable(
+                "the connection was given up (a statement not answered in time)",
+            ));
+        }
         let result = match self.query_timeout {
             None => statement(conn).await,
             Some(limit) => tokio::time::timeout(limit, statement(&mut *conn))
@@ -476,6 +482,15 @@ pub(super) fn decode_reserve_row(
 pub(super) fn abandon(conn: &mut AsyncPgConnection) {
     <AnsiTransactionManager as TransactionManager<AsyncPgConnection>>::transaction_manager_status_mut(conn)
         .set_in_error();
+}
+
+/// Whether `conn` was marked broken ([`abandon`]): nothing more is sent on it, since a
+/// statement would queue behind the one it gave up on (and a pending cancel could reach it).
+pub(super) fn given_up(conn: &mut AsyncPgConnection) -> bool {
+    matches!(
+        <AnsiTransactionManager as TransactionManager<AsyncPgConnection>>::transaction_manager_status_mut(conn),
+        TransactionManagerStatus::InError
+    )
 }
 
 pub(super) fn corrupt(what: &str) -> StoreError {

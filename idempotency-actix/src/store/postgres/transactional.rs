@@ -36,7 +36,7 @@ use diesel_async::{
 use super::error::classify_error;
 use super::lifetime;
 use super::sql::{self, Completion, Reserve, SetTenant, TxClaim};
-use super::store::{abandon, corrupt, decode_reserve_row, scope_binds};
+use super::store::{abandon, corrupt, decode_reserve_row, given_up, scope_binds};
 use super::{micros, PostgresStore};
 use crate::store::{
     Fingerprint, ReservationToken, ReserveOutcome, Scope, StoreError, StoredResponse, WriteOutcome,
@@ -423,6 +423,10 @@ pub(crate) async fn select_one(
     store: &PostgresStore,
     conn: &mut AsyncPgConnection,
 ) -> Result<(), String> {
+    if given_up(conn) {
+        // Its last statement went unanswered: a `SELECT 1` would wait behind it.
+        return Err("the connection was given up (a statement not answered in time)".to_owned());
+    }
     let check = conn.batch_execute("SELECT 1");
     let checked = match store.query_timeout {
         None => Ok(check.await),
@@ -533,14 +537,6 @@ pub(crate) async fn rollback(store: &PostgresStore, conn: &mut AsyncPgConnection
     }
 }
 
-/// Whether `conn` was marked broken ([`abandon`]): nothing more is sent on it.
-fn given_up(conn: &mut AsyncPgConnection) -> bool {
-    matches!(
-        AnsiTransactionManager::transaction_manager_status_mut(conn),
-        TransactionManagerStatus::InError
-    )
-}
-
 /// After one of the middleware's own statements (the claim, the tenant setting, `complete`)
 /// failed on `conn` with `failure` for a reason other than a serialization failure, and its
 /// transaction was rolled back: close the connection when it goes back to the pool, instead of
@@ -561,7 +557,9 @@ pub(crate) async fn discard_if_altered(
     failure: &dyn std::fmt::Display,
 ) -> bool {
     if given_up(conn) {
-        return true;
+        // Already closed by the pool when it comes back, for a statement not answered in
+        // time: not a session a handler altered (the caller reports its own error).
+        return false;
     }
     let statement_gone = names_a_prepared_statement(&failure.to_string());
     let altered = statement_gone

@@ -190,7 +190,12 @@ where
         let seen = match origin {
             Origin::Thread(slot) if slot.is_silent() => return,
             Origin::Thread(slot) => slot.replica_seen(),
-            Origin::Shared(i, generation) if self.shared_at(*i).1 != *generation => return,
+            Origin::Shared(i, generation)
+                if self.shared_at(*i).1 != *generation
+                    || self.remaking[*i].load(Ordering::Acquire) =>
+            {
+                return
+            }
             Origin::Shared(i, _) => &self.replica_seen[*i],
         };
         if first_this_second(seen) {
