@@ -162,6 +162,20 @@ impl Config {
         })
     }
 
+    /// The configured tenant source's answer for `req`, not yet checked for `""` (`Ok(None)`
+    /// without a source). `Err(())` when the source panicked: the app's bug (an `unwrap` on a
+    /// header the client left out), caught so that the client gets an answer rather than a
+    /// reset connection; a keyed request is then refused, never given the global scope. At
+    /// `warn`, as one line per request like the other refusals a client can cause.
+    pub(crate) fn tenant_of(&self, req: &ServiceRequest) -> Result<Option<String>, ()> {
+        let Some(source) = &self.tenant else {
+            return Ok(None);
+        };
+        catch_unwind(AssertUnwindSafe(|| source(req))).map_err(|_| {
+            tracing::warn!(target: "idempotency_actix", outcome = "missing_tenant", path = %crate::log_text::LogText(req.path()), "the tenant source panicked; taken as no tenant (a keyed request is refused)");
+        })
+    }
+
     pub(crate) fn problem(&self, mut problem: Problem) -> HttpResponse {
         problem.type_base = self.problem_type_base.clone();
         match &self.problem_renderer {

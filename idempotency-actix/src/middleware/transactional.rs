@@ -549,10 +549,12 @@ where
     B: MessageBody + 'static,
 {
     let config = &flow.config;
+    // Keyless: no tenant (nor a panicking source) refuses nothing; the transaction then has
+    // no tenant setting.
     let tenant = config
-        .tenant
-        .as_ref()
-        .and_then(|source| source(&req))
+        .tenant_of(&req)
+        .ok()
+        .flatten()
         .filter(|tenant| !tenant.is_empty());
     let mut conn = match open(tx, idle_limit(config)).await {
         Ok(conn) => conn,

@@ -1220,24 +1220,12 @@ fn micros(duration: Duration) -> u64 {
 /// too old for `SET ... GET`), which the request path would meet too. No answer (a connection
 /// error) is [`StoreError::Unavailable`].
 fn permitted<T>(command: &str, answer: Result<T, RedisError>) -> Result<(), StoreError> {
-    const FOR_A_WHILE: &[&str] = &[
-        "OOM",
-        "MISCONF",
-        "READONLY",
-        "NOREPLICAS",
-        "LOADING",
-        "BUSY",
-        "MASTERDOWN",
-        "CLUSTERDOWN",
-        "TRYAGAIN",
-    ];
     match answer {
         Ok(_) => Ok(()),
         Err(e) if e.code() == Some("NOPERM") => Err(not_permitted(command, &e)),
-        Err(e) if e.is_io_error() || e.is_timeout() || e.is_connection_dropped() => {
-            Err(classify(e))
-        }
-        Err(e) if e.code().is_some_and(|code| FOR_A_WHILE.contains(&code)) => Ok(()),
+        Err(e) if e.code().is_some_and(|code| TRANSIENT.contains(&code)) => Ok(()),
+        // No answer from Redis (a connection error, a cluster node not reachable): not now.
+        Err(e) if e.code().is_none() => Err(StoreError::Unavailable(Box::new(e))),
         Err(e) => Err(StoreError::Backend(
             format!(
                 "Redis refused {command}, which RedisStore needs on the request path \
@@ -1259,27 +1247,30 @@ fn not_permitted(command: &str, error: &RedisError) -> StoreError {
     )
 }
 
+/// The error codes that mean "not now": Redis refuses for a while (and, for the connect-time
+/// probes, after its ACL check) or a cluster moves.
+const TRANSIENT: &[&str] = &[
+    "LOADING",
+    "BUSY",
+    "READONLY",
+    "OOM",
+    "MASTERDOWN",
+    "CLUSTERDOWN",
+    "TRYAGAIN",
+    "NOREPLICAS",
+    "MISCONF",
+    "MOVED",
+    "ASK",
+    // A blocked `WAIT` whose primary was demoted meanwhile: a failover under way.
+    "UNBLOCKED",
+    // The script cache emptied again between the client's reload and its retry (a
+    // `SCRIPT FLUSH`, a restart, a failover to a replica that never loaded it): nothing
+    // ran, and the next call loads it again.
+    "NOSCRIPT",
+];
+
 /// Map a Redis error: everything that means "not now" is [`StoreError::Unavailable`].
 fn classify(err: RedisError) -> StoreError {
-    const TRANSIENT: &[&str] = &[
-        "LOADING",
-        "BUSY",
-        "READONLY",
-        "OOM",
-        "MASTERDOWN",
-        "CLUSTERDOWN",
-        "TRYAGAIN",
-        "NOREPLICAS",
-        "MISCONF",
-        "MOVED",
-        "ASK",
-        // A blocked `WAIT` whose primary was demoted meanwhile: a failover under way.
-        "UNBLOCKED",
-        // The script cache emptied again between the client's reload and its retry (a
-        // `SCRIPT FLUSH`, a restart, a failover to a replica that never loaded it): nothing
-        // ran, and the next call loads it again.
-        "NOSCRIPT",
-    ];
     // `WAIT` sent to a node demoted since the write ("ERR WAIT cannot be used with replica
     // instances"): a failover under way, as `UNBLOCKED` is.
     let wait_on_a_replica = err.code() == Some("ERR")

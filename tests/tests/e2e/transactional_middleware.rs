@@ -733,6 +733,32 @@ async fn a_complete_without_an_answer_gives_its_connection_up() {
     assert_eq!(payments(&db), 0);
 }
 
+/// A tenant source that panics (an `unwrap` on a header the client left out) on a keyless
+/// transactional request: the request runs without a tenant setting, as one whose source finds
+/// none does; a keyed one is refused with 400 `MISSING_TENANT`. The keyless path called the
+/// source bare and its panic reset the connection (review, 2026-12-06).
+#[actix_web::test]
+async fn a_tenant_source_that_panics_refuses_keyed_and_passes_keyless_requests() {
+    let (db, _store, runs, app) = setup_pay(|store| {
+        tx_builder(store)
+            .tenant(|req| {
+                let org = req
+                    .headers()
+                    .get("x-org")
+                    .expect("the gateway always sets x-org");
+                org.to_str().ok().map(str::to_owned)
+            })
+            .build()
+    })
+    .await;
+    let keyless = send_as(&app, None, "", 1).await;
+    assert_created(&keyless);
+    let keyed = send(&app, "tp1", "", 1).await;
+    assert_code(&keyed, StatusCode::BAD_REQUEST, "MISSING_TENANT", "keyed");
+    assert_eq!(runs.get(), 1);
+    assert_eq!(payments(&db), 1);
+}
+
 /// With `wait_for_in_flight`, the duplicate waits for the first transaction and replays it.
 #[actix_web::test]
 async fn wait_mode_replays_after_the_first_commits() {

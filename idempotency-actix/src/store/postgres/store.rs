@@ -290,7 +290,7 @@ impl PostgresStore {
     ) -> Result<T, StoreError> {
         if given_up(conn) {
             return Err(StoreError::unavailable(
-                "the connection was given up (a statement not answered in time)",
+                "the connection was marked broken; nothing more is sent on it",
             ));
         }
         let result = match self.query_timeout {

@@ -424,8 +424,8 @@ pub(crate) async fn select_one(
     conn: &mut AsyncPgConnection,
 ) -> Result<(), String> {
     if given_up(conn) {
-        // Its last statement went unanswered: a `SELECT 1` would wait behind it.
-        return Err("the connection was given up (a statement not answered in time)".to_owned());
+        // Its last statement may be unanswered: a `SELECT 1` would wait behind it.
+        return Err("the connection was marked broken; nothing more is sent on it".to_owned());
     }
     let check = conn.batch_execute("SELECT 1");
     let checked = match store.query_timeout {
