@@ -376,7 +376,6 @@ impl MemoryStore {
 }
 
 /// A record's scope with its hash, computed once.
-#[derive(Clone)]
 struct Key {
     hash: u64,
     scope: PackedScope,
@@ -389,7 +388,7 @@ struct Key {
 /// freed per record, and five pointers to follow when a lookup compares a record's scope,
 /// each a likely cache miss under the store's lock. Packed, a record keeps one allocation
 /// (built through one temporary buffer) and one `memcmp`-able run of bytes.
-#[derive(Clone, PartialEq, Eq)]
+#[derive(PartialEq, Eq)]
 struct PackedScope(Arc<[u8]>);
 
 impl PackedScope {
@@ -490,6 +489,11 @@ struct Records {
 
 type Table = HashTable<(Key, Record)>;
 
+/// Picks the record of `generation` among the entries of `hash` ([`Records::of_generation`]).
+fn of_generation(hash: u64, generation: u64) -> impl Fn(&(Key, Record)) -> bool {
+    move |(key, record)| key.hash == hash && record.generation == generation
+}
+
 /// See [`Records`]. A power of two, so the modulo is a mask.
 const TABLES: usize = 64;
 
@@ -534,13 +538,7 @@ impl Records {
     }
 
     fn remove(&mut self, probe: Probe<'_>) -> Option<(Key, Record)> {
-        let entry = self
-            .table_mut(probe.hash)
-            .find_entry(probe.hash, |(key, _)| probe.finds(key))
-            .ok()?;
-        let (removed, _) = entry.remove();
-        self.len = self.len.saturating_sub(1);
-        Some(removed)
+        self.remove_where(probe.hash, |(key, _)| probe.finds(key))
     }
 
     /// The record of `generation` among those whose scope hashes to `hash`. A generation is
@@ -548,21 +546,22 @@ impl Records {
     /// its scope: what lets the completion queue hold no scope.
     fn of_generation(&self, hash: u64, generation: u64) -> Option<&Record> {
         self.table(hash)
-            .find(hash, |(key, record)| {
-                key.hash == hash && record.generation == generation
-            })
+            .find(hash, of_generation(hash, generation))
             .map(|(_, record)| record)
     }
 
     /// Remove the record of `generation` (see [`Records::of_generation`]).
     fn remove_generation(&mut self, hash: u64, generation: u64) -> Option<(Key, Record)> {
-        let entry = self
-            .table_mut(hash)
-            .find_entry(hash, |(key, record)| {
-                key.hash == hash && record.generation == generation
-            })
-            .ok()?;
-        let (removed, _) = entry.remove();
+        self.remove_where(hash, of_generation(hash, generation))
+    }
+
+    /// Remove the entry of `hash` that `is` picks.
+    fn remove_where(
+        &mut self,
+        hash: u64,
+        is: impl FnMut(&(Key, Record)) -> bool,
+    ) -> Option<(Key, Record)> {
+        let (removed, _) = self.table_mut(hash).find_entry(hash, is).ok()?.remove();
         self.len = self.len.saturating_sub(1);
         Some(removed)
     }
@@ -766,14 +765,19 @@ impl Inner {
     }
 
     fn remove(&mut self, probe: Probe<'_>) -> Option<(PackedScope, Record)> {
-        let (key, record) = self.records.remove(probe)?;
-        self.bytes = self.bytes.saturating_sub(record.charge);
-        Some((key.scope, record))
+        let removed = self.records.remove(probe);
+        self.uncharge(removed)
     }
 
     /// Remove the record of `generation` (a completion-queue entry's), if it is still there.
     fn remove_generation(&mut self, hash: u64, generation: u64) -> Option<(PackedScope, Record)> {
-        let (key, record) = self.records.remove_generation(hash, generation)?;
+        let removed = self.records.remove_generation(hash, generation);
+        self.uncharge(removed)
+    }
+
+    /// Give a removed record's bytes back to the bound.
+    fn uncharge(&mut self, removed: Option<(Key, Record)>) -> Option<(PackedScope, Record)> {
+        let (key, record) = removed?;
         self.bytes = self.bytes.saturating_sub(record.charge);
         Some((key.scope, record))
     }

@@ -289,9 +289,7 @@ impl PostgresStore {
         statement: impl AsyncFnOnce(&mut AsyncPgConnection) -> Result<T, StoreError>,
     ) -> Result<T, StoreError> {
         if given_up(conn) {
-            return Err(StoreError::unavailable(
-                "the connection was marked broken; nothing more is sent on it",
-            ));
+            return Err(StoreError::unavailable(GIVEN_UP));
         }
         let result = match self.query_timeout {
             None => statement(conn).await,
@@ -483,6 +481,9 @@ pub(super) fn abandon(conn: &mut AsyncPgConnection) {
     <AnsiTransactionManager as TransactionManager<AsyncPgConnection>>::transaction_manager_status_mut(conn)
         .set_in_error();
 }
+
+/// Why nothing is sent on a connection [`given_up`] says is broken.
+pub(super) const GIVEN_UP: &str = "the connection was marked broken; nothing more is sent on it";
 
 /// Whether `conn` was marked broken ([`abandon`]): nothing more is sent on it, since a
 /// statement would queue behind the one it gave up on (and a pending cancel could reach it).

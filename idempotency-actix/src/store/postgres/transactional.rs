@@ -36,7 +36,7 @@ use diesel_async::{
 use super::error::classify_error;
 use super::lifetime;
 use super::sql::{self, Completion, Reserve, SetTenant, TxClaim};
-use super::store::{abandon, corrupt, decode_reserve_row, given_up, scope_binds};
+use super::store::{abandon, corrupt, decode_reserve_row, given_up, scope_binds, GIVEN_UP};
 use super::{micros, PostgresStore};
 use crate::store::{
     Fingerprint, ReservationToken, ReserveOutcome, Scope, StoreError, StoredResponse, WriteOutcome,
@@ -425,7 +425,7 @@ pub(crate) async fn select_one(
 ) -> Result<(), String> {
     if given_up(conn) {
         // Its last statement may be unanswered: a `SELECT 1` would wait behind it.
-        return Err("the connection was marked broken; nothing more is sent on it".to_owned());
+        return Err(GIVEN_UP.to_owned());
     }
     let check = conn.batch_execute("SELECT 1");
     let checked = match store.query_timeout {
