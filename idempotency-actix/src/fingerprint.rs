@@ -59,7 +59,7 @@ impl Fingerprint {
         match canonical {
             Some(canonical) => {
                 hasher.update([TAG_JSON]);
-                hasher.update(&*canonical);
+                canonical.write_to(&mut |part| hasher.update(part));
             }
             None => {
                 hasher.update([if json { TAG_JSON_RAW } else { TAG_RAW }]);
@@ -117,7 +117,7 @@ pub fn is_json_content_type(content_type: &str) -> bool {
 /// The canonical form of a JSON document, or `None` if `body` is not JSON this function can
 /// canonicalise (invalid UTF-8, invalid JSON, nested deeper than [`MAX_JSON_DEPTH`]).
 pub fn canonical_json(body: &[u8]) -> Option<Vec<u8>> {
-    canonicalise(std::str::from_utf8(body).ok()?)
+    canonicalise(std::str::from_utf8(body).ok()?).map(Rewritten::into_vec)
 }
 
 /// Whether `body` is JSON that is its own canonical form: compact (no whitespace), no escape
@@ -132,21 +132,213 @@ pub fn is_canonical_json(body: &[u8]) -> bool {
 /// (checked in one pass that allocates nothing: building and writing the document's tree was
 /// the largest part of the middleware's own work on a small body, `docs/benchmarks.md`), else
 /// its canonical form. The same bytes either way; `None` as for [`canonical_json`].
-fn canonical_form(body: &[u8]) -> Option<Cow<'_, [u8]>> {
+fn canonical_form(body: &[u8]) -> Option<CanonicalBody<'_>> {
     let text = std::str::from_utf8(body).ok()?;
     if Parser::new(text).is_canonical_document() {
-        Some(Cow::Borrowed(body))
+        Some(CanonicalBody::AsSent(body))
     } else {
-        canonicalise(text).map(Cow::Owned)
+        canonicalise(text).map(CanonicalBody::Rewritten)
     }
 }
 
-fn canonicalise(text: &str) -> Option<Vec<u8>> {
-    let mut parser = Parser::new(text);
-    let mut out = Vec::with_capacity(text.len());
-    parser.write_value(0, &mut out)?;
-    parser.skip_ws();
-    (parser.pos == parser.s.len()).then_some(out)
+/// A JSON body's canonical form, as the fingerprint reads it: in parts, so that a rewritten
+/// body whose objects had to be sorted is hashed without being copied once more.
+enum CanonicalBody<'a> {
+    /// The body is its own canonical form.
+    AsSent(&'a [u8]),
+    /// The body rewritten.
+    Rewritten(Rewritten),
+}
+
+impl CanonicalBody<'_> {
+    fn write_to(&self, sink: &mut impl FnMut(&[u8])) {
+        match self {
+            Self::AsSent(body) => sink(body),
+            Self::Rewritten(rewritten) => rewritten.write_to(sink),
+        }
+    }
+}
+
+fn canonicalise(text: &str) -> Option<Rewritten> {
+    // Every position in the canonical text fits a `u32` when the text is at most a third of
+    // `u32::MAX` long (an escape grows by three times at most: `\n` is written `\u000a`), which
+    // halves what each object member costs while it is read; `usize` beyond.
+    if text.len() <= u32::MAX as usize / 3 {
+        Canonical::<u32>::of(text).map(Rewritten::Narrow)
+    } else {
+        Canonical::<usize>::of(text).map(Rewritten::Wide)
+    }
+}
+
+/// A canonical form with its positions as `u32` or as `usize` (see [`canonicalise`]).
+enum Rewritten {
+    Narrow(Canonical<u32>),
+    Wide(Canonical<usize>),
+}
+
+impl Rewritten {
+    fn write_to(&self, sink: &mut impl FnMut(&[u8])) {
+        match self {
+            Self::Narrow(canonical) => canonical.write_to(sink),
+            Self::Wide(canonical) => canonical.write_to(sink),
+        }
+    }
+
+    fn into_vec(self) -> Vec<u8> {
+        match self {
+            Self::Narrow(canonical) => canonical.into_vec(),
+            Self::Wide(canonical) => canonical.into_vec(),
+        }
+    }
+}
+
+/// A position in [`Canonical::text`].
+trait Offset: Copy + Ord {
+    /// `position`, which the caller knows fits (see [`canonicalise`]).
+    fn at(position: usize) -> Self;
+    fn get(self) -> usize;
+}
+
+impl Offset for u32 {
+    #[allow(clippy::cast_possible_truncation)] // `canonicalise` picks u32 only when it fits
+    fn at(position: usize) -> Self {
+        position as u32
+    }
+    fn get(self) -> usize {
+        self as usize
+    }
+}
+
+impl Offset for usize {
+    fn at(position: usize) -> Self {
+        position
+    }
+    fn get(self) -> usize {
+        self
+    }
+}
+
+/// The canonical form of a JSON text, written as it is read, with no copy of any part.
+///
+/// Everything is written in reading order into one buffer: numbers and literals as written,
+/// strings re-escaped one way, whitespace dropped. An object whose members came in key order
+/// (the common case) is then already canonical where it stands. For an object whose members
+/// did not, the buffer keeps them as read and a [`SortedObject`] records the order to write
+/// them in; [`Self::write_to`] follows those records, so the canonical form is produced in one
+/// pass however deep such objects nest. Review, 2026-12-06: each member was kept in a buffer
+/// of its own for the sort and copied into its object's, which cost about 50 bytes a member
+/// (14-20 times the body for one wide object of tiny members) and copied the inner text once
+/// per level (360 times the body's bytes allocated for 120 levels each out of order); now a
+/// member costs one position while its object is read and two if the object must be sorted
+/// (`tests/heap.rs`).
+struct Canonical<O> {
+    text: Vec<u8>,
+    /// The objects read out of order, each with its members in canonical order, sorted by
+    /// where they start (they nest or are disjoint).
+    sorted: Vec<SortedObject<O>>,
+}
+
+/// An object of [`Canonical::text`] whose members are written there out of order.
+struct SortedObject<O> {
+    /// Where its `{` is, and just past its `}`.
+    start: O,
+    end: O,
+    /// Its members' places (key, `:` and value) in canonical order.
+    members: Box<[(O, O)]>,
+}
+
+impl<O: Offset> Canonical<O> {
+    fn of(text: &str) -> Option<Self> {
+        let mut parser = Parser::new(text);
+        let mut writer = Writer {
+            out: Vec::with_capacity(text.len()),
+            starts: Vec::new(),
+            sorted: Vec::new(),
+        };
+        parser.write_value(0, &mut writer)?;
+        parser.skip_ws();
+        if parser.pos != parser.s.len() {
+            return None;
+        }
+        // Recorded as each object ended: an inner one before the one around it.
+        writer.sorted.sort_unstable_by_key(|object| object.start);
+        Some(Self {
+            text: writer.out,
+            sorted: writer.sorted,
+        })
+    }
+
+    fn write_to(&self, sink: &mut impl FnMut(&[u8])) {
+        self.write_range(0, self.text.len(), sink);
+    }
+
+    /// The canonical form of `text[start..end]`, a whole value or member: the bytes as they
+    /// are, except each sorted object, whose members are written in its order (recursively:
+    /// at most [`MAX_JSON_DEPTH`] levels, as the parser's).
+    fn write_range(&self, start: usize, end: usize, sink: &mut impl FnMut(&[u8])) {
+        let mut at = start;
+        loop {
+            let next = self
+                .sorted
+                .partition_point(|object| object.start.get() < at);
+            let Some(object) = self.sorted.get(next).filter(|o| o.start.get() < end) else {
+                break;
+            };
+            sink(&self.text[at..object.start.get()]);
+            sink(b"{");
+            for (i, &(member_start, member_end)) in object.members.iter().enumerate() {
+                if i > 0 {
+                    sink(b",");
+                }
+                self.write_range(member_start.get(), member_end.get(), sink);
+            }
+            sink(b"}");
+            at = object.end.get();
+        }
+        sink(&self.text[at..end]);
+    }
+
+    fn into_vec(self) -> Vec<u8> {
+        if self.sorted.is_empty() {
+            return self.text;
+        }
+        let mut out = Vec::with_capacity(self.text.len());
+        self.write_to(&mut |part| out.extend_from_slice(part));
+        out
+    }
+}
+
+/// What [`Parser::write_value`] writes into.
+struct Writer<O> {
+    out: Vec<u8>,
+    /// Where each member of the objects being read starts in `out`, innermost object last.
+    starts: Vec<O>,
+    sorted: Vec<SortedObject<O>>,
+}
+
+/// The decoded bytes of the key written at `at` (its opening `"`), read back from the
+/// canonical text: [`write_string`] escapes only `"`, `\` and control characters (`\u00xx`),
+/// so this is the key's own UTF-8, compared as the sort compares keys.
+fn written_key(text: &[u8], at: usize) -> impl Iterator<Item = u8> + '_ {
+    let mut pos = at + 1;
+    std::iter::from_fn(move || match *text.get(pos)? {
+        b'"' => None,
+        b'\\' => match *text.get(pos + 1)? {
+            b'u' => {
+                let hex = std::str::from_utf8(text.get(pos + 4..pos + 6)?).ok()?;
+                pos += 6;
+                u8::from_str_radix(hex, 16).ok()
+            }
+            escaped => {
+                pos += 2;
+                Some(escaped)
+            }
+        },
+        byte => {
+            pos += 1;
+            Some(byte)
+        }
+    })
 }
 
 /// `s` as a JSON string: `"` and `\` escaped with a backslash, control characters as
@@ -284,15 +476,13 @@ impl<'a> Parser<'a> {
         }
     }
 
-    /// Parse the value starting here and append its canonical form to `out`, as it is read:
-    /// numbers and literals as written, strings re-escaped one way, arrays item by item, and
-    /// objects with their members sorted by key (byte order of the decoded key; stable, so
-    /// duplicate keys keep their relative order). Only an object's members are kept, each
-    /// already canonical, for the sort: building the whole document as a tree first cost up to
-    /// 65 times the body's size for a moment (a body of tiny nested arrays; review,
-    /// 2026-12-06, `tests/heap.rs`). `None` (with `out` partly written) when the
-    /// text is not JSON this parser accepts or is nested deeper than [`MAX_JSON_DEPTH`].
-    fn write_value(&mut self, depth: usize, out: &mut Vec<u8>) -> Option<()> {
+    /// Parse the value starting here and append its canonical form to `w.out`, as it is
+    /// read: numbers and literals as written, strings re-escaped one way, arrays item by item,
+    /// and objects with their members as read, recorded in `w.sorted` with their canonical
+    /// order (by the decoded key's bytes; duplicate keys keep their relative order) when they
+    /// came out of order (see [`Canonical`]). `None` (with `w` partly written) when the text is
+    /// not JSON this parser accepts or is nested deeper than [`MAX_JSON_DEPTH`].
+    fn write_value<O: Offset>(&mut self, depth: usize, w: &mut Writer<O>) -> Option<()> {
         if depth > MAX_JSON_DEPTH {
             return None;
         }
@@ -300,7 +490,11 @@ impl<'a> Parser<'a> {
         match *self.s.get(self.pos)? {
             b'{' => {
                 self.pos += 1;
-                let mut members: Vec<(Cow<'a, str>, Vec<u8>)> = Vec::new();
+                let start = w.out.len();
+                w.out.push(b'{');
+                let first = w.starts.len();
+                let mut previous: Option<Cow<'a, str>> = None;
+                let mut in_order = true;
                 self.skip_ws();
                 if !self.eat(b'}') {
                     loop {
@@ -310,9 +504,17 @@ impl<'a> Parser<'a> {
                         if !self.eat(b':') {
                             return None;
                         }
-                        let mut value = Vec::new();
-                        self.write_value(depth + 1, &mut value)?;
-                        members.push((key, value));
+                        in_order &= previous
+                            .as_ref()
+                            .is_none_or(|previous| previous.as_bytes() <= key.as_bytes());
+                        if w.starts.len() > first {
+                            w.out.push(b',');
+                        }
+                        w.starts.push(O::at(w.out.len()));
+                        write_string(&key, &mut w.out);
+                        w.out.push(b':');
+                        previous = Some(key);
+                        self.write_value(depth + 1, w)?;
                         self.skip_ws();
                         if self.eat(b'}') {
                             break;
@@ -321,26 +523,39 @@ impl<'a> Parser<'a> {
                             return None;
                         }
                     }
-                    members.sort_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
                 }
-                out.push(b'{');
-                for (i, (key, value)) in members.iter().enumerate() {
-                    if i > 0 {
-                        out.push(b',');
-                    }
-                    write_string(key, out);
-                    out.push(b':');
-                    out.extend_from_slice(value);
+                if !in_order {
+                    // A member ends where the comma before the next one is, the last where
+                    // the object does. Sorted by key, then by place: a stable sort, without
+                    // the scratch buffer of one.
+                    let starts = &w.starts[first..];
+                    let ends = starts[1..]
+                        .iter()
+                        .map(|next| O::at(next.get() - 1))
+                        .chain([O::at(w.out.len())]);
+                    let mut members: Box<[(O, O)]> = starts.iter().copied().zip(ends).collect();
+                    let text = &w.out;
+                    members.sort_unstable_by(|a, b| {
+                        written_key(text, a.0.get())
+                            .cmp(written_key(text, b.0.get()))
+                            .then(a.0.cmp(&b.0))
+                    });
+                    w.sorted.push(SortedObject {
+                        start: O::at(start),
+                        end: O::at(w.out.len() + 1),
+                        members,
+                    });
                 }
-                out.push(b'}');
+                w.starts.truncate(first);
+                w.out.push(b'}');
             }
             b'[' => {
                 self.pos += 1;
-                out.push(b'[');
+                w.out.push(b'[');
                 self.skip_ws();
                 if !self.eat(b']') {
                     loop {
-                        self.write_value(depth + 1, out)?;
+                        self.write_value(depth + 1, w)?;
                         self.skip_ws();
                         if self.eat(b']') {
                             break;
@@ -348,16 +563,16 @@ impl<'a> Parser<'a> {
                         if !self.eat(b',') {
                             return None;
                         }
-                        out.push(b',');
+                        w.out.push(b',');
                     }
                 }
-                out.push(b']');
+                w.out.push(b']');
             }
-            b'"' => write_string(&self.string()?, out),
-            b't' => out.extend_from_slice(self.literal("true")?.as_bytes()),
-            b'f' => out.extend_from_slice(self.literal("false")?.as_bytes()),
-            b'n' => out.extend_from_slice(self.literal("null")?.as_bytes()),
-            _ => out.extend_from_slice(self.number()?.as_bytes()),
+            b'"' => write_string(&self.string()?, &mut w.out),
+            b't' => w.out.extend_from_slice(self.literal("true")?.as_bytes()),
+            b'f' => w.out.extend_from_slice(self.literal("false")?.as_bytes()),
+            b'n' => w.out.extend_from_slice(self.literal("null")?.as_bytes()),
+            _ => w.out.extend_from_slice(self.number()?.as_bytes()),
         }
         Some(())
     }
@@ -716,6 +931,13 @@ mod tests {
         }
     }
 
+    /// What the fingerprint hashes of a JSON body, gathered.
+    fn hashed(body: &[u8]) -> Option<Vec<u8>> {
+        let mut out = Vec::new();
+        canonical_form(body)?.write_to(&mut |part| out.extend_from_slice(part));
+        Some(out)
+    }
+
     /// Whatever `is_canonical_json` accepts is its own canonical form, and the fingerprint's
     /// shortcut hashes exactly what canonicalising would.
     fn check_shortcut(body: &[u8]) -> Result<(), proptest::test_runner::TestCaseError> {
@@ -723,9 +945,120 @@ mod tests {
         if is_canonical_json(body) {
             proptest::prop_assert_eq!(full.as_deref(), Some(body));
         }
-        let shortcut = canonical_form(body);
-        proptest::prop_assert_eq!(shortcut.as_deref(), full.as_deref());
+        proptest::prop_assert_eq!(hashed(body), full);
         Ok(())
+    }
+
+    /// The canonicaliser as it was until 2026-12-06 (each object's members kept in buffers of
+    /// their own, sorted, then copied), which every stored fingerprint was computed with: the
+    /// one that replaced it must write the same bytes for every text.
+    fn reference_canonical_json(body: &[u8]) -> Option<Vec<u8>> {
+        let text = std::str::from_utf8(body).ok()?;
+        let mut parser = Parser::new(text);
+        let mut out = Vec::with_capacity(text.len());
+        reference_write_value(&mut parser, 0, &mut out)?;
+        parser.skip_ws();
+        (parser.pos == parser.s.len()).then_some(out)
+    }
+
+    fn reference_write_value(p: &mut Parser<'_>, depth: usize, out: &mut Vec<u8>) -> Option<()> {
+        if depth > MAX_JSON_DEPTH {
+            return None;
+        }
+        p.skip_ws();
+        match *p.s.get(p.pos)? {
+            b'{' => {
+                p.pos += 1;
+                let mut members: Vec<(Cow<'_, str>, Vec<u8>)> = Vec::new();
+                p.skip_ws();
+                if !p.eat(b'}') {
+                    loop {
+                        p.skip_ws();
+                        let key = p.string()?;
+                        p.skip_ws();
+                        if !p.eat(b':') {
+                            return None;
+                        }
+                        let mut value = Vec::new();
+                        reference_write_value(p, depth + 1, &mut value)?;
+                        members.push((key, value));
+                        p.skip_ws();
+                        if p.eat(b'}') {
+                            break;
+                        }
+                        if !p.eat(b',') {
+                            return None;
+                        }
+                    }
+                    members.sort_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
+                }
+                out.push(b'{');
+                for (i, (key, value)) in members.iter().enumerate() {
+                    if i > 0 {
+                        out.push(b',');
+                    }
+                    write_string(key, out);
+                    out.push(b':');
+                    out.extend_from_slice(value);
+                }
+                out.push(b'}');
+            }
+            b'[' => {
+                p.pos += 1;
+                out.push(b'[');
+                p.skip_ws();
+                if !p.eat(b']') {
+                    loop {
+                        reference_write_value(p, depth + 1, out)?;
+                        p.skip_ws();
+                        if p.eat(b']') {
+                            break;
+                        }
+                        if !p.eat(b',') {
+                            return None;
+                        }
+                        out.push(b',');
+                    }
+                }
+                out.push(b']');
+            }
+            b'"' => write_string(&p.string()?, out),
+            b't' => out.extend_from_slice(p.literal("true")?.as_bytes()),
+            b'f' => out.extend_from_slice(p.literal("false")?.as_bytes()),
+            b'n' => out.extend_from_slice(p.literal("null")?.as_bytes()),
+            _ => out.extend_from_slice(p.number()?.as_bytes()),
+        }
+        Some(())
+    }
+
+    /// Every way the canonical form is produced agrees with the reference: `canonical_json`,
+    /// what the fingerprint hashes, and the `usize` positions that bodies over 1.4 GB use.
+    fn check_against_reference(body: &[u8]) -> Result<(), proptest::test_runner::TestCaseError> {
+        let reference = reference_canonical_json(body);
+        proptest::prop_assert_eq!(&canonical_json(body), &reference);
+        proptest::prop_assert_eq!(&hashed(body), &reference);
+        let wide = std::str::from_utf8(body)
+            .ok()
+            .and_then(Canonical::<usize>::of)
+            .map(Canonical::into_vec);
+        proptest::prop_assert_eq!(&wide, &reference);
+        Ok(())
+    }
+
+    /// Objects nested in objects, each out of order, with escaped and duplicate keys: the
+    /// shapes where the positions of sorted members must be followed through several levels.
+    #[test]
+    fn nested_sorted_objects_match_the_reference() {
+        for text in [
+            r#"{"b":{"d":1,"c":{"f":[{"h":0,"g":1}],"e":2}},"a":[{"z":0,"y":{"x":1,"w":2}}]}"#,
+            r##"{"\"":0,"#":1,"!":2,"\\":3,"]":4,"\u001f":5,"\n":6}"##,
+            r#"{"\u00e9":1,"é":0,"e":{"b":1,"a":0,"b":2,"a":3},"\ud83d\ude00":4,"😀":5}"#,
+            r#"[{"b":0,"a":0},{"a":0},{"c":{"b":0,"a":0},"a":{"b":0,"a":0}}]"#,
+            r#" { "b" : { } , "a" : [ ] , "" : { "y" : 1 , "x" : 2 } } "#,
+        ] {
+            check_against_reference(text.as_bytes()).unwrap();
+            assert!(canonical_json(text.as_bytes()).is_some(), "{text}");
+        }
     }
 
     /// JSON texts written in many ways: compact or spaced, keys in or out of order (and
@@ -738,7 +1071,10 @@ mod tests {
             "-?(0|[1-9][0-9]{0,3})(\\.[0-9]{1,3})?([eE][+-]?[0-9]{1,2})?",
             "\"([a-c]|é|\\\\n|\\\\\"|\\\\u0041|\\\\/| ){0,4}\"",
         ];
-        atom.prop_recursive(4, 32, 4, |inner| {
+        // Keys that sort differently decoded than escaped: `!` < `"` < `#` < `\` < `]`, a
+        // control character below them all, `é` written two ways, a surrogate pair.
+        let key = "\"([a-c]|!|#|]|\\\\\"|\\\\\\\\|\\\\n|\\\\u001f|\\\\u0062|é|\\\\u00e9|\\\\ud83d\\\\ude00){0,2}\"";
+        atom.prop_recursive(4, 48, 6, move |inner| {
             let separators = prop_oneof![Just((",", ":")), Just((", ", ": ")), Just((" ,", " :"))];
             prop_oneof![
                 (
@@ -746,25 +1082,31 @@ mod tests {
                     separators.clone()
                 )
                     .prop_map(|(items, (comma, _))| format!("[{}]", items.join(comma))),
-                (
-                    proptest::collection::vec(("\"([a-c]|\\\\u0062){0,2}\"", inner), 0..4),
-                    separators
-                )
-                    .prop_map(|(members, (comma, colon))| {
+                (proptest::collection::vec((key, inner), 0..6), separators).prop_map(
+                    |(members, (comma, colon))| {
                         let members: Vec<String> = members
                             .iter()
                             .map(|(k, v)| format!("{k}{colon}{v}"))
                             .collect();
                         format!("{{{}}}", members.join(comma))
-                    }),
+                    }
+                ),
             ]
         })
     }
 
     proptest::proptest! {
+        // Cheap (a few milliseconds per thousand), and the reference comparison is what holds
+        // every stored fingerprint to its value: many cases.
+        #![proptest_config(proptest::prelude::ProptestConfig {
+            cases: 4096,
+            ..proptest::prelude::ProptestConfig::default()
+        })]
+
         #[test]
         fn the_canonical_shortcut_agrees_with_canonicalising(text in json_text()) {
             check_shortcut(text.as_bytes())?;
+            check_against_reference(text.as_bytes())?;
             if let Some(canonical) = canonical_json(text.as_bytes()) {
                 check_shortcut(&canonical)?;
                 // Every canonical form without an escape takes the shortcut.
@@ -779,6 +1121,7 @@ mod tests {
             bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..64)
         ) {
             check_shortcut(&bytes)?;
+            check_against_reference(&bytes)?;
         }
     }
 }
