@@ -222,15 +222,16 @@ impl Offset for usize {
 ///
 /// Everything is written in reading order into one buffer: numbers and literals as written,
 /// strings re-escaped one way, whitespace dropped. An object whose members came in key order
-/// (the common case) is then already canonical where it stands. For an object whose members
-/// did not, the buffer keeps them as read and a [`SortedObject`] records the order to write
-/// them in; [`Self::write_to`] follows those records, so the canonical form is produced in one
-/// pass however deep such objects nest. Review, 2026-12-06: each member was kept in a buffer
+/// (the common case) is then already canonical where it stands. An object whose members did
+/// not is rewritten in place when it is small ([`SORT_IN_PLACE_BYTES`]); a larger one stays
+/// as read and a [`SortedObject`] records the order to write its members in. [`Self::write_to`]
+/// follows those records, so a large object's text is not copied again for each level of
+/// objects around it, however deep they nest. Review, 2026-12-06: each member was kept in a buffer
 /// of its own for the sort and copied into its object's, which cost about 50 bytes a member
 /// (14-20 times the body for one wide object of tiny members) and copied the inner text once
 /// per level (360 times the body's bytes allocated for 120 levels each out of order); now a
-/// member costs one position while its object is read and two if the object must be sorted
-/// (`tests/heap.rs`).
+/// member costs one position while its object is read, and two if its object is large and out
+/// of order (`tests/heap.rs`).
 struct Canonical<O> {
     text: Vec<u8>,
     /// The objects read out of order, each with its members in canonical order, sorted by
@@ -249,11 +250,18 @@ struct SortedObject<O> {
 
 impl<O: Offset> Canonical<O> {
     fn of(text: &str) -> Option<Self> {
+        Self::sorting_in_place_up_to(text, SORT_IN_PLACE_BYTES)
+    }
+
+    fn sorting_in_place_up_to(text: &str, sort_in_place_bytes: usize) -> Option<Self> {
         let mut parser = Parser::new(text);
         let mut writer = Writer {
             out: Vec::with_capacity(text.len()),
             starts: Vec::new(),
             sorted: Vec::new(),
+            sort_in_place_bytes,
+            scratch_members: Vec::new(),
+            scratch_text: Vec::new(),
         };
         parser.write_value(0, &mut writer)?;
         parser.skip_ws();
@@ -308,12 +316,77 @@ impl<O: Offset> Canonical<O> {
     }
 }
 
+/// Objects read out of order up to this size (bytes of canonical text) are sorted where they
+/// stand; larger ones are recorded in [`Canonical::sorted`]. Sorting in place copies the
+/// object's text once, and an object that small holds at most about a tenth of this many
+/// levels of such objects (each needs two members of a few bytes), so a byte is copied at most
+/// about 12 times. A record costs a few dozen bytes, at most one per this many bytes of text
+/// (review, 2026-12-06: with a record for every object, an array of small objects each out of
+/// order took 5 times the body).
+const SORT_IN_PLACE_BYTES: usize = 128;
+
 /// What [`Parser::write_value`] writes into.
 struct Writer<O> {
     out: Vec<u8>,
     /// Where each member of the objects being read starts in `out`, innermost object last.
     starts: Vec<O>,
     sorted: Vec<SortedObject<O>>,
+    /// See [`SORT_IN_PLACE_BYTES`] (a parameter, so the tests can send every object down
+    /// either path).
+    sort_in_place_bytes: usize,
+    /// Reused by each object sorted in place: its members, and its text.
+    scratch_members: Vec<(O, O)>,
+    scratch_text: Vec<u8>,
+}
+
+impl<O: Offset> Writer<O> {
+    /// The object whose `{` is at `start` and whose members start at `self.starts[first..]`,
+    /// all written (its `}` not yet), came with its keys out of order: put its members in
+    /// canonical order, by key and then by place (a stable sort, without the scratch buffer of
+    /// one). Small objects are rewritten in place; larger ones recorded.
+    fn sort_members(&mut self, start: usize, first: usize) {
+        // A member ends where the comma before the next one is, the last where the object does.
+        let starts = &self.starts[first..];
+        let ends = starts[1..]
+            .iter()
+            .map(|next| O::at(next.get() - 1))
+            .chain([O::at(self.out.len())]);
+        let members = starts.iter().copied().zip(ends);
+        let by_key = |text: &[u8], a: &(O, O), b: &(O, O)| {
+            written_key(text, a.0.get())
+                .cmp(written_key(text, b.0.get()))
+                .then(a.0.cmp(&b.0))
+        };
+        if self.out.len() - start > self.sort_in_place_bytes {
+            let mut members: Box<[(O, O)]> = members.collect();
+            let text = &self.out;
+            members.sort_unstable_by(|a, b| by_key(text, a, b));
+            self.sorted.push(SortedObject {
+                start: O::at(start),
+                end: O::at(self.out.len() + 1),
+                members,
+            });
+            return;
+        }
+        // Small enough to hold no recorded object: nothing recorded moves.
+        self.scratch_members.clear();
+        self.scratch_members.extend(members);
+        let text = &self.out;
+        self.scratch_members
+            .sort_unstable_by(|a, b| by_key(text, a, b));
+        let body = start + 1;
+        self.scratch_text.clear();
+        self.scratch_text.extend_from_slice(&self.out[body..]);
+        self.out.truncate(body);
+        for (i, &(member_start, member_end)) in self.scratch_members.iter().enumerate() {
+            if i > 0 {
+                self.out.push(b',');
+            }
+            self.out.extend_from_slice(
+                &self.scratch_text[member_start.get() - body..member_end.get() - body],
+            );
+        }
+    }
 }
 
 /// The decoded bytes of the key written at `at` (its opening `"`), read back from the
@@ -525,26 +598,7 @@ impl<'a> Parser<'a> {
                     }
                 }
                 if !in_order {
-                    // A member ends where the comma before the next one is, the last where
-                    // the object does. Sorted by key, then by place: a stable sort, without
-                    // the scratch buffer of one.
-                    let starts = &w.starts[first..];
-                    let ends = starts[1..]
-                        .iter()
-                        .map(|next| O::at(next.get() - 1))
-                        .chain([O::at(w.out.len())]);
-                    let mut members: Box<[(O, O)]> = starts.iter().copied().zip(ends).collect();
-                    let text = &w.out;
-                    members.sort_unstable_by(|a, b| {
-                        written_key(text, a.0.get())
-                            .cmp(written_key(text, b.0.get()))
-                            .then(a.0.cmp(&b.0))
-                    });
-                    w.sorted.push(SortedObject {
-                        start: O::at(start),
-                        end: O::at(w.out.len() + 1),
-                        members,
-                    });
+                    w.sort_members(start, first);
                 }
                 w.starts.truncate(first);
                 w.out.push(b'}');
@@ -1032,7 +1086,8 @@ mod tests {
     }
 
     /// Every way the canonical form is produced agrees with the reference: `canonical_json`,
-    /// what the fingerprint hashes, and the `usize` positions that bodies over 1.4 GB use.
+    /// what the fingerprint hashes, the `usize` positions that bodies over 1.4 GB use, and
+    /// either way of sorting an object (in place or recorded) for every object.
     fn check_against_reference(body: &[u8]) -> Result<(), proptest::test_runner::TestCaseError> {
         let reference = reference_canonical_json(body);
         proptest::prop_assert_eq!(&canonical_json(body), &reference);
@@ -1042,6 +1097,18 @@ mod tests {
             .and_then(Canonical::<usize>::of)
             .map(Canonical::into_vec);
         proptest::prop_assert_eq!(&wide, &reference);
+        // Every object out of order recorded, then every one sorted in place.
+        for limit in [0, usize::MAX] {
+            let canonical = std::str::from_utf8(body)
+                .ok()
+                .and_then(|text| Canonical::<u32>::sorting_in_place_up_to(text, limit));
+            let (mut written, mut gathered) = (Vec::new(), None);
+            if let Some(canonical) = &canonical {
+                canonical.write_to(&mut |part| written.extend_from_slice(part));
+                gathered = Some(written);
+            }
+            proptest::prop_assert_eq!(&gathered, &reference, "sorting in place up to {}", limit);
+        }
         Ok(())
     }
 

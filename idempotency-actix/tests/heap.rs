@@ -82,6 +82,7 @@ fn hostile_json_costs_a_small_multiple_of_its_size() {
         body.push_str(&r#","a":0}"#.repeat(LEVELS));
         body
     };
+    let larger = format!(r#"{{"b":"{}","a":0}}"#, "x".repeat(130));
     let bodies = [
         ("flat array", repeated("0", "0")),
         ("arrays of one", repeated("[0]", "[0]")),
@@ -102,9 +103,25 @@ fn hostile_json_costs_a_small_multiple_of_its_size() {
             "one wide object, keys out of order",
             wide(r#""b":0,"a":0"#, r#""a":0"#),
         ),
+        // The smallest members for which every position is kept twice (review of the fix).
+        ("one wide object of tiny members, the first out of order", {
+            let mut body = wide(r#""":0"#, r#""":0"#);
+            body.replace_range(..2, r#" {"a":0,"#);
+            body
+        }),
         // Review, 2026-12-06: each level's members were written to buffers of their own and
         // copied into the level above, so the array was copied 120 times.
         ("objects 120 deep, each out of order", deep_unsorted),
+        // Review of the fix: a record for each of these took 5 times the body.
+        (
+            "objects of two, keys out of order",
+            repeated(r#"{"a":0,"":0}"#, r#"{"a":0,"":0}"#),
+        ),
+        // Just over the size sorted in place: one record each.
+        (
+            "larger objects, keys out of order",
+            repeated(&larger, &larger),
+        ),
     ];
     let mut over = Vec::new();
     for (what, body) in bodies {
