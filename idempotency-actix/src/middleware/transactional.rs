@@ -925,16 +925,24 @@ where
         match sql::complete(&tx.store, &mut conn, scope, &token, &stored, ttl).await {
             Ok(WriteOutcome::Applied) => {}
             Ok(WriteOutcome::Stale) => {
-                // Our own uncommitted row: cannot be taken over. Refuse to commit anything.
+                // Our own uncommitted row, which no other session can see, take over or
+                // delete: gone only if the transaction that held it ended, by the handler's own
+                // SQL (a raw `ROLLBACK`, unsupported) behind diesel's back. What the handler
+                // wrote after that committed on its own, so the client must not be told that
+                // nothing was done and a retry is safe (`COMMIT_FAILED`): an opaque 500, as for
+                // any other handler fault. The key is free: a retry runs the handler again.
                 sql::rollback(&tx.store, &mut conn).await;
-                tracing::error!(target: "idempotency_actix", outcome = "commit_failed", key = %LogText(&scope.key), "the reservation of this transaction was not found at complete; rolled back");
-                return After::Answer(commit_failed(
-                    flow,
-                    http_req,
-                    Some(scope),
-                    report,
-                    "the reservation was lost",
-                ));
+                tracing::error!(target: "idempotency_actix", outcome = "not_stored", key = %LogText(&scope.key), tenant = %LogText(&scope.tenant), path = %LogText(&scope.path), "the reservation of this transaction was gone at complete: the handler ended the request's transaction with its own SQL (a raw ROLLBACK; never do), so what it wrote afterwards was saved outside it; answered 500, the key is free");
+                if let Some(report) = report {
+                    report.outcome(
+                        Outcome::NotStored,
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        Some(scope),
+                    );
+                }
+                return After::Answer(Err(opaque_500(
+                    "the handler ended the request's transaction with its own SQL",
+                )));
             }
             Err(error) => {
                 sql::rollback(&tx.store, &mut conn).await;

@@ -359,6 +359,32 @@ async fn survey_of_misuses() {
     }
 }
 
+/// A raw `ROLLBACK` ends the request's transaction behind diesel's back (unsupported, and
+/// documented so); what the handler writes afterwards commits on its own. The middleware then
+/// finds no reservation at `complete`, and must not tell the client that nothing was done and
+/// that a retry is safe: a retry would run the handler again beside the rows already saved
+/// (review, 2026-12-06: it answered `COMMIT_FAILED`, "nothing was done; a retry with the same
+/// Idempotency-Key is safe").
+#[actix_web::test]
+async fn a_raw_rollback_is_not_answered_with_nothing_was_done() {
+    let outcome = run_case(
+        true,
+        serde_json::json!({"sql": ["ROLLBACK"], "then": ["INSERT INTO payments (tag, amount) VALUES ('misuse', 2)"]}),
+    )
+    .await;
+    // The row written after the raw ROLLBACK was kept.
+    assert_eq!(outcome.payments_with_tag, 1, "{outcome:?}");
+    assert_eq!(
+        outcome.first.status,
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "{outcome:?}"
+    );
+    let answer = outcome.first.body.to_string();
+    for promise in ["nothing was done", "safe", "COMMIT_FAILED"] {
+        assert!(!answer.contains(promise), "{promise:?} in {answer}");
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // locks between requests
 
