@@ -60,12 +60,22 @@ impl CliError {
     /// The same failure (same exit code) with `prefix` in front of its message, e.g. how far
     /// a purge got before the database went away.
     pub fn context(self, prefix: &str) -> Self {
+        self.map_message(|m| format!("{prefix}: {m}"))
+    }
+
+    /// The same failure with `note` after its message (`message; note`), e.g. what a purge
+    /// did after its first failure.
+    pub fn note(self, note: &str) -> Self {
+        self.map_message(|m| format!("{m}; {note}"))
+    }
+
+    fn map_message(self, f: impl FnOnce(String) -> String) -> Self {
         match self {
-            CliError::Usage(m) => CliError::Usage(format!("{prefix}: {m}")),
-            CliError::Unavailable(m) => CliError::Unavailable(format!("{prefix}: {m}")),
-            CliError::NotProvisioned(m) => CliError::NotProvisioned(format!("{prefix}: {m}")),
-            CliError::NotFoundOrRefused(m) => CliError::NotFoundOrRefused(format!("{prefix}: {m}")),
-            CliError::Other(m) => CliError::Other(format!("{prefix}: {m}")),
+            CliError::Usage(m) => CliError::Usage(f(m)),
+            CliError::Unavailable(m) => CliError::Unavailable(f(m)),
+            CliError::NotProvisioned(m) => CliError::NotProvisioned(f(m)),
+            CliError::NotFoundOrRefused(m) => CliError::NotFoundOrRefused(f(m)),
+            CliError::Other(m) => CliError::Other(f(m)),
             other @ (CliError::Pending(_) | CliError::BrokenPipe) => other,
         }
     }

@@ -1663,6 +1663,42 @@ async fn partitioned_purge_creates_ahead_even_when_the_drop_fails() {
     );
 }
 
+/// A claims purge that fails with an answer (here a trigger refusing the DELETE; in life a
+/// permission, or a batch too large for the statement timeout) does not skip the partition
+/// steps: failing run after run, it let the partitions ahead run out (review, 2026-12-06: the
+/// run returned before them). The run still exits non-zero with the claims' failure first,
+/// then what the partition steps did.
+#[tokio::test]
+async fn a_failing_claims_purge_does_not_skip_the_partition_steps() {
+    let (db, mut conn) = hourly_partitioned_with_a_past_partition().await;
+    seed(&mut conn, "t", "old", State::InFlight, -10 * DAY, -9 * DAY).await;
+    conn.batch_execute(
+        "CREATE FUNCTION refuse_delete() RETURNS trigger LANGUAGE plpgsql AS \
+         $$ BEGIN RAISE EXCEPTION 'deletes refused here'; END $$; \
+         CREATE TRIGGER refuse_delete BEFORE DELETE ON idempotency_keys \
+         FOR EACH ROW EXECUTE FUNCTION refuse_delete();",
+    )
+    .await
+    .unwrap();
+    assert_eq!(records::count(&db.url, COVERING_THE_HORIZON), 0);
+    let out = idem_code(&db.url, &["purge"], 1);
+    let err = stderr(&out);
+    assert!(
+        err.starts_with("idem-cli: purge stopped after deleting 0 records"),
+        "{err}"
+    );
+    assert!(
+        err.contains("partitions dropped [idempotency_responses_past]"),
+        "the drop ran and is reported: {err}"
+    );
+    assert_eq!(
+        records::count(&db.url, COVERING_THE_HORIZON),
+        1,
+        "create step skipped: {err}"
+    );
+    assert_eq!(keys(&mut conn).await, ["old"]);
+}
+
 /// Every DROP of a partition also locks the default partition, which the drop step takes with
 /// NOWAIT (requests never hold it alone; autovacuum after the default partition's purge does).
 /// Held, the drop step did nothing, and the run said "dropped 0 []" with exit 0, every run for

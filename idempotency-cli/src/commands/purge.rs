@@ -21,11 +21,12 @@
 //!   the scan `ATTACH PARTITION` makes of it (short while the default partition is small,
 //!   which the horizon keeps it). Each waits at most `--lock-timeout` for its lock (traffic
 //!   queued behind the waiting lock waits as long); on a timeout the step fails, changes
-//!   nothing, and the next run tries again. The steps are independent: one failing does not
-//!   skip the others (a failed drop must not leave the partitions ahead to run out), and the
-//!   run then exits with the first failure. The exception is a step that got no answer within
-//!   `--statement-timeout` plus 5 s (a frozen server or network): that ends the run (exit 3)
-//!   at once, as in the claims loop, since every later step would wait as long for nothing.
+//!   nothing, and the next run tries again. The steps are independent: one failing, the
+//!   claims' deletion included, does not skip the others (a failed drop must not leave the
+//!   partitions ahead to run out), and the run then exits with the first failure. The exception is a step that got no answer within
+//!   `--statement-timeout` plus 5 s (a frozen server or network; each partition created is a
+//!   step of its own): that ends the run (exit 3) at once, in the claims loop as in the
+//!   partition steps, since every later step would wait as long for nothing.
 //!   With `--tenant` the partition steps are skipped (a partition holds every tenant's
 //!   responses).
 
@@ -133,25 +134,34 @@ pub async fn run(
 
     let progress = Progress::new();
     let mut summary = Summary::default();
+    // A batch that failed with an answer (a permission, a trigger, a statement timeout) does
+    // not skip the partition steps: they are independent of the claims (a claims purge failing
+    // run after run must not let the partitions ahead run out; review, 2026-12-06). One that
+    // got no answer ends the run at once, as in the partition steps.
+    let mut claims_failed = None;
     loop {
         let batch_started = Instant::now();
         let result = crate::db::bounded(admin::purge_batch(conn, &filter, args.batch_size)).await;
-        let result = match result {
-            Ok(Ok(counts)) => Ok(counts),
-            Ok(Err(err)) => Err(crate::db::classify(conn, err).await),
-            Err(frozen) => Err(frozen),
+        let stopped = |err: CliError, summary: &Summary| {
+            // Batches already deleted stay deleted (each committed on its own): say how far the
+            // purge got, so the cron log shows progress even for a failed run.
+            err.context(&format!(
+                "purge stopped after deleting {} records in {} batches",
+                summary.total(),
+                summary.batches
+            ))
         };
         let counts = match result {
-            Ok(counts) => counts,
-            Err(err) => {
-                // Batches already deleted stay deleted (each committed on its own): say how far
-                // the purge got, so the cron log shows progress even for a failed run.
+            Ok(Ok(counts)) => counts,
+            Ok(Err(err)) => {
                 progress.clear();
-                return Err(err.context(&format!(
-                    "purge stopped after deleting {} records in {} batches",
-                    summary.total(),
-                    summary.batches
-                )));
+                let err = crate::db::classify(conn, err).await;
+                claims_failed = Some(stopped(err, &summary));
+                break;
+            }
+            Err(frozen) => {
+                progress.clear();
+                return Err(stopped(frozen, &summary));
             }
         };
         summary.longest_batch = summary.longest_batch.max(batch_started.elapsed());
@@ -171,6 +181,20 @@ pub async fn run(
     progress.clear();
     if let Some(ahead) = ahead {
         let (work, failed) = partition_work(conn, args, ahead).await;
+        if let Some(err) = claims_failed {
+            // The first failure, then what the partition steps did after it.
+            let partitions = match failed {
+                None => String::new(),
+                Some(failed) => format!("; a partition step failed too: {failed}"),
+            };
+            return Err(err.note(&format!(
+                "the partition steps ran: partitions dropped [{}], created [{}]; default \
+                 partition: {} expired rows deleted{partitions}",
+                work.dropped.join(", "),
+                work.created.join(", "),
+                work.default_rows_deleted
+            )));
+        }
         if let Some(err) = failed {
             // The steps that ran are done (each committed on its own): say what they did.
             return Err(err.context(&format!(
@@ -183,6 +207,9 @@ pub async fn run(
             )));
         }
         summary.partitions = Some(work);
+    }
+    if let Some(err) = claims_failed {
+        return Err(err);
     }
     // Unlock explicitly so the next cron run never has to wait for the disconnect to be noticed.
     let _: bool = sql!(conn, admin::unlock_purge(conn));
@@ -240,6 +267,17 @@ async fn partition_work(
     // lock (autovacuum on the default partition, a query on one partition) is reported as
     // left for the next run. Not tried again in this run: each try queues every request
     // behind the table's lock once more.
+    //
+    // What it left is what was droppable both before and after it: listed after it alone, a
+    // partition that became droppable meanwhile (an interval boundary passed) was reported left
+    // "because another session held a lock" that nobody held (review, 2026-12-06).
+    let droppable_before = admin::droppable_partitions(conn, args.older_than.0);
+    let droppable_before = match crate::db::bounded(droppable_before).await {
+        Err(frozen) => return (work, Some(frozen.context("listing past partitions"))),
+        Ok(Ok(names)) => Some(names),
+        // The drop reads the same catalogs: if this failed, it says why.
+        Ok(Err(_)) => None,
+    };
     match crate::db::bounded(admin::drop_partitions(
         conn,
         args.older_than.0,
@@ -253,7 +291,12 @@ async fn partition_work(
             let left = admin::droppable_partitions(conn, args.older_than.0);
             match crate::db::bounded(left).await {
                 Err(frozen) => return (work, Some(frozen.context("listing past partitions"))),
-                Ok(Ok(left)) => work.left = left,
+                Ok(Ok(left)) => {
+                    work.left = left
+                        .into_iter()
+                        .filter(|name| droppable_before.as_ref().is_none_or(|b| b.contains(name)))
+                        .collect();
+                }
                 Ok(Err(err)) => {
                     let err = crate::db::classify(conn, err).await;
                     failed = Some(err.context("listing past partitions"));
@@ -290,16 +333,27 @@ async fn partition_work(
             }
         }
     }
+    // One partition at a time, each step bounded on its own: a step's ATTACH scans the default
+    // partition, so a run of many (the first purge after `migrate --partitioned`) can take far
+    // longer than one round trip's bound without anything being wrong (review, 2026-12-06: the
+    // whole loop had one bound, and such a run ended "database unavailable", every time).
     // Into `work.created` as they are made: on a failure part-way the ones made are reported.
-    let created = admin::create_partitions_into(conn, ahead, lock_timeout, &mut work.created);
-    match crate::db::bounded(created).await {
-        Err(frozen) => {
-            failed.get_or_insert(frozen.context("creating partitions ahead"));
-        }
-        Ok(Ok(capped)) => work.capped = capped,
-        Ok(Err(err)) => {
-            let err = crate::db::classify(conn, err).await;
-            failed.get_or_insert(err.context("creating partitions ahead"));
+    for k in 0..=ahead {
+        match crate::db::bounded(admin::create_partitions_step(conn, k, lock_timeout)).await {
+            Err(frozen) => {
+                failed.get_or_insert(frozen.context("creating partitions ahead"));
+                break;
+            }
+            Ok(Ok(Ok(names))) => work.created.extend(names),
+            Ok(Ok(Err(budget))) => {
+                work.capped = Some(budget);
+                break;
+            }
+            Ok(Err(err)) => {
+                let err = crate::db::classify(conn, err).await;
+                failed.get_or_insert(err.context("creating partitions ahead"));
+                break;
+            }
         }
     }
     (work, failed)

@@ -393,25 +393,45 @@ pub async fn create_partitions_into(
     lock_timeout: Duration,
     created: &mut Vec<String>,
 ) -> QueryResult<Option<PartitionBudget>> {
-    let ahead = i32::try_from(ahead).unwrap_or(i32::MAX);
-    let lock_timeout_ms = lock_timeout_ms(lock_timeout);
-    // The function creates every missing partition up to `k` intervals ahead in one
-    // transaction; asking for one more interval per call makes each call (almost always) one
-    // ATTACH, so the default partition's lock is released between partitions instead of
-    // being held across all of them.
     for k in 0..=ahead {
-        let (leaves, max_locks) = sql::partition_lock_budget(conn).await?;
-        let budget = PartitionBudget {
-            leaves: u32::try_from(leaves).unwrap_or(u32::MAX),
-            max_locks_per_transaction: u32::try_from(max_locks).unwrap_or(0),
-        };
-        if budget.leaves >= max_partitions(budget.max_locks_per_transaction) {
-            tracing::warn!(target: "idempotency_actix", leaves = budget.leaves, max_locks_per_transaction = budget.max_locks_per_transaction, "no more response partitions created ahead: every replay locks each of them; later responses go to the default partition");
-            return Ok(Some(budget));
+        match create_partitions_step(conn, k, lock_timeout).await? {
+            Ok(names) => created.extend(names),
+            Err(budget) => return Ok(Some(budget)),
         }
-        created.extend(sql::create_partitions(conn, k, lock_timeout_ms).await?);
     }
     Ok(None)
+}
+
+/// One step of [`create_partitions_into`]: the partitions missing up to `k` intervals ahead
+/// (their names), or, at the partition budget, none (`Err` with the budget). Two round trips,
+/// for a caller that bounds each step by itself (`idem-cli purge`: a step's `ATTACH` scans the
+/// default partition, so a run of many steps can take far longer than one).
+///
+/// The function creates every missing partition up to `k` intervals ahead in one transaction;
+/// asking for one more interval per call makes each call one `ATTACH`, so the default
+/// partition's lock is released between partitions instead of being held across all of them.
+/// (Two when an interval boundary passes between calls: the function counts from `now()`.)
+pub async fn create_partitions_step(
+    conn: &mut AsyncPgConnection,
+    k: u32,
+    lock_timeout: Duration,
+) -> QueryResult<Result<Vec<String>, PartitionBudget>> {
+    let (leaves, max_locks) = sql::partition_lock_budget(conn).await?;
+    let budget = PartitionBudget {
+        leaves: u32::try_from(leaves).unwrap_or(u32::MAX),
+        max_locks_per_transaction: u32::try_from(max_locks).unwrap_or(0),
+    };
+    if budget.leaves >= max_partitions(budget.max_locks_per_transaction) {
+        tracing::warn!(target: "idempotency_actix", leaves = budget.leaves, max_locks_per_transaction = budget.max_locks_per_transaction, "no more response partitions created ahead: every replay locks each of them; later responses go to the default partition");
+        return Ok(Err(budget));
+    }
+    let k = i32::try_from(k).unwrap_or(i32::MAX);
+    Ok(Ok(sql::create_partitions(
+        conn,
+        k,
+        lock_timeout_ms(lock_timeout),
+    )
+    .await?))
 }
 
 /// Where [`create_partitions_into`] stopped for the partition budget.
