@@ -46,28 +46,21 @@ fn heap_while_fingerprinting(body: &[u8]) -> (usize, u64) {
 fn hostile_json_costs_a_small_multiple_of_its_size() {
     let _alone = alone();
     const SIZE: usize = 1 << 20;
-    let repeated = |unit: &str, inner: &str| {
-        // One leading space: not canonical as written, so the full canonicalisation runs.
-        let mut body = String::from(" [");
-        while body.len() < SIZE {
-            body.push_str(unit);
-            body.push(',');
-        }
-        body.push_str(inner);
-        body.push(']');
-        body
-    };
-    let nested = format!("{}0{}", "[".repeat(60), "]".repeat(60));
-    let wide = |unit: &str, last: &str| {
-        let mut body = String::from(" {");
+    // `open`, then `unit,` until the body has SIZE bytes, then `last` and `close`. One leading
+    // space: not canonical as written, so the full canonicalisation runs.
+    let filled = |open: &str, unit: &str, last: &str, close: &str| {
+        let mut body = format!(" {open}");
         while body.len() < SIZE {
             body.push_str(unit);
             body.push(',');
         }
         body.push_str(last);
-        body.push('}');
+        body.push_str(close);
         body
     };
+    let repeated = |unit: &str, last: &str| filled("[", unit, last, "]");
+    let wide = |unit: &str, last: &str| filled("{", unit, last, "}");
+    let nested = format!("{}0{}", "[".repeat(60), "]".repeat(60));
     // `{"b":{"b":...{"b":[0,0,...],"a":0}...,"a":0},"a":0}`: every level out of order, so
     // every level is sorted, with the whole array inside.
     let deep_unsorted = {
