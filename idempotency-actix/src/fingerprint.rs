@@ -318,9 +318,9 @@ impl<O: Offset> Canonical<O> {
 
 /// Objects read out of order up to this size (bytes of canonical text) are sorted where they
 /// stand; larger ones are recorded in [`Canonical::sorted`]. Sorting in place copies the
-/// object's text once, and an object that small holds at most about a tenth of this many
-/// levels of such objects (each needs two members of a few bytes), so a byte is copied at most
-/// about 12 times. A record costs a few dozen bytes, at most one per this many bytes of text
+/// object's text out and back, and an object that small holds at most 11 levels of such
+/// objects (each needs two members: `{"a":0,"":0}` is 12 bytes), so a byte is copied at most
+/// some 22 times, within buffers of this size. A record costs a few dozen bytes, at most one per this many bytes of text
 /// (review, 2026-12-06: with a record for every object, an array of small objects each out of
 /// order took 5 times the body).
 const SORT_IN_PLACE_BYTES: usize = 128;

@@ -96,7 +96,9 @@ pub enum Outcome {
     /// that is not stored, a handler error, a response over `max_response_bytes`): neither its
     /// writes nor the reservation remain. Also a run rolled back by a serialization failure
     /// (the retry option) whose next claim answered instead of running it again (the key
-    /// taken meanwhile: 409; the store down: 503): the status says what the client got.
+    /// taken meanwhile: 409; the store down: 503): the status says what the client got. And,
+    /// with a 500, a handler that ended the request's transaction itself (unsupported): what
+    /// it wrote outside the request's transaction may remain.
     RolledBack,
     /// Transactional mode: COMMIT (or the response's write before it) failed; everything was
     /// rolled back and the client got `COMMIT_FAILED`.

@@ -926,16 +926,18 @@ where
             Ok(WriteOutcome::Applied) => {}
             Ok(WriteOutcome::Stale) => {
                 // Our own uncommitted row, which no other session can see, take over or
-                // delete: gone only if the transaction that held it ended, by the handler's own
-                // SQL (a raw `ROLLBACK`, unsupported) behind diesel's back. What the handler
-                // wrote after that committed on its own, so the client must not be told that
-                // nothing was done and a retry is safe (`COMMIT_FAILED`): an opaque 500, as for
-                // any other handler fault. The key is free: a retry runs the handler again.
+                // delete: gone only if the transaction that held it ended before its time, by
+                // the handler (raw `ROLLBACK` or `COMMIT`, or diesel's own rollback or commit
+                // followed by a new transaction: all unsupported, and the last two invisible to
+                // the depth checks above); after a commit, its lease may have passed and the
+                // key been taken over or purged. Part of what the handler wrote may be saved,
+                // so the client must not be told that nothing was done and a retry is safe
+                // (`COMMIT_FAILED`): an opaque 500, as for any other handler fault.
                 sql::rollback(&tx.store, &mut conn).await;
-                tracing::error!(target: "idempotency_actix", outcome = "not_stored", key = %LogText(&scope.key), tenant = %LogText(&scope.tenant), path = %LogText(&scope.path), "the reservation of this transaction was gone at complete: the handler ended the request's transaction with its own SQL (a raw ROLLBACK; never do), so what it wrote afterwards was saved outside it; answered 500, the key is free");
+                tracing::error!(target: "idempotency_actix", outcome = "rolled_back", key = %LogText(&scope.key), tenant = %LogText(&scope.tenant), path = %LogText(&scope.path), "the reservation of this transaction was gone at complete: the handler ended the request's transaction itself (its own ROLLBACK or COMMIT; never do), so part of what it wrote may be saved outside it; answered 500 without storing the response");
                 if let Some(report) = report {
                     report.outcome(
-                        Outcome::NotStored,
+                        Outcome::RolledBack,
                         StatusCode::INTERNAL_SERVER_ERROR,
                         Some(scope),
                     );

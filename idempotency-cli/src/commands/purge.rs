@@ -134,10 +134,11 @@ pub async fn run(
 
     let progress = Progress::new();
     let mut summary = Summary::default();
-    // A batch that failed with an answer (a permission, a trigger, a statement timeout) does
+    // A batch the database refused (a permission, a trigger, a statement timeout: exit 1) does
     // not skip the partition steps: they are independent of the claims (a claims purge failing
     // run after run must not let the partitions ahead run out; review, 2026-12-06). One that
-    // got no answer ends the run at once, as in the partition steps.
+    // got no answer, or lost the database (exit 3), or found no table (exit 4), ends the run
+    // at once, as in the partition steps: each later step would fail the same way.
     let mut claims_failed = None;
     loop {
         let batch_started = Instant::now();
@@ -155,8 +156,11 @@ pub async fn run(
             Ok(Ok(counts)) => counts,
             Ok(Err(err)) => {
                 progress.clear();
-                let err = crate::db::classify(conn, err).await;
-                claims_failed = Some(stopped(err, &summary));
+                let err = stopped(crate::db::classify(conn, err).await, &summary);
+                if !matches!(err, CliError::Other(_)) {
+                    return Err(err);
+                }
+                claims_failed = Some(err);
                 break;
             }
             Err(frozen) => {
@@ -189,21 +193,23 @@ pub async fn run(
             };
             return Err(err.note(&format!(
                 "the partition steps ran: partitions dropped [{}], created [{}]; default \
-                 partition: {} expired rows deleted{partitions}",
+                 partition: {} expired rows deleted{partitions}{}",
                 work.dropped.join(", "),
                 work.created.join(", "),
-                work.default_rows_deleted
+                work.default_rows_deleted,
+                warnings(&work)
             )));
         }
         if let Some(err) = failed {
             // The steps that ran are done (each committed on its own): say what they did.
             return Err(err.context(&format!(
                 "purge deleted {} records; partitions dropped [{}], created [{}]; default \
-                 partition: {} expired rows deleted; then a partition step failed",
+                 partition: {} expired rows deleted{}; then a partition step failed",
                 summary.total(),
                 work.dropped.join(", "),
                 work.created.join(", "),
-                work.default_rows_deleted
+                work.default_rows_deleted,
+                warnings(&work)
             )));
         }
         summary.partitions = Some(work);
@@ -359,6 +365,26 @@ async fn partition_work(
     (work, failed)
 }
 
+/// What a run says of its partition work beyond what it did, in its summary line or in its
+/// error when a step failed: the partitions it left and the budget it stopped at (`; ...`
+/// each, or nothing).
+fn warnings(work: &PartitionWork) -> String {
+    let mut words = String::new();
+    if let Some(left) = left_words(work) {
+        words.push_str("; ");
+        words.push_str(&left);
+    }
+    if let Some(c) = work.capped {
+        words.push_str(&format!(
+            "; no more partitions ahead: {} is the most max_locks_per_transaction = {} allows \
+             (every replay locks each one), later responses go to the default partition; raise \
+             it, or use a longer interval",
+            c.leaves, c.max_locks_per_transaction
+        ));
+    }
+    words
+}
+
 /// The expired partitions a run left, in words (`None`: it left none).
 fn left_words(work: &PartitionWork) -> Option<String> {
     (!work.left.is_empty()).then(|| {
@@ -434,15 +460,7 @@ fn report(
                     p.created.len(),
                     p.created.join(", "),
                     p.default_rows_deleted
-                ) + &left_words(p).map_or(String::new(), |w| format!("; {w}"))
-                    + &p.capped.map_or(String::new(), |c| {
-                        format!(
-                        "; no more partitions ahead: {} is the most max_locks_per_transaction = {} \
-                         allows (every replay locks each one), later responses go to the default \
-                         partition; raise it, or use a longer interval",
-                        c.leaves, c.max_locks_per_transaction
-                    )
-                    })
+                ) + &warnings(p)
             });
             out.line(format!(
                 "purged {} records in {} ({} completed, {} in-flight; {} batches, longest {}){partitions}",
