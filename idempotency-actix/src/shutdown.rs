@@ -179,51 +179,99 @@ async fn finish_then_stop(
 /// When called outside a Tokio runtime (`#[actix_web::main]` provides one).
 pub fn stop_on_signal(server: ServerHandle, within: Duration) {
     tokio::spawn(async move {
-        if stop_signal().await.is_err() {
+        let Ok(mut signals) = StopSignals::install() else {
             return;
-        }
-        server.pause().await;
-        let skip = async {
-            if stop_signal().await.is_err() {
-                std::future::pending::<()>().await;
-            }
         };
-        finish_then_stop(&server, within, skip).await;
+        signals.next().await;
+        server.pause().await;
+        finish_then_stop(&server, within, signals.next()).await;
     });
 }
 
-/// The next SIGINT or SIGTERM. An error when the handlers cannot be installed (logged: the
-/// server then runs until it is stopped another way).
-async fn stop_signal() -> std::io::Result<()> {
+/// SIGINT and SIGTERM (Ctrl-C only, off Unix), listened to from when they are installed to when
+/// they are dropped. Installed once for both the first and the second signal: listeners made
+/// anew for the second one heard only signals sent after they were made, so a second signal
+/// sent while the first was being acted on (an orchestrator that sends SIGTERM twice) was lost,
+/// and the stop waited out `within` (review, 2026-12-06).
+struct StopSignals {
     #[cfg(unix)]
-    {
-        use tokio::signal::unix::{signal, SignalKind};
-        let installed = signal(SignalKind::terminate())
-            .and_then(|term| Ok((term, signal(SignalKind::interrupt())?)));
-        let (mut term, mut int) = match installed {
-            Ok(both) => both,
-            Err(error) => {
-                tracing::error!(target: "idempotency_actix", %error, "could not install the SIGTERM/SIGINT handlers; the server will not stop on a signal");
-                return Err(error);
+    term: tokio::signal::unix::Signal,
+    #[cfg(unix)]
+    int: tokio::signal::unix::Signal,
+}
+
+impl StopSignals {
+    /// An error when the handlers cannot be installed (logged: the server then runs until it
+    /// is stopped another way).
+    fn install() -> std::io::Result<Self> {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{signal, SignalKind};
+            let installed = signal(SignalKind::terminate())
+                .and_then(|term| Ok((term, signal(SignalKind::interrupt())?)));
+            match installed {
+                Ok((term, int)) => Ok(Self { term, int }),
+                Err(error) => {
+                    tracing::error!(target: "idempotency_actix", %error, "could not install the SIGTERM/SIGINT handlers; the server will not stop on a signal");
+                    Err(error)
+                }
             }
-        };
-        tokio::select! {
-            _ = term.recv() => {}
-            _ = int.recv() => {}
         }
-        Ok(())
+        #[cfg(not(unix))]
+        {
+            Ok(Self {})
+        }
     }
-    #[cfg(not(unix))]
-    {
-        tokio::signal::ctrl_c().await.inspect_err(|error| {
-            tracing::error!(target: "idempotency_actix", %error, "could not install the Ctrl-C handler; the server will not stop on a signal");
-        })
+
+    /// The next signal; never, when they can no longer be received.
+    async fn next(&mut self) {
+        #[cfg(unix)]
+        {
+            let received = tokio::select! {
+                received = self.term.recv() => received,
+                received = self.int.recv() => received,
+            };
+            if received.is_none() {
+                std::future::pending::<()>().await;
+            }
+        }
+        #[cfg(not(unix))]
+        {
+            if let Err(error) = tokio::signal::ctrl_c().await {
+                tracing::error!(target: "idempotency_actix", %error, "could not install the Ctrl-C handler; the server will not stop on a signal");
+                std::future::pending::<()>().await;
+            }
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A second signal sent after the first was received and before the wait for the second
+    /// began is not lost (review, 2026-12-06: the listeners for the second were made after it,
+    /// and never heard it). SIGTERM to this test process, whose handlers `install` replaces.
+    #[cfg(unix)]
+    #[actix_rt::test]
+    async fn a_second_signal_sent_while_the_first_is_acted_on_is_heard() {
+        let mut signals = StopSignals::install().expect("handlers");
+        let term = || {
+            let sent = std::process::Command::new("kill")
+                .args(["-TERM", &std::process::id().to_string()])
+                .status()
+                .is_ok_and(|status| status.success());
+            assert!(sent, "kill -TERM");
+        };
+        term();
+        tokio::time::timeout(Duration::from_secs(5), signals.next())
+            .await
+            .expect("the first signal");
+        term(); // while the first is acted on: nobody waits on `next` yet
+        tokio::time::timeout(Duration::from_secs(5), signals.next())
+            .await
+            .expect("the second signal was lost");
+    }
 
     // One test touches the process-wide count: the unit tests run in parallel, and other
     // tests of this crate spawn tracked work.

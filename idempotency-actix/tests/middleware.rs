@@ -395,6 +395,9 @@ struct Faulty {
     completes: Arc<AtomicUsize>,
     /// While set, every `complete` fails (renewals still work: a responses table locked).
     completes_failing: Arc<AtomicBool>,
+    /// How long each of those failing calls takes to fail (a statement stuck until the
+    /// store's own timeout, on one half-dead pooled connection).
+    failing_complete_takes: Duration,
 }
 
 impl Faulty {
@@ -480,6 +483,7 @@ impl IdempotencyStore for Faulty {
             return Err(StoreError::unavailable("one blip"));
         }
         if self.completes_failing.load(Ordering::SeqCst) {
+            tokio::time::sleep(self.failing_complete_takes).await;
             return Err(StoreError::unavailable("timed out"));
         }
         self.inner.complete(scope, token, response, ttl).await
@@ -2377,6 +2381,47 @@ async fn a_complete_that_keeps_failing_keeps_its_lease_while_the_store_renews() 
     assert_eq!(during.status, StatusCode::CONFLICT, "{during:?}");
     failing.store(false, Ordering::SeqCst);
     tokio::time::sleep(Duration::from_millis(700)).await;
+    let after = send(&app, post_x("/pay", "k")).await;
+    assert!(after.replayed(), "{after:?}");
+    assert_eq!(counter.get(), 1);
+}
+
+/// The same retry when each try hangs until the store's timeout, longer than the lease: the
+/// retry renewed the lease only after a try had failed, so the lease ran out during the try
+/// and a duplicate took the key over and ran the handler again (review, 2026-12-06; before: 2
+/// runs). The lease is now renewed while each try is in flight, as the heartbeat renewed it
+/// while the first `complete` was.
+#[actix_web::test]
+async fn a_complete_retry_that_hangs_keeps_its_lease() {
+    let counter = Counter::default();
+    let store = Faulty {
+        renews: true,
+        failing_complete_takes: Duration::from_millis(1000),
+        ..Faulty::default()
+    };
+    let failing = Arc::clone(&store.completes_failing);
+    failing.store(true, Ordering::SeqCst);
+    let middleware = Idempotency::builder(store)
+        .lock_timeout(Duration::from_millis(300))
+        .renew_lease_up_to(Duration::from_secs(20))
+        .build();
+    let route = web::post().to(|counter: web::Data<Counter>| async move {
+        counter.bump();
+        HttpResponse::Created().finish()
+    });
+    let app = one_route(counter.clone(), middleware, "/pay", route).await;
+    // Answered once its first `complete` failed, a second after it was sent.
+    let first = send(&app, post_x("/pay", "k")).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    // The background retry's first try hangs from about 100 ms to 1.1 s from now: two leases
+    // and more without an answer.
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let during = send(&app, post_x("/pay", "k")).await;
+    assert_eq!(during.status, StatusCode::CONFLICT, "{during:?}");
+    assert_eq!(counter.get(), 1, "the handler ran again");
+    failing.store(false, Ordering::SeqCst);
+    // The next try (pauses of at most 2 s here) stores the response.
+    tokio::time::sleep(Duration::from_millis(3500)).await;
     let after = send(&app, post_x("/pay", "k")).await;
     assert!(after.replayed(), "{after:?}");
     assert_eq!(counter.get(), 1);

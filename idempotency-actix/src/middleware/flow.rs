@@ -1055,8 +1055,10 @@ where
         let retry = async move {
             let _room = room;
             let done = until_the_lease_ends(until, longest, || async {
-                let call = store.complete(&scope, &token, &stored, ttl);
-                match outcome::timed(&histogram, call).await {
+                let call = outcome::timed(&histogram, store.complete(&scope, &token, &stored, ttl));
+                let (answer, renewed) =
+                    renewing_while(&*store, &scope, &token, lease, hold_until, call).await;
+                match answer {
                     Ok(WriteOutcome::Applied) => {
                         tracing::info!(target: "idempotency_actix", outcome = "stored", status = stored.status, "response stored after the store recovered");
                         outcome::complete_retry("succeeded", name);
@@ -1071,7 +1073,8 @@ where
                     }
                     Err(error) => {
                         tracing::debug!(target: "idempotency_actix", outcome = "store_error", %error, "storing the response failed again; retrying until the lease ends");
-                        Attempt::Again(keep_lease(&*store, &scope, &token, lease, hold_until).await)
+                        let after = keep_lease(&*store, &scope, &token, lease, hold_until).await;
+                        Attempt::Again(renewed.max(after))
                     }
                 }
             });
@@ -1250,7 +1253,10 @@ where
 }
 
 /// The most background retries of a failed `complete` or `release` (C16) one `Idempotency`
-/// keeps at once (its workers together). Each holds its response until it ends, a lease or more (renewing, up to
+/// value and its clones keep at once. Built inside `HttpServer::new`'s factory, as usual, it is
+/// one value per worker: N workers keep up to N times this many (a review, 2026-12-06, found
+/// "its workers together" here, which holds only when the value is built once, outside the
+/// factory, and cloned into it). Each holds its response until it ends, a lease or more (renewing, up to
 /// `renew_lease_up_to`); during a brownout in which every write fails they would otherwise
 /// pile up by the hundreds a second, hold the memory of every response, and send their tries
 /// into the pool live requests need. Past the bound a failed write is not retried: its key is
@@ -1325,6 +1331,44 @@ enum Attempt {
     Done,
     /// Try again; with the instant the lease now lasts until when the try renewed it.
     Again(Option<Instant>),
+}
+
+/// Await `call`, one try of a background retry, while renewing the lease as the heartbeat did
+/// while the first try ran (every third of a lease, at most
+/// [`MAX_RENEWALS_IN_FLIGHT`](super::renewal::MAX_RENEWALS_IN_FLIGHT) renewals unanswered at
+/// once): the call's answer, and the latest instant a renewal made the lease last until. A try
+/// stuck until the store's own timeout (7 s with `PostgresStore`'s defaults) must not outlast
+/// the lease, or a duplicate takes the key over and runs the handler again while the store
+/// would have renewed all along (review, 2026-12-06: the retry renewed only after a try had
+/// failed). Renewals are fenced by the token: one that meets the stored record changes nothing.
+async fn renewing_while<S: IdempotencyStore, F: Future>(
+    store: &S,
+    scope: &Scope,
+    token: &ReservationToken,
+    lease: Duration,
+    hold_until: Instant,
+    call: F,
+) -> (F::Output, Option<Instant>) {
+    let every = super::renewal::interval(lease);
+    let mut call = pin!(call);
+    let mut renewals = futures_util::stream::FuturesUnordered::new();
+    let mut renewed: Option<Instant> = None;
+    let mut next = saturating_deadline(Instant::now(), every);
+    loop {
+        tokio::select! {
+            biased;
+            answer = &mut call => return (answer, renewed),
+            Some(until) = renewals.next(), if !renewals.is_empty() => {
+                renewed = renewed.max(until);
+            }
+            () = tokio::time::sleep_until(next.into()),
+                if renewals.len() < super::renewal::MAX_RENEWALS_IN_FLIGHT =>
+            {
+                renewals.push(keep_lease(store, scope, token, lease, hold_until));
+                next = saturating_deadline(Instant::now(), every);
+            }
+        }
+    }
 }
 
 /// Renew the lease of a reservation whose response is being stored again, so that the key

@@ -129,7 +129,8 @@ pub use transactional::{IdempotentTx, TxConn, TxConnError, DEFAULT_TENANT_SETTIN
 pub struct Idempotency<S> {
     store: Arc<S>,
     config: Arc<Config>,
-    /// Room for background retries ([`MAX_BACKGROUND_RETRIES`]), shared by its workers.
+    /// Room for background retries ([`MAX_BACKGROUND_RETRIES`]), shared by its clones (its
+    /// workers' too when it is built outside the app factory; built inside, one per worker).
     retries: Arc<tokio::sync::Semaphore>,
 }
 

@@ -228,11 +228,11 @@ fn heartbeat<S: IdempotencyStore>(lease: Lease<S>) -> Option<oneshot::Sender<()>
 /// `PostgresStore`'s defaults) must not keep the next one from being sent while the lease runs
 /// out, the database being fine otherwise; and a store slow for every call must not be sent
 /// an ever-growing number of them (each may hold a pooled connection).
-const MAX_RENEWALS_IN_FLIGHT: usize = 3;
+pub(super) const MAX_RENEWALS_IN_FLIGHT: usize = 3;
 
 /// How often a lease of `lease` is renewed: every third of it, never more often than
 /// [`MIN_INTERVAL`].
-fn interval(lease: Duration) -> Duration {
+pub(super) fn interval(lease: Duration) -> Duration {
     (lease / 3).max(MIN_INTERVAL)
 }
 
