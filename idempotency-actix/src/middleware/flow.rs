@@ -1057,7 +1057,7 @@ where
             let done = until_the_lease_ends(until, longest, || async {
                 let call = outcome::timed(&histogram, store.complete(&scope, &token, &stored, ttl));
                 let (answer, renewed) =
-                    renewing_while(&*store, &scope, &token, lease, hold_until, call).await;
+                    renewing_while(&store, &scope, &token, lease, hold_until, call).await;
                 match answer {
                     Ok(WriteOutcome::Applied) => {
                         tracing::info!(target: "idempotency_actix", outcome = "stored", status = stored.status, "response stored after the store recovered");
@@ -1334,15 +1334,21 @@ enum Attempt {
 }
 
 /// Await `call`, one try of a background retry, while renewing the lease as the heartbeat did
-/// while the first try ran (every third of a lease, at most
-/// [`MAX_RENEWALS_IN_FLIGHT`](super::renewal::MAX_RENEWALS_IN_FLIGHT) renewals unanswered at
-/// once): the call's answer, and the latest instant a renewal made the lease last until. A try
+/// while the first try ran: at once (the heartbeat's last renewal may be a third of a lease
+/// old, and the pause before this try up to half a lease), then every third of a lease, at
+/// most [`MAX_RENEWALS_IN_FLIGHT`](super::renewal::MAX_RENEWALS_IN_FLIGHT) unanswered at
+/// once. The call's answer, and the latest instant a renewal made the lease last until. A try
 /// stuck until the store's own timeout (7 s with `PostgresStore`'s defaults) must not outlast
 /// the lease, or a duplicate takes the key over and runs the handler again while the store
 /// would have renewed all along (review, 2026-12-06: the retry renewed only after a try had
-/// failed). Renewals are fenced by the token: one that meets the stored record changes nothing.
+/// failed). Renewals are fenced by the token: one that meets the stored record changes
+/// nothing. Each runs on a task of its own, as the heartbeat's do, so one still in flight when
+/// the try ends is not dropped halfway (a pooled connection left behind a statement nobody
+/// reads). A `complete` that holds the record's row lock while it hangs (PostgreSQL's, stuck
+/// on the responses table) keeps these renewals waiting behind it; they help when the try
+/// hangs on its own connection.
 async fn renewing_while<S: IdempotencyStore, F: Future>(
-    store: &S,
+    store: &Arc<S>,
     scope: &Scope,
     token: &ReservationToken,
     lease: Duration,
@@ -1351,20 +1357,25 @@ async fn renewing_while<S: IdempotencyStore, F: Future>(
 ) -> (F::Output, Option<Instant>) {
     let every = super::renewal::interval(lease);
     let mut call = pin!(call);
-    let mut renewals = futures_util::stream::FuturesUnordered::new();
+    let mut renewals =
+        futures_util::stream::FuturesUnordered::<tokio::task::JoinHandle<Option<Instant>>>::new();
     let mut renewed: Option<Instant> = None;
-    let mut next = saturating_deadline(Instant::now(), every);
+    let mut next = Instant::now();
     loop {
         tokio::select! {
             biased;
             answer = &mut call => return (answer, renewed),
             Some(until) = renewals.next(), if !renewals.is_empty() => {
-                renewed = renewed.max(until);
+                // A renewal task that panicked (a store's bug) renewed nothing.
+                renewed = renewed.max(until.ok().flatten());
             }
             () = tokio::time::sleep_until(next.into()),
                 if renewals.len() < super::renewal::MAX_RENEWALS_IN_FLIGHT =>
             {
-                renewals.push(keep_lease(store, scope, token, lease, hold_until));
+                let (store, scope, token) = (Arc::clone(store), scope.clone(), *token);
+                renewals.push(tokio::spawn(async move {
+                    keep_lease(&*store, &scope, &token, lease, hold_until).await
+                }));
                 next = saturating_deadline(Instant::now(), every);
             }
         }
