@@ -41,6 +41,13 @@ pub trait RecordView {
     /// (`PERSIST`, `RESTORE key 0`), which the store reads as not ended. (PostgreSQL's in-flight
     /// rows always have one.)
     fn lease_unbounded(&self) -> bool;
+    /// A completed record that never expires: a Redis key without an expiry, which the store
+    /// replays for as long as it lives, or a PostgreSQL row expiring at `infinity`.
+    fn never_expires(&self) -> bool;
+    /// Whether an end is known, of the lease or of the record: what `expires_at` shows.
+    fn has_expiry(&self) -> bool {
+        !self.lease_unbounded() && !self.never_expires()
+    }
     /// `tenant="acme" POST /payments key="k1"`: the scope, unambiguous and terminal-safe.
     fn scope_label(&self) -> String;
     /// The lease or expiry in words: "lease ends in 45s", "expired 2d ago".
@@ -66,6 +73,10 @@ impl RecordView for Record {
         self.is_in_flight() && self.locked_until.is_none()
     }
 
+    fn never_expires(&self) -> bool {
+        !self.is_in_flight() && self.expires_at == Time::from_unix_micros(i64::MAX)
+    }
+
     fn scope_label(&self) -> String {
         format!(
             "tenant={} {} {} key={}",
@@ -85,6 +96,9 @@ impl RecordView for Record {
             // Not "ends in ...": no lease will end while the key has no expiry (review,
             // 2026-12-06: the lease as reserved was shown, ending "in 1m" on every run).
             return "no lease end: its key has no expiry".into();
+        }
+        if self.never_expires() {
+            return "never expires: its key has no expiry".into();
         }
         let (live, ended) = if self.is_in_flight() {
             ("lease ends in", "lease ended")
@@ -117,10 +131,10 @@ impl RecordView for Record {
             "fingerprint": hex(&self.fingerprint),
             "created_at": timestamp(self.created_at),
             "completed_at": self.completed_at.map(timestamp),
-            "expires_at": (!self.lease_unbounded()).then(|| timestamp(self.expires_at)),
+            "expires_at": self.has_expiry().then(|| timestamp(self.expires_at)),
             "locked_until": self.locked_until.map(timestamp),
             "age_seconds": round_ms(self.age_secs()),
-            "expires_in_seconds": (!self.lease_unbounded()).then(|| round_ms(self.expires_in_secs())),
+            "expires_in_seconds": self.has_expiry().then(|| round_ms(self.expires_in_secs())),
             "body_bytes": self.body_bytes,
         })
     }
@@ -137,7 +151,7 @@ impl RecordView for Record {
                 .map(|s| s.to_string())
                 .unwrap_or_else(|| "-".into()),
             format_age_secs(self.age_secs()),
-            if self.lease_unbounded() {
+            if !self.has_expiry() {
                 "never".into()
             } else if left > 0.0 {
                 format!("in {}", format_age_secs(left))

@@ -246,19 +246,32 @@ struct Unreadable {
 }
 
 impl Unreadable {
-    /// One line: where (spelled as `list` spells a record's scope), what, and what to do.
+    /// Where, spelled as `list` spells a record's scope.
+    fn scope_label(&self) -> String {
+        format!(
+            "tenant={} {} {} key={}",
+            tenant_label(&self.scope.tenant),
+            display(&self.scope.method, 0),
+            display(&self.scope.path, 0),
+            quoted(&self.scope.key),
+        )
+    }
+
+    /// Where, marked unreadable: one of the matches `release` names.
+    fn label(&self) -> String {
+        format!("{} (unreadable)", self.scope_label())
+    }
+
+    /// One line: where, what, and what to do.
     fn describe(&self) -> String {
         let redis_key = self
             .key
             .as_ref()
             .map_or_else(String::new, |k| format!(" (Redis key {k})"));
         format!(
-            "tenant={} {} {} key={}{redis_key} holds no readable record ({}): requests with \
-             it get 503 until it is removed; check it with redis-cli TYPE/GET, then DEL it",
-            tenant_label(&self.scope.tenant),
-            display(&self.scope.method, 0),
-            display(&self.scope.path, 0),
-            quoted(&self.scope.key),
+            "{}{redis_key} holds no readable record ({}): requests with it get 503 until it \
+             is removed; check it with redis-cli TYPE/GET, then DEL it",
+            self.scope_label(),
             self.what
         )
     }
@@ -457,7 +470,14 @@ impl<C: Conn> Redis<'_, C> {
                 State::Completed,
                 None,
                 Some(at(*completed_us)),
-                at(*expires_us),
+                // A key with no expiry (PERSIST, RESTORE with TTL 0) is replayed for as long
+                // as it lives, whatever expiry the record holds: it never expires (review,
+                // 2026-12-06: it was shown expired, and `release` pointed at `purge`).
+                if pttl_ms < 0 {
+                    Time::from_unix_micros(i64::MAX)
+                } else {
+                    at(*expires_us)
+                },
                 i16::try_from(*status).ok(),
                 i32::try_from(*body_len).ok(),
             ),
@@ -746,16 +766,20 @@ async fn release_each(
     let script = redis::Script::new(record::RELEASE_INSPECTED);
     for key in &args.keys {
         let read = matching(redis, key, &args.scope, false).await?;
-        let verdict = match read.found.as_slice() {
+        let verdict = match (read.found.as_slice(), read.unreadable.as_slice()) {
             // Never deleted here, even with --force: what cannot be read cannot be checked to
             // be a dead reservation, and it may be another program's data.
-            [] => Err(nothing_readable(key, &args.scope, &read.unreadable)),
-            [f] => check(&f.record, args.force).map(|()| f),
-            many => Err(ambiguous_key(
+            ([], unreadable) => Err(nothing_readable(key, &args.scope, unreadable)),
+            ([f], []) => check(&f.record, args.force).map(|()| f),
+            // An unreadable match is a match: releasing the one readable record beside it, as
+            // if it were the key's only one, deleted another tenant's record when the operator
+            // meant the broken one (review, 2026-12-06).
+            (found, unreadable) => Err(ambiguous_key(
                 key,
-                &many
+                &found
                     .iter()
                     .map(|f| f.record.scope_label())
+                    .chain(unreadable.iter().map(Unreadable::label))
                     .collect::<Vec<_>>(),
             )),
         };

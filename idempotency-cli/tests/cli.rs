@@ -2599,15 +2599,23 @@ async fn times_past_year_9999_or_infinite_do_not_break_any_command() {
     assert_eq!(stats["completed"], Value::from(3), "{stats}");
     let listed = json_lines(&idem_code(&db.url, &["--format", "json", "list"], 0));
     assert_eq!(listed.len(), 3, "{listed:?}");
-    for key in ["far", "infinite"] {
-        let shown = idem_json(&db.url, &["--format", "json", "show", key]);
-        assert!(
-            shown["expires_at"]
-                .as_str()
-                .is_some_and(|t| t.starts_with("9999-12-31")),
-            "{shown}"
-        );
-    }
+    let far = idem_json(&db.url, &["--format", "json", "show", "far"]);
+    assert!(
+        far["expires_at"]
+            .as_str()
+            .is_some_and(|t| t.starts_with("9999-12-31")),
+        "{far}"
+    );
+    // Expiring at `infinity`: a record that never expires, as a Redis key without an expiry.
+    let infinite = idem_json(&db.url, &["--format", "json", "show", "infinite"]);
+    assert!(
+        infinite["expires_at"].is_null() && infinite["expired"] == Value::from(false),
+        "{infinite}"
+    );
+    assert_stdout_has(
+        &idem_code(&db.url, &["show", "infinite"], 0),
+        "never expires",
+    );
     idem_code(&db.url, &["release", "--force", "infinite"], 0);
     assert_eq!(keys(&mut conn).await, ["far", "ordinary"]);
 }

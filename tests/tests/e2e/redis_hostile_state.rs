@@ -502,6 +502,97 @@ async fn idem_cli_show_and_release_of_an_unreadable_record_say_what_is_there() {
     assert_eq!(show.status.code(), Some(0), "{}", describe(&show));
 }
 
+/// `release KEY --force` without a scope, where one tenant's record with that key reads and
+/// another tenant's does not: found by review (2026-12-06), the readable one was released as
+/// if it were the only match, the unreadable one not even mentioned (an operator clearing the
+/// 503s of one tenant deleted another tenant's completed payment, whose retry then ran again).
+/// Now it is refused as ambiguous, naming both, and nothing is deleted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idem_cli_release_counts_an_unreadable_match_as_a_match() {
+    let redis = RedisServer::start();
+    let url = redis.url();
+    let store = RedisStore::connect(&url).await.expect("connect");
+    completed(&store, &url, &scope("acme", "k"), b"paid").await;
+    let mut c = conn(&url).await;
+    let broken = store.key_of(&scope("globex", "k"));
+    let _: () = redis::cmd("HSET")
+        .arg(&broken)
+        .arg("st")
+        .arg("C")
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    let release = idem(&url, &["release", "k", "--force"]).await;
+    assert_eq!(release.status.code(), Some(6), "{}", describe(&release));
+    assert!(
+        err(&release).contains("matches 2 records")
+            && err(&release).contains("tenant=\"acme\"")
+            && err(&release).contains("tenant=globex POST /payments key=\"k\" (unreadable)"),
+        "{}",
+        describe(&release)
+    );
+    assert!(
+        exists(&url, &store.key_of(&scope("acme", "k"))).await,
+        "the readable record was released"
+    );
+    assert!(exists(&url, &broken).await);
+}
+
+/// A completed record whose key lost its expiry (`PERSIST`, `RESTORE key 0`): the store replays
+/// it for as long as the key lives, but idem-cli read its stored expiry and called it expired
+/// (`stats` counted it `completed_expired`, `release` said the next request runs again and that
+/// `purge` removes it: neither is true on Redis; review, 2026-12-06). It is now live and never
+/// expires.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idem_cli_reads_a_completed_record_without_expiry_as_live() {
+    let redis = RedisServer::start();
+    let url = redis.url();
+    let store = RedisStore::connect(&url).await.expect("connect");
+    let s = scope("acme", "kept");
+    let ReserveOutcome::Reserved { token } = store.reserve(&s, &FP, LEASE).await.expect("reserve")
+    else {
+        panic!("not a fresh key")
+    };
+    let ttl = Duration::from_millis(1500);
+    let stored = store.complete(&s, &token, &response(b"paid"), ttl).await;
+    assert_eq!(stored.ok(), Some(WriteOutcome::Applied));
+    let mut c = conn(&url).await;
+    let key = store.key_of(&s);
+    let persisted: i64 = redis::cmd("PERSIST")
+        .arg(&key)
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    assert_eq!(persisted, 1);
+    // Past the expiry stored in the record: the key lives on, and the store replays it.
+    tokio::time::sleep(ttl + Duration::from_millis(200)).await;
+    assert!(matches!(
+        store.reserve(&s, &FP, LEASE).await,
+        Ok(ReserveOutcome::Completed { .. })
+    ));
+    let stats = idem(&url, &["--format", "json", "stats"]).await;
+    let json: serde_json::Value = serde_json::from_str(out(&stats).trim()).expect("stats JSON");
+    assert_eq!(
+        (
+            json["completed_live"].as_u64(),
+            json["completed_expired"].as_u64()
+        ),
+        (Some(1), Some(0)),
+        "{}",
+        describe(&stats)
+    );
+    let show = idem(&url, &["show", "kept", "--tenant", "acme"]).await;
+    assert!(out(&show).contains("never expires"), "{}", describe(&show));
+    let release = idem(&url, &["release", "kept", "--tenant", "acme"]).await;
+    assert_eq!(release.status.code(), Some(6), "{}", describe(&release));
+    assert!(
+        err(&release).contains("never expires") && !err(&release).contains("purge"),
+        "{}",
+        describe(&release)
+    );
+    assert!(exists(&url, &key).await);
+}
+
 // ---------------------------------------------------------------------------------------------
 // (3) ACL users short of a command.
 
@@ -875,7 +966,8 @@ async fn idem_cli_refuses_unsafe_prefixes() {
 /// shaped like record keys (`idem:session:a:b:k`) and a key equal to a prefix. idem-cli with
 /// each prefix counts, lists and releases exactly that store's records: `release --force k`
 /// under `idem:` removes the outer store's `x`/`k` only, never `idem:x:`'s `t`/`k`, the other
-/// app's `idem:session:a:b:k`, or `idem2:`'s.
+/// app's `idem:session:a:b:k`, or `idem2:`'s. Without `--tenant` it refuses: the other app's
+/// key is a match it cannot read (review, 2026-12-06: an unreadable match was ignored).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idem_cli_keeps_to_its_own_prefix() {
     let redis = RedisServer::start();
@@ -935,10 +1027,29 @@ async fn idem_cli_keeps_to_its_own_prefix() {
     assert_eq!(out(&show).lines().count(), 1, "{}", describe(&show));
     assert!(out(&show).contains("\"x\""), "{}", describe(&show));
 
+    let unscoped = idem(
+        &url,
+        &["--redis-prefix", "idem:", "release", "k", "--force"],
+    )
+    .await;
+    assert_eq!(unscoped.status.code(), Some(6), "{}", describe(&unscoped));
+    assert!(
+        err(&unscoped).contains("matches 2 records"),
+        "{}",
+        describe(&unscoped)
+    );
     let before = all_keys(&url).await;
     let rel = idem(
         &url,
-        &["--redis-prefix", "idem:", "release", "k", "--force"],
+        &[
+            "--redis-prefix",
+            "idem:",
+            "release",
+            "k",
+            "--force",
+            "--tenant",
+            "x",
+        ],
     )
     .await;
     assert_eq!(rel.status.code(), Some(0), "{}", describe(&rel));
