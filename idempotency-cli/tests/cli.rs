@@ -2609,7 +2609,7 @@ async fn times_past_year_9999_or_infinite_do_not_break_any_command() {
     // Expiring at `infinity`: a record that never expires, as a Redis key without an expiry.
     let infinite = idem_json(&db.url, &["--format", "json", "show", "infinite"]);
     assert!(
-        infinite["expires_at"].is_null() && infinite["expired"] == Value::from(false),
+        infinite["expires_at"].is_null() && infinite["expired"] == false,
         "{infinite}"
     );
     assert_stdout_has(
