@@ -670,49 +670,96 @@ async fn show(
     out.flush()
 }
 
+/// What `stats` counts, record by record.
+#[derive(Default)]
+struct Tally {
+    total: usize,
+    in_flight: usize,
+    lease_live: usize,
+    completed_expired: usize,
+    /// The in-flight record created longest ago.
+    oldest: Option<Record>,
+}
+
+impl Tally {
+    fn add(&mut self, r: Record) {
+        self.total += 1;
+        if !r.is_in_flight() {
+            self.completed_expired += usize::from(r.is_expired());
+            return;
+        }
+        self.in_flight += 1;
+        self.lease_live += usize::from(r.lease_live());
+        // By age (microseconds), not by the millisecond timestamp text, which ties.
+        if self
+            .oldest
+            .as_ref()
+            .is_none_or(|o| r.age_secs() > o.age_secs())
+        {
+            self.oldest = Some(r);
+        }
+    }
+}
+
+/// Counted batch by batch as `SCAN` returns them, keeping no record but the oldest in-flight
+/// one: a 24 h TTL at 100 requests a second is some 8.6 million records, which held whole (as
+/// until 2026-12-06, found by review) took gigabytes, and a monitoring job died for want of
+/// memory. What it keeps per key is a 64-bit hash, to count a key `SCAN` returns twice once
+/// (see [`Redis::scan`]): about 16 bytes a record. (Two keys of one hash, a chance of about
+/// one in two million at 8.6 million keys, would count as one.)
 async fn stats(
     redis: &mut Redis<'_, impl Conn>,
     format: Format,
     out: &mut Out,
 ) -> Result<(), CliError> {
-    let pattern = format!("{}*", redis.prefix);
-    let keys = redis.scan(&pattern).await?;
-    let read = redis.read(&keys, false).await?;
-    let unreadable = read.unreadable.len();
-    let rows: Vec<Record> = read.found.into_iter().map(|f| f.record).collect();
-    let in_flight: Vec<&Record> = rows.iter().filter(|r| r.is_in_flight()).collect();
-    let lease_live = in_flight.iter().filter(|r| r.lease_live()).count();
-    let completed = rows.len() - in_flight.len();
-    let completed_expired = rows
-        .iter()
-        .filter(|r| !r.is_in_flight() && r.is_expired())
-        .count();
-    // By age (microseconds), not by the millisecond timestamp text, which ties.
-    let oldest = in_flight
-        .iter()
-        .max_by(|a, b| a.age_secs().total_cmp(&b.age_secs()));
+    let mut walk = KeyScan::new(format!("{}*", redis.prefix)).any_type();
+    let hasher = std::collections::hash_map::RandomState::new();
+    let mut seen = std::collections::HashSet::new();
+    let mut tally = Tally::default();
+    let mut unreadable = Vec::new();
+    while let Some(batch) = walk.next_batch(&mut redis.conn).await.map_err(failed)? {
+        let new: Vec<Vec<u8>> = batch
+            .into_iter()
+            .filter(|key| seen.insert(std::hash::BuildHasher::hash_one(&hasher, key)))
+            .collect();
+        let read = redis.read(&new, false).await?;
+        unreadable.extend(read.unreadable);
+        for found in read.found {
+            tally.add(found.record);
+        }
+    }
+    let Tally {
+        total,
+        in_flight,
+        lease_live,
+        completed_expired,
+        oldest,
+    } = tally;
+    let completed = total - in_flight;
+    let oldest = oldest.as_ref();
+    let unreadable_count = unreadable.len();
     match format {
         Format::Json => out.json(&json!({
             "store": "redis",
-            "total": rows.len(),
-            "in_flight": in_flight.len(),
+            "total": total,
+            "in_flight": in_flight,
             "in_flight_lease_live": lease_live,
-            "in_flight_lease_ended": in_flight.len() - lease_live,
+            "in_flight_lease_ended": in_flight - lease_live,
             "completed": completed,
             "completed_live": completed - completed_expired,
             "completed_expired": completed_expired,
             "expired_not_purged": 0,
-            "unreadable": unreadable,
+            "unreadable": unreadable_count,
             "oldest_in_flight": oldest.map(|r| r.to_json()),
             "oldest_in_flight_age_seconds": oldest.map(|r| round_ms(r.age_secs())),
         }))?,
         Format::Text => {
-            out.line(format!("records              {}", rows.len()))?;
+            out.line(format!("records              {total}"))?;
             out.line(format!(
                 "  in-flight          {}  (lease running {}, lease ended {})",
-                in_flight.len(),
+                in_flight,
                 lease_live,
-                in_flight.len() - lease_live
+                in_flight - lease_live
             ))?;
             out.line(format!(
                 "  completed          {}  (replayable {}, expired {})",
@@ -721,9 +768,9 @@ async fn stats(
                 completed_expired
             ))?;
             out.line("expired, not purged  0  (Redis deletes expired records itself)")?;
-            if unreadable > 0 {
+            if unreadable_count > 0 {
                 out.line(format!(
-                    "unreadable           {unreadable}  (record keys holding no readable record: \
+                    "unreadable           {unreadable_count}  (record keys holding no readable record: \
                      requests with them get 503; see the warnings, or `idem-cli list`)"
                 ))?;
             }
@@ -739,7 +786,7 @@ async fn stats(
         }
     }
     out.flush()?;
-    warn_unreadable(&read.unreadable.iter().collect::<Vec<_>>());
+    warn_unreadable(&unreadable.iter().collect::<Vec<_>>());
     Ok(())
 }
 
