@@ -98,7 +98,7 @@ impl RecordView for Record {
             return "no lease end: its key has no expiry".into();
         }
         if self.never_expires() {
-            return "never expires: its key has no expiry".into();
+            return "never expires: no expiry is set".into();
         }
         let (live, ended) = if self.is_in_flight() {
             ("lease ends in", "lease ended")

@@ -31,7 +31,7 @@ use crate::commands::release::{check, finish, refuse, released};
 use crate::commands::show::{ambiguous_key, detail_json, detail_text, method, no_record};
 use crate::duration::format_age_secs;
 use crate::error::CliError;
-use crate::output::{display, quoted, table, tenant_label, Out};
+use crate::output::{display, quoted, table, Out};
 use crate::record::{round_ms, RecordView, TABLE_HEADER};
 
 /// Records read per batch when only their heads are read (`list`, `stats`): their reads are
@@ -246,11 +246,15 @@ struct Unreadable {
 }
 
 impl Unreadable {
-    /// Where, spelled as `list` spells a record's scope.
+    /// Where, spelled as a record's scope is in messages (`RecordView::scope_label`).
     fn scope_label(&self) -> String {
         format!(
             "tenant={} {} {} key={}",
-            tenant_label(&self.scope.tenant),
+            if self.scope.tenant.is_empty() {
+                "(global)".to_owned()
+            } else {
+                quoted(&self.scope.tenant)
+            },
             display(&self.scope.method, 0),
             display(&self.scope.path, 0),
             quoted(&self.scope.key),

@@ -138,7 +138,7 @@ pub async fn run(
     // not skip the partition steps: they are independent of the claims (a claims purge failing
     // run after run must not let the partitions ahead run out; review, 2026-12-06). One that
     // got no answer, or lost the database (exit 3), or found no table (exit 4), ends the run
-    // at once, as in the partition steps: each later step would fail the same way.
+    // at once: each later step would fail the same way.
     let mut claims_failed = None;
     loop {
         let batch_started = Instant::now();
@@ -186,19 +186,26 @@ pub async fn run(
     if let Some(ahead) = ahead {
         let (work, failed) = partition_work(conn, args, ahead).await;
         if let Some(err) = claims_failed {
-            // The first failure, then what the partition steps did after it.
-            let partitions = match failed {
-                None => String::new(),
-                Some(failed) => format!("; a partition step failed too: {failed}"),
-            };
-            return Err(err.note(&format!(
-                "the partition steps ran: partitions dropped [{}], created [{}]; default \
-                 partition: {} expired rows deleted{partitions}{}",
+            let done = format!(
+                "partitions dropped [{}], created [{}]; default partition: {} expired rows \
+                 deleted{}",
                 work.dropped.join(", "),
                 work.created.join(", "),
                 work.default_rows_deleted,
                 warnings(&work)
-            )));
+            );
+            return Err(match failed {
+                // The database went away or stopped answering meanwhile: that is the run's
+                // exit code (3), which alerts watch for, with the claims' failure in words.
+                Some(failed) if !matches!(failed, CliError::Other(_)) => failed.note(&format!(
+                    "the claims purge had failed before: {err}; {done}"
+                )),
+                // The first failure, then what the partition steps did after it.
+                Some(failed) => err.note(&format!(
+                    "the partition steps ran: {done}; a partition step failed too: {failed}"
+                )),
+                None => err.note(&format!("the partition steps ran: {done}")),
+            });
         }
         if let Some(err) = failed {
             // The steps that ran are done (each committed on its own): say what they did.

@@ -527,7 +527,7 @@ async fn idem_cli_release_counts_an_unreadable_match_as_a_match() {
     assert!(
         err(&release).contains("matches 2 records")
             && err(&release).contains("tenant=\"acme\"")
-            && err(&release).contains("tenant=globex POST /payments key=\"k\" (unreadable)"),
+            && err(&release).contains("tenant=\"globex\" POST /payments key=\"k\" (unreadable)"),
         "{}",
         describe(&release)
     );
