@@ -330,7 +330,7 @@ async fn partition_work(
         .await
         {
             Err(frozen) => {
-                failed.get_or_insert(frozen.context("purging the default partition"));
+                keep_worst(&mut failed, frozen.context("purging the default partition"));
                 return (work, failed);
             }
             Ok(Ok(deleted)) => {
@@ -341,7 +341,7 @@ async fn partition_work(
             }
             Ok(Err(err)) => {
                 let err = crate::db::classify(conn, err).await;
-                failed.get_or_insert(err.context("purging the default partition"));
+                keep_worst(&mut failed, err.context("purging the default partition"));
                 break;
             }
         }
@@ -354,7 +354,7 @@ async fn partition_work(
     for k in 0..=ahead {
         match crate::db::bounded(admin::create_partitions_step(conn, k, lock_timeout)).await {
             Err(frozen) => {
-                failed.get_or_insert(frozen.context("creating partitions ahead"));
+                keep_worst(&mut failed, frozen.context("creating partitions ahead"));
                 break;
             }
             Ok(Ok(Ok(names))) => work.created.extend(names),
@@ -364,12 +364,26 @@ async fn partition_work(
             }
             Ok(Err(err)) => {
                 let err = crate::db::classify(conn, err).await;
-                failed.get_or_insert(err.context("creating partitions ahead"));
+                keep_worst(&mut failed, err.context("creating partitions ahead"));
                 break;
             }
         }
     }
     (work, failed)
+}
+
+/// Keep the first failure of the partition steps, unless `err` is worse: the database gone or
+/// silent (exit 3) or the table missing (exit 4) after a step the database refused (exit 1).
+/// The run's exit code is the worse one, which alerts watch for, and the first is kept in words
+/// (review, 2026-12-06: a drop's lock timeout, then a step without an answer, exited 1).
+fn keep_worst(failed: &mut Option<CliError>, err: CliError) {
+    *failed = Some(match failed.take() {
+        None => err,
+        Some(first @ CliError::Other(_)) if !matches!(err, CliError::Other(_)) => {
+            err.note(&format!("after an earlier step failed: {first}"))
+        }
+        Some(first) => first,
+    });
 }
 
 /// What a run says of its partition work beyond what it did, in its summary line or in its
@@ -523,5 +537,39 @@ impl Progress {
         if self.enabled && self.last.get().is_some() {
             let _ = write!(std::io::stderr(), "\r\x1b[2K");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A partition step the database refused (exit 1), then one that lost the database (exit
+    /// 3): the run exits 3, alerts on exit 3 fire, and the first failure is still said.
+    #[test]
+    fn the_worse_partition_failure_sets_the_exit_code() {
+        let code = |e: &Option<CliError>| format!("{:?}", e.as_ref().map(CliError::exit_code));
+        let mut failed = None;
+        keep_worst(&mut failed, CliError::Other("lock timeout".into()));
+        keep_worst(&mut failed, CliError::Unavailable("no answer".into()));
+        assert_eq!(
+            code(&failed),
+            code(&Some(CliError::Unavailable(String::new())))
+        );
+        let text = failed.as_ref().map(ToString::to_string).unwrap_or_default();
+        assert!(
+            text.contains("no answer") && text.contains("lock timeout"),
+            "{text}"
+        );
+        // Otherwise the first failure stays.
+        keep_worst(&mut failed, CliError::Other("later".into()));
+        keep_worst(&mut failed, CliError::NotProvisioned("later".into()));
+        let text = failed.as_ref().map(ToString::to_string).unwrap_or_default();
+        assert!(!text.contains("later"), "{text}");
+        let mut failed = None;
+        keep_worst(&mut failed, CliError::Other("first".into()));
+        keep_worst(&mut failed, CliError::Other("second".into()));
+        let text = failed.as_ref().map(ToString::to_string).unwrap_or_default();
+        assert_eq!(text, "first");
     }
 }
