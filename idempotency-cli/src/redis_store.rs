@@ -94,7 +94,7 @@ pub async fn run(
         }
         _ => {}
     }
-    if !in_cluster_mode(&mut conn).await? {
+    if !in_cluster_mode(&mut conn, prefix).await? {
         return run_on(conn, prefix, command, format, out).await;
     }
     let cluster = redis::cluster::ClusterClientBuilder::new([url])
@@ -112,16 +112,37 @@ pub async fn run(
     }
 }
 
-/// Whether the server at the end of `conn` is a Redis Cluster node. A server that refuses
-/// `INFO` (an ACL user without it) is taken for a single server, as before clusters were known.
-async fn in_cluster_mode(conn: &mut MultiplexedConnection) -> Result<bool, CliError> {
+/// Whether the server at the end of `conn` is a Redis Cluster node: `INFO cluster` says so.
+/// A user without `INFO` (an ACL) was taken for a single server, and on a cluster idem-cli
+/// then walked one node only: `stats` counted one shard with exit 0 (review, 2026-12-06).
+/// Then keys under `prefix` of many slots are asked for instead (`EXISTS`, read-only): a
+/// cluster node answers `MOVED` for the slots it does not serve (all of them land on it only
+/// when it serves every slot, where walking it alone is walking everything). A user refused
+/// that too is taken for a single server, as before.
+async fn in_cluster_mode(conn: &mut MultiplexedConnection, prefix: &str) -> Result<bool, CliError> {
+    let lost = |e: &RedisError| e.is_io_error() || e.is_timeout() || e.is_connection_dropped();
     match cluster_enabled(conn).await {
-        Ok(enabled) => Ok(enabled),
-        Err(e) if e.is_io_error() || e.is_timeout() || e.is_connection_dropped() => {
-            Err(unavailable(e))
-        }
-        Err(_) => Ok(false),
+        Ok(enabled) => return Ok(enabled),
+        Err(e) if lost(&e) => return Err(unavailable(e)),
+        Err(_) => {}
     }
+    // 64 keys: were the slots split between two primaries, all 64 would land on this one once
+    // in 2^64 runs.
+    for probe in 0..64 {
+        let asked: Result<i64, RedisError> = redis::cmd("EXISTS")
+            .arg(format!("{prefix}cluster-probe-{probe}"))
+            .query_async(conn)
+            .await;
+        match asked {
+            Ok(_) => {}
+            Err(e) if e.kind() == redis::ErrorKind::Moved || e.code() == Some("MOVED") => {
+                return Ok(true)
+            }
+            Err(e) if lost(&e) => return Err(unavailable(e)),
+            Err(_) => return Ok(false),
+        }
+    }
+    Ok(false)
 }
 
 async fn run_on<C: Conn>(

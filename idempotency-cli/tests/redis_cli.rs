@@ -259,6 +259,28 @@ async fn on_a_cluster_every_primary_is_read() {
     ));
 }
 
+/// On a cluster, a user without `INFO` (an ACL that allows the keys and the data commands
+/// only): idem-cli took `INFO`'s refusal for "a single server" and walked only the node in the
+/// URL, so `stats` counted one shard's records with exit 0 (review, 2026-12-06). Now a
+/// refused `INFO` is followed by a probe that needs no `INFO` (keys of other slots answer
+/// `MOVED` from a cluster node), and every primary is read.
+#[tokio::test]
+async fn on_a_cluster_a_user_without_info_still_reads_every_primary() {
+    let cluster = RedisCluster::start();
+    let urls = cluster.urls();
+    let store = RedisStore::builder()
+        .connect_cluster(&[&urls[0]])
+        .await
+        .expect("connect_cluster");
+    for i in 0..30 {
+        reserve(&store, &scope("bulk", &format!("k{i}")), LEASE).await;
+    }
+    let user_urls = cluster.user_urls("noinfo", &["-info"]);
+    let out = idem(&user_urls[0], &["stats", "--format", "json"]);
+    expect_code(&out, 0);
+    assert_eq!(json_lines(&out)[0]["total"], 30, "{}", json_lines(&out)[0]);
+}
+
 /// C20 on a cluster: a primary that does not answer (killed; the others told
 /// `cluster-require-full-coverage no`, so they keep serving their slots) makes every command
 /// that reads the whole store fail with one line and exit 3. The redis crate leaves such a

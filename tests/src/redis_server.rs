@@ -322,6 +322,14 @@ impl RedisCluster {
         cluster
     }
 
+    /// An ACL user `name` on every node (see [`RedisServer::user_url`]): its URL per node.
+    pub fn user_urls(&self, name: &str, denied: &[&str]) -> Vec<String> {
+        self.nodes
+            .iter()
+            .map(|node| node.user_url(name, denied))
+            .collect()
+    }
+
     /// `redis://127.0.0.1:<port>/` of every node.
     pub fn urls(&self) -> Vec<String> {
         self.nodes.iter().map(RedisServer::url).collect()
