@@ -2374,8 +2374,12 @@ async fn a_failed_complete_is_retried_within_the_shortest_lease() {
 /// its replay.
 #[actix_web::test]
 async fn a_complete_that_keeps_failing_keeps_its_lease_while_the_store_renews() {
-    let (app, counter, failing) =
-        paid_while_completes_fail(Duration::from_millis(300), Duration::from_secs(5)).await;
+    let (app, counter, failing) = paid_while_completes_fail(
+        Duration::from_millis(300),
+        Duration::from_secs(5),
+        Duration::ZERO,
+    )
+    .await;
     tokio::time::sleep(Duration::from_millis(450)).await;
     let during = send(&app, post_x("/pay", "k")).await;
     assert_eq!(during.status, StatusCode::CONFLICT, "{during:?}");
@@ -2393,26 +2397,13 @@ async fn a_complete_that_keeps_failing_keeps_its_lease_while_the_store_renews() 
 /// while the first `complete` was.
 #[actix_web::test]
 async fn a_complete_retry_that_hangs_keeps_its_lease() {
-    let counter = Counter::default();
-    let store = Faulty {
-        renews: true,
-        failing_complete_takes: Duration::from_millis(1000),
-        ..Faulty::default()
-    };
-    let failing = Arc::clone(&store.completes_failing);
-    failing.store(true, Ordering::SeqCst);
-    let middleware = Idempotency::builder(store)
-        .lock_timeout(Duration::from_millis(300))
-        .renew_lease_up_to(Duration::from_secs(20))
-        .build();
-    let route = web::post().to(|counter: web::Data<Counter>| async move {
-        counter.bump();
-        HttpResponse::Created().finish()
-    });
-    let app = one_route(counter.clone(), middleware, "/pay", route).await;
     // Answered once its first `complete` failed, a second after it was sent.
-    let first = send(&app, post_x("/pay", "k")).await;
-    assert_eq!(first.status, StatusCode::CREATED);
+    let (app, counter, failing) = paid_while_completes_fail(
+        Duration::from_millis(300),
+        Duration::from_secs(20),
+        Duration::from_millis(1000),
+    )
+    .await;
     // The background retry's first try hangs from about 100 ms to 1.1 s from now: two leases
     // and more without an answer.
     tokio::time::sleep(Duration::from_millis(800)).await;
@@ -2433,20 +2424,25 @@ async fn a_complete_retry_that_hangs_keeps_its_lease() {
 /// 2026-12-06). The key stays held for its lease.
 #[actix_web::test]
 async fn a_complete_retry_never_shortens_the_lease() {
-    let (app, counter, _failing) =
-        paid_while_completes_fail(Duration::from_millis(600), Duration::from_millis(150)).await;
+    let (app, counter, _failing) = paid_while_completes_fail(
+        Duration::from_millis(600),
+        Duration::from_millis(150),
+        Duration::ZERO,
+    )
+    .await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     let during = send(&app, post_x("/pay", "k")).await;
     assert_eq!(during.status, StatusCode::CONFLICT, "{during:?}");
     assert_eq!(counter.get(), 1);
 }
 
-/// An app over a store that renews leases but whose every `complete` fails (until the flag
-/// returned is cleared), after a first `POST /pay` with key `k` answered 201: the app, its
-/// run counter and the flag.
+/// An app over a store that renews leases but whose every `complete` fails, each after
+/// `failing_takes` (until the flag returned is cleared), after a first `POST /pay` with key `k`
+/// answered 201: the app, its run counter and the flag.
 async fn paid_while_completes_fail(
     lease: Duration,
     renew_up_to: Duration,
+    failing_takes: Duration,
 ) -> (
     impl Service<
         actix_http::Request,
@@ -2459,6 +2455,7 @@ async fn paid_while_completes_fail(
     let counter = Counter::default();
     let store = Faulty {
         renews: true,
+        failing_complete_takes: failing_takes,
         ..Faulty::default()
     };
     let failing = Arc::clone(&store.completes_failing);

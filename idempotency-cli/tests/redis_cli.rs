@@ -225,18 +225,25 @@ async fn a_closed_stderr_does_not_panic() {
     }
 }
 
-#[tokio::test]
-async fn on_a_cluster_every_primary_is_read() {
+/// A cluster of three primaries, their URLs, and a store on it holding 30 reservations of
+/// tenant `bulk` (keys `k0`..`k29`), spread over the primaries.
+async fn cluster_with_bulk_records() -> (RedisCluster, Vec<String>, impl IdempotencyStore) {
     let cluster = RedisCluster::start();
     let urls = cluster.urls();
     let store = RedisStore::builder()
         .connect_cluster(&[&urls[0]])
         .await
         .expect("connect_cluster");
-    seed(&store).await;
     for i in 0..30 {
         reserve(&store, &scope("bulk", &format!("k{i}")), LEASE).await;
     }
+    (cluster, urls, store)
+}
+
+#[tokio::test]
+async fn on_a_cluster_every_primary_is_read() {
+    let (_cluster, urls, store) = cluster_with_bulk_records().await;
+    seed(&store).await;
     for url in &urls {
         let out = idem(url, &["stats", "--format", "json"]);
         expect_code(&out, 0);
@@ -266,15 +273,7 @@ async fn on_a_cluster_every_primary_is_read() {
 /// `MOVED` from a cluster node), and every primary is read.
 #[tokio::test]
 async fn on_a_cluster_a_user_without_info_still_reads_every_primary() {
-    let cluster = RedisCluster::start();
-    let urls = cluster.urls();
-    let store = RedisStore::builder()
-        .connect_cluster(&[&urls[0]])
-        .await
-        .expect("connect_cluster");
-    for i in 0..30 {
-        reserve(&store, &scope("bulk", &format!("k{i}")), LEASE).await;
-    }
+    let (cluster, _urls, _store) = cluster_with_bulk_records().await;
     let user_urls = cluster.user_urls("noinfo", &["-info"]);
     let out = idem(&user_urls[0], &["stats", "--format", "json"]);
     expect_code(&out, 0);
@@ -289,15 +288,7 @@ async fn on_a_cluster_a_user_without_info_still_reads_every_primary() {
 #[tokio::test]
 async fn on_a_cluster_a_primary_that_does_not_answer_is_unavailable() {
     use idempotency_actix::store::redis::redis;
-    let cluster = RedisCluster::start();
-    let urls = cluster.urls();
-    let store = RedisStore::builder()
-        .connect_cluster(&[&urls[0]])
-        .await
-        .expect("connect_cluster");
-    for i in 0..30 {
-        reserve(&store, &scope("bulk", &format!("k{i}")), LEASE).await;
-    }
+    let (_cluster, urls, _store) = cluster_with_bulk_records().await;
     let mut on_dead = None;
     for (n, url) in urls.iter().enumerate() {
         let client = redis::Client::open(url.as_str()).expect("test URL parses");
