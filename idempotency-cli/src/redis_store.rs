@@ -2,7 +2,9 @@
 //! `release` read the records the store writes (one string per record, decoded by
 //! `idempotency_actix::store::redis::record`); `migrate` and `purge` have nothing to do.
 //!
-//! Records are found with `SCAN MATCH <prefix>...` (never `KEYS`, which blocks the server).
+//! Records are found with `SCAN MATCH <prefix>...` (never `KEYS`, which blocks the server),
+//! except by `show` and `release` given a whole scope (tenant, method, path), which read the
+//! one key it names.
 //! On a Redis Cluster (the URL names any of its nodes: the command asks it with
 //! `INFO cluster`), the scan walks every primary and each record is read from its own node
 //! ([`KeyScan`]), so `list` and `stats` count the whole cluster.
@@ -20,7 +22,7 @@ use idempotency_actix::store::postgres::admin::{Detail, Record, State, Time};
 use idempotency_actix::store::redis::redis::aio::{ConnectionLike, MultiplexedConnection};
 use idempotency_actix::store::redis::redis::{self, AsyncConnectionConfig, RedisError};
 use idempotency_actix::store::redis::{
-    cluster_enabled, encode_key_part, parse_record_key, record, skips_tls_verification,
+    cluster_enabled, encode_key_part, parse_record_key, record, record_key, skips_tls_verification,
     validate_key_prefix, KeyScan, DEFAULT_PREFIX, UNVERIFIED_TLS_REFUSED,
 };
 use idempotency_actix::store::Scope;
@@ -625,9 +627,23 @@ async fn matching(
     scope: &ScopeArgs,
     with_response: bool,
 ) -> Result<Read, CliError> {
-    let pattern = redis.pattern(scope, Some(key));
-    let keys = redis.scan(&pattern).await?;
     let method = method(scope);
+    let keys = match (&scope.tenant, &method, &scope.path) {
+        // The whole scope is named: its one record key is read directly. A SCAN walks the
+        // whole keyspace whatever its pattern (millions of keys for one record), and a user
+        // refused SCAN could not show or release a key it could name exactly.
+        (Some(tenant), Some(method), Some(path)) => vec![record_key(
+            redis.prefix,
+            &Scope {
+                tenant: tenant.clone(),
+                method: method.clone(),
+                path: path.clone(),
+                key: key.to_owned(),
+            },
+        )
+        .into_bytes()],
+        _ => redis.scan(&redis.pattern(scope, Some(key))).await?,
+    };
     let matches = |tenant: &str, m: &str, path: &str, k: &str| {
         k == key
             && scope.tenant.as_deref().is_none_or(|t| tenant == t)

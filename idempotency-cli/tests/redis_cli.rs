@@ -348,6 +348,75 @@ async fn a_user_without_info_can_read_the_store() {
     assert_eq!(json_lines(&out)[0]["total"], 4);
 }
 
+/// `show` and `release` of a key whose whole scope is named (tenant, method, path) read its one
+/// record key and never `SCAN` the keyspace: a user refused `SCAN` can use them, and they do
+/// not walk millions of keys for one record. Without the whole scope they still scan.
+#[tokio::test]
+async fn an_exact_scope_is_read_without_a_scan() {
+    let redis = RedisServer::start();
+    let store = RedisStore::connect(&redis.url()).await.expect("connect");
+    seed(&store).await;
+    let url = redis.user_url("noscan", &["-scan"]);
+    let exact = [
+        "--tenant",
+        "acme",
+        "--method",
+        "post",
+        "--path",
+        "/payments",
+    ];
+
+    let out = idem(
+        &url,
+        &[&["show", "done", "--format", "json"][..], &exact].concat(),
+    );
+    expect_code(&out, 0);
+    let shown = json_lines(&out);
+    assert_eq!(shown.len(), 1, "{}", stdout(&out));
+    assert_eq!(shown[0]["tenant"], "acme");
+    assert_eq!(shown[0]["response"]["body_json"]["id"], 1);
+    // The key is encoded as the store encodes it: glob and hash-tag characters are literal.
+    let out = idem(&url, &[&["show", "we:ird*{key}"][..], &exact].concat());
+    expect_code(&out, 0);
+    assert!(stdout(&out).contains("in_flight"), "{}", stdout(&out));
+    // Another tenant's scope, or no record: not found, as with a scan.
+    let other = [
+        "--tenant",
+        "globex",
+        "--method",
+        "POST",
+        "--path",
+        "/payments",
+    ];
+    expect_code(
+        &idem(&url, &[&["show", "done"][..], &other].concat()),
+        NOT_FOUND_OR_REFUSED,
+    );
+
+    // Release: the live lease is refused, the ended one (globex) goes.
+    expect_code(
+        &idem(&url, &[&["release", "running"][..], &exact].concat()),
+        NOT_FOUND_OR_REFUSED,
+    );
+    let out = idem(
+        &url,
+        &[&["release", "stuck", "--format", "json"][..], &other].concat(),
+    );
+    expect_code(&out, 0);
+    assert_eq!(json_lines(&out)[0]["released"], true);
+    assert!(matches!(
+        store
+            .reserve(&scope("globex", "stuck"), &Fingerprint([9; 32]), LEASE)
+            .await,
+        Ok(ReserveOutcome::Reserved { .. })
+    ));
+
+    // Without the path the key must be searched for, which this user may not do.
+    let out = idem(&url, &["show", "done", "--tenant", "acme"]);
+    assert_ne!(out.status.code(), Some(0), "{}", stdout(&out));
+    assert!(stderr(&out).contains("scan"), "{}", stderr(&out));
+}
+
 #[tokio::test]
 async fn migrate_and_purge_say_redis_needs_neither() {
     let redis = RedisServer::start();
