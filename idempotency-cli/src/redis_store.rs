@@ -528,6 +528,118 @@ impl<C: Conn> Redis<'_, C> {
     }
 }
 
+/// The records under a pattern, batch by batch as `SCAN` returns their keys, each key read
+/// once. What it keeps per key is a 64-bit hash, to read a key `SCAN` returns twice once (see
+/// [`Redis::scan`]): about 16 bytes a record, where holding every key (as `list` did until
+/// 2026-12-06) took about 100. (Two keys of one hash, a chance of about one in two million at
+/// 8.6 million keys, would be read as one.)
+struct Walk {
+    scan: KeyScan,
+    hasher: std::collections::hash_map::RandomState,
+    seen: std::collections::HashSet<u64>,
+}
+
+impl Walk {
+    fn new(pattern: String) -> Walk {
+        Walk {
+            scan: KeyScan::new(pattern).any_type(),
+            hasher: std::collections::hash_map::RandomState::new(),
+            seen: std::collections::HashSet::new(),
+        }
+    }
+
+    /// The next batch's records (heads only), or `None` when the walk is done.
+    async fn next(&mut self, redis: &mut Redis<'_, impl Conn>) -> Result<Option<Read>, CliError> {
+        let Some(batch) = self
+            .scan
+            .next_batch(&mut redis.conn)
+            .await
+            .map_err(failed)?
+        else {
+            return Ok(None);
+        };
+        let new: Vec<Vec<u8>> = batch
+            .into_iter()
+            .filter(|key| {
+                self.seen
+                    .insert(std::hash::BuildHasher::hash_one(&self.hasher, key))
+            })
+            .collect();
+        redis.read(&new, false).await.map(Some)
+    }
+}
+
+/// `list`'s rows: the `limit` oldest records seen (all of them with limit 0), in a heap whose
+/// top is the youngest kept, so memory follows `--limit`, not the keyspace (until 2026-12-06
+/// every match was held until sorted: gigabytes on a store of millions).
+struct Oldest {
+    limit: usize,
+    kept: std::collections::BinaryHeap<ByAge>,
+    /// Every record offered, kept or not: more than `limit` means the list was cut.
+    seen: usize,
+}
+
+/// A record in `list`'s order, oldest first: by age in microseconds (the timestamp text has
+/// milliseconds and ties), then by scope, which is unique.
+struct ByAge {
+    age_secs: f64,
+    label: String,
+    record: Record,
+}
+
+impl Ord for ByAge {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        other
+            .age_secs
+            .total_cmp(&self.age_secs)
+            .then_with(|| self.label.cmp(&other.label))
+    }
+}
+
+impl PartialOrd for ByAge {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl PartialEq for ByAge {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other).is_eq()
+    }
+}
+
+impl Eq for ByAge {}
+
+impl Oldest {
+    /// At most `limit` records; 0 keeps every one.
+    fn new(limit: usize) -> Oldest {
+        Oldest {
+            limit,
+            kept: std::collections::BinaryHeap::new(),
+            seen: 0,
+        }
+    }
+
+    fn add(&mut self, record: Record) {
+        self.seen += 1;
+        self.kept.push(ByAge {
+            age_secs: record.age_secs(),
+            label: record.scope_label(),
+            record,
+        });
+        if self.limit > 0 && self.kept.len() > self.limit {
+            self.kept.pop();
+        }
+    }
+
+    /// The records kept, oldest first, and whether any was left out.
+    fn finish(self) -> (Vec<Record>, bool) {
+        let cut = self.limit > 0 && self.seen > self.limit;
+        let rows = self.kept.into_sorted_vec().into_iter().map(|r| r.record);
+        (rows.collect(), cut)
+    }
+}
+
 async fn list(
     redis: &mut Redis<'_, impl Conn>,
     args: &ListArgs,
@@ -539,51 +651,42 @@ async fn list(
         method: None,
         path: None,
     };
-    let pattern = redis.pattern(&scope, None);
-    let keys = redis.scan(&pattern).await?;
-    let read = redis.read(&keys, false).await?;
-    let unreadable: Vec<&Unreadable> = read
-        .unreadable
-        .iter()
-        .filter(|u| args.tenant.as_ref().is_none_or(|t| &u.scope.tenant == t))
-        .filter(|u| {
-            args.key_prefix
+    let in_scope = |tenant: &str, key: &str| {
+        args.tenant.as_ref().is_none_or(|t| tenant == t)
+            && args
+                .key_prefix
                 .as_ref()
-                .is_none_or(|p| u.scope.key.starts_with(p.as_str()))
-        })
-        .collect();
-    let mut rows: Vec<Record> = read
-        .found
-        .into_iter()
-        .map(|f| f.record)
-        .filter(|r| args.tenant.as_ref().is_none_or(|t| &r.tenant == t))
-        .filter(|r| {
-            args.key_prefix
-                .as_ref()
-                .is_none_or(|p| r.idempotency_key.starts_with(p.as_str()))
-        })
-        .filter(|r| {
-            args.older_than
+                .is_none_or(|p| key.starts_with(p.as_str()))
+    };
+    let wanted = |r: &Record| {
+        in_scope(&r.tenant, &r.idempotency_key)
+            && args
+                .older_than
                 .is_none_or(|d| r.age_secs() >= d.0.as_secs_f64())
-        })
-        .filter(|r| match args.state {
-            None => true,
-            Some(StateFilter::InFlight) => r.is_in_flight(),
-            Some(StateFilter::Completed) => !r.is_in_flight() && !r.is_expired(),
-            Some(StateFilter::Expired) => !r.is_in_flight() && r.is_expired(),
-        })
-        .collect();
-    // Oldest first, by age in microseconds (the timestamp text has milliseconds and ties).
-    rows.sort_by(|a, b| {
-        b.age_secs()
-            .total_cmp(&a.age_secs())
-            .then_with(|| a.scope_label().cmp(&b.scope_label()))
-    });
-    let limit = usize::try_from(args.limit).unwrap_or(usize::MAX);
-    let truncated = limit > 0 && rows.len() > limit;
-    if truncated {
-        rows.truncate(limit);
+            && match args.state {
+                None => true,
+                Some(StateFilter::InFlight) => r.is_in_flight(),
+                Some(StateFilter::Completed) => !r.is_in_flight() && !r.is_expired(),
+                Some(StateFilter::Expired) => !r.is_in_flight() && r.is_expired(),
+            }
+    };
+    let mut walk = Walk::new(redis.pattern(&scope, None));
+    let mut oldest = Oldest::new(usize::try_from(args.limit).unwrap_or(usize::MAX));
+    let mut unreadable = Vec::new();
+    while let Some(read) = walk.next(redis).await? {
+        unreadable.extend(
+            read.unreadable
+                .into_iter()
+                .filter(|u| in_scope(&u.scope.tenant, &u.scope.key)),
+        );
+        for found in read.found {
+            if wanted(&found.record) {
+                oldest.add(found.record);
+            }
+        }
     }
+    let (rows, truncated) = oldest.finish();
+    let unreadable: Vec<&Unreadable> = unreadable.iter().collect();
     match format {
         Format::Json => {
             for row in &rows {
@@ -742,28 +845,19 @@ impl Tally {
     }
 }
 
-/// Counted batch by batch as `SCAN` returns them, keeping no record but the oldest in-flight
-/// one: a 24 h TTL at 100 requests a second is some 8.6 million records, which held whole (as
-/// until 2026-12-06, found by review) took gigabytes, and a monitoring job died for want of
-/// memory. What it keeps per key is a 64-bit hash, to count a key `SCAN` returns twice once
-/// (see [`Redis::scan`]): about 16 bytes a record. (Two keys of one hash, a chance of about
-/// one in two million at 8.6 million keys, would count as one.)
+/// Counted batch by batch as `SCAN` returns them ([`Walk`]), keeping no record but the oldest
+/// in-flight one: a 24 h TTL at 100 requests a second is some 8.6 million records, which held
+/// whole (as until 2026-12-06, found by review) took gigabytes, and a monitoring job died for
+/// want of memory.
 async fn stats(
     redis: &mut Redis<'_, impl Conn>,
     format: Format,
     out: &mut Out,
 ) -> Result<(), CliError> {
-    let mut walk = KeyScan::new(format!("{}*", redis.prefix)).any_type();
-    let hasher = std::collections::hash_map::RandomState::new();
-    let mut seen = std::collections::HashSet::new();
+    let mut walk = Walk::new(format!("{}*", redis.prefix));
     let mut tally = Tally::default();
     let mut unreadable = Vec::new();
-    while let Some(batch) = walk.next_batch(&mut redis.conn).await.map_err(failed)? {
-        let new: Vec<Vec<u8>> = batch
-            .into_iter()
-            .filter(|key| seen.insert(std::hash::BuildHasher::hash_one(&hasher, key)))
-            .collect();
-        let read = redis.read(&new, false).await?;
+    while let Some(read) = walk.next(redis).await? {
         unreadable.extend(read.unreadable);
         for found in read.found {
             tally.add(found.record);
@@ -907,4 +1001,62 @@ async fn release_each(
         released(out, format, row)?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use idempotency_actix::store::postgres::admin::{Record, State, Time};
+
+    use super::Oldest;
+
+    /// A completed record of `key` created `age_us` before it was read.
+    fn record(key: &str, age_us: i64) -> Record {
+        let read_at = 1_800_000_000_000_000;
+        Record {
+            tenant: "t".into(),
+            method: "POST".into(),
+            path: "/p".into(),
+            idempotency_key: key.into(),
+            fingerprint: vec![0; 32],
+            state: State::Completed,
+            token: None,
+            locked_until: None,
+            response_status: Some(201),
+            created_at: Time::from_unix_micros(read_at - age_us),
+            completed_at: None,
+            expires_at: Time::from_unix_micros(read_at + 1),
+            body_bytes: Some(0),
+            read_at: Time::from_unix_micros(read_at),
+        }
+    }
+
+    fn keys(rows: &[Record]) -> Vec<&str> {
+        rows.iter().map(|r| r.idempotency_key.as_str()).collect()
+    }
+
+    /// `list` keeps the `limit` oldest records, oldest first, ties by scope, whatever order
+    /// they arrive in; it says whether any was left out; limit 0 keeps all.
+    #[test]
+    fn the_oldest_are_kept_in_order() {
+        let offered = [("c", 5), ("a", 9), ("e", 1), ("b", 9), ("d", 7), ("f", 3)];
+        let mut all = Oldest::new(0);
+        let mut three = Oldest::new(3);
+        let mut six = Oldest::new(6);
+        for (key, age) in offered {
+            all.add(record(key, age));
+            three.add(record(key, age));
+            six.add(record(key, age));
+        }
+        let (rows, cut) = all.finish();
+        assert_eq!(keys(&rows), ["a", "b", "d", "c", "f", "e"]);
+        assert!(!cut);
+        let (rows, cut) = three.finish();
+        assert_eq!(keys(&rows), ["a", "b", "d"]);
+        assert!(cut);
+        let (rows, cut) = six.finish();
+        assert_eq!(rows.len(), 6);
+        assert!(!cut, "exactly the limit is not cut");
+        let (rows, cut) = Oldest::new(2).finish();
+        assert!(rows.is_empty() && !cut);
+    }
 }
