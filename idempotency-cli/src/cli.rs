@@ -356,6 +356,11 @@ pub struct ReleaseArgs {
     /// Also remove completed records and reservations whose lease is still running.
     #[arg(long)]
     pub force: bool,
+
+    /// Remove the record only while it holds this token, as `show` printed it (one KEY): a
+    /// record completed, taken over or reserved again since it was inspected is left alone.
+    #[arg(long, value_name = "UUID")]
+    pub token: Option<uuid::Uuid>,
 }
 
 #[cfg(test)]

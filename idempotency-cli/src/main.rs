@@ -119,6 +119,7 @@ async fn run(cli: Cli, given: &[String]) -> Result<(), CliError> {
     // Before the Redis branch: there it bounds every reply too.
     positive(cli.connect_timeout.0, "--connect-timeout", "10s")?;
     no_connection_string_as_a_value(&cli)?;
+    one_key_per_token(&cli.command)?;
     if let Some(redis_url) = cli.redis_url.as_deref().filter(|u| !u.is_empty()) {
         if cli.database_url.as_deref().is_some_and(|u| !u.is_empty()) {
             return Err(CliError::Usage(
@@ -217,6 +218,17 @@ fn no_connection_string_as_a_value(cli: &Cli) -> Result<(), CliError> {
         )));
     }
     Ok(())
+}
+
+/// `release --token` names one record's token: with several keys all but one would be refused
+/// for holding another, so it is refused before any is looked at (exit 2).
+fn one_key_per_token(command: &Command) -> Result<(), CliError> {
+    match command {
+        Command::Release(args) if args.token.is_some() && args.keys.len() > 1 => Err(
+            CliError::Usage("release --token takes one KEY (a token names one record)".into()),
+        ),
+        _ => Ok(()),
+    }
 }
 
 /// Where the command writes: a closed pipe ends a listing, but not a command whose exit code

@@ -952,7 +952,7 @@ async fn release_each(
             // Never deleted here, even with --force: what cannot be read cannot be checked to
             // be a dead reservation, and it may be another program's data.
             ([], unreadable) => Err(nothing_readable(key, &args.scope, unreadable)),
-            ([f], []) => check(&f.record, args.force).map(|()| f),
+            ([f], []) => check(&f.record, args).map(|()| f),
             // An unreadable match is a match: releasing the one readable record beside it, as
             // if it were the key's only one, deleted another tenant's record when the operator
             // meant the broken one (review, 2026-12-06).

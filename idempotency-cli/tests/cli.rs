@@ -1149,6 +1149,40 @@ async fn release_unsticks_a_key_for_the_store() {
     let again = reserve(&store, &key, &original, 60).await;
     assert!(matches!(again, ReserveOutcome::Reserved { .. }));
 
+    // --token fences the release to the record the operator inspected: after a takeover (here
+    // a new reservation of the released key) the old token matches nothing, even with --force.
+    let shown = idem_json(
+        &db.url,
+        &["show", "charge-7", "--tenant", "acme", "--format", "json"],
+    );
+    let current = shown["token"].as_str().expect("a token").to_owned();
+    let stale = uuid::Uuid::new_v4().to_string();
+    fn fenced<'a>(force: &[&'a str], token: &'a str) -> Vec<&'a str> {
+        [force, &["--token", token]].concat()
+    }
+    let out = idem_code(&db.url, &fenced(&force, &stale), NOT_FOUND_OR_REFUSED);
+    assert_stderr_has(&out, &format!("holds token {current}, not {stale}"));
+    let still = reserve(&store, &key, &changed, 60).await;
+    assert!(
+        matches!(still, ReserveOutcome::InFlight { .. }),
+        "{still:?}"
+    );
+    let out = idem_code(&db.url, &fenced(&force, &current), 0);
+    assert_stdout_has(&out, &format!("token {current}"));
+    let again = reserve(&store, &key, &original, 60).await;
+    assert!(matches!(again, ReserveOutcome::Reserved { .. }));
+    // One key per token; a token that is not a UUID is a usage error.
+    let two = [
+        "release", "charge-7", "other", "--force", "--token", &current,
+    ];
+    assert_stderr_has(&idem_code(&db.url, &two, USAGE), "one KEY");
+    idem_code(&db.url, &["release", "charge-7", "--token", "nope"], USAGE);
+    let still = reserve(&store, &key, &changed, 60).await;
+    assert!(
+        matches!(still, ReserveOutcome::InFlight { .. }),
+        "{still:?}"
+    );
+
     // Unknown keys and ambiguous keys are refused; several keys are handled one by one.
     let out = idem_code(&db.url, &["release", "no-such-key"], NOT_FOUND_OR_REFUSED);
     assert_stderr_has(&out, "no record");

@@ -183,7 +183,29 @@ async fn list_show_stats_and_release_read_the_store() {
             .await,
         Ok(ReserveOutcome::Reserved { .. })
     ));
-    let out = idem(&url, &["release", "running", "--tenant", "acme", "--force"]);
+    // --force with --token removes the record only while it holds the token `show` printed.
+    let out = idem(&url, &["show", "running", "--format", "json"]);
+    expect_code(&out, 0);
+    let token = json_lines(&out)[0]["token"]
+        .as_str()
+        .expect("a token")
+        .to_owned();
+    let stale = "00000000-0000-4000-8000-000000000000";
+    let force = [
+        "release", "running", "--tenant", "acme", "--force", "--token",
+    ];
+    let out = idem(&url, &[&force[..], &[stale]].concat());
+    expect_code(&out, NOT_FOUND_OR_REFUSED);
+    assert!(
+        stderr(&out).contains(&format!("holds token {token}, not {stale}")),
+        "{}",
+        stderr(&out)
+    );
+    assert!(matches!(
+        reserve(&store, &scope("acme", "running"), LEASE).await,
+        ReserveOutcome::InFlight { .. }
+    ));
+    let out = idem(&url, &[&force[..], &[token.as_str()]].concat());
     expect_code(&out, 0);
     assert!(matches!(
         reserve(&store, &scope("acme", "running"), LEASE).await,

@@ -8,7 +8,10 @@
 //!   `--force` (an expired completed record too, with the reason: it changes nothing that
 //!   `purge` would not);
 //! - the `DELETE` names the exact record that was inspected (state and fencing token), so a
-//!   record that changed in between (taken over, completed) is left alone and reported.
+//!   record that changed in between (taken over, completed) is left alone and reported;
+//! - `--token` carries that fence back to what the operator inspected with `show`: between
+//!   `show` and `release --force` the stuck request's record may have been taken over by a
+//!   retry that is running now, and releasing that one runs the retry twice.
 
 use std::io::Write;
 
@@ -67,7 +70,7 @@ async fn release_each(
 
         let verdict = match rows.as_slice() {
             [] => Err(no_record(key, &args.scope)),
-            [row] => check(row, args.force).map(|()| row),
+            [row] => check(row, args).map(|()| row),
             many => Err(ambiguous_key(
                 key,
                 &many.iter().map(RecordView::scope_label).collect::<Vec<_>>(),
@@ -97,9 +100,20 @@ async fn release_each(
     Ok(())
 }
 
-/// Why this record may not be released without `--force`, if it may not.
-pub(crate) fn check(row: &Record, force: bool) -> Result<(), String> {
-    if force {
+/// Why this record may not be released as `args` ask (another token than `--token`, or, without
+/// `--force`, a record that may still be in use), if it may not.
+pub(crate) fn check(row: &Record, args: &ReleaseArgs) -> Result<(), String> {
+    if let Some(token) = args.token {
+        if row.token != Some(token) {
+            return Err(format!(
+                "{} holds token {}, not {token}: it changed since it was inspected (completed, \
+                 taken over or reserved again); nothing removed",
+                row.scope_label(),
+                row.token_text()
+            ));
+        }
+    }
+    if args.force {
         return Ok(());
     }
     if !row.is_in_flight() && row.is_expired() {
