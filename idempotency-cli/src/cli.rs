@@ -357,8 +357,8 @@ pub struct ReleaseArgs {
     #[arg(long)]
     pub force: bool,
 
-    /// Remove the record only while it holds this token, as `show` printed it (one KEY): a
-    /// record completed, taken over or reserved again since it was inspected is left alone.
+    /// Remove only the reservation in flight with this token, as `show` printed it (one KEY):
+    /// a record completed, taken over or reserved again since it was inspected is left alone.
     #[arg(long, value_name = "UUID")]
     pub token: Option<uuid::Uuid>,
 }

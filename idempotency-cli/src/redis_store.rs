@@ -686,7 +686,14 @@ async fn list(
         }
     }
     let (rows, truncated) = oldest.finish();
-    let unreadable: Vec<&Unreadable> = unreadable.iter().collect();
+    // In key order, as when every key was collected and sorted first: `SCAN`'s order changes
+    // from run to run.
+    let mut unreadable: Vec<&Unreadable> = unreadable.iter().collect();
+    unreadable.sort_by(|a, b| {
+        a.key
+            .cmp(&b.key)
+            .then_with(|| a.scope_label().cmp(&b.scope_label()))
+    });
     match format {
         Format::Json => {
             for row in &rows {

@@ -1140,6 +1140,17 @@ async fn release_unsticks_a_key_for_the_store() {
     assert_stderr_has(&out, "completed");
     let replayed = reserve(&store, &key, &original, 60).await;
     assert!(matches!(replayed, ReserveOutcome::Completed { .. }));
+    // The completion kept the reservation's token: --token with it (what `show` printed while
+    // the request ran) refuses the completed record, even with --force.
+    let held = token.as_uuid().to_string();
+    let out = idem_code(
+        &db.url,
+        &[&force[..], &["--token", &held]].concat(),
+        NOT_FOUND_OR_REFUSED,
+    );
+    assert_stderr_has(&out, "is completed now");
+    let replayed = reserve(&store, &key, &original, 60).await;
+    assert!(matches!(replayed, ReserveOutcome::Completed { .. }));
     let out = idem_code(&db.url, &force, 0);
     assert!(
         stdout(&out).starts_with("released completed "),

@@ -207,6 +207,20 @@ async fn list_show_stats_and_release_read_the_store() {
     ));
     let out = idem(&url, &[&force[..], &[token.as_str()]].concat());
     expect_code(&out, 0);
+    // A completion keeps its reservation's token: --token refuses the completed record.
+    let out = idem(&url, &["show", "done", "--format", "json"]);
+    let done = json_lines(&out)[0]["token"]
+        .as_str()
+        .expect("a token")
+        .to_owned();
+    let out = idem(&url, &["release", "done", "--force", "--token", &done]);
+    expect_code(&out, NOT_FOUND_OR_REFUSED);
+    assert!(
+        stderr(&out).contains("is completed now"),
+        "{}",
+        stderr(&out)
+    );
+    expect_code(&idem(&url, &["show", "done"]), 0);
     assert!(matches!(
         reserve(&store, &scope("acme", "running"), LEASE).await,
         ReserveOutcome::Reserved { .. }

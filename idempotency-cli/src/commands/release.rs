@@ -9,9 +9,10 @@
 //!   `purge` would not);
 //! - the `DELETE` names the exact record that was inspected (state and fencing token), so a
 //!   record that changed in between (taken over, completed) is left alone and reported;
-//! - `--token` carries that fence back to what the operator inspected with `show`: between
-//!   `show` and `release --force` the stuck request's record may have been taken over by a
-//!   retry that is running now, and releasing that one runs the retry twice.
+//! - `--token` carries that fence back to the reservation the operator inspected with `show`:
+//!   between `show` and `release --force` the stuck request may have finished (same token, now
+//!   completed), or its record may have been taken over by a retry that is running now, and
+//!   releasing either runs the request again.
 
 use std::io::Write;
 
@@ -106,10 +107,21 @@ pub(crate) fn check(row: &Record, args: &ReleaseArgs) -> Result<(), String> {
     if let Some(token) = args.token {
         if row.token != Some(token) {
             return Err(format!(
-                "{} holds token {}, not {token}: it changed since it was inspected (completed, \
-                 taken over or reserved again); nothing removed",
+                "{} holds token {}, not {token}: it changed since it was inspected (taken over \
+                 or reserved again); nothing removed",
                 row.scope_label(),
                 row.token_text()
+            ));
+        }
+        // A completion keeps its reservation's token: the request `show` printed in flight
+        // has finished, and its response would go (review, 2026-12-06).
+        if !row.is_in_flight() {
+            return Err(format!(
+                "{} is {} now: its request finished since it was inspected, and --token \
+                 releases only a reservation in flight; nothing removed (to remove the \
+                 completed record, use --force without --token)",
+                row.scope_label(),
+                row.state
             ));
         }
     }
