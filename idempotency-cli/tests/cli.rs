@@ -332,6 +332,7 @@ async fn migrate_twice_and_check_gates_deploys() {
          applied 2026-12-04-000011_complete_after_a_partition_attach\n\
          applied 2026-12-05-000012_partition_drop_waits_once\n\
          applied 2026-12-06-000013_reserve_after_a_response_purge\n\
+         applied 2026-12-06-000014_partition_drop_lists_under_the_lock\n\
          layout: plain\n"
     );
 
@@ -2191,7 +2192,7 @@ async fn migrate_check_needs_only_select() {
     expect_code(&pending, PENDING);
     assert_stdout_has(
         &pending,
-        "pending 2026-12-06-000013_reserve_after_a_response_purge",
+        "pending 2026-12-06-000014_partition_drop_lists_under_the_lock",
     );
 }
 

@@ -312,7 +312,13 @@ async fn migrating_to_the_partitioned_layout_never_drops_a_stored_response() {
 
 /// Every migration from 000005 on, newest first, with its diesel version: what
 /// `diesel migration revert` runs, one transaction each.
-const DOWN_TO_000004: [(&str, &str); 9] = [
+const DOWN_TO_000004: [(&str, &str); 10] = [
+    (
+        "20261206000014",
+        include_str!(
+            "../../migrations/2026-12-06-000014_partition_drop_lists_under_the_lock/down.sql"
+        ),
+    ),
     (
         "20261206000013",
         include_str!("../../migrations/2026-12-06-000013_reserve_after_a_response_purge/down.sql"),
@@ -501,6 +507,73 @@ async fn a_partition_drop_makes_traffic_wait_for_requests_only() {
         .await
         .unwrap();
     assert_eq!(dropped, vec!["idempotency_responses_past".to_owned()]);
+}
+
+/// The drop step lists the partitions to drop, then waits for the response table. A partition
+/// dropped meanwhile (by hand, by another tool) failed the whole step ("relation ... does not
+/// exist": nothing dropped, the run exit 1), and one detached meanwhile (an operator archiving
+/// it) was dropped although it no longer belonged to the table. Found by review (2026-12-06).
+/// Now the list is read again once the table is held: the one partition still there is dropped,
+/// the detached table is left alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_dropped_or_detached_while_the_drop_waits_is_left_alone() {
+    let db = TestDb::new_partitioned(postgres::PartitionInterval::Daily).await;
+    let mut watch = postgres::establish(&db.url).await.unwrap();
+    watch.batch_execute(PAST_PARTITION).await.unwrap();
+    for (name, from, to) in [
+        ("idempotency_responses_past2", "2020-01-02", "2020-01-03"),
+        ("idempotency_responses_archived", "2020-01-03", "2020-01-04"),
+    ] {
+        watch
+            .batch_execute(&format!(
+                "CREATE TABLE {name} PARTITION OF idempotency_responses \
+                 FOR VALUES FROM ('{from}') TO ('{to}')"
+            ))
+            .await
+            .unwrap();
+    }
+    let mut operator = postgres::establish(&db.url).await.unwrap();
+    operator
+        .batch_execute("BEGIN; LOCK TABLE ONLY idempotency_responses IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let dropping = {
+        let url = db.url.clone();
+        tokio::spawn(async move {
+            let mut conn = postgres::establish(&url).await.unwrap();
+            postgres::admin::drop_partitions(&mut conn, Duration::ZERO, Duration::from_secs(20))
+                .await
+        })
+    };
+    wait_for(
+        &mut watch,
+        &waiting_on("idempotency_responses", "AccessExclusiveLock"),
+        "the drop to wait for the table",
+    )
+    .await;
+    operator
+        .batch_execute(
+            "DROP TABLE idempotency_responses_past; \
+             ALTER TABLE idempotency_responses DETACH PARTITION idempotency_responses_archived; \
+             COMMIT",
+        )
+        .await
+        .unwrap();
+    let dropped = dropping.await.unwrap();
+    assert_eq!(
+        dropped.as_ref().ok(),
+        Some(&vec!["idempotency_responses_past2".to_owned()]),
+        "{dropped:?}"
+    );
+    assert_eq!(
+        count(
+            &mut watch,
+            "SELECT count(*) AS n FROM pg_class WHERE relname = 'idempotency_responses_archived'"
+        )
+        .await,
+        1,
+        "the detached table was dropped"
+    );
 }
 
 /// `idem-cli stats` lists the partitions (`admin::partitions`); a partition whose `DROP` commits
