@@ -841,12 +841,15 @@ impl Tally {
         }
         self.in_flight += 1;
         self.lease_live += usize::from(r.lease_live());
-        // By age (microseconds), not by the millisecond timestamp text, which ties.
-        if self
-            .oldest
-            .as_ref()
-            .is_none_or(|o| r.age_secs() > o.age_secs())
-        {
+        // By age (microseconds), not by the millisecond timestamp text, which ties; equal ages
+        // by scope, as `list` orders them, so the answer does not follow `SCAN`'s order.
+        let older = |o: &Record| {
+            r.age_secs()
+                .total_cmp(&o.age_secs())
+                .then_with(|| o.scope_label().cmp(&r.scope_label()))
+                .is_gt()
+        };
+        if self.oldest.as_ref().is_none_or(older) {
             self.oldest = Some(r);
         }
     }
@@ -1014,7 +1017,7 @@ async fn release_each(
 mod tests {
     use idempotency_actix::store::postgres::admin::{Record, State, Time};
 
-    use super::Oldest;
+    use super::{Oldest, Tally};
 
     /// A completed record of `key` created `age_us` before it was read.
     fn record(key: &str, age_us: i64) -> Record {
@@ -1034,6 +1037,24 @@ mod tests {
             expires_at: Time::from_unix_micros(read_at + 1),
             body_bytes: Some(0),
             read_at: Time::from_unix_micros(read_at),
+        }
+    }
+
+    /// `stats`' oldest in-flight record: the oldest, and of equal ages the first by scope, in
+    /// whichever order `SCAN` returns them.
+    #[test]
+    fn the_oldest_in_flight_does_not_follow_the_scan_order() {
+        let in_flight = |key: &str, age_us: i64| Record {
+            state: State::InFlight,
+            ..record(key, age_us)
+        };
+        for order in [["b", "a", "c"], ["c", "b", "a"], ["a", "c", "b"]] {
+            let mut tally = Tally::default();
+            for key in order {
+                tally.add(in_flight(key, if key == "c" { 1 } else { 9 }));
+            }
+            let oldest = tally.oldest.map(|r| r.idempotency_key);
+            assert_eq!(oldest.as_deref(), Some("a"), "{order:?}");
         }
     }
 

@@ -1061,7 +1061,15 @@ pub(crate) async fn stats(conn: &mut AsyncPgConnection) -> QueryResult<Stats> {
 pub(crate) async fn oldest_in_flight(conn: &mut AsyncPgConnection) -> QueryResult<Option<Record>> {
     k::table
         .filter(k::state.eq(State::InFlight))
-        .order(k::created_at)
+        // Equal times by scope, so the answer is the same on every run (no index serves this
+        // query either way: it reads the in-flight rows).
+        .order((
+            k::created_at,
+            k::tenant,
+            k::method,
+            k::path,
+            k::idempotency_key,
+        ))
         .select(Record::as_select())
         .first(conn)
         .await
