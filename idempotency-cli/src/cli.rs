@@ -195,11 +195,14 @@ pub enum Command {
                       Refused without --force (exit 6): a reservation whose lease is still \
                       running (its request may still be executing: releasing it lets a retry run \
                       the operation a second time) and a completed record (removing it makes the \
-                      next request with that key execute again instead of replaying).",
+                      next request with that key execute again instead of replaying).\n\n\
+                      --token (the token `show` printed) releases only that reservation while \
+                      it is in flight: one that finished or was taken over since is left alone.",
         after_help = "Examples:\n  \
                       idem-cli release order-42 --tenant acme\n  \
                       idem-cli release k1 k2 k3 --tenant acme --method POST --path /payments\n  \
-                      idem-cli release order-42 --tenant acme --force   # also live/completed"
+                      idem-cli release order-42 --tenant acme --force   # also live/completed\n  \
+                      idem-cli release order-42 --tenant acme --force --token <token from show>"
     )]
     Release(ReleaseArgs),
 }
