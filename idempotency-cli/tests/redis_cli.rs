@@ -108,6 +108,24 @@ async fn seed(store: &impl IdempotencyStore) {
     tokio::time::sleep(Duration::from_millis(150)).await;
 }
 
+/// The token `show KEY` prints.
+fn shown_token(url: &str, key: &str) -> String {
+    let out = idem(url, &["show", key, "--format", "json"]);
+    expect_code(&out, 0);
+    let token = json_lines(&out)[0]["token"].as_str().map(str::to_owned);
+    token.unwrap_or_else(|| panic!("no token: {}", stdout(&out)))
+}
+
+/// `out` (a `release --format json`) released its record, and the store reserves `s` again.
+async fn assert_released(out: &Output, store: &impl IdempotencyStore, s: &Scope) {
+    expect_code(out, 0);
+    assert_eq!(json_lines(out)[0]["released"], true);
+    assert!(matches!(
+        store.reserve(s, &Fingerprint([9; 32]), LEASE).await,
+        Ok(ReserveOutcome::Reserved { .. })
+    ));
+}
+
 #[tokio::test]
 async fn list_show_stats_and_release_read_the_store() {
     let redis = RedisServer::start();
@@ -175,21 +193,9 @@ async fn list_show_stats_and_release_read_the_store() {
     );
     expect_code(&idem(&url, &["release", "done"]), NOT_FOUND_OR_REFUSED);
     let out = idem(&url, &["release", "stuck", "--format", "json"]);
-    expect_code(&out, 0);
-    assert_eq!(json_lines(&out)[0]["released"], true);
-    assert!(matches!(
-        store
-            .reserve(&scope("globex", "stuck"), &Fingerprint([9; 32]), LEASE)
-            .await,
-        Ok(ReserveOutcome::Reserved { .. })
-    ));
+    assert_released(&out, &store, &scope("globex", "stuck")).await;
     // --force with --token removes the record only while it holds the token `show` printed.
-    let out = idem(&url, &["show", "running", "--format", "json"]);
-    expect_code(&out, 0);
-    let token = json_lines(&out)[0]["token"]
-        .as_str()
-        .expect("a token")
-        .to_owned();
+    let token = shown_token(&url, "running");
     let stale = "00000000-0000-4000-8000-000000000000";
     let force = [
         "release", "running", "--tenant", "acme", "--force", "--token",
@@ -208,11 +214,7 @@ async fn list_show_stats_and_release_read_the_store() {
     let out = idem(&url, &[&force[..], &[token.as_str()]].concat());
     expect_code(&out, 0);
     // A completion keeps its reservation's token: --token refuses the completed record.
-    let out = idem(&url, &["show", "done", "--format", "json"]);
-    let done = json_lines(&out)[0]["token"]
-        .as_str()
-        .expect("a token")
-        .to_owned();
+    let done = shown_token(&url, "done");
     let out = idem(&url, &["release", "done", "--force", "--token", &done]);
     expect_code(&out, NOT_FOUND_OR_REFUSED);
     assert!(
@@ -438,14 +440,7 @@ async fn an_exact_scope_is_read_without_a_scan() {
         &url,
         &[&["release", "stuck", "--format", "json"][..], &other].concat(),
     );
-    expect_code(&out, 0);
-    assert_eq!(json_lines(&out)[0]["released"], true);
-    assert!(matches!(
-        store
-            .reserve(&scope("globex", "stuck"), &Fingerprint([9; 32]), LEASE)
-            .await,
-        Ok(ReserveOutcome::Reserved { .. })
-    ));
+    assert_released(&out, &store, &scope("globex", "stuck")).await;
 
     // Without the path the key must be searched for, which this user may not do.
     let out = idem(&url, &["show", "done", "--tenant", "acme"]);
