@@ -958,8 +958,17 @@ where
             }
         };
         if let Some(client) = client {
-            // The end of the body reaches the client after the record is stored.
-            client.finish().await;
+            // The end of the body reaches the client after the record is stored. What the
+            // client had no room for while the record was kept waits for it on a task of its
+            // own, not counted for a graceful stop (`shutdown`): the idempotent work is done,
+            // and a client that reads slowly or not at all held the stop for its whole limit
+            // (review, 2026-12-06). A worker's stop that cuts the task fails the client's body
+            // (`forward`), and its retry is replayed.
+            if client.has_backlog() {
+                actix_rt::spawn(client.finish());
+            } else {
+                client.finish().await;
+            }
         }
         outcome
     }

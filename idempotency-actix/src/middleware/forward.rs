@@ -163,6 +163,12 @@ impl Client {
         self.sender.put(room, Ok(backlog))
     }
 
+    /// Whether bytes wait for room the client has not made yet ([`Client::finish`] waits for
+    /// it).
+    pub(super) fn has_backlog(&self) -> bool {
+        !self.backlog.is_empty()
+    }
+
     /// The body failed: abort the client's connection (its backlog is moot).
     pub(super) fn fail(self) {
         self.sender.fail();
