@@ -60,10 +60,10 @@
 //! corrected retry 409 until the lease ended). Not counted: the stores' own background
 //! give-backs of a reservation a failed reserve may have made, which no client was told
 //! about (each leaves the key to its lease, answering 409 meanwhile, and never runs anything
-//! twice); and a streamed response's last bytes waiting for a slow client once its record is
-//! stored (the idempotent work is done: actix's graceful stop waits for that connection, and a
-//! client cut there retries and gets the replay; until a review of 2026-12-06 such a client held
-//! the wait for its whole limit).
+//! twice); and a streamed response's last bytes waiting for a slow client once the response is
+//! stored or given up (the idempotent work is done: actix's graceful stop waits for that
+//! connection, and a client cut there gets a failed body, never one that looks whole; until a
+//! review of 2026-12-06 such a client held the wait for its whole limit).
 //!
 //! What stays open: after the wait, a request that arrives on a connection that was already
 //! open (keep-alive) and whose client then hangs up mid-handler can still be cut when actix

@@ -963,7 +963,8 @@ where
             // own, not counted for a graceful stop (`shutdown`): the idempotent work is done,
             // and a client that reads slowly or not at all held the stop for its whole limit
             // (review, 2026-12-06). A worker's stop that cuts the task fails the client's body
-            // (`forward`), and its retry is replayed.
+            // (`forward`), so a cut response never looks whole; its retry is replayed when the
+            // response was stored.
             if client.has_backlog() {
                 actix_rt::spawn(client.finish());
             } else {
