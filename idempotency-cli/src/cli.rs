@@ -196,13 +196,15 @@ pub enum Command {
                       running (its request may still be executing: releasing it lets a retry run \
                       the operation a second time) and a completed record (removing it makes the \
                       next request with that key execute again instead of replaying).\n\n\
-                      --token (the token `show` printed) releases only that reservation while \
-                      it is in flight: one that finished or was taken over since is left alone.",
+                      --token (the token `show` printed) releases only that record while it \
+                      is in the state `show` printed (--state, in-flight unless told): one \
+                      that finished or was taken over since is left alone.",
         after_help = "Examples:\n  \
                       idem-cli release order-42 --tenant acme\n  \
                       idem-cli release k1 k2 k3 --tenant acme --method POST --path /payments\n  \
                       idem-cli release order-42 --tenant acme --force   # also live/completed\n  \
-                      idem-cli release order-42 --tenant acme --force --token <token from show>"
+                      idem-cli release order-42 --tenant acme --force --token <token from show>\n  \
+                      idem-cli release order-42 --tenant acme --force --token <token> --state completed"
     )]
     Release(ReleaseArgs),
 }
@@ -360,10 +362,25 @@ pub struct ReleaseArgs {
     #[arg(long)]
     pub force: bool,
 
-    /// Remove only the reservation in flight with this token, as `show` printed it (one KEY):
-    /// a record completed, taken over or reserved again since it was inspected is left alone.
+    /// Remove the record only while it holds this token, as `show` printed it (one KEY), in the
+    /// state `--state` names (in flight unless told): a record completed, taken over or
+    /// reserved again since it was inspected is left alone.
     #[arg(long, value_name = "UUID")]
     pub token: Option<uuid::Uuid>,
+
+    /// With --token: the state `show` printed, `completed` to remove a completed record (with
+    /// --force). Default: in-flight.
+    #[arg(long, value_enum, requires = "token")]
+    pub state: Option<HeldState>,
+}
+
+/// A record's state as `release --state` names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum HeldState {
+    /// A reservation (its request running, or its lease ended).
+    InFlight,
+    /// A completed record (replayed, or expired).
+    Completed,
 }
 
 #[cfg(test)]

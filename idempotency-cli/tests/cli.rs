@@ -1150,6 +1150,15 @@ async fn release_unsticks_a_key_for_the_store() {
         NOT_FOUND_OR_REFUSED,
     );
     assert_stderr_has(&out, "is completed now");
+    // Named completed, the record of another token is still refused.
+    let stale = uuid::Uuid::new_v4().to_string();
+    let other = ["--token", &stale, "--state", "completed"];
+    let out = idem_code(
+        &db.url,
+        &[&force[..], &other].concat(),
+        NOT_FOUND_OR_REFUSED,
+    );
+    assert_stderr_has(&out, &format!("holds token {held}, not {stale}"));
     let replayed = reserve(&store, &key, &original, 60).await;
     assert!(matches!(replayed, ReserveOutcome::Completed { .. }));
     let out = idem_code(&db.url, &force, 0);

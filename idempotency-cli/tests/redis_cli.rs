@@ -223,6 +223,17 @@ async fn list_show_stats_and_release_read_the_store() {
         stderr(&out)
     );
     expect_code(&idem(&url, &["show", "done"]), 0);
+    // Named completed, as `show` printed it, it goes (with --force); --state needs --token.
+    let completed = ["--state", "completed"];
+    let unfenced = [&["release", "done", "--force"][..], &completed].concat();
+    assert_eq!(idem(&url, &unfenced).status.code(), Some(2));
+    let fenced = [
+        &["release", "done", "--force", "--token", &done][..],
+        &completed,
+    ]
+    .concat();
+    expect_code(&idem(&url, &fenced), 0);
+    expect_code(&idem(&url, &["show", "done"]), NOT_FOUND_OR_REFUSED);
     assert!(matches!(
         reserve(&store, &scope("acme", "running"), LEASE).await,
         ReserveOutcome::Reserved { .. }

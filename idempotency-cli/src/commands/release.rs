@@ -9,10 +9,10 @@
 //!   `purge` would not);
 //! - the `DELETE` names the exact record that was inspected (state and fencing token), so a
 //!   record that changed in between (taken over, completed) is left alone and reported;
-//! - `--token` carries that fence back to the reservation the operator inspected with `show`:
-//!   between `show` and `release --force` the stuck request may have finished (same token, now
-//!   completed), or its record may have been taken over by a retry that is running now, and
-//!   releasing either runs the request again.
+//! - `--token` (with `--state`) carries that fence back to the record the operator inspected
+//!   with `show`: between `show` and `release --force` the stuck request may have finished
+//!   (same token, now completed), or its record may have expired and been taken over by a
+//!   retry that is running now, and releasing either runs the request again.
 
 use std::io::Write;
 
@@ -21,7 +21,7 @@ use idempotency_actix::store::postgres::admin::{self, Record};
 use serde_json::json;
 
 use super::show::{ambiguous_key, key_scope, no_record};
-use crate::cli::{Format, ReleaseArgs};
+use crate::cli::{Format, HeldState, ReleaseArgs};
 use crate::duration::format_age_secs;
 use crate::error::CliError;
 use crate::output::Out;
@@ -113,14 +113,23 @@ pub(crate) fn check(row: &Record, args: &ReleaseArgs) -> Result<(), String> {
                 row.token_text()
             ));
         }
-        // A completion keeps its reservation's token: the request `show` printed in flight
-        // has finished, and its response would go (review, 2026-12-06).
-        if !row.is_in_flight() {
+        // A completion keeps its reservation's token: a record `show` printed in flight may
+        // have finished since, and its response would go (review, 2026-12-06). (A completed
+        // record never returns to flight with its token: a takeover writes a new one.)
+        let completed_asked = args.state == Some(HeldState::Completed);
+        if completed_asked && row.is_in_flight() {
             return Err(format!(
-                "{} is {} now: its request finished since it was inspected, and --token \
-                 releases only a reservation in flight; nothing removed (to remove the \
-                 completed record, use --force without --token)",
+                "{} is in flight, not completed; nothing removed (--state names the state \
+                 `show` printed)",
+                row.scope_label()
+            ));
+        }
+        if !completed_asked && !row.is_in_flight() {
+            return Err(format!(
+                "{} is {} now: its request finished since it was inspected; nothing removed \
+                 (if `show` printed it {}, add --state completed)",
                 row.scope_label(),
+                row.state,
                 row.state
             ));
         }
@@ -223,4 +232,64 @@ pub(crate) fn refuse(
     }
     refusals.push(reason.to_owned());
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use idempotency_actix::store::postgres::admin::{Record, State, Time};
+
+    use super::check;
+    use crate::cli::{HeldState, ReleaseArgs, ScopeArgs};
+
+    fn record(state: State, token: uuid::Uuid) -> Record {
+        let now = 1_800_000_000_000_000;
+        Record {
+            tenant: "t".into(),
+            method: "POST".into(),
+            path: "/p".into(),
+            idempotency_key: "k".into(),
+            fingerprint: vec![0; 32],
+            state,
+            token: Some(token),
+            locked_until: (state == State::InFlight).then(|| Time::from_unix_micros(now + 1)),
+            response_status: None,
+            created_at: Time::from_unix_micros(now - 1),
+            completed_at: None,
+            expires_at: Time::from_unix_micros(now + 1),
+            body_bytes: None,
+            read_at: Time::from_unix_micros(now),
+        }
+    }
+
+    fn forced(token: uuid::Uuid, state: Option<HeldState>) -> ReleaseArgs {
+        ReleaseArgs {
+            keys: vec!["k".into()],
+            scope: ScopeArgs {
+                tenant: None,
+                method: None,
+                path: None,
+            },
+            force: true,
+            token: Some(token),
+            state,
+        }
+    }
+
+    /// `--token` with `--force` releases the record only in the state `--state` names (in
+    /// flight unless told), and only with that token.
+    #[test]
+    fn a_token_fences_to_the_state_show_printed() {
+        let t = uuid::Uuid::from_u128(1);
+        let running = record(State::InFlight, t);
+        let finished = record(State::Completed, t);
+        let completed = Some(HeldState::Completed);
+        assert_eq!(check(&running, &forced(t, None)), Ok(()));
+        assert_eq!(check(&finished, &forced(t, completed)), Ok(()));
+        let refused = |row, args| check(row, &args).expect_err("refused");
+        assert!(refused(&finished, forced(t, None)).contains("is completed now"));
+        assert!(refused(&running, forced(t, completed)).contains("is in flight, not completed"));
+        let other = uuid::Uuid::from_u128(2);
+        assert!(refused(&running, forced(other, None)).contains("not 00000000"));
+        assert!(refused(&finished, forced(other, completed)).contains("not 00000000"));
+    }
 }
