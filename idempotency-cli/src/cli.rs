@@ -374,10 +374,11 @@ pub struct ReleaseArgs {
     pub state: Option<HeldState>,
 }
 
-/// A record's state as `release --state` names it.
+/// A record's state as `release --state` names it (`show`'s spelling accepted too).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum HeldState {
     /// A reservation (its request running, or its lease ended).
+    #[value(alias = "in_flight")]
     InFlight,
     /// A completed record (replayed, or expired).
     Completed,

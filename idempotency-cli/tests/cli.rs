@@ -1161,11 +1161,12 @@ async fn release_unsticks_a_key_for_the_store() {
     assert_stderr_has(&out, &format!("holds token {held}, not {stale}"));
     let replayed = reserve(&store, &key, &original, 60).await;
     assert!(matches!(replayed, ReserveOutcome::Completed { .. }));
-    let out = idem_code(&db.url, &force, 0);
-    assert!(
-        stdout(&out).starts_with("released completed "),
-        "{}",
-        stdout(&out)
+    // Named completed, with its own token, the completed record goes.
+    let as_shown = ["--token", &held, "--state", "completed", "--format", "json"];
+    let v = idem_json(&db.url, &[&force[..], &as_shown].concat());
+    assert_eq!(
+        (v["released"].as_bool(), v["state"].as_str()),
+        (Some(true), Some("completed"))
     );
     let again = reserve(&store, &key, &original, 60).await;
     assert!(matches!(again, ReserveOutcome::Reserved { .. }));
@@ -1188,7 +1189,9 @@ async fn release_unsticks_a_key_for_the_store() {
         matches!(still, ReserveOutcome::InFlight { .. }),
         "{still:?}"
     );
-    let out = idem_code(&db.url, &fenced(&force, &current), 0);
+    // `show`'s spelling of the state is accepted.
+    let in_flight = [&fenced(&force, &current)[..], &["--state", "in_flight"]].concat();
+    let out = idem_code(&db.url, &in_flight, 0);
     assert_stdout_has(&out, &format!("token {current}"));
     let again = reserve(&store, &key, &original, 60).await;
     assert!(matches!(again, ReserveOutcome::Reserved { .. }));

@@ -126,8 +126,8 @@ pub(crate) fn check(row: &Record, args: &ReleaseArgs) -> Result<(), String> {
         }
         if !completed_asked && !row.is_in_flight() {
             return Err(format!(
-                "{} is {} now: its request finished since it was inspected; nothing removed \
-                 (if `show` printed it {}, add --state completed)",
+                "{} is {} now; nothing removed (if `show` printed it in flight, its request \
+                 has finished since; if it printed it {}, add --state completed)",
                 row.scope_label(),
                 row.state,
                 row.state
