@@ -333,6 +333,7 @@ async fn migrate_twice_and_check_gates_deploys() {
          applied 2026-12-05-000012_partition_drop_waits_once\n\
          applied 2026-12-06-000013_reserve_after_a_response_purge\n\
          applied 2026-12-06-000014_partition_drop_lists_under_the_lock\n\
+         applied 2026-12-07-000015_scope_statements_as_functions\n\
          layout: plain\n"
     );
 
@@ -2204,7 +2205,7 @@ async fn migrate_check_needs_only_select() {
     expect_code(&pending, PENDING);
     assert_stdout_has(
         &pending,
-        "pending 2026-12-06-000014_partition_drop_lists_under_the_lock",
+        "pending 2026-12-07-000015_scope_statements_as_functions",
     );
 }
 

@@ -1425,7 +1425,7 @@ async fn background_releases_take_at_most_a_quarter_of_the_pool() {
     while Instant::now() < until {
         let waiting: Count = diesel::sql_query(
             "SELECT count(*) AS n FROM pg_stat_activity WHERE datname = current_database() \
-             AND wait_event_type = 'Lock' AND query LIKE 'DELETE%' \
+             AND wait_event_type = 'Lock' AND query LIKE 'SELECT idempotency_release(%' \
              AND query_start > now() - interval '100 milliseconds'",
         )
         .get_result(&mut watcher)

@@ -578,6 +578,72 @@ async fn missing_reserve_function_is_not_provisioned_with_the_migrate_hint() {
     ));
 }
 
+/// A database one migration behind the app (000015 reverted: release, lease renewal and the
+/// completed-by check are function calls since). A reservation made before answers the migrate
+/// hint on release and renewal, `check()` (the readiness probe) fails, and a new reservation
+/// is refused before its handler could run (C15): nothing is reserved that could not be
+/// released. Once migrated, the earlier reservation renews, completes and is recognised by its
+/// own token again.
+#[tokio::test]
+async fn a_database_behind_the_fenced_functions_is_not_provisioned() {
+    use diesel_async::SimpleAsyncConnection;
+    let db = TestDb::new().await;
+    let store = PostgresStore::connect(&db.url).await.unwrap();
+    let token = match store.reserve(&scope("k"), &FP, LEASE).await.unwrap() {
+        ReserveOutcome::Reserved { token } => token,
+        other => panic!("expected Reserved, got {other:?}"),
+    };
+    let mut conn = postgres::establish(&db.url).await.unwrap();
+    conn.batch_execute(include_str!(
+        "../../../migrations/2026-12-07-000015_scope_statements_as_functions/down.sql"
+    ))
+    .await
+    .unwrap();
+    let errors = [
+        store.release(&scope("k"), &token).await.err(),
+        store.renew_lease(&scope("k"), &token, LEASE).await.err(),
+        store.check().await.err(),
+        store.reserve(&scope("other"), &FP, LEASE).await.err(),
+    ];
+    for error in errors {
+        match error {
+            Some(StoreError::NotProvisioned { hint }) => {
+                assert!(hint.contains("idem-cli migrate"), "{hint}")
+            }
+            other => panic!("expected NotProvisioned, got {other:?}"),
+        }
+    }
+    conn.batch_execute(include_str!(
+        "../../../migrations/2026-12-07-000015_scope_statements_as_functions/up.sql"
+    ))
+    .await
+    .unwrap();
+    store.check().await.unwrap();
+    assert_eq!(
+        store.renew_lease(&scope("k"), &token, LEASE).await.unwrap(),
+        WriteOutcome::Applied
+    );
+    assert_eq!(
+        store
+            .complete(&scope("k"), &token, &ok_response(b"once"), LEASE)
+            .await
+            .unwrap(),
+        WriteOutcome::Applied
+    );
+    // A second complete by the same token: the completed-by check recognises its own record.
+    assert_eq!(
+        store
+            .complete(&scope("k"), &token, &ok_response(b"once"), LEASE)
+            .await
+            .unwrap(),
+        WriteOutcome::Applied
+    );
+    assert_eq!(
+        store.release(&scope("k"), &token).await.unwrap(),
+        WriteOutcome::Stale
+    );
+}
+
 #[tokio::test]
 async fn unreachable_database_is_unavailable_within_the_connection_timeout() {
     // A port nobody listens on: bind, note, close.

@@ -4,8 +4,12 @@
 //!
 //! Statements are written with diesel's query builder over the [`schema`](super::schema), so
 //! columns and state values are named in one place. Raw SQL remains only where the builder
-//! cannot say it, each with the reason next to it: the reserve function call, purge (a CTE over
-//! a `DELETE` that finds its rows by `ctid`), and the `to_regclass` probe.
+//! cannot say it, each with the reason next to it: the request path's function calls, purge (a
+//! CTE over a `DELETE` that finds its rows by `ctid`), and the `to_regclass` probe. Every
+//! request-path statement is a function call (reserve, replay, complete, release, lease
+//! renewal, the completed-by check, the transactional claim): the functions are the one place
+//! that names the table's key, so a migration can change it without changing what app
+//! instances of either version send (`docs/sql.md`).
 //!
 //! # Prepared once per connection
 //! `diesel::sql_query` is never cached as a prepared statement, and diesel-async then pays a
@@ -46,31 +50,17 @@ use super::schema::{idempotency_keys as k, State};
 #[derive(Debug, Clone, Copy)]
 pub struct DbNow;
 
-/// `now() + $n * interval '1 microsecond'` (or `-`): a point relative to the database's clock.
-/// Microseconds, the database's interval precision, so even a sub-millisecond lease is kept.
+/// `now() - $n * interval '1 microsecond'`: a point before the database's clock (purge's
+/// grace). Microseconds, the database's interval precision.
 #[derive(Debug, Clone, Copy)]
 pub struct NowShifted {
     micros: i64,
-    later: bool,
 }
 
 impl DbNow {
     /// `now()` minus `micros`.
     pub(crate) fn minus(micros: i64) -> NowShifted {
-        NowShifted {
-            micros,
-            later: false,
-        }
-    }
-}
-
-impl DbNow {
-    /// `now()` plus `micros`.
-    pub(crate) fn plus(micros: i64) -> NowShifted {
-        NowShifted {
-            micros,
-            later: true,
-        }
+        NowShifted { micros }
     }
 }
 
@@ -83,7 +73,7 @@ impl QueryFragment<Pg> for DbNow {
 
 impl QueryFragment<Pg> for NowShifted {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
-        out.push_sql(if self.later { "(now() + " } else { "(now() - " });
+        out.push_sql("(now() - ");
         out.push_bind_param::<BigInt, _>(&self.micros)?;
         out.push_sql(" * interval '1 microsecond')");
         Ok(())
@@ -192,11 +182,6 @@ impl<'a> ScopeBinds<'a> {
         out.push_bind_param::<Text, _>(&self.path)?;
         out.push_sql(", ");
         out.push_bind_param::<Text, _>(&self.key)
-    }
-
-    /// The primary key, for `find`.
-    fn key(&self) -> (&'a str, &'a str, &'a str, &'a str) {
-        (self.tenant, self.method, self.path, self.key)
     }
 }
 
@@ -403,94 +388,132 @@ fn committed<T>(rows: Vec<T>) -> QueryResult<T> {
         .ok_or(diesel::result::Error::NotFound)
 }
 
+/// A call of one of the functions that act on a reservation by its scope and token (migration
+/// 000015): `SELECT <function>(scope, token[, lease]) AS found`, true when the function found
+/// its row. Functions, not statements, so that a migration can change the table's key without
+/// changing what the application sends (`docs/sql.md`, "The request path is function calls
+/// only").
+struct Fenced<'a, F> {
+    scope: &'a ScopeBinds<'a>,
+    token: uuid::Uuid,
+    lease_us: i64,
+    function: PhantomData<F>,
+}
+
+/// The function a [`Fenced`] call names; also its static query id.
+trait FencedFunction: Send + Sync + 'static {
+    /// `SELECT <function>(`.
+    const CALL: &'static str;
+    /// Whether the function takes the lease (bigint microseconds) after the token.
+    const TAKES_LEASE: bool;
+}
+
+/// `idempotency_release`: the holder's DELETE of its in-flight reservation.
+pub(crate) struct ReleaseId;
+/// `idempotency_renew_lease`: the holder's move of its lease end.
+pub(crate) struct RenewLeaseId;
+/// `idempotency_completed_by`: whether the record is completed under this token.
+pub(crate) struct CompletedById;
+
+impl FencedFunction for ReleaseId {
+    const CALL: &'static str = "SELECT idempotency_release(";
+    const TAKES_LEASE: bool = false;
+}
+
+impl FencedFunction for RenewLeaseId {
+    const CALL: &'static str = "SELECT idempotency_renew_lease(";
+    const TAKES_LEASE: bool = true;
+}
+
+impl FencedFunction for CompletedById {
+    const CALL: &'static str = "SELECT idempotency_completed_by(";
+    const TAKES_LEASE: bool = false;
+}
+
+impl<F: FencedFunction> QueryId for Fenced<'_, F> {
+    type QueryId = F;
+    const HAS_STATIC_QUERY_ID: bool = true;
+}
+
+impl<F> Query for Fenced<'_, F> {
+    type SqlType = Untyped;
+}
+
+impl<F: FencedFunction> QueryFragment<Pg> for Fenced<'_, F> {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        out.push_sql(F::CALL);
+        self.scope.push_binds(&mut out)?;
+        out.push_sql(", ");
+        out.push_bind_param::<diesel::sql_types::Uuid, _>(&self.token)?;
+        if F::TAKES_LEASE {
+            out.push_sql(", ");
+            out.push_bind_param::<BigInt, _>(&self.lease_us)?;
+        }
+        out.push_sql(") AS found");
+        Ok(())
+    }
+}
+
+#[derive(QueryableByName, Debug)]
+struct FoundRow {
+    #[diesel(sql_type = Bool)]
+    found: bool,
+}
+
+async fn fenced<F: FencedFunction>(
+    conn: &mut AsyncPgConnection,
+    scope: &ScopeBinds<'_>,
+    token: uuid::Uuid,
+    lease_us: i64,
+) -> QueryResult<bool> {
+    let call = Fenced::<F> {
+        scope,
+        token,
+        lease_us,
+        function: PhantomData,
+    };
+    let rows: Vec<FoundRow> = call.load(conn).await?;
+    Ok(committed(rows)?.found)
+}
+
 /// Whether `token` completed `scope`'s record: one primary-key lookup, asked only after a
 /// [`complete`] found no reservation, so that a retry of a completion that was applied but
 /// whose reply was lost (the connection dropped after the commit) answers applied instead of
 /// stale. The token is unique per reservation, so a match is this request's own record.
+/// `idempotency_completed_by`.
 pub(crate) async fn completed_by(
     conn: &mut AsyncPgConnection,
     scope: &ScopeBinds<'_>,
     token: uuid::Uuid,
 ) -> QueryResult<bool> {
-    diesel::select(diesel::dsl::exists(
-        k::table
-            .find(scope.key())
-            .filter(k::state.eq(State::Completed))
-            .filter(k::token.eq(token))
-            // One column both layouts have (a bare `find` would name every column of the
-            // plain layout's table).
-            .select(k::token),
-    ))
-    .get_result(conn)
-    .await
+    fenced::<CompletedById>(conn, scope, token, 0).await
 }
 
-/// Delete the reservation, fenced by the token: one primary-key DELETE.
+/// Delete the reservation, fenced by the token: `idempotency_release`, one primary-key DELETE.
 pub(crate) async fn release(
     conn: &mut AsyncPgConnection,
     scope: &ScopeBinds<'_>,
     token: uuid::Uuid,
 ) -> QueryResult<usize> {
-    diesel::delete(
-        k::table
-            .find(scope.key())
-            .filter(k::state.eq(State::InFlight))
-            .filter(k::token.eq(token)),
-    )
-    .execute(conn)
-    .await
+    fenced::<ReleaseId>(conn, scope, token, 0)
+        .await
+        .map(usize::from)
 }
 
-/// Renew the lease of an in-flight reservation, fenced by the token: one primary-key UPDATE
-/// of the claim row (`idempotency_keys` in both layouts), setting its lease end and expiry
-/// (equal for a reservation) to `now() + lease`. Matches nothing once the record was
-/// completed, released, purged or taken over (a takeover writes a new token under the row
-/// lock), so a stale holder never extends the new holder's lease.
+/// Renew the lease of an in-flight reservation, fenced by the token: `idempotency_renew_lease`,
+/// one primary-key UPDATE of the claim row (`idempotency_keys` in both layouts), setting its
+/// lease end and expiry (equal for a reservation) to `now() + lease`. Matches nothing once the
+/// record was completed, released, purged or taken over (a takeover writes a new token under
+/// the row lock), so a stale holder never extends the new holder's lease.
 pub(crate) async fn renew_lease(
     conn: &mut AsyncPgConnection,
     scope: &ScopeBinds<'_>,
     token: uuid::Uuid,
     lease_us: i64,
 ) -> QueryResult<usize> {
-    let until = DbNow::plus(lease_us);
-    let update = diesel::update(
-        k::table
-            .find(scope.key())
-            .filter(k::state.eq(State::InFlight))
-            .filter(k::token.eq(token)),
-    )
-    .set((
-        k::locked_until.eq(until.nullable()),
-        k::expires_at.eq(until),
-    ));
-    Prepared::<_, RenewLeaseId>(update, PhantomData)
-        .execute(conn)
+    fenced::<RenewLeaseId>(conn, scope, token, lease_us)
         .await
-}
-
-/// Static query id for [`renew_lease`]'s UPDATE.
-pub(crate) struct RenewLeaseId;
-
-/// A query-builder statement whose SQL text never varies, given the static query id `Id` and
-/// marked safe to cache. diesel gives an `UPDATE` neither (its text can depend on the values
-/// set), so diesel-async would prepare it again on every call: a Parse round trip each time. The statements wrapped
-/// here set fixed columns to binds, so one prepared statement per connection serves them all.
-struct Prepared<Q, Id>(Q, PhantomData<Id>);
-
-impl<Q: QueryFragment<Pg>, Id> QueryFragment<Pg> for Prepared<Q, Id> {
-    fn walk_ast<'b>(&'b self, out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
-        self.0.walk_ast(out)
-    }
-
-    /// diesel marks every `UPDATE` unsafe to cache, for the same reason it gives it no id.
-    fn is_safe_to_cache_prepared(&self, _backend: &Pg) -> QueryResult<bool> {
-        Ok(true)
-    }
-}
-
-impl<Q, Id: 'static> QueryId for Prepared<Q, Id> {
-    type QueryId = Id;
-    const HAS_STATIC_QUERY_ID: bool = true;
+        .map(usize::from)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -792,7 +815,8 @@ fn non_negative(n: i64) -> u64 {
 // Provisioning probe
 
 /// Whether the schema is provisioned: the table `idempotency_keys` and the functions the
-/// request path calls (`idempotency_reserve`, `idempotency_complete`) are visible on the
+/// request path calls (`idempotency_reserve`, `idempotency_complete`, and since migration 000015
+/// `idempotency_release`, `idempotency_renew_lease`, `idempotency_completed_by`) are visible on the
 /// connection's `search_path`, and on the partitioned layout (which its own function
 /// `idempotency_partitions_drop` marks) its response table `idempotency_responses` too.
 /// Used to recognise SQLSTATE 42P01 / 42883 (undefined table / function), which diesel-async
@@ -813,6 +837,12 @@ impl QueryFragment<Pg> for TableExists {
                         IS NOT NULL \
                     AND to_regprocedure('idempotency_complete(text, text, text, text, uuid, \
                         smallint, bytea, bytea, bigint)') IS NOT NULL \
+                    AND to_regprocedure('idempotency_release(text, text, text, text, uuid)') \
+                        IS NOT NULL \
+                    AND to_regprocedure('idempotency_renew_lease(text, text, text, text, uuid, \
+                        bigint)') IS NOT NULL \
+                    AND to_regprocedure('idempotency_completed_by(text, text, text, text, \
+                        uuid)') IS NOT NULL \
                     AND (to_regprocedure('idempotency_partitions_drop(bigint, integer)') IS NULL \
                          OR to_regclass('idempotency_responses') IS NOT NULL) AS present",
         );
@@ -1251,6 +1281,9 @@ const _: () = {
     assert!(<TxClaim<'static> as QueryId>::HAS_STATIC_QUERY_ID);
     assert!(<SetTenant<'static> as QueryId>::HAS_STATIC_QUERY_ID);
     assert!(<ClaimExists as QueryId>::HAS_STATIC_QUERY_ID);
+    assert!(<Fenced<'static, ReleaseId> as QueryId>::HAS_STATIC_QUERY_ID);
+    assert!(<Fenced<'static, RenewLeaseId> as QueryId>::HAS_STATIC_QUERY_ID);
+    assert!(<Fenced<'static, CompletedById> as QueryId>::HAS_STATIC_QUERY_ID);
 };
 
 #[cfg(test)]
@@ -1346,6 +1379,42 @@ mod tests {
             "{sql}"
         );
         assert!(!sql.contains("$5"), "{sql}");
+    }
+
+    /// Release, lease renewal and the completed-by check are calls of their functions (so a
+    /// migration can change the table's key under them), each bind once and in order.
+    #[test]
+    fn fenced_calls_name_their_functions() {
+        let scope = scope();
+        let token = uuid::Uuid::nil();
+        fn call<F: FencedFunction>(scope: &ScopeBinds<'_>, token: uuid::Uuid) -> String {
+            sql_of(&Fenced::<F> {
+                scope,
+                token,
+                lease_us: 7,
+                function: PhantomData,
+            })
+        }
+        for (sql, expected) in [
+            (
+                call::<ReleaseId>(&scope, token),
+                "SELECT idempotency_release($1, $2, $3, $4, $5) AS found",
+            ),
+            (
+                call::<CompletedById>(&scope, token),
+                "SELECT idempotency_completed_by($1, $2, $3, $4, $5) AS found",
+            ),
+            (
+                call::<RenewLeaseId>(&scope, token),
+                "SELECT idempotency_renew_lease($1, $2, $3, $4, $5, $6) AS found",
+            ),
+        ] {
+            assert!(sql.starts_with(expected), "{sql}");
+            assert!(
+                sql.contains("binds: [\"t\", \"POST\", \"/p\", \"k\", "),
+                "{sql}"
+            );
+        }
     }
 
     #[test]
