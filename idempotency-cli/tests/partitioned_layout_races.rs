@@ -252,7 +252,8 @@ async fn migrate_to_000004(conn: &mut AsyncPgConnection) {
 /// and every retry of that (charged) request got 503 for the whole TTL. The migration now
 /// locks the table before the test: it waits for the request, sees its row and refuses.
 /// (Here: a database provisioned up to 000004 by a release from before the partitioned
-/// layout, empty, which `idem-cli migrate --partitioned` converts.)
+/// layout, empty, which `idem-cli migrate --partitioned` converts, then `idem-cli migrate`
+/// brings to this version in the plain layout.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migrating_to_the_partitioned_layout_never_drops_a_stored_response() {
     let db = TestDb::new_unmigrated().await;
@@ -305,6 +306,10 @@ async fn migrating_to_the_partitioned_layout_never_drops_a_stored_response() {
 
     let migrated = migrate.wait_with_output().unwrap();
     expect_exit(&migrated, 1, &migrated.stderr, "not empty");
+    // The layout stays plain; migrated to this version (whose store calls functions 000015
+    // adds), the retry replays what was stored.
+    let out = idem(&db.url, &["migrate"]);
+    expect_exit(&out, 0, &out.stdout, "layout: plain");
     let store = PostgresStore::connect(&db.url).await.unwrap();
     let scope = payment("pay-1");
     assert_replays(&store, &scope, &Fingerprint([7; 32])).await;

@@ -12,12 +12,13 @@
 -- functions, and app instances of either version send the same calls (as they already do for
 -- reserve and complete: docs/operations.md, "Migrations").
 --
+-- CREATE OR REPLACE, as every migration from 000005 on: each can run again over itself.
 -- LANGUAGE plpgsql, as idempotency_complete: its plans are prepared once per session (a SQL
 -- function that writes is not inlined, and the SQL-function executor plans its body on every
 -- call). Each returns whether it found its row, which is all the store reads.
 
 -- Release (C9: only the holder, only while in flight): the holder's DELETE of its reservation.
-CREATE FUNCTION idempotency_release(
+CREATE OR REPLACE FUNCTION idempotency_release(
     p_tenant text, p_method text, p_path text, p_key text, p_token uuid
 )
 RETURNS boolean
@@ -35,7 +36,7 @@ COMMENT ON FUNCTION idempotency_release(text, text, text, text, uuid) IS
     'Release of idempotency-actix''s PostgresStore: deletes the reservation, fenced by the token; true when it was still the holder''s. See docs/sql.md.';
 
 -- Lease renewal: the holder moves its lease end (and the row's expiry with it) to now + lease.
-CREATE FUNCTION idempotency_renew_lease(
+CREATE OR REPLACE FUNCTION idempotency_renew_lease(
     p_tenant text, p_method text, p_path text, p_key text, p_token uuid, p_lease_us bigint
 )
 RETURNS boolean
@@ -56,7 +57,7 @@ COMMENT ON FUNCTION idempotency_renew_lease(text, text, text, text, uuid, bigint
 
 -- Whether a completion this holder's earlier call may have made is stored: asked after a
 -- complete that matched nothing (a retry after a lost answer).
-CREATE FUNCTION idempotency_completed_by(
+CREATE OR REPLACE FUNCTION idempotency_completed_by(
     p_tenant text, p_method text, p_path text, p_key text, p_token uuid
 )
 RETURNS boolean

@@ -39,13 +39,16 @@ pub async fn run(
             .map_err(db::store_error)?;
         let pending = full_names(pending);
         // The layout is only known once its migration ran; before that there is no table.
+        // The whole schema (the table and every function the store calls) must be there once
+        // nothing is pending; with migrations pending, the table is enough to read the layout.
         let provisioned = db::bounded(admin::table_exists(&mut conn))
             .await?
             .map_err(db::store_error)?;
         if pending.is_empty() && !provisioned {
             return Err(dropped_by_hand());
         }
-        let layout = if provisioned {
+        let has_table = provisioned || sql!(&mut conn, admin::keys_table_exists(&mut conn));
+        let layout = if has_table {
             Some(layout_name(
                 sql!(&mut conn, admin::partition_interval(&mut conn)).as_deref(),
             ))
@@ -99,7 +102,7 @@ pub async fn run(
         // The layout is fixed already: refuse another one before applying anything, rather
         // than apply the pending migrations and then fail.
         if args.partitioned || wanted.is_some() {
-            let layout = provisioned_layout(&mut conn).await?;
+            let layout = provisioned_layout(&mut conn, Schema::TableOnly).await?;
             refuse_another_layout(args.partitioned, wanted, layout.as_deref())?;
         }
     }
@@ -127,7 +130,7 @@ pub async fn run(
         .map_err(|_| CliError::Other("the migration thread panicked".into()))?;
     let applied = applied.map_err(db::store_error)?;
     let applied = full_names(applied);
-    let layout = provisioned_layout(&mut conn).await?;
+    let layout = provisioned_layout(&mut conn, Schema::Whole).await?;
     // Again after applying: another migrator may have run the layout migration meanwhile.
     refuse_another_layout(args.partitioned, wanted, layout.as_deref())?;
     let layout_name = layout_name(layout.as_deref());
@@ -173,13 +176,29 @@ fn layout_name(interval: Option<&str>) -> String {
 
 /// The library reports migration versions (`20261130000001`); operators know them by their
 /// folder names (`2026-11-30-000001_create_idempotency_keys`), which the embedded set carries.
+/// What [`provisioned_layout`] requires of the schema.
+#[derive(Clone, Copy)]
+enum Schema {
+    /// Before applying pending migrations: the table (those migrations may add functions).
+    TableOnly,
+    /// After applying every migration: the table and every function the store calls.
+    Whole,
+}
+
 /// The layout of a provisioned schema (its partition interval, `None` for the plain layout).
 /// Without its table the layout cannot be read ("plain" would be a guess): a schema whose
-/// migrations are recorded but whose table is gone was dropped by hand (exit 4).
-async fn provisioned_layout(conn: &mut AsyncPgConnection) -> Result<Option<String>, CliError> {
-    let provisioned = db::bounded(admin::table_exists(conn))
-        .await?
-        .map_err(db::store_error)?;
+/// migrations are recorded but whose table (or, once none is pending, a function the store
+/// calls) is gone was dropped by hand (exit 4).
+async fn provisioned_layout(
+    conn: &mut AsyncPgConnection,
+    schema: Schema,
+) -> Result<Option<String>, CliError> {
+    let provisioned = match schema {
+        Schema::Whole => db::bounded(admin::table_exists(conn))
+            .await?
+            .map_err(db::store_error)?,
+        Schema::TableOnly => sql!(conn, admin::keys_table_exists(conn)),
+    };
     if !provisioned {
         return Err(dropped_by_hand());
     }

@@ -650,7 +650,9 @@ impl Keyed {
 
 const RESERVE: &str = "idempotency_reserve(";
 const COMPLETE: &str = "idempotency_complete(";
-const RELEASE: &str = "DELETE FROM \"idempotency_keys\"";
+const RELEASE: &str = "idempotency_release(";
+const COMPLETED_BY: &str = "idempotency_completed_by(";
+const RENEW_LEASE: &str = "idempotency_renew_lease(";
 
 cut_tests! {
     default_reserve_cut_before:
@@ -850,7 +852,7 @@ async fn renewal_cut(cut: Cut) {
         .await;
     created(&app, Some("warm"), &format!("renewal cut {cut:?}: warm-up")).await;
     rig.state.sleep_next_ms.store(4000, Ordering::SeqCst);
-    rig.proxy.arm("SET \"locked_until\"", cut);
+    rig.proxy.arm(RENEW_LEASE, cut);
     let key = "k1";
     let first = call(&app, post(Some(key), 7));
     let duplicates = async {
@@ -902,7 +904,7 @@ cut_tests! {
             .run();
     default_complete_cut_after_then_completed_by_cut:
         keyed(Mode::Default, COMPLETE, Cut::AfterSend, Expect::Handler(201))
-            .also_cut(&[(COMPLETE, Cut::BeforeSend), ("EXISTS", Cut::BeforeSend)])
+            .also_cut(&[(COMPLETE, Cut::BeforeSend), (COMPLETED_BY, Cut::BeforeSend)])
             .run();
     default_release_cut_twice:
         keyed(Mode::Default, RELEASE, Cut::BeforeSend, Expect::Handler(500))

@@ -719,6 +719,8 @@ fn random_cuts(mode: Mode) {
     };
     let needles = [
         "idempotency_keys",
+        "idempotency_release(",
+        "idempotency_renew_lease(",
         "INSERT",
         "UPDATE",
         "DELETE",

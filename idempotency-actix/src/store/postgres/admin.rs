@@ -352,6 +352,12 @@ pub struct Partition {
     pub estimated_rows: i64,
 }
 
+/// Whether the table `idempotency_keys` exists, whatever the functions the store calls (which
+/// [`table_exists`] requires as well): with pending migrations, those may be what adds them.
+pub async fn keys_table_exists(conn: &mut AsyncPgConnection) -> QueryResult<bool> {
+    sql::keys_table_exists(conn).await
+}
+
 /// `Some("hourly" | "daily")` when the database has the partitioned layout (migration
 /// 000005 run with `idempotency.layout = 'partitioned'`), `None` for the plain layout. Detected
 /// by catalog (`to_regclass('idempotency_responses')`).

@@ -24,9 +24,10 @@ use diesel_async::AsyncPgConnection;
 use super::sql::TableExists;
 use crate::store::StoreError;
 
-/// The hint carried by [`StoreError::NotProvisioned`] when `idempotency_keys` is missing.
-pub const MIGRATE_HINT: &str = "the table `idempotency_keys` (or the function \
-     `idempotency_reserve`) does not exist in this database; run `idem-cli migrate` (or call \
+/// The hint carried by [`StoreError::NotProvisioned`] when `idempotency_keys`, or a function the
+/// store calls, is missing.
+pub const MIGRATE_HINT: &str = "the table `idempotency_keys` (or a function the store \
+     calls, such as `idempotency_reserve`) does not exist in this database; run `idem-cli migrate` (or call \
      `idempotency_actix::store::postgres::run_migrations`) to create it";
 
 /// Classify a failed query without asking the database anything.

@@ -1,15 +1,16 @@
-//! Every statement on `idempotency_keys`, in one place: the request path (reserve, complete,
-//! release), purge, the provisioning probe, and the admin queries `idem-cli` runs (through
-//! [`super::admin`]). `docs/sql.md` describes each of them; keep the two in step.
+//! Every statement on `idempotency_keys`, in one place: the request path, purge, the
+//! provisioning probe, and the admin queries `idem-cli` runs (through [`super::admin`]).
+//! `docs/sql.md` describes each of them; keep the two in step.
 //!
-//! Statements are written with diesel's query builder over the [`schema`](super::schema), so
-//! columns and state values are named in one place. Raw SQL remains only where the builder
-//! cannot say it, each with the reason next to it: the request path's function calls, purge (a
-//! CTE over a `DELETE` that finds its rows by `ctid`), and the `to_regclass` probe. Every
-//! request-path statement is a function call (reserve, replay, complete, release, lease
-//! renewal, the completed-by check, the transactional claim): the functions are the one place
-//! that names the table's key, so a migration can change it without changing what app
-//! instances of either version send (`docs/sql.md`).
+//! Every request-path statement is a call of a function the migrations define (reserve,
+//! replay, complete, release, lease renewal, the completed-by check, the transactional
+//! claim): the functions are the one place that names the table's key, so a migration can
+//! change it without changing what app instances of either version send (`docs/sql.md`, "The
+//! request path is function calls only"). The other statements are written with diesel's query
+//! builder over the [`schema`](super::schema), so columns and state values are named in one
+//! place. Raw SQL remains only where the builder cannot say it, each with the reason next to
+//! it: the function calls, purge (a CTE over a `DELETE` that finds its rows by `ctid`), and the
+//! `to_regclass` probe.
 //!
 //! # Prepared once per connection
 //! `diesel::sql_query` is never cached as a prepared statement, and diesel-async then pays a
@@ -1147,6 +1148,16 @@ struct IntervalRow {
 /// The partition interval of the partitioned layout (`hourly`/`daily`), `None` in the plain
 /// layout. One catalog probe, then (partitioned only) the one-row settings table: two
 /// statements, because a statement naming a missing table fails when parsed.
+/// Whether the table `idempotency_keys` is visible, whatever the functions (which
+/// [`TableExists`] requires too): the layout can be read. `idem-cli migrate` asks before it
+/// applies pending migrations, which may be what adds the functions.
+pub(crate) async fn keys_table_exists(conn: &mut AsyncPgConnection) -> QueryResult<bool> {
+    diesel::sql_query("SELECT to_regclass('idempotency_keys') IS NOT NULL AS present")
+        .get_result::<ExistsRow>(conn)
+        .await
+        .map(|row| row.present)
+}
+
 pub(crate) async fn partition_interval(
     conn: &mut AsyncPgConnection,
 ) -> QueryResult<Option<String>> {

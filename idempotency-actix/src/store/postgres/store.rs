@@ -185,7 +185,8 @@ impl PostgresStore {
     }
 
     /// Readiness check: a connection can be had within the connection timeout, and the table
-    /// and the reserve function exist. One round trip (`to_regclass`, `to_regprocedure`). Use
+    /// and the functions the store calls exist (a database behind this version's migrations
+    /// fails it). One round trip (`to_regclass`, `to_regprocedure`). Use
     /// it in a health endpoint or before taking traffic; the store itself never needs it.
     ///
     /// # Errors
