@@ -1,7 +1,8 @@
 //! `idem-cli show KEY` (contract C20): the whole record and its stored response.
 
 use base64::prelude::{Engine as _, BASE64_STANDARD};
-use diesel_async::AsyncPgConnection;
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use futures_util::StreamExt;
 use idempotency_actix::store::postgres::admin::{self, Detail, KeyScope, State};
 use idempotency_actix::store::StoredResponse;
 use serde::Serialize;
@@ -43,25 +44,50 @@ pub async fn run(
     out: &mut Out,
 ) -> Result<(), CliError> {
     let scope = key_scope(&args.key, &args.scope);
-    let rows: Vec<Detail> = sql!(conn, admin::find_detail(conn, &scope));
-    if rows.is_empty() {
+    // Streamed, as `list` streams: a bare key can name a record in every tenant, each with a
+    // response of up to the middleware's `max_response_bytes`, and only the one being printed
+    // is held in memory.
+    let mut shown = 0usize;
+    let mut failure = None;
+    {
+        let query = admin::find_detail_query(&scope);
+        // Each round trip bounded: a frozen server is "unavailable" (exit 3), never a hang.
+        match crate::db::bounded(query.load_stream::<Detail>(conn)).await? {
+            Err(err) => failure = Some(err),
+            Ok(stream) => {
+                let mut stream = std::pin::pin!(stream);
+                while let Some(item) = crate::db::bounded(stream.next()).await? {
+                    let row = match item {
+                        Ok(row) => row,
+                        Err(err) => {
+                            failure = Some(err);
+                            break;
+                        }
+                    };
+                    match format {
+                        Format::Json => out.json(&detail_json(&row))?,
+                        Format::Text => {
+                            if shown > 0 {
+                                out.line("")?;
+                            }
+                            for line in detail_text(&row) {
+                                out.line(line)?;
+                            }
+                        }
+                    }
+                    shown += 1;
+                }
+            }
+        }
+    }
+    if let Some(err) = failure {
+        return Err(crate::db::classify(conn, err).await);
+    }
+    if shown == 0 {
         return Err(CliError::NotFoundOrRefused(no_record(
             &args.key,
             &args.scope,
         )));
-    }
-    for (i, row) in rows.iter().enumerate() {
-        match format {
-            Format::Json => out.json(&detail_json(row))?,
-            Format::Text => {
-                if i > 0 {
-                    out.line("")?;
-                }
-                for line in detail_text(row) {
-                    out.line(line)?;
-                }
-            }
-        }
     }
     out.flush()
 }

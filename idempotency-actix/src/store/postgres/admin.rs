@@ -268,12 +268,12 @@ pub async fn find(conn: &mut AsyncPgConnection, scope: &KeyScope) -> QueryResult
     sql::find(conn, scope).await
 }
 
-/// As [`find`], with the stored responses.
-pub async fn find_detail(
-    conn: &mut AsyncPgConnection,
+/// As [`find`], with the stored responses: the query, which the caller streams with
+/// `load_stream` (one record's response in memory at a time).
+pub fn find_detail_query(
     scope: &KeyScope,
-) -> QueryResult<Vec<Detail>> {
-    sql::find_detail(conn, scope).await
+) -> k::BoxedQuery<'_, Pg, diesel::dsl::SqlTypeOf<diesel::dsl::AsSelect<Detail, Pg>>> {
+    sql::find_detail(scope)
 }
 
 /// Every record with its response, in scope order.

@@ -989,14 +989,13 @@ pub(crate) async fn find(
         .await
 }
 
-/// As [`find`], with the stored responses (`idem-cli show`).
-pub(crate) async fn find_detail(
-    conn: &mut AsyncPgConnection,
+/// As [`find`], with the stored responses (`idem-cli show`). A query, not rows: the CLI
+/// streams it, so a key that names many records with large responses is printed record by
+/// record instead of held whole in memory.
+pub(crate) fn find_detail(
     scope: &KeyScope,
-) -> QueryResult<Vec<Detail>> {
+) -> k::BoxedQuery<'_, Pg, diesel::dsl::SqlTypeOf<diesel::dsl::AsSelect<Detail, Pg>>> {
     key_scope!(k::table.select(Detail::as_select()).into_boxed(), scope)
-        .load(conn)
-        .await
 }
 
 /// Delete exactly the record that was inspected: same scope, state and token; without `force`
