@@ -5,10 +5,13 @@
 //! settings and its error classification.
 
 use std::future::Future;
+use std::ops::ControlFlow;
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use diesel_async::{AsyncPgConnection, SimpleAsyncConnection};
+use diesel_async::methods::LoadQuery;
+use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use futures_util::StreamExt;
 use idempotency_actix::store::postgres::admin;
 use idempotency_actix::store::StoreError;
 
@@ -190,6 +193,46 @@ pub async fn classify(conn: &mut AsyncPgConnection, err: diesel::result::Error) 
     match bounded(admin::classify_query_error(conn, err)).await {
         Ok(err) => store_error(err),
         Err(frozen) => frozen,
+    }
+}
+
+/// Streams `query`'s rows to `each` as they arrive (`list`, `show`): only the row being handled
+/// is in memory, however many match. Every round trip is bounded, as [`bounded`]; `each`
+/// returns [`ControlFlow::Break`] to stop early. A failed statement is classified once its
+/// stream is dropped (the connection is free again).
+pub async fn for_each_row<'query, Q, T>(
+    conn: &mut AsyncPgConnection,
+    query: Q,
+    mut each: impl FnMut(T) -> Result<ControlFlow<()>, CliError>,
+) -> Result<(), CliError>
+where
+    Q: RunQueryDsl<AsyncPgConnection> + LoadQuery<'query, AsyncPgConnection, T> + 'query,
+{
+    let mut failure = None;
+    {
+        match bounded(query.load_stream::<T>(conn)).await? {
+            Err(err) => failure = Some(err),
+            Ok(stream) => {
+                let mut stream = std::pin::pin!(stream);
+                while let Some(item) = bounded(stream.next()).await? {
+                    match item {
+                        Ok(row) => {
+                            if each(row)?.is_break() {
+                                break;
+                            }
+                        }
+                        Err(err) => {
+                            failure = Some(err);
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    match failure {
+        Some(err) => Err(classify(conn, err).await),
+        None => Ok(()),
     }
 }
 

@@ -73,3 +73,51 @@ async fn migrate_partitioned_on_a_schema_dropped_by_hand_says_dropped_by_hand() 
         "migrate --partitioned on a schema dropped by hand does not say so: {wrong:#?}"
     );
 }
+
+/// The same when what was dropped is a function the store calls (here `idempotency_release`,
+/// migration 000015), or, on the partitioned layout, only its response table: every command
+/// that reads the layout says "dropped by hand" (exit 4), not "the database already has the
+/// plain layout" (exit 1), which the first version of the table-only check before applying
+/// answered to `migrate --partitioned` (review of 2026-12-07).
+#[tokio::test]
+async fn a_function_or_the_response_table_dropped_by_hand_says_dropped_by_hand() {
+    let cases: [(&[&str], &str); 3] = [
+        (
+            &["migrate"],
+            "DROP FUNCTION idempotency_release(text, text, text, text, uuid)",
+        ),
+        (
+            &["migrate", "--partitioned"],
+            "DROP FUNCTION idempotency_release(text, text, text, text, uuid)",
+        ),
+        (
+            &["migrate", "--partitioned"],
+            "DROP TABLE idempotency_responses",
+        ),
+    ];
+    for (provision, drop) in cases {
+        let db = TestDb::new_unmigrated().await;
+        let out = idem(&db.url, provision);
+        assert_eq!(out.status.code(), Some(0), "{}", show(&out));
+        let mut conn = postgres::establish(&db.url).await.unwrap();
+        conn.batch_execute(drop).await.unwrap();
+        for args in [
+            &["migrate"][..],
+            &["migrate", "--partitioned"],
+            &["migrate", "--check"],
+        ] {
+            let out = idem(&db.url, args);
+            assert_eq!(
+                out.status.code(),
+                Some(4),
+                "{provision:?} then {drop}; {args:?}: {}",
+                show(&out)
+            );
+            assert!(
+                String::from_utf8_lossy(&out.stderr).contains("A schema dropped by hand"),
+                "{args:?}: {}",
+                show(&out)
+            );
+        }
+    }
+}

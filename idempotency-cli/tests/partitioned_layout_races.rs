@@ -252,8 +252,9 @@ async fn migrate_to_000004(conn: &mut AsyncPgConnection) {
 /// and every retry of that (charged) request got 503 for the whole TTL. The migration now
 /// locks the table before the test: it waits for the request, sees its row and refuses.
 /// (Here: a database provisioned up to 000004 by a release from before the partitioned
-/// layout, empty, which `idem-cli migrate --partitioned` converts, then `idem-cli migrate`
-/// brings to this version in the plain layout.)
+/// layout, empty, which `idem-cli migrate --partitioned` is asked to convert and refuses to;
+/// `idem-cli migrate` then brings it to this version in the plain layout, whose store calls
+/// functions migration 000015 adds.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migrating_to_the_partitioned_layout_never_drops_a_stored_response() {
     let db = TestDb::new_unmigrated().await;

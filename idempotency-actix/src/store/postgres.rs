@@ -41,7 +41,7 @@
 //!
 //! # Faults
 //! Every failure is a [`StoreError`], which the middleware answers with 503 (fail closed):
-//! - table or reserve function missing: [`StoreError::NotProvisioned`] with [`MIGRATE_HINT`]
+//! - table or a function the store calls missing: [`StoreError::NotProvisioned`] with [`MIGRATE_HINT`]
 //!   ("run `idem-cli migrate`"), recognised with `to_regclass`/`to_regprocedure` rather than an
 //!   error message (diesel-async does not expose SQLSTATE 42P01/42883); the store recovers once
 //!   the schema exists;

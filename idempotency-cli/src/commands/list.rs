@@ -1,9 +1,9 @@
 //! `idem-cli list` (contract C20): records matching filters, as a table or JSON lines.
 
 use std::io::Write;
+use std::ops::ControlFlow;
 
-use diesel_async::{AsyncPgConnection, RunQueryDsl};
-use futures_util::StreamExt;
+use diesel_async::AsyncPgConnection;
 use idempotency_actix::store::postgres::admin::{self, ListFilter, ListState, Record};
 
 use crate::cli::{Format, ListArgs, StateFilter};
@@ -37,38 +37,19 @@ pub async fn run(
     let mut rows: Vec<Record> = Vec::new();
     let mut seen = 0usize;
     let mut truncated = false;
-    let mut failure = None;
-    {
-        // Each round trip bounded: a frozen server is "unavailable" (exit 3), never a hang.
-        let result = crate::db::bounded(query.load_stream::<Record>(conn)).await?;
-        match result {
-            Err(err) => failure = Some(err),
-            Ok(stream) => {
-                let mut stream = std::pin::pin!(stream);
-                while let Some(item) = crate::db::bounded(stream.next()).await? {
-                    let row = match item {
-                        Ok(row) => row,
-                        Err(err) => {
-                            failure = Some(err);
-                            break;
-                        }
-                    };
-                    if limit > 0 && seen == limit {
-                        truncated = true;
-                        break;
-                    }
-                    seen += 1;
-                    match format {
-                        Format::Json => out.json(&row.to_json())?,
-                        Format::Text => rows.push(row),
-                    }
-                }
-            }
+    crate::db::for_each_row(conn, query, |row: Record| {
+        if limit > 0 && seen == limit {
+            truncated = true;
+            return Ok(ControlFlow::Break(()));
         }
-    }
-    if let Some(err) = failure {
-        return Err(crate::db::classify(conn, err).await);
-    }
+        seen += 1;
+        match format {
+            Format::Json => out.json(&row.to_json())?,
+            Format::Text => rows.push(row),
+        }
+        Ok(ControlFlow::Continue(()))
+    })
+    .await?;
 
     match format {
         Format::Json => {}

@@ -37,18 +37,23 @@ pub async fn run(
         let pending = db::bounded(postgres::pending_migrations_on(&mut conn))
             .await?
             .map_err(db::store_error)?;
+        let layout_known = !pending
+            .iter()
+            .any(|v| v == postgres::LAYOUT_MIGRATION_VERSION);
         let pending = full_names(pending);
         // The layout is only known once its migration ran; before that there is no table.
-        // The whole schema (the table and every function the store calls) must be there once
-        // nothing is pending; with migrations pending, the table is enough to read the layout.
+        // The whole schema (the tables and every function the store calls) must be there once
+        // nothing is pending; with migrations pending, the tables are enough to read the layout
+        // once the layout migration has run.
         let provisioned = db::bounded(admin::table_exists(&mut conn))
             .await?
             .map_err(db::store_error)?;
         if pending.is_empty() && !provisioned {
             return Err(dropped_by_hand());
         }
-        let has_table = provisioned || sql!(&mut conn, admin::keys_table_exists(&mut conn));
-        let layout = if has_table {
+        let has_tables =
+            provisioned || (layout_known && sql!(&mut conn, admin::keys_table_exists(&mut conn)));
+        let layout = if has_tables {
             Some(layout_name(
                 sql!(&mut conn, admin::partition_interval(&mut conn)).as_deref(),
             ))
@@ -102,7 +107,12 @@ pub async fn run(
         // The layout is fixed already: refuse another one before applying anything, rather
         // than apply the pending migrations and then fail.
         if args.partitioned || wanted.is_some() {
-            let layout = provisioned_layout(&mut conn, Schema::TableOnly).await?;
+            let schema = if pending.is_empty() {
+                Schema::Whole
+            } else {
+                Schema::TableOnly
+            };
+            let layout = provisioned_layout(&mut conn, schema).await?;
             refuse_another_layout(args.partitioned, wanted, layout.as_deref())?;
         }
     }
@@ -151,14 +161,14 @@ pub async fn run(
     out.flush()
 }
 
-/// Every migration is recorded as applied, yet the table or a function the store calls is
-/// missing: something dropped it outside idem-cli. Applying nothing and answering "up to date"
+/// The migrations that create them are recorded as applied, yet the table or a function the
+/// store calls is missing: something dropped it outside idem-cli. Applying nothing and answering "up to date"
 /// would send operators in a circle (every other command says "run `idem-cli migrate`"), and
 /// re-running the migrations in place would fail on the objects that are left, so the
 /// recovery is a documented manual step.
 fn dropped_by_hand() -> CliError {
     CliError::NotProvisioned(
-        "every migration is recorded as applied (__diesel_schema_migrations), but the table \
+        "the migrations are recorded as applied (__diesel_schema_migrations), but the table \
          `idempotency_keys` or a function the store calls is missing: it was dropped outside \
          idem-cli; restore it from a backup, or see docs/operations.md, \"A schema dropped by \
          hand\""
@@ -174,8 +184,6 @@ fn layout_name(interval: Option<&str>) -> String {
     }
 }
 
-/// The library reports migration versions (`20261130000001`); operators know them by their
-/// folder names (`2026-11-30-000001_create_idempotency_keys`), which the embedded set carries.
 /// What [`provisioned_layout`] requires of the schema.
 #[derive(Clone, Copy)]
 enum Schema {
@@ -235,6 +243,8 @@ fn refuse_another_layout(
     Ok(())
 }
 
+/// The library reports migration versions (`20261130000001`); operators know them by their
+/// folder names (`2026-11-30-000001_create_idempotency_keys`), which the embedded set carries.
 fn full_names(versions: Vec<String>) -> Vec<String> {
     let known: Vec<(String, String)> = MigrationSource::<Pg>::migrations(&postgres::MIGRATIONS)
         .map(|all| {

@@ -1,8 +1,9 @@
 //! `idem-cli show KEY` (contract C20): the whole record and its stored response.
 
 use base64::prelude::{Engine as _, BASE64_STANDARD};
-use diesel_async::{AsyncPgConnection, RunQueryDsl};
-use futures_util::StreamExt;
+use std::ops::ControlFlow;
+
+use diesel_async::AsyncPgConnection;
 use idempotency_actix::store::postgres::admin::{self, Detail, KeyScope, State};
 use idempotency_actix::store::StoredResponse;
 use serde::Serialize;
@@ -48,41 +49,23 @@ pub async fn run(
     // response of up to the middleware's `max_response_bytes`, and only the one being printed
     // is held in memory.
     let mut shown = 0usize;
-    let mut failure = None;
-    {
-        let query = admin::find_detail_query(&scope);
-        // Each round trip bounded: a frozen server is "unavailable" (exit 3), never a hang.
-        match crate::db::bounded(query.load_stream::<Detail>(conn)).await? {
-            Err(err) => failure = Some(err),
-            Ok(stream) => {
-                let mut stream = std::pin::pin!(stream);
-                while let Some(item) = crate::db::bounded(stream.next()).await? {
-                    let row = match item {
-                        Ok(row) => row,
-                        Err(err) => {
-                            failure = Some(err);
-                            break;
-                        }
-                    };
-                    match format {
-                        Format::Json => out.json(&detail_json(&row))?,
-                        Format::Text => {
-                            if shown > 0 {
-                                out.line("")?;
-                            }
-                            for line in detail_text(&row) {
-                                out.line(line)?;
-                            }
-                        }
-                    }
-                    shown += 1;
+    let query = admin::find_detail_query(&scope);
+    crate::db::for_each_row(conn, query, |row: Detail| {
+        match format {
+            Format::Json => out.json(&detail_json(&row))?,
+            Format::Text => {
+                if shown > 0 {
+                    out.line("")?;
+                }
+                for line in detail_text(&row) {
+                    out.line(line)?;
                 }
             }
         }
-    }
-    if let Some(err) = failure {
-        return Err(crate::db::classify(conn, err).await);
-    }
+        shown += 1;
+        Ok(ControlFlow::Continue(()))
+    })
+    .await?;
     if shown == 0 {
         return Err(CliError::NotFoundOrRefused(no_record(
             &args.key,

@@ -24,8 +24,8 @@ use diesel_async::AsyncPgConnection;
 use super::sql::TableExists;
 use crate::store::StoreError;
 
-/// The hint carried by [`StoreError::NotProvisioned`] when `idempotency_keys`, or a function the
-/// store calls, is missing.
+/// The hint carried by [`StoreError::NotProvisioned`] when `idempotency_keys`, or a function
+/// the store calls, is missing.
 pub const MIGRATE_HINT: &str = "the table `idempotency_keys` (or a function the store \
      calls, such as `idempotency_reserve`) does not exist in this database; run `idem-cli migrate` (or call \
      `idempotency_actix::store::postgres::run_migrations`) to create it";

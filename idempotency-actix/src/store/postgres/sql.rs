@@ -827,25 +827,30 @@ fn non_negative(n: i64) -> u64 {
 /// Raw SQL: catalog lookups by name (`to_regclass`, `to_regprocedure`) are not table queries.
 pub(crate) struct TableExists;
 
+/// The tables of the layout the database has: `idempotency_keys`, and on the partitioned
+/// layout (which its own function `idempotency_partitions_drop` marks) `idempotency_responses`.
+/// Part of [`TableExists`], and alone [`keys_table_exists`].
+const TABLES_PRESENT: &str = "to_regclass('idempotency_keys') IS NOT NULL \
+     AND (to_regprocedure('idempotency_partitions_drop(bigint, integer)') IS NULL \
+          OR to_regclass('idempotency_responses') IS NOT NULL)";
+
 statement!(TableExists, TableExistsId);
 
 impl QueryFragment<Pg> for TableExists {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        out.push_sql("SELECT ");
+        out.push_sql(TABLES_PRESENT);
         out.push_sql(
-            "SELECT to_regclass('idempotency_keys') IS NOT NULL \
-                    AND to_regprocedure(\
-                        'idempotency_reserve(text, text, text, text, bytea, uuid, bigint)') \
-                        IS NOT NULL \
-                    AND to_regprocedure('idempotency_complete(text, text, text, text, uuid, \
-                        smallint, bytea, bytea, bigint)') IS NOT NULL \
-                    AND to_regprocedure('idempotency_release(text, text, text, text, uuid)') \
-                        IS NOT NULL \
-                    AND to_regprocedure('idempotency_renew_lease(text, text, text, text, uuid, \
-                        bigint)') IS NOT NULL \
-                    AND to_regprocedure('idempotency_completed_by(text, text, text, text, \
-                        uuid)') IS NOT NULL \
-                    AND (to_regprocedure('idempotency_partitions_drop(bigint, integer)') IS NULL \
-                         OR to_regclass('idempotency_responses') IS NOT NULL) AS present",
+            " AND to_regprocedure(\
+                 'idempotency_reserve(text, text, text, text, bytea, uuid, bigint)') IS NOT NULL \
+             AND to_regprocedure('idempotency_complete(text, text, text, text, uuid, \
+                 smallint, bytea, bytea, bigint)') IS NOT NULL \
+             AND to_regprocedure('idempotency_release(text, text, text, text, uuid)') \
+                 IS NOT NULL \
+             AND to_regprocedure('idempotency_renew_lease(text, text, text, text, uuid, \
+                 bigint)') IS NOT NULL \
+             AND to_regprocedure('idempotency_completed_by(text, text, text, text, \
+                 uuid)') IS NOT NULL AS present",
         );
         Ok(())
     }
@@ -856,6 +861,18 @@ impl QueryFragment<Pg> for TableExists {
 pub(crate) struct ExistsRow {
     #[diesel(sql_type = Bool)]
     pub(crate) present: bool,
+}
+
+/// Whether the tables of the database's layout are visible ([`TABLES_PRESENT`]), whatever the
+/// functions [`TableExists`] requires too: the layout can be read. `idem-cli migrate` asks
+/// before it applies pending migrations, which may be what adds the functions.
+///
+/// Raw SQL: catalog lookups by name, as [`TableExists`]; the admin path runs it once.
+pub(crate) async fn keys_table_exists(conn: &mut AsyncPgConnection) -> QueryResult<bool> {
+    diesel::sql_query(format!("SELECT {TABLES_PRESENT} AS present"))
+        .get_result::<ExistsRow>(conn)
+        .await
+        .map(|row| row.present)
 }
 
 /// Whether the transactional claim function (third migration) exists, to tell a database
@@ -1147,16 +1164,6 @@ struct IntervalRow {
 /// The partition interval of the partitioned layout (`hourly`/`daily`), `None` in the plain
 /// layout. One catalog probe, then (partitioned only) the one-row settings table: two
 /// statements, because a statement naming a missing table fails when parsed.
-/// Whether the table `idempotency_keys` is visible, whatever the functions (which
-/// [`TableExists`] requires too): the layout can be read. `idem-cli migrate` asks before it
-/// applies pending migrations, which may be what adds the functions.
-pub(crate) async fn keys_table_exists(conn: &mut AsyncPgConnection) -> QueryResult<bool> {
-    diesel::sql_query("SELECT to_regclass('idempotency_keys') IS NOT NULL AS present")
-        .get_result::<ExistsRow>(conn)
-        .await
-        .map(|row| row.present)
-}
-
 pub(crate) async fn partition_interval(
     conn: &mut AsyncPgConnection,
 ) -> QueryResult<Option<String>> {
