@@ -41,7 +41,7 @@ pub async fn run(
             .iter()
             .any(|v| v == postgres::LAYOUT_MIGRATION_VERSION);
         let pending = full_names(pending);
-        // The layout is only known once its migration ran; before that there is no table.
+        // The layout is only known once its migration (000005) ran; before that none is chosen.
         // The whole schema (the tables and every function the store calls) must be there once
         // nothing is pending; with migrations pending, the tables are enough to read the layout
         // once the layout migration has run.
@@ -161,15 +161,16 @@ pub async fn run(
     out.flush()
 }
 
-/// The migrations that create them are recorded as applied, yet the table or a function the
-/// store calls is missing: something dropped it outside idem-cli. Applying nothing and answering "up to date"
-/// would send operators in a circle (every other command says "run `idem-cli migrate`"), and
+/// The migrations that create the schema are recorded as applied, yet a table or a function
+/// the store calls is missing: something dropped it outside idem-cli. Applying nothing and
+/// answering "up to date" would send operators in a circle (every other command says "run `idem-cli migrate`"), and
 /// re-running the migrations in place would fail on the objects that are left, so the
 /// recovery is a documented manual step.
 fn dropped_by_hand() -> CliError {
     CliError::NotProvisioned(
-        "the migrations are recorded as applied (__diesel_schema_migrations), but the table \
-         `idempotency_keys` or a function the store calls is missing: it was dropped outside \
+        "the migrations are recorded as applied (__diesel_schema_migrations), but a table \
+         (`idempotency_keys`, or `idempotency_responses` on the partitioned layout) or a \
+         function the store calls is missing: it was dropped outside \
          idem-cli; restore it from a backup, or see docs/operations.md, \"A schema dropped by \
          hand\""
             .into(),
@@ -187,9 +188,9 @@ fn layout_name(interval: Option<&str>) -> String {
 /// What [`provisioned_layout`] requires of the schema.
 #[derive(Clone, Copy)]
 enum Schema {
-    /// Before applying pending migrations: the table (those migrations may add functions).
+    /// Before applying pending migrations: the tables (those migrations may add functions).
     TableOnly,
-    /// After applying every migration: the table and every function the store calls.
+    /// After applying every migration: the tables and every function the store calls.
     Whole,
 }
 

@@ -352,7 +352,8 @@ pub struct Partition {
     pub estimated_rows: i64,
 }
 
-/// Whether the table `idempotency_keys` exists, whatever the functions the store calls (which
+/// Whether the tables of the database's layout exist (`idempotency_keys`, and on the
+/// partitioned layout `idempotency_responses`), whatever the functions the store calls (which
 /// [`table_exists`] requires as well): with pending migrations, those may be what adds them.
 pub async fn keys_table_exists(conn: &mut AsyncPgConnection) -> QueryResult<bool> {
     sql::keys_table_exists(conn).await
