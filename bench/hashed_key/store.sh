@@ -46,18 +46,9 @@ SQL
     -f bench/hashed_key/draft_migration.sql >/dev/null
   echo "$rows rows: draft migration $(python3 -c "print(f'{$(date +%s.%N) - $start:.2f}')") s"
   for db in $TEXT $DIGEST; do
-    psql -qAt "$(url_of "$db")" -v ON_ERROR_STOP=1 >/dev/null <<'SQL'
-SELECT count(*) FROM generate_series(1, 1000) g,
-  LATERAL idempotency_reserve('', 'POST', '/payments', 'r-' || g,
-      '\x4242424242424242424242424242424242424242424242424242424242424242'::bytea,
-      md5('r-' || g)::uuid, 60000000) r;
-SELECT count(*) FROM generate_series(1, 1000) g
- WHERE idempotency_complete('', 'POST', '/payments', 'r-' || g, md5('r-' || g)::uuid,
-      201::smallint, '\x0100000002000000086c6f636174696f6e0000000b2f7061796d656e74732f310000000c636f6e74656e742d74797065000000106170706c69636174696f6e2f6a736f6e'::bytea,
-      '{"id":1,"amount":1000,"currency":"EUR","status":"succeeded"}'::bytea, 86400000000);
-VACUUM ANALYZE idempotency_keys;
-CHECKPOINT;
-SQL
+    store_replay_keys "$db"
+    psql -qAt "$(url_of "$db")" -v ON_ERROR_STOP=1 -c 'VACUUM ANALYZE idempotency_keys' \
+      -c CHECKPOINT >/dev/null
   done
   for r in $(seq 1 "$ROUNDS"); do
     line="  round $r (tps)"
