@@ -229,6 +229,18 @@ pub struct MigrateArgs {
     // explicit --interval is compared with the database's.
     #[arg(long, value_enum, requires = "partitioned")]
     pub interval: Option<IntervalArg>,
+
+    /// Provision the rotated layout (three generation tables used in turn; `purge` empties one
+    /// with TRUNCATE at most once per --rotation-period; see docs/operations.md). Only on a
+    /// database being provisioned: the layout is chosen once.
+    #[arg(long, conflicts_with_all = ["check", "partitioned"])]
+    pub rotated: bool,
+
+    /// Rotation period of the rotated layout (default 2d; at least 1h): a record's TTL, and a
+    /// reservation's lease plus the grace it keeps refusing another body, must fit in it.
+    /// Chosen when the database is provisioned.
+    #[arg(long, value_name = "DURATION", requires = "rotated")]
+    pub rotation_period: Option<HumanDuration>,
 }
 
 /// `migrate --interval`.

@@ -85,16 +85,18 @@ fn flags_given(matches: &ArgMatches) -> Vec<String> {
 
 /// `migrate` and `purge` have nothing to do on Redis, and say so; a flag that asks them for
 /// other work (`purge --grace 1h` or `--tenant`: delete something sooner; `migrate
-/// --partitioned`) is refused rather than ignored, so an operator's intent is not dropped with
+/// --partitioned`, `--rotated`) is refused rather than ignored, so an operator's intent is not dropped with
 /// exit 0. The others only tune how PostgreSQL's work is done (`--batch-size`, `--pause`, a
 /// cron line shared by both stores) or ask whether there is work (`--check`, `--dry-run`),
 /// which "none" answers.
-const ASKS_FOR_WORK: [&str; 5] = [
+const ASKS_FOR_WORK: [&str; 7] = [
     "--grace",
     "--older-than",
     "--tenant",
     "--partitioned",
     "--interval",
+    "--rotated",
+    "--rotation-period",
 ];
 
 fn no_postgres_only_flags(command: &Command, given: &[String]) -> Result<(), CliError> {

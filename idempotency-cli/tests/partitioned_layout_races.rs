@@ -318,7 +318,11 @@ async fn migrating_to_the_partitioned_layout_never_drops_a_stored_response() {
 
 /// Every migration from 000005 on, newest first, with its diesel version: what
 /// `diesel migration revert` runs, one transaction each.
-const DOWN_TO_000004: [(&str, &str); 11] = [
+const DOWN_TO_000004: [(&str, &str); 12] = [
+    (
+        "20261207000016",
+        include_str!("../../migrations/2026-12-07-000016_rotated_layout/down.sql"),
+    ),
     (
         "20261207000015",
         include_str!("../../migrations/2026-12-07-000015_scope_statements_as_functions/down.sql"),

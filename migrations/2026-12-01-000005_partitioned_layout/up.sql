@@ -24,10 +24,11 @@ DECLARE
     v_layout text := coalesce(nullif(current_setting('idempotency.layout', true), ''), 'plain');
     v_interval text := coalesce(nullif(current_setting('idempotency.partition_interval', true), ''), 'daily');
 BEGIN
-    IF v_layout = 'plain' THEN
+    -- The rotated layout is migration 000016's: here it is the plain layout.
+    IF v_layout IN ('plain', 'rotated') THEN
         RETURN;
     ELSIF v_layout <> 'partitioned' THEN
-        RAISE EXCEPTION 'idempotency.layout must be plain or partitioned, not %', v_layout;
+        RAISE EXCEPTION 'idempotency.layout must be plain, partitioned or rotated, not %', v_layout;
     END IF;
     IF v_interval NOT IN ('hourly', 'daily') THEN
         RAISE EXCEPTION 'idempotency.partition_interval must be hourly or daily, not %', v_interval;

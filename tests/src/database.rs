@@ -36,14 +36,22 @@ impl TestDb {
     /// A fresh database with the embedded migrations applied
     /// (`idempotency_actix::store::postgres::run_migrations`). With
     /// `IDEM_TEST_LAYOUT=partitioned` in the environment it gets the time-partitioned layout
-    /// instead (hourly), so any suite can be run against that layout unchanged.
+    /// instead (hourly), with `IDEM_TEST_LAYOUT=rotated` the rotated one (the default period),
+    /// so any suite can be run against either layout unchanged.
     pub async fn new() -> TestDb {
-        if partitioned_layout_asked() {
-            return Self::new_partitioned(postgres::PartitionInterval::Hourly).await;
-        }
         let db = Self::new_unmigrated().await;
-        if let Err(e) = postgres::run_migrations(&db.url).await {
+        if let Err(e) = migrate_in_test_layout(&db.url).await {
             panic!("migrating test database {}: {e}", db.name);
+        }
+        db
+    }
+
+    /// A fresh database provisioned with the rotated layout
+    /// (`idempotency_actix::store::postgres::run_migrations_rotated`).
+    pub async fn new_rotated(period: Duration) -> TestDb {
+        let db = Self::new_unmigrated().await;
+        if let Err(e) = postgres::run_migrations_rotated(&db.url, period).await {
+            panic!("migrating test database {} (rotated): {e}", db.name);
         }
         db
     }
@@ -210,19 +218,32 @@ pub async fn migrate_by_hand(url: &str, upto: usize) {
     }
 }
 
-/// Whether the run asks for the time-partitioned layout (`IDEM_TEST_LAYOUT=partitioned`).
-fn partitioned_layout_asked() -> bool {
-    std::env::var("IDEM_TEST_LAYOUT").is_ok_and(|v| v == "partitioned")
+/// The layout the run asks for with `IDEM_TEST_LAYOUT` (`partitioned`: hourly partitions;
+/// `rotated`: the default period), or `None` for the plain layout.
+pub fn test_layout() -> Option<postgres::Layout> {
+    match std::env::var("IDEM_TEST_LAYOUT").as_deref() {
+        Ok("partitioned") => Some(postgres::Layout::Partitioned(
+            postgres::PartitionInterval::Hourly,
+        )),
+        Ok("rotated") => Some(postgres::Layout::Rotated {
+            period: postgres::DEFAULT_ROTATION_PERIOD,
+        }),
+        Ok("plain") | Ok("") | Err(_) => None,
+        Ok(other) => panic!("IDEM_TEST_LAYOUT={other:?}: expected plain, partitioned or rotated"),
+    }
 }
 
 /// Provision the database at `url` (a throwaway cluster's, say) in the layout the run asks for,
-/// as [`TestDb::new`] does: the plain layout, or with `IDEM_TEST_LAYOUT=partitioned` the
-/// time-partitioned one (hourly).
+/// as [`TestDb::new`] does ([`test_layout`]).
 pub async fn migrate_in_test_layout(url: &str) -> Result<Vec<String>, StoreError> {
-    if partitioned_layout_asked() {
-        postgres::run_migrations_partitioned(url, postgres::PartitionInterval::Hourly).await
-    } else {
-        postgres::run_migrations(url).await
+    match test_layout() {
+        None => postgres::run_migrations(url).await,
+        Some(postgres::Layout::Partitioned(interval)) => {
+            postgres::run_migrations_partitioned(url, interval).await
+        }
+        Some(postgres::Layout::Rotated { period }) => {
+            postgres::run_migrations_rotated(url, period).await
+        }
     }
 }
 

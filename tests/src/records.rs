@@ -194,14 +194,16 @@ pub async fn keys(conn: &mut AsyncPgConnection) -> QueryResult<Vec<String>> {
 
 /// Take row locks (`FOR UPDATE`) on the rows with `key`, as a request working on them would;
 /// call inside a transaction the caller opened, which holds them until it ends.
+/// (On the table that holds a fresh database's records, [`records_table`]: a `FOR UPDATE`
+/// through the rotated layout's view locks nothing.)
 pub async fn lock_key(conn: &mut AsyncPgConnection, key: &str) -> QueryResult<usize> {
-    k::table
-        .filter(k::idempotency_key.eq(key))
-        .select(k::tenant)
-        .for_update()
-        .load::<String>(conn)
-        .await
-        .map(|rows| rows.len())
+    diesel::sql_query(format!(
+        "SELECT tenant FROM {} WHERE idempotency_key = $1 FOR UPDATE",
+        records_table()
+    ))
+    .bind::<diesel::sql_types::Text, _>(key)
+    .execute(conn)
+    .await
 }
 
 /// `SELECT count(*) AS n ...`: pass the whole statement, whose single column is named `n`.
@@ -217,17 +219,33 @@ pub fn count(url: &str, sql: &str) -> i64 {
     })
 }
 
-/// SQL granting `role` what the store's requests need on the tables of either layout:
+/// SQL granting `role` what the store's requests need on the tables of any layout:
 /// `idempotency_keys`, and `idempotency_responses` when the database has the partitioned
-/// layout (its completes insert there), so a test run with `IDEM_TEST_LAYOUT=partitioned`
-/// tests the fault it means to, not a missing grant.
+/// layout (its completes insert there), or the generation tables and `idempotency_generation`
+/// on the rotated layout, so a test run with `IDEM_TEST_LAYOUT` tests the fault it means to,
+/// not a missing grant.
 pub fn grant_store_tables(role: &str) -> String {
     format!(
         "GRANT SELECT, INSERT, UPDATE, DELETE ON idempotency_keys TO \"{role}\"; \
          DO $$ BEGIN IF to_regclass('idempotency_responses') IS NOT NULL THEN \
          GRANT SELECT, INSERT, UPDATE, DELETE ON idempotency_responses TO \"{role}\"; \
+         END IF; IF to_regclass('idempotency_generation') IS NOT NULL THEN \
+         GRANT SELECT, INSERT, UPDATE, DELETE ON idempotency_keys_0, idempotency_keys_1, \
+         idempotency_keys_2 TO \"{role}\"; \
+         GRANT SELECT ON idempotency_generation TO \"{role}\"; \
          END IF; END $$"
     )
+}
+
+/// The table a fresh test database keeps its records in, for a test that locks it, puts a
+/// trigger on it or revokes a privilege on it: `idempotency_keys`, or on the rotated layout
+/// (`IDEM_TEST_LAYOUT=rotated`, where `idempotency_keys` is a view) its current generation
+/// table, `idempotency_keys_0` until a rotation.
+pub fn records_table() -> &'static str {
+    match crate::database::test_layout() {
+        Some(idempotency_actix::store::postgres::Layout::Rotated { .. }) => "idempotency_keys_0",
+        _ => "idempotency_keys",
+    }
 }
 
 /// Run statements (simple protocol, several allowed).

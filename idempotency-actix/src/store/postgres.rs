@@ -90,7 +90,8 @@ pub use error::{
 pub use migrate::{apply_pending_migrations, Harness};
 pub use migrate::{
     pending_migrations, pending_migrations_on, run_migrations, run_migrations_partitioned,
-    PartitionInterval, LAYOUT_MIGRATION_VERSION, MIGRATIONS, MIGRATION_LIMIT,
+    run_migrations_rotated, Layout, PartitionInterval, DEFAULT_ROTATION_PERIOD,
+    LAYOUT_MIGRATION_VERSION, MIGRATIONS, MIGRATION_LIMIT, MIN_ROTATION_PERIOD,
 };
 pub use store::PostgresStore;
 pub use transactional::{IsolationLevel, TX_MIGRATE_HINT};

@@ -54,9 +54,7 @@ pub async fn run(
         let has_tables =
             provisioned || (layout_known && sql!(&mut conn, admin::keys_table_exists(&mut conn)));
         let layout = if has_tables {
-            Some(layout_name(
-                sql!(&mut conn, admin::partition_interval(&mut conn)).as_deref(),
-            ))
+            Some(read_layout(&mut conn).await?.name())
         } else {
             None
         };
@@ -88,9 +86,19 @@ pub async fn run(
         IntervalArg::Hourly => PartitionInterval::Hourly,
         IntervalArg::Daily => PartitionInterval::Daily,
     });
-    let partitioned = args
-        .partitioned
-        .then_some(wanted.unwrap_or(PartitionInterval::Daily));
+    let layout = if args.partitioned {
+        Some(postgres::Layout::Partitioned(
+            wanted.unwrap_or(PartitionInterval::Daily),
+        ))
+    } else if args.rotated {
+        Some(postgres::Layout::Rotated {
+            period: args
+                .rotation_period
+                .map_or(postgres::DEFAULT_ROTATION_PERIOD, |p| p.0),
+        })
+    } else {
+        None
+    };
     // diesel's migration harness is synchronous: it runs on a blocking thread, through
     // diesel-async's wrapper, while this (current-thread) runtime keeps driving the socket.
     // Its statements carry no client-side bound, so a server gone silent mid-migration would
@@ -106,14 +114,14 @@ pub async fn run(
     {
         // The layout is fixed already: refuse another one before applying anything, rather
         // than apply the pending migrations and then fail.
-        if args.partitioned || wanted.is_some() {
+        if args.partitioned || args.rotated {
             let schema = if pending.is_empty() {
                 Schema::Whole
             } else {
                 Schema::TableOnly
             };
-            let layout = provisioned_layout(&mut conn, schema).await?;
-            refuse_another_layout(args.partitioned, wanted, layout.as_deref())?;
+            let existing = provisioned_layout(&mut conn, schema).await?;
+            refuse_another_layout(args, wanted, &existing)?;
         }
     }
     let pending = pending.len();
@@ -124,8 +132,7 @@ pub async fn run(
     let limit = db::LOCK_TIMEOUT.saturating_add(db::answer_limit().saturating_mul(round_trips));
     let applying = tokio::task::spawn_blocking(move || {
         let mut harness = Harness::from(conn);
-        let applied =
-            postgres::apply_pending_migrations(&mut harness, partitioned, db::LOCK_TIMEOUT);
+        let applied = postgres::apply_pending_migrations(&mut harness, layout, db::LOCK_TIMEOUT);
         (harness.into_inner(), applied)
     });
     let (mut conn, applied) = tokio::time::timeout(limit, applying)
@@ -140,13 +147,17 @@ pub async fn run(
         .map_err(|_| CliError::Other("the migration thread panicked".into()))?;
     let applied = applied.map_err(db::store_error)?;
     let applied = full_names(applied);
-    let layout = provisioned_layout(&mut conn, Schema::Whole).await?;
+    let existing = provisioned_layout(&mut conn, Schema::Whole).await?;
     // Again after applying: another migrator may have run the layout migration meanwhile.
-    refuse_another_layout(args.partitioned, wanted, layout.as_deref())?;
-    let layout_name = layout_name(layout.as_deref());
+    refuse_another_layout(args, wanted, &existing)?;
+    let layout_name = existing.name();
+    let interval = match &existing {
+        Existing::Partitioned(interval) => Some(interval.as_str()),
+        _ => None,
+    };
     match format {
         Format::Json => {
-            out.json(&json!({ "applied": applied, "layout": layout_name, "interval": layout }))?
+            out.json(&json!({ "applied": applied, "layout": layout_name, "interval": interval }))?
         }
         Format::Text if applied.is_empty() => out.line("schema is up to date; nothing to apply")?,
         Format::Text => {
@@ -169,20 +180,42 @@ pub async fn run(
 fn dropped_by_hand() -> CliError {
     CliError::NotProvisioned(
         "the migrations are recorded as applied (__diesel_schema_migrations), but a table \
-         (`idempotency_keys`, or `idempotency_responses` on the partitioned layout) or a \
-         function the store calls is missing: it was dropped outside \
+         (`idempotency_keys`, or `idempotency_responses` on the partitioned layout, or a \
+         generation table on the rotated one) or a function the store calls is missing: it was dropped outside \
          idem-cli; restore it from a backup, or see docs/operations.md, \"A schema dropped by \
          hand\""
             .into(),
     )
 }
 
-/// `plain`, or `partitioned (hourly|daily)`.
-fn layout_name(interval: Option<&str>) -> String {
-    match interval {
-        None => "plain".into(),
-        Some(interval) => format!("partitioned ({interval})"),
+/// The layout a provisioned database has.
+enum Existing {
+    Plain,
+    /// With its partition interval (`hourly` or `daily`).
+    Partitioned(String),
+    Rotated,
+}
+
+impl Existing {
+    /// `plain`, `partitioned (hourly|daily)` or `rotated`.
+    fn name(&self) -> String {
+        match self {
+            Existing::Plain => "plain".into(),
+            Existing::Partitioned(interval) => format!("partitioned ({interval})"),
+            Existing::Rotated => "rotated".into(),
+        }
     }
+}
+
+/// The layout of a database whose tables are there, by catalog.
+async fn read_layout(conn: &mut AsyncPgConnection) -> Result<Existing, CliError> {
+    if sql!(conn, admin::rotated(conn)) {
+        return Ok(Existing::Rotated);
+    }
+    Ok(match sql!(conn, admin::partition_interval(conn)) {
+        Some(interval) => Existing::Partitioned(interval),
+        None => Existing::Plain,
+    })
 }
 
 /// What [`provisioned_layout`] requires of the schema.
@@ -194,14 +227,14 @@ enum Schema {
     Whole,
 }
 
-/// The layout of a provisioned schema (its partition interval, `None` for the plain layout).
+/// The layout of a provisioned schema.
 /// Without its table the layout cannot be read ("plain" would be a guess): a schema whose
 /// migrations are recorded but whose table (or, once none is pending, a function the store
 /// calls) is gone was dropped by hand (exit 4).
 async fn provisioned_layout(
     conn: &mut AsyncPgConnection,
     schema: Schema,
-) -> Result<Option<String>, CliError> {
+) -> Result<Existing, CliError> {
     let provisioned = match schema {
         Schema::Whole => db::bounded(admin::table_exists(conn))
             .await?
@@ -211,25 +244,29 @@ async fn provisioned_layout(
     if !provisioned {
         return Err(dropped_by_hand());
     }
-    Ok(sql!(conn, admin::partition_interval(conn)))
+    read_layout(conn).await
 }
 
-/// Refuse a layout other than the one the database has (`layout`: its partition interval, or
-/// `None` for the plain layout), once the layout migration has run.
+/// Refuse a layout other than the one the database has, once the layout migration has run.
 fn refuse_another_layout(
-    partitioned: bool,
+    args: &MigrateArgs,
     wanted: Option<PartitionInterval>,
-    layout: Option<&str>,
+    existing: &Existing,
 ) -> Result<(), CliError> {
-    if partitioned && layout.is_none() {
-        // The layout migration ran earlier, without the setting: nothing is converted.
-        return Err(CliError::Other(
-            "the database already has the plain layout (the layout is chosen when it is \
-             provisioned); see docs/operations.md for moving a deployment to the partitioned one"
-                .into(),
-        ));
+    let (asked, other) = match existing {
+        Existing::Plain | Existing::Rotated if args.partitioned => ("partitioned", existing),
+        Existing::Plain | Existing::Partitioned(_) if args.rotated => ("rotated", existing),
+        _ => ("", existing),
+    };
+    if !asked.is_empty() {
+        // The layout migration ran earlier, without this setting: nothing is converted.
+        return Err(CliError::Other(format!(
+            "the database already has the {} layout (the layout is chosen when it is \
+             provisioned); see docs/operations.md for moving a deployment to the {asked} one",
+            other.name()
+        )));
     }
-    if let (Some(wanted), Some(existing)) = (wanted, layout) {
+    if let (Some(wanted), Existing::Partitioned(existing)) = (wanted, existing) {
         if wanted.as_str() != existing {
             // The layout migration ran earlier with the other interval: nothing is changed,
             // and "nothing to apply" would read as if the requested interval were in place.

@@ -94,7 +94,14 @@ pub async fn run(
         (Some(interval), None) => Some(partitions_ahead(args, interval)?),
         _ => None,
     };
+    // The rotated layout: a rotation instead of row deletes (with --tenant, that tenant's
+    // expired rows are deleted as on the plain layout: a rotation empties every tenant's).
+    let rotation = args.tenant.is_none() && sql!(conn, admin::rotated(conn));
 
+    if args.dry_run && rotation {
+        let due: admin::Rotation = sql!(conn, admin::next_rotation(conn));
+        return report_rotation(out, format, &due, started.elapsed(), true);
+    }
     if args.dry_run {
         let counts: Purged = sql!(conn, admin::purge_count(conn, &filter));
         let mut summary = Summary {
@@ -130,6 +137,28 @@ pub async fn run(
             )?,
         }
         return out.flush();
+    }
+
+    if rotation {
+        let result =
+            crate::db::bounded(admin::rotate(conn, args.lock_timeout.0, args.grace.0)).await?;
+        let rotated = match result {
+            Ok(rotated) => rotated,
+            Err(err) => {
+                return Err(crate::db::classify(conn, err)
+                    .await
+                    .context("rotating the generation tables"))
+            }
+        };
+        let _: bool = sql!(conn, admin::unlock_purge(conn));
+        crate::db::keep_when_left_idle(conn).await;
+        report_rotation(out, format, &rotated, started.elapsed(), false)?;
+        if let Some(pid) = rotated.blocked_by_pid {
+            // On stderr too, where cron's alerts look: a rotation held back run after run
+            // never empties a table.
+            let _ = writeln!(std::io::stderr(), "idem-cli: warning: {}", held_back(pid));
+        }
+        return Ok(());
     }
 
     let progress = Progress::new();
@@ -234,6 +263,61 @@ pub async fn run(
         let _ = writeln!(std::io::stderr(), "idem-cli: warning: {words}");
     }
     Ok(())
+}
+
+/// Why a due rotation did not happen.
+fn held_back(pid: i32) -> String {
+    format!(
+        "rotation due but held back: session {pid} has had a transaction open since before the \
+         last rotation (it could still write into the table a rotation empties), or its \
+         activity is hidden from this role (grant it pg_read_all_stats); the next run tries \
+         again"
+    )
+}
+
+/// The summary of a purge on the rotated layout: the rotation it made (or, dry, would make).
+fn report_rotation(
+    out: &mut Out,
+    format: Format,
+    rotation: &admin::Rotation,
+    elapsed: Duration,
+    dry_run: bool,
+) -> Result<(), CliError> {
+    let due = rotation.next_rotation.0 <= std::time::SystemTime::now();
+    let next = crate::record::timestamp_secs(rotation.next_rotation);
+    match format {
+        Format::Json => out.json(&json!({
+            "dry_run": dry_run,
+            "layout": "rotated",
+            "rotated": rotation.rotated,
+            "would_rotate": if dry_run { Some(due) } else { None },
+            "generation": rotation.generation,
+            "next_rotation": next,
+            "carried": rotation.carried,
+            "blocked_by_pid": rotation.blocked_by_pid,
+            "purged": 0,
+            "elapsed_ms": elapsed.as_millis(),
+        }))?,
+        Format::Text => {
+            let table = format!("idempotency_keys_{}", rotation.generation);
+            out.line(match (dry_run, rotation.rotated, rotation.blocked_by_pid) {
+                (true, _, _) if due => format!(
+                    "dry run: a rotation is due (since {next}): it would empty the table after \
+                     {table} and make it current"
+                ),
+                (true, _, _) => format!("dry run: no rotation is due until {next}"),
+                (false, true, _) => format!(
+                    "rotated: emptied {table} and made it current, carrying {} live records \
+                     into it; next rotation not before {next} ({})",
+                    rotation.carried,
+                    format_elapsed(elapsed)
+                ),
+                (false, false, Some(pid)) => held_back(pid),
+                (false, false, None) => format!("no rotation due until {next}; nothing purged"),
+            })?;
+        }
+    }
+    out.flush()
 }
 
 /// How many intervals ahead of the current one to create: `--partitions-ahead` as given, or

@@ -24,6 +24,16 @@ pub async fn run(
     };
     let responses_bytes: i64 = partitions.iter().map(|p| p.bytes).sum();
     let default = partitions.iter().find(|p| p.is_default);
+    let rotation = if sql!(conn, admin::rotated(conn)) {
+        Some(sql!(conn, admin::next_rotation(conn)))
+    } else {
+        None
+    };
+    let layout = match (&interval, &rotation) {
+        (Some(_), _) => "partitioned",
+        (None, Some(_)) => "rotated",
+        (None, None) => "plain",
+    };
 
     match format {
         Format::Json => out.json(&json!({
@@ -40,7 +50,9 @@ pub async fn run(
             "table_bytes": c.table_bytes,
             "index_bytes": c.index_bytes,
             "total_bytes": c.total_bytes,
-            "layout": if interval.is_some() { "partitioned" } else { "plain" },
+            "layout": layout,
+            "generation": rotation.as_ref().map(|r| r.generation),
+            "next_rotation": rotation.as_ref().map(|r| timestamp_secs(r.next_rotation)),
             "partition_interval": interval,
             "partitions": partitions.iter().map(|p| json!({
                 "name": p.name,
@@ -81,9 +93,15 @@ pub async fn run(
                 bytes(c.table_bytes),
                 bytes(c.index_bytes)
             ))?;
-            match &interval {
-                None => out.line("layout               plain")?,
-                Some(interval) => {
+            match (&interval, &rotation) {
+                (None, None) => out.line("layout               plain")?,
+                (None, Some(r)) => out.line(format!(
+                    "layout               rotated: current table idempotency_keys_{}, next \
+                     rotation not before {} (the counts leave out the table it empties)",
+                    r.generation,
+                    timestamp_secs(r.next_rotation)
+                ))?,
+                (Some(interval), _) => {
                     out.line(format!(
                         "layout               partitioned ({interval}): {} range partitions, \
                          responses {}",

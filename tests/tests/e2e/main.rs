@@ -34,6 +34,7 @@ mod redis_store;
 mod redis_tls;
 mod release_faults;
 mod renewal_faults;
+mod rotated_layout;
 mod tls_certs;
 mod transactional_bodies;
 mod transactional_middleware;

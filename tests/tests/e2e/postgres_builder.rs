@@ -17,6 +17,7 @@ use idempotency_actix::store::{
     StoredResponse, WriteOutcome,
 };
 use idempotency_e2e::proxy::{at_local_port, delaying_proxy, host_port, Hold, PgProxy};
+use idempotency_e2e::records::records_table;
 use idempotency_e2e::{eventually, TestDb};
 
 const FP: Fingerprint = Fingerprint([9; 32]);
@@ -413,7 +414,8 @@ async fn blocked_takeover(
     let mut blocker = postgres::establish(url).await.unwrap();
     blocker
         .batch_execute(&format!(
-            "BEGIN; SELECT 1 FROM idempotency_keys WHERE idempotency_key = '{key}' FOR UPDATE"
+            "BEGIN; SELECT 1 FROM {} WHERE idempotency_key = '{key}' FOR UPDATE",
+            records_table()
         ))
         .await
         .unwrap();
@@ -1398,7 +1400,10 @@ async fn background_releases_take_at_most_a_quarter_of_the_pool() {
     store.reserve(&scope("warm"), &FP, LEASE).await.unwrap();
     let mut blocker = postgres::establish(&db.url).await.unwrap();
     blocker
-        .batch_execute("BEGIN; LOCK TABLE idempotency_keys IN ACCESS EXCLUSIVE MODE")
+        .batch_execute(&format!(
+            "BEGIN; LOCK TABLE {} IN ACCESS EXCLUSIVE MODE",
+            records_table()
+        ))
         .await
         .unwrap();
     let reserves = (0..10).map(|i| {

@@ -10,7 +10,7 @@ use idempotency_actix::store::{
     conformance, Fingerprint, IdempotencyStore, ReservationToken, ReserveOutcome, Scope,
     StoreError, StoredResponse, WriteOutcome,
 };
-use idempotency_e2e::records::execute;
+use idempotency_e2e::records::{execute, records_table};
 use idempotency_e2e::TestDb;
 
 fn scope(key: &str) -> Scope {
@@ -730,9 +730,10 @@ async fn a_stuck_statement_is_unavailable_after_the_query_timeout() {
     // Another session holds the expired row's lock, so the takeover UPDATE has to wait.
     let mut blocker = postgres::establish(&db.url).await.unwrap();
     blocker
-        .batch_execute(
-            "BEGIN; SELECT 1 FROM idempotency_keys WHERE idempotency_key = 'locked' FOR UPDATE",
-        )
+        .batch_execute(&format!(
+            "BEGIN; SELECT 1 FROM {} WHERE idempotency_key = 'locked' FOR UPDATE",
+            records_table()
+        ))
         .await
         .unwrap();
     let started = Instant::now();
@@ -1232,10 +1233,13 @@ async fn a_write_whose_commit_fails_is_not_reported_done() {
     let mut conn = postgres::establish(&db.url).await.unwrap();
     diesel_async::SimpleAsyncConnection::batch_execute(
         &mut conn,
-        "CREATE FUNCTION refuse_at_commit() RETURNS trigger LANGUAGE plpgsql AS \
-             $$ BEGIN RAISE EXCEPTION 'refused at commit'; END $$; \
-         CREATE CONSTRAINT TRIGGER refuse_at_commit AFTER UPDATE OR DELETE ON idempotency_keys \
-             DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION refuse_at_commit();",
+        &format!(
+            "CREATE FUNCTION refuse_at_commit() RETURNS trigger LANGUAGE plpgsql AS \
+                 $$ BEGIN RAISE EXCEPTION 'refused at commit'; END $$; \
+             CREATE CONSTRAINT TRIGGER refuse_at_commit AFTER UPDATE OR DELETE ON {} \
+                 DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION refuse_at_commit();",
+            records_table()
+        ),
     )
     .await
     .unwrap();

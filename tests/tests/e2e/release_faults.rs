@@ -15,7 +15,9 @@ use idempotency_actix::store::postgres::PostgresStore;
 use idempotency_actix::Idempotency;
 use idempotency_e2e::database::server_url;
 use idempotency_e2e::raw_http::post_json;
-use idempotency_e2e::records::{execute, records_for_key, State, TempRole};
+use idempotency_e2e::records::{
+    execute, grant_store_tables, records_for_key, records_table, State, TempRole,
+};
 use idempotency_e2e::TestDb;
 
 const LEASE: Duration = Duration::from_secs(20);
@@ -62,11 +64,12 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> 
 async fn a_release_that_failed_once_does_not_hold_the_key_for_a_lease() {
     let role = TempRole::create(&server_url(), "idem_rel");
     let db = TestDb::new().await;
-    let grant = format!(
-        "GRANT SELECT, INSERT, UPDATE, DELETE ON idempotency_keys TO \"{}\"",
+    let grant = grant_store_tables(&role.name);
+    let revoke = format!(
+        "REVOKE DELETE ON {} FROM \"{}\"",
+        records_table(),
         role.name
     );
-    let revoke = format!("REVOKE DELETE ON idempotency_keys FROM \"{}\"", role.name);
     {
         let (url, grant) = (db.url.clone(), grant.clone());
         blocking(move || execute(&url, &grant)).await;

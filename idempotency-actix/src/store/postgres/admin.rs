@@ -366,6 +366,53 @@ pub async fn partition_interval(conn: &mut AsyncPgConnection) -> QueryResult<Opt
     sql::partition_interval(conn).await
 }
 
+/// Whether the database has the rotated layout (migration 000016 run with
+/// `idempotency.layout = 'rotated'`). Detected by catalog (`to_regclass('idempotency_generation')`).
+pub async fn rotated(conn: &mut AsyncPgConnection) -> QueryResult<bool> {
+    sql::rotated(conn).await
+}
+
+/// What [`rotate`] did (rotated layout).
+#[derive(Debug, Clone, diesel::QueryableByName)]
+pub struct Rotation {
+    /// Whether it emptied the next generation table and made it current.
+    #[diesel(sql_type = diesel::sql_types::Bool)]
+    pub rotated: bool,
+    /// The current generation afterwards (`idempotency_keys_<generation>`).
+    #[diesel(sql_type = diesel::sql_types::SmallInt)]
+    pub generation: i16,
+    /// The earliest time of the next rotation (the last one plus the period).
+    #[diesel(sql_type = Timestamptz)]
+    pub next_rotation: Time,
+    /// Records it carried from the table it made unread (the one before the previous) into the
+    /// new current one: those that still mattered (unexpired, or in flight within `grace`).
+    #[diesel(sql_type = diesel::sql_types::BigInt)]
+    pub carried: i64,
+    /// When a rotation was due but held back: the pid of the oldest session whose transaction
+    /// began before the last rotation (it may still write into the table a rotation empties).
+    #[diesel(sql_type = diesel::sql_types::Nullable<diesel::sql_types::Integer>)]
+    pub blocked_by_pid: Option<i32>,
+}
+
+/// The rotated layout's current generation and the earliest time of its next rotation, read
+/// without rotating (`purge --dry-run`): a [`Rotation`] that did not rotate.
+pub async fn next_rotation(conn: &mut AsyncPgConnection) -> QueryResult<Rotation> {
+    sql::next_rotation(conn).await
+}
+
+/// Rotate the rotated layout's generation tables if the period has passed since the last
+/// rotation: `TRUNCATE` the next table (no request reads it) and make it current, carrying
+/// into it the records of the previous table that still matter (as [`purge_batch`] judges
+/// them, with `grace`), since that table becomes the unread one. The `TRUNCATE` waits at most
+/// `lock_timeout` for its lock; past it the call fails and changes nothing.
+pub async fn rotate(
+    conn: &mut AsyncPgConnection,
+    lock_timeout: Duration,
+    grace: Duration,
+) -> QueryResult<Rotation> {
+    sql::rotate(conn, lock_timeout_ms(lock_timeout), super::micros(grace)).await
+}
+
 /// The partitions of `idempotency_responses` (partitioned layout only).
 pub async fn partitions(conn: &mut AsyncPgConnection) -> QueryResult<Vec<Partition>> {
     sql::partitions(conn).await

@@ -126,6 +126,51 @@ impl PartitionInterval {
     }
 }
 
+/// A layout other than the plain one, chosen when a database is provisioned (the migration
+/// that makes it refuses a non-empty `idempotency_keys`; on a database already provisioned the
+/// request changes nothing). `docs/operations.md`, "Choosing a layout".
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Layout {
+    /// Claims in `idempotency_keys`, responses in `idempotency_responses` partitioned by expiry
+    /// (migration 000005).
+    Partitioned(PartitionInterval),
+    /// The whole record in three generation tables used in turn, one emptied by `TRUNCATE` at
+    /// each rotation, at most once per `period` (migration 000016). A record must stop
+    /// mattering within `period` of its last write: the TTL, and a lease plus the purge
+    /// grace, must fit in it.
+    Rotated {
+        /// The least time between two rotations (at least [`MIN_ROTATION_PERIOD`]).
+        period: Duration,
+    },
+}
+
+/// The shortest rotation period of [`Layout::Rotated`]: a transaction that stays open across
+/// two rotations could write into the table the second one empties, so a period must be far
+/// longer than any transaction (migration 000016 refuses a shorter one).
+pub const MIN_ROTATION_PERIOD: Duration = Duration::from_secs(3600);
+
+/// The rotation period `idem-cli migrate --rotated` provisions without `--rotation-period`:
+/// two days, so the default TTL (24 h) and a day of grace for ended reservations fit.
+pub const DEFAULT_ROTATION_PERIOD: Duration = Duration::from_secs(2 * 24 * 3600);
+
+impl Layout {
+    /// The session settings the layout's migration reads when it runs.
+    fn settings(self) -> String {
+        match self {
+            Layout::Partitioned(interval) => format!(
+                "SET idempotency.layout = 'partitioned'; \
+                 SET idempotency.partition_interval = '{}'",
+                interval.as_str()
+            ),
+            Layout::Rotated { period } => format!(
+                "SET idempotency.layout = 'rotated'; \
+                 SET idempotency.rotation_period = '{} seconds'",
+                period.as_secs()
+            ),
+        }
+    }
+}
+
 /// As [`run_migrations`], asking migration 000005 for the time-partitioned layout (claims in
 /// `idempotency_keys`, responses in `idempotency_responses` partitioned by expiry; see
 /// `docs/operations.md`). The layout is chosen when that migration runs: on a database where
@@ -139,7 +184,20 @@ pub async fn run_migrations_partitioned(
     url: &str,
     interval: PartitionInterval,
 ) -> Result<Vec<String>, StoreError> {
-    with_harness(url, Some(interval)).await
+    with_harness(url, Some(Layout::Partitioned(interval))).await
+}
+
+/// As [`run_migrations`], asking migration 000016 for the rotated layout ([`Layout::Rotated`]:
+/// three generation tables, purged by `TRUNCATE` at most once per `period`). The layout is
+/// chosen when that migration runs, as for [`run_migrations_partitioned`].
+///
+/// # Errors
+/// As [`run_migrations`]; a `period` under [`MIN_ROTATION_PERIOD`] fails the migration.
+pub async fn run_migrations_rotated(
+    url: &str,
+    period: Duration,
+) -> Result<Vec<String>, StoreError> {
+    with_harness(url, Some(Layout::Rotated { period })).await
 }
 
 /// The versions of the embedded migrations not yet applied to the database at `url` (empty
@@ -218,8 +276,8 @@ fn not_applied(applied: &[String]) -> Result<Vec<String>, StoreError> {
 /// The connection diesel's (synchronous) migration harness runs on.
 pub type Harness = AsyncConnectionWrapper<AsyncPgConnection>;
 
-/// Apply every pending migration on `harness` (for the partitioned layout when `partitioned`
-/// says so and migration 000005 is still pending), serialised with every other migrator by
+/// Apply every pending migration on `harness` (for `layout` when one is given and the
+/// migration that makes it is still pending), serialised with every other migrator by
 /// the migration lock, waited for at most `lock_wait`. The one implementation behind
 /// [`run_migrations`] and `idem-cli migrate` (which brings its own connection, with its
 /// timeouts and session settings). Blocking: call it where blocking is allowed, inside a
@@ -232,11 +290,11 @@ pub type Harness = AsyncConnectionWrapper<AsyncPgConnection>;
 /// half-applied).
 pub fn apply_pending_migrations(
     harness: &mut Harness,
-    partitioned: Option<PartitionInterval>,
+    layout: Option<Layout>,
     lock_wait: Duration,
 ) -> Result<Vec<String>, StoreError> {
     let result = take_lock(harness, lock_wait).and_then(|()| {
-        let result = apply_locked(harness, partitioned);
+        let result = apply_locked(harness, layout);
         // Closing the connection would release the lock too; the caller may use it again.
         let _ = harness.batch_execute(&format!("SELECT pg_advisory_unlock({MIGRATION_LOCK_KEY})"));
         result
@@ -277,10 +335,7 @@ fn pending_on_harness(harness: &mut Harness) -> Result<Vec<String>, StoreError> 
     not_applied(&applied)
 }
 
-fn apply_locked(
-    harness: &mut Harness,
-    partitioned: Option<PartitionInterval>,
-) -> Result<Vec<String>, StoreError> {
+fn apply_locked(harness: &mut Harness, layout: Option<Layout>) -> Result<Vec<String>, StoreError> {
     // Nothing pending: done, without diesel's harness, whose first statement is `CREATE TABLE
     // IF NOT EXISTS __diesel_schema_migrations`. PostgreSQL refuses that to a role without
     // `CREATE` on the schema even when the table exists, so an app started with
@@ -289,14 +344,10 @@ fn apply_locked(
     if pending_on_harness(harness)?.is_empty() {
         return Ok(Vec::new());
     }
-    if let Some(interval) = partitioned {
-        // Read by migration 000005, which chooses the layout when it runs.
+    if let Some(layout) = layout {
+        // Read by the migration that makes the layout, when it runs.
         harness
-            .batch_execute(&format!(
-                "SET idempotency.layout = 'partitioned'; \
-                 SET idempotency.partition_interval = '{}'",
-                interval.as_str()
-            ))
+            .batch_execute(&layout.settings())
             .map_err(super::error::classify_error)?;
     }
     harness
@@ -316,11 +367,8 @@ fn no_connection() -> StoreError {
     ))
 }
 
-async fn with_harness(
-    url: &str,
-    partitioned: Option<PartitionInterval>,
-) -> Result<Vec<String>, StoreError> {
-    with_harness_within(migration_target(url)?, partitioned, MIGRATION_LIMIT).await
+async fn with_harness(url: &str, layout: Option<Layout>) -> Result<Vec<String>, StoreError> {
+    with_harness_within(migration_target(url)?, layout, MIGRATION_LIMIT).await
 }
 
 /// [`with_harness`] on `target`, failing with [`StoreError::Unavailable`] after `limit`. The
@@ -328,7 +376,7 @@ async fn with_harness(
 /// process or when the connection does; what it applies meanwhile stays applied.
 async fn with_harness_within(
     target: ConnectTarget,
-    partitioned: Option<PartitionInterval>,
+    layout: Option<Layout>,
     limit: Duration,
 ) -> Result<Vec<String>, StoreError> {
     let (tx, rx) = tokio::sync::oneshot::channel();
@@ -336,7 +384,7 @@ async fn with_harness_within(
         .name("idempotency-migrations".into())
         .spawn(move || {
             // The receiver only goes away when the caller stopped waiting; nothing to report.
-            let _ = tx.send(migrate_on_this_thread(target, partitioned));
+            let _ = tx.send(migrate_on_this_thread(target, layout));
         })
         .map_err(|e| StoreError::Backend(Box::new(e)))?;
     tokio::time::timeout(limit, rx)
@@ -353,7 +401,7 @@ async fn with_harness_within(
 
 fn migrate_on_this_thread(
     target: ConnectTarget,
-    partitioned: Option<PartitionInterval>,
+    layout: Option<Layout>,
 ) -> Result<Vec<String>, StoreError> {
     // One worker thread drives the connection's socket while this thread blocks in the
     // harness; `AsyncConnectionWrapper` picks up this runtime's handle because we entered it.
@@ -368,7 +416,7 @@ fn migrate_on_this_thread(
         .map_err(classify_connection_error)?;
     let _entered = runtime.enter();
     let mut harness: Harness = AsyncConnectionWrapper::from(conn);
-    apply_pending_migrations(&mut harness, partitioned, MIGRATION_LOCK_WAIT)
+    apply_pending_migrations(&mut harness, layout, MIGRATION_LOCK_WAIT)
 }
 
 #[derive(QueryableByName)]

@@ -723,17 +723,29 @@ struct PurgedRow {
     in_flight: i64,
 }
 
-/// Run [`Purge`].
+/// Run [`Purge`]; on the rotated layout, whose `idempotency_keys` is a view, the same statement
+/// on its current and previous tables (`idempotency_purge_rows`, migration 000016).
 pub(crate) async fn purge(
     conn: &mut AsyncPgConnection,
     filter: &PurgeFilter,
     limit: u32,
 ) -> QueryResult<Purged> {
-    let query = Purge {
-        rows: Purgeable::new(filter),
-        limit: i64::from(limit),
+    let row = if rotated(conn).await? {
+        let call = diesel::sql_query(
+            "SELECT completed, in_flight FROM idempotency_purge_rows($1, $2, $3, $4)",
+        )
+        .bind::<BigInt, _>(super::micros(filter.grace))
+        .bind::<Nullable<BigInt>, _>(filter.older_than.map(super::micros))
+        .bind::<Nullable<Text>, _>(filter.tenant.as_deref())
+        .bind::<BigInt, _>(i64::from(limit));
+        committed::<PurgedRow>(call.load(conn).await?)?
+    } else {
+        let query = Purge {
+            rows: Purgeable::new(filter),
+            limit: i64::from(limit),
+        };
+        committed::<PurgedRow>(query.load(conn).await?)?
     };
-    let row = committed::<PurgedRow>(query.load(conn).await?)?;
     Ok(Purged {
         completed: non_negative(row.completed),
         in_flight: non_negative(row.in_flight),
@@ -828,11 +840,18 @@ fn non_negative(n: i64) -> u64 {
 pub(crate) struct TableExists;
 
 /// The tables of the layout the database has: `idempotency_keys`, and on the partitioned
-/// layout (which its own function `idempotency_partitions_drop` marks) `idempotency_responses`.
+/// layout (which its own function `idempotency_partitions_drop` marks) `idempotency_responses`,
+/// on the rotated layout (marked by `idempotency_rotate`; there `idempotency_keys` is a view)
+/// `idempotency_generation` and the three generation tables.
 /// Part of [`TableExists`], and alone [`keys_table_exists`].
 const TABLES_PRESENT: &str = "to_regclass('idempotency_keys') IS NOT NULL \
      AND (to_regprocedure('idempotency_partitions_drop(bigint, integer)') IS NULL \
-          OR to_regclass('idempotency_responses') IS NOT NULL)";
+          OR to_regclass('idempotency_responses') IS NOT NULL) \
+     AND (to_regprocedure('idempotency_rotate(integer)') IS NULL \
+          OR (to_regclass('idempotency_generation') IS NOT NULL \
+              AND to_regclass('idempotency_keys_0') IS NOT NULL \
+              AND to_regclass('idempotency_keys_1') IS NOT NULL \
+              AND to_regclass('idempotency_keys_2') IS NOT NULL))";
 
 statement!(TableExists, TableExistsId);
 
@@ -1068,9 +1087,16 @@ pub(crate) async fn stats(conn: &mut AsyncPgConnection) -> QueryResult<Stats> {
     let completed = || k::state.eq(State::Completed);
     let live = || k::expires_at.gt(DbNow);
     let ended = || k::expires_at.le(DbNow);
-    // Raw SQL for the sizes: catalog functions of the table's oid, no table columns.
+    // Raw SQL for the sizes: catalog functions of the tables' oids, no table columns. On the
+    // rotated layout `idempotency_keys` is a view (no storage) and the bytes are its three
+    // generation tables'.
     let size = |function: &str| {
-        diesel::dsl::sql::<Nullable<BigInt>>(&format!("{function}('idempotency_keys'::regclass)"))
+        diesel::dsl::sql::<Nullable<BigInt>>(&format!(
+            "(SELECT sum({function}(r))::bigint FROM unnest(ARRAY[\
+             to_regclass('idempotency_keys'), to_regclass('idempotency_keys_0'), \
+             to_regclass('idempotency_keys_1'), to_regclass('idempotency_keys_2')]) r \
+             WHERE r IS NOT NULL)"
+        ))
     };
     let row: StatsRow = k::table
         .select((
@@ -1152,6 +1178,49 @@ struct NameRow {
 struct LayoutRow {
     #[diesel(sql_type = Bool)]
     partitioned: bool,
+}
+
+/// The rotated layout probe's row.
+#[derive(QueryableByName, Debug)]
+struct RotatedRow {
+    #[diesel(sql_type = Bool)]
+    rotated: bool,
+}
+
+/// Whether the database has the rotated layout (migration 000016: `idempotency_generation`).
+pub(crate) async fn rotated(conn: &mut AsyncPgConnection) -> QueryResult<bool> {
+    let row: RotatedRow =
+        diesel::sql_query("SELECT to_regclass('idempotency_generation') IS NOT NULL AS rotated")
+            .get_result(conn)
+            .await?;
+    Ok(row.rotated)
+}
+
+/// Call `idempotency_rotate` (migration 000016), read to `ReadyForQuery` (its commit).
+pub(crate) async fn rotate(
+    conn: &mut AsyncPgConnection,
+    lock_timeout_ms: i32,
+    grace_us: i64,
+) -> QueryResult<super::admin::Rotation> {
+    let call = diesel::sql_query(
+        "SELECT rotated, generation, next_rotation, carried, blocked_by_pid \
+         FROM idempotency_rotate($1, $2)",
+    )
+    .bind::<diesel::sql_types::Integer, _>(lock_timeout_ms)
+    .bind::<BigInt, _>(grace_us);
+    committed(call.load(conn).await?)
+}
+
+/// Read the generation row as [`rotate`] reports it, without rotating.
+pub(crate) async fn next_rotation(
+    conn: &mut AsyncPgConnection,
+) -> QueryResult<super::admin::Rotation> {
+    diesel::sql_query(
+        "SELECT false AS rotated, current AS generation, switched_at + period AS next_rotation, \
+         0::bigint AS carried, NULL::integer AS blocked_by_pid FROM idempotency_generation",
+    )
+    .get_result(conn)
+    .await
 }
 
 /// The partition interval's row.

@@ -1,0 +1,305 @@
+//! The rotated layout (migration 000016; docs/sql.md, "Rotated layout") against a real
+//! PostgreSQL: the store's contract across rotations, one winner per key while the tables
+//! turn over, records that outlive the period carried forward, the rotation held back by a
+//! transaction older than the last one, and `idem-cli purge` rotating without dropping a live
+//! record. (The rest of the suites run on this layout with `IDEM_TEST_LAYOUT=rotated`.)
+//!
+//! Each test shortens its database's rotation period to a microsecond, so every rotation it
+//! asks for is due: what the period guards (how often the tables turn over) is not what these
+//! tests check, and what they check must hold at any period.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use diesel_async::{AsyncPgConnection, SimpleAsyncConnection};
+use futures_util::future::join_all;
+use idempotency_actix::store::postgres::{self, admin, PostgresStore, DEFAULT_ROTATION_PERIOD};
+use idempotency_actix::store::{
+    conformance, Fingerprint, IdempotencyStore, ReservationToken, ReserveOutcome, Scope,
+    StoredResponse, WriteOutcome,
+};
+use idempotency_e2e::proc::run_idem_cli;
+use idempotency_e2e::records::count;
+use idempotency_e2e::TestDb;
+
+const FP: Fingerprint = Fingerprint([9; 32]);
+const OTHER: Fingerprint = Fingerprint([8; 32]);
+const LEASE: Duration = Duration::from_secs(60);
+const GRACE: Duration = Duration::from_secs(24 * 3600);
+const LOCK_TIMEOUT: Duration = Duration::from_secs(5);
+
+fn scope(key: &str) -> Scope {
+    Scope {
+        tenant: "t".into(),
+        method: "POST".into(),
+        path: "/payments".into(),
+        key: key.into(),
+    }
+}
+
+fn response(body: &'static [u8]) -> StoredResponse {
+    StoredResponse {
+        status: 201,
+        headers: vec![("content-type".into(), Bytes::from_static(b"text/plain"))],
+        body: Bytes::from_static(body),
+    }
+}
+
+/// A fresh database with the rotated layout, every rotation due from now on, and a connection
+/// for the rotations.
+async fn rotated_db() -> (TestDb, AsyncPgConnection) {
+    let db = TestDb::new_rotated(DEFAULT_ROTATION_PERIOD).await;
+    let mut conn = postgres::establish(&db.url).await.unwrap();
+    conn.batch_execute("UPDATE idempotency_generation SET period = interval '1 microsecond'")
+        .await
+        .unwrap();
+    (db, conn)
+}
+
+async fn rotate(conn: &mut AsyncPgConnection) -> admin::Rotation {
+    admin::rotate(conn, LOCK_TIMEOUT, GRACE).await.unwrap()
+}
+
+async fn reserved(store: &PostgresStore, key: &str, ttl_or_lease: Duration) -> ReservationToken {
+    match store.reserve(&scope(key), &FP, ttl_or_lease).await.unwrap() {
+        ReserveOutcome::Reserved { token } => token,
+        other => panic!("{key}: expected Reserved, got {other:?}"),
+    }
+}
+
+async fn completed(store: &PostgresStore, key: &str, body: &'static [u8], ttl: Duration) {
+    let token = reserved(store, key, LEASE).await;
+    let outcome = store
+        .complete(&scope(key), &token, &response(body), ttl)
+        .await
+        .unwrap();
+    assert_eq!(outcome, WriteOutcome::Applied, "{key}");
+}
+
+async fn assert_replays(store: &PostgresStore, key: &str, body: &[u8], when: &str) {
+    match store.reserve(&scope(key), &FP, LEASE).await.unwrap() {
+        ReserveOutcome::Completed { response, .. } => {
+            assert_eq!(&response.body[..], body, "{key} {when}")
+        }
+        other => panic!("{key} {when}: expected its replay, got {other:?}"),
+    }
+}
+
+/// How many rows with `key` the three generation tables hold, the one a rotation made unread
+/// included.
+fn rows_of(url: &str, key: &str) -> i64 {
+    count(
+        url,
+        &format!(
+            "SELECT count(*) AS n FROM (SELECT idempotency_key FROM idempotency_keys_0 \
+             UNION ALL SELECT idempotency_key FROM idempotency_keys_1 \
+             UNION ALL SELECT idempotency_key FROM idempotency_keys_2) k \
+             WHERE idempotency_key = '{key}'"
+        ),
+    )
+}
+
+#[tokio::test]
+async fn the_store_conforms_on_the_rotated_layout() {
+    let db = TestDb::new_rotated(DEFAULT_ROTATION_PERIOD).await;
+    let store = PostgresStore::connect(&db.url).await.unwrap();
+    conformance::run_all(&store).await;
+}
+
+/// Four rotations, two of which make the table holding the records unread: live records and a
+/// reservation in flight are carried into the new current table each time (so a TTL of a year
+/// outlives a period of a microsecond), the holder's late complete still applies, and an
+/// expired record is emptied with its table.
+#[tokio::test]
+async fn live_records_are_carried_across_rotations_and_expired_ones_emptied() {
+    let (db, mut conn) = rotated_db().await;
+    let store = PostgresStore::connect(&db.url).await.unwrap();
+    completed(
+        &store,
+        "year",
+        b"kept a year",
+        Duration::from_secs(365 * 24 * 3600),
+    )
+    .await;
+    completed(&store, "day", b"kept a day", Duration::from_secs(24 * 3600)).await;
+    completed(&store, "gone", b"kept a second", Duration::from_secs(1)).await;
+    let held = reserved(&store, "held", LEASE).await;
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+
+    // The records sit in table 0. Rotation 1 makes table 1 current (table 2, empty, becomes
+    // unread); rotation 2 makes table 2 current and table 0 unread, so it carries the three
+    // that matter; rotation 3 empties table 0; rotation 4 carries the three again.
+    let mut carried = Vec::new();
+    for n in 1..=4 {
+        let rotation = rotate(&mut conn).await;
+        assert!(rotation.rotated, "rotation {n}: {rotation:?}");
+        assert_eq!(i64::from(rotation.generation), n % 3, "rotation {n}");
+        carried.push(rotation.carried);
+        let when = format!("after rotation {n}");
+        assert_replays(&store, "year", b"kept a year", &when).await;
+        assert_replays(&store, "day", b"kept a day", &when).await;
+        match store.reserve(&scope("held"), &OTHER, LEASE).await.unwrap() {
+            ReserveOutcome::InFlight { fingerprint, .. } => assert_eq!(fingerprint, FP, "{when}"),
+            other => panic!("held {when}: expected in flight, got {other:?}"),
+        }
+        for key in ["year", "day", "held"] {
+            assert_eq!(rows_of(&db.url, key), 1, "{key} {when}: one row");
+        }
+    }
+    assert_eq!(carried, [0, 3, 0, 3], "records carried per rotation");
+    assert_eq!(
+        rows_of(&db.url, "gone"),
+        0,
+        "the expired record was emptied"
+    );
+
+    // The holder's complete, four rotations late, applies to its carried reservation.
+    let late = store
+        .complete(&scope("held"), &held, &response(b"late"), LEASE)
+        .await
+        .unwrap();
+    assert_eq!(late, WriteOutcome::Applied);
+    assert_replays(&store, "held", b"late", "after its late complete").await;
+    // The emptied key is free again.
+    reserved(&store, "gone", LEASE).await;
+}
+
+/// Concurrent reserves of new keys, and takeovers of ended reservations, from two pools while
+/// another session rotates the tables as fast as it can: exactly one reservation per key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_winner_per_key_while_the_tables_rotate() {
+    let (db, mut conn) = rotated_db().await;
+    let pool = |size| {
+        PostgresStore::builder(db.url.as_str())
+            .max_size(size)
+            .build()
+    };
+    let (a, b) = (pool(8).await.unwrap(), pool(8).await.unwrap());
+    let stop = Arc::new(AtomicBool::new(false));
+    let rotations = Arc::new(AtomicUsize::new(0));
+    let rotator = tokio::spawn({
+        let (stop, rotations) = (Arc::clone(&stop), Arc::clone(&rotations));
+        async move {
+            while !stop.load(Ordering::Relaxed) {
+                // Held back now and then by a reserve's transaction older than the last
+                // rotation: that is the guard working, and the next try goes through.
+                if rotate(&mut conn).await.rotated {
+                    rotations.fetch_add(1, Ordering::Relaxed);
+                }
+                tokio::time::sleep(Duration::from_millis(3)).await;
+            }
+        }
+    });
+
+    let race = |key: String| {
+        let attempts = (0..16).map(|i| {
+            let store = if i % 2 == 0 { a.clone() } else { b.clone() };
+            let key = scope(&key);
+            tokio::spawn(async move { store.reserve(&key, &FP, LEASE).await })
+        });
+        join_all(attempts)
+    };
+    for round in 0..40 {
+        let winners = race(format!("new-{round}"))
+            .await
+            .into_iter()
+            .filter(|r| matches!(r, Ok(Ok(ReserveOutcome::Reserved { .. }))))
+            .count();
+        assert_eq!(winners, 1, "new key, round {round}");
+    }
+    for round in 0..20 {
+        let key = format!("ended-{round}");
+        reserved(&a, &key, Duration::from_millis(1)).await;
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        let winners = race(key)
+            .await
+            .into_iter()
+            .filter(|r| matches!(r, Ok(Ok(ReserveOutcome::Reserved { .. }))))
+            .count();
+        assert_eq!(winners, 1, "takeover, round {round}");
+    }
+    stop.store(true, Ordering::Relaxed);
+    rotator.await.unwrap();
+    let rotations = rotations.load(Ordering::Relaxed);
+    assert!(
+        rotations >= 10,
+        "only {rotations} rotations during the races"
+    );
+}
+
+/// A transaction that began before the last rotation may have read the generation before it
+/// and could still write into the table the next rotation empties: that rotation waits for it.
+#[tokio::test]
+async fn a_rotation_waits_for_a_transaction_older_than_the_last_one() {
+    let (db, mut conn) = rotated_db().await;
+    let mut old = postgres::establish(&db.url).await.unwrap();
+    old.batch_execute("BEGIN; SELECT current FROM idempotency_generation")
+        .await
+        .unwrap();
+    let pid = count(
+        &db.url,
+        "SELECT min(pid)::bigint AS n FROM pg_stat_activity \
+         WHERE state = 'idle in transaction' AND datname = current_database()",
+    );
+
+    let first = rotate(&mut conn).await;
+    assert!(
+        first.rotated,
+        "the transaction began after the last rotation: {first:?}"
+    );
+    let held = rotate(&mut conn).await;
+    assert!(!held.rotated, "{held:?}");
+    assert_eq!(held.blocked_by_pid.map(i64::from), Some(pid));
+    assert_eq!(held.generation, first.generation, "nothing changed");
+
+    old.batch_execute("COMMIT").await.unwrap();
+    let after = rotate(&mut conn).await;
+    assert!(after.rotated, "{after:?}");
+}
+
+/// `idem-cli purge` on the rotated layout rotates (no row deleted), says so, and never drops
+/// a live record however often it runs; a dry run rotates nothing.
+#[tokio::test]
+async fn purge_rotates_and_never_drops_a_live_record() {
+    let (db, _conn) = rotated_db().await;
+    let store = PostgresStore::connect(&db.url).await.unwrap();
+    completed(
+        &store,
+        "live",
+        b"still here",
+        Duration::from_secs(24 * 3600),
+    )
+    .await;
+    completed(&store, "short", b"a second", Duration::from_secs(1)).await;
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+
+    let dry = run_idem_cli("DATABASE_URL", &db.url, &["purge", "--dry-run"]);
+    assert_eq!(dry.status.code(), Some(0), "{dry:?}");
+    let dry = String::from_utf8_lossy(&dry.stdout).into_owned();
+    assert!(dry.contains("a rotation is due"), "{dry}");
+    assert_eq!(
+        count(
+            &db.url,
+            "SELECT current::bigint AS n FROM idempotency_generation"
+        ),
+        0,
+        "a dry run rotates nothing"
+    );
+
+    for run in 1..=4 {
+        let out = run_idem_cli("DATABASE_URL", &db.url, &["purge", "--format", "json"]);
+        assert_eq!(out.status.code(), Some(0), "run {run}: {out:?}");
+        let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(summary["rotated"], true, "run {run}: {summary}");
+        assert_eq!(summary["purged"], 0, "run {run}: rotation deletes no row");
+        assert_replays(&store, "live", b"still here", &format!("after purge {run}")).await;
+    }
+    assert_eq!(
+        rows_of(&db.url, "short"),
+        0,
+        "the expired record was emptied"
+    );
+    assert_eq!(rows_of(&db.url, "live"), 1);
+}
