@@ -99,6 +99,40 @@ BEGIN
         'Idempotency-Key records of idempotency-actix (rotated layout): the current and previous generation tables. Read-only; the store writes through its functions.'
     $ddl$;
 
+    -- The generation as a writer must read it: the committed row, and until when a session may
+    -- keep it (the earliest instant of the next rotation, and at most a minute, so that a
+    -- period shortened by hand reaches every session soon). Under REPEATABLE READ or
+    -- SERIALIZABLE a plain read returns the transaction's snapshot, which may predate a
+    -- rotation, and a write decided on it could land beside the scope's newer row in the table
+    -- that rotation made current; locking the row (FOR KEY SHARE) fails with a serialization
+    -- failure (40001) when a rotation replaced it since, and the caller retries the
+    -- transaction, as the plain layout's INSERT does when it meets a row newer than its
+    -- snapshot. READ COMMITTED reads the newest row anyway, without a lock: one row that every
+    -- writer locked would cost each of them a multixact.
+    EXECUTE $ddl$
+    CREATE OR REPLACE FUNCTION idempotency_generation_for_write(
+        OUT o_current smallint, OUT o_until timestamptz
+    )
+    LANGUAGE plpgsql VOLATILE
+    AS $fn$
+    BEGIN
+        IF current_setting('transaction_isolation') = 'read committed' THEN
+            SELECT g.current, least(g.switched_at + g.period, now() + interval '1 minute')
+              INTO o_current, o_until
+              FROM idempotency_generation g;
+        ELSE
+            SELECT g.current, least(g.switched_at + g.period, now() + interval '1 minute')
+              INTO o_current, o_until
+              FROM idempotency_generation g FOR KEY SHARE;
+        END IF;
+        IF NOT FOUND THEN
+            RAISE EXCEPTION 'idempotency_generation has no row'
+                USING ERRCODE = 'serialization_failure';
+        END IF;
+    END
+    $fn$
+    $ddl$;
+
     -- Writes through the view (idem-cli release, and a test's or an operator's UPDATE of a
     -- record) go to the table that holds the row: a scope has at most one row in the current
     -- and previous tables. Not a request path: a statement built per call is fine here.
@@ -108,27 +142,50 @@ BEGIN
     AS $fn$
     DECLARE
         v_gen int;
+        v_fresh int;
         v_table text;
         v_found boolean;
     BEGIN
-        SELECT g.current INTO v_gen FROM idempotency_generation g;
+        SELECT o_current INTO v_gen FROM idempotency_generation_for_write();
         IF TG_OP = 'INSERT' THEN
+            -- A new row, as the reserve function makes one: under the scope's lock, and only
+            -- if neither table the requests read holds the scope.
+            PERFORM pg_advisory_xact_lock(
+                idempotency_lock_key(NEW.tenant, NEW.method, NEW.path, NEW.idempotency_key));
+            SELECT o_current INTO v_gen FROM idempotency_generation_for_write();
+            FOREACH v_table IN ARRAY ARRAY['idempotency_keys_' || (v_gen + 2) % 3,
+                                           'idempotency_keys_' || v_gen] LOOP
+                EXECUTE format('SELECT EXISTS (SELECT FROM %I k WHERE (k.tenant, k.method, k.path, k.idempotency_key) = ($1.tenant, $1.method, $1.path, $1.idempotency_key))', v_table)
+                    INTO v_found USING NEW;
+                IF v_found THEN
+                    RAISE EXCEPTION 'a record of this scope exists in %', v_table
+                        USING ERRCODE = 'unique_violation';
+                END IF;
+            END LOOP;
             EXECUTE format('INSERT INTO %I SELECT ($1).*', 'idempotency_keys_' || v_gen) USING NEW;
             RETURN NEW;
         END IF;
-        FOREACH v_table IN ARRAY ARRAY['idempotency_keys_' || v_gen,
-                                       'idempotency_keys_' || (v_gen + 2) % 3] LOOP
-            IF TG_OP = 'DELETE' THEN
-                EXECUTE format('DELETE FROM %I k WHERE (k.tenant, k.method, k.path, k.idempotency_key) = ($1.tenant, $1.method, $1.path, $1.idempotency_key) AND k.state = $1.state AND k.token IS NOT DISTINCT FROM $1.token', v_table)
-                    USING OLD;
-            ELSE
-                EXECUTE format('UPDATE %I k SET (tenant, method, path, idempotency_key, fingerprint, state, token, locked_until, response_status, response_headers, response_body, created_at, completed_at, expires_at) = (SELECT ($2).*) WHERE (k.tenant, k.method, k.path, k.idempotency_key) = ($1.tenant, $1.method, $1.path, $1.idempotency_key) AND k.state = $1.state AND k.token IS NOT DISTINCT FROM $1.token', v_table)
-                    USING OLD, NEW;
-            END IF;
-            GET DIAGNOSTICS v_found = ROW_COUNT;
-            IF v_found THEN
-                RETURN CASE TG_OP WHEN 'DELETE' THEN OLD ELSE NEW END;
-            END IF;
+        -- The row as the statement read it (same state, token and expiry: a renewal or a
+        -- takeover since is not undone), in the table that holds it; again after a rotation
+        -- that may have moved it.
+        FOR attempt IN 1..3 LOOP
+            FOREACH v_table IN ARRAY ARRAY['idempotency_keys_' || v_gen,
+                                           'idempotency_keys_' || (v_gen + 2) % 3] LOOP
+                IF TG_OP = 'DELETE' THEN
+                    EXECUTE format('DELETE FROM %I k WHERE (k.tenant, k.method, k.path, k.idempotency_key) = ($1.tenant, $1.method, $1.path, $1.idempotency_key) AND k.state = $1.state AND k.token IS NOT DISTINCT FROM $1.token', v_table)
+                        USING OLD;
+                ELSE
+                    EXECUTE format('UPDATE %I k SET (tenant, method, path, idempotency_key, fingerprint, state, token, locked_until, response_status, response_headers, response_body, created_at, completed_at, expires_at) = (SELECT ($2).*) WHERE (k.tenant, k.method, k.path, k.idempotency_key) = ($1.tenant, $1.method, $1.path, $1.idempotency_key) AND k.state = $1.state AND k.token IS NOT DISTINCT FROM $1.token AND k.expires_at = $1.expires_at', v_table)
+                        USING OLD, NEW;
+                END IF;
+                GET DIAGNOSTICS v_found = ROW_COUNT;
+                IF v_found THEN
+                    RETURN CASE TG_OP WHEN 'DELETE' THEN OLD ELSE NEW END;
+                END IF;
+            END LOOP;
+            SELECT o_current INTO v_fresh FROM idempotency_generation_for_write();
+            EXIT WHEN v_fresh = v_gen;
+            v_gen := v_fresh;
         END LOOP;
         RETURN NULL;
     END
@@ -229,10 +286,14 @@ BEGIN
         -- the header); otherwise read now.
         IF v_gen IS NULL
            OR current_setting('idempotency.generation_until', true)::timestamptz <= now() THEN
-            SELECT g.current, g.switched_at + g.period INTO v_gen, v_until
+            SELECT g.current, least(g.switched_at + g.period, now() + interval '1 minute')
+              INTO v_gen, v_until
               FROM idempotency_generation g;
             PERFORM set_config('idempotency.generation', v_gen::text, false);
-            PERFORM set_config('idempotency.generation_until', v_until::text, false);
+            -- ISO 8601 in UTC: read back the same whatever the session's DateStyle.
+            PERFORM set_config('idempotency.generation_until',
+                               to_char(v_until AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"'),
+                               false);
         END IF;
         FOR attempt IN 1..6 LOOP
             -- The read: the current table, then the previous one. No lock.
@@ -253,10 +314,12 @@ BEGIN
                 -- then meets this call's writes on their row locks, or moves rows it did not
                 -- touch); changed, a rotation may have carried the scope's row out of what was
                 -- read, and the tables of the new generation are read again.
-                SELECT g.current, g.switched_at + g.period INTO v_fresh, v_until
-                  FROM idempotency_generation g;
+                SELECT o_current, o_until INTO v_fresh, v_until
+                  FROM idempotency_generation_for_write();
                 PERFORM set_config('idempotency.generation', v_fresh::text, false);
-                PERFORM set_config('idempotency.generation_until', v_until::text, false);
+                PERFORM set_config('idempotency.generation_until',
+                                   to_char(v_until AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"'),
+                                   false);
                 IF v_fresh <> v_gen THEN
                     v_gen := v_fresh;
                     CONTINUE;
@@ -397,7 +460,7 @@ BEGIN
         v_fingerprint bytea;
         v_created timestamptz;
     BEGIN
-        SELECT g.current INTO v_gen FROM idempotency_generation g;
+        SELECT o_current INTO v_gen FROM idempotency_generation_for_write();
         -- The row a transactional claim inserted ("<generation>:<ctid>"), found without an
         -- index read when it is still in the current table.
         IF nullif(v_claimed, '') IS NOT NULL AND split_part(v_claimed, ':', 1)::int = v_gen THEN
@@ -419,7 +482,7 @@ BEGIN
             END IF;
             -- Not the holder, unless a rotation committed meanwhile and carried the row into
             -- the table it made current: then again, in the new generation's tables.
-            SELECT g.current INTO v_fresh FROM idempotency_generation g;
+            SELECT o_current INTO v_fresh FROM idempotency_generation_for_write();
             EXIT WHEN v_fresh = v_gen;
             v_gen := v_fresh;
         END LOOP;
@@ -474,7 +537,7 @@ BEGIN
         v_fingerprint bytea;
         v_created timestamptz;
     BEGIN
-        SELECT g.current INTO v_gen FROM idempotency_generation g;
+        SELECT o_current INTO v_gen FROM idempotency_generation_for_write();
         FOR attempt IN 1..3 LOOP
             %1$s
             IF FOUND THEN
@@ -487,7 +550,7 @@ BEGIN
                 RETURN true;
             END IF;
             -- As in idempotency_complete: again after a rotation that may have carried it.
-            SELECT g.current INTO v_fresh FROM idempotency_generation g;
+            SELECT o_current INTO v_fresh FROM idempotency_generation_for_write();
             EXIT WHEN v_fresh = v_gen;
             v_gen := v_fresh;
         END LOOP;
@@ -530,7 +593,7 @@ BEGIN
         v_fresh int;
         v_t int;
     BEGIN
-        SELECT g.current INTO v_gen FROM idempotency_generation g;
+        SELECT o_current INTO v_gen FROM idempotency_generation_for_write();
         FOR attempt IN 1..3 LOOP
             FOR v_step IN 0..1 LOOP
                 v_t := (v_gen + 3 - v_step) %% 3;
@@ -540,7 +603,7 @@ BEGIN
                 END IF;
             END LOOP;
             -- As in idempotency_complete: again after a rotation that may have carried it.
-            SELECT g.current INTO v_fresh FROM idempotency_generation g;
+            SELECT o_current INTO v_fresh FROM idempotency_generation_for_write();
             EXIT WHEN v_fresh = v_gen;
             v_gen := v_fresh;
         END LOOP;
@@ -677,13 +740,14 @@ BEGIN
         END IF;
         IF current_setting('transaction_isolation') = 'serializable' THEN
             IF pg_try_advisory_xact_lock(idempotency_lock_key(p_tenant, p_method, p_path, p_key)) THEN
-                SELECT g.current INTO v_gen FROM idempotency_generation g;
+                SELECT o_current INTO v_gen FROM idempotency_generation_for_write();
                 v_t := (v_gen + 2) %% 3;
                 %1$s
                 -- No row in the previous table, and the generation unchanged since (a rotation
                 -- may have carried the scope's row out of it): insert first; otherwise the
                 -- reserve function decides.
-                IF NOT FOUND AND (SELECT g.current FROM idempotency_generation g) = v_gen THEN
+                IF NOT FOUND
+                   AND (SELECT o_current FROM idempotency_generation_for_write()) = v_gen THEN
                     %2$s
                     IF FOUND THEN
                         PERFORM set_config('idempotency.claimed_row',
@@ -742,9 +806,10 @@ BEGIN
         v_next int;
     BEGIN
         PERFORM set_config('lock_timeout', p_lock_timeout_ms::text, true);
-        -- Serialises rotations. Requests read the row without a lock and do not wait.
+        -- Serialises rotations. Requests read the row without a lock, or under REPEATABLE
+        -- READ and SERIALIZABLE with FOR KEY SHARE, which this lock does not conflict with.
         SELECT g.current, g.switched_at, g.period INTO v_gen, v_switched, v_period
-          FROM idempotency_generation g FOR UPDATE;
+          FROM idempotency_generation g FOR NO KEY UPDATE;
         generation := v_gen;
         next_rotation := v_switched + v_period;
         rotated := false;
@@ -775,7 +840,13 @@ BEGIN
             USING p_grace_us;
         GET DIAGNOSTICS carried = ROW_COUNT;
         v_switched := clock_timestamp();
-        UPDATE idempotency_generation g SET current = v_next, switched_at = v_switched;
+        -- Replaced rather than updated: a writer under REPEATABLE READ or SERIALIZABLE whose
+        -- snapshot predates this rotation then fails to lock the old row (40001) and retries
+        -- (idempotency_generation_for_write). Last, so that such a writer waits for this
+        -- transaction for as short a time as possible.
+        DELETE FROM idempotency_generation;
+        INSERT INTO idempotency_generation (current, switched_at, period)
+        VALUES (v_next, v_switched, v_period);
         rotated := true;
         generation := v_next;
         next_rotation := v_switched + v_period;

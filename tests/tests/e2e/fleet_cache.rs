@@ -468,7 +468,13 @@ fn purge_after_expiry_then_retry_at_once_on_three_instances_runs_once() {
         out_text(&o)
     );
     let o = cli_ok(&db.url, &["purge"]);
-    assert!(stdout(&o).contains("purged 5 records"), "{}", out_text(&o));
+    // The rotated layout's purge rotates instead of deleting rows, at most once per period (2
+    // days here): nothing is due, and the expired records are taken over in place below.
+    let purged = match idempotency_e2e::database::test_layout() {
+        Some(idempotency_actix::store::postgres::Layout::Rotated { .. }) => "no rotation due",
+        _ => "purged 5 records",
+    };
+    assert!(stdout(&o).contains(purged), "{}", out_text(&o));
     let mut handles = Vec::new();
     for key in &keys {
         for srv in [&a, &b, &c] {

@@ -303,3 +303,40 @@ async fn purge_rotates_and_never_drops_a_live_record() {
     );
     assert_eq!(rows_of(&db.url, "live"), 1);
 }
+
+/// A transactional claim under SERIALIZABLE whose snapshot predates a rotation must not insert
+/// beside the scope's row that a request made after the rotation, in the table the rotation
+/// made current (its snapshot shows neither): it fails with a serialization failure, which
+/// the middleware retries in a new transaction (review of 000016, 2026-12-07: it answered
+/// `reserved`, two live reservations of one scope).
+#[tokio::test]
+async fn a_claim_whose_snapshot_predates_a_rotation_fails_to_serialize() {
+    let (db, mut conn) = rotated_db().await;
+    let store = PostgresStore::connect(&db.url).await.unwrap();
+    let mut claim = postgres::establish(&db.url).await.unwrap();
+    claim
+        .batch_execute(
+            "BEGIN ISOLATION LEVEL SERIALIZABLE; SELECT current FROM idempotency_generation",
+        )
+        .await
+        .unwrap();
+    assert!(rotate(&mut conn).await.rotated);
+    reserved(&store, "k", LEASE).await;
+
+    let late = claim
+        .batch_execute(
+            "SELECT outcome FROM idempotency_tx_claim(NULL, NULL, 't', 'POST', '/payments', \
+             'k', '\\x0909090909090909090909090909090909090909090909090909090909090909', \
+             gen_random_uuid(), 60000000)",
+        )
+        .await;
+    let error = late
+        .expect_err("the claim must not be reserved")
+        .to_string();
+    assert!(
+        error.contains("could not serialize"),
+        "expected a serialization failure, got {error}"
+    );
+    claim.batch_execute("ROLLBACK").await.unwrap();
+    assert_eq!(rows_of(&db.url, "k"), 1, "one row for the scope");
+}

@@ -271,13 +271,25 @@ async fn rls_handler_sees_only_its_tenant() {
              CREATE POLICY tenant_isolation ON payments
                  USING (tenant_id = current_setting('app.tenant_id', true))
                  WITH CHECK (tenant_id = current_setting('app.tenant_id', true));
-             ALTER TABLE idempotency_keys ENABLE ROW LEVEL SECURITY;
-             CREATE POLICY tenant_isolation ON idempotency_keys
-                 USING (tenant = current_setting('app.tenant_id', true))
-                 WITH CHECK (tenant = current_setting('app.tenant_id', true));
              GRANT SELECT, INSERT, UPDATE, DELETE ON payments, idempotency_keys TO \"{0}\";
              GRANT USAGE ON SEQUENCE payments_id_seq TO \"{0}\";
-             DO $$ BEGIN
+             DO $$ DECLARE t text; BEGIN
+                 -- The tables that hold the records: idempotency_keys, or on the rotated
+                 -- layout (IDEM_TEST_LAYOUT=rotated, where idempotency_keys is a view that
+                 -- reads them as the invoker) its three generation tables.
+                 FOREACH t IN ARRAY CASE WHEN to_regclass('idempotency_generation') IS NULL
+                     THEN ARRAY['idempotency_keys']
+                     ELSE ARRAY['idempotency_keys_0', 'idempotency_keys_1', 'idempotency_keys_2']
+                 END LOOP
+                     EXECUTE format('ALTER TABLE %I ENABLE ROW LEVEL SECURITY', t);
+                     EXECUTE format('CREATE POLICY tenant_isolation ON %I
+                         USING (tenant = current_setting(''app.tenant_id'', true))
+                         WITH CHECK (tenant = current_setting(''app.tenant_id'', true))', t);
+                     EXECUTE format('GRANT SELECT, INSERT, UPDATE, DELETE ON %I TO %I', t, '{0}');
+                 END LOOP;
+                 IF to_regclass('idempotency_generation') IS NOT NULL THEN
+                     GRANT SELECT ON idempotency_generation TO \"{0}\";
+                 END IF;
                  -- The partitioned layout (IDEM_TEST_LAYOUT=partitioned) keeps the responses
                  -- in a second table, read by token: no tenant column, so no policy of its own.
                  IF to_regclass('idempotency_responses') IS NOT NULL THEN
