@@ -1,12 +1,16 @@
-# The partitioned layout against the plain one (issue 15). Sourced by bench/load.sh
-# (BENCH_PARTITIONS=1 or only) after its setup, so it uses that script's cluster, server binary,
-# knobs and cleanup; not for CI (10 M rows per layout: a few GB of disk, 10-20 minutes).
+# The partitioned or the rotated layout against the plain one (issue 15). Sourced by
+# bench/load.sh (BENCH_PARTITIONS=1 or only) after its setup, so it uses that script's cluster,
+# server binary, knobs and cleanup; not for CI (10 M rows per layout: a few GB of disk, 10-20
+# minutes).
 #
-#   PART_ROWS  expired rows purged per layout (default 10000000)
-#   PART_RUNS  paired rounds of the miss/replay throughput comparison (default 3)
+#   PART_ROWS    expired rows purged per layout (default 10000000)
+#   PART_RUNS    paired rounds of the miss/replay throughput comparison (default 3)
+#   PART_LAYOUT  partitioned (default: daily partitions) or rotated (the default period)
 #
 # Two databases on the same cluster: idem_bench (plain, load.sh's) and idem_bench_part
-# (`idem-cli migrate --partitioned --interval daily`), one bench server on each.
+# (`idem-cli migrate --partitioned --interval daily`, or `--rotated`), one bench server on
+# each. (In the output and the JSON the second layout is called "partitioned" whichever it is;
+# `layout_under_test` says which.)
 # 1. Throughput: miss and replay through the store on the plain layout and on the partitioned
 #    one, back to back per round (wrk, BENCH_DURATION s each).
 # 2. Purge: PART_ROWS expired completed records in each layout (in the partitioned one the
@@ -19,6 +23,12 @@
 
 PART_ROWS=${PART_ROWS:-10000000}
 PART_RUNS=${PART_RUNS:-3}
+PART_LAYOUT=${PART_LAYOUT:-partitioned}
+case $PART_LAYOUT in
+  partitioned) PART_MIGRATE=(--partitioned --interval daily) ;;
+  rotated) PART_MIGRATE=(--rotated) ;;
+  *) echo "PART_LAYOUT must be partitioned or rotated, not $PART_LAYOUT" >&2; exit 2 ;;
+esac
 PART_OUT="$WORK/partitions.jsonl"
 : >"$PART_OUT"
 PART_URL=$(python3 -c 'import sys,urllib.parse as u; p=u.urlsplit(sys.argv[1]); print(u.urlunsplit(p._replace(path="/idem_bench_part")))' "$ADMIN_URL")
@@ -30,7 +40,7 @@ cp "$TARGET_DIR/release/idem-cli" "$CLI"
 
 psql "$ADMIN_URL" -XAtq -c 'DROP DATABASE IF EXISTS idem_bench_part WITH (FORCE)' -c 'CREATE DATABASE idem_bench_part'
 PART_DB_CREATED=1
-"$CLI" --database-url "$PART_URL" migrate --partitioned --interval daily >&2
+"$CLI" --database-url "$PART_URL" migrate "${PART_MIGRATE[@]}" >&2
 psql "$PART_URL" -XAtq -c 'CREATE EXTENSION IF NOT EXISTS pg_stat_statements' >/dev/null 2>&1 || true
 
 part_server() { # name port url ; sets PART_PID
@@ -74,12 +84,16 @@ wal_bytes() { psql "$ADMIN_URL" -XAtq -c "SELECT pg_wal_lsn_diff('$2', '$1')::bi
 for layout in plain partitioned; do
   url=${PART_URLS[$layout]}
   fill=rows_fill_completed
-  [ "$layout" = partitioned ] && fill=rows_fill_completed_partitioned
+  [ "$layout" = partitioned ] && fill=rows_fill_completed_$PART_LAYOUT
   log "partitions: inserting $PART_ROWS expired rows ($layout)"
   fill_started=$(date +%s)
   "$fill" "$url" 1 "$PART_ROWS" "'part-bench'" "'old-' || g" "$ROWS_FINGERPRINT" "$ROWS_HEADERS" "$ROWS_BODY" \
     "now() - interval '3 days' + g * interval '1 millisecond'" "now() - interval '2 days' + g * interval '1 millisecond'"
   log "partitions: inserted in $(( $(date +%s) - fill_started )) s; VACUUM ANALYZE, CHECKPOINT"
+  if [ "$layout" = partitioned ] && [ "$PART_LAYOUT" = rotated ]; then
+    # Due now: the rotation, which empties the table the rows are in, is the purge measured.
+    psql "$url" -XAtq -c "UPDATE idempotency_generation SET switched_at = now() - period" >/dev/null
+  fi
   psql "$url" -XAtq -c 'VACUUM ANALYZE' >/dev/null
   psql "$ADMIN_URL" -XAtq -c 'CHECKPOINT' >/dev/null
   SIZE=$(psql "$url" -XAtq -c "SELECT pg_database_size(current_database())")
@@ -100,7 +114,11 @@ for layout in plain partitioned; do
   wait "$WRK_PID" 2>/dev/null || true
   DURING=$(grep '^JSON ' "$WORK/part-traffic-$layout.out" | cut -c6-)
   WAL=$(wal_bytes "$lsn1" "$lsn2")
-  LEFT=$(psql "$url" -XAtq -c "SELECT count(*) FROM idempotency_keys WHERE tenant = 'part-bench'")
+  if [ "$layout" = partitioned ] && [ "$PART_LAYOUT" = rotated ]; then
+    LEFT=$(psql "$url" -XAtq -c "SELECT (SELECT count(*) FROM idempotency_keys_0 WHERE tenant = 'part-bench') + (SELECT count(*) FROM idempotency_keys_1 WHERE tenant = 'part-bench') + (SELECT count(*) FROM idempotency_keys_2 WHERE tenant = 'part-bench')")
+  else
+    LEFT=$(psql "$url" -XAtq -c "SELECT count(*) FROM idempotency_keys WHERE tenant = 'part-bench'")
+  fi
   python3 -c '
 import json, sys
 rows, layout, size, base, base_wal, during, wal, t0, t1, purge, left, dur = sys.argv[1:]
@@ -116,10 +134,11 @@ print(json.dumps({"section": "purge", "layout": layout, "rows": int(rows), "db_b
     tee -a "$PART_OUT" >&2
 done
 
-PART_JSON=$(python3 - "$PART_OUT" <<'PY'
+PART_JSON=$(python3 - "$PART_OUT" "$PART_LAYOUT" <<'PY'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
-out = {"throughput": {}, "purge": [r for r in rows if r.get("section") == "purge"]}
+out = {"layout_under_test": sys.argv[2], "throughput": {},
+       "purge": [r for r in rows if r.get("section") == "purge"]}
 by_run = {}
 for r in rows:
     if r.get("section") != "throughput":
@@ -142,7 +161,7 @@ PY
 python3 - "$PART_JSON" >&2 <<'PY'
 import json, sys
 d = json.loads(sys.argv[1])
-print("\npartitioned layout / plain layout (paired rounds, median of per-round ratios)")
+print(f"\n{d['layout_under_test']} layout / plain layout (paired rounds, median of per-round ratios)")
 for script, t in d["throughput"].items():
     print(f"  {script:7} ratio {t['ratio_median']}  per round {t['ratio_per_round']}  "
           f"p99 ms plain {t['plain_p99_ms']} partitioned {t['partitioned_p99_ms']}")

@@ -29,6 +29,23 @@ FROM generate_series($first, $last) g;
 SQL
 }
 
+# rows_fill_completed_rotated URL FIRST LAST TENANT KEY FINGERPRINT HEADERS BODY CREATED EXPIRES
+# The same records on the rotated layout (migration 000016), straight into its next table (the
+# one the next rotation empties), where records last written more than a period ago are: a bulk
+# insert through the view's trigger would take a lock and run a statement per row.
+rows_fill_completed_rotated() {
+  local url=$1 first=$2 last=$3 tenant=$4 key=$5 fingerprint=$6 headers=$7 body=$8 created=$9 expires=${10}
+  local next
+  next=$(psql "$url" -XAtq -v ON_ERROR_STOP=1 -c "SELECT 'idempotency_keys_' || (current + 1) % 3 FROM idempotency_generation")
+  psql "$url" -XAtq -v ON_ERROR_STOP=1 >/dev/null <<SQL
+INSERT INTO $next (tenant, method, path, idempotency_key, fingerprint, state, token,
+    response_status, response_headers, response_body, created_at, completed_at, expires_at)
+SELECT $tenant, 'POST', '/payments', $key, $fingerprint, 'completed', gen_random_uuid(), 201,
+    $headers, $body, $created, $created, $expires
+FROM generate_series($first, $last) g;
+SQL
+}
+
 # rows_delete_replays_not_of_size URL BYTES
 # Delete the stored replay keys (`r-*`, bench/replay.lua) whose body is not BYTES long, so the
 # next replay run stores them again at that size.

@@ -236,9 +236,10 @@ pub struct MigrateArgs {
     #[arg(long, conflicts_with_all = ["check", "partitioned"])]
     pub rotated: bool,
 
-    /// Rotation period of the rotated layout (default 2d; at least 1h): a record's TTL, and a
-    /// reservation's lease plus the grace it keeps refusing another body, must fit in it.
-    /// Chosen when the database is provisioned.
+    /// Rotation period of the rotated layout (default 2d; at least 1h): the least time between
+    /// two rotations. Records that outlive it are carried forward, one move per rotation;
+    /// dead rows stay on disk for up to about three periods. Chosen when the database is
+    /// provisioned: asking for another one than the database has fails.
     #[arg(long, value_name = "DURATION", requires = "rotated")]
     pub rotation_period: Option<HumanDuration>,
 }

@@ -88,12 +88,25 @@ BEGIN
     -- there as well as a newer one in the other two.
     EXECUTE $ddl$
     CREATE VIEW idempotency_keys AS
-        SELECT k.* FROM idempotency_keys_0 k, idempotency_generation g WHERE g.current IN (0, 1)
+        SELECT k.* FROM idempotency_keys_0 k
+         WHERE (SELECT g.current FROM idempotency_generation g) IN (0, 1)
         UNION ALL
-        SELECT k.* FROM idempotency_keys_1 k, idempotency_generation g WHERE g.current IN (1, 2)
+        SELECT k.* FROM idempotency_keys_1 k
+         WHERE (SELECT g.current FROM idempotency_generation g) IN (1, 2)
         UNION ALL
-        SELECT k.* FROM idempotency_keys_2 k, idempotency_generation g WHERE g.current IN (2, 0)
+        SELECT k.* FROM idempotency_keys_2 k
+         WHERE (SELECT g.current FROM idempotency_generation g) IN (2, 0)
     $ddl$;
+    -- (A scalar subquery, not a join: each branch is then gated by one evaluation of it, and
+    -- the planner does not multiply each table's rows by its guess of the generation table's.
+    -- With the join, and the tables not analysed yet, an idem-cli query with a response
+    -- column was estimated costly enough to be JIT-compiled: 0.7 s for one row.)
+    EXECUTE 'ANALYZE idempotency_generation';
+    -- With the reader's rights (PostgreSQL 15 on), so that row-level security on the tables
+    -- applies to it too; otherwise the owner's, which bypass it.
+    IF current_setting('server_version_num')::int >= 150000 THEN
+        EXECUTE 'ALTER VIEW idempotency_keys SET (security_invoker = true)';
+    END IF;
     EXECUTE $ddl$
     COMMENT ON VIEW idempotency_keys IS
         'Idempotency-Key records of idempotency-actix (rotated layout): the current and previous generation tables. Read-only; the store writes through its functions.'
@@ -806,10 +819,13 @@ BEGIN
         v_next int;
     BEGIN
         PERFORM set_config('lock_timeout', p_lock_timeout_ms::text, true);
-        -- Serialises rotations. Requests read the row without a lock, or under REPEATABLE
-        -- READ and SERIALIZABLE with FOR KEY SHARE, which this lock does not conflict with.
+        -- Serialises rotations, and first: a writer under REPEATABLE READ or SERIALIZABLE
+        -- holds FOR KEY SHARE on the row to its commit (idempotency_generation_for_write), and
+        -- this waits for it before holding anything a writer could wait for (the rows carried
+        -- below), so the two cannot deadlock; such writers then wait for this transaction.
+        -- READ COMMITTED requests read the row without a lock and never wait for it.
         SELECT g.current, g.switched_at, g.period INTO v_gen, v_switched, v_period
-          FROM idempotency_generation g FOR NO KEY UPDATE;
+          FROM idempotency_generation g FOR UPDATE;
         generation := v_gen;
         next_rotation := v_switched + v_period;
         rotated := false;
@@ -842,8 +858,7 @@ BEGIN
         v_switched := clock_timestamp();
         -- Replaced rather than updated: a writer under REPEATABLE READ or SERIALIZABLE whose
         -- snapshot predates this rotation then fails to lock the old row (40001) and retries
-        -- (idempotency_generation_for_write). Last, so that such a writer waits for this
-        -- transaction for as short a time as possible.
+        -- (idempotency_generation_for_write).
         DELETE FROM idempotency_generation;
         INSERT INTO idempotency_generation (current, switched_at, period)
         VALUES (v_next, v_switched, v_period);

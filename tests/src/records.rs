@@ -232,7 +232,7 @@ pub fn grant_store_tables(role: &str) -> String {
          END IF; IF to_regclass('idempotency_generation') IS NOT NULL THEN \
          GRANT SELECT, INSERT, UPDATE, DELETE ON idempotency_keys_0, idempotency_keys_1, \
          idempotency_keys_2 TO \"{role}\"; \
-         GRANT SELECT ON idempotency_generation TO \"{role}\"; \
+         GRANT SELECT, UPDATE (singleton) ON idempotency_generation TO \"{role}\"; \
          END IF; END $$"
     )
 }

@@ -23,7 +23,8 @@ use idempotency_e2e::faults::{
 use idempotency_e2e::proc::{crash_cluster, start_cluster_again, PaymentsApp};
 use idempotency_e2e::raw_http::{send_once, Conn, Request, Response};
 use idempotency_e2e::records::{
-    count, count_in_state, execute, grant_store_tables, records_for_key, State, TempRole,
+    count, count_in_state, execute, grant_store_tables, records_for_key, records_table, State,
+    TempRole,
 };
 use idempotency_e2e::server::ThreadServer;
 use idempotency_e2e::{
@@ -417,7 +418,8 @@ fn store_failure_after_the_handler() {
     execute(
         &db.url,
         &format!(
-            "REVOKE UPDATE, DELETE ON idempotency_keys FROM \"{}\"",
+            "REVOKE UPDATE, DELETE ON {} FROM \"{}\"",
+            records_table(),
             role.name
         ),
     );
@@ -466,7 +468,8 @@ fn store_failure_after_the_handler() {
     execute(
         &db.url,
         &format!(
-            "GRANT UPDATE, DELETE ON idempotency_keys TO \"{}\"",
+            "GRANT UPDATE, DELETE ON {} TO \"{}\"",
+            records_table(),
             role.name
         ),
     );
@@ -528,7 +531,8 @@ fn store_recovering_inside_the_lease_stores_the_delivered_response() {
     execute(
         &db.url,
         &format!(
-            "REVOKE UPDATE, DELETE ON idempotency_keys FROM \"{}\"",
+            "REVOKE UPDATE, DELETE ON {} FROM \"{}\"",
+            records_table(),
             role.name
         ),
     );
@@ -829,7 +833,8 @@ fn stop_while_the_store_refuses(
     execute(
         &db.url,
         &format!(
-            "REVOKE {revoked} ON idempotency_keys FROM \"{}\"",
+            "REVOKE {revoked} ON {} FROM \"{}\"",
+            records_table(),
             role.name
         ),
     );

@@ -193,7 +193,8 @@ enum Existing {
     Plain,
     /// With its partition interval (`hourly` or `daily`).
     Partitioned(String),
-    Rotated,
+    /// With its rotation period.
+    Rotated(Duration),
 }
 
 impl Existing {
@@ -202,7 +203,7 @@ impl Existing {
         match self {
             Existing::Plain => "plain".into(),
             Existing::Partitioned(interval) => format!("partitioned ({interval})"),
-            Existing::Rotated => "rotated".into(),
+            Existing::Rotated(_) => "rotated".into(),
         }
     }
 }
@@ -210,7 +211,7 @@ impl Existing {
 /// The layout of a database whose tables are there, by catalog.
 async fn read_layout(conn: &mut AsyncPgConnection) -> Result<Existing, CliError> {
     if sql!(conn, admin::rotated(conn)) {
-        return Ok(Existing::Rotated);
+        return Ok(Existing::Rotated(sql!(conn, admin::rotation_period(conn))));
     }
     Ok(match sql!(conn, admin::partition_interval(conn)) {
         Some(interval) => Existing::Partitioned(interval),
@@ -254,7 +255,7 @@ fn refuse_another_layout(
     existing: &Existing,
 ) -> Result<(), CliError> {
     let (asked, other) = match existing {
-        Existing::Plain | Existing::Rotated if args.partitioned => ("partitioned", existing),
+        Existing::Plain | Existing::Rotated(_) if args.partitioned => ("partitioned", existing),
         Existing::Plain | Existing::Partitioned(_) if args.rotated => ("rotated", existing),
         _ => ("", existing),
     };
@@ -265,6 +266,17 @@ fn refuse_another_layout(
              provisioned); see docs/operations.md for moving a deployment to the {asked} one",
             other.name()
         )));
+    }
+    if let (Some(asked), Existing::Rotated(period)) = (args.rotation_period, existing) {
+        if asked.0 != *period {
+            // As for --interval: "nothing to apply" would read as if the period were in place.
+            return Err(CliError::Other(format!(
+                "the database already has the rotated layout with a rotation period of {}, \
+                 not {asked} (the period is chosen when it is provisioned); drop \
+                 --rotation-period to keep it",
+                crate::duration::HumanDuration(*period)
+            )));
+        }
     }
     if let (Some(wanted), Existing::Partitioned(existing)) = (wanted, existing) {
         if wanted.as_str() != existing {

@@ -283,7 +283,7 @@ fn report_rotation(
     elapsed: Duration,
     dry_run: bool,
 ) -> Result<(), CliError> {
-    let due = rotation.next_rotation.0 <= std::time::SystemTime::now();
+    let due = rotation.due;
     let next = crate::record::timestamp_secs(rotation.next_rotation);
     match format {
         Format::Json => out.json(&json!({

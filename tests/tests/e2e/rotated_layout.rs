@@ -223,8 +223,10 @@ async fn one_winner_per_key_while_the_tables_rotate() {
     stop.store(true, Ordering::Relaxed);
     rotator.await.unwrap();
     let rotations = rotations.load(Ordering::Relaxed);
+    // Rotations run between the races' statements; a few are enough to interleave with them
+    // (held back now and then, see above, so not a fixed count).
     assert!(
-        rotations >= 10,
+        rotations >= 3,
         "only {rotations} rotations during the races"
     );
 }

@@ -372,12 +372,21 @@ pub async fn rotated(conn: &mut AsyncPgConnection) -> QueryResult<bool> {
     sql::rotated(conn).await
 }
 
+/// The rotated layout's rotation period, as provisioned.
+pub async fn rotation_period(conn: &mut AsyncPgConnection) -> QueryResult<Duration> {
+    sql::rotation_period(conn).await
+}
+
 /// What [`rotate`] did (rotated layout).
 #[derive(Debug, Clone, diesel::QueryableByName)]
 pub struct Rotation {
     /// Whether it emptied the next generation table and made it current.
     #[diesel(sql_type = diesel::sql_types::Bool)]
     pub rotated: bool,
+    /// Whether a rotation was due (the period had passed since the last one), by the
+    /// database's clock.
+    #[diesel(sql_type = diesel::sql_types::Bool)]
+    pub due: bool,
     /// The current generation afterwards (`idempotency_keys_<generation>`).
     #[diesel(sql_type = diesel::sql_types::SmallInt)]
     pub generation: i16,

@@ -126,31 +126,37 @@ impl PartitionInterval {
     }
 }
 
-/// A layout other than the plain one, chosen when a database is provisioned (the migration
-/// that makes it refuses a non-empty `idempotency_keys`; on a database already provisioned the
-/// request changes nothing). `docs/operations.md`, "Choosing a layout".
+/// A layout other than the plain one, chosen when a database is provisioned. The migration that
+/// makes it (000005, or 000016 for the rotated layout) does so when it runs, and refuses a
+/// non-empty `idempotency_keys`; on a database where it already ran, the request changes
+/// nothing. (So [`run_migrations_rotated`] still converts an empty plain database provisioned
+/// before 000016 existed; `idem-cli migrate --rotated` refuses any database whose layout
+/// migration, 000005, has run, as it does for `--partitioned`.) `docs/operations.md`, "Choosing the partitioned layout" and "Choosing the rotated
+/// layout".
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Layout {
     /// Claims in `idempotency_keys`, responses in `idempotency_responses` partitioned by expiry
     /// (migration 000005).
     Partitioned(PartitionInterval),
     /// The whole record in three generation tables used in turn, one emptied by `TRUNCATE` at
-    /// each rotation, at most once per `period` (migration 000016). A record must stop
-    /// mattering within `period` of its last write: the TTL, and a lease plus the purge
-    /// grace, must fit in it.
+    /// each rotation, at most once per `period` (migration 000016). Records that outlive a
+    /// period (a TTL longer than it) are carried into the new current table at each rotation,
+    /// so the period bounds no TTL.
     Rotated {
         /// The least time between two rotations (at least [`MIN_ROTATION_PERIOD`]).
         period: Duration,
     },
 }
 
-/// The shortest rotation period of [`Layout::Rotated`]: a transaction that stays open across
-/// two rotations could write into the table the second one empties, so a period must be far
-/// longer than any transaction (migration 000016 refuses a shorter one).
+/// The shortest rotation period of [`Layout::Rotated`] (migration 000016 refuses a shorter
+/// one): a rotation waits for every transaction older than the last rotation, so a period far
+/// longer than any transaction keeps rotations from waiting, and the tables from turning over
+/// for nothing.
 pub const MIN_ROTATION_PERIOD: Duration = Duration::from_secs(3600);
 
 /// The rotation period `idem-cli migrate --rotated` provisions without `--rotation-period`:
-/// two days, so the default TTL (24 h) and a day of grace for ended reservations fit.
+/// two days, so that with the default TTL (24 h) and a day of purge grace for ended
+/// reservations a rotation carries no record.
 pub const DEFAULT_ROTATION_PERIOD: Duration = Duration::from_secs(2 * 24 * 3600);
 
 impl Layout {

@@ -847,7 +847,7 @@ pub(crate) struct TableExists;
 const TABLES_PRESENT: &str = "to_regclass('idempotency_keys') IS NOT NULL \
      AND (to_regprocedure('idempotency_partitions_drop(bigint, integer)') IS NULL \
           OR to_regclass('idempotency_responses') IS NOT NULL) \
-     AND (to_regprocedure('idempotency_rotate(integer)') IS NULL \
+     AND (to_regprocedure('idempotency_rotate(integer, bigint)') IS NULL \
           OR (to_regclass('idempotency_generation') IS NOT NULL \
               AND to_regclass('idempotency_keys_0') IS NOT NULL \
               AND to_regclass('idempotency_keys_1') IS NOT NULL \
@@ -1203,12 +1203,33 @@ pub(crate) async fn rotate(
     grace_us: i64,
 ) -> QueryResult<super::admin::Rotation> {
     let call = diesel::sql_query(
-        "SELECT rotated, generation, next_rotation, carried, blocked_by_pid \
-         FROM idempotency_rotate($1, $2)",
+        "SELECT rotated, rotated OR blocked_by_pid IS NOT NULL AS due, generation, \
+         next_rotation, carried, blocked_by_pid FROM idempotency_rotate($1, $2)",
     )
     .bind::<diesel::sql_types::Integer, _>(lock_timeout_ms)
     .bind::<BigInt, _>(grace_us);
     committed(call.load(conn).await?)
+}
+
+/// The rotated layout's period, in microseconds.
+#[derive(QueryableByName, Debug)]
+struct PeriodRow {
+    #[diesel(sql_type = BigInt)]
+    us: i64,
+}
+
+/// The rotated layout's rotation period (`idempotency_generation.period`).
+pub(crate) async fn rotation_period(
+    conn: &mut AsyncPgConnection,
+) -> QueryResult<std::time::Duration> {
+    let row: PeriodRow = diesel::sql_query(
+        "SELECT (extract(epoch FROM period) * 1000000)::bigint AS us FROM idempotency_generation",
+    )
+    .get_result(conn)
+    .await?;
+    Ok(std::time::Duration::from_micros(
+        u64::try_from(row.us).unwrap_or(0),
+    ))
 }
 
 /// Read the generation row as [`rotate`] reports it, without rotating.
@@ -1216,8 +1237,9 @@ pub(crate) async fn next_rotation(
     conn: &mut AsyncPgConnection,
 ) -> QueryResult<super::admin::Rotation> {
     diesel::sql_query(
-        "SELECT false AS rotated, current AS generation, switched_at + period AS next_rotation, \
-         0::bigint AS carried, NULL::integer AS blocked_by_pid FROM idempotency_generation",
+        "SELECT false AS rotated, now() >= switched_at + period AS due, current AS generation, \
+         switched_at + period AS next_rotation, 0::bigint AS carried, \
+         NULL::integer AS blocked_by_pid FROM idempotency_generation",
     )
     .get_result(conn)
     .await
