@@ -272,8 +272,22 @@ BEGIN
                       replace(p_stmt, '@T', 'idempotency_keys_2'))
     $f$;
 
+    -- A writer's read of the generation, @GENERATION(variable) in the bodies below: under READ
+    -- COMMITTED the newest row, read in place (a call of idempotency_generation_for_write per
+    -- write cost misses a tenth: docs/benchmarks.md, "Rotated layout, as shipped"); otherwise
+    -- through that function, which locks it.
+    CREATE FUNCTION pg_temp.with_generation_reads(p_body text) RETURNS text
+    LANGUAGE sql IMMUTABLE
+    AS $f$
+        SELECT regexp_replace(p_body, '@GENERATION\((\w+)\)',
+            'IF current_setting(''transaction_isolation'') = ''read committed'' THEN '
+            'SELECT g.current INTO \1 FROM idempotency_generation g; '
+            'ELSE SELECT o_current INTO \1 FROM idempotency_generation_for_write(); END IF;',
+            'g')
+    $f$;
+
     -- idempotency_reserve: the plain layout's outcomes and output row (docs/sql.md).
-    EXECUTE format($f$
+    EXECUTE format(pg_temp.with_generation_reads($f$
     CREATE OR REPLACE FUNCTION idempotency_reserve(
         p_tenant text, p_method text, p_path text, p_key text,
         p_fingerprint bytea, p_token uuid, p_lease_us bigint
@@ -327,12 +341,8 @@ BEGIN
                 -- then meets this call's writes on their row locks, or moves rows it did not
                 -- touch); changed, a rotation may have carried the scope's row out of what was
                 -- read, and the tables of the new generation are read again.
-                SELECT o_current, o_until INTO v_fresh, v_until
-                  FROM idempotency_generation_for_write();
-                PERFORM set_config('idempotency.generation', v_fresh::text, false);
-                PERFORM set_config('idempotency.generation_until',
-                                   to_char(v_until AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"'),
-                                   false);
+                -- (The session's cache is left as it is: refreshed when it runs out, above.)
+                @GENERATION(v_fresh)
                 IF v_fresh <> v_gen THEN
                     v_gen := v_fresh;
                     CONTINUE;
@@ -407,7 +417,7 @@ BEGIN
         RETURN NEXT;
     END
     $fn$
-    $f$,
+    $f$),
     -- 1: the read, filling the output columns.
     pg_temp.per_table('v_t', $s$
                 SELECT k.state, k.fingerprint, k.response_status, k.response_headers,
@@ -457,7 +467,7 @@ BEGIN
     -- WHERE clause of the holder's row: scope, in flight, token.
 
     -- idempotency_complete: store the response, fenced by the token.
-    EXECUTE format($f$
+    EXECUTE format(pg_temp.with_generation_reads($f$
     CREATE OR REPLACE FUNCTION idempotency_complete(
         p_tenant text, p_method text, p_path text, p_key text, p_token uuid,
         p_status smallint, p_headers bytea, p_body bytea, p_ttl_us bigint
@@ -473,7 +483,7 @@ BEGIN
         v_fingerprint bytea;
         v_created timestamptz;
     BEGIN
-        SELECT o_current INTO v_gen FROM idempotency_generation_for_write();
+        @GENERATION(v_gen)
         -- The row a transactional claim inserted ("<generation>:<ctid>"), found without an
         -- index read when it is still in the current table.
         IF nullif(v_claimed, '') IS NOT NULL AND split_part(v_claimed, ':', 1)::int = v_gen THEN
@@ -495,14 +505,14 @@ BEGIN
             END IF;
             -- Not the holder, unless a rotation committed meanwhile and carried the row into
             -- the table it made current: then again, in the new generation's tables.
-            SELECT o_current INTO v_fresh FROM idempotency_generation_for_write();
+            @GENERATION(v_fresh)
             EXIT WHEN v_fresh = v_gen;
             v_gen := v_fresh;
         END LOOP;
         RETURN false;
     END
     $fn$
-    $f$,
+    $f$),
     pg_temp.per_table('v_gen', $s$
             UPDATE @T k
                SET state = 'completed', response_status = p_status, response_headers = p_headers,
@@ -536,7 +546,7 @@ BEGIN
     $s$));
 
     -- idempotency_renew_lease: the holder moves its lease end (and expiry) to now + lease.
-    EXECUTE format($f$
+    EXECUTE format(pg_temp.with_generation_reads($f$
     CREATE OR REPLACE FUNCTION idempotency_renew_lease(
         p_tenant text, p_method text, p_path text, p_key text, p_token uuid, p_lease_us bigint
     )
@@ -550,7 +560,7 @@ BEGIN
         v_fingerprint bytea;
         v_created timestamptz;
     BEGIN
-        SELECT o_current INTO v_gen FROM idempotency_generation_for_write();
+        @GENERATION(v_gen)
         FOR attempt IN 1..3 LOOP
             %1$s
             IF FOUND THEN
@@ -563,14 +573,14 @@ BEGIN
                 RETURN true;
             END IF;
             -- As in idempotency_complete: again after a rotation that may have carried it.
-            SELECT o_current INTO v_fresh FROM idempotency_generation_for_write();
+            @GENERATION(v_fresh)
             EXIT WHEN v_fresh = v_gen;
             v_gen := v_fresh;
         END LOOP;
         RETURN false;
     END
     $fn$
-    $f$,
+    $f$),
     pg_temp.per_table('v_gen', $s$
             UPDATE @T k
                SET locked_until = now() + p_lease_us * interval '1 microsecond',
@@ -594,7 +604,7 @@ BEGIN
     $s$));
 
     -- idempotency_release (C9): the holder's DELETE of its reservation, wherever it is.
-    EXECUTE format($f$
+    EXECUTE format(pg_temp.with_generation_reads($f$
     CREATE OR REPLACE FUNCTION idempotency_release(
         p_tenant text, p_method text, p_path text, p_key text, p_token uuid
     )
@@ -606,7 +616,7 @@ BEGIN
         v_fresh int;
         v_t int;
     BEGIN
-        SELECT o_current INTO v_gen FROM idempotency_generation_for_write();
+        @GENERATION(v_gen)
         FOR attempt IN 1..3 LOOP
             FOR v_step IN 0..1 LOOP
                 v_t := (v_gen + 3 - v_step) %% 3;
@@ -616,14 +626,14 @@ BEGIN
                 END IF;
             END LOOP;
             -- As in idempotency_complete: again after a rotation that may have carried it.
-            SELECT o_current INTO v_fresh FROM idempotency_generation_for_write();
+            @GENERATION(v_fresh)
             EXIT WHEN v_fresh = v_gen;
             v_gen := v_fresh;
         END LOOP;
         RETURN false;
     END
     $fn$
-    $f$,
+    $f$),
     pg_temp.per_table('v_t', $s$
             DELETE FROM @T k
              WHERE k.tenant = p_tenant AND k.method = p_method AND k.path = p_path
@@ -729,7 +739,7 @@ BEGIN
 
     -- idempotency_tx_claim (transactional mode): as the plain layout's, whose SERIALIZABLE
     -- insert-first path must also find no row of the scope in the previous table.
-    EXECUTE format($f$
+    EXECUTE format(pg_temp.with_generation_reads($f$
     CREATE OR REPLACE FUNCTION idempotency_tx_claim(
         p_setting text, p_setting_value text,
         p_tenant text, p_method text, p_path text, p_key text,
@@ -745,6 +755,8 @@ BEGIN
     #variable_conflict use_column
     DECLARE
         v_gen int;
+        v_fresh int;
+        v_found boolean;
         v_t int;
         v_claimed tid;
     BEGIN
@@ -753,14 +765,15 @@ BEGIN
         END IF;
         IF current_setting('transaction_isolation') = 'serializable' THEN
             IF pg_try_advisory_xact_lock(idempotency_lock_key(p_tenant, p_method, p_path, p_key)) THEN
-                SELECT o_current INTO v_gen FROM idempotency_generation_for_write();
+                @GENERATION(v_gen)
                 v_t := (v_gen + 2) %% 3;
                 %1$s
+                v_found := FOUND;
                 -- No row in the previous table, and the generation unchanged since (a rotation
                 -- may have carried the scope's row out of it): insert first; otherwise the
                 -- reserve function decides.
-                IF NOT FOUND
-                   AND (SELECT o_current FROM idempotency_generation_for_write()) = v_gen THEN
+                @GENERATION(v_fresh)
+                IF NOT v_found AND v_fresh = v_gen THEN
                     %2$s
                     IF FOUND THEN
                         PERFORM set_config('idempotency.claimed_row',
@@ -776,7 +789,7 @@ BEGIN
                                                        p_fingerprint, p_token, p_lease_us);
     END
     $fn$
-    $f$,
+    $f$),
     pg_temp.per_table('v_t', $s$
                 PERFORM FROM @T k
                   WHERE k.tenant = p_tenant AND k.method = p_method AND k.path = p_path
