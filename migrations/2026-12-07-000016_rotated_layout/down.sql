@@ -10,6 +10,7 @@ BEGIN
         DROP FUNCTION IF EXISTS idempotency_rotate(integer, bigint);
         DROP FUNCTION IF EXISTS idempotency_purge_rows(bigint, bigint, text, bigint);
         DROP FUNCTION IF EXISTS idempotency_keys_write();
+        DROP FUNCTION IF EXISTS idempotency_generation_for_write();
         RETURN;
     END IF;
     RAISE EXCEPTION 'the rotated layout cannot be reverted by a migration: drop the idempotency tables and provision again (docs/operations.md)';

@@ -29,12 +29,12 @@
 --   current or the previous one, so this writer sees its row. That needs every transaction to
 --   end within R (a writer two generations late would write into the next table); rotation
 --   refuses while a transaction older than the last switch is open.
--- - A reader caches the generation in its session until the instant the next switch may begin
---   (switched_at + R, as rotation never switches earlier), so a replay reads no extra row. A
---   switch that commits during its call leaves it one generation behind: it reads the previous
---   and the next table, where a live row is still the scope's newest (rows written since are
---   moves or takeovers, which delete the row it would find) and anything else sends it to the
---   write path, which reads the generation afresh.
+-- - A reader uses the generation its session read last, so a replay reads no extra row. Behind
+--   by a rotation or more, it reads other tables than the current and previous ones; a live row
+--   it finds there is still the scope's newest (a newer row comes from a move, a takeover or a
+--   rotation's carry, which all delete the row it would find, and the table a rotation stops
+--   reading holds no row that still matters), and anything else sends it to the write path,
+--   which reads the generation afresh and brings the session's copy up to date.
 DO $do$
 DECLARE
     v_layout text := coalesce(nullif(current_setting('idempotency.layout', true), ''), 'plain');
@@ -112,9 +112,7 @@ BEGIN
         'Idempotency-Key records of idempotency-actix (rotated layout): the current and previous generation tables. Read-only; the store writes through its functions.'
     $ddl$;
 
-    -- The generation as a writer must read it: the committed row, and until when a session may
-    -- keep it (the earliest instant of the next rotation, and at most a minute, so that a
-    -- period shortened by hand reaches every session soon). Under REPEATABLE READ or
+    -- The generation as a writer must read it: the committed row. Under REPEATABLE READ or
     -- SERIALIZABLE a plain read returns the transaction's snapshot, which may predate a
     -- rotation, and a write decided on it could land beside the scope's newer row in the table
     -- that rotation made current; locking the row (FOR KEY SHARE) fails with a serialization
@@ -123,20 +121,14 @@ BEGIN
     -- snapshot. READ COMMITTED reads the newest row anyway, without a lock: one row that every
     -- writer locked would cost each of them a multixact.
     EXECUTE $ddl$
-    CREATE OR REPLACE FUNCTION idempotency_generation_for_write(
-        OUT o_current smallint, OUT o_until timestamptz
-    )
+    CREATE OR REPLACE FUNCTION idempotency_generation_for_write(OUT o_current smallint)
     LANGUAGE plpgsql VOLATILE
     AS $fn$
     BEGIN
         IF current_setting('transaction_isolation') = 'read committed' THEN
-            SELECT g.current, least(g.switched_at + g.period, now() + interval '1 minute')
-              INTO o_current, o_until
-              FROM idempotency_generation g;
+            SELECT g.current INTO o_current FROM idempotency_generation g;
         ELSE
-            SELECT g.current, least(g.switched_at + g.period, now() + interval '1 minute')
-              INTO o_current, o_until
-              FROM idempotency_generation g FOR KEY SHARE;
+            SELECT g.current INTO o_current FROM idempotency_generation g FOR KEY SHARE;
         END IF;
         IF NOT FOUND THEN
             RAISE EXCEPTION 'idempotency_generation has no row'
@@ -303,24 +295,16 @@ BEGIN
     DECLARE
         v_gen int := nullif(current_setting('idempotency.generation', true), '')::int;
         v_fresh int;
-        v_until timestamptz;
         v_locked boolean := false;
         v_where int;       -- where the row was found: 0 current table, 1 previous, NULL none
         v_from int := 0;   -- the first table to read: 1 skips the current one
         v_t int;
     BEGIN
-        -- The generation this session read last, while no switch can have begun since (see
-        -- the header); otherwise read now.
-        IF v_gen IS NULL
-           OR current_setting('idempotency.generation_until', true)::timestamptz <= now() THEN
-            SELECT g.current, least(g.switched_at + g.period, now() + interval '1 minute')
-              INTO v_gen, v_until
-              FROM idempotency_generation g;
+        -- The generation this session read last (see the header: a stale one only sends a
+        -- call to the write path, which reads it afresh and brings the session up to date).
+        IF v_gen IS NULL THEN
+            SELECT g.current INTO v_gen FROM idempotency_generation g;
             PERFORM set_config('idempotency.generation', v_gen::text, false);
-            -- ISO 8601 in UTC: read back the same whatever the session's DateStyle.
-            PERFORM set_config('idempotency.generation_until',
-                               to_char(v_until AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"'),
-                               false);
         END IF;
         FOR attempt IN 1..6 LOOP
             -- The read: the current table, then the previous one. No lock.
@@ -341,10 +325,10 @@ BEGIN
                 -- then meets this call's writes on their row locks, or moves rows it did not
                 -- touch); changed, a rotation may have carried the scope's row out of what was
                 -- read, and the tables of the new generation are read again.
-                -- (The session's cache is left as it is: refreshed when it runs out, above.)
                 @GENERATION(v_fresh)
                 IF v_fresh <> v_gen THEN
                     v_gen := v_fresh;
+                    PERFORM set_config('idempotency.generation', v_gen::text, false);
                     CONTINUE;
                 END IF;
             END IF;
@@ -695,8 +679,7 @@ BEGIN
         v_gen int := nullif(current_setting('idempotency.generation', true), '')::int;
         v_t int;
     BEGIN
-        IF v_gen IS NULL
-           OR current_setting('idempotency.generation_until', true)::timestamptz <= now() THEN
+        IF v_gen IS NULL THEN
             SELECT g.current INTO v_gen FROM idempotency_generation g;
         END IF;
         FOR v_step IN 0..1 LOOP
