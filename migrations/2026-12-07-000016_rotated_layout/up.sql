@@ -29,12 +29,13 @@
 --   current or the previous one, so this writer sees its row. That needs every transaction to
 --   end within R (a writer two generations late would write into the next table); rotation
 --   refuses while a transaction older than the last switch is open.
--- - A reader uses the generation its session read last, so a replay reads no extra row. Behind
---   by a rotation or more, it reads other tables than the current and previous ones; a live row
---   it finds there is still the scope's newest (a newer row comes from a move, a takeover or a
---   rotation's carry, which all delete the row it would find, and the table a rotation stops
---   reading holds no row that still matters), and anything else sends it to the write path,
---   which reads the generation afresh and brings the session's copy up to date.
+-- - A reader uses the generation its session read last, so a replay reads no extra row. A
+--   session behind by a rotation or more reads other tables than the current and previous
+--   ones, where a live row is still the scope's newest: a newer row comes from a move, a
+--   takeover or a rotation's carry, which all delete the row it would find, and the carry
+--   judges what still matters as of the start of the oldest open transaction, so a table a
+--   rotation made unread holds no row such a reader would call live. Anything else sends it to
+--   the write path, which reads the generation afresh and brings the session up to date.
 DO $do$
 DECLARE
     v_layout text := coalesce(nullif(current_setting('idempotency.layout', true), ''), 'plain');
@@ -300,8 +301,9 @@ BEGIN
         v_from int := 0;   -- the first table to read: 1 skips the current one
         v_t int;
     BEGIN
-        -- The generation this session read last (see the header: a stale one only sends a
-        -- call to the write path, which reads it afresh and brings the session up to date).
+        -- The generation this session read last (see the header: one that a rotation has
+        -- made stale only sends a call to the write path, which reads it afresh and brings
+        -- the session up to date).
         IF v_gen IS NULL THEN
             SELECT g.current INTO v_gen FROM idempotency_generation g;
             PERFORM set_config('idempotency.generation', v_gen::text, false);
@@ -813,6 +815,7 @@ BEGIN
         v_switched timestamptz;
         v_period interval;
         v_next int;
+        v_horizon timestamptz;
     BEGIN
         PERFORM set_config('lock_timeout', p_lock_timeout_ms::text, true);
         -- Serialises rotations, and first: a writer under REPEATABLE READ or SERIALIZABLE
@@ -846,10 +849,19 @@ BEGIN
         END IF;
         v_next := (v_gen + 1) %% 3;
         %1$s
-        -- Once (per rotation, not per request): a statement built here is fine.
-        EXECUTE format('WITH moved AS (DELETE FROM %%I k WHERE NOT (k.expires_at <= now() AND (k.state = ''completed'' OR k.expires_at <= now() - $1 * interval ''1 microsecond'')) RETURNING k.*) INSERT INTO %%I SELECT * FROM moved',
+        -- What still matters is judged as of the start of the oldest transaction open now, if
+        -- that is earlier: a request judges a record live by its own transaction's start
+        -- (now()), and one that began before this rotation may still read the table it makes
+        -- unread (review, 2026-12-07: a transaction begun before a record expired replayed it
+        -- from there after a rotation had left it behind and a retry had stored a newer one).
+        SELECT least(now(), min(a.xact_start)) INTO v_horizon
+          FROM pg_stat_activity a
+         WHERE a.datname = current_database() AND a.pid <> pg_backend_pid()
+           AND a.backend_type = 'client backend';
+        -- Once per rotation, not per request: a statement built here is fine.
+        EXECUTE format('WITH moved AS (DELETE FROM %%I k WHERE NOT (k.expires_at <= $2 AND (k.state = ''completed'' OR k.expires_at <= $2 - $1 * interval ''1 microsecond'')) RETURNING k.*) INSERT INTO %%I SELECT * FROM moved',
                        'idempotency_keys_' || (v_gen + 2) %% 3, 'idempotency_keys_' || v_next)
-            USING p_grace_us;
+            USING p_grace_us, v_horizon;
         GET DIAGNOSTICS carried = ROW_COUNT;
         v_switched := clock_timestamp();
         -- Replaced rather than updated: a writer under REPEATABLE READ or SERIALIZABLE whose

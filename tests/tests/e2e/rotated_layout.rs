@@ -342,3 +342,68 @@ async fn a_claim_whose_snapshot_predates_a_rotation_fails_to_serialize() {
     claim.batch_execute("ROLLBACK").await.unwrap();
     assert_eq!(rows_of(&db.url, "k"), 1, "one row for the scope");
 }
+
+/// What a reserve call made over SQL answered: its outcome and the stored body, as text.
+#[derive(diesel::QueryableByName, Debug)]
+struct Answer {
+    #[diesel(sql_type = diesel::sql_types::Text)]
+    outcome: String,
+    #[diesel(sql_type = diesel::sql_types::Nullable<diesel::sql_types::Text>)]
+    body: Option<String>,
+}
+
+/// `idempotency_reserve` of `key` on `conn`, as the store calls it.
+async fn reserve_over_sql(conn: &mut AsyncPgConnection, key: &str) -> Answer {
+    let call = diesel::sql_query(
+        "SELECT outcome, convert_from(response_body, 'UTF8') AS body \
+         FROM idempotency_reserve('t', 'POST', '/payments', $1, \
+         '\\x0909090909090909090909090909090909090909090909090909090909090909', \
+         gen_random_uuid(), 60000000)",
+    )
+    .bind::<diesel::sql_types::Text, _>(key);
+    let mut rows: Vec<Answer> = diesel_async::RunQueryDsl::load(call, conn).await.unwrap();
+    rows.remove(0)
+}
+
+/// A transaction that began before a record expired, and whose session still holds the
+/// generation from before a rotation, reads the table that rotation made unread: the rotation
+/// must not leave there a record that transaction would call live. Review of 000016,
+/// 2026-12-07: the rotation judged by its own clock, left the record behind, and after a retry
+/// stored a newer response the transaction replayed the old one.
+#[tokio::test]
+async fn a_transaction_behind_a_rotation_never_replays_a_superseded_response() {
+    let db = TestDb::new_rotated(DEFAULT_ROTATION_PERIOD).await;
+    let mut rotator = postgres::establish(&db.url).await.unwrap();
+    // Due now, the period left as it is (so sessions keep their generation for a while).
+    let due = "UPDATE idempotency_generation SET switched_at = now() - period - interval '1 s'";
+    let store = PostgresStore::connect(&db.url).await.unwrap();
+    completed(&store, "k", b"old", Duration::from_secs(2)).await;
+    rotator.batch_execute(due).await.unwrap();
+    assert!(rotate(&mut rotator).await.rotated);
+
+    // The late session: it reads the generation now, then opens its transaction while "k" is
+    // live.
+    let mut late = postgres::establish(&db.url).await.unwrap();
+    assert_eq!(
+        reserve_over_sql(&mut late, "warm").await.outcome,
+        "reserved"
+    );
+    late.batch_execute("BEGIN; SELECT now()").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(2300)).await;
+
+    // "k" has expired; a rotation makes the table that holds it unread, and a retry of "k"
+    // runs and stores a newer response.
+    rotator.batch_execute(due).await.unwrap();
+    assert!(rotate(&mut rotator).await.rotated);
+    let token = reserved(&store, "k", LEASE).await;
+    let stored = store
+        .complete(&scope("k"), &token, &response(b"new"), LEASE)
+        .await
+        .unwrap();
+    assert_eq!(stored, WriteOutcome::Applied);
+
+    let answer = reserve_over_sql(&mut late, "k").await;
+    late.batch_execute("COMMIT").await.unwrap();
+    assert_eq!(answer.outcome, "existing", "{answer:?}");
+    assert_eq!(answer.body.as_deref(), Some("new"), "{answer:?}");
+}
