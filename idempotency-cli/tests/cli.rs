@@ -2031,6 +2031,61 @@ async fn migrate_refuses_another_partition_interval() {
     assert_stdout_has(&out, "layout: partitioned (hourly)");
 }
 
+/// `migrate --rotated` provisions the rotated layout that `migrate --check` and `stats` then
+/// name; its period is chosen once, like the partition interval. A period under the least one
+/// is refused before anything is applied (it used to apply 000001-000015, fail on 000016 and
+/// leave a plain database that `migrate --rotated` then refused).
+#[tokio::test]
+async fn migrate_rotated_provisions_it_once_with_its_period() {
+    let db = TestDb::new_unmigrated().await;
+    let out = idem_code(
+        &db.url,
+        &["migrate", "--rotated", "--rotation-period", "30m"],
+        2,
+    );
+    assert_stderr_has(&out, "at least 1h");
+    assert!(stdout(&out).is_empty(), "{}", stdout(&out));
+    let check = idem_code(&db.url, &["migrate", "--check"], 5);
+    assert_stdout_has(&check, "pending 2026-11-30-000001_create_idempotency_keys");
+
+    let out = idem_code(
+        &db.url,
+        &["migrate", "--rotated", "--rotation-period", "3h"],
+        0,
+    );
+    assert_stdout_has(&out, "applied 2026-12-07-000016_rotated_layout");
+    assert_stdout_has(&out, "layout: rotated");
+    let check = idem_code(&db.url, &["migrate", "--check"], 0);
+    assert_stdout_has(&check, "schema is up to date (layout: rotated)");
+    let stats = idem_code(&db.url, &["stats"], 0);
+    assert_stdout_has(&stats, "layout               rotated");
+
+    let out = idem_code(
+        &db.url,
+        &["migrate", "--rotated", "--rotation-period", "4h"],
+        1,
+    );
+    let err = stderr(&out);
+    assert!(
+        err.contains("3h") && err.contains("4h"),
+        "names both: {err}"
+    );
+    let out = idem_code(&db.url, &["migrate", "--partitioned"], 1);
+    assert_stderr_has(&out, "rotated layout");
+    for args in [
+        &["migrate", "--rotated", "--rotation-period", "3h"][..],
+        &["migrate", "--rotated"],
+        &["migrate"],
+    ] {
+        let out = idem_code(&db.url, args, 0);
+        assert_stdout_has(&out, "layout: rotated");
+    }
+
+    let plain = TestDb::new().await;
+    let out = idem_code(&plain.url, &["migrate", "--rotated"], 1);
+    assert_stderr_has(&out, "plain layout");
+}
+
 /// The migration advisory lock key ("idemmigr"), as the library and the CLI take it.
 const MIGRATION_LOCK: &str = "x'6964656d6d696772'::bigint";
 

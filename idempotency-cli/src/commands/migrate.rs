@@ -31,6 +31,16 @@ pub async fn run(
     format: Format,
     out: &mut Out,
 ) -> Result<(), CliError> {
+    if let Some(period) = args.rotation_period {
+        // The migration would refuse it too, but only after applying every migration before
+        // the layout's: the database would be left plain, which `migrate --rotated` refuses.
+        if period.0 < postgres::MIN_ROTATION_PERIOD {
+            return Err(CliError::Usage(format!(
+                "--rotation-period must be at least {}, not {period}",
+                crate::duration::HumanDuration(postgres::MIN_ROTATION_PERIOD)
+            )));
+        }
+    }
     let mut conn = db::connect(url, connect_timeout).await?;
 
     if args.check {
