@@ -279,6 +279,30 @@ BEGIN
             'g')
     $f$;
 
+    -- The reserve's read of the scope's row in table @T, filling the output columns. With
+    -- p_with_generation, the generation row is read in the same statement (one snapshot) into
+    -- v_fresh, and the row's columns are NULL when the table has none.
+    CREATE FUNCTION pg_temp.scope_read(p_with_generation boolean) RETURNS text
+    LANGUAGE sql IMMUTABLE
+    AS $f$
+        SELECT format($s$
+                SELECT %s k.state, k.fingerprint, k.response_status, k.response_headers,
+                       k.response_body, k.expires_at > now(),
+                       k.state = 'completed' OR k.fingerprint = p_fingerprint,
+                       (extract(epoch FROM greatest(k.expires_at - now(), interval '0'))
+                        * 1000000)::bigint
+                  INTO %s state, fingerprint, response_status, response_headers, response_body,
+                       live, eligible, lease_remaining_us
+                  FROM %s @T k
+                 %s k.tenant = p_tenant AND k.method = p_method AND k.path = p_path
+                   AND k.idempotency_key = p_key;
+        $s$,
+            CASE WHEN p_with_generation THEN 'g.current,' ELSE '' END,
+            CASE WHEN p_with_generation THEN 'v_fresh,' ELSE '' END,
+            CASE WHEN p_with_generation THEN 'idempotency_generation g LEFT JOIN' ELSE '' END,
+            CASE WHEN p_with_generation THEN 'ON' ELSE 'WHERE' END)
+    $f$;
+
     -- idempotency_reserve: the plain layout's outcomes and output row (docs/sql.md).
     EXECUTE format(pg_temp.with_generation_reads($f$
     CREATE OR REPLACE FUNCTION idempotency_reserve(
@@ -297,8 +321,8 @@ BEGIN
         v_gen int := nullif(current_setting('idempotency.generation', true), '')::int;
         v_fresh int;
         v_locked boolean := false;
+        v_busy boolean := false;  -- the scope's lock was held by another transaction
         v_where int;       -- where the row was found: 0 current table, 1 previous, NULL none
-        v_from int := 0;   -- the first table to read: 1 skips the current one
         v_t int;
     BEGIN
         -- The generation this session read last (see the header: one that a rotation has
@@ -308,10 +332,68 @@ BEGIN
             SELECT g.current INTO v_gen FROM idempotency_generation g;
             PERFORM set_config('idempotency.generation', v_gen::text, false);
         END IF;
+
+        -- The fast path: the outcomes nearly every call has, in the fewest statements (each
+        -- costs a miss about a seventh: docs/benchmarks.md, "Rotated layout, as shipped").
+        -- A live row in the current table (a replay, a live reservation) is answered as read.
+        v_t := v_gen;
+        %1$s
+        IF FOUND THEN
+            IF live THEN
+                outcome := 'existing';
+                RETURN NEXT;
+                RETURN;
+            END IF;
+        ELSIF current_setting('transaction_isolation') = 'read committed'
+              AND pg_try_advisory_xact_lock(
+                  idempotency_lock_key(p_tenant, p_method, p_path, p_key)) THEN
+            -- Not in the current table: under the scope's lock, the previous table and the
+            -- generation in one snapshot, which is the loop's locked read of the previous
+            -- table followed by its generation read, made at one instant (a rotation commits
+            -- its carry and the new generation together: a snapshot shows both or neither).
+            v_locked := true;
+            v_t := (v_gen + 2) %% 3;
+            %5$s
+            IF v_fresh = v_gen THEN
+                IF state IS NULL THEN
+                    %4$s
+                    IF FOUND THEN
+                        outcome := 'reserved';
+                        RETURN NEXT;
+                        RETURN;
+                    END IF;
+                ELSIF live OR NOT eligible THEN
+                    outcome := 'existing';
+                    RETURN NEXT;
+                    RETURN;
+                END IF;
+            ELSE
+                v_gen := v_fresh;
+                PERFORM set_config('idempotency.generation', v_gen::text, false);
+            END IF;
+        END IF;
+        -- Anything else (an ended row to take over, a lost race, the scope's lock held by
+        -- another transaction, REPEATABLE READ or SERIALIZABLE, a rotation since the session
+        -- read the generation) takes the loop, which reads again; the lock, once held, stays.
         FOR attempt IN 1..6 LOOP
-            -- The read: the current table, then the previous one. No lock.
+            -- The read: the current table, then the previous one.
             v_where := NULL;
-            FOR v_step IN v_from..1 LOOP
+            v_busy := false;
+            FOR v_step IN 0..1 LOOP
+                IF v_step = 1 AND NOT v_locked THEN
+                    -- Not in the current table (a miss, or a record a rotation left in the
+                    -- previous one). The previous table is read under the scope's lock, so a
+                    -- miss reads it once: every earlier writer of this scope has committed by
+                    -- then, into the current or previous table of the generation it read (one
+                    -- that read the generation before a rotation commits into what is the
+                    -- previous table now), and a row committed into the current table since
+                    -- the read above is caught by the INSERT's conflict. Held by another
+                    -- transaction, the read is made without it, for an answer that needs no
+                    -- write (a replay); anything else is answered in flight below.
+                    v_locked := pg_try_advisory_xact_lock(
+                        idempotency_lock_key(p_tenant, p_method, p_path, p_key));
+                    v_busy := NOT v_locked;
+                END IF;
                 v_t := (v_gen + 3 - v_step) %% 3;
                 %1$s
                 IF FOUND THEN
@@ -319,7 +401,6 @@ BEGIN
                     EXIT;
                 END IF;
             END LOOP;
-            v_from := 0;
             IF v_locked OR (v_where IS NOT NULL AND NOT live AND NOT eligible) THEN
                 -- Before a write, and before answering with an ended reservation of another
                 -- request: the generation read after the tables. Unchanged, the reads saw the
@@ -344,7 +425,9 @@ BEGIN
             END IF;
 
             IF NOT v_locked THEN
-                IF NOT pg_try_advisory_xact_lock(
+                -- An ended, eligible row in the current table (the lock is taken for it, and
+                -- it is read again), or the lock was held above.
+                IF v_busy OR NOT pg_try_advisory_xact_lock(
                         idempotency_lock_key(p_tenant, p_method, p_path, p_key)) THEN
                     -- Held by another transaction: a transactional request whose reservation
                     -- is not committed yet, or a concurrent reserve.
@@ -356,14 +439,8 @@ BEGIN
                     RETURN;
                 END IF;
                 v_locked := true;
-                -- Every earlier writer of this scope has committed now, into the current or
-                -- previous table of the generation it read. Read again, under the lock (and
-                -- the generation after, above): the previous table (a writer that read the
-                -- generation before a rotation commits there, after this call's first read),
-                -- and the current one too unless the row was found there (a row committed
-                -- there since is caught by the INSERT's conflict, and a takeover there
-                -- re-checks under the row lock).
-                v_from := CASE WHEN v_where IS NULL THEN 1 ELSE 0 END;
+                -- Read again under the lock (and the generation after, above); a takeover
+                -- re-checks under the row lock too.
                 CONTINUE;
             END IF;
 
@@ -405,18 +482,7 @@ BEGIN
     $fn$
     $f$),
     -- 1: the read, filling the output columns.
-    pg_temp.per_table('v_t', $s$
-                SELECT k.state, k.fingerprint, k.response_status, k.response_headers,
-                       k.response_body, k.expires_at > now(),
-                       k.state = 'completed' OR k.fingerprint = p_fingerprint,
-                       (extract(epoch FROM greatest(k.expires_at - now(), interval '0'))
-                        * 1000000)::bigint
-                  INTO state, fingerprint, response_status, response_headers, response_body,
-                       live, eligible, lease_remaining_us
-                  FROM @T k
-                 WHERE k.tenant = p_tenant AND k.method = p_method AND k.path = p_path
-                   AND k.idempotency_key = p_key;
-    $s$),
+    pg_temp.per_table('v_t', pg_temp.scope_read(false)),
     -- 2: the takeover in place.
     pg_temp.per_table('v_gen', $s$
                 UPDATE @T k
@@ -445,12 +511,32 @@ BEGIN
                         now() + p_lease_us * interval '1 microsecond', now(),
                         now() + p_lease_us * interval '1 microsecond')
                 ON CONFLICT DO NOTHING;
-    $s$));
+    $s$),
+    -- 5: the read of the previous table and the generation, in one statement.
+    pg_temp.per_table('v_t', pg_temp.scope_read(true)));
 
     -- The holder's writes read the generation afresh: what they write must land in the table
     -- that is current now (or was at this transaction's start: still R before its TRUNCATE).
     -- A row of theirs in the previous table is moved into the current one. @F is the
     -- WHERE clause of the holder's row: scope, in flight, token.
+
+    -- The complete's UPDATE of the holder's row in table @T. With p_fenced_by_generation, it
+    -- also requires the generation (read in the same statement) to be v_gen.
+    CREATE FUNCTION pg_temp.complete_update(p_fenced_by_generation boolean) RETURNS text
+    LANGUAGE sql IMMUTABLE
+    AS $f$
+        SELECT format($s$
+            UPDATE @T k
+               SET state = 'completed', response_status = p_status, response_headers = p_headers,
+                   response_body = p_body, completed_at = now(), locked_until = NULL,
+                   expires_at = now() + p_ttl_us * interval '1 microsecond'
+              %s
+             WHERE %s k.tenant = p_tenant AND k.method = p_method AND k.path = p_path
+               AND k.idempotency_key = p_key AND k.state = 'in_flight' AND k.token = p_token;
+        $s$,
+            CASE WHEN p_fenced_by_generation THEN 'FROM idempotency_generation g' ELSE '' END,
+            CASE WHEN p_fenced_by_generation THEN 'g.current = v_gen AND' ELSE '' END)
+    $f$;
 
     -- idempotency_complete: store the response, fenced by the token.
     EXECUTE format(pg_temp.with_generation_reads($f$
@@ -469,6 +555,18 @@ BEGIN
         v_fingerprint bytea;
         v_created timestamptz;
     BEGIN
+        -- The fast path (READ COMMITTED, not a transactional claim): the session's generation
+        -- (idempotency_reserve keeps it), checked in the UPDATE's own snapshot, so the write
+        -- lands in the table current in that snapshot, as after the generation read below.
+        -- A stale generation updates nothing and takes the path below.
+        v_gen := nullif(current_setting('idempotency.generation', true), '')::int;
+        IF v_gen IS NOT NULL AND nullif(v_claimed, '') IS NULL
+           AND current_setting('transaction_isolation') = 'read committed' THEN
+            %5$s
+            IF FOUND THEN
+                RETURN true;
+            END IF;
+        END IF;
         @GENERATION(v_gen)
         -- The row a transactional claim inserted ("<generation>:<ctid>"), found without an
         -- index read when it is still in the current table.
@@ -507,14 +605,7 @@ BEGIN
              WHERE k.ctid = split_part(v_claimed, ':', 2)::tid
                AND k.state = 'in_flight' AND k.token = p_token;
     $s$),
-    pg_temp.per_table('v_gen', $s$
-            UPDATE @T k
-               SET state = 'completed', response_status = p_status, response_headers = p_headers,
-                   response_body = p_body, completed_at = now(), locked_until = NULL,
-                   expires_at = now() + p_ttl_us * interval '1 microsecond'
-             WHERE k.tenant = p_tenant AND k.method = p_method AND k.path = p_path
-               AND k.idempotency_key = p_key AND k.state = 'in_flight' AND k.token = p_token;
-    $s$),
+    pg_temp.per_table('v_gen', pg_temp.complete_update(false)),
     pg_temp.per_table('v_t', $s$
             DELETE FROM @T k
              WHERE k.tenant = p_tenant AND k.method = p_method AND k.path = p_path
@@ -529,7 +620,8 @@ BEGIN
             VALUES (p_tenant, p_method, p_path, p_key, v_fingerprint, 'completed', p_token,
                     p_status, p_headers, p_body, v_created, now(),
                     now() + p_ttl_us * interval '1 microsecond');
-    $s$));
+    $s$),
+    pg_temp.per_table('v_gen', pg_temp.complete_update(true)));
 
     -- idempotency_renew_lease: the holder moves its lease end (and expiry) to now + lease.
     EXECUTE format(pg_temp.with_generation_reads($f$
