@@ -303,6 +303,36 @@ BEGIN
             CASE WHEN p_with_generation THEN 'ON' ELSE 'WHERE' END)
     $f$;
 
+    -- Under REPEATABLE READ and SERIALIZABLE, before a new row goes into the current table:
+    -- the scope's row committed into the previous table (@T) after this transaction's snapshot
+    -- by a writer that read the generation before a rotation. The snapshot cannot show it, and
+    -- the current table's unique index does not hold it; the previous table's does. So an
+    -- INSERT there, undone at once: it raises a serialization failure on such a row (as the
+    -- plain layout's INSERT does), waits for one not yet committed, and otherwise leaves
+    -- nothing behind (docs/sql.md, "Rotated layout", point 3). With p_found, it also sets
+    -- that variable to whether the table has the scope's row (one the snapshot shows): the
+    -- SERIALIZABLE claim's look at the table, made without an index read, so that claims of
+    -- different keys do not fail each other through the read locks of serializable snapshot
+    -- isolation (a review found three claims of three keys failing one of them).
+    CREATE FUNCTION pg_temp.previous_table_probe(p_found text) RETURNS text
+    LANGUAGE sql IMMUTABLE
+    AS $f$
+        SELECT format($s$
+                BEGIN
+                    INSERT INTO @T
+                        (tenant, method, path, idempotency_key, fingerprint, state, token,
+                         locked_until, created_at, expires_at)
+                    VALUES (p_tenant, p_method, p_path, p_key, p_fingerprint, 'in_flight',
+                            p_token, now(), now(), now())
+                    ON CONFLICT DO NOTHING;
+                    %s
+                    RAISE SQLSTATE 'IDPRB';
+                EXCEPTION WHEN SQLSTATE 'IDPRB' THEN
+                    NULL;
+                END;
+        $s$, CASE WHEN p_found IS NULL THEN '' ELSE p_found || ' := NOT FOUND;' END)
+    $f$;
+
     -- idempotency_reserve: the plain layout's outcomes and output row (docs/sql.md).
     EXECUTE format(pg_temp.with_generation_reads($f$
     CREATE OR REPLACE FUNCTION idempotency_reserve(
@@ -461,6 +491,10 @@ BEGIN
                     END IF;
                 END IF;
             ELSE
+                IF current_setting('transaction_isolation') <> 'read committed' THEN
+                    v_t := (v_gen + 2) %% 3;
+                    %6$s
+                END IF;
                 %4$s
             END IF;
             IF FOUND THEN
@@ -513,7 +547,9 @@ BEGIN
                 ON CONFLICT DO NOTHING;
     $s$),
     -- 5: the read of the previous table and the generation, in one statement.
-    pg_temp.per_table('v_t', pg_temp.scope_read(true)));
+    pg_temp.per_table('v_t', pg_temp.scope_read(true)),
+    -- 6: the previous table's probe (REPEATABLE READ and SERIALIZABLE).
+    pg_temp.per_table('v_t', pg_temp.previous_table_probe(NULL)));
 
     -- The holder's writes read the generation afresh: what they write must land in the table
     -- that is current now (or was at this transaction's start: still R before its TRUNCATE).
@@ -844,8 +880,9 @@ BEGIN
             IF pg_try_advisory_xact_lock(idempotency_lock_key(p_tenant, p_method, p_path, p_key)) THEN
                 @GENERATION(v_gen)
                 v_t := (v_gen + 2) %% 3;
+                -- The previous table: the probe (see pg_temp.previous_table_probe), which
+                -- fails to serialize on the scope's row committed after the snapshot.
                 %1$s
-                v_found := FOUND;
                 -- No row in the previous table, and the generation unchanged since (a rotation
                 -- may have carried the scope's row out of it): insert first; otherwise the
                 -- reserve function decides.
@@ -867,11 +904,7 @@ BEGIN
     END
     $fn$
     $f$),
-    pg_temp.per_table('v_t', $s$
-                PERFORM FROM @T k
-                  WHERE k.tenant = p_tenant AND k.method = p_method AND k.path = p_path
-                    AND k.idempotency_key = p_key;
-    $s$),
+    pg_temp.per_table('v_t', pg_temp.previous_table_probe('v_found')),
     pg_temp.per_table('v_gen', $s$
                     INSERT INTO @T AS k
                         (tenant, method, path, idempotency_key, fingerprint, state, token,

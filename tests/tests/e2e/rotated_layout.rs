@@ -343,6 +343,131 @@ async fn a_claim_whose_snapshot_predates_a_rotation_fails_to_serialize() {
     assert_eq!(rows_of(&db.url, "k"), 1, "one row for the scope");
 }
 
+/// A reserve under REPEATABLE READ (or SERIALIZABLE) whose snapshot shows a rotation, but not
+/// the row a READ COMMITTED reserve that read the generation before that rotation then
+/// committed into the table the rotation made previous: it must not insert a second row into
+/// the current table (on the plain layout the two inserts meet in one unique index, and the
+/// later one fails to serialize). It fails with a serialization failure. Review of the
+/// reserve's fast path, 2026-12-07: the defect was older than it, both answered `reserved`.
+/// The same for the transactional claim's insert-first path under SERIALIZABLE.
+#[tokio::test]
+async fn a_repeatable_read_reserve_behind_a_writer_that_crossed_a_rotation_fails_to_serialize() {
+    behind_a_writer_that_crossed_a_rotation(
+        "REPEATABLE READ",
+        "SELECT outcome FROM idempotency_reserve('t', 'POST', '/payments', 'k', \
+         '\\x0909090909090909090909090909090909090909090909090909090909090909', \
+         gen_random_uuid(), 60000000)",
+    )
+    .await;
+    behind_a_writer_that_crossed_a_rotation(
+        "SERIALIZABLE",
+        "SELECT outcome FROM idempotency_tx_claim(NULL, NULL, 't', 'POST', '/payments', 'k', \
+         '\\x0909090909090909090909090909090909090909090909090909090909090909', \
+         gen_random_uuid(), 60000000)",
+    )
+    .await;
+}
+
+/// The interleaving above, with the late transaction at `isolation` making `call`.
+async fn behind_a_writer_that_crossed_a_rotation(isolation: &str, call: &str) {
+    let (db, mut conn) = rotated_db().await;
+    let current = count(
+        &db.url,
+        "SELECT current::bigint AS n FROM idempotency_generation",
+    );
+    // An uncommitted row of the scope in the current table, inserted straight into it (no
+    // scope lock): the first writer's INSERT waits for it, its generation already read.
+    let mut holder = postgres::establish(&db.url).await.unwrap();
+    holder
+        .batch_execute(&format!(
+            "BEGIN; INSERT INTO idempotency_keys_{current} (tenant, method, path, \
+             idempotency_key, fingerprint, state, token, locked_until, created_at, expires_at) \
+             VALUES ('t', 'POST', '/payments', 'k', decode(repeat('07', 32), 'hex'), \
+             'in_flight', gen_random_uuid(), now() + interval '1 minute', now(), \
+             now() + interval '1 minute')"
+        ))
+        .await
+        .unwrap();
+    let first = {
+        let url = db.url.clone();
+        tokio::spawn(async move {
+            let store = PostgresStore::connect(&url).await.unwrap();
+            store.reserve(&scope("k"), &FP, LEASE).await
+        })
+    };
+    let waiting = "SELECT count(*) AS n FROM pg_locks \
+                   WHERE locktype = 'transactionid' AND NOT granted";
+    for _ in 0..500 {
+        if count(&db.url, waiting) > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(
+        count(&db.url, waiting) > 0,
+        "the first reserve never waited"
+    );
+
+    assert!(rotate(&mut conn).await.rotated);
+    let mut late = postgres::establish(&db.url).await.unwrap();
+    late.batch_execute(&format!("BEGIN ISOLATION LEVEL {isolation}; SELECT 1"))
+        .await
+        .unwrap();
+    holder.batch_execute("ROLLBACK").await.unwrap();
+    match first.await.unwrap().unwrap() {
+        ReserveOutcome::Reserved { .. } => {}
+        other => panic!("the first reserve: {other:?}"),
+    }
+
+    let second = late.batch_execute(call).await;
+    let error = second
+        .expect_err(&format!("{isolation}: a second reservation of the scope"))
+        .to_string();
+    assert!(
+        error.contains("could not serialize"),
+        "{isolation}: expected a serialization failure, got {error}"
+    );
+    late.batch_execute("ROLLBACK").await.unwrap();
+    assert_eq!(
+        rows_of(&db.url, "k"),
+        1,
+        "{isolation}: one row for the scope"
+    );
+}
+
+/// Transactional claims under SERIALIZABLE of three different keys, open together, all commit:
+/// the claim's look at the previous table takes no read lock of serializable snapshot
+/// isolation that the others' probes there (previous test) would conflict with. Review,
+/// 2026-12-07: with an index read before the probe, committing the third and then the second
+/// failed the second ("identified as a pivot"), in an empty table (one index page).
+#[tokio::test]
+async fn serializable_claims_of_different_keys_do_not_fail_each_other() {
+    let (db, _conn) = rotated_db().await;
+    let mut claims = Vec::new();
+    for key in ["0zz", "8zz", "fzz"] {
+        let mut claim = postgres::establish(&db.url).await.unwrap();
+        claim
+            .batch_execute(&format!(
+                "BEGIN ISOLATION LEVEL SERIALIZABLE; \
+                 SELECT outcome FROM idempotency_tx_claim(NULL, NULL, 't', 'POST', '/payments', \
+                 '{key}', '\\x0909090909090909090909090909090909090909090909090909090909090909', \
+                 gen_random_uuid(), 60000000)"
+            ))
+            .await
+            .unwrap();
+        claims.push((key, claim));
+    }
+    for (key, claim) in claims.iter_mut().rev() {
+        claim
+            .batch_execute("COMMIT")
+            .await
+            .unwrap_or_else(|e| panic!("the claim of {key} failed to commit: {e}"));
+    }
+    for key in ["0zz", "8zz", "fzz"] {
+        assert_eq!(rows_of(&db.url, key), 1, "{key}");
+    }
+}
+
 /// What a reserve call made over SQL answered: its outcome and the stored body, as text.
 #[derive(diesel::QueryableByName, Debug)]
 struct Answer {
