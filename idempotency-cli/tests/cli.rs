@@ -385,6 +385,7 @@ async fn migrate_twice_and_check_gates_deploys() {
          applied 2026-12-06-000014_partition_drop_lists_under_the_lock\n\
          applied 2026-12-07-000015_scope_statements_as_functions\n\
          applied 2026-12-07-000016_rotated_layout\n\
+         applied 2026-12-07-000017_partition_drop_waits_for_the_default\n\
          layout: plain\n"
     );
 
@@ -2309,7 +2310,10 @@ async fn migrate_check_needs_only_select() {
     );
     assert!(up_to_date_out.contains("up to date"), "{up_to_date_out}");
     expect_code(&pending, PENDING);
-    assert_stdout_has(&pending, "pending 2026-12-07-000016_rotated_layout");
+    assert_stdout_has(
+        &pending,
+        "pending 2026-12-07-000017_partition_drop_waits_for_the_default",
+    );
 }
 
 /// Run idem-cli with `args` on `db` through a [`freezing_proxy`] that goes silent once the
