@@ -42,8 +42,9 @@ BEGIN
             LOCK TABLE ONLY idempotency_responses IN ACCESS EXCLUSIVE MODE;
             -- Every DROP of a partition also takes the default partition. Waited for briefly
             -- (the table is held meanwhile, and requests queue behind it): long enough for a
-            -- transaction that is committing to let it go, not for one that holds it.
-            PERFORM set_config('lock_timeout', least(p_lock_timeout_ms, 100) || 'ms', true);
+            -- transaction that is committing to let it go, not for one that holds it. (At
+            -- least 1 ms: 0 would be no limit.)
+            PERFORM set_config('lock_timeout', least(greatest(p_lock_timeout_ms, 1), 100) || 'ms', true);
             BEGIN
                 LOCK TABLE idempotency_responses_default IN ACCESS EXCLUSIVE MODE;
             EXCEPTION WHEN lock_not_available THEN
