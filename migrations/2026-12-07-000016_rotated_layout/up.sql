@@ -556,9 +556,10 @@ BEGIN
     -- A row of theirs in the previous table is moved into the current one. @F is the
     -- WHERE clause of the holder's row: scope, in flight, token.
 
-    -- The complete's UPDATE of the holder's row in table @T. With p_fenced_by_generation, it
-    -- also requires the generation (read in the same statement) to be v_gen.
-    CREATE FUNCTION pg_temp.complete_update(p_fenced_by_generation boolean) RETURNS text
+    -- The complete's UPDATE of the holder's row in table @T, found by p_find: 'address' (the
+    -- row a transactional claim inserted, by ctid), 'scope' (its primary key), or
+    -- 'scope, generation' (and the generation, read in the same statement, still v_gen).
+    CREATE FUNCTION pg_temp.complete_update(p_find text) RETURNS text
     LANGUAGE sql IMMUTABLE
     AS $f$
         SELECT format($s$
@@ -567,11 +568,15 @@ BEGIN
                    response_body = p_body, completed_at = now(), locked_until = NULL,
                    expires_at = now() + p_ttl_us * interval '1 microsecond'
               %s
-             WHERE %s k.tenant = p_tenant AND k.method = p_method AND k.path = p_path
-               AND k.idempotency_key = p_key AND k.state = 'in_flight' AND k.token = p_token;
+             WHERE %s AND k.state = 'in_flight' AND k.token = p_token;
         $s$,
-            CASE WHEN p_fenced_by_generation THEN 'FROM idempotency_generation g' ELSE '' END,
-            CASE WHEN p_fenced_by_generation THEN 'g.current = v_gen AND' ELSE '' END)
+            CASE WHEN p_find = 'scope, generation' THEN 'FROM idempotency_generation g' ELSE '' END,
+            CASE p_find
+                WHEN 'address' THEN 'k.ctid = split_part(v_claimed, '':'', 2)::tid'
+                ELSE CASE WHEN p_find = 'scope, generation' THEN 'g.current = v_gen AND ' ELSE '' END
+                     || 'k.tenant = p_tenant AND k.method = p_method AND k.path = p_path '
+                     || 'AND k.idempotency_key = p_key'
+            END)
     $f$;
 
     -- idempotency_complete: store the response, fenced by the token.
@@ -633,15 +638,8 @@ BEGIN
     END
     $fn$
     $f$),
-    pg_temp.per_table('v_gen', $s$
-            UPDATE @T k
-               SET state = 'completed', response_status = p_status, response_headers = p_headers,
-                   response_body = p_body, completed_at = now(), locked_until = NULL,
-                   expires_at = now() + p_ttl_us * interval '1 microsecond'
-             WHERE k.ctid = split_part(v_claimed, ':', 2)::tid
-               AND k.state = 'in_flight' AND k.token = p_token;
-    $s$),
-    pg_temp.per_table('v_gen', pg_temp.complete_update(false)),
+    pg_temp.per_table('v_gen', pg_temp.complete_update('address')),
+    pg_temp.per_table('v_gen', pg_temp.complete_update('scope')),
     pg_temp.per_table('v_t', $s$
             DELETE FROM @T k
              WHERE k.tenant = p_tenant AND k.method = p_method AND k.path = p_path
@@ -657,7 +655,7 @@ BEGIN
                     p_status, p_headers, p_body, v_created, now(),
                     now() + p_ttl_us * interval '1 microsecond');
     $s$),
-    pg_temp.per_table('v_gen', pg_temp.complete_update(true)));
+    pg_temp.per_table('v_gen', pg_temp.complete_update('scope, generation')));
 
     -- idempotency_renew_lease: the holder moves its lease end (and expiry) to now + lease.
     EXECUTE format(pg_temp.with_generation_reads($f$
