@@ -254,15 +254,16 @@ BEGIN
     -- Each function below names each table in its own static statement (PL/pgSQL plans a
     -- static statement once per session; one built with EXECUTE is planned on every call, which
     -- cost replays 40 % in the partitioned layout's measurement). So a statement is written once
-    -- here, with @T for its table, and pg_temp.per_table expands it into a branch per table.
+    -- here, with @T for its table (and @P for the table before it: the previous one when @T
+    -- is current), and pg_temp.per_table expands it into a branch per table.
     CREATE FUNCTION pg_temp.per_table(p_var text, p_stmt text) RETURNS text
     LANGUAGE sql IMMUTABLE
     AS $f$
         SELECT format('IF %1$s = 0 THEN %2$s ELSIF %1$s = 1 THEN %3$s ELSE %4$s END IF;',
                       p_var,
-                      replace(p_stmt, '@T', 'idempotency_keys_0'),
-                      replace(p_stmt, '@T', 'idempotency_keys_1'),
-                      replace(p_stmt, '@T', 'idempotency_keys_2'))
+                      replace(replace(p_stmt, '@T', 'idempotency_keys_0'), '@P', 'idempotency_keys_2'),
+                      replace(replace(p_stmt, '@T', 'idempotency_keys_1'), '@P', 'idempotency_keys_0'),
+                      replace(replace(p_stmt, '@T', 'idempotency_keys_2'), '@P', 'idempotency_keys_1'))
     $f$;
 
     -- A writer's read of the generation, @GENERATION(variable) in the bodies below: under READ
@@ -277,30 +278,6 @@ BEGIN
             'SELECT g.current INTO \1 FROM idempotency_generation g; '
             'ELSE SELECT o_current INTO \1 FROM idempotency_generation_for_write(); END IF;',
             'g')
-    $f$;
-
-    -- The reserve's read of the scope's row in table @T, filling the output columns. With
-    -- p_with_generation, the generation row is read in the same statement (one snapshot) into
-    -- v_fresh, and the row's columns are NULL when the table has none.
-    CREATE FUNCTION pg_temp.scope_read(p_with_generation boolean) RETURNS text
-    LANGUAGE sql IMMUTABLE
-    AS $f$
-        SELECT format($s$
-                SELECT %s k.state, k.fingerprint, k.response_status, k.response_headers,
-                       k.response_body, k.expires_at > now(),
-                       k.state = 'completed' OR k.fingerprint = p_fingerprint,
-                       (extract(epoch FROM greatest(k.expires_at - now(), interval '0'))
-                        * 1000000)::bigint
-                  INTO %s state, fingerprint, response_status, response_headers, response_body,
-                       live, eligible, lease_remaining_us
-                  FROM %s @T k
-                 %s k.tenant = p_tenant AND k.method = p_method AND k.path = p_path
-                   AND k.idempotency_key = p_key;
-        $s$,
-            CASE WHEN p_with_generation THEN 'g.current,' ELSE '' END,
-            CASE WHEN p_with_generation THEN 'v_fresh,' ELSE '' END,
-            CASE WHEN p_with_generation THEN 'idempotency_generation g LEFT JOIN' ELSE '' END,
-            CASE WHEN p_with_generation THEN 'ON' ELSE 'WHERE' END)
     $f$;
 
     -- Under REPEATABLE READ and SERIALIZABLE, before a new row goes into the current table:
@@ -377,29 +354,21 @@ BEGIN
         ELSIF current_setting('transaction_isolation') = 'read committed'
               AND pg_try_advisory_xact_lock(
                   idempotency_lock_key(p_tenant, p_method, p_path, p_key)) THEN
-            -- Not in the current table: under the scope's lock, the previous table and the
-            -- generation in one snapshot, which is the loop's locked read of the previous
-            -- table followed by its generation read, made at one instant (a rotation commits
-            -- its carry and the new generation together: a snapshot shows both or neither).
+            -- Not in the current table: under the scope's lock, one INSERT into it that
+            -- reads the previous table and the generation in its own snapshot, and inserts
+            -- only if the generation is still the session's and the previous table has no
+            -- row of the scope. That is the loop's locked read of the previous table and its
+            -- generation read, made at one instant (a rotation commits its carry and the new
+            -- generation together: a snapshot shows both or neither), then its INSERT, in one
+            -- statement: a miss makes as many as on the plain layout (docs/benchmarks.md,
+            -- "One statement for a miss's second table"). Nothing inserted (a row in the
+            -- previous table, a rotation, a lost race) goes to the loop, which reads again.
             v_locked := true;
-            v_t := (v_gen + 2) %% 3;
             %5$s
-            IF v_fresh = v_gen THEN
-                IF state IS NULL THEN
-                    %4$s
-                    IF FOUND THEN
-                        outcome := 'reserved';
-                        RETURN NEXT;
-                        RETURN;
-                    END IF;
-                ELSIF live OR NOT eligible THEN
-                    outcome := 'existing';
-                    RETURN NEXT;
-                    RETURN;
-                END IF;
-            ELSE
-                v_gen := v_fresh;
-                PERFORM set_config('idempotency.generation', v_gen::text, false);
+            IF FOUND THEN
+                outcome := 'reserved';
+                RETURN NEXT;
+                RETURN;
             END IF;
         END IF;
         -- Anything else (an ended row to take over, a lost race, the scope's lock held by
@@ -516,7 +485,18 @@ BEGIN
     $fn$
     $f$),
     -- 1: the read, filling the output columns.
-    pg_temp.per_table('v_t', pg_temp.scope_read(false)),
+    pg_temp.per_table('v_t', $s$
+                SELECT k.state, k.fingerprint, k.response_status, k.response_headers,
+                       k.response_body, k.expires_at > now(),
+                       k.state = 'completed' OR k.fingerprint = p_fingerprint,
+                       (extract(epoch FROM greatest(k.expires_at - now(), interval '0'))
+                        * 1000000)::bigint
+                  INTO state, fingerprint, response_status, response_headers, response_body,
+                       live, eligible, lease_remaining_us
+                  FROM @T k
+                 WHERE k.tenant = p_tenant AND k.method = p_method AND k.path = p_path
+                   AND k.idempotency_key = p_key;
+    $s$),
     -- 2: the takeover in place.
     pg_temp.per_table('v_gen', $s$
                 UPDATE @T k
@@ -546,8 +526,22 @@ BEGIN
                         now() + p_lease_us * interval '1 microsecond')
                 ON CONFLICT DO NOTHING;
     $s$),
-    -- 5: the read of the previous table and the generation, in one statement.
-    pg_temp.per_table('v_t', pg_temp.scope_read(true)),
+    -- 5: a new reservation in the current table, if the generation is still v_gen and the
+    -- previous table has no row of the scope (the fast path's one statement).
+    pg_temp.per_table('v_gen', $s$
+                INSERT INTO @T AS k
+                    (tenant, method, path, idempotency_key, fingerprint, state, token,
+                     locked_until, created_at, expires_at)
+                SELECT p_tenant, p_method, p_path, p_key, p_fingerprint, 'in_flight', p_token,
+                       now() + p_lease_us * interval '1 microsecond', now(),
+                       now() + p_lease_us * interval '1 microsecond'
+                  FROM idempotency_generation g
+                 WHERE g.current = v_gen
+                   AND NOT EXISTS (SELECT FROM @P p
+                                    WHERE p.tenant = p_tenant AND p.method = p_method
+                                      AND p.path = p_path AND p.idempotency_key = p_key)
+                ON CONFLICT DO NOTHING;
+    $s$),
     -- 6: the previous table's probe (REPEATABLE READ and SERIALIZABLE).
     pg_temp.per_table('v_t', pg_temp.previous_table_probe(NULL)));
 

@@ -231,6 +231,67 @@ async fn one_winner_per_key_while_the_tables_rotate() {
     );
 }
 
+/// The miss's fast path (one `INSERT` that reads the previous table and the generation) on a
+/// session that read the generation before a rotation, and on a scope whose record a rotation
+/// left in the previous table: neither inserts there, and the general path answers. The miss
+/// lands in the table that is current now, the session is brought up to date, and the older
+/// record (live, or ended and taken over) is never doubled.
+#[tokio::test]
+async fn a_miss_behind_a_rotation_or_beside_a_previous_record_is_answered_once() {
+    let (db, mut conn) = rotated_db().await;
+    let current = || {
+        count(
+            &db.url,
+            "SELECT current::bigint AS n FROM idempotency_generation",
+        )
+    };
+    let rows_in = |table: i64, key: &str| {
+        count(
+            &db.url,
+            &format!(
+                "SELECT count(*) AS n FROM idempotency_keys_{table} WHERE idempotency_key = '{key}'"
+            ),
+        )
+    };
+    // One connection: the session whose generation goes stale is the one that reserves next.
+    let store = PostgresStore::builder(db.url.as_str())
+        .max_size(1)
+        .build()
+        .await
+        .unwrap();
+    completed(&store, "stored", b"stored", Duration::from_secs(3600)).await;
+    reserved(&store, "ended", Duration::from_millis(1)).await;
+    let before = current();
+    assert!(rotate(&mut conn).await.rotated);
+    let now = current();
+    assert_ne!(now, before);
+
+    reserved(&store, "new", LEASE).await;
+    assert_eq!(
+        rows_in(now, "new"),
+        1,
+        "the miss is in the table current now"
+    );
+    assert_eq!(rows_of(&db.url, "new"), 1);
+
+    // Records stored before the rotation, in what is the previous table now.
+    assert_eq!(rows_in(before, "stored"), 1);
+    assert_replays(&store, "stored", b"stored", "after the rotation").await;
+    match store
+        .reserve(&scope("stored"), &OTHER, LEASE)
+        .await
+        .unwrap()
+    {
+        ReserveOutcome::Completed { fingerprint, .. } => assert_eq!(fingerprint, FP),
+        other => panic!("another body for a stored record: {other:?}"),
+    }
+    assert_eq!(rows_of(&db.url, "stored"), 1, "never doubled");
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    reserved(&store, "ended", LEASE).await;
+    assert_eq!(rows_of(&db.url, "ended"), 1, "taken over, not doubled");
+    assert_eq!(rows_in(now, "ended"), 1, "moved into the current table");
+}
+
 /// A transaction that began before the last rotation may have read the generation before it
 /// and could still write into the table the next rotation empties: that rotation waits for it.
 #[tokio::test]
