@@ -5,7 +5,9 @@
 #
 #   PART_ROWS    expired rows purged per layout (default 10000000)
 #   PART_RUNS    paired rounds of the miss/replay throughput comparison (default 3)
-#   PART_LAYOUT  partitioned (default: daily partitions) or rotated (the default period)
+#   PART_LAYOUT  partitioned (default: daily partitions) or rotated (the default period); or
+#                plain, a second plain database: the A/A control, whose ratios are this
+#                machine's noise, against which "within noise" is judged
 #
 # Two databases on the same cluster: idem_bench (plain, load.sh's) and idem_bench_part
 # (`idem-cli migrate --partitioned --interval daily`, or `--rotated`), one bench server on
@@ -27,7 +29,8 @@ PART_LAYOUT=${PART_LAYOUT:-partitioned}
 case $PART_LAYOUT in
   partitioned) PART_MIGRATE=(--partitioned --interval daily) ;;
   rotated) PART_MIGRATE=(--rotated) ;;
-  *) echo "PART_LAYOUT must be partitioned or rotated, not $PART_LAYOUT" >&2; exit 2 ;;
+  plain) PART_MIGRATE=() ;;
+  *) echo "PART_LAYOUT must be partitioned, rotated or plain, not $PART_LAYOUT" >&2; exit 2 ;;
 esac
 PART_OUT="$WORK/partitions.jsonl"
 : >"$PART_OUT"
@@ -84,7 +87,9 @@ wal_bytes() { psql "$ADMIN_URL" -XAtq -c "SELECT pg_wal_lsn_diff('$2', '$1')::bi
 for layout in plain partitioned; do
   url=${PART_URLS[$layout]}
   fill=rows_fill_completed
-  [ "$layout" = partitioned ] && fill=rows_fill_completed_$PART_LAYOUT
+  if [ "$layout" = partitioned ] && [ "$PART_LAYOUT" != plain ]; then
+    fill=rows_fill_completed_$PART_LAYOUT
+  fi
   log "partitions: inserting $PART_ROWS expired rows ($layout)"
   fill_started=$(date +%s)
   "$fill" "$url" 1 "$PART_ROWS" "'part-bench'" "'old-' || g" "$ROWS_FINGERPRINT" "$ROWS_HEADERS" "$ROWS_BODY" \

@@ -12,6 +12,18 @@
 # Then ROUNDS rounds (default 5) of T seconds (default 5) each, 8 clients, prepared,
 # synchronous_commit off (CPU-bound, as bench/partitioned_records/compare.sh), the layouts
 # alternating within each round: one line per round with each case's calls per second.
+#
+# BASE_REV=<git revision>: also a third database, the rotated layout as that revision's
+# migrations provision it, run third in each round (two more columns, base_replay and
+# base_miss): a change to the rotated layout's functions against its parent, both paired with
+# the same plain anchor in the same run, which is what separates a change from this machine's
+# noise (docs/benchmarks.md, "One statement for a miss's second table").
+#
+# CPU=1: instead of throughput, the CPU one miss costs the database: per round and database,
+# one pgbench client on the miss script, `perf record -e cpu-clock` on its backend for T
+# seconds (software clock: no hardware counters needed), the misses in that window counted
+# from pg_stat_database; one line per round and database with user and kernel µs per miss.
+# Needs perf (Debian's linux-perf). One client, so no lock waits and no CPU queue inflate it.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 SERVER=${1:-postgres://postgres@127.0.0.1:5432/postgres}
@@ -21,17 +33,30 @@ T=${T:-5}
 . bench/partitioned_records/scratch.sh
 PLAIN=idem_rotated_bench_plain
 ROTATED=idem_rotated_bench_rotated
-cleanup() { drop_db $PLAIN; drop_db $ROTATED; }
+BASE=idem_rotated_bench_base
+BASE_DIR=
+cleanup() {
+  drop_db $PLAIN; drop_db $ROTATED; drop_db $BASE
+  if [ -n "$BASE_DIR" ]; then rm -rf "$BASE_DIR"; fi
+}
 trap cleanup EXIT
+DATABASES=("$PLAIN" "$ROTATED")
+if [ -n "${BASE_REV:-}" ]; then
+  BASE_DIR=$(mktemp -d)
+  git archive "$BASE_REV" migrations | tar -x -C "$BASE_DIR"
+  DATABASES+=("$BASE")
+fi
 
-for db in $PLAIN $ROTATED; do
-  layout=plain
-  [ "$db" = "$ROTATED" ] && layout=rotated
-  scratch_db $db $layout
+for db in "${DATABASES[@]}"; do
+  layout=rotated
+  migrations_from=.
+  [ "$db" = "$PLAIN" ] && layout=plain
+  [ "$db" = "$BASE" ] && migrations_from=$BASE_DIR
+  (cd "$migrations_from" && scratch_db $db $layout)
   # Straight into the table (on the rotated layout, its current one: an insert through the
   # view takes the scope's lock per row).
   table=idempotency_keys
-  [ "$layout" = rotated ] && table=idempotency_keys_0
+  if [ "$layout" = rotated ]; then table=idempotency_keys_0; fi
   psql -qAt "$(url_of $db)" -v ON_ERROR_STOP=1 -v filler="$FILLER" -v table="$table" >/dev/null <<'SQL'
 INSERT INTO :"table" (tenant, method, path, idempotency_key, fingerprint, state, token,
                               response_status, response_headers, response_body, created_at,
@@ -58,11 +83,42 @@ run() { # database script -> calls per second
     -f "$2" "$(url_of "$1")" 2>/dev/null | sed -n 's/^tps = \([0-9.]*\).*/\1/p'
 }
 
-echo "round plain_replay rotated_replay plain_miss rotated_miss"
+# CPU one miss (its reserve and complete: two transactions) costs database $1's backend.
+cpu_per_miss() {
+  local url pid x1 x2 data
+  url=$(url_of "$1")
+  data=$(mktemp)
+  PGOPTIONS="-c synchronous_commit=off" pgbench -n -M prepared -c 1 -T "$((T + 4))" \
+    -f bench/plain_statements/function_miss.sql "$url" >/dev/null 2>&1 &
+  sleep 1.5
+  pid=$(psql -qAt "$url" -c "SELECT pid FROM pg_stat_activity WHERE application_name = 'pgbench'")
+  x1=$(psql -qAt "$url" -c "SELECT xact_commit FROM pg_stat_database WHERE datname = '$1'")
+  perf record -q -e cpu-clock -F 4000 -p "$pid" -o "$data" -- sleep "$T" >/dev/null 2>&1
+  x2=$(psql -qAt "$url" -c "SELECT xact_commit FROM pg_stat_database WHERE datname = '$1'")
+  wait
+  perf report -i "$data" --no-children -n --sort dso -g none --stdio 2>/dev/null |
+    awk -v misses="$(( (x2 - x1) / 2 ))" -v db="$1" '
+      /^#/ || NF < 3 { next }
+      { if ($3 ~ /kernel/) k += $2; else u += $2 }
+      END { printf "%s user %.1f kernel %.1f us per miss\n", db, u * 250 / misses, k * 250 / misses }'
+  rm -f "$data"
+}
+if [ "${CPU:-}" = 1 ]; then
+  for round in $(seq 1 "$ROUNDS"); do
+    for db in "${DATABASES[@]}"; do echo "$round $(cpu_per_miss "$db")"; done
+  done
+  exit 0
+fi
+
+echo "round plain_replay rotated_replay plain_miss rotated_miss${BASE_REV:+ base_replay base_miss}"
 for round in $(seq 1 "$ROUNDS"); do
   pr=$(run $PLAIN bench/pgbench_store_replay.sql)
   rr=$(run $ROTATED bench/pgbench_store_replay.sql)
+  br=
+  [ -n "$BASE_DIR" ] && br=" $(run $BASE bench/pgbench_store_replay.sql)"
   pm=$(run $PLAIN bench/plain_statements/function_miss.sql)
   rm=$(run $ROTATED bench/plain_statements/function_miss.sql)
-  echo "$round $pr $rr $pm $rm"
+  bm=
+  [ -n "$BASE_DIR" ] && bm=" $(run $BASE bench/plain_statements/function_miss.sql)"
+  echo "$round $pr $rr $pm $rm$br$bm"
 done
