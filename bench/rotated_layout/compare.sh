@@ -83,7 +83,9 @@ run() { # database script -> calls per second
     -f "$2" "$(url_of "$1")" 2>/dev/null | sed -n 's/^tps = \([0-9.]*\).*/\1/p'
 }
 
-# CPU one miss (its reserve and complete: two transactions) costs database $1's backend.
+# CPU one miss (its reserve and complete: two transactions) costs database $1's backend,
+# from perf samples taken every 1/HZ s of its CPU time.
+HZ=4000
 cpu_per_miss() {
   local url pid x1 x2 data
   url=$(url_of "$1")
@@ -93,19 +95,26 @@ cpu_per_miss() {
   sleep 1.5
   pid=$(psql -qAt "$url" -c "SELECT pid FROM pg_stat_activity WHERE application_name = 'pgbench'")
   x1=$(psql -qAt "$url" -c "SELECT xact_commit FROM pg_stat_database WHERE datname = '$1'")
-  perf record -q -e cpu-clock -F 4000 -p "$pid" -o "$data" -- sleep "$T" >/dev/null 2>&1
+  perf record -q -e cpu-clock -F "$HZ" -p "$pid" -o "$data" -- sleep "$T" >/dev/null 2>&1
   x2=$(psql -qAt "$url" -c "SELECT xact_commit FROM pg_stat_database WHERE datname = '$1'")
   wait
   perf report -i "$data" --no-children -n --sort dso -g none --stdio 2>/dev/null |
-    awk -v misses="$(( (x2 - x1) / 2 ))" -v db="$1" '
+    awk -v misses="$(( (x2 - x1) / 2 ))" -v us=$((1000000 / HZ)) -v db="$1" '
       /^#/ || NF < 3 { next }
       { if ($3 ~ /kernel/) k += $2; else u += $2 }
-      END { printf "%s user %.1f kernel %.1f us per miss\n", db, u * 250 / misses, k * 250 / misses }'
+      END {
+        if (u + k == 0 || misses <= 0) { print db ": no samples or no misses" > "/dev/stderr"; exit 1 }
+        printf "%s user %.1f kernel %.1f us per miss\n", db, u * us / misses, k * us / misses
+      }'
   rm -f "$data"
 }
 if [ "${CPU:-}" = 1 ]; then
+  command -v perf >/dev/null || { echo "CPU=1 needs perf (apt-get install linux-perf)" >&2; exit 2; }
   for round in $(seq 1 "$ROUNDS"); do
-    for db in "${DATABASES[@]}"; do echo "$round $(cpu_per_miss "$db")"; done
+    for db in "${DATABASES[@]}"; do
+      line=$(cpu_per_miss "$db")
+      echo "$round $line"
+    done
   done
   exit 0
 fi
