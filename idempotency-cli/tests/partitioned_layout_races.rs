@@ -318,7 +318,13 @@ async fn migrating_to_the_partitioned_layout_never_drops_a_stored_response() {
 
 /// Every migration from 000005 on, newest first, with its diesel version: what
 /// `diesel migration revert` runs, one transaction each.
-const DOWN_TO_000004: [(&str, &str); 13] = [
+const DOWN_TO_000004: [(&str, &str); 14] = [
+    (
+        "20261207000018",
+        include_str!(
+            "../../migrations/2026-12-07-000018_statistics_once_a_table_is_large/down.sql"
+        ),
+    ),
     (
         "20261207000017",
         include_str!(

@@ -35,6 +35,7 @@ mod redis_tls;
 mod release_faults;
 mod renewal_faults;
 mod rotated_layout;
+mod small_table_statistics;
 mod tls_certs;
 mod transactional_bodies;
 mod transactional_middleware;
