@@ -386,7 +386,7 @@ async fn migrate_twice_and_check_gates_deploys() {
          applied 2026-12-07-000015_scope_statements_as_functions\n\
          applied 2026-12-07-000016_rotated_layout\n\
          applied 2026-12-07-000017_partition_drop_waits_for_the_default\n\
-         applied 2026-12-07-000018_statistics_once_a_table_is_large\n\
+         applied 2026-12-07-000018_request_functions_plan_no_sequential_scan\n\
          layout: plain\n"
     );
 
@@ -2313,7 +2313,7 @@ async fn migrate_check_needs_only_select() {
     expect_code(&pending, PENDING);
     assert_stdout_has(
         &pending,
-        "pending 2026-12-07-000018_statistics_once_a_table_is_large",
+        "pending 2026-12-07-000018_request_functions_plan_no_sequential_scan",
     );
 }
 

@@ -322,7 +322,7 @@ const DOWN_TO_000004: [(&str, &str); 14] = [
     (
         "20261207000018",
         include_str!(
-            "../../migrations/2026-12-07-000018_statistics_once_a_table_is_large/down.sql"
+            "../../migrations/2026-12-07-000018_request_functions_plan_no_sequential_scan/down.sql"
         ),
     ),
     (
