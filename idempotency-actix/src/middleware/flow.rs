@@ -1064,27 +1064,43 @@ where
         outcome::complete_retry("started", name);
         let retry = async move {
             let _room = room;
-            let done = until_the_lease_ends(until, longest, || async {
-                let call = outcome::timed(&histogram, store.complete(&scope, &token, &stored, ttl));
-                let (answer, renewed) =
-                    renewing_while(&store, &scope, &token, lease, hold_until, call).await;
-                match answer {
-                    Ok(WriteOutcome::Applied) => {
-                        tracing::info!(target: "idempotency_actix", outcome = "stored", status = stored.status, "response stored after the store recovered");
-                        outcome::complete_retry("succeeded", name);
-                        Attempt::Done
-                    }
-                    Ok(WriteOutcome::Stale) => {
-                        // Taken over, or an earlier attempt that "failed" had been applied
-                        // (its reply lost): the store cannot tell them apart after completion.
-                        outcome::complete_retry("stale", name);
-                        tracing::warn!(target: "idempotency_actix", outcome = "stale", "gave up storing the response: the reservation is no longer this request's (taken over after the lease, or lost with a database crash)");
-                        Attempt::Done
-                    }
-                    Err(error) => {
-                        tracing::debug!(target: "idempotency_actix", outcome = "store_error", %error, "storing the response failed again; retrying until the lease ends");
-                        let after = keep_lease(&*store, &scope, &token, lease, hold_until).await;
-                        Attempt::Again(renewed.max(after))
+            let done = until_the_lease_ends(until, longest, |lease_ends| {
+                let (store, scope, token, stored) = (&store, &scope, &token, &stored);
+                let histogram = &histogram;
+                async move {
+                    let call = on_its_own_task({
+                        let (store, scope, token) = (Arc::clone(store), scope.clone(), *token);
+                        let (stored, histogram) = (stored.clone(), histogram.clone());
+                        async move {
+                            outcome::timed(&histogram, store.complete(&scope, &token, &stored, ttl))
+                                .await
+                        }
+                    });
+                    let (answer, renewed) =
+                        renewing_while(store, scope, token, lease, (lease_ends, hold_until), call)
+                            .await;
+                    let Some(answer) = answer.and_then(answered) else {
+                        tracing::warn!(target: "idempotency_actix", outcome = "store_error", "storing the response again got no answer a lease after the lease ended; giving up on it");
+                        return Attempt::Again(renewed);
+                    };
+                    match answer {
+                        Ok(WriteOutcome::Applied) => {
+                            tracing::info!(target: "idempotency_actix", outcome = "stored", status = stored.status, "response stored after the store recovered");
+                            outcome::complete_retry("succeeded", name);
+                            Attempt::Done
+                        }
+                        Ok(WriteOutcome::Stale) => {
+                            // Taken over, or an earlier attempt that "failed" had been applied
+                            // (its reply lost): the store cannot tell them apart after completion.
+                            outcome::complete_retry("stale", name);
+                            tracing::warn!(target: "idempotency_actix", outcome = "stale", "gave up storing the response: the reservation is no longer this request's (taken over after the lease, or lost with a database crash)");
+                            Attempt::Done
+                        }
+                        Err(error) => {
+                            tracing::debug!(target: "idempotency_actix", outcome = "store_error", %error, "storing the response failed again; retrying until the lease ends");
+                            let after = keep_lease(store, scope, token, lease, hold_until).await;
+                            Attempt::Again(renewed.max(after))
+                        }
                     }
                 }
             });
@@ -1201,7 +1217,8 @@ where
     /// release only removes this request's own reservation, never a takeover or a record.
     fn retry_release(&self, scope: Scope, token: ReservationToken) {
         let store = Arc::clone(&self.store);
-        let until = saturating_deadline(Instant::now(), self.config.lock_timeout);
+        let lease = self.config.lock_timeout;
+        let until = saturating_deadline(Instant::now(), lease);
         let histogram = self.meters.histogram(Op::Release).clone();
         let name = store.name();
         let Some(room) = retry_room(&self.retries) else {
@@ -1212,24 +1229,40 @@ where
         outcome::release_retry("started", name);
         let retry = async move {
             let _room = room;
-            let done = until_the_lease_ends(until, LONGEST_RETRY_PAUSE, || async {
-                match outcome::timed(&histogram, store.release(&scope, &token)).await {
-                    Ok(WriteOutcome::Applied) => {
-                        outcome::release_retry("succeeded", name);
-                        tracing::info!(target: "idempotency_actix", outcome = "released", "key released after the store recovered");
-                        Attempt::Done
-                    }
-                    // Released by an attempt whose reply was lost, or taken over: nothing of
-                    // this request's is left to release.
-                    Ok(WriteOutcome::Stale) => {
-                        outcome::release_retry("stale", name);
-                        Attempt::Done
-                    }
-                    // The lease is not renewed here: once it ends the key is free anyway,
-                    // which is what the release is for.
-                    Err(error) => {
-                        tracing::debug!(target: "idempotency_actix", outcome = "store_error", %error, "releasing the key failed again; retrying until the lease ends");
-                        Attempt::Again(None)
+            let done = until_the_lease_ends(until, LONGEST_RETRY_PAUSE, |lease_ends| {
+                let (store, scope, token, histogram) = (&store, &scope, &token, &histogram);
+                async move {
+                    let call = on_its_own_task({
+                        let (store, scope, token) = (Arc::clone(store), scope.clone(), *token);
+                        let histogram = histogram.clone();
+                        async move { outcome::timed(&histogram, store.release(&scope, &token)).await }
+                    });
+                    // Not renewed here, so the lease ends at `lease_ends`; an answer a lease later
+                    // is not waited for (a store that never answers would hold this retry forever).
+                    let abandon = saturating_deadline(lease_ends, lease);
+                    let answer = tokio::time::timeout_at(abandon.into(), call).await;
+                    let Some(answer) = answer.ok().and_then(answered) else {
+                        tracing::warn!(target: "idempotency_actix", outcome = "store_error", "releasing the key again got no answer a lease after the lease ended; giving up on it");
+                        return Attempt::Again(None);
+                    };
+                    match answer {
+                        Ok(WriteOutcome::Applied) => {
+                            outcome::release_retry("succeeded", name);
+                            tracing::info!(target: "idempotency_actix", outcome = "released", "key released after the store recovered");
+                            Attempt::Done
+                        }
+                        // Released by an attempt whose reply was lost, or taken over: nothing of
+                        // this request's is left to release.
+                        Ok(WriteOutcome::Stale) => {
+                            outcome::release_retry("stale", name);
+                            Attempt::Done
+                        }
+                        // The lease is not renewed here: once it ends the key is free anyway,
+                        // which is what the release is for.
+                        Err(error) => {
+                            tracing::debug!(target: "idempotency_actix", outcome = "store_error", %error, "releasing the key failed again; retrying until the lease ends");
+                            Attempt::Again(None)
+                        }
                     }
                 }
             });
@@ -1310,12 +1343,14 @@ const LONGEST_RETRY_PAUSE: Duration = Duration::from_secs(2);
 /// Call `attempt` after pauses doubling from 100 ms to `longest`, each at most half of what is left
 /// before `until` (the lease's end, after which the key is anyone's; later when an attempt
 /// renewed the lease), until it answers [`Attempt::Done`] or less than 10 ms is left; whether
-/// it got done. The background retries of `complete` and `release` (C16). Halving what is
+/// it got done. Each attempt is given the lease's end as it stands: it gives up on a store
+/// call still unanswered a lease after that (a custom store that never answers held the
+/// retry, its response and its room under [`MAX_BACKGROUND_RETRIES`] for good). The background retries of `complete` and `release` (C16). Halving what is
 /// left keeps a short lease retried: with the shortest the builder accepts (100 ms), a first
 /// pause of 100 ms left no attempt at all, and a retry after the lease ran the handler again.
 async fn until_the_lease_ends<F, Fut>(mut until: Instant, longest: Duration, mut attempt: F) -> bool
 where
-    F: FnMut() -> Fut,
+    F: FnMut(Instant) -> Fut,
     Fut: std::future::Future<Output = Attempt>,
 {
     const LAST_CHANCE: Duration = Duration::from_millis(10);
@@ -1327,11 +1362,35 @@ where
         }
         tokio::time::sleep(pause.min(left / 2)).await;
         pause = (pause * 2).min(longest);
-        match attempt().await {
+        match attempt(until).await {
             Attempt::Done => return true,
             Attempt::Again(Some(renewed)) => until = until.max(renewed),
             Attempt::Again(None) => {}
         }
+    }
+}
+
+/// Run a store call of a background retry on a task of its own. A retry may stop waiting for
+/// it (a lease after the lease ended); it is never dropped halfway: a `PostgresStore`
+/// statement cut off mid-flight would leave its pooled connection behind a reply nobody reads
+/// (the store marks a connection broken only when its own timeout cuts the statement). It runs
+/// to its end, which the store's own timeouts bound, and its answer goes unread.
+fn on_its_own_task<T: Send + 'static>(
+    call: impl Future<Output = T> + Send + 'static,
+) -> tokio::task::JoinHandle<T> {
+    tokio::spawn(call)
+}
+
+/// The answer of a call run by [`on_its_own_task`]: its panic (a store's bug) goes on in the
+/// retry, which reports it as before; `None` when the task was cancelled (the runtime
+/// stopping).
+fn answered<T>(joined: Result<T, tokio::task::JoinError>) -> Option<T> {
+    match joined {
+        Ok(answer) => Some(answer),
+        Err(error) => match error.try_into_panic() {
+            Ok(panic) => std::panic::resume_unwind(panic),
+            Err(_) => None,
+        },
     }
 }
 
@@ -1347,7 +1406,9 @@ enum Attempt {
 /// while the first try ran: at once (the heartbeat's last renewal may be a third of a lease
 /// old, and the pause before this try up to half a lease), then every third of a lease, at
 /// most [`MAX_RENEWALS_IN_FLIGHT`](super::renewal::MAX_RENEWALS_IN_FLIGHT) unanswered at
-/// once. The call's answer, and the latest instant a renewal made the lease last until. A try
+/// once. The call's answer (`None` when it had none a lease after the lease ended: `bounds.0`
+/// or a later renewal's end; dropped then, as a store that never answers would otherwise hold
+/// the retry forever), and the latest instant a renewal made the lease last until. A try
 /// stuck until the store's own timeout (7 s with `PostgresStore`'s defaults) must not outlast
 /// the lease, or a duplicate takes the key over and runs the handler again while the store
 /// would have renewed all along (review, 2026-12-06: the retry renewed only after a try had
@@ -1362,9 +1423,9 @@ async fn renewing_while<S: IdempotencyStore, F: Future>(
     scope: &Scope,
     token: &ReservationToken,
     lease: Duration,
-    hold_until: Instant,
+    (lease_ends, hold_until): (Instant, Instant),
     call: F,
-) -> (F::Output, Option<Instant>) {
+) -> (Option<F::Output>, Option<Instant>) {
     let every = super::renewal::interval(lease);
     let mut call = pin!(call);
     let mut renewals =
@@ -1374,17 +1435,20 @@ async fn renewing_while<S: IdempotencyStore, F: Future>(
     loop {
         tokio::select! {
             biased;
-            answer = &mut call => return (answer, renewed),
+            answer = &mut call => return (Some(answer), renewed),
             Some(until) = renewals.next(), if !renewals.is_empty() => {
                 // A renewal task that panicked (a store's bug) renewed nothing.
                 renewed = renewed.max(until.ok().flatten());
             }
+            () = tokio::time::sleep_until(
+                saturating_deadline(renewed.unwrap_or(lease_ends).max(lease_ends), lease).into(),
+            ) => return (None, renewed),
             () = tokio::time::sleep_until(next.into()),
                 if renewals.len() < super::renewal::MAX_RENEWALS_IN_FLIGHT =>
             {
                 let (store, scope, token) = (Arc::clone(store), scope.clone(), *token);
                 renewals.push(tokio::spawn(async move {
-                    keep_lease(&*store, &scope, &token, lease, hold_until).await
+                    keep_lease(&store, &scope, &token, lease, hold_until).await
                 }));
                 next = saturating_deadline(Instant::now(), every);
             }
@@ -1400,7 +1464,7 @@ async fn renewing_while<S: IdempotencyStore, F: Future>(
 /// renewal failed or found the reservation gone (completed by an earlier try whose answer was
 /// lost, or taken over: the next `complete` tells which). Fenced by the token.
 async fn keep_lease<S: IdempotencyStore>(
-    store: &S,
+    store: &Arc<S>,
     scope: &Scope,
     token: &ReservationToken,
     lease: Duration,
@@ -1411,9 +1475,16 @@ async fn keep_lease<S: IdempotencyStore>(
     if !store.renews_leases() || renewed > hold_until {
         return None;
     }
-    match store.renew_lease(scope, token, lease).await {
-        Ok(WriteOutcome::Applied) => Some(renewed),
-        Ok(WriteOutcome::Stale) | Err(_) => None,
+    // Not waited for past the end of the lease it would grant: a later answer grants nothing
+    // (and a store that never answers would hold this task forever).
+    let call = on_its_own_task({
+        let (store, scope, token) = (Arc::clone(store), scope.clone(), *token);
+        async move { store.renew_lease(&scope, &token, lease).await }
+    });
+    // A renewal that panicked (a store's bug) renewed nothing.
+    match tokio::time::timeout_at(renewed.into(), call).await {
+        Ok(Ok(Ok(WriteOutcome::Applied))) => Some(renewed),
+        _ => None,
     }
 }
 
