@@ -1068,19 +1068,12 @@ where
                 let (store, scope, token, stored) = (&store, &scope, &token, &stored);
                 let histogram = &histogram;
                 async move {
-                    let call = on_its_own_task({
-                        let (store, scope, token) = (Arc::clone(store), scope.clone(), *token);
-                        let (stored, histogram) = (stored.clone(), histogram.clone());
-                        async move {
-                            outcome::timed(&histogram, store.complete(&scope, &token, &stored, ttl))
-                                .await
-                        }
-                    });
+                    let call = outcome::timed(histogram, store.complete(scope, token, stored, ttl));
                     let (answer, renewed) =
                         renewing_while(store, scope, token, lease, (lease_ends, hold_until), call)
                             .await;
-                    let Some(answer) = answer.and_then(answered) else {
-                        tracing::warn!(target: "idempotency_actix", outcome = "store_error", "storing the response again got no answer a lease after the lease ended; giving up on it");
+                    let Some(answer) = answer else {
+                        tracing::warn!(target: "idempotency_actix", outcome = "store_error", "storing the response again got no answer long after the lease ended; giving up on it");
                         return Attempt::Again(renewed);
                     };
                     match answer {
@@ -1098,7 +1091,7 @@ where
                         }
                         Err(error) => {
                             tracing::debug!(target: "idempotency_actix", outcome = "store_error", %error, "storing the response failed again; retrying until the lease ends");
-                            let after = keep_lease(store, scope, token, lease, hold_until).await;
+                            let after = keep_lease(&**store, scope, token, lease, hold_until).await;
                             Attempt::Again(renewed.max(after))
                         }
                     }
@@ -1232,17 +1225,11 @@ where
             let done = until_the_lease_ends(until, LONGEST_RETRY_PAUSE, |lease_ends| {
                 let (store, scope, token, histogram) = (&store, &scope, &token, &histogram);
                 async move {
-                    let call = on_its_own_task({
-                        let (store, scope, token) = (Arc::clone(store), scope.clone(), *token);
-                        let histogram = histogram.clone();
-                        async move { outcome::timed(&histogram, store.release(&scope, &token)).await }
-                    });
-                    // Not renewed here, so the lease ends at `lease_ends`; an answer a lease later
-                    // is not waited for (a store that never answers would hold this retry forever).
-                    let abandon = saturating_deadline(lease_ends, lease);
-                    let answer = tokio::time::timeout_at(abandon.into(), call).await;
-                    let Some(answer) = answer.ok().and_then(answered) else {
-                        tracing::warn!(target: "idempotency_actix", outcome = "store_error", "releasing the key again got no answer a lease after the lease ended; giving up on it");
+                    let call = outcome::timed(histogram, store.release(scope, token));
+                    // Not renewed here, so the lease ends at `lease_ends`.
+                    let abandon = saturating_deadline(lease_ends, unanswered_limit(lease));
+                    let Ok(answer) = tokio::time::timeout_at(abandon.into(), call).await else {
+                        tracing::warn!(target: "idempotency_actix", outcome = "store_error", "releasing the key again got no answer long after the lease ended; giving up on it");
                         return Attempt::Again(None);
                     };
                     match answer {
@@ -1343,9 +1330,8 @@ const LONGEST_RETRY_PAUSE: Duration = Duration::from_secs(2);
 /// Call `attempt` after pauses doubling from 100 ms to `longest`, each at most half of what is left
 /// before `until` (the lease's end, after which the key is anyone's; later when an attempt
 /// renewed the lease), until it answers [`Attempt::Done`] or less than 10 ms is left; whether
-/// it got done. Each attempt is given the lease's end as it stands: it gives up on a store
-/// call still unanswered a lease after that (a custom store that never answers held the
-/// retry, its response and its room under [`MAX_BACKGROUND_RETRIES`] for good). The background retries of `complete` and `release` (C16). Halving what is
+/// it got done. Each attempt is given the lease's end as it stands, and gives up on a store
+/// call still unanswered [`unanswered_limit`] after it. The background retries of `complete` and `release` (C16). Halving what is
 /// left keeps a short lease retried: with the shortest the builder accepts (100 ms), a first
 /// pause of 100 ms left no attempt at all, and a retry after the lease ran the handler again.
 async fn until_the_lease_ends<F, Fut>(mut until: Instant, longest: Duration, mut attempt: F) -> bool
@@ -1370,28 +1356,19 @@ where
     }
 }
 
-/// Run a store call of a background retry on a task of its own. A retry may stop waiting for
-/// it (a lease after the lease ended); it is never dropped halfway: a `PostgresStore`
-/// statement cut off mid-flight would leave its pooled connection behind a reply nobody reads
-/// (the store marks a connection broken only when its own timeout cuts the statement). It runs
-/// to its end, which the store's own timeouts bound, and its answer goes unread.
-fn on_its_own_task<T: Send + 'static>(
-    call: impl Future<Output = T> + Send + 'static,
-) -> tokio::task::JoinHandle<T> {
-    tokio::spawn(call)
-}
-
-/// The answer of a call run by [`on_its_own_task`]: its panic (a store's bug) goes on in the
-/// retry, which reports it as before; `None` when the task was cancelled (the runtime
-/// stopping).
-fn answered<T>(joined: Result<T, tokio::task::JoinError>) -> Option<T> {
-    match joined {
-        Ok(answer) => Some(answer),
-        Err(error) => match error.try_into_panic() {
-            Ok(panic) => std::panic::resume_unwind(panic),
-            Err(_) => None,
-        },
-    }
+/// How long past the end of the lease (as renewed) a background retry still waits for a
+/// store call: ten leases, at least 1 s and at most 60 s. Past it the call is dropped, with
+/// what it holds (its copy of the response), and the retry gives up: the key is anyone's by
+/// then. Before, a call that never returned (a custom store's bug, a lock waited for with no
+/// timeout) held its retry, its response and its room under [`MAX_BACKGROUND_RETRIES`] for the
+/// life of the process. Long enough that a store with working timeouts answers first and its
+/// call is never cut off mid-flight (a `PostgresStore` statement dropped halfway would leave
+/// its pooled connection behind a reply nobody reads; its worst case is its connection
+/// timeout plus its query timeout, 7 s by default, within ten leases of 0.7 s and more).
+fn unanswered_limit(lease: Duration) -> Duration {
+    lease
+        .saturating_mul(10)
+        .clamp(Duration::from_secs(1), Duration::from_secs(60))
 }
 
 /// What one try of a background retry came to.
@@ -1406,9 +1383,9 @@ enum Attempt {
 /// while the first try ran: at once (the heartbeat's last renewal may be a third of a lease
 /// old, and the pause before this try up to half a lease), then every third of a lease, at
 /// most [`MAX_RENEWALS_IN_FLIGHT`](super::renewal::MAX_RENEWALS_IN_FLIGHT) unanswered at
-/// once. The call's answer (`None` when it had none a lease after the lease ended: `bounds.0`
-/// or a later renewal's end; dropped then, as a store that never answers would otherwise hold
-/// the retry forever), and the latest instant a renewal made the lease last until. A try
+/// once. The call's answer (`None`, the call dropped, when it had none [`unanswered_limit`]
+/// after the lease ended: `lease_ends` or a later renewal's end), and the latest instant a
+/// renewal made the lease last until. A try
 /// stuck until the store's own timeout (7 s with `PostgresStore`'s defaults) must not outlast
 /// the lease, or a duplicate takes the key over and runs the handler again while the store
 /// would have renewed all along (review, 2026-12-06: the retry renewed only after a try had
@@ -1441,14 +1418,18 @@ async fn renewing_while<S: IdempotencyStore, F: Future>(
                 renewed = renewed.max(until.ok().flatten());
             }
             () = tokio::time::sleep_until(
-                saturating_deadline(renewed.unwrap_or(lease_ends).max(lease_ends), lease).into(),
+                saturating_deadline(
+                    renewed.unwrap_or(lease_ends).max(lease_ends),
+                    unanswered_limit(lease),
+                )
+                .into(),
             ) => return (None, renewed),
             () = tokio::time::sleep_until(next.into()),
                 if renewals.len() < super::renewal::MAX_RENEWALS_IN_FLIGHT =>
             {
                 let (store, scope, token) = (Arc::clone(store), scope.clone(), *token);
                 renewals.push(tokio::spawn(async move {
-                    keep_lease(&store, &scope, &token, lease, hold_until).await
+                    keep_lease(&*store, &scope, &token, lease, hold_until).await
                 }));
                 next = saturating_deadline(Instant::now(), every);
             }
@@ -1464,7 +1445,7 @@ async fn renewing_while<S: IdempotencyStore, F: Future>(
 /// renewal failed or found the reservation gone (completed by an earlier try whose answer was
 /// lost, or taken over: the next `complete` tells which). Fenced by the token.
 async fn keep_lease<S: IdempotencyStore>(
-    store: &Arc<S>,
+    store: &S,
     scope: &Scope,
     token: &ReservationToken,
     lease: Duration,
@@ -1477,14 +1458,12 @@ async fn keep_lease<S: IdempotencyStore>(
     }
     // Not waited for past the end of the lease it would grant: a later answer grants nothing
     // (and a store that never answers would hold this task forever).
-    let call = on_its_own_task({
-        let (store, scope, token) = (Arc::clone(store), scope.clone(), *token);
-        async move { store.renew_lease(&scope, &token, lease).await }
-    });
-    // A renewal that panicked (a store's bug) renewed nothing.
-    match tokio::time::timeout_at(renewed.into(), call).await {
-        Ok(Ok(Ok(WriteOutcome::Applied))) => Some(renewed),
-        _ => None,
+    // Its answer grants nothing once the lease it asks for has ended; it is still awaited that
+    // long after ([`unanswered_limit`]), so that only a call that never returns is dropped.
+    let abandon = saturating_deadline(renewed, unanswered_limit(lease));
+    match tokio::time::timeout_at(abandon.into(), store.renew_lease(scope, token, lease)).await {
+        Ok(Ok(WriteOutcome::Applied)) => Some(renewed),
+        Ok(Ok(WriteOutcome::Stale) | Err(_)) | Err(_) => None,
     }
 }
 
