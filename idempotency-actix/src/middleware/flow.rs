@@ -1331,9 +1331,10 @@ const LONGEST_RETRY_PAUSE: Duration = Duration::from_secs(2);
 /// before `until` (the lease's end, after which the key is anyone's; later when an attempt
 /// renewed the lease), until it answers [`Attempt::Done`] or less than 10 ms is left; whether
 /// it got done. Each attempt is given the lease's end as it stands, and gives up on a store
-/// call still unanswered [`unanswered_limit`] after it. The background retries of `complete` and `release` (C16). Halving what is
-/// left keeps a short lease retried: with the shortest the builder accepts (100 ms), a first
-/// pause of 100 ms left no attempt at all, and a retry after the lease ran the handler again.
+/// call still unanswered [`unanswered_limit`] after it. The background retries of `complete`
+/// and `release` (C16). Halving what is left keeps a short lease retried: with the shortest
+/// the builder accepts (100 ms), a first pause of 100 ms left no attempt at all, and a retry
+/// after the lease ran the handler again.
 async fn until_the_lease_ends<F, Fut>(mut until: Instant, longest: Duration, mut attempt: F) -> bool
 where
     F: FnMut(Instant) -> Fut,
@@ -1381,20 +1382,19 @@ enum Attempt {
 
 /// Await `call`, one try of a background retry, while renewing the lease as the heartbeat did
 /// while the first try ran: at once (the heartbeat's last renewal may be a third of a lease
-/// old, and the pause before this try up to half a lease), then every third of a lease, at
-/// most [`MAX_RENEWALS_IN_FLIGHT`](super::renewal::MAX_RENEWALS_IN_FLIGHT) unanswered at
-/// once. The call's answer (`None`, the call dropped, when it had none [`unanswered_limit`]
-/// after the lease ended: `lease_ends` or a later renewal's end), and the latest instant a
-/// renewal made the lease last until. A try
-/// stuck until the store's own timeout (7 s with `PostgresStore`'s defaults) must not outlast
-/// the lease, or a duplicate takes the key over and runs the handler again while the store
-/// would have renewed all along (review, 2026-12-06: the retry renewed only after a try had
-/// failed). Renewals are fenced by the token: one that meets the stored record changes
-/// nothing. Each runs on a task of its own, as the heartbeat's do, so one still in flight when
-/// the try ends is not dropped halfway (a pooled connection left behind a statement nobody
-/// reads). A `complete` that holds the record's row lock while it hangs (PostgreSQL's, stuck
-/// on the responses table) keeps these renewals waiting behind it; they help when the try
-/// hangs on its own connection.
+/// old, and the pause before this try up to half a lease), then every third of a lease, at most
+/// [`MAX_RENEWALS_IN_FLIGHT`](super::renewal::MAX_RENEWALS_IN_FLIGHT) unanswered at once. The
+/// call's answer (`None`, the call dropped, when it had none [`unanswered_limit`] after the
+/// lease ended: `lease_ends` or a later renewal's end), and the latest instant a renewal made
+/// the lease last until. A try stuck until the store's own timeout (7 s with `PostgresStore`'s
+/// defaults) must not outlast the lease, or a duplicate takes the key over and runs the handler
+/// again while the store would have renewed all along (review, 2026-12-06: the retry renewed
+/// only after a try had failed). Renewals are fenced by the token: one that meets the stored
+/// record changes nothing. Each runs on a task of its own, as the heartbeat's do, so one still
+/// in flight when the try ends is not dropped halfway (a pooled connection left behind a
+/// statement nobody reads). A `complete` that holds the record's row lock while it hangs
+/// (PostgreSQL's, stuck on the responses table) keeps these renewals waiting behind it; they
+/// help when the try hangs on its own connection.
 async fn renewing_while<S: IdempotencyStore, F: Future>(
     store: &Arc<S>,
     scope: &Scope,
@@ -1456,8 +1456,6 @@ async fn keep_lease<S: IdempotencyStore>(
     if !store.renews_leases() || renewed > hold_until {
         return None;
     }
-    // Not waited for past the end of the lease it would grant: a later answer grants nothing
-    // (and a store that never answers would hold this task forever).
     // Its answer grants nothing once the lease it asks for has ended; it is still awaited that
     // long after ([`unanswered_limit`]), so that only a call that never returns is dropped.
     let abandon = saturating_deadline(renewed, unanswered_limit(lease));
