@@ -36,14 +36,11 @@ use crate::error::CliError;
 use crate::output::{display, quoted, table, Out};
 use crate::record::{round_ms, RecordView, TABLE_HEADER};
 
-/// Records read per batch when only their heads are read (`list`, `stats`): their reads are
-/// all in flight at once, about 150 bytes each.
+/// Records read per batch when only their heads are read (`list`, `stats`, `release`, and
+/// `show`'s first look): their reads are all in flight at once, about 150 bytes each. A record
+/// with its response (up to the app's `max_response_bytes`, 1 MiB by default) is read alone,
+/// as `show` prints it.
 const READ_BATCH: usize = 1000;
-
-/// Records read per batch when their responses are read too (`show`, `release`): a response
-/// may be as large as the app's `max_response_bytes` (1 MiB by default), and a batch sits in
-/// this process's memory and in the Redis server's output buffer for this client at once.
-const READ_BATCH_WITH_RESPONSE: usize = 16;
 
 /// What a connection must be to serve the commands: a single server's or a cluster's.
 trait Conn: ConnectionLike + Clone + Send + Sync + 'static {}
@@ -358,13 +355,8 @@ impl<C: Conn> Redis<'_, C> {
     /// `max_response_bytes` each) through the production Redis's output buffer could make it
     /// refuse the app's writes. With `with_response`, the whole record (`GET`).
     async fn read(&mut self, keys: &[Vec<u8>], with_response: bool) -> Result<Read, CliError> {
-        let batch = if with_response {
-            READ_BATCH_WITH_RESPONSE
-        } else {
-            READ_BATCH
-        };
         let mut read = Read::default();
-        for chunk in keys.chunks(batch) {
+        for chunk in keys.chunks(READ_BATCH) {
             // One transaction per key (one slot), so the head, the length and the expiry are
             // of the same record; all keys in flight at once: pipelined on one server's
             // connection, each sent to its own node on a cluster (where a pipeline may not span
@@ -731,11 +723,11 @@ fn warn_unreadable(unreadable: &[&Unreadable]) {
 }
 
 /// The records (and the unreadable values) at `key` within `scope`.
+/// Read without their responses (`show` then reads each in turn).
 async fn matching(
     redis: &mut Redis<'_, impl Conn>,
     key: &str,
     scope: &ScopeArgs,
-    with_response: bool,
 ) -> Result<Read, CliError> {
     let method = method(scope);
     let keys = match (&scope.tenant, &method, &scope.path) {
@@ -760,7 +752,7 @@ async fn matching(
             && method.as_deref().is_none_or(|want| m == want)
             && scope.path.as_deref().is_none_or(|p| path == p)
     };
-    let mut read = redis.read(&keys, with_response).await?;
+    let mut read = redis.read(&keys, false).await?;
     read.found.retain(|f| {
         let r = &f.record;
         matches(&r.tenant, &r.method, &r.path, &r.idempotency_key)
@@ -791,16 +783,19 @@ async fn show(
     format: Format,
     out: &mut Out,
 ) -> Result<(), CliError> {
-    let read = matching(redis, &args.key, &args.scope, true).await?;
-    if read.found.is_empty() {
-        return Err(CliError::NotFoundOrRefused(nothing_readable(
-            &args.key,
-            &args.scope,
-            &read.unreadable,
-        )));
-    }
-    warn_unreadable(&read.unreadable.iter().collect::<Vec<_>>());
-    for (i, f) in read.found.into_iter().enumerate() {
+    // The matches first without their responses, then each with its response as it is
+    // printed: a bare key can name a record in every tenant, each with a response of up to the
+    // app's `max_response_bytes`, and only the one being printed is held (as on PostgreSQL).
+    let read = matching(redis, &args.key, &args.scope).await?;
+    let mut unreadable = read.unreadable;
+    let mut shown = 0usize;
+    for listed in read.found {
+        let mut whole = redis.read(std::slice::from_ref(&listed.key), true).await?;
+        unreadable.append(&mut whole.unreadable);
+        // Gone since it was listed (expired, released): nothing to show.
+        let Some(f) = whole.found.pop() else {
+            continue;
+        };
         let row = Detail {
             record: f.record,
             response_headers: f.headers,
@@ -809,7 +804,7 @@ async fn show(
         match format {
             Format::Json => out.json(&detail_json(&row))?,
             Format::Text => {
-                if i > 0 {
+                if shown > 0 {
                     out.line("")?;
                 }
                 for line in detail_text(&row) {
@@ -817,7 +812,16 @@ async fn show(
                 }
             }
         }
+        shown += 1;
     }
+    if shown == 0 {
+        return Err(CliError::NotFoundOrRefused(nothing_readable(
+            &args.key,
+            &args.scope,
+            &unreadable,
+        )));
+    }
+    warn_unreadable(&unreadable.iter().collect::<Vec<_>>());
     out.flush()
 }
 
@@ -957,7 +961,7 @@ async fn release_each(
 ) -> Result<(), CliError> {
     let script = redis::Script::new(record::RELEASE_INSPECTED);
     for key in &args.keys {
-        let read = matching(redis, key, &args.scope, false).await?;
+        let read = matching(redis, key, &args.scope).await?;
         let verdict = match (read.found.as_slice(), read.unreadable.as_slice()) {
             // Never deleted here, even with --force: what cannot be read cannot be checked to
             // be a dead reservation, and it may be another program's data.
