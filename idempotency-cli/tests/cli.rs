@@ -287,16 +287,6 @@ fn stored(status: u16, body: impl Into<Bytes>) -> StoredResponse {
     }
 }
 
-/// The process's peak resident memory so far, in KiB (`VmHWM` in /proc: Linux).
-fn peak_rss_kib(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("/proc status");
-    status
-        .lines()
-        .find_map(|line| line.strip_prefix("VmHWM:"))
-        .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
-        .expect("VmHWM in /proc status")
-}
-
 /// `show KEY` streams its records (docs/operations.md): 100 records of 1 MiB under one key,
 /// and the CLI's peak memory, read while it waits on a reader that has taken one line, stays
 /// far below the 100 MiB they hold. Before, every matching record was loaded with its response
@@ -322,7 +312,7 @@ async fn show_streams_its_records() {
     reader.read_line(&mut line).expect("first record");
     // A record's line is over 1 MiB and a pipe holds 64 KiB: the CLI now waits on this reader.
     std::thread::sleep(Duration::from_millis(300));
-    let peak = peak_rss_kib(child.id());
+    let peak = idempotency_e2e::proc::peak_rss_kib(child.id());
     let mut records = 1;
     for rest in reader.lines() {
         rest.expect("a record");

@@ -26,6 +26,17 @@ const START_TIMEOUT: Duration = Duration::from_secs(60);
 /// [`free_port`] and the example's bind (another test's server got it first).
 const START_ATTEMPTS: usize = 5;
 
+/// The process's peak resident memory so far, in KiB (`VmHWM` in /proc: Linux):
+/// what the CLI tests that a command streams read while it waits on their reader.
+pub fn peak_rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("/proc status");
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmHWM:"))
+        .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmHWM in /proc status")
+}
+
 /// `idem-cli`, built next to the test binary (`target/<profile>/idem-cli`); built with
 /// `cargo build -p idempotency-cli` first when it is not there (a test run alone with
 /// `--test`).
