@@ -275,6 +275,7 @@ impl MemoryStoreBuilder {
                     completion_order: VecDeque::new(),
                     limits: self.limits,
                     bytes: 0,
+                    completed: Completed::default(),
                     next_generation: 0,
                     last_full_sweep: Instant::now(),
                     next_event: None,
@@ -596,6 +597,13 @@ struct Inner {
     /// responses completed while the store was full (at most one allowance per reservation,
     /// see `complete`), which new reservations then wait for.
     bytes: usize,
+    /// How many of the records are completed, and the sum of their charges: what evicting
+    /// every one of them could free. `make_room` refuses at once when even that is not enough
+    /// (the rest are reservations) instead of walking the completion queue to find out: with
+    /// `evict_live_completed_when_full` on and reservations holding the bound, each refused
+    /// reserve walked every completed record under the lock, and every request queued behind
+    /// it (review, 2026-12-07).
+    completed: Completed,
     next_generation: u64,
     last_full_sweep: Instant,
     /// A full sweep changes nothing before this instant: no record expires, no lease ends and
@@ -603,6 +611,29 @@ struct Inner {
     /// when no record was added since the last full sweep found none. Lets a full store skip
     /// the full sweep, which could not free anything before this instant.
     next_event: Option<Instant>,
+}
+
+/// The completed records' count and charges ([`Inner::completed`]).
+#[derive(Default, Clone, Copy)]
+struct Completed {
+    records: usize,
+    bytes: usize,
+}
+
+impl Completed {
+    /// A reservation was completed; its record is now charged `charge`.
+    fn add(&mut self, charge: usize) {
+        self.records = self.records.saturating_add(1);
+        self.bytes = self.bytes.saturating_add(charge);
+    }
+
+    /// `record` is gone: if it was completed, it leaves the count.
+    fn remove(&mut self, record: &Record) {
+        if matches!(record.state, State::Completed { .. }) {
+            self.records = self.records.saturating_sub(1);
+            self.bytes = self.bytes.saturating_sub(record.charge);
+        }
+    }
 }
 
 /// A stored response as kept in memory, inside its record: its headers encoded with
@@ -779,6 +810,7 @@ impl Inner {
     fn uncharge(&mut self, removed: Option<(Key, Record)>) -> Option<(PackedScope, Record)> {
         let (key, record) = removed?;
         self.bytes = self.bytes.saturating_sub(record.charge);
+        self.completed.remove(&record);
         Some((key.scope, record))
     }
 
@@ -850,11 +882,13 @@ impl Inner {
     fn sweep_all(&mut self, now: Instant, grace: Duration) -> u64 {
         let before = self.records.len();
         let mut freed = 0usize;
+        let mut completed = self.completed;
         let mut next_event: Option<Instant> = None;
         let event_grace = self.limits.reservation_grace;
         self.records.retain(|r| {
             if r.is_dead(now, grace) {
                 freed = freed.saturating_add(r.charge);
+                completed.remove(r);
                 return false;
             }
             freed = freed.saturating_add(r.end_allowance(now));
@@ -863,6 +897,7 @@ impl Inner {
             true
         });
         self.bytes = self.bytes.saturating_sub(freed);
+        self.completed = completed;
         self.compact_queue_if_stale();
         self.last_full_sweep = now;
         self.next_event = next_event;
@@ -919,7 +954,14 @@ impl Inner {
         if self.room_without_evicting(now, new_record, need) {
             return Ok(());
         }
-        if !self.limits.evict_live_completed {
+        if !self.limits.evict_live_completed
+            || !self.fits(
+                new_record,
+                need,
+                self.completed.records,
+                self.completed.bytes,
+            )
+        {
             return Err(self.full(new_record));
         }
         // Plan first, so that nothing is evicted when even evicting every completed record
@@ -1130,6 +1172,7 @@ impl IdempotencyStore for MemoryStore {
             response,
             expires_at,
         };
+        inner.completed.add(charge);
         inner.bytes = inner.bytes.saturating_sub(old).saturating_add(charge);
         inner.note_event(expires_at);
         inner
@@ -1774,6 +1817,19 @@ mod tests {
                 }
             }
             assert_eq!(inner.bytes, sum, "{what}: bytes vs the sum of charges");
+            let completed: Vec<_> = inner
+                .records
+                .tables
+                .iter()
+                .flat_map(|table| table.iter())
+                .filter(|(_, r)| matches!(r.state, State::Completed { .. }))
+                .map(|(_, r)| r.charge)
+                .collect();
+            assert_eq!(
+                (inner.completed.records, inner.completed.bytes),
+                (completed.len(), completed.iter().sum::<usize>()),
+                "{what}: the completed records' count and charges"
+            );
             for (_, hash, generation) in &inner.completion_order {
                 if let Some(r) = inner.records.of_generation(*hash, *generation) {
                     assert!(matches!(r.state, State::Completed { .. }), "{what}");
