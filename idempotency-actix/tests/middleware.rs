@@ -2260,6 +2260,54 @@ async fn a_declared_empty_stream_that_stays_open_is_answered_at_once() {
     );
 }
 
+/// A stream that yields all the bytes it declares and then stays open (a channel whose sender a
+/// background task keeps): counted, "hello" under a declared length of 5, then nothing more.
+async fn declared_stream_that_stays_open(counter: web::Data<Counter>) -> HttpResponse {
+    counter.bump();
+    let body =
+        futures_util::stream::once(async { Ok::<_, actix_web::Error>(Bytes::from("hello")) })
+            .chain(futures_util::stream::pending());
+    HttpResponse::Ok().no_chunking(5).streaming(body)
+}
+
+/// Its declared bytes are the whole body: actix writes them and the client has its response
+/// without waiting for the stream to end, so the middleware stores them and ends the client's
+/// body there too (a review, 2026-12-07, found the last chunk held back until the stream
+/// ended, which it never did: the client hung, nothing was stored, and a retry after the lease
+/// ran the handler again).
+#[actix_web::test]
+async fn a_declared_stream_that_stays_open_after_its_bytes_is_answered_and_stored() {
+    let counter = Counter::default();
+    let middleware = Idempotency::builder(MemoryStore::new())
+        .lock_timeout(Duration::from_millis(300))
+        .renew_lease_up_to(Duration::from_secs(5))
+        .build();
+    let route = web::post().to(declared_stream_that_stays_open);
+    let app = one_route(counter.clone(), middleware, "/open", route).await;
+    let first = app.call(post_x("/open", "open-2").to_request()).await;
+    let first = first.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(first.status(), StatusCode::OK);
+    // As an HTTP client reads it: the declared length's worth of bytes.
+    let mut body = Box::pin(first.into_body());
+    let mut read = Vec::new();
+    let reading = async {
+        while read.len() < 5 {
+            match std::future::poll_fn(|cx| body.as_mut().poll_next(cx)).await {
+                Some(Ok(chunk)) => read.extend_from_slice(&chunk),
+                _ => break,
+            }
+        }
+    };
+    let in_time = tokio::time::timeout(Duration::from_secs(2), reading).await;
+    assert!(in_time.is_ok(), "the declared 5 bytes within 2 s: {read:?}");
+    assert_eq!(read, b"hello");
+    let replay = send(&app, post_x("/open", "open-2")).await;
+    assert_eq!(replay.status, StatusCode::OK);
+    assert_eq!(replay.body, "hello");
+    assert!(replay.replayed(), "stored and replayed: {replay:?}");
+    assert_eq!(counter.get(), 1, "the handler ran once");
+}
+
 /// A counted `/pay` behind `store` with a 300 ms lease: a request, and the same request
 /// `after_ms` later. The handler's runs and both replies.
 async fn pay_and_duplicate(store: Faulty, after_ms: u64) -> (usize, Reply, Reply) {

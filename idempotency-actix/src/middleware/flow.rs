@@ -808,7 +808,7 @@ where
         let stored_head = StoredHead::of(head.head());
         // A body that declares its length must yield exactly that: actix cuts a longer one
         // short for the client and fails a shorter one, so either would be stored as a
-        // response nobody was sent.
+        // response nobody was sent. Once its declared bytes are read it has ended (below).
         let declared = match body.size() {
             BodySize::Sized(n) => Some(n),
             BodySize::Stream => stated_length(head.head(), request.version()),
@@ -920,6 +920,15 @@ where
                     }
                     if client.is_none() && copy.is_none() {
                         return Outcome::NotStored; // nobody listens, nothing left to store
+                    }
+                    // Every declared byte read: that is the whole body. actix writes it and
+                    // the client has its response whether or not the stream ever ends (a
+                    // channel whose sender a background task keeps), so the record is stored
+                    // and the client's last bytes sent now, not when the stream ends, which a
+                    // review (2026-12-07) found could be never: the client hung and nothing
+                    // was stored. What the stream might yield after them nobody is sent.
+                    if declared == Some(total) {
+                        break;
                     }
                 }
                 Some(Err(error)) => {
