@@ -567,7 +567,7 @@ impl<S> IdempotencyBuilder<S> {
         self
     }
 
-    /// More response headers never to store or replay, on top of `Set-Cookie` and the
+    /// More response headers never to store or replay, on top of `Set-Cookie`, `Date` and the
     /// hop-by-hop and framing headers that are always dropped.
     pub fn deny_headers<N: IntoHeaderName>(mut self, names: impl IntoIterator<Item = N>) -> Self {
         for name in names {

@@ -42,6 +42,7 @@ async fn echo(counter: web::Data<Counter>, body: Bytes) -> HttpResponse {
     HttpResponse::Created()
         .insert_header(("x-execution", n.to_string()))
         .insert_header(("set-cookie", "session=secret"))
+        .insert_header(("date", "Mon, 07 Dec 2026 00:00:00 GMT"))
         .insert_header(("x-secret", "do-not-store"))
         .content_type("application/octet-stream")
         .body(body)
@@ -565,6 +566,11 @@ async fn first_request_runs_and_retry_replays_byte_for_byte() {
         retry.header("set-cookie"),
         None,
         "C11: Set-Cookie is never replayed"
+    );
+    assert_eq!(
+        retry.header("date"),
+        None,
+        "C11: a Date the handler set is not replayed (the server dates each response itself)"
     );
 }
 

@@ -14,12 +14,14 @@ use crate::store::StoredResponse;
 /// The response header added to replays.
 pub const REPLAYED_HEADER: HeaderName = HeaderName::from_static("idempotent-replayed");
 
-/// Headers that are never stored or replayed (C11): cookies belong to one response, the rest
-/// describe one connection or one message framing. A `static`, not a `const`: a `const` array
-/// is built and dropped again at every use, here once per header of every stored or replayed
-/// response.
-static NEVER_STORED: [HeaderName; 11] = [
+/// Headers that are never stored or replayed (C11): cookies belong to one response, `Date` is
+/// when one message was made (actix dates a replay afresh; a stored one would be up to a TTL
+/// old, which breaks clients that check clock skew or sign requests), the rest describe one
+/// connection or one message framing. A `static`, not a `const`: a `const` array is built and
+/// dropped again at every use, here once per header of every stored or replayed response.
+static NEVER_STORED: [HeaderName; 12] = [
     header::SET_COOKIE,
+    header::DATE,
     header::CONNECTION,
     HeaderName::from_static("keep-alive"),
     HeaderName::from_static("proxy-connection"),
