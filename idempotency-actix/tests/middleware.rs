@@ -2266,51 +2266,141 @@ async fn a_declared_empty_stream_that_stays_open_is_answered_at_once() {
     );
 }
 
-/// A stream that yields all the bytes it declares and then stays open (a channel whose sender a
-/// background task keeps): counted, "hello" under a declared length of 5, then nothing more.
-async fn declared_stream_that_stays_open(counter: web::Data<Counter>) -> HttpResponse {
+/// A stream that declares 5 bytes and yields "hello", then does `after` (counted).
+fn declared_then(
+    counter: &Counter,
+    after: impl futures_util::Stream<Item = Result<Bytes, actix_web::Error>> + 'static,
+) -> HttpResponse {
     counter.bump();
     let body =
         futures_util::stream::once(async { Ok::<_, actix_web::Error>(Bytes::from("hello")) })
-            .chain(futures_util::stream::pending());
+            .chain(after);
     HttpResponse::Ok().no_chunking(5).streaming(body)
 }
 
-/// Its declared bytes are the whole body: actix writes them and the client has its response
-/// without waiting for the stream to end, so the middleware stores them and ends the client's
-/// body there too (a review, 2026-12-07, found the last chunk held back until the stream
-/// ended, which it never did: the client hung, nothing was stored, and a retry after the lease
-/// ran the handler again).
-#[actix_web::test]
-async fn a_declared_stream_that_stays_open_after_its_bytes_is_answered_and_stored() {
-    let counter = Counter::default();
+/// "hello", then 50 ms of work, then `last` (nothing: the end; or an error).
+fn after_work(
+    last: Option<&'static str>,
+) -> impl futures_util::Stream<Item = Result<Bytes, actix_web::Error>> {
+    futures_util::stream::once(async move {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        last.map(|why| Err(actix_web::error::ErrorInternalServerError(why)))
+    })
+    .filter_map(std::future::ready)
+}
+
+/// An app of three routes whose streams declare 5 bytes and yield "hello": `/open` then stays
+/// open (a channel whose sender a background task keeps), `/commit` works 50 ms and ends,
+/// `/fail` works 50 ms and fails.
+async fn declared_streams(
+    counter: &Counter,
+) -> impl Service<
+    actix_http::Request,
+    Response = ServiceResponse<impl MessageBody>,
+    Error = actix_web::Error,
+> {
     let middleware = Idempotency::builder(MemoryStore::new())
         .lock_timeout(Duration::from_millis(300))
         .renew_lease_up_to(Duration::from_secs(5))
         .build();
-    let route = web::post().to(declared_stream_that_stays_open);
-    let app = one_route(counter.clone(), middleware, "/open", route).await;
-    let first = app.call(post_x("/open", "open-2").to_request()).await;
-    let first = first.unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(first.status(), StatusCode::OK);
-    // As an HTTP client reads it: the declared length's worth of bytes.
-    let mut body = Box::pin(first.into_body());
+    init_service(
+        App::new()
+            .app_data(web::Data::new(counter.clone()))
+            .wrap(middleware)
+            .route(
+                "/open",
+                web::post().to(|c: web::Data<Counter>| async move {
+                    declared_then(&c, futures_util::stream::pending())
+                }),
+            )
+            .route(
+                "/commit",
+                web::post()
+                    .to(|c: web::Data<Counter>| async move { declared_then(&c, after_work(None)) }),
+            )
+            .route(
+                "/fail",
+                web::post().to(|c: web::Data<Counter>| async move {
+                    declared_then(&c, after_work(Some("the commit failed")))
+                }),
+            ),
+    )
+    .await
+}
+
+/// The body of `response` as an HTTP client reads it: its declared 5 bytes, within 3 s; `Err`
+/// when the body failed first.
+async fn five_bytes(response: ServiceResponse<impl MessageBody>) -> Result<Vec<u8>, String> {
+    let mut body = Box::pin(response.into_body());
     let mut read = Vec::new();
     let reading = async {
         while read.len() < 5 {
             match std::future::poll_fn(|cx| body.as_mut().poll_next(cx)).await {
                 Some(Ok(chunk)) => read.extend_from_slice(&chunk),
-                _ => break,
+                Some(Err(_)) => return Err("the body failed".to_owned()),
+                None => return Err("the body ended short".to_owned()),
             }
         }
+        Ok(())
     };
-    let in_time = tokio::time::timeout(Duration::from_secs(2), reading).await;
-    assert!(in_time.is_ok(), "the declared 5 bytes within 2 s: {read:?}");
-    assert_eq!(read, b"hello");
-    let replay = send(&app, post_x("/open", "open-2")).await;
-    assert_eq!(replay.status, StatusCode::OK);
+    match tokio::time::timeout(Duration::from_secs(3), reading).await {
+        Ok(Ok(())) => Ok(read),
+        Ok(Err(why)) => Err(why),
+        Err(_) => Err(format!("no 5 bytes within 3 s: {read:?}")),
+    }
+}
+
+/// A stream that yields its declared bytes and then stays open: its client gets them within
+/// the hold on a declared body's last bytes (1 s), as it would without the middleware; nothing
+/// is stored while the stream is open, so a retry meanwhile is told the request is in flight.
+/// (A review, 2026-12-07, found the last bytes held for the stream's end, which never came:
+/// the client hung. A first fix stored the declared bytes as soon as they were read and
+/// dropped the stream, which skipped whatever the stream did after them: `/fail` below.)
+#[actix_web::test]
+async fn a_declared_stream_that_stays_open_after_its_bytes_reaches_its_client() {
+    let counter = Counter::default();
+    let app = declared_streams(&counter).await;
+    let first = app.call(post_x("/open", "open-2").to_request()).await;
+    let first = first.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(first.status(), StatusCode::OK);
+    assert_eq!(five_bytes(first).await.as_deref(), Ok(&b"hello"[..]));
+    let retry = send(&app, post_x("/open", "open-2")).await;
+    assert_eq!(retry.status, StatusCode::CONFLICT, "{retry:?}");
+    assert_eq!(counter.get(), 1, "the handler ran once");
+}
+
+/// A stream that works after its last declared bytes and then ends is stored once it ends, and
+/// replayed.
+#[actix_web::test]
+async fn a_declared_stream_that_works_after_its_bytes_is_stored_at_its_end() {
+    let counter = Counter::default();
+    let app = declared_streams(&counter).await;
+    let first = app.call(post_x("/commit", "commit-1").to_request()).await;
+    let first = first.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(five_bytes(first).await.as_deref(), Ok(&b"hello"[..]));
+    let replay = send(&app, post_x("/commit", "commit-1")).await;
     assert_eq!(replay.body, "hello");
     assert!(replay.replayed(), "stored and replayed: {replay:?}");
+    assert_eq!(counter.get(), 1, "the handler ran once");
+}
+
+/// A stream that fails after its last declared bytes (the work they announce did not happen)
+/// is not stored: its client's body fails, and the key is left to its lease (C24), so a retry
+/// meanwhile is told the request is in flight, never replayed a success.
+#[actix_web::test]
+async fn a_declared_stream_that_fails_after_its_bytes_is_not_stored() {
+    let counter = Counter::default();
+    let app = declared_streams(&counter).await;
+    let first = app.call(post_x("/fail", "fail-1").to_request()).await;
+    let first = first.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        five_bytes(first).await,
+        Err("the body failed".to_owned()),
+        "the client's connection is aborted before its last bytes"
+    );
+    let retry = send(&app, post_x("/fail", "fail-1")).await;
+    assert!(!retry.replayed(), "a failed stream was replayed: {retry:?}");
+    assert_eq!(retry.status, StatusCode::CONFLICT, "{retry:?}");
     assert_eq!(counter.get(), 1, "the handler ran once");
 }
 

@@ -59,6 +59,25 @@ enum Waited<T> {
     ClientGone,
     /// The key's last lease ended, and nobody but the record was waiting for the body.
     KeyGone,
+    /// A declared body's last bytes were held for its end long enough.
+    LetLastBytesGo,
+}
+
+/// How long a declared body's last bytes wait for its end before the client gets them anyway.
+/// They are held so that a client with the whole response finds it stored (`forward`), which
+/// takes the stream's end: a stream may do work after its last chunk (commit what the bytes
+/// announce), and its end, error or extra bytes decide whether the response is stored. Past
+/// this, a stream that keeps its end waiting (a channel whose sender a background task keeps)
+/// is still read for the record, but its client, which without the middleware would have had
+/// the whole response, no longer waits: a review (2026-12-07) found it waiting for ever.
+const LAST_BYTES_HELD_AT_MOST: Duration = Duration::from_secs(1);
+
+/// Ready at `at`, never without one.
+async fn until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at.into()).await,
+        None => std::future::pending().await,
+    }
 }
 
 /// Where the task sends the answer, dropped unread when the client is gone; and how a waiting
@@ -808,7 +827,7 @@ where
         let stored_head = StoredHead::of(head.head());
         // A body that declares its length must yield exactly that: actix cuts a longer one
         // short for the client and fails a shorter one, so either would be stored as a
-        // response nobody was sent. Once its declared bytes are read it has ended (below).
+        // response nobody was sent. Its last bytes wait for its end (`LAST_BYTES_HELD_AT_MOST`).
         let declared = match body.size() {
             BodySize::Sized(n) => Some(n),
             BodySize::Stream => stated_length(head.head(), request.version()),
@@ -822,18 +841,18 @@ where
             .then(|| forward::Client::new(sender));
         let mut copy: Option<BodyCopy> = Some(BodyCopy::default());
         let mut read = 0usize;
-        let mut body = pin!(body);
+        // On the heap, so that the rest of a body too large to store can move to a task of its
+        // own (`forward_rest`).
+        let mut body = Box::pin(body);
         let hold_until = renewal.hold_until();
+        // When the client gets a declared body's last bytes without waiting for its end
+        // (`LAST_BYTES_HELD_AT_MOST`); set once every declared byte is read.
+        let mut let_go_at: Option<Instant> = None;
         loop {
             let next = loop {
                 // A body that panics is caught here: the client's connection must be aborted (a
                 // chunked body that just ended would look complete) and the outcome counted.
-                let reading = renewal.during(std::future::poll_fn(|cx| {
-                    match catch_unwind(AssertUnwindSafe(|| body.as_mut().poll_next(cx))) {
-                        Ok(poll) => poll.map(Some),
-                        Err(_) => Poll::Ready(None),
-                    }
-                }));
+                let reading = renewal.during(next_chunk(body.as_mut()));
                 let waited = match &mut client {
                     // Meanwhile the client's backlog moves as it makes room, and a client that
                     // leaves while the stream is quiet is noticed now, not when the next chunk
@@ -845,6 +864,7 @@ where
                             Ok(()) => Waited::ClientMoved,
                             Err(_) => Waited::ClientGone,
                         },
+                        () = until(let_go_at) => Waited::LetLastBytesGo,
                     },
                     // Read for nobody but the record, a body is read no longer than its key is
                     // held: an endless stream whose client left is not pulled for days.
@@ -856,6 +876,12 @@ where
                 match waited {
                     Waited::Next(next) => break next,
                     Waited::ClientMoved => {}
+                    Waited::LetLastBytesGo => {
+                        let_go_at = None;
+                        if let Some(client) = &client {
+                            client.let_last_bytes_go();
+                        }
+                    }
                     // Nobody listens, and nothing is kept for the record (over the limit).
                     Waited::ClientGone if copy.is_none() => return Outcome::NotStored,
                     Waited::ClientGone => client = None,
@@ -876,6 +902,9 @@ where
             };
             if let Some(Ok(chunk)) = &next {
                 total = total.saturating_add(chunk.len() as u64);
+                if declared == Some(total) && !chunk.is_empty() {
+                    let_go_at = Some(Instant::now() + LAST_BYTES_HELD_AT_MOST);
+                }
             }
             let over = declared.is_some_and(|n| total > n);
             if over || (next.is_none() && declared.is_some_and(|n| total < n)) {
@@ -906,6 +935,14 @@ where
                         renewal.stop();
                         tracing::warn!(target: "idempotency_actix", outcome = "not_stored", max_response_bytes = max, "streamed response too large to store; releasing the key");
                         self.release_quietly(scope, &token).await;
+                        // The rest goes to the client at its pace, on a task a graceful stop
+                        // does not wait for: nothing of it is kept, and the key is free. Here,
+                        // a client that stopped reading held the stop for its whole limit
+                        // (review, 2026-12-07; `shutdown` says what is counted).
+                        if let Some(client) = client.take() {
+                            actix_rt::spawn(forward_rest(body, client, chunk, declared, total));
+                            return Outcome::NotStored;
+                        }
                     }
                     if let Some(to) = &mut client {
                         // While the response may be stored, the client's pace must not hold
@@ -920,15 +957,6 @@ where
                     }
                     if client.is_none() && copy.is_none() {
                         return Outcome::NotStored; // nobody listens, nothing left to store
-                    }
-                    // Every declared byte read: that is the whole body. actix writes it and
-                    // the client has its response whether or not the stream ever ends (a
-                    // channel whose sender a background task keeps), so the record is stored
-                    // and the client's last bytes sent now, not when the stream ends, which a
-                    // review (2026-12-07) found could be never: the client hung and nothing
-                    // was stored. What the stream might yield after them nobody is sent.
-                    if declared == Some(total) {
-                        break;
                     }
                 }
                 Some(Err(error)) => {
@@ -1472,6 +1500,76 @@ async fn keep_lease<S: IdempotencyStore>(
         Ok(Ok(WriteOutcome::Applied)) => Some(renewed),
         Ok(Ok(WriteOutcome::Stale) | Err(_)) | Err(_) => None,
     }
+}
+
+/// The next item of a handler's streamed body: `None` if polling it panicked (the panic hook
+/// printed it; the client's connection must then be aborted), else what it yielded.
+fn next_chunk<B: MessageBody>(
+    mut body: Pin<&mut B>,
+) -> impl Future<Output = Option<Option<Result<Bytes, B::Error>>>> + '_ {
+    std::future::poll_fn(move |cx| {
+        match catch_unwind(AssertUnwindSafe(|| body.as_mut().poll_next(cx))) {
+            Ok(poll) => poll.map(Some),
+            Err(_) => Poll::Ready(None),
+        }
+    })
+}
+
+/// The rest of a streamed body too large to store, from `chunk` on, forwarded to `client` at
+/// its pace (the key was released: nothing is kept). `total`: the body's bytes so far, `chunk`
+/// included. Ends the client's body as `Flow::stream` does: at the stream's end, failed on an
+/// error, a panic or a length that differs from the one declared.
+async fn forward_rest<B: MessageBody>(
+    mut body: Pin<Box<B>>,
+    mut client: forward::Client,
+    chunk: Bytes,
+    declared: Option<u64>,
+    mut total: u64,
+) {
+    // Nothing is stored: a declared body's last bytes need not wait for its end.
+    client.let_last_bytes_go();
+    if client.send(chunk).await.is_err() {
+        return;
+    }
+    loop {
+        let next = tokio::select! {
+            biased;
+            next = next_chunk(body.as_mut()) => next,
+            progress = client.progress() => match progress {
+                Ok(()) => continue,
+                Err(_) => return, // the client is gone, and nothing is kept
+            },
+        };
+        let chunk = match next {
+            Some(None) => break,
+            Some(Some(Ok(chunk))) => chunk,
+            Some(Some(Err(error))) => {
+                let error: Box<dyn StdError> = error.into();
+                let error = error.to_string();
+                tracing::error!(target: "idempotency_actix", outcome = "body_error", error = %LogText(&error), "response body (too large to store, key released) failed after its head was sent; connection aborted");
+                client.fail();
+                return;
+            }
+            None => {
+                tracing::error!(target: "idempotency_actix", outcome = "body_error", "response body (too large to store, key released) panicked after its head was sent; connection aborted");
+                client.fail();
+                return;
+            }
+        };
+        total = total.saturating_add(chunk.len() as u64);
+        if declared.is_some_and(|n| total > n) {
+            break;
+        }
+        if !chunk.is_empty() && client.send(chunk).await.is_err() {
+            return;
+        }
+    }
+    if declared.is_some_and(|n| total != n) {
+        tracing::error!(target: "idempotency_actix", outcome = "body_error", declared = declared.unwrap_or_default(), read = total, "response body's length differs from its declared Content-Length; connection aborted");
+        client.fail();
+        return;
+    }
+    client.finish().await;
 }
 
 /// The length a handler states for a stream of unknown size in a `Content-Length` header the

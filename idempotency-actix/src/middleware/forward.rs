@@ -47,9 +47,11 @@ impl std::error::Error for BodyFailed {}
 /// One item the task sends: a chunk, or the news that the handler's body failed.
 pub(super) type Item = Result<Bytes, BodyFailed>;
 
-/// What the channel carries: an item, or the task's word that the body is complete.
+/// What the channel carries: an item, the task's word that the body's last bytes may go
+/// before its end, or its word that the body is complete.
 enum Message {
     Item(Item),
+    LetLastBytesGo,
     End,
 }
 
@@ -98,6 +100,12 @@ impl Sender {
     /// Fail the client's body (the connection is aborted once it gets there).
     pub(super) fn fail(self) {
         let _ = self.chunks.send((Message::Item(Err(BodyFailed)), None));
+    }
+
+    /// A declared body's last bytes go to the client as they come, no longer held for its end
+    /// ([`Forwarded`]): the record will not be stored, or the stream keeps its end waiting.
+    fn let_last_bytes_go(&self) {
+        let _ = self.chunks.send((Message::LetLastBytesGo, None));
     }
 
     /// The body is complete (the record is stored, or will not be): the client gets its end.
@@ -169,6 +177,12 @@ impl Client {
         !self.backlog.is_empty()
     }
 
+    /// See [`Sender::let_last_bytes_go`]: after the backlog, whenever it moves (the order
+    /// does not matter: the body lets go of its last bytes whenever they come).
+    pub(super) fn let_last_bytes_go(&self) {
+        self.sender.let_last_bytes_go();
+    }
+
     /// The body failed: abort the client's connection (its backlog is moot).
     pub(super) fn fail(self) {
         self.sender.fail();
@@ -198,7 +212,10 @@ impl Client {
 /// [`Sender::finish`]. A body whose length is declared (its size, or a `Content-Length` its
 /// handler states for a stream, `flow::stated_length`) ends for the client at its last byte,
 /// so the chunk that completes it is held until then: either way a client that has the whole
-/// response can retry at once and get the replay, not a 409.
+/// response can retry at once and get the replay, not a 409. Held no longer than the task
+/// says ([`Client::let_last_bytes_go`]): for a response that will not be stored, and for a
+/// stream that has yielded every declared byte but keeps its end waiting (`flow`), which
+/// without the middleware the client would have had whole already.
 pub(super) struct Forwarded {
     chunks: mpsc::UnboundedReceiver<Queued>,
     /// The handler body's own size, so a sized stream keeps its `Content-Length`.
@@ -209,6 +226,8 @@ pub(super) struct Forwarded {
     left: u64,
     /// The chunk that completes a declared body, until the task is done.
     last: Option<Bytes>,
+    /// The task let the last bytes go ([`Message::LetLastBytesGo`]): no longer held.
+    let_go: bool,
     /// Ended: finished by the task, or failed.
     ended: bool,
 }
@@ -228,6 +247,7 @@ pub(super) fn channel(size: BodySize, declared: Option<u64>) -> (Sender, Forward
         declared: declared.is_some(),
         left: declared.unwrap_or(0),
         last: None,
+        let_go: false,
         ended: false,
     };
     (sender, body)
@@ -263,6 +283,13 @@ impl MessageBody for Forwarded {
                     this.ended = true;
                     return Poll::Ready(this.last.take().map(Ok));
                 }
+                Message::LetLastBytesGo => {
+                    this.let_go = true;
+                    match this.last.take() {
+                        Some(held) => return Poll::Ready(Some(Ok(held))),
+                        None => continue,
+                    }
+                }
                 Message::Item(Ok(chunk)) if this.declared => chunk,
                 Message::Item(Ok(chunk)) => return Poll::Ready(Some(Ok(chunk))),
                 Message::Item(Err(failed)) => {
@@ -277,7 +304,7 @@ impl MessageBody for Forwarded {
             }
             let len = u64::try_from(chunk.len()).unwrap_or(u64::MAX);
             this.left = this.left.saturating_sub(len);
-            if this.left > 0 {
+            if this.left > 0 || this.let_go {
                 return Poll::Ready(Some(Ok(chunk)));
             }
             // The body's last bytes: held until the task is done (see above). A handler that

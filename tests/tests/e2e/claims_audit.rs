@@ -392,7 +392,7 @@ fn deny_internal<S>(b: Builder<S>) -> Builder<S> {
 
 /// C6 (docs/contract.md:55): "the stored response byte for byte (status, headers, body, binary
 /// bodies intact) plus `Idempotent-Replayed: true`"; C11 (docs/contract.md:75) and
-/// docs/security.md:88: `Set-Cookie`, `Connection`, `Keep-Alive`, `Proxy-Connection`,
+/// docs/security.md:88: `Set-Cookie`, `Date`, `Connection`, `Keep-Alive`, `Proxy-Connection`,
 /// `Transfer-Encoding`, `TE`, `Trailer`, `Upgrade`, `Proxy-Authenticate` and denied headers are
 /// never replayed; `Content-Length` recomputed.
 fn check_replay_is_byte_for_byte(srv: &Srv) {
