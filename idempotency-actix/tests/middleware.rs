@@ -2404,6 +2404,71 @@ async fn a_declared_stream_that_fails_after_its_bytes_is_not_stored() {
     assert_eq!(counter.get(), 1, "the handler ran once");
 }
 
+/// A stream that fails after its last declared bytes, later than they are held (1 s): its
+/// client already has them, as it would without the middleware (a failure after a body's
+/// declared length cannot be signalled on HTTP/1, nor to hyper's HTTP/2 clients), but nothing
+/// is stored, so a retry is never replayed a success; the key is left to its lease (C24).
+#[actix_web::test]
+async fn a_declared_stream_that_fails_after_the_hold_is_not_stored() {
+    let counter = Counter::default();
+    let middleware = Idempotency::builder(MemoryStore::new())
+        .lock_timeout(Duration::from_millis(300))
+        .renew_lease_up_to(Duration::from_secs(5))
+        .build();
+    let route = web::post().to(|c: web::Data<Counter>| async move {
+        let late = futures_util::stream::once(async {
+            tokio::time::sleep(Duration::from_millis(1300)).await;
+            Err::<Bytes, _>(actix_web::error::ErrorInternalServerError(
+                "the commit failed",
+            ))
+        });
+        declared_then(&c, late)
+    });
+    let app = one_route(counter.clone(), middleware, "/late", route).await;
+    let first = app.call(post_x("/late", "late-1").to_request()).await;
+    let first = first.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(five_bytes(first).await.as_deref(), Ok(&b"hello"[..]));
+    tokio::time::sleep(Duration::from_millis(500)).await; // past the failure
+    let retry = send(&app, post_x("/late", "late-1")).await;
+    assert!(!retry.replayed(), "a failed stream was replayed: {retry:?}");
+    assert_eq!(retry.status, StatusCode::CONFLICT, "{retry:?}");
+    assert_eq!(counter.get(), 1, "the handler ran once");
+}
+
+/// A declared stream too large to store goes to its client whole, its last bytes not held
+/// (nothing is stored), and a failure after them is still counted as a body error, by the task
+/// that forwards the rest.
+#[actix_web::test]
+async fn a_too_large_declared_stream_that_fails_is_counted_as_a_body_error() {
+    let counter = Counter::default();
+    let seen: Seen<(Outcome, u16)> = Arc::default();
+    let middleware = Idempotency::builder(MemoryStore::new())
+        .max_response_bytes(3)
+        .on_outcome(recording(&seen, outcome_and_status))
+        .build();
+    // A stream of unknown size with a stated length (a sized one over the limit is passed on
+    // without a copy, and never reaches the streaming path).
+    let route = web::post().to(|c: web::Data<Counter>| async move {
+        c.bump();
+        let body = futures_util::stream::once(async { Ok(Bytes::from("hello")) })
+            .chain(after_work(Some("the commit failed")));
+        HttpResponse::Ok()
+            .no_chunking(5)
+            .body(actix_web::body::BodyStream::new(body))
+    });
+    let app = one_route(counter.clone(), middleware, "/big", route).await;
+    let first = app.call(post_x("/big", "big-1").to_request()).await;
+    let first = first.unwrap_or_else(|e| panic!("{e}"));
+    // Read to its end (a client that stays): the failure after the bytes fails the body.
+    let read = tokio::time::timeout(Duration::from_secs(3), to_bytes(first.into_body())).await;
+    assert!(matches!(read, Ok(Err(_))), "the body did not fail");
+    let deadline = std::time::Instant::now() + Duration::from_secs(3);
+    while seen_so_far(&seen).is_empty() && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(seen_so_far(&seen), [(Outcome::BodyError, 200)]);
+}
+
 /// A counted `/pay` behind `store` with a 300 ms lease: a request, and the same request
 /// `after_ms` later. The handler's runs and both replies.
 async fn pay_and_duplicate(store: Faulty, after_ms: u64) -> (usize, Reply, Reply) {

@@ -783,10 +783,12 @@ where
                 }
                 Err(body) => {
                     // Boxed: a streamed body is rare; its state need not size every request's.
-                    let stream = self.stream(scope, token, request, head, body, answer, renewal);
+                    let stream =
+                        self.stream(scope, token, request, head, body, answer, renewal, report);
                     let stream = Box::pin(stream);
-                    let outcome = stream.await;
-                    report.outcome(outcome, status, Some(scope));
+                    if let Some(outcome) = stream.await {
+                        report.outcome(outcome, status, Some(scope));
+                    }
                     return;
                 }
             };
@@ -822,7 +824,8 @@ where
         body: B,
         answer: Answer<B>,
         mut renewal: Renewal<'_, S>,
-    ) -> Outcome {
+        report: &Report,
+    ) -> Option<Outcome> {
         let max = self.config.max_response_bytes;
         let stored_head = StoredHead::of(head.head());
         // A body that declares its length must yield exactly that: actix cuts a longer one
@@ -883,12 +886,12 @@ where
                         }
                     }
                     // Nobody listens, and nothing is kept for the record (over the limit).
-                    Waited::ClientGone if copy.is_none() => return Outcome::NotStored,
+                    Waited::ClientGone if copy.is_none() => return Some(Outcome::NotStored),
                     Waited::ClientGone => client = None,
                     Waited::KeyGone => {
                         renewal.stop();
                         tracing::warn!(target: "idempotency_actix", outcome = "not_stored", "the client is gone and the streamed response did not end before its key's last lease (renew_lease_up_to): stopped reading it; reservation left to its lease");
-                        return Outcome::NotStored;
+                        return Some(Outcome::NotStored);
                     }
                 }
             };
@@ -898,7 +901,7 @@ where
                 if let Some(client) = client {
                     client.fail();
                 }
-                return Outcome::BodyError;
+                return Some(Outcome::BodyError);
             };
             if let Some(Ok(chunk)) = &next {
                 total = total.saturating_add(chunk.len() as u64);
@@ -913,7 +916,7 @@ where
                 if let Some(client) = client {
                     client.fail();
                 }
-                return Outcome::BodyError;
+                return Some(Outcome::BodyError);
             }
             match next {
                 None => break,
@@ -940,8 +943,14 @@ where
                         // a client that stopped reading held the stop for its whole limit
                         // (review, 2026-12-07; `shutdown` says what is counted).
                         if let Some(client) = client.take() {
-                            actix_rt::spawn(forward_rest(body, client, chunk, declared, total));
-                            return Outcome::NotStored;
+                            let (report, scope) = (report.clone(), scope.clone());
+                            let status = stored_head.status;
+                            actix_rt::spawn(async move {
+                                let outcome =
+                                    forward_rest(body, client, chunk, declared, total).await;
+                                report.outcome(outcome, status, Some(&scope));
+                            });
+                            return None; // reported by that task
                         }
                     }
                     if let Some(to) = &mut client {
@@ -956,7 +965,7 @@ where
                         }
                     }
                     if client.is_none() && copy.is_none() {
-                        return Outcome::NotStored; // nobody listens, nothing left to store
+                        return Some(Outcome::NotStored); // nobody listens, nothing left to store
                     }
                 }
                 Some(Err(error)) => {
@@ -971,7 +980,7 @@ where
                     if let Some(client) = client {
                         client.fail();
                     }
-                    return Outcome::BodyError;
+                    return Some(Outcome::BodyError);
                 }
             }
         }
@@ -1008,7 +1017,7 @@ where
                 client.finish().await;
             }
         }
-        outcome
+        Some(outcome)
     }
 
     /// Store a complete response, or release the key when it is too large or `store_if` says no.
@@ -1518,18 +1527,19 @@ fn next_chunk<B: MessageBody>(
 /// The rest of a streamed body too large to store, from `chunk` on, forwarded to `client` at
 /// its pace (the key was released: nothing is kept). `total`: the body's bytes so far, `chunk`
 /// included. Ends the client's body as `Flow::stream` does: at the stream's end, failed on an
-/// error, a panic or a length that differs from the one declared.
+/// error, a panic or a length that differs from the one declared. Its outcome: `NotStored`,
+/// or `BodyError` when the body failed.
 async fn forward_rest<B: MessageBody>(
     mut body: Pin<Box<B>>,
     mut client: forward::Client,
     chunk: Bytes,
     declared: Option<u64>,
     mut total: u64,
-) {
+) -> Outcome {
     // Nothing is stored: a declared body's last bytes need not wait for its end.
     client.let_last_bytes_go();
     if client.send(chunk).await.is_err() {
-        return;
+        return Outcome::NotStored;
     }
     loop {
         let next = tokio::select! {
@@ -1537,7 +1547,7 @@ async fn forward_rest<B: MessageBody>(
             next = next_chunk(body.as_mut()) => next,
             progress = client.progress() => match progress {
                 Ok(()) => continue,
-                Err(_) => return, // the client is gone, and nothing is kept
+                Err(_) => return Outcome::NotStored, // the client is gone, nothing kept
             },
         };
         let chunk = match next {
@@ -1548,12 +1558,12 @@ async fn forward_rest<B: MessageBody>(
                 let error = error.to_string();
                 tracing::error!(target: "idempotency_actix", outcome = "body_error", error = %LogText(&error), "response body (too large to store, key released) failed after its head was sent; connection aborted");
                 client.fail();
-                return;
+                return Outcome::BodyError;
             }
             None => {
                 tracing::error!(target: "idempotency_actix", outcome = "body_error", "response body (too large to store, key released) panicked after its head was sent; connection aborted");
                 client.fail();
-                return;
+                return Outcome::BodyError;
             }
         };
         total = total.saturating_add(chunk.len() as u64);
@@ -1561,15 +1571,16 @@ async fn forward_rest<B: MessageBody>(
             break;
         }
         if !chunk.is_empty() && client.send(chunk).await.is_err() {
-            return;
+            return Outcome::NotStored;
         }
     }
     if declared.is_some_and(|n| total != n) {
         tracing::error!(target: "idempotency_actix", outcome = "body_error", declared = declared.unwrap_or_default(), read = total, "response body's length differs from its declared Content-Length; connection aborted");
         client.fail();
-        return;
+        return Outcome::BodyError;
     }
     client.finish().await;
+    Outcome::NotStored
 }
 
 /// The length a handler states for a stream of unknown size in a `Content-Length` header the
