@@ -61,9 +61,11 @@
 //! give-backs of a reservation a failed reserve may have made, which no client was told
 //! about (each leaves the key to its lease, answering 409 meanwhile, and never runs anything
 //! twice); and a streamed response's last bytes waiting for a slow client once the response is
-//! stored or given up (too large to store: the rest of its body; the idempotent work is done: actix's graceful stop waits for that
-//! connection, and a client cut there gets a failed body, never one that looks whole; until a
-//! review of 2026-12-06 such a client held the wait for its whole limit).
+//! stored or given up (too large to store: the rest of its body). The idempotent work is done:
+//! actix's graceful stop waits for that connection, and a client cut there gets a failed body,
+//! never one that looks whole unless it already had every byte its `Content-Length` declares.
+//! (Until reviews of 2026-12-06, for a stored response, and 2026-12-07, for one too large to
+//! store, such a client held the wait for its whole limit.)
 //!
 //! What stays open: after the wait, a request that arrives on a connection that was already
 //! open (keep-alive) and whose client then hangs up mid-handler can still be cut when actix

@@ -2404,7 +2404,7 @@ async fn a_declared_stream_that_fails_after_its_bytes_is_not_stored() {
     assert_eq!(counter.get(), 1, "the handler ran once");
 }
 
-/// A stream that fails after its last declared bytes, later than they are held (1 s): its
+/// A stream that fails after its last declared bytes, later (2 s) than they are held (1 s): its
 /// client already has them, as it would without the middleware (a failure after a body's
 /// declared length cannot be signalled on HTTP/1, nor to hyper's HTTP/2 clients), but nothing
 /// is stored, so a retry is never replayed a success; the key is left to its lease (C24).
@@ -2417,7 +2417,7 @@ async fn a_declared_stream_that_fails_after_the_hold_is_not_stored() {
         .build();
     let route = web::post().to(|c: web::Data<Counter>| async move {
         let late = futures_util::stream::once(async {
-            tokio::time::sleep(Duration::from_millis(1300)).await;
+            tokio::time::sleep(Duration::from_millis(2000)).await;
             Err::<Bytes, _>(actix_web::error::ErrorInternalServerError(
                 "the commit failed",
             ))
@@ -2428,7 +2428,7 @@ async fn a_declared_stream_that_fails_after_the_hold_is_not_stored() {
     let first = app.call(post_x("/late", "late-1").to_request()).await;
     let first = first.unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(five_bytes(first).await.as_deref(), Ok(&b"hello"[..]));
-    tokio::time::sleep(Duration::from_millis(500)).await; // past the failure
+    tokio::time::sleep(Duration::from_millis(1500)).await; // past the failure
     let retry = send(&app, post_x("/late", "late-1")).await;
     assert!(!retry.replayed(), "a failed stream was replayed: {retry:?}");
     assert_eq!(retry.status, StatusCode::CONFLICT, "{retry:?}");

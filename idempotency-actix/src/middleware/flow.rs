@@ -943,13 +943,18 @@ where
                         // a client that stopped reading held the stop for its whole limit
                         // (review, 2026-12-07; `shutdown` says what is counted).
                         if let Some(client) = client.take() {
-                            let (report, scope) = (report.clone(), scope.clone());
-                            let status = stored_head.status;
-                            actix_rt::spawn(async move {
+                            let mut unreported = Unreported(Some((
+                                report.clone(),
+                                stored_head.status,
+                                scope.clone(),
+                            )));
+                            let rest = async move {
                                 let outcome =
                                     forward_rest(body, client, chunk, declared, total).await;
-                                report.outcome(outcome, status, Some(&scope));
-                            });
+                                unreported.report(outcome);
+                            };
+                            // In the request's span, as its log lines are.
+                            actix_rt::spawn(rest.in_current_span());
                             return None; // reported by that task
                         }
                     }
@@ -1508,6 +1513,25 @@ async fn keep_lease<S: IdempotencyStore>(
     match tokio::time::timeout_at(abandon.into(), store.renew_lease(scope, token, lease)).await {
         Ok(Ok(WriteOutcome::Applied)) => Some(renewed),
         Ok(Ok(WriteOutcome::Stale) | Err(_)) | Err(_) => None,
+    }
+}
+
+/// The outcome a task owes its request, reported once: by the task, or as a body error when a
+/// worker's stop drops the task first (its client's body fails then), so that no request goes
+/// uncounted.
+struct Unreported(Option<(Report, StatusCode, Scope)>);
+
+impl Unreported {
+    fn report(&mut self, outcome: Outcome) {
+        if let Some((report, status, scope)) = self.0.take() {
+            report.outcome(outcome, status, Some(&scope));
+        }
+    }
+}
+
+impl Drop for Unreported {
+    fn drop(&mut self) {
+        self.report(Outcome::BodyError);
     }
 }
 

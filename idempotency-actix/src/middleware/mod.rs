@@ -57,9 +57,14 @@
 //! longer; one lease when the store cannot renew leases): an endless stream whose client left is then dropped, its reservation left to its
 //! lease. Once the stream is over the limit and nobody listens, the task stops and drops it. The end of the body reaches the client only
 //! after the record is stored (with a `Content-Length`, the chunk that completes the body), so
-//! a client that read the whole response and retries at once gets the replay, never a 409. If the stream fails after its head was sent, the connection
-//! is aborted (the error text goes to the log only) and the reservation is left to its lease:
-//! the handler ran, so its effects may exist.
+//! a client that read the whole response and retries at once gets the replay, never a 409.
+//! Two exceptions, both for a body with a `Content-Length`: its last bytes wait for the
+//! stream's end at most 1 s (`flow::LAST_BYTES_HELD_AT_MOST`: a stream that stays open after
+//! them hung its client), and not at all once the response is too large to store. If the
+//! stream fails after its head was sent, the connection is aborted (the error text goes to the
+//! log only) and the reservation is left to its lease: the handler ran, so its effects may
+//! exist. A client that already has every declared byte (the two exceptions) sees a whole
+//! response all the same; it is not stored.
 //!
 //! ## Graceful shutdown
 //! On a graceful stop actix-web waits up to `shutdown_timeout` (30 s by default) for open
