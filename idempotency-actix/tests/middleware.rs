@@ -2300,8 +2300,9 @@ async fn declared_streams(
     Error = actix_web::Error,
 > {
     let middleware = Idempotency::builder(MemoryStore::new())
-        .lock_timeout(Duration::from_millis(300))
-        .renew_lease_up_to(Duration::from_secs(5))
+        // Leases that outlast each test, so that a retry meets the first request's key.
+        .lock_timeout(Duration::from_secs(10))
+        .renew_lease_up_to(Duration::from_secs(20))
         .build();
     init_service(
         App::new()
@@ -2412,8 +2413,9 @@ async fn a_declared_stream_that_fails_after_its_bytes_is_not_stored() {
 async fn a_declared_stream_that_fails_after_the_hold_is_not_stored() {
     let counter = Counter::default();
     let middleware = Idempotency::builder(MemoryStore::new())
-        .lock_timeout(Duration::from_millis(300))
-        .renew_lease_up_to(Duration::from_secs(5))
+        // A lease that outlasts the test, so that its retry meets the failed request's key.
+        .lock_timeout(Duration::from_secs(10))
+        .renew_lease_up_to(Duration::from_secs(20))
         .build();
     let route = web::post().to(|c: web::Data<Counter>| async move {
         let late = futures_util::stream::once(async {
