@@ -63,8 +63,8 @@
 //! them hung its client), and not at all once the response is too large to store. If the
 //! stream fails after its head was sent, the connection is aborted (the error text goes to the
 //! log only) and the reservation is left to its lease: the handler ran, so its effects may
-//! exist. A client that already has every declared byte (the two exceptions) sees a whole
-//! response all the same; it is not stored.
+//! exist (over the size limit the key was already released). A client that already has every
+//! declared byte (the two exceptions) sees a whole response all the same; it is not stored.
 //!
 //! ## Graceful shutdown
 //! On a graceful stop actix-web waits up to `shutdown_timeout` (30 s by default) for open
